@@ -1,0 +1,28 @@
+# One venv for everything. torch is pinned to the CPU wheel that lies on this kind of machine's disk;
+# an unpinned torch would pull a multi-GB CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: install test lint serve clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check service converters tests benchmarks
+
+test: lint
+	TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/fp8forge serve
+
+clean:
+	rm -rf $(VENV)
