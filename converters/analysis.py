@@ -1,0 +1,335 @@
+"""Layer eligibility analysis: a pure function of (model, options) -> report.
+
+Every ``nn.Linear`` is listed with ``eligible`` or the reasons it is skipped; transformers ``Conv1D``
+layers are listed as not-a-Linear; parameters that hold matmul weights outside any Linear (fused MoE
+experts, router weights) are listed with their parameter counts, so the report shows how much of the
+model stays in high precision. Nothing in the model is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from converters.patterns import matches, validate_pattern
+
+__all__ = ["AnalysisOptions", "Reason", "analyze_model", "analyze_model_reference", "REPORT_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+REPORT_VERSION = 1
+FP8_DIM_MULTIPLE = 16
+
+
+class Reason:
+    """Reason codes a layer carries when it is not eligible (stable strings, documented in README)."""
+
+    DIM_NOT_DIVISIBLE = "dim_not_divisible_by_16"
+    FIRST_LINEAR = "first_linear"
+    LAST_LINEAR = "last_linear"
+    EXCLUDED = "excluded_by_pattern"
+    NOT_INCLUDED = "not_matched_by_include"
+    ROUTER_GATE = "moe_router_gate"
+    TIED_HEAD = "tied_to_input_embedding"
+    NOT_LINEAR = "not_nn_linear"
+    FUSED_EXPERTS = "fused_expert_parameter"
+    ROUTER_WEIGHT = "router_parameter"
+    OTHER_MATMUL = "matmul_weight_outside_linear"
+
+
+# Sibling projections that inference engines and TE fuse into one GEMM: a group must agree.
+FUSED_GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "gate_up": ("gate_proj", "up_proj"),
+    "bert_qkv": ("query", "key", "value"),
+    "w1_w3": ("w1", "w3"),
+}
+_ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+_BACKENDS = ("te", "ao")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnalysisOptions:
+    """What decides eligibility besides the shapes.
+
+    Attributes:
+        backend: ``te`` or ``ao``; recorded, and used where the backends differ.
+        include: if given, only Linears matched by one of these patterns are eligible.
+        exclude: Linears matched by any of these patterns are skipped.
+        skip_first_last: skip the first and last ``nn.Linear`` (Accelerate's torchao rule, the seed's).
+        convert_router_gates: also convert MoE router gates (skipped by default: routing is precision-
+            sensitive and the gate is tiny).
+    """
+
+    backend: str = "te"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    skip_first_last: bool = True
+    convert_router_gates: bool = False
+
+    def __post_init__(self) -> None:
+        from converters.errors import Fp8ForgeError
+
+        backend = str(self.backend).lower()
+        if backend not in _BACKENDS:
+            raise Fp8ForgeError(f"backend must be one of {_BACKENDS}, got {self.backend!r}", field="backend")
+        object.__setattr__(self, "backend", backend)
+        for name in ("include", "exclude"):
+            patterns = tuple(getattr(self, name))
+            for index, pattern in enumerate(patterns):
+                validate_pattern(pattern, field=f"{name}[{index}]")
+            object.__setattr__(self, name, patterns)
+
+
+@dataclass
+class LayerEntry:
+    path: str
+    cls: str
+    in_features: int
+    out_features: int
+    parameters: int
+    dtype: str
+    eligible: bool = False
+    reasons: list[str] = field(default_factory=list)
+    group: str | None = None
+
+
+def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> dict[str, Any]:
+    """Build the eligibility report of ``model`` (weights may live on the meta device).
+
+    Returns a JSON-able dict: ``layers``, ``other_weights``, ``fused_groups``, ``totals``, ``options``.
+    """
+    options = options or AnalysisOptions()
+    linears = [(path, module) for path, module in model.named_modules() if isinstance(module, nn.Linear)]
+    first = linears[0][0] if linears else None
+    last = linears[-1][0] if linears else None
+    tied = _tied_head_paths(model)
+    modules = dict(model.named_modules())
+
+    layers: list[LayerEntry] = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            entry = _linear_entry(path, module)
+            entry.reasons = _linear_reasons(path, modules, options, first=first, last=last, tied=tied)
+            entry.eligible = not entry.reasons
+            layers.append(entry)
+        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+            layers.append(_conv1d_entry(path, module))
+
+    groups = _fused_groups(layers)
+    report = {
+        "version": REPORT_VERSION,
+        "model_class": type(model).__name__,
+        "options": asdict(options),
+        "rule": "both Linear dims divisible by 16"
+        + ("; first and last nn.Linear skipped" if options.skip_first_last else ""),
+        "layers": [_entry_dict(entry) for entry in layers],
+        "other_weights": _other_matmul_weights(model),
+        "fused_groups": groups,
+    }
+    report["totals"] = _totals(model, report)
+    return report
+
+
+def eligible_paths(report: dict[str, Any]) -> list[str]:
+    """Module paths the report calls eligible, in model order (what conversion must swap)."""
+    return [layer["path"] for layer in report["layers"] if layer["eligible"]]
+
+
+__all__.append("eligible_paths")
+
+
+def _linear_entry(path: str, module: nn.Linear) -> LayerEntry:
+    parameters = module.weight.numel() + (module.bias.numel() if module.bias is not None else 0)
+    return LayerEntry(
+        path=path,
+        cls=type(module).__name__,
+        in_features=module.in_features,
+        out_features=module.out_features,
+        parameters=parameters,
+        dtype=str(module.weight.dtype).removeprefix("torch."),
+    )
+
+
+def _conv1d_entry(path: str, module: nn.Module) -> LayerEntry:
+    in_features, out_features = module.weight.shape
+    parameters = sum(p.numel() for p in module.parameters(recurse=False))
+    return LayerEntry(
+        path=path,
+        cls=type(module).__name__,
+        in_features=int(in_features),
+        out_features=int(out_features),
+        parameters=parameters,
+        dtype=str(module.weight.dtype).removeprefix("torch."),
+        reasons=[Reason.NOT_LINEAR],
+    )
+
+
+def _linear_reasons(
+    path: str, modules: dict[str, nn.Module], options: AnalysisOptions, *, first: str, last: str, tied: set[str]
+) -> list[str]:
+    module = modules[path]
+    reasons = []
+    if module.in_features % FP8_DIM_MULTIPLE or module.out_features % FP8_DIM_MULTIPLE:
+        reasons.append(Reason.DIM_NOT_DIVISIBLE)
+    if options.skip_first_last and path == first:
+        reasons.append(Reason.FIRST_LINEAR)
+    if options.skip_first_last and path == last:
+        reasons.append(Reason.LAST_LINEAR)
+    if path in tied:
+        reasons.append(Reason.TIED_HEAD)
+    if not options.convert_router_gates and _is_router_gate(path, modules):
+        reasons.append(Reason.ROUTER_GATE)
+    if options.include and not any(matches(pattern, path) for pattern in options.include):
+        reasons.append(Reason.NOT_INCLUDED)
+    if any(matches(pattern, path) for pattern in options.exclude):
+        reasons.append(Reason.EXCLUDED)
+    return reasons
+
+
+def _is_router_gate(path: str, modules: dict[str, nn.Module]) -> bool:
+    parent_path, _, name = path.rpartition(".")
+    if "router" in name:
+        return True
+    parent = modules.get(parent_path)
+    return name in _ROUTER_NAMES and parent is not None and hasattr(parent, "experts")
+
+
+def _tied_head_paths(model: nn.Module) -> set[str]:
+    """Linears whose weight is the input embedding's (one tensor, stored and used twice)."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return set()
+    if embedding is None or not hasattr(embedding, "weight"):
+        return set()
+    return {
+        path
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module.weight is embedding.weight
+    }
+
+
+def _fused_groups(layers: list[LayerEntry]) -> list[dict[str, Any]]:
+    by_path = {layer.path: layer for layer in layers}
+    groups = []
+    for layer in layers:
+        parent, _, name = layer.path.rpartition(".")
+        for kind, members in FUSED_GROUPS.items():
+            if name != members[0]:
+                continue
+            paths = [f"{parent}.{member}" if parent else member for member in members]
+            if not all(path in by_path for path in paths):
+                continue
+            group_name = f"{parent}.{kind}" if parent else kind
+            for path in paths:
+                by_path[path].group = group_name
+            eligible = [path for path in paths if by_path[path].eligible]
+            groups.append(
+                {
+                    "name": group_name,
+                    "members": paths,
+                    "eligible_members": eligible,
+                    "partly_eligible": 0 < len(eligible) < len(paths),
+                }
+            )
+    return groups
+
+
+def _other_matmul_weights(model: nn.Module) -> list[dict[str, Any]]:
+    """Parameters of 2+ dims outside Linear/Conv1D/embedding/norm modules: fused experts, routers."""
+    skipped_types = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.modules.conv._ConvNd)
+    entries = []
+    for path, module in model.named_modules():
+        if isinstance(module, skipped_types) or type(module).__name__ in ("Conv1D",) or "Norm" in type(module).__name__:
+            continue
+        for name, parameter in module.named_parameters(recurse=False):
+            if parameter.dim() < 2:
+                continue
+            full = f"{path}.{name}" if path else name
+            entries.append(
+                {
+                    "path": full,
+                    "module": path,
+                    "cls": type(module).__name__,
+                    "shape": list(parameter.shape),
+                    "parameters": parameter.numel(),
+                    "dtype": str(parameter.dtype).removeprefix("torch."),
+                    "reason": _other_reason(module, name, parameter),
+                }
+            )
+    return entries
+
+
+def _other_reason(module: nn.Module, name: str, parameter: torch.Tensor) -> str:
+    class_name = type(module).__name__.lower()
+    if parameter.dim() == 3 and ("expert" in class_name or "expert" in name or "proj" in name):
+        return Reason.FUSED_EXPERTS
+    if "router" in class_name or "gate" in class_name:
+        return Reason.ROUTER_WEIGHT
+    return Reason.OTHER_MATMUL
+
+
+def _totals(model: nn.Module, report: dict[str, Any]) -> dict[str, Any]:
+    linear_layers = [layer for layer in report["layers"] if layer["class"] != "Conv1D"]
+    eligible = [layer for layer in linear_layers if layer["eligible"]]
+    linear_params = sum(layer["parameters"] for layer in linear_layers)
+    fp8_weight_params = sum(layer["in_features"] * layer["out_features"] for layer in eligible)
+    outside = sum(entry["parameters"] for entry in report["other_weights"])
+    conv1d = sum(layer["parameters"] for layer in report["layers"] if layer["class"] == "Conv1D")
+    # Tied tensors are one tensor: count each storage once.
+    model_params = sum(p.numel() for p in model.parameters())
+    bytes_before = model_params * 2
+    return {
+        "linear_layers": len(linear_layers),
+        "eligible_layers": len(eligible),
+        "skipped_layers": len(linear_layers) - len(eligible),
+        "conv1d_layers": len(report["layers"]) - len(linear_layers),
+        "linear_parameters": linear_params,
+        "fp8_parameters": fp8_weight_params,
+        "fp8_share_of_linear_parameters": _ratio(fp8_weight_params, linear_params),
+        "matmul_parameters_outside_linear": outside + conv1d,
+        "fp8_share_of_all_matmul_parameters": _ratio(fp8_weight_params, linear_params + outside + conv1d),
+        "model_parameters": model_params,
+        "partly_eligible_groups": sum(1 for group in report["fused_groups"] if group["partly_eligible"]),
+        "weight_bytes_bf16": bytes_before,
+        "weight_bytes_fp8": bytes_before - fp8_weight_params,
+    }
+
+
+def _ratio(part: int, whole: int) -> float:
+    return round(part / whole, 6) if whole else 0.0
+
+
+def _entry_dict(entry: LayerEntry) -> dict[str, Any]:
+    data = asdict(entry)
+    data["class"] = data.pop("cls")
+    return data
+
+
+def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", include=(), exclude=(),
+                            skip_first_last: bool = True, convert_router_gates: bool = False) -> dict[str, Any]:
+    """Resolve ``ref`` (config only), build it on the meta device and analyze it.
+
+    Raises:
+        Fp8ForgeError subclasses: bad reference, missing model or config, bad options.
+    """
+    from converters.loading import build_meta_model, load_config, resolve_model_dir
+
+    options = AnalysisOptions(
+        backend=backend,
+        include=tuple(include),
+        exclude=tuple(exclude),
+        skip_first_last=skip_first_last,
+        convert_router_gates=convert_router_gates,
+    )
+    directory = resolve_model_dir(ref, sources, with_weights=False)
+    config = load_config(directory, sources)
+    model = build_meta_model(config, sources)
+    report = analyze_model(model, options)
+    report["model"] = {"reference": ref, "model_type": getattr(config, "model_type", None)}
+    return report

@@ -1,0 +1,305 @@
+"""Model references -> model directories, configs and models.
+
+A reference is one of:
+- ``org/name`` or ``org/name@revision``: a Hugging Face hub repository, resolved through
+  ``huggingface_hub`` (its cache directory, offline mode honoured, only the files a stage needs);
+- an absolute path (or ``./path``) to a local directory, allowed only below a configured root;
+- ``demo/tiny-llama``: a tiny Llama built locally from a config on first use (see ``converters.demo``).
+
+Analysis instantiates the model from its config alone on the ``meta`` device, so no weight is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from converters.errors import ModelNotFoundError, ModelReferenceError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ModelSourceOptions",
+    "ModelReference",
+    "parse_model_reference",
+    "validate_model_reference",
+    "resolve_model_dir",
+    "load_config",
+    "build_meta_model",
+    "load_model",
+    "load_tokenizer",
+    "model_dtype",
+    "CONFIG_FILES",
+    "WEIGHT_FILES",
+    "TOKENIZER_FILES",
+]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILES = ["config.json"]
+WEIGHT_FILES = ["*.safetensors", "model.safetensors.index.json", "generation_config.json"]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+]
+
+_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_-])?"
+_HUB_ID = re.compile(rf"^{_HUB_PART}/{_HUB_PART}$")
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSourceOptions:
+    """Where models may come from.
+
+    Attributes:
+        allowed_roots: local directories below which local model references are accepted.
+        cache_dir: the Hugging Face hub cache (``None``: huggingface_hub's default).
+        offline: never touch the network; hub references must already be in the cache.
+        trust_remote_code: allow architectures whose code ships with the checkpoint (off by default).
+        demo_dir: where the built-in demo model is built on first use (``None``: demo disabled).
+    """
+
+    allowed_roots: tuple[Path, ...] = ()
+    cache_dir: Path | None = None
+    offline: bool = False
+    trust_remote_code: bool = False
+    demo_dir: Path | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelReference:
+    """A parsed reference. ``kind`` is ``hub``, ``local`` or ``demo``."""
+
+    kind: str
+    text: str
+    repo_id: str | None = None
+    revision: str | None = None
+    path: Path | None = None
+
+
+def parse_model_reference(ref: str, sources: ModelSourceOptions) -> ModelReference:
+    """Parse and check a reference without touching the network or reading files.
+
+    Raises:
+        ModelReferenceError: URL schemes, ``..`` segments, local paths outside the allowed roots,
+            and anything that is neither a hub id nor a local path.
+    """
+    from converters.demo import DEMO_MODEL_REF
+
+    text = ref.strip() if isinstance(ref, str) else ""
+    if not text:
+        raise ModelReferenceError("model reference is empty: give 'org/name[@revision]' or a local path")
+    if _URL_SCHEME.match(text) and not re.match(r"^[A-Za-z]:[\\/]", text):
+        raise ModelReferenceError(
+            f"model reference {text!r} is a URL; give a hub id 'org/name[@revision]' or a local directory"
+        )
+    if ".." in re.split(r"[\\/@]", text):
+        raise ModelReferenceError(f"model reference {text!r} contains '..'; give a path without parent hops")
+    if text == DEMO_MODEL_REF:
+        if sources.demo_dir is None:
+            raise ModelReferenceError(f"the demo model {DEMO_MODEL_REF!r} is not enabled here")
+        return ModelReference(kind="demo", text=text, path=sources.demo_dir)
+    if text.startswith(("/", "./", "~")):
+        return ModelReference(kind="local", text=text, path=_allowed_local_path(text, sources))
+    repo_id, _, revision = text.partition("@")
+    if not _HUB_ID.match(repo_id):
+        raise ModelReferenceError(
+            f"model reference {text!r} is neither a hub id 'org/name[@revision]' nor a local path "
+            "(local paths must be absolute or start with './')"
+        )
+    if "@" in text and not _REVISION.match(revision):
+        raise ModelReferenceError(f"revision {revision!r} in {text!r} is not a branch, tag or commit hash")
+    return ModelReference(kind="hub", text=text, repo_id=repo_id, revision=revision or None)
+
+
+def validate_model_reference(ref: str, sources: ModelSourceOptions) -> None:
+    """Cheap up-front check of a reference (see :func:`parse_model_reference`)."""
+    parse_model_reference(ref, sources)
+
+
+def _allowed_local_path(text: str, sources: ModelSourceOptions) -> Path:
+    path = Path(os.path.expanduser(text)).resolve()
+    roots = [Path(root).resolve() for root in sources.allowed_roots]
+    if not roots:
+        raise ModelReferenceError(
+            f"local model {text!r} refused: no local model roots are allowed; "
+            "set FP8FORGE_ALLOWED_MODEL_ROOTS (or --allow-root) to the directory that holds your models"
+        )
+    if not any(path == root or root in path.parents for root in roots):
+        allowed = ", ".join(str(root) for root in roots)
+        raise ModelReferenceError(
+            f"local model {text!r} is outside the allowed roots ({allowed}); move it below one of them "
+            "or add its parent with FP8FORGE_ALLOWED_MODEL_ROOTS / --allow-root"
+        )
+    return path
+
+
+def resolve_model_dir(ref: str, sources: ModelSourceOptions, *, with_weights: bool) -> Path:
+    """Return a local directory holding the model's config (and weights/tokenizer if asked).
+
+    Hub references download only the files needed: the config for analysis; config, safetensors,
+    index and tokenizer files for conversion.
+
+    Raises:
+        ModelReferenceError: see :func:`parse_model_reference`.
+        ModelNotFoundError: unknown repository or revision, gated repository, offline cache miss,
+            missing directory or a directory without ``config.json``.
+    """
+    reference = parse_model_reference(ref, sources)
+    if reference.kind == "demo":
+        from converters.demo import ensure_demo_model
+
+        directory = ensure_demo_model(reference.path)
+    elif reference.kind == "local":
+        directory = reference.path
+        if not directory.is_dir():
+            raise ModelNotFoundError(f"local model directory {reference.text!r} does not exist")
+    else:
+        directory = _download_hub_model(reference, sources, with_weights=with_weights)
+    if not (directory / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{reference.text!r} has no config.json; point at a Hugging Face model directory "
+            "(one written by save_pretrained)"
+        )
+    return directory
+
+
+def _download_hub_model(reference: ModelReference, sources: ModelSourceOptions, *, with_weights: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    patterns = list(CONFIG_FILES)
+    if with_weights:
+        patterns += WEIGHT_FILES + TOKENIZER_FILES
+    if sources.trust_remote_code:
+        patterns.append("*.py")
+    name = reference.text
+    try:
+        path = snapshot_download(
+            reference.repo_id,
+            revision=reference.revision,
+            cache_dir=sources.cache_dir,
+            local_files_only=sources.offline,
+            allow_patterns=patterns,
+        )
+    except GatedRepoError as exc:
+        raise ModelNotFoundError(
+            f"{name!r} is gated: accept its licence on the hub and set HF_TOKEN, or pre-populate the cache"
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise ModelNotFoundError(f"revision {reference.revision!r} of {reference.repo_id!r} not found") from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelNotFoundError(f"model {name!r} not found on the hub (check the id, or set HF_TOKEN)") from exc
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
+        hint = "offline mode is on" if sources.offline else "the hub could not be reached"
+        raise ModelNotFoundError(
+            f"{name!r} is not in the HF cache ({sources.cache_dir or 'default cache'}) and {hint}; "
+            "download it on a connected machine with `hf download` into that cache, or turn offline mode off"
+        ) from exc
+    except (HfHubHTTPError, OSError) as exc:
+        raise ModelNotFoundError(f"could not fetch {name!r} from the hub: {exc}") from exc
+    return Path(path)
+
+
+def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
+    """Read ``config.json`` with transformers' ``AutoConfig``.
+
+    Raises:
+        ModelNotFoundError: the config names an unknown architecture, or needs remote code while
+            ``trust_remote_code`` is off.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(directory, trust_remote_code=sources.trust_remote_code)
+    except ValueError as exc:
+        hint = "" if sources.trust_remote_code else " (if the model ships its own code, enable trust_remote_code)"
+        raise ModelNotFoundError(f"cannot read config.json in {directory}: {exc}{hint}") from exc
+
+
+def _model_class(config: Any, sources: ModelSourceOptions) -> Any:
+    import transformers
+
+    for architecture in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, architecture, None)
+        if cls is not None:
+            return cls
+    if getattr(config, "auto_map", None) and not sources.trust_remote_code:
+        raise ModelNotFoundError(
+            "this model's architecture ships as remote code; enable trust_remote_code to load it"
+        )
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    try:
+        AutoModelForCausalLM._model_mapping[type(config)]
+        return AutoModelForCausalLM
+    except KeyError:
+        return AutoModel
+
+
+def model_dtype(config: Any) -> torch.dtype:
+    """The dtype the checkpoint declares (float32 when it declares none)."""
+    import torch
+
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def build_meta_model(config: Any, sources: ModelSourceOptions) -> torch.nn.Module:
+    """Instantiate the architecture from its config on the ``meta`` device: shapes only, no memory."""
+    import torch
+
+    cls = _model_class(config, sources)
+    kwargs = {"trust_remote_code": True} if sources.trust_remote_code and hasattr(cls, "from_config") else {}
+    with torch.device("meta"):
+        if hasattr(cls, "_from_config"):
+            return cls._from_config(config, dtype=model_dtype(config))
+        return cls.from_config(config, dtype=model_dtype(config), **kwargs)
+
+
+def load_model(directory: Path, sources: ModelSourceOptions, *, dtype: torch.dtype | None = None) -> Any:
+    """Load the model with its weights on the CPU, in the checkpoint's dtype unless ``dtype`` is given."""
+    config = load_config(directory, sources)
+    cls = _model_class(config, sources)
+    model = cls.from_pretrained(
+        directory,
+        dtype=dtype or model_dtype(config),
+        trust_remote_code=sources.trust_remote_code,
+    )
+    model.eval()
+    return model
+
+
+def load_tokenizer(directory: Path, sources: ModelSourceOptions) -> Any | None:
+    """The model's own tokenizer, or ``None`` when the directory ships none."""
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=sources.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        logger.warning("tokenizer in %s could not be loaded (%s); calibration will sample token ids", directory, exc)
+        return None

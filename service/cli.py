@@ -1,0 +1,154 @@
+"""The ``fp8forge`` command: analyze, convert, serve, worker.
+
+Only argparse is imported at start-up; each command imports what it needs, so ``fp8forge analyze``
+pays neither for torchao nor for the service stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser", "source_options_from_args"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model sources")
+    group.add_argument(
+        "--allow-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="directory below which local models are accepted (repeatable; default: "
+        "$FP8FORGE_ALLOWED_MODEL_ROOTS, else the current directory)",
+    )
+    group.add_argument("--cache-dir", default=None, help="Hugging Face cache (default: $FP8FORGE_HF_CACHE or HF's)")
+    group.add_argument("--offline", action="store_true", help="use only the HF cache, never the network")
+    group.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped with checkpoints")
+
+
+def _add_selection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default=None, type=str.lower, choices=("te", "ao"), help="FP8 backend")
+    parser.add_argument("--include", action="append", default=[], metavar="PAT", help="only convert matching layers")
+    parser.add_argument("--exclude", action="append", default=[], metavar="PAT", help="never convert matching layers")
+    parser.add_argument(
+        "--no-skip-first-last", action="store_true", help="also convert the first and last nn.Linear"
+    )
+    parser.add_argument("--convert-router-gates", action="store_true", help="also convert MoE router gates")
+
+
+def source_options_from_args(args: argparse.Namespace):
+    """Build ``ModelSourceOptions`` from CLI flags, falling back to FP8FORGE_* / HF_* variables."""
+    from converters.loading import ModelSourceOptions
+
+    roots = args.allow_root
+    if roots is None:
+        env_roots = os.environ.get("FP8FORGE_ALLOWED_MODEL_ROOTS", "")
+        roots = [root for root in env_roots.split(os.pathsep) if root] or [os.getcwd()]
+    cache_dir = args.cache_dir or os.environ.get("FP8FORGE_HF_CACHE") or None
+    offline = args.offline or _env_flag("FP8FORGE_HF_OFFLINE") or _env_flag("HF_HUB_OFFLINE")
+    return ModelSourceOptions(
+        allowed_roots=tuple(Path(root) for root in roots),
+        cache_dir=Path(cache_dir) if cache_dir else None,
+        offline=offline,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp8forge", description="Turn Hugging Face models into FP8 checkpoints.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    analyze = commands.add_parser("analyze", help="report which layers FP8 conversion would touch, and why not")
+    analyze.add_argument("model", help="org/name[@revision] or a local model directory")
+    _add_selection_arguments(analyze)
+    analyze.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_source_arguments(analyze)
+    analyze.set_defaults(func=_run_analyze)
+
+    convert = commands.add_parser("convert", help="convert a model to FP8 and write safetensors artifacts")
+    convert.add_argument("model", help="org/name[@revision] or a local model directory")
+    convert.add_argument("--out", required=True, type=Path, help="output directory (must not exist)")
+    convert.add_argument("--recipe", type=Path, help="recipe file: JSON, or an Accelerate config.yaml")
+    _add_selection_arguments(convert)
+    convert.add_argument("--calib-steps", type=int, default=None, help="calibration steps (default 16)")
+    convert.add_argument("--calib-batch-size", type=int, default=None, help="sequences per step (default 2)")
+    convert.add_argument("--calib-seq-len", type=int, default=None, help="tokens per sequence (default 128)")
+    convert.add_argument("--calib-texts", type=Path, help="text file, one calibration sample per paragraph")
+    convert.add_argument("--calib-backward", action="store_true", help="also record gradient amax")
+    convert.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_source_arguments(convert)
+    convert.set_defaults(func=_run_convert)
+
+    try:
+        from service import cli_service
+    except ImportError:  # TEMP until the service commands land
+        cli_service = None
+    if cli_service is not None:
+        cli_service.register(commands)
+    return parser
+
+
+def _run_analyze(args: argparse.Namespace) -> int:
+    # transformers imports torchao whenever it is installed; analysis never needs it, so hide it to keep
+    # start-up short (a None entry makes importlib report the package as absent).
+    sys.modules.setdefault("torchao", None)
+    from converters.analysis import analyze_model_reference
+    from converters.report_format import format_analysis
+
+    report = analyze_model_reference(
+        args.model,
+        source_options_from_args(args),
+        backend=args.backend or "te",
+        include=args.include,
+        exclude=args.exclude,
+        skip_first_last=not args.no_skip_first_last,
+        convert_router_gates=args.convert_router_gates,
+    )
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_analysis(report))
+    return EXIT_OK
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from service.cli_convert import run_convert_command
+
+    return run_convert_command(args, source_options_from_args(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fp8forge`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    from converters.errors import Fp8ForgeError
+
+    try:
+        return args.func(args)
+    except Fp8ForgeError as exc:
+        print(f"fp8forge {args.command}: error: {exc.message}", file=sys.stderr)
+        return EXIT_BAD_INPUT if exc.is_bad_input else EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"fp8forge {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
