@@ -9,7 +9,7 @@ model stays in high precision. Nothing in the model is touched.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -85,51 +85,42 @@ class AnalysisOptions:
             object.__setattr__(self, name, patterns)
 
 
-@dataclass
-class LayerEntry:
-    path: str
-    cls: str
-    in_features: int
-    out_features: int
-    parameters: int
-    dtype: str
-    eligible: bool = False
-    reasons: list[str] = field(default_factory=list)
-    group: str | None = None
-
-
 def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> dict[str, Any]:
     """Build the eligibility report of ``model`` (weights may live on the meta device).
 
     Returns a JSON-able dict: ``layers``, ``other_weights``, ``fused_groups``, ``totals``, ``options``.
     """
     options = options or AnalysisOptions()
-    linears = [(path, module) for path, module in model.named_modules() if isinstance(module, nn.Linear)]
-    first = linears[0][0] if linears else None
-    last = linears[-1][0] if linears else None
-    tied = _tied_head_paths(model)
-    modules = dict(model.named_modules())
+    # One walk over the module tree serves every rule: on a 70B config the walk dominates the cost.
+    named = list(model.named_modules())
+    modules = dict(named)
+    linear_paths = [path for path, module in named if isinstance(module, nn.Linear)]
+    first = linear_paths[0] if linear_paths else None
+    last = linear_paths[-1] if linear_paths else None
+    tied = _tied_head_paths(model, named)
 
-    layers: list[LayerEntry] = []
-    for path, module in model.named_modules():
+    layers: list[dict[str, Any]] = []
+    for path, module in named:
         if isinstance(module, nn.Linear):
-            entry = _linear_entry(path, module)
-            entry.reasons = _linear_reasons(path, modules, options, first=first, last=last, tied=tied)
-            entry.eligible = not entry.reasons
+            entry = _layer_entry(path, module, module.in_features, module.out_features)
+            entry["reasons"] = _linear_reasons(path, modules, options, first=first, last=last, tied=tied)
+            entry["eligible"] = not entry["reasons"]
             layers.append(entry)
         elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-            layers.append(_conv1d_entry(path, module))
+            in_features, out_features = module.weight.shape
+            entry = _layer_entry(path, module, int(in_features), int(out_features))
+            entry["reasons"] = [Reason.NOT_LINEAR]
+            layers.append(entry)
 
-    groups = _fused_groups(layers)
     report = {
         "version": REPORT_VERSION,
         "model_class": type(model).__name__,
         "options": asdict(options),
         "rule": "both Linear dims divisible by 16"
         + ("; first and last nn.Linear skipped" if options.skip_first_last else ""),
-        "layers": [_entry_dict(entry) for entry in layers],
-        "other_weights": _other_matmul_weights(model),
-        "fused_groups": groups,
+        "layers": layers,
+        "other_weights": _other_matmul_weights(named),
+        "fused_groups": _fused_groups(layers),
     }
     report["totals"] = _totals(model, report)
     return report
@@ -143,30 +134,19 @@ def eligible_paths(report: dict[str, Any]) -> list[str]:
 __all__.append("eligible_paths")
 
 
-def _linear_entry(path: str, module: nn.Linear) -> LayerEntry:
-    parameters = module.weight.numel() + (module.bias.numel() if module.bias is not None else 0)
-    return LayerEntry(
-        path=path,
-        cls=type(module).__name__,
-        in_features=module.in_features,
-        out_features=module.out_features,
-        parameters=parameters,
-        dtype=str(module.weight.dtype).removeprefix("torch."),
-    )
-
-
-def _conv1d_entry(path: str, module: nn.Module) -> LayerEntry:
-    in_features, out_features = module.weight.shape
-    parameters = sum(p.numel() for p in module.parameters(recurse=False))
-    return LayerEntry(
-        path=path,
-        cls=type(module).__name__,
-        in_features=int(in_features),
-        out_features=int(out_features),
-        parameters=parameters,
-        dtype=str(module.weight.dtype).removeprefix("torch."),
-        reasons=[Reason.NOT_LINEAR],
-    )
+def _layer_entry(path: str, module: nn.Module, in_features: int, out_features: int) -> dict[str, Any]:
+    bias = getattr(module, "bias", None)
+    return {
+        "path": path,
+        "class": type(module).__name__,
+        "in_features": in_features,
+        "out_features": out_features,
+        "parameters": module.weight.numel() + (bias.numel() if bias is not None else 0),
+        "dtype": str(module.weight.dtype).removeprefix("torch."),
+        "eligible": False,
+        "reasons": [],
+        "group": None,
+    }
 
 
 def _linear_reasons(
@@ -199,7 +179,7 @@ def _is_router_gate(path: str, modules: dict[str, nn.Module]) -> bool:
     return name in _ROUTER_NAMES and parent is not None and hasattr(parent, "experts")
 
 
-def _tied_head_paths(model: nn.Module) -> set[str]:
+def _tied_head_paths(model: nn.Module, named: list[tuple[str, nn.Module]]) -> set[str]:
     """Linears whose weight is the input embedding's (one tensor, stored and used twice)."""
     try:
         embedding = model.get_input_embeddings()
@@ -207,18 +187,14 @@ def _tied_head_paths(model: nn.Module) -> set[str]:
         return set()
     if embedding is None or not hasattr(embedding, "weight"):
         return set()
-    return {
-        path
-        for path, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module.weight is embedding.weight
-    }
+    return {path for path, module in named if isinstance(module, nn.Linear) and module.weight is embedding.weight}
 
 
-def _fused_groups(layers: list[LayerEntry]) -> list[dict[str, Any]]:
-    by_path = {layer.path: layer for layer in layers}
+def _fused_groups(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_path = {layer["path"]: layer for layer in layers}
     groups = []
     for layer in layers:
-        parent, _, name = layer.path.rpartition(".")
+        parent, _, name = layer["path"].rpartition(".")
         for kind, members in FUSED_GROUPS.items():
             if name != members[0]:
                 continue
@@ -227,8 +203,8 @@ def _fused_groups(layers: list[LayerEntry]) -> list[dict[str, Any]]:
                 continue
             group_name = f"{parent}.{kind}" if parent else kind
             for path in paths:
-                by_path[path].group = group_name
-            eligible = [path for path in paths if by_path[path].eligible]
+                by_path[path]["group"] = group_name
+            eligible = [path for path in paths if by_path[path]["eligible"]]
             groups.append(
                 {
                     "name": group_name,
@@ -240,11 +216,11 @@ def _fused_groups(layers: list[LayerEntry]) -> list[dict[str, Any]]:
     return groups
 
 
-def _other_matmul_weights(model: nn.Module) -> list[dict[str, Any]]:
+def _other_matmul_weights(named: list[tuple[str, nn.Module]]) -> list[dict[str, Any]]:
     """Parameters of 2+ dims outside Linear/Conv1D/embedding/norm modules: fused experts, routers."""
     skipped_types = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.modules.conv._ConvNd)
     entries = []
-    for path, module in model.named_modules():
+    for path, module in named:
         if isinstance(module, skipped_types) or type(module).__name__ in ("Conv1D",) or "Norm" in type(module).__name__:
             continue
         for name, parameter in module.named_parameters(recurse=False):
@@ -303,12 +279,6 @@ def _totals(model: nn.Module, report: dict[str, Any]) -> dict[str, Any]:
 
 def _ratio(part: int, whole: int) -> float:
     return round(part / whole, 6) if whole else 0.0
-
-
-def _entry_dict(entry: LayerEntry) -> dict[str, Any]:
-    data = asdict(entry)
-    data["class"] = data.pop("cls")
-    return data
 
 
 def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", include=(), exclude=(),

@@ -85,10 +85,9 @@ def test_analyze_bad_input_exits_2_with_one_line(argv, message, tmp_path, monkey
 
 def test_gated_repository_error_is_explained(monkeypatch, capsys):
     # No hub is reachable here, so the hub client's own GatedRepoError is raised in its place.
+    import httpx
     import huggingface_hub
     from huggingface_hub.errors import GatedRepoError
-
-    import httpx
 
     request = httpx.Request("GET", "https://hub.invalid/api/models/meta-llama/Llama-3.1-8B")
 
