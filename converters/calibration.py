@@ -1,0 +1,346 @@
+"""Calibration: record per-layer amax on CPU with hooks, and turn it into TE delayed-scaling state.
+
+TransformerEngine's own calibration (``autocast(enabled=False, calibrating=True)``) only copies the
+current batch's amax into row 0 and needs a real FP8 step on an sm89+ GPU to produce scales. Here the
+amax of every calibration step is recorded with ordinary PyTorch hooks on the high-precision model and
+the delayed-scaling update is replayed with :mod:`converters.scaling`, so a CPU machine can produce the
+exact ``scale`` / ``amax_history`` that TE would hold after the same steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from converters.errors import CalibrationDataError, ConversionCancelled, RecipeError
+from converters.recipes import TEDelayedScalingRecipe
+from converters.scaling import delayed_scaling_state, fp8_max_for
+
+__all__ = [
+    "CORPUS_PATH",
+    "FORWARD_SLOTS",
+    "BACKWARD_SLOTS",
+    "LayerAmax",
+    "load_corpus",
+    "calibration_batches",
+    "record_amax",
+    "te_scaling_state",
+]
+
+logger = logging.getLogger(__name__)
+
+CORPUS_PATH = Path(__file__).parent / "data" / "calibration_corpus.txt"
+#: Column order of ``LayerAmax.forward`` = te.Linear ``scaling_fwd`` slots (GEMM1_INPUT/WEIGHT/OUTPUT).
+FORWARD_SLOTS = ("input", "weight", "output")
+#: Column order of ``LayerAmax.backward`` = te.Linear ``scaling_bwd`` slots (GRAD_OUTPUT1, GRAD_INPUT1).
+BACKWARD_SLOTS = ("grad_output", "grad_input")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerAmax:
+    """Amax of one Linear at each calibration step (fp32, CPU; 0 where the layer did not run)."""
+
+    forward: torch.Tensor  #: ``[steps, 3]``: input, weight, output
+    backward: torch.Tensor | None = None  #: ``[steps, 2]``: grad_output, grad_input; None if not recorded
+
+    def __post_init__(self) -> None:
+        if self.forward.dim() != 2 or self.forward.shape[1] != len(FORWARD_SLOTS):
+            raise ValueError(f"forward must be [steps, 3], got {tuple(self.forward.shape)}.")
+        if self.backward is not None and tuple(self.backward.shape) != (self.forward.shape[0], 2):
+            raise ValueError(f"backward must be [{self.forward.shape[0]}, 2], got {tuple(self.backward.shape)}.")
+
+    @property
+    def steps(self) -> int:
+        return int(self.forward.shape[0])
+
+
+def load_corpus() -> list[str]:
+    """The built-in calibration corpus as a list of paragraphs."""
+    text = CORPUS_PATH.read_text(encoding="utf-8")
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def _check_positive(value: Any, field: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CalibrationDataError(f"{field} must be an integer >= 1, got {value!r}.", field=field)
+
+
+def _clean_texts(texts: Any) -> list[str]:
+    if not isinstance(texts, (list, tuple)):
+        raise CalibrationDataError(f"texts must be a list of strings, got {type(texts).__name__}.", field="texts")
+    if not texts:
+        raise CalibrationDataError("texts is empty; give at least one non-empty text or omit it.", field="texts")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise CalibrationDataError(f"texts[{i}] must be a string, got {type(text).__name__}.", field="texts")
+    kept = [t for t in texts if t.strip()]
+    if not kept:
+        raise CalibrationDataError("Every text in texts is empty or whitespace.", field="texts")
+    return kept
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _token_stream(tokenizer: Any, texts: list[str], vocab_size: int) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stream: list[int] = []
+    for text in texts:
+        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        stream.extend(ids)
+        # A document separator, so that a window spanning two texts looks like real packed data.
+        if isinstance(eos, int):
+            stream.append(eos)
+    if not stream:
+        raise CalibrationDataError("The tokenizer produced no tokens for the calibration texts.", field="texts")
+    top = max(stream)
+    if top >= vocab_size:
+        raise CalibrationDataError(
+            f"The tokenizer produced token id {top}, but the model's vocabulary has {vocab_size} entries; "
+            "use the tokenizer that belongs to this model.",
+            field="tokenizer",
+        )
+    return stream
+
+
+def calibration_batches(
+    tokenizer: Any | None,
+    *,
+    vocab_size: int,
+    texts: list[str] | None = None,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int = 0,
+) -> tuple[list[dict[str, torch.Tensor]], str]:
+    """Build ``steps`` batches of ``{"input_ids", "attention_mask"}`` (``[batch_size, seq_len]``, int64).
+
+    Texts (the built-in corpus unless ``texts`` is given) are tokenized with the model's tokenizer into
+    one stream (documents separated by EOS) and windows of ``seq_len`` tokens are drawn from it at
+    offsets chosen by ``seed``. A stream shorter than ``seq_len`` is padded (pad token, else EOS) with
+    ``attention_mask`` 0 on the padding. With ``tokenizer=None`` the ids are uniform random in
+    ``[0, vocab_size)``, which gives activations unlike real text; the returned ``data_source`` says so.
+
+    Returns ``(batches, data_source)``. Raises CalibrationDataError (naming the field) for an empty
+    ``texts`` list, texts that are all empty, non-positive sizes or token ids outside the vocabulary.
+    """
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
+        _check_positive(value, name)
+    _check_positive(vocab_size, "vocab_size")
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, seq_len)
+
+    if tokenizer is None:
+        batches = [
+            {
+                "input_ids": torch.randint(0, vocab_size, shape, generator=generator, dtype=torch.long),
+                "attention_mask": torch.ones(shape, dtype=torch.long),
+            }
+            for _ in range(steps)
+        ]
+        return batches, f"random token ids (uniform over {vocab_size}; no tokenizer), seed {seed}"
+
+    if texts is None:
+        chosen, origin = load_corpus(), f"built-in corpus ({CORPUS_PATH.name})"
+    else:
+        chosen, origin = _clean_texts(texts), f"{len(texts)} user text(s)"
+    stream = torch.tensor(_token_stream(tokenizer, chosen, vocab_size), dtype=torch.long)
+
+    batches = []
+    if stream.numel() < seq_len:
+        ids = torch.full((seq_len,), _pad_id(tokenizer), dtype=torch.long)
+        ids[: stream.numel()] = stream
+        mask = torch.zeros(seq_len, dtype=torch.long)
+        mask[: stream.numel()] = 1
+        for _ in range(steps):
+            batches.append({"input_ids": ids.expand(shape).clone(), "attention_mask": mask.expand(shape).clone()})
+    else:
+        last_start = stream.numel() - seq_len
+        for _ in range(steps):
+            starts = torch.randint(0, last_start + 1, (batch_size,), generator=generator)
+            ids = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
+            batches.append({"input_ids": ids, "attention_mask": torch.ones(shape, dtype=torch.long)})
+    return batches, f"{origin}, {stream.numel()} tokens, tokenized windows of {seq_len}, seed {seed}"
+
+
+def _resolve_layers(model: nn.Module, layer_paths: Sequence[str]) -> dict[str, nn.Linear]:
+    if not layer_paths:
+        raise CalibrationDataError("No layers to calibrate.", field="layer_paths")
+    layers = {}
+    for path in layer_paths:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError as exc:
+            raise CalibrationDataError(f"The model has no module {path!r}.", field="layer_paths") from exc
+        if not isinstance(module, nn.Linear):
+            raise CalibrationDataError(
+                f"{path} is a {type(module).__name__}, not nn.Linear; only Linear layers are calibrated.",
+                field="layer_paths",
+            )
+        layers[path] = module
+    return layers
+
+
+def _amax(tensor: Any) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.float32)
+    return tensor.detach().abs().amax().float().cpu()
+
+
+def _backward_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Language-model loss when the model takes ``labels``, else the mean of the logits."""
+    accepts_labels = "labels" in inspect.signature(model.forward).parameters
+    if accepts_labels:
+        # -100 is the ignore index of HF causal-LM losses; padding must not count.
+        labels = batch["input_ids"]
+        if "attention_mask" in batch:
+            labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
+        out = model(**batch, labels=labels)
+        if getattr(out, "loss", None) is not None:
+            return out.loss
+    else:
+        out = model(**batch)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits.float().mean()
+
+
+def record_amax(
+    model: nn.Module,
+    layer_paths: Sequence[str],
+    batches: Sequence[dict[str, torch.Tensor]],
+    *,
+    backward: bool = False,
+    on_step: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> dict[str, LayerAmax]:
+    """Run ``batches`` through ``model`` and record the amax of each listed ``nn.Linear`` per step.
+
+    Forward hooks record input, weight and output amax; with ``backward=True`` full backward hooks also
+    record grad_output and grad_input (the Linear's own dgrad, not the sum over sibling layers) after a
+    loss (``labels=input_ids`` LM loss, else logits mean) is back-propagated. No optimizer step is taken;
+    parameter ``.grad`` are set to None after every step (earlier grads are discarded). Without backward
+    the model runs under ``torch.no_grad()``. The model runs in eval mode (no dropout) in its own dtype and
+    device; its training flag is restored afterwards and every hook is removed, even on error. A layer
+    called several times in one step keeps the maximum, as TE's quantizer does; a layer not called keeps 0.
+
+    ``on_step(done, total)`` is called after each step; ``should_stop()`` is checked before each step and
+    raises ConversionCancelled when it returns True. Raises CalibrationDataError for unknown or
+    non-Linear ``layer_paths`` or an empty ``batches``.
+    """
+    layers = _resolve_layers(model, layer_paths)
+    total = len(batches)
+    if total == 0:
+        raise CalibrationDataError("No calibration batches.", field="batches")
+    fwd = {path: torch.zeros(total, len(FORWARD_SLOTS)) for path in layers}
+    bwd = {path: torch.zeros(total, len(BACKWARD_SLOTS)) for path in layers} if backward else None
+    step = 0
+
+    def forward_hook(path: str) -> Callable:
+        def hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> None:
+            values = torch.stack([_amax(args[0] if args else None), _amax(module.weight), _amax(output)])
+            fwd[path][step] = torch.fmax(fwd[path][step], values)
+
+        return hook
+
+    def backward_hook(path: str) -> Callable:
+        def hook(module: nn.Linear, grad_input: tuple, grad_output: tuple) -> None:
+            values = torch.stack([_amax(grad_output[0]), _amax(grad_input[0])])
+            bwd[path][step] = torch.fmax(bwd[path][step], values)
+
+        return hook
+
+    handles = []
+    was_training = model.training
+    device = next(model.parameters()).device
+    try:
+        for path, module in layers.items():
+            handles.append(module.register_forward_hook(forward_hook(path)))
+            if backward:
+                handles.append(module.register_full_backward_hook(backward_hook(path)))
+        model.eval()
+        # The hooks read `step` from this scope to know which row to fill.
+        for step in range(total):
+            if should_stop is not None and should_stop():
+                raise ConversionCancelled(f"Calibration stopped after {step} of {total} steps.")
+            batch = {k: v.to(device) for k, v in batches[step].items()}
+            if backward:
+                with torch.enable_grad():
+                    loss = _backward_loss(model, batch)
+                    if not loss.requires_grad:
+                        raise CalibrationDataError(
+                            "Backward calibration needs a model whose parameters require grad "
+                            "(none do, so no gradient reaches the layers).",
+                            field="backward",
+                        )
+                    loss.backward()
+                model.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad():
+                    model(**batch)
+            if on_step is not None:
+                on_step(step + 1, total)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return {path: LayerAmax(forward=fwd[path], backward=bwd[path] if bwd is not None else None) for path in layers}
+
+
+def te_scaling_state(
+    layer_amax: LayerAmax,
+    recipe: TEDelayedScalingRecipe,
+    *,
+    fp8_output: bool = False,
+    fp8_grad: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The delayed-scaling state a ``te.Linear`` holds after the recorded steps.
+
+    Returns ``scale_fwd [3]``, ``amax_history_fwd [L, 3]``, ``scale_bwd [2]``, ``amax_history_bwd [L, 2]``
+    (fp32, ``L = recipe.amax_history_len``), computed with :func:`converters.scaling.delayed_scaling_state`.
+
+    te.Linear casts its output only when called with ``fp8_output=True`` and its grad_input only with
+    ``fp8_grad=True`` (``Linear._get_quantizers`` in TE 2.20); otherwise those slots are never written,
+    so by default their history stays zero and their scale one, as in TE. When no backward was
+    recorded the whole backward state is zeros / ones: TE's initial state, still valid because it is
+    first refreshed after the first real backward pass.
+    Raises RecipeError if ``recipe`` is not a TEDelayedScalingRecipe.
+    """
+    if not isinstance(recipe, TEDelayedScalingRecipe):
+        raise RecipeError(
+            f"TE scaling state needs a delayed-scaling recipe, got {type(recipe).__name__}.", field="scaling"
+        )
+    common = {
+        "history_len": recipe.amax_history_len,
+        "algo": recipe.amax_compute_algo.value,
+        "margin": recipe.margin,
+    }
+    fwd = layer_amax.forward.clone()
+    if not fp8_output:
+        fwd[:, FORWARD_SLOTS.index("output")] = 0.0
+    scale_fwd, hist_fwd = delayed_scaling_state(fwd, fp8_max=fp8_max_for(recipe.fp8_format, "forward"), **common)
+    if layer_amax.backward is None:
+        scale_bwd = torch.ones(len(BACKWARD_SLOTS), dtype=torch.float32)
+        hist_bwd = torch.zeros(recipe.amax_history_len, len(BACKWARD_SLOTS), dtype=torch.float32)
+    else:
+        bwd = layer_amax.backward.clone()
+        if not fp8_grad:
+            bwd[:, BACKWARD_SLOTS.index("grad_input")] = 0.0
+        scale_bwd, hist_bwd = delayed_scaling_state(bwd, fp8_max=fp8_max_for(recipe.fp8_format, "backward"), **common)
+    return {
+        "scale_fwd": scale_fwd,
+        "amax_history_fwd": hist_fwd,
+        "scale_bwd": scale_bwd,
+        "amax_history_bwd": hist_bwd,
+    }
