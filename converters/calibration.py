@@ -184,9 +184,11 @@ def _resolve_layers(model: nn.Module, layer_paths: Sequence[str]) -> dict[str, n
             module = model.get_submodule(path)
         except AttributeError as exc:
             raise CalibrationDataError(f"The model has no module {path!r}.", field="layer_paths") from exc
-        if not isinstance(module, nn.Linear):
+        # te.Linear is not an nn.Linear subclass but has the same weight layout; accept any linear-shaped module.
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise CalibrationDataError(
-                f"{path} is a {type(module).__name__}, not nn.Linear; only Linear layers are calibrated.",
+                f"{path} is a {type(module).__name__}, not a Linear layer; only Linear layers are calibrated.",
                 field="layer_paths",
             )
         layers[path] = module

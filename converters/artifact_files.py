@@ -1,0 +1,171 @@
+"""The files of one artifact: weights (+ TE scaling state), calibration tensors, config, report.
+
+Layout (all in one directory, listed with checksums in manifest.json):
+- ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``: the
+  model's state dict under its Hugging Face names; for TE delayed scaling also each converted layer's
+  scaling state under the keys of :mod:`converters.te_layout`.
+- ``fp8_calibration.safetensors``: per layer ``<path>.amax_forward [steps, 3]`` (input, weight, output),
+  ``<path>.amax_backward [steps, 2]`` when gradients were recorded, and for dynamic-scaling recipes
+  ``<path>.scale_fwd_per_step [steps, 3]``.
+- ``config.json``: the model's own config plus an ``fp8`` block (backend, recipe, converted modules).
+- ``fp8_report.json``: analysis, calibration statistics, final scales, data source and warnings.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from converters.export import collect_tensors, write_json, write_weights
+
+if TYPE_CHECKING:
+    from converters.pipeline import _Run
+
+__all__ = ["FP8_BLOCK_VERSION", "write_model_files", "write_calibration_file", "write_json_files", "versions"]
+
+FP8_BLOCK_VERSION = 1
+CALIBRATION_FILE = "fp8_calibration.safetensors"
+REPORT_FILE = "fp8_report.json"
+
+
+def versions(backend: str) -> dict[str, str]:
+    import safetensors
+    import transformers
+
+    from converters import __version__
+
+    found = {
+        "fp8forge": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
+    if backend == "ao":
+        from converters.backends.torchao import torchao_version
+
+        found["torchao"] = torchao_version()
+    return found
+
+
+def _is_te_delayed(run: _Run) -> bool:
+    from converters.recipes import TEDelayedScalingRecipe
+
+    return isinstance(run.recipe, TEDelayedScalingRecipe)
+
+
+def _te_tensors(run: _Run) -> dict[str, torch.Tensor]:
+    from converters.te_layout import state_key
+
+    tensors = {}
+    if _is_te_delayed(run):
+        for path, state in run.calibration["states"].items():
+            tensors.update({state_key(path, name): value.float().contiguous() for name, value in state.items()})
+    if run.request.te_extra_state and run.te_modules:
+        from converters.backends.transformer_engine import te_extra_state_tensor
+
+        for path in run.converted:
+            tensors[f"{path}._extra_state"] = te_extra_state_tensor(run.model.get_submodule(path))
+    return tensors
+
+
+def write_model_files(run: _Run, staging: Path) -> list[str]:
+    """Write the model's weights (and TE state) as safetensors, sharded above the request's limit."""
+    tensors, tied = collect_tensors(run.model.state_dict())
+    backend = run.recipe.backend.value
+    if backend == "te":
+        tensors.update(_te_tensors(run))
+    metadata = {
+        "format": "pt",
+        "fp8_backend": backend,
+        "fp8_recipe": json.dumps(run.recipe.to_dict(), sort_keys=True),
+        "fp8_converted_modules": str(len(run.converted)),
+        "tied_weights": json.dumps(tied, sort_keys=True),
+        **{f"version_{name}": value for name, value in versions(backend).items()},
+    }
+    if backend == "te":
+        metadata["te_state_key_scheme"] = "converters.te_layout v1: <layer>.fp8_{scale,amax_history}_{fwd,bwd}"
+    run.tied_weights = tied
+    return write_weights(tensors, staging, metadata=metadata, max_shard_bytes=run.request.max_shard_bytes)
+
+
+def write_calibration_file(run: _Run, staging: Path) -> list[str]:
+    from converters.export import _save_atomically
+
+    tensors = {}
+    for path, layer in run.calibration["amax"].items():
+        tensors[f"{path}.amax_forward"] = layer.forward.float().contiguous()
+        if layer.backward is not None:
+            tensors[f"{path}.amax_backward"] = layer.backward.float().contiguous()
+        per_step = run.calibration["states"].get(path, {}).get("scale_fwd_per_step")
+        if per_step is not None:
+            tensors[f"{path}.scale_fwd_per_step"] = per_step.float().contiguous()
+    _save_atomically(tensors, staging / CALIBRATION_FILE, {"format": "pt", "fp8_calibration": "amax per step"})
+    return [CALIBRATION_FILE]
+
+
+def fp8_block(run: _Run) -> dict[str, Any]:
+    """The ``fp8`` block of config.json: enough to replay or load the conversion."""
+    block = {
+        "version": FP8_BLOCK_VERSION,
+        "backend": run.recipe.backend.value,
+        "recipe": run.recipe.to_dict(),
+        "converted_modules": list(run.converted),
+        "tied_weights": run.tied_weights,
+    }
+    if block["backend"] == "ao":
+        block["float8_linear_config"] = run.recipe.float8_config_dict()
+    elif _is_te_delayed(run):
+        block["state_keys"] = "<layer>.fp8_scale_fwd [3], .fp8_amax_history_fwd [L,3], .fp8_scale_bwd [2], " \
+                              ".fp8_amax_history_bwd [L,2]"
+        block["te_modules_built"] = run.te_modules
+    return block
+
+
+def _calibration_report(run: _Run) -> dict[str, Any]:
+    settings = run.request.calibration
+    layers = {}
+    for path, layer in run.calibration["amax"].items():
+        entry = {"amax_forward": layer.forward.tolist()}
+        if layer.backward is not None:
+            entry["amax_backward"] = layer.backward.tolist()
+        entry.update({name: value.tolist() for name, value in run.calibration["states"][path].items()
+                      if not name.startswith("amax_history")})
+        layers[path] = entry
+    return {
+        "steps": settings.steps,
+        "batch_size": settings.batch_size,
+        "seq_len": settings.seq_len,
+        "backward": settings.backward,
+        "data_source": run.calibration["data_source"],
+        "slots_forward": ["input", "weight", "output"],
+        "slots_backward": ["grad_output", "grad_input"],
+        "layers": layers,
+        "te_check": run.calibration.get("te_check", {"ran": False, "reason": "TransformerEngine not used here"}),
+    }
+
+
+def write_json_files(run: _Run, staging: Path, written: list[str]) -> list[str]:
+    with open(run.model_dir / "config.json", encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["fp8"] = fp8_block(run)
+    write_json(staging / "config.json", config)
+    report = {
+        "version": FP8_BLOCK_VERSION,
+        "model": run.request.model,
+        "backend": run.recipe.backend.value,
+        "recipe": run.recipe.to_dict(),
+        "request": run.request.to_dict(),
+        "versions": versions(run.recipe.backend.value),
+        "warnings": run.warnings,
+        "converted_modules": list(run.converted),
+        "analysis": run.report,
+        "calibration": _calibration_report(run),
+        "files": sorted(written),
+    }
+    write_json(staging / REPORT_FILE, report)
+    return ["config.json", REPORT_FILE]

@@ -1,0 +1,142 @@
+"""The conversion pipeline: resolve -> analyze -> convert -> calibrate -> export.
+
+Each stage is a small function over one :class:`_Run`, reports its progress to a :class:`ProgressSink`,
+and checks for cancellation between steps. The output is staged in a hidden sibling directory and
+renamed into place only when every file is written, so a failed or cancelled run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from converters.errors import ConversionCancelled, Fp8ForgeError
+from converters.loading import ModelSourceOptions
+from converters.requests import CalibrationSettings, ConversionRequest
+
+__all__ = [
+    "STAGES",
+    "ProgressSink",
+    "NullSink",
+    "ConversionRequest",
+    "CalibrationSettings",
+    "ConversionResult",
+    "run_conversion",
+    "staging_dir_for",
+]
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("resolve", "analyze", "convert", "calibrate", "export")
+
+
+class ProgressSink(Protocol):
+    """Where the pipeline reports; the CLI draws progress bars, the worker stores events."""
+
+    def stage(self, name: str) -> None: ...
+
+    def progress(self, done: int, total: int) -> None: ...
+
+    def warning(self, message: str) -> None: ...
+
+    def should_stop(self) -> bool: ...
+
+
+class NullSink:
+    """A sink that records warnings and never asks to stop."""
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def stage(self, name: str) -> None:
+        logger.info("stage %s", name)
+
+    def progress(self, done: int, total: int) -> None:
+        pass
+
+    def warning(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def should_stop(self) -> bool:
+        return False
+
+
+@dataclass
+class ConversionResult:
+    out_dir: Path
+    files: list[str]
+    manifest: list[dict[str, Any]]
+    report_path: Path
+    converted: list[str]
+
+
+@dataclass
+class _Run:
+    """What the stages hand to each other."""
+
+    request: ConversionRequest
+    sources: ModelSourceOptions
+    sink: ProgressSink
+    recipe: Any = None
+    model_dir: Path | None = None
+    config: Any = None
+    report: dict[str, Any] | None = None
+    model: Any = None
+    converted: list[str] = field(default_factory=list)
+    te_modules: bool = False
+    calibration: dict[str, Any] = field(default_factory=dict)
+    tied_weights: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        self.sink.warning(message)
+
+    def check_stop(self) -> None:
+        if self.sink.should_stop():
+            raise ConversionCancelled("the conversion was cancelled")
+
+
+def staging_dir_for(out_dir: Path) -> Path:
+    """The hidden sibling a run of ``out_dir`` writes into before the final rename."""
+    return out_dir.parent / f".{out_dir.name}.partial"
+
+
+def run_conversion(
+    request: ConversionRequest, out_dir: Path, sources: ModelSourceOptions, sink: ProgressSink | None = None
+) -> ConversionResult:
+    """Convert ``request.model`` and write its artifacts to ``out_dir`` (which must not exist).
+
+    Raises:
+        Fp8ForgeError subclasses: bad input (``is_bad_input``), backend unavailable, inconsistent
+            conversion, or ConversionCancelled when ``sink.should_stop()`` turned true.
+    """
+    from converters import stages
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise Fp8ForgeError(f"output directory {out_dir} already exists; choose a new one", field="out")
+    run = _Run(request=request, sources=sources, sink=sink or NullSink())
+    staging = staging_dir_for(out_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        for stage in (stages.resolve, stages.analyze, stages.convert, stages.calibrate):
+            run.check_stop()
+            run.sink.stage(stage.__name__)
+            stage(run)
+        run.check_stop()
+        run.sink.stage("export")
+        files, manifest = stages.export(run, staging)
+        run.check_stop()
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ConversionResult(
+        out_dir=out_dir, files=files, manifest=manifest, report_path=out_dir / "fp8_report.json", converted=run.converted
+    )

@@ -1,0 +1,170 @@
+"""The five pipeline stages. Each takes the run state, reports progress, and returns nothing but export."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from converters.errors import BackendUnavailableError, CalibrationDataError, ConversionError
+
+if TYPE_CHECKING:
+    from converters.pipeline import _Run
+
+__all__ = ["resolve", "analyze", "convert", "calibrate", "export"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve(run: _Run) -> None:
+    """Parse the recipe, find the model's files, read its config."""
+    from converters.loading import load_config, resolve_model_dir
+
+    run.recipe = run.request.parsed_recipe()
+    for message in run.recipe.warnings():
+        run.warn(message)
+    run.model_dir = resolve_model_dir(run.request.model, run.sources, with_weights=True)
+    run.config = load_config(run.model_dir, run.sources)
+    max_positions = getattr(run.config, "max_position_embeddings", None)
+    if max_positions and run.request.calibration.seq_len > max_positions:
+        raise CalibrationDataError(
+            f"calibration.seq_len {run.request.calibration.seq_len} exceeds the model's "
+            f"max_position_embeddings {max_positions}",
+            field="calibration.seq_len",
+        )
+    run.sink.progress(1, 1)
+
+
+def analyze(run: _Run) -> None:
+    """The eligibility report on the meta device; it alone decides what is converted."""
+    from converters.analysis import AnalysisOptions, analyze_model
+    from converters.loading import build_meta_model
+
+    options = AnalysisOptions(
+        backend=run.recipe.backend.value,
+        include=run.request.include,
+        exclude=run.request.exclude,
+        skip_first_last=run.request.skip_first_last,
+        convert_router_gates=run.request.convert_router_gates,
+    )
+    run.report = analyze_model(build_meta_model(run.config, run.sources), options)
+    run.report["model"] = {"reference": run.request.model, "model_type": getattr(run.config, "model_type", None)}
+    if run.report["totals"]["eligible_layers"] == 0:
+        raise ConversionError(
+            "no layer is eligible for FP8 (see `fp8forge analyze`): nothing to convert; "
+            "adjust include/exclude or choose a model with nn.Linear layers whose dims are multiples of 16"
+        )
+    for group in run.report["fused_groups"]:
+        if group["partly_eligible"]:
+            run.warn(f"fused group {group['name']} is only partly FP8; serving engines may refuse it")
+    run.sink.progress(1, 1)
+
+
+def convert(run: _Run) -> None:
+    """Load the weights and swap the eligible layers (TE modules only where CUDA and TE are present)."""
+    from converters.analysis import eligible_paths
+    from converters.loading import load_model
+
+    eligible = eligible_paths(run.report)
+    run.model = load_model(run.model_dir, run.sources)
+    run.sink.progress(1, 2)
+    if run.recipe.backend.value == "ao":
+        from converters.backends.torchao import convert_to_torchao
+
+        run.converted = convert_to_torchao(run.model, eligible, run.recipe.to_float8_linear_config())
+    else:
+        _convert_te(run, eligible)
+    run.sink.progress(2, 2)
+
+
+def _convert_te(run: _Run, eligible: list[str]) -> None:
+    from converters.backends.transformer_engine import convert_to_te, te_status
+
+    available, why = te_status()
+    if available:
+        run.converted = convert_to_te(run.model, eligible)
+        run.te_modules = True
+        return
+    if run.request.te_extra_state:
+        raise BackendUnavailableError(
+            f"te_extra_state needs TransformerEngine to write its own _extra_state, and {why}; "
+            "drop te_extra_state (the plain-tensor state is complete) or run on a CUDA worker with TE"
+        )
+    # No fake TE modules: the checkpoint is written from the recorded calibration, in TE's layout.
+    run.converted = list(eligible)
+    run.warn(f"TransformerEngine modules were not built here ({why}); the TE checkpoint is computed from "
+             "the recorded calibration and loads with load_te() on a CUDA machine")
+
+
+def calibrate(run: _Run) -> None:
+    """Record amax per eligible layer over the calibration batches and derive the scaling state."""
+    from converters.calibration import calibration_batches, record_amax
+    from converters.loading import load_tokenizer
+
+    settings = run.request.calibration
+    tokenizer = load_tokenizer(run.model_dir, run.sources)
+    batches, source = calibration_batches(
+        tokenizer,
+        vocab_size=run.config.vocab_size,
+        texts=list(settings.texts) if settings.texts is not None else None,
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        seq_len=settings.seq_len,
+    )
+    if tokenizer is None:
+        run.warn("the model ships no tokenizer: calibration used random token ids, not text")
+    amax = record_amax(
+        run.model, run.converted, batches, backward=settings.backward,
+        on_step=run.sink.progress, should_stop=run.sink.should_stop,
+    )
+    run.calibration = {"data_source": source, "amax": amax, "states": _scaling_states(run, amax)}
+    if run.te_modules:
+        from converters.backends.transformer_engine import apply_scaling_state, fp8_check_step
+
+        apply_scaling_state(run.model, run.calibration["states"], run.recipe)
+        run.calibration["te_check"] = fp8_check_step(run.model, batches[0], run.recipe)
+
+
+def _scaling_states(run: _Run, amax: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """TE delayed scaling: the state TE would hold. Other recipes scale dynamically: per-step scales."""
+    from converters.calibration import te_scaling_state
+    from converters.recipes import TEDelayedScalingRecipe
+
+    if isinstance(run.recipe, TEDelayedScalingRecipe):
+        return {path: te_scaling_state(layer, run.recipe) for path, layer in amax.items()}
+    fp8_max = 448.0  # e4m3 for inputs and weights in every torchao recipe and in TE current scaling
+    return {
+        path: {"scale_fwd_per_step": torch.where(layer.forward > 0, fp8_max / layer.forward, torch.ones(()))}
+        for path, layer in amax.items()
+    }
+
+
+def export(run: _Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """Write weights, calibration, config, report and manifest into ``staging``."""
+    from converters import artifact_files
+
+    written = artifact_files.write_model_files(run, staging)
+    run.sink.progress(1, 3)
+    written += artifact_files.write_calibration_file(run, staging)
+    written += _copy_side_files(run.model_dir, staging)
+    written += artifact_files.write_json_files(run, staging, written)
+    run.sink.progress(2, 3)
+    from converters.export import write_manifest
+
+    manifest = write_manifest(staging)
+    run.sink.progress(3, 3)
+    return sorted({*written, "manifest.json"}), manifest
+
+
+def _copy_side_files(source: Path, staging: Path) -> list[str]:
+    from converters.loading import TOKENIZER_FILES
+
+    copied = []
+    for name in [*TOKENIZER_FILES, "generation_config.json"]:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, staging / name)
+            copied.append(name)
+    return copied
