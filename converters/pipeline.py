@@ -137,6 +137,6 @@ def run_conversion(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return ConversionResult(
-        out_dir=out_dir, files=files, manifest=manifest, report_path=out_dir / "fp8_report.json", converted=run.converted
-    )
+    report_path = out_dir / "fp8_report.json"
+    return ConversionResult(out_dir=out_dir, files=files, manifest=manifest, report_path=report_path,
+                            converted=run.converted)

@@ -107,9 +107,9 @@ class ConversionRequest:
             if not isinstance(getattr(self, name), bool):
                 raise Fp8ForgeError(f"{name} must be true or false", field=name)
         if isinstance(self.max_shard_bytes, bool) or not isinstance(self.max_shard_bytes, int) or (
-            self.max_shard_bytes < 1024 * 1024
+            self.max_shard_bytes < 65536
         ):
-            raise Fp8ForgeError("max_shard_bytes must be an integer of at least 1048576 (1 MiB)", field="max_shard_bytes")
+            raise Fp8ForgeError("max_shard_bytes must be an integer of at least 65536", field="max_shard_bytes")
         self.parsed_recipe()  # raises RecipeError naming the field
 
     def parsed_recipe(self):

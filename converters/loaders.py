@@ -1,0 +1,94 @@
+"""Load fp8forge artifacts back: ``load_torchao`` (CPU or GPU) and ``load_te`` (CUDA + TransformerEngine).
+
+Both verify the manifest's checksums first, so a truncated or altered file is refused, not loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from converters.errors import Fp8ForgeError
+
+__all__ = ["read_fp8_block", "verify_manifest", "load_torchao", "load_te", "ArtifactError"]
+
+logger = logging.getLogger(__name__)
+
+
+class ArtifactError(Fp8ForgeError):
+    """The directory is not a complete, unaltered fp8forge artifact of the expected backend."""
+
+    code = "invalid_artifact"
+
+
+def verify_manifest(directory: Path) -> list[dict[str, Any]]:
+    """Check every file listed in manifest.json (size and sha256). Raises ArtifactError on any mismatch."""
+    from converters.export import MANIFEST_NAME, sha256_file
+
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{directory} has no {MANIFEST_NAME}: not an fp8forge artifact (or a partial one)")
+    entries = json.loads(manifest_path.read_text())["files"]
+    for entry in entries:
+        path = directory / entry["name"]
+        if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            raise ArtifactError(f"{path} is missing or differs from manifest.json; re-download the artifact")
+    return entries
+
+
+def read_fp8_block(directory: Path, backend: str) -> dict[str, Any]:
+    """The ``fp8`` block of the artifact's config.json, checked to be of ``backend``."""
+    config_path = Path(directory) / "config.json"
+    if not config_path.is_file():
+        raise ArtifactError(f"{directory} has no config.json")
+    block = json.loads(config_path.read_text()).get("fp8")
+    if not isinstance(block, dict) or "converted_modules" not in block:
+        raise ArtifactError(f"{config_path} has no fp8 block: not an fp8forge artifact")
+    if block.get("backend") != backend:
+        raise ArtifactError(
+            f"{directory} is a {block.get('backend')!r} artifact; load it with load_{block.get('backend')}()"
+        )
+    return block
+
+
+def load_torchao(directory: str | Path, *, verify: bool = True) -> Any:
+    """A model with the artifact's weights and ``Float8Linear`` layers, replaying the recorded conversion.
+
+    The torchao ``Float8LinearConfig`` is rebuilt from the artifact's ``fp8.float8_linear_config`` and
+    exactly ``fp8.converted_modules`` are swapped. The model is returned in train mode, ready to train.
+    Raises ArtifactError for a missing/altered file or an artifact of another backend.
+    """
+    from converters.backends.torchao import convert_to_torchao
+    from converters.loading import ModelSourceOptions, load_model
+    from converters.recipes import float8_linear_config_from_dict
+
+    directory = Path(directory).resolve()
+    if verify:
+        verify_manifest(directory)
+    block = read_fp8_block(directory, "ao")
+    float8_config = float8_linear_config_from_dict(block["float8_linear_config"])
+    model = load_model(directory, ModelSourceOptions(allowed_roots=(directory,)))
+    convert_to_torchao(model, block["converted_modules"], float8_config)
+    model.train()
+    return model
+
+
+def load_te(directory: str | Path, *, verify: bool = True, device: str = "cuda") -> Any:
+    """A model with ``te.Linear`` layers whose scaling state equals the artifact's (CUDA + TE only).
+
+    Raises BackendUnavailableError (before reading any weight) where CUDA or TransformerEngine is
+    missing, and ArtifactError for a missing/altered file or an artifact of another backend.
+    """
+    from converters.backends.transformer_engine import require_te
+
+    require_te()
+    directory = Path(directory).resolve()
+    if verify:
+        verify_manifest(directory)
+    read_fp8_block(directory, "te")
+    from converters.backends.te_loader import load_te as load_te_modules
+
+    return load_te_modules(directory, device=device)

@@ -1,0 +1,108 @@
+"""`fp8forge convert`: run the conversion pipeline with a progress bar per stage and a closing summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_convert_command", "request_from_args"]
+
+
+class BarSink:
+    """Draws one tqdm bar per pipeline stage on stderr; warnings are printed as they come."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.warnings: list[str] = []
+
+    def stage(self, name: str) -> None:
+        self._close()
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=1, desc=f"{name:<9}", unit="step", file=sys.stderr, leave=True)
+
+    def progress(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.n = done
+            self.bar.refresh()
+
+    def warning(self, message: str) -> None:
+        self.warnings.append(message)
+        print(f"warning: {message}", file=sys.stderr)
+
+    def should_stop(self) -> bool:
+        return False
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    close = _close
+
+
+def _read_texts(path: Path) -> list[str]:
+    from converters.errors import CalibrationDataError
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CalibrationDataError(f"cannot read --calib-texts {path}: {exc}", field="calib_texts") from exc
+    return [paragraph.strip() for paragraph in text.split("\n\n") if paragraph.strip()]
+
+
+def request_from_args(args: argparse.Namespace):
+    """Build the ConversionRequest from CLI flags (recipe file, backend, calibration, selection)."""
+    from converters.errors import RecipeError
+    from converters.recipes import load_recipe_file
+    from converters.requests import CalibrationSettings, ConversionRequest
+
+    recipe: dict[str, Any] = {"backend": args.backend or "te"}
+    if args.recipe is not None:
+        recipe = load_recipe_file(args.recipe).to_dict()
+        if args.backend and args.backend != recipe["backend"]:
+            raise RecipeError(
+                f"--backend {args.backend} contradicts the recipe file's backend {recipe['backend']}; drop one",
+                field="backend",
+            )
+    defaults = CalibrationSettings()
+    calibration = CalibrationSettings(
+        steps=args.calib_steps if args.calib_steps is not None else defaults.steps,
+        batch_size=args.calib_batch_size if args.calib_batch_size is not None else defaults.batch_size,
+        seq_len=args.calib_seq_len if args.calib_seq_len is not None else defaults.seq_len,
+        texts=tuple(_read_texts(args.calib_texts)) if args.calib_texts else None,
+        backward=args.calib_backward,
+    )
+    return ConversionRequest(
+        model=args.model,
+        recipe=recipe,
+        calibration=calibration,
+        include=tuple(args.include),
+        exclude=tuple(args.exclude),
+        skip_first_last=not args.no_skip_first_last,
+        convert_router_gates=args.convert_router_gates,
+    )
+
+
+def run_convert_command(args: argparse.Namespace, sources) -> int:
+    from converters.pipeline import run_conversion
+    from converters.report_format import human_bytes
+
+    request = request_from_args(args)
+    sink = BarSink(enabled=not args.no_progress)
+    try:
+        result = run_conversion(request, args.out, sources, sink)
+    finally:
+        sink.close()
+    total = sum(entry["bytes"] for entry in result.manifest)
+    print(f"converted {len(result.converted)} layers with backend {request.parsed_recipe().backend.value}")
+    print(f"wrote {len(result.manifest) + 1} files ({human_bytes(total)}) to {result.out_dir}")
+    print(f"report: {result.report_path}")
+    if sink.warnings:
+        print(f"{len(sink.warnings)} warning(s); see fp8_report.json")
+    return 0

@@ -1,0 +1,186 @@
+"""End to end on CPU: `fp8forge convert` with torchao (each recipe) and TE, artifacts reloaded."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from converters.calibration import LayerAmax, te_scaling_state
+from converters.loaders import ArtifactError, load_torchao, verify_manifest
+from converters.loading import ModelSourceOptions, load_model
+from converters.recipes import recipe_from_dict
+from converters.te_layout import TE_STATE_NAMES, state_key
+from service.cli import main
+from tests.models import minilm_dir, save_tiny_model
+
+SMALL_CALIBRATION = ["--calib-steps", "3", "--calib-seq-len", "32", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def llama_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    from converters.demo import build_tiny_llama
+
+    build_tiny_llama(root / "llama")  # bf16, with a tokenizer
+    return root
+
+
+def convert(root, model, out, *extra):
+    return main(["convert", str(model), "--out", str(out), "--allow-root", str(root), *SMALL_CALIBRATION, *extra])
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_torchao_recipes_convert_reload_and_train(llama_root, tmp_path, recipe_name):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"backend": "AO", "recipe_name": recipe_name}))
+    out = llama_root / f"ao-{recipe_name}"
+    assert convert(llama_root, llama_root / "llama", out, "--recipe", str(recipe)) == 0
+
+    model = load_torchao(out)
+    converted = [name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"]
+    config = json.loads((out / "config.json").read_text())["fp8"]
+    assert converted == config["converted_modules"] and len(converted) == 13
+    assert config["float8_linear_config"]["cast_config_input"]["scaling_granularity"] == (
+        "tensorwise" if recipe_name == "tensorwise" else "axiswise"
+    )
+
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    original = load_model(llama_root / "llama", ModelSourceOptions())
+    cosine = torch.nn.functional.cosine_similarity(logits(model, ids).flatten(), logits(original, ids).flatten(), dim=0)
+    assert cosine >= 0.99
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss) and model.model.layers[1].mlp.up_proj.weight.grad is not None
+
+
+def test_te_checkpoint_layout_and_state_equal_the_recorded_calibration(llama_root, tmp_path):
+    recipe = tmp_path / "te.json"
+    recipe.write_text(json.dumps({"backend": "te", "amax_history_len": 4, "amax_compute_algo": "max", "margin": 1}))
+    out = llama_root / "te"
+    assert convert(llama_root, llama_root / "llama", out, "--recipe", str(recipe), "--calib-backward") == 0
+
+    weights = load_file(out / "model.safetensors")
+    calibration = load_file(out / "fp8_calibration.safetensors")
+    original = load_file(llama_root / "llama" / "model.safetensors")
+    block = json.loads((out / "config.json").read_text())["fp8"]
+    assert block["te_modules_built"] is False and len(block["converted_modules"]) == 13
+    assert {key for key in weights if ".fp8_" not in key} == set(original)
+    assert all(torch.equal(weights[key], original[key]) for key in original)
+
+    parsed = recipe_from_dict(block["recipe"])
+    for path in block["converted_modules"]:
+        layer = LayerAmax(forward=calibration[f"{path}.amax_forward"], backward=calibration[f"{path}.amax_backward"])
+        expected = te_scaling_state(layer, parsed)
+        for name in TE_STATE_NAMES:
+            assert torch.equal(weights[state_key(path, name)], expected[name]), (path, name)
+        assert weights[state_key(path, "amax_history_fwd")].shape == (4, 3)
+        assert weights[state_key(path, "scale_bwd")].shape == (2,)
+        assert weights[state_key(path, "scale_fwd")][1] != 1.0  # the weight slot was calibrated
+    report = json.loads((out / "fp8_report.json").read_text())
+    assert report["calibration"]["steps"] == 3 and "built-in corpus" in report["calibration"]["data_source"]
+    assert any("TransformerEngine modules were not built here" in warning for warning in report["warnings"])
+    with safe_open(out / "model.safetensors", "pt") as handle:
+        metadata = handle.metadata()
+    assert json.loads(metadata["fp8_recipe"])["amax_history_len"] == 4 and metadata["version_torch"]
+
+
+def test_real_minilm_converts_with_both_backends(tmp_path):
+    directory = minilm_dir()
+    root = directory.parent
+    for backend in ("ao", "te"):
+        out = tmp_path / backend
+        code = main(["convert", str(directory), "--out", str(out), "--allow-root", str(root), "--backend", backend,
+                     *SMALL_CALIBRATION])
+        assert code == 0
+        verify_manifest(out)
+        report = json.loads((out / "fp8_report.json").read_text())
+        assert len(report["converted_modules"]) == 35 and "tokenizer.json" in report["files"]
+    model = load_torchao(tmp_path / "ao")
+    ids = torch.tensor([[101, 7592, 2088, 102]])
+    model.train()
+    output = model(input_ids=ids).last_hidden_state
+    output.float().pow(2).mean().backward()
+    assert model.encoder.layer[0].attention.self.query.weight.grad is not None
+
+
+def test_sharding_writes_an_index_and_reloads(llama_root):
+    out = llama_root / "sharded"
+    from converters.pipeline import NullSink, run_conversion
+    from converters.requests import CalibrationSettings, ConversionRequest
+
+    request = ConversionRequest(
+        model=str(llama_root / "llama"), recipe={"backend": "ao"}, max_shard_bytes=200_000,
+        calibration=CalibrationSettings(steps=2, seq_len=16),
+    )
+    run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_root,)), NullSink())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2 and all((out / shard).is_file() for shard in shards)
+    assert len(load_torchao(out).model.layers) == 2
+
+
+def test_tied_weights_are_stored_once(tmp_path):
+    save_tiny_model("gemma", tmp_path / "gemma")
+    out = tmp_path / "out"
+    assert main(["convert", str(tmp_path / "gemma"), "--out", str(out), "--allow-root", str(tmp_path),
+                 "--backend", "ao", *SMALL_CALIBRATION]) == 0
+    weights = load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights
+    assert json.loads((out / "config.json").read_text())["fp8"]["tied_weights"] == {
+        "lm_head.weight": "model.embed_tokens.weight"
+    }
+    model = load_torchao(out)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    report = json.loads((out / "fp8_report.json").read_text())
+    assert any("random token ids" in warning for warning in report["warnings"])
+
+
+def test_altered_artifact_is_refused(llama_root):
+    out = llama_root / "ao-tensorwise"
+    if not out.exists():
+        pytest.skip("needs the tensorwise artifact of the earlier test")
+    copy = llama_root / "altered"
+    import shutil
+
+    shutil.copytree(out, copy)
+    with open(copy / "fp8_report.json", "a") as handle:
+        handle.write(" ")
+    with pytest.raises(ArtifactError, match="differs from manifest.json"):
+        load_torchao(copy)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--calib-seq-len", "100000"], "calibration.seq_len must be an integer from 1 to 32768"),
+        (["--calib-seq-len", "1000"], "exceeds the model's max_position_embeddings 512"),
+        (["--calib-steps", "0"], "calibration.steps must be an integer"),
+        (["--backend", "ao", "--exclude", "*"], "no layer is eligible"),
+    ],
+)
+def test_failed_run_leaves_no_output(llama_root, extra, message, capsys):
+    out = llama_root / "failed"
+    args = ["convert", str(llama_root / "llama"), "--out", str(out), "--allow-root", str(llama_root), "--no-progress"]
+    code = main([*args, *extra])
+    err = capsys.readouterr().err
+    assert code in (1, 2) and message in err
+    assert not out.exists() and not (llama_root / ".failed.partial").exists()
+
+
+def test_recipe_file_errors_exit_2(llama_root, tmp_path, capsys):
+    recipe = tmp_path / "bad.json"
+    recipe.write_text(json.dumps({"backend": "te", "amax_history_lenght": 4}))
+    code = main(["convert", str(llama_root / "llama"), "--out", str(tmp_path / "o"), "--allow-root", str(llama_root),
+                 "--recipe", str(recipe)])
+    err = capsys.readouterr().err
+    assert code == 2 and "amax_history_lenght" in err and not (tmp_path / "o").exists()
