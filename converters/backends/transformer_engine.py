@@ -131,7 +131,8 @@ def _require_fp8_execution(te: Any) -> None:
 def build_te_recipe(recipe: TEDelayedScalingRecipe | TECurrentScalingRecipe) -> Any:
     """TE's ``DelayedScaling`` or ``Float8CurrentScaling`` for one of our TE recipes (fields map 1:1).
 
-    Raises BackendUnavailableError without CUDA/TE, RecipeError for a recipe of another backend.
+    Raises BackendUnavailableError without CUDA/TE (or, for current scaling, with TE < 2.2), RecipeError for a
+    recipe of another backend.
     """
     if not isinstance(recipe, (TEDelayedScalingRecipe, TECurrentScalingRecipe)):
         raise RecipeError(f"the TransformerEngine backend needs a te recipe, got {type(recipe).__name__}",
@@ -140,8 +141,12 @@ def build_te_recipe(recipe: TEDelayedScalingRecipe | TECurrentScalingRecipe) -> 
     te_recipe = importlib.import_module("transformer_engine.common.recipe")
     kwargs = recipe.te_recipe_kwargs()
     kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
-    cls = te_recipe.DelayedScaling if isinstance(recipe, TEDelayedScalingRecipe) else te_recipe.Float8CurrentScaling
-    return cls(**kwargs)
+    name = "DelayedScaling" if isinstance(recipe, TEDelayedScalingRecipe) else "Float8CurrentScaling"
+    if not hasattr(te_recipe, name):  # Float8CurrentScaling arrived in TE 2.2
+        raise BackendUnavailableError(f"this TransformerEngine has no {name} recipe; upgrade it to 2.2 or newer: "
+                                      "pip install --no-build-isolation -U 'transformer_engine[pytorch]'",
+                                      field="backend")
+    return getattr(te_recipe, name)(**kwargs)
 
 
 # --- module swap ----------------------------------------------------------------------------------
