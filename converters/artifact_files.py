@@ -162,6 +162,7 @@ def write_json_files(run: _Run, staging: Path, written: list[str]) -> list[str]:
         "request": run.request.to_dict(),
         "versions": versions(run.recipe.backend.value),
         "warnings": run.warnings,
+        "stage_seconds": run.stage_seconds,
         "converted_modules": list(run.converted),
         "analysis": run.report,
         "calibration": _calibration_report(run),

@@ -1,4 +1,7 @@
-"""The conversion pipeline: resolve -> analyze -> convert -> calibrate -> export.
+"""The conversion pipeline: resolve -> analyze -> calibrate -> convert -> export.
+
+Calibration comes before the swap because it measures the high-precision tensors (see
+``stages.calibrate``); ``resolve`` loads the weights.
 
 Each stage is a small function over one :class:`_Run`, reports its progress to a :class:`ProgressSink`,
 and checks for cancellation between steps. The output is staged in a hidden sibling directory and
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,7 +35,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("resolve", "analyze", "convert", "calibrate", "export")
+STAGES = ("resolve", "analyze", "calibrate", "convert", "export")
 
 
 class ProgressSink(Protocol):
@@ -90,6 +94,7 @@ class _Run:
     te_modules: bool = False
     calibration: dict[str, Any] = field(default_factory=dict)
     tied_weights: dict[str, str] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def warn(self, message: str) -> None:
@@ -125,10 +130,12 @@ def run_conversion(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        for stage in (stages.resolve, stages.analyze, stages.convert, stages.calibrate):
+        for stage in (stages.resolve, stages.analyze, stages.calibrate, stages.convert):
             run.check_stop()
             run.sink.stage(stage.__name__)
+            started = time.perf_counter()
             stage(run)
+            run.stage_seconds[stage.__name__] = round(time.perf_counter() - started, 3)
         run.check_stop()
         run.sink.stage("export")
         files, manifest = stages.export(run, staging)

@@ -20,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def resolve(run: _Run) -> None:
-    """Parse the recipe, find the model's files, read its config."""
-    from converters.loading import load_config, resolve_model_dir
+    """Parse the recipe, find the model's files, read its config, load its weights (on the GPU if any)."""
+    from converters.loading import load_config, load_model, resolve_model_dir
 
     run.recipe = run.request.parsed_recipe()
     for message in run.recipe.warnings():
@@ -35,7 +35,11 @@ def resolve(run: _Run) -> None:
             f"max_position_embeddings {max_positions}",
             field="calibration.seq_len",
         )
-    run.sink.progress(1, 1)
+    run.sink.progress(1, 2)
+    run.model = load_model(run.model_dir, run.sources)
+    if torch.cuda.is_available():
+        run.model.to("cuda")
+    run.sink.progress(2, 2)
 
 
 def analyze(run: _Run) -> None:
@@ -64,29 +68,31 @@ def analyze(run: _Run) -> None:
 
 
 def convert(run: _Run) -> None:
-    """Load the weights and swap the eligible layers (TE modules only where CUDA and TE are present)."""
+    """Swap the eligible layers (TE modules only where CUDA and TE are present) and seed their state."""
     from converters.analysis import eligible_paths
-    from converters.loading import load_model
 
     eligible = eligible_paths(run.report)
-    run.model = load_model(run.model_dir, run.sources)
-    run.sink.progress(1, 2)
     if run.recipe.backend.value == "ao":
         from converters.backends.torchao import convert_to_torchao
 
         run.converted = convert_to_torchao(run.model, eligible, run.recipe.to_float8_linear_config())
     else:
         _convert_te(run, eligible)
-    run.sink.progress(2, 2)
+    run.sink.progress(1, 1)
 
 
 def _convert_te(run: _Run, eligible: list[str]) -> None:
-    from converters.backends.transformer_engine import convert_to_te, te_status
+    from converters.backends.transformer_engine import te_status
 
     available, why = te_status()
     if available:
+        from converters.backends.transformer_engine import apply_scaling_state, convert_to_te, fp8_check_step
+
         run.converted = convert_to_te(run.model, eligible)
         run.te_modules = True
+        if run.calibration["states"] and "scale_fwd" in next(iter(run.calibration["states"].values())):
+            apply_scaling_state(run.model, run.calibration["states"], run.recipe)
+        run.calibration["te_check"] = fp8_check_step(run.model, run.calibration["check_batch"], run.recipe)
         return
     if run.request.te_extra_state:
         raise BackendUnavailableError(
@@ -100,7 +106,13 @@ def _convert_te(run: _Run, eligible: list[str]) -> None:
 
 
 def calibrate(run: _Run) -> None:
-    """Record amax per eligible layer over the calibration batches and derive the scaling state."""
+    """Record amax per eligible layer over the calibration batches and derive the scaling state.
+
+    This runs on the high-precision model, before the swap: the amax seeds describe the tensors FP8
+    will have to represent (TE's own calibration mode also runs in high precision), and on a CPU an
+    emulated FP8 matmul costs twenty times a bf16 one.
+    """
+    from converters.analysis import eligible_paths
     from converters.calibration import calibration_batches, record_amax
     from converters.loading import load_tokenizer
 
@@ -117,15 +129,12 @@ def calibrate(run: _Run) -> None:
     if tokenizer is None:
         run.warn("the model ships no tokenizer: calibration used random token ids, not text")
     amax = record_amax(
-        run.model, run.converted, batches, backward=settings.backward,
+        run.model, eligible_paths(run.report), batches, backward=settings.backward,
         on_step=run.sink.progress, should_stop=run.sink.should_stop,
     )
-    run.calibration = {"data_source": source, "amax": amax, "states": _scaling_states(run, amax)}
-    if run.te_modules:
-        from converters.backends.transformer_engine import apply_scaling_state, fp8_check_step
-
-        apply_scaling_state(run.model, run.calibration["states"], run.recipe)
-        run.calibration["te_check"] = fp8_check_step(run.model, batches[0], run.recipe)
+    run.calibration = {
+        "data_source": source, "amax": amax, "states": _scaling_states(run, amax), "check_batch": batches[0],
+    }
 
 
 def _scaling_states(run: _Run, amax: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
