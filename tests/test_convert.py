@@ -94,23 +94,52 @@ def test_te_checkpoint_layout_and_state_equal_the_recorded_calibration(llama_roo
     assert json.loads(metadata["fp8_recipe"])["amax_history_len"] == 4 and metadata["version_torch"]
 
 
-def test_real_minilm_converts_with_both_backends(tmp_path):
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_real_minilm_torchao_recipes(tmp_path, recipe_name):
     directory = minilm_dir()
-    root = directory.parent
-    for backend in ("ao", "te"):
-        out = tmp_path / backend
-        code = main(["convert", str(directory), "--out", str(out), "--allow-root", str(root), "--backend", backend,
-                     *SMALL_CALIBRATION])
-        assert code == 0
-        verify_manifest(out)
-        report = json.loads((out / "fp8_report.json").read_text())
-        assert len(report["converted_modules"]) == 35 and "tokenizer.json" in report["files"]
-    model = load_torchao(tmp_path / "ao")
-    ids = torch.tensor([[101, 7592, 2088, 102]])
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"backend": "ao", "recipe_name": recipe_name}))
+    out = tmp_path / "ao"
+    assert main(["convert", str(directory), "--out", str(out), "--allow-root", str(directory.parent),
+                 "--recipe", str(recipe), *SMALL_CALIBRATION]) == 0
+    verify_manifest(out)
+    report = json.loads((out / "fp8_report.json").read_text())
+    assert len(report["converted_modules"]) == 35 and "tokenizer.json" in report["files"]
+    assert "built-in corpus" in report["calibration"]["data_source"]
+
+    model = load_torchao(out)
+    ids = torch.tensor([[101, 7592, 2088, 102] * 4])
+    original = load_model(directory, ModelSourceOptions())
+    with torch.no_grad():
+        reference = original(input_ids=ids).last_hidden_state
+    model.eval()  # no dropout in the comparison
+    with torch.no_grad():
+        output = model(input_ids=ids).last_hidden_state
+    cosine = torch.nn.functional.cosine_similarity(output.flatten(), reference.flatten(), dim=0)
+    assert cosine >= 0.99
     model.train()
-    output = model(input_ids=ids).last_hidden_state
-    output.float().pow(2).mean().backward()
-    assert model.encoder.layer[0].attention.self.query.weight.grad is not None
+    model(input_ids=ids).last_hidden_state.float().pow(2).mean().backward()
+    assert model.encoder.layer[1].attention.self.query.weight.grad is not None
+
+
+def test_real_minilm_te_files_reload_key_for_key(tmp_path):
+    from converters.backends.te_loader import build_hf_model, read_te_artifact
+
+    directory = minilm_dir()
+    out = tmp_path / "te"
+    assert main(["convert", str(directory), "--out", str(out), "--allow-root", str(directory.parent),
+                 "--backend", "te", *SMALL_CALIBRATION]) == 0
+    artifact = read_te_artifact(out)
+    original = load_file(directory / "model.safetensors")
+    # The 2021 checkpoint still stores position_ids, a buffer transformers 5 no longer saves.
+    original.pop("embeddings.position_ids")
+    assert set(artifact.weights) == set(original)
+    assert all(torch.equal(artifact.weights[key], original[key]) for key in original)
+    assert sorted(artifact.scaling_states) == sorted(artifact.converted_modules)
+    assert len(artifact.converted_modules) == 35
+    model = build_hf_model(artifact)
+    query = "encoder.layer.0.attention.self.query.weight"
+    assert torch.equal(model.get_parameter(query), original[query])
 
 
 def test_sharding_writes_an_index_and_reloads(llama_root):
