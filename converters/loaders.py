@@ -62,8 +62,8 @@ def load_torchao(directory: str | Path, *, verify: bool = True) -> Any:
     Raises ArtifactError for a missing/altered file or an artifact of another backend.
     """
     from converters.backends.torchao import convert_to_torchao
+    from converters.float8_config import float8_linear_config_from_dict
     from converters.loading import ModelSourceOptions, load_model
-    from converters.recipes import float8_linear_config_from_dict
 
     directory = Path(directory).resolve()
     if verify:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from converters.errors import RecipeError
+from converters.float8_config import float8_linear_config_from_dict
 from converters.recipes import (
     AmaxComputeAlgo,
     AORecipeName,
@@ -16,7 +17,6 @@ from converters.recipes import (
     TEDelayedScalingRecipe,
     TorchAORecipe,
     default_recipe,
-    float8_linear_config_from_dict,
     load_recipe_file,
     recipe_from_accelerate_yaml,
     recipe_from_dict,

@@ -1,0 +1,93 @@
+"""torchao ``Float8LinearConfig`` <-> JSON, so an artifact records the exact config and can replay it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from converters.errors import RecipeError
+
+__all__ = ["float8_config_to_dict", "float8_linear_config_from_dict"]
+
+
+def _check_bool(value: Any, field: str) -> None:
+    if not isinstance(value, bool):
+        raise RecipeError(f"{field} must be true or false, got {value!r}.", field=field)
+
+
+def float8_config_to_dict(config: Any) -> dict[str, Any]:
+    """The fully resolved ``Float8LinearConfig`` as JSON-able data (enums as their values)."""
+    return _jsonable(config)
+
+
+_FLOAT8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    text = str(value)
+    if text.startswith("torch.float8"):
+        return text.removeprefix("torch.")
+    # A new torchao field of a type we cannot write would make the replay silently incomplete.
+    raise TypeError(f"Cannot write {type(value).__name__} value {value!r} of Float8LinearConfig as JSON.")
+
+
+def float8_linear_config_from_dict(data: Mapping[str, Any]) -> Any:
+    """Rebuild a torchao ``Float8LinearConfig`` from :meth:`TorchAORecipe.float8_config_dict` output.
+
+    Omitted fields take torchao's defaults. Raises RecipeError naming the field for an unknown key or a
+    value torchao rejects.
+    """
+    import torch
+    from torchao.float8.config import (
+        CastConfig,
+        Float8GemmConfig,
+        Float8LinearConfig,
+        ScalingGranularity,
+        ScalingType,
+    )
+
+    if not isinstance(data, Mapping):
+        raise RecipeError("float8 config must be a JSON object.", field="float8_config")
+    names = [f.name for f in dataclasses.fields(Float8LinearConfig)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in names:
+            raise RecipeError(
+                f"Unknown Float8LinearConfig field {key!r}; allowed: {', '.join(names)}.", field=key
+            )
+        try:
+            if key.startswith("cast_config"):
+                if value is None:
+                    kwargs[key] = None
+                    continue
+                dtype_name = value.get("target_dtype")
+                if dtype_name is not None and dtype_name not in _FLOAT8_DTYPE_NAMES:
+                    raise ValueError(f"target_dtype must be one of {_FLOAT8_DTYPE_NAMES}")
+                kwargs[key] = CastConfig(
+                    scaling_type=ScalingType(value.get("scaling_type", "dynamic")),
+                    scaling_granularity=ScalingGranularity(value.get("scaling_granularity", "tensorwise")),
+                    target_dtype=getattr(torch, dtype_name) if dtype_name else None,
+                )
+            elif key.startswith("gemm_config"):
+                fast = value.get("use_fast_accum", False)
+                _check_bool(fast, f"{key}.use_fast_accum")
+                kwargs[key] = Float8GemmConfig(use_fast_accum=fast)
+            else:
+                _check_bool(value, key)
+                kwargs[key] = value
+        except RecipeError:
+            raise
+        except (AttributeError, ValueError, AssertionError) as exc:
+            raise RecipeError(f"Invalid Float8LinearConfig field {key}: {exc}", field=key) from exc
+    try:
+        return Float8LinearConfig(**kwargs)
+    except AssertionError as exc:  # torchao validates with asserts
+        raise RecipeError(f"torchao rejects this Float8LinearConfig: {exc}", field="float8_config") from exc
