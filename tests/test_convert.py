@@ -213,3 +213,21 @@ def test_recipe_file_errors_exit_2(llama_root, tmp_path, capsys):
                  "--recipe", str(recipe)])
     err = capsys.readouterr().err
     assert code == 2 and "amax_history_lenght" in err and not (tmp_path / "o").exists()
+
+
+def test_accelerate_config_yaml_drives_a_te_conversion(llama_root, tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: fp8\n"
+        "fp8_config:\n  amax_compute_algo: most_recent\n  amax_history_len: 8\n  backend: TE\n"
+        "  fp8_format: E4M3\n  interval: 1\n  margin: 0\n  override_linear_precision: (false, false, false)\n"
+        "  use_autocast_during_eval: false\n"
+    )
+    out = tmp_path / "te-yaml"
+    assert main(["convert", str(llama_root / "llama"), "--out", str(out), "--allow-root", str(llama_root),
+                 "--recipe", str(config), *SMALL_CALIBRATION]) == 0
+    report = json.loads((out / "fp8_report.json").read_text())
+    assert report["recipe"]["amax_compute_algo"] == "most_recent" and report["recipe"]["fp8_format"] == "E4M3"
+    assert any("interval" in warning and "no effect" in warning for warning in report["warnings"])
+    weights = load_file(out / "model.safetensors")
+    assert weights[state_key("model.layers.1.mlp.up_proj", "amax_history_fwd")].shape == (8, 3)
