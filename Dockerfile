@@ -1,0 +1,39 @@
+# fp8forge service image: CUDA PyTorch, TransformerEngine and torchao; runs `fp8forge serve`.
+#   docker build -t fp8forge .
+#   docker run --gpus all -p 8000:8000 -v fp8forge-data:/data fp8forge
+# The base must carry a torch that satisfies pyproject.toml (>=2.13,<2.15) and nvcc (the -devel flavour)
+# for TransformerEngine's PyTorch extension; override BASE_IMAGE to pin another CUDA build.
+ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-devel
+FROM ${BASE_IMAGE}
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    FP8FORGE_DATA_DIR=/data \
+    FP8FORGE_HF_CACHE=/data/hf-cache \
+    FP8FORGE_ALLOWED_MODEL_ROOTS=/models
+
+# TransformerEngine builds against the torch already in the image (hence no build isolation).
+RUN python -m pip install --no-build-isolation "transformer_engine[pytorch]"
+
+WORKDIR /opt/fp8forge
+COPY pyproject.toml README.md ./
+COPY converters ./converters
+COPY service ./service
+# torch comes from the base image; pip keeps it because it satisfies the range. torchao is pinned there.
+RUN python -m pip install . \
+    && python -c "import torch, torchao, transformer_engine.pytorch, service.cli_service"
+
+RUN useradd --create-home --uid 10001 fp8forge \
+    && mkdir -p /data /models \
+    && chown fp8forge:fp8forge /data /models
+USER fp8forge
+VOLUME ["/data"]
+EXPOSE 8000
+
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)" \
+        || exit 1
+
+# Workers default to one per visible GPU (one CPU worker without GPUs); FP8FORGE_WORKERS overrides.
+CMD ["fp8forge", "serve", "--host", "0.0.0.0", "--port", "8000"]

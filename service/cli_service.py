@@ -1,0 +1,101 @@
+"""The ``fp8forge serve`` and ``fp8forge worker`` subcommands.
+
+Only ``argparse`` is imported at module level: ``fp8forge analyze`` builds the same parser and must not pay
+for (or require) the web stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from service.config import Settings
+
+__all__ = ["register", "run_serve", "run_worker", "main"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``serve`` and ``worker`` to the ``fp8forge`` parser; each sets ``func(args) -> exit code``."""
+    serve = subparsers.add_parser(
+        "serve", help="run the REST API and local workers",
+        description="Start the HTTP API and, by default, local worker processes sharing the job store "
+                    "(SQLite under FP8FORGE_DATA_DIR unless FP8FORGE_DATABASE_URL is set).",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    serve.add_argument("--workers", type=int, default=None, metavar="N",
+                       help="local worker processes; 0 runs the API only (default: FP8FORGE_WORKERS, "
+                            "else one per GPU, or one)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=run_serve)
+
+    worker = subparsers.add_parser(
+        "worker", help="run one conversion worker",
+        description="Claim and run conversion jobs from the shared job store, one at a time. Run one per GPU; "
+                    "stop with SIGTERM or Ctrl-C (a running job is requeued).",
+    )
+    worker.add_argument("--gpu", default=None, metavar="ID", help="CUDA device this worker uses")
+    worker.set_defaults(func=run_worker)
+
+
+def _settings(**overrides: object) -> Settings | None:
+    import sys
+
+    from service.config import SettingsError, load_settings
+
+    try:
+        return load_settings(**{k: v for k, v in overrides.items() if v is not None})
+    except SettingsError as exc:
+        print(f"fp8forge: {exc}", file=sys.stderr)
+        return None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the API in this process and the worker pool beside it until SIGINT/SIGTERM."""
+    import logging
+
+    settings = _settings(workers=args.workers)
+    if settings is None:
+        return 2
+
+    import uvicorn
+
+    from service.main import create_app
+    from service.pool import WorkerPool, default_worker_count
+    from service.store import JobStore
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    JobStore(settings.store_url).close()  # create the schema once, before several processes race to
+    count = settings.workers if settings.workers is not None else default_worker_count()
+    pool = WorkerPool(settings, count)
+    pool.start()
+    try:
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        pool.stop()
+    return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Run one worker in this process until SIGINT/SIGTERM."""
+    settings = _settings()
+    if settings is None:
+        return 2
+    from service.worker import worker_process_main
+
+    worker_process_main(settings, gpu=args.gpu)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m service.cli_service serve``); ``fp8forge`` is the usual one."""
+    parser = argparse.ArgumentParser(prog="fp8forge")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

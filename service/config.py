@@ -1,0 +1,114 @@
+"""Service settings: every knob comes from ``FP8FORGE_*`` environment variables, validated at start-up."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+__all__ = ["Settings", "SettingsError", "load_settings"]
+
+ENV_PREFIX = "FP8FORGE_"
+
+
+class SettingsError(ValueError):
+    """The environment holds an invalid setting; the message names the variable and what it accepts."""
+
+
+class Settings(BaseSettings):
+    """Configuration of the API, the job store and the workers.
+
+    Each field is read from ``FP8FORGE_<FIELD NAME IN CAPITALS>``; ``docs/service.md`` lists them.
+    """
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    data_dir: Path = Field(Path("data"), description="Root of the SQLite store, job artifacts, demo models.")
+    database_url: str = Field("", description="SQLAlchemy URL; empty means SQLite under the data dir.")
+    allowed_model_roots: Annotated[tuple[Path, ...], NoDecode] = Field(
+        (), description="Directories local model references may point into (os.pathsep-separated)."
+    )
+    hf_cache: Path | None = Field(None, description="Hugging Face cache directory (default: HF's own).")
+    hf_offline: bool = Field(False, description="Never contact the Hugging Face Hub.")
+    trust_remote_code: bool = Field(False, description="Allow models that ship their own code.")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body.")
+    workers: int | None = Field(
+        None, ge=0, le=64, description="Local workers `fp8forge serve` starts; unset: one per GPU, or one."
+    )
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="How often a worker heartbeats.")
+    heartbeat_timeout_s: float = Field(30.0, gt=0, description="Silence after which a job is requeued.")
+    max_attempts: int = Field(3, ge=1, le=100, description="Attempts per job before it fails for good.")
+    poll_interval_s: float = Field(1.0, gt=0, description="How often an idle worker looks for work.")
+    cancel_grace_s: float = Field(2.0, ge=0, description="Time a cancelled run gets to stop by itself.")
+
+    @field_validator("allowed_model_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(part for part in value.split(os.pathsep) if part.strip())
+        return value
+
+    @field_validator("allowed_model_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: tuple[Path, ...]) -> tuple[Path, ...]:
+        return tuple(root.expanduser().resolve() for root in roots)
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute_data_dir(cls, data_dir: Path) -> Path:
+        return data_dir.expanduser().resolve()
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_scheme(cls, url: str) -> str:
+        if url and not url.startswith(("sqlite", "postgresql")):
+            raise ValueError("must be a sqlite:// or postgresql+psycopg:// SQLAlchemy URL")
+        return url
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must be at least twice heartbeat_interval_s")
+        return self
+
+    @property
+    def store_url(self) -> str:
+        """The database URL actually used: the configured one or SQLite under the data dir."""
+        return self.database_url or f"sqlite:///{self.data_dir / 'fp8forge.db'}"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.data_dir / "jobs"
+
+    @property
+    def demo_dir(self) -> Path:
+        return self.data_dir / "demo-models"
+
+    def model_sources(self) -> dict[str, Any]:
+        """Keyword arguments for ``converters.loading.ModelSourceOptions`` (built where converters load)."""
+        return {
+            "allowed_roots": self.allowed_model_roots,
+            "cache_dir": self.hf_cache,
+            "offline": self.hf_offline,
+            "trust_remote_code": self.trust_remote_code,
+            "demo_dir": self.demo_dir,
+        }
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read the settings from the environment (``overrides`` win) and validate them.
+
+    Raises:
+        SettingsError: a variable is malformed; the message names ``FP8FORGE_<NAME>``.
+    """
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{ENV_PREFIX}{'_'.join(str(p) for p in err['loc']).upper() or '*'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise SettingsError(f"invalid settings: {problems}") from exc

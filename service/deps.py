@@ -1,0 +1,39 @@
+"""FastAPI dependencies, declared once as ``Annotated`` aliases."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Path, Request
+
+from service.artifacts import ArtifactDirs
+from service.config import Settings
+from service.jobs import Job
+from service.store import JobStore
+
+__all__ = ["SettingsDep", "StoreDep", "DirsDep", "JobDep"]
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_store(request: Request) -> JobStore:
+    return request.app.state.store
+
+
+def get_dirs(request: Request) -> ArtifactDirs:
+    return request.app.state.dirs
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+StoreDep = Annotated[JobStore, Depends(get_store)]
+DirsDep = Annotated[ArtifactDirs, Depends(get_dirs)]
+
+
+def get_job(job_id: Annotated[str, Path(max_length=64)], store: StoreDep) -> Job:
+    """The job named in the path; JobNotFound (404) otherwise."""
+    return store.get_job(job_id)
+
+
+JobDep = Annotated[Job, Depends(get_job)]

@@ -1,0 +1,121 @@
+"""The job state machine: stored statuses, the one table of allowed transitions, and job records."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.errors import InvalidTransition
+
+__all__ = ["JobStatus", "Stage", "STAGES", "TRANSITIONS", "transition", "Job", "JobEvent"]
+
+
+class JobStatus(str, enum.Enum):
+    """Where a job is in its life. Stored as its value; never inferred from side data."""
+
+    #: Waiting for a worker to claim it.
+    QUEUED = "queued"
+    #: Claimed by a worker that heartbeats while the pipeline runs.
+    RUNNING = "running"
+    #: Finished; its artifacts are in place and listed.
+    SUCCEEDED = "succeeded"
+    #: Finished with ``error_code``/``error_message``; nothing was left behind.
+    FAILED = "failed"
+    #: A cancel was requested while running; the worker is stopping the pipeline.
+    CANCELLING = "cancelling"
+    #: Finished by a cancel; nothing was left behind.
+    CANCELLED = "cancelled"
+
+    @property
+    def is_finished(self) -> bool:
+        return not TRANSITIONS[self]
+
+
+class Stage(str, enum.Enum):
+    """Pipeline stages, in the order they run."""
+
+    RESOLVE = "resolve"
+    ANALYZE = "analyze"
+    CALIBRATE = "calibrate"  # in high precision, before the swap
+    CONVERT = "convert"
+    EXPORT = "export"
+
+
+STAGES: tuple[Stage, ...] = tuple(Stage)
+
+_S = JobStatus
+#: The one table of allowed status changes. A status with no way out is a finished one.
+TRANSITIONS: Mapping[JobStatus, frozenset[JobStatus]] = {
+    # claimed by a worker; cancelled before any worker got it
+    _S.QUEUED: frozenset({_S.RUNNING, _S.CANCELLED}),
+    # done; failed; cancel requested; worker lost or shut down (requeued for another attempt)
+    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.CANCELLING, _S.QUEUED}),
+    # the worker stopped the run; or the worker was lost and the run could not be confirmed stopped
+    _S.CANCELLING: frozenset({_S.CANCELLED, _S.FAILED}),
+    _S.SUCCEEDED: frozenset(),
+    _S.FAILED: frozenset(),
+    _S.CANCELLED: frozenset(),
+}
+
+
+def transition(current: JobStatus, target: JobStatus) -> JobStatus:
+    """Check that a job may go from ``current`` to ``target``; returns ``target``.
+
+    Raises:
+        InvalidTransition: the table does not allow it (HTTP 409).
+    """
+    if target not in TRANSITIONS[current]:
+        if current.is_finished:
+            message = f"job is already {current.value} and cannot become {target.value}"
+        else:
+            message = f"a {current.value} job cannot become {target.value}"
+        raise InvalidTransition(message)
+    return target
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One stored job. Times are seconds since the epoch (UTC)."""
+
+    id: str
+    seq: int
+    status: JobStatus
+    request: Mapping[str, Any]
+    attempt: int = 0
+    max_attempts: int = 1
+    stage: Stage | None = None
+    stage_done: int = 0
+    stage_total: int = 0
+    created_at: float
+    updated_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    heartbeat_at: float | None = None
+    worker_id: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    artifacts: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+    idempotency_key: str | None = None
+
+    @property
+    def progress(self) -> float:
+        """Overall fraction done: finished stages plus the fraction of the current one."""
+        if self.status is JobStatus.SUCCEEDED:
+            return 1.0
+        if self.stage is None:
+            return 0.0
+        within = self.stage_done / self.stage_total if self.stage_total > 0 else 0.0
+        return round((STAGES.index(self.stage) + min(within, 1.0)) / len(STAGES), 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobEvent:
+    """One entry of a job's event log: ``kind`` is status, stage, progress or warning."""
+
+    seq: int
+    job_id: str
+    at: float
+    kind: str
+    data: Mapping[str, Any]

@@ -1,0 +1,66 @@
+"""Assembles the FastAPI app: settings, store lifecycle, body limit, the one error handler, routers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI
+
+from service.artifacts import ArtifactDirs
+from service.config import Settings, load_settings
+from service.errors import install_error_handler
+from service.limits import BodyLimitMiddleware
+from service.reaper import Reaper
+from service.routes import analyze, artifacts, health, jobs
+from service.store import JobStore
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+
+def _version() -> str:
+    try:
+        return version("fp8forge")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; the store is opened (and stale jobs watched) while the app runs.
+
+    Raises:
+        SettingsError: ``settings`` omitted and the environment holds an invalid ``FP8FORGE_*`` value.
+    """
+    settings = settings or load_settings()
+    dirs = ArtifactDirs(settings.jobs_dir)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        dirs.ensure()
+        store = JobStore(settings.store_url)
+        reaper = Reaper(store, dirs, settings.heartbeat_timeout_s, settings.heartbeat_interval_s)
+        app.state.store = store
+        reaper.start()
+        logger.info("fp8forge API ready (store %s, data %s)", store.engine.url.render_as_string(), settings.data_dir)
+        try:
+            yield
+        finally:
+            reaper.stop()
+            store.close()
+
+    app = FastAPI(
+        title="fp8forge", version=_version(), lifespan=lifespan,
+        description="Convert Hugging Face models to FP8 checkpoints (safetensors): submit a job, follow it, "
+                    "download the artifacts.",
+    )
+    app.state.settings = settings
+    app.state.dirs = dirs
+    install_error_handler(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    for module in (jobs, artifacts, analyze, health):
+        app.include_router(module.router)
+    return app

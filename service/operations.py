@@ -1,0 +1,108 @@
+"""What the routes do, as plain functions: submit, cancel and delete jobs, analyze a model reference.
+
+Routes parse and serialise; everything with a rule in it lives here so the CLI and tests can call it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from service.artifacts import ArtifactDirs
+from service.config import Settings
+from service.errors import InvalidRequest, InvalidTransition
+from service.jobs import Job, JobStatus
+from service.schemas import AnalyzeCreate, JobCreate
+from service.store import JobStore
+
+__all__ = ["check_request", "submit_job", "cancel_job", "delete_job", "analyze"]
+
+
+def check_request(request: Mapping[str, Any], settings: Settings) -> None:
+    """Validate a conversion request as far as possible without loading the model.
+
+    Raises:
+        converters.errors.Fp8ForgeError: with ``field`` naming the culprit (HTTP 422).
+    """
+    from converters import errors, loading, pipeline
+
+    _check_reference(request["model"], loading.ModelSourceOptions(**settings.model_sources()))
+    try:
+        pipeline.ConversionRequest.from_dict(request)
+    except (errors.RecipeError, errors.CalibrationDataError) as exc:
+        # name the field by its full path in the request body
+        section = "recipe" if isinstance(exc, errors.RecipeError) else "calibration"
+        if exc.field and not exc.field.startswith((section, "model", "include", "exclude")):
+            exc.field = f"{section}.{exc.field}"
+        raise
+
+
+def _check_reference(ref: str, sources: Any) -> None:
+    from converters import errors, loading
+
+    try:
+        loading.validate_model_reference(ref, sources)
+    except errors.ModelReferenceError as exc:
+        exc.field = exc.field or "model"
+        raise
+
+
+def submit_job(store: JobStore, settings: Settings, body: JobCreate, idempotency_key: str | None) -> Job:
+    """Validate and queue a conversion job, honouring ``Idempotency-Key``.
+
+    Raises:
+        Fp8ForgeError (422), InvalidRequest (422), IdempotencyConflict (409).
+    """
+    if idempotency_key is not None and not (idempotency_key.isascii() and idempotency_key.isprintable()):
+        raise InvalidRequest("Idempotency-Key must be printable ASCII", field="Idempotency-Key")
+    request = body.to_request()
+    check_request(request, settings)
+    digest = hashlib.sha256(json.dumps(request, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    job, _ = store.create_job(request, request_hash=digest, idempotency_key=idempotency_key or None,
+                              max_attempts=settings.max_attempts)
+    return job
+
+
+def cancel_job(store: JobStore, job_id: str) -> Job:
+    """Cancel a job: a queued one at once, a running one via ``cancelling`` (its worker stops it).
+
+    Raises:
+        JobNotFound (404); InvalidTransition (409) when the job has already finished.
+    """
+    for _ in range(10):
+        job = store.get_job(job_id)
+        if job.status is JobStatus.CANCELLING:
+            return job
+        target = JobStatus.CANCELLED if job.status is JobStatus.QUEUED else JobStatus.CANCELLING
+        try:
+            return store.set_status(job_id, target, event={"reason": "cancel requested"})
+        except InvalidTransition:
+            if store.get_job(job_id).status is job.status:
+                raise  # a real refusal, not a race with a worker claiming it
+    raise InvalidTransition(f"job {job_id} kept changing; try again")
+
+
+def delete_job(store: JobStore, dirs: ArtifactDirs, job_id: str) -> None:
+    """Delete a finished job and its artifacts.
+
+    Raises:
+        JobNotFound (404); InvalidTransition (409) while the job is queued or running.
+    """
+    store.delete_job(job_id)
+    dirs.remove(job_id)
+
+
+def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
+    """The eligibility report of a model reference, built on the meta device (no weights are read).
+
+    Raises:
+        Fp8ForgeError: bad reference (422), model not found (422), backend problems (503).
+    """
+    from converters import analysis, loading
+
+    sources = loading.ModelSourceOptions(**settings.model_sources())
+    _check_reference(body.model, sources)
+    return analysis.analyze_model_reference(body.model, sources, backend=body.backend, include=tuple(body.include),
+                                   exclude=tuple(body.exclude), skip_first_last=body.skip_first_last)

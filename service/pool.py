@@ -1,0 +1,77 @@
+"""The local worker processes of ``fp8forge serve``: started with ``spawn``, restarted when they die."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+from multiprocessing.process import BaseProcess
+
+from service.config import Settings
+from service.procs import visible_gpus
+from service.worker import worker_process_main
+
+__all__ = ["WorkerPool", "default_worker_count"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_worker_count() -> int:
+    """One worker per visible GPU, or one CPU worker where there is none."""
+    return max(1, len(visible_gpus()))
+
+
+class WorkerPool:
+    """Keeps ``count`` worker processes alive until :meth:`stop`."""
+
+    def __init__(self, settings: Settings, count: int) -> None:
+        self.settings = settings
+        self.count = count
+        self._gpus = visible_gpus()
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[BaseProcess | None] = [None] * count
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, name="fp8forge-pool", daemon=True)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p is not None and p.pid is not None]
+
+    def start(self) -> None:
+        for slot in range(self.count):
+            self._spawn(slot)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every worker (each requeues its running job), then kill the ones that linger."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        procs = [p for p in self._procs if p is not None]
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                logger.warning("worker %s did not stop in %ss; killing it", proc.pid, timeout_s)
+                proc.kill()
+                proc.join()
+
+    def _spawn(self, slot: int) -> None:
+        gpu = self._gpus[slot % len(self._gpus)] if self._gpus else None
+        proc = self._ctx.Process(target=worker_process_main, args=(self.settings, gpu, os.getpid()),
+                                 name=f"fp8forge-worker-{slot}")
+        proc.start()
+        self._procs[slot] = proc
+        logger.info("started worker %d (pid %s, gpu %s)", slot, proc.pid, gpu or "none")
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(1.0):
+            for slot, proc in enumerate(self._procs):
+                if proc is not None and not proc.is_alive() and not self._stopping.is_set():
+                    logger.warning("worker %d (pid %s) exited with %s; restarting it", slot, proc.pid,
+                                   proc.exitcode)
+                    proc.join()
+                    self._spawn(slot)

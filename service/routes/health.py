@@ -1,0 +1,34 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from service.deps import SettingsDep, StoreDep
+from service.metrics import CONTENT_TYPE, render_metrics
+from service.schemas import HealthPublic, ReadyPublic
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", operation_id="health")
+def health() -> HealthPublic:
+    """The process answers."""
+    return HealthPublic(status="ok")
+
+
+@router.get("/readyz", operation_id="ready", responses={503: {"model": ReadyPublic}})
+def ready(store: StoreDep, settings: SettingsDep) -> JSONResponse:
+    """Ready when the store answers and at least one worker heartbeat is fresh (503 otherwise)."""
+    reachable = store.ping()
+    workers = len(store.live_workers(settings.heartbeat_timeout_s)) if reachable else 0
+    body = ReadyPublic(ready=reachable and workers > 0, store=reachable, workers=workers)
+    return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+
+@router.get("/metrics", operation_id="metrics", response_class=PlainTextResponse)
+def metrics(store: StoreDep, settings: SettingsDep) -> PlainTextResponse:
+    return PlainTextResponse(render_metrics(store, settings), media_type=CONTENT_TYPE)

@@ -1,0 +1,72 @@
+"""/v1/jobs: submit, list, get, cancel, delete, follow events."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import StreamingResponse
+
+from service import operations
+from service.deps import DirsDep, JobDep, SettingsDep, StoreDep
+from service.events import job_event_stream
+from service.jobs import JobStatus
+from service.routes import error_responses
+from service.schemas import JobCreate, JobPublic, JobsPublic
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+@router.post("", status_code=202, operation_id="createJob", responses=error_responses(409, 413, 422))
+def create_job(
+    body: JobCreate, store: StoreDep, settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
+) -> JobPublic:
+    """Queue a conversion job. The same Idempotency-Key with the same body returns the same job."""
+    return JobPublic.from_job(operations.submit_job(store, settings, body, idempotency_key))
+
+
+@router.get("", operation_id="listJobs", responses=error_responses(422))
+def list_jobs(
+    store: StoreDep, status: JobStatus | None = None, limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=32)] = None,
+) -> JobsPublic:
+    """Jobs, newest first; pass ``next_cursor`` back as ``cursor`` for the next page."""
+    jobs, next_cursor = store.list_jobs(status=status, limit=limit, cursor=cursor)
+    return JobsPublic(data=[JobPublic.from_job(j) for j in jobs], count=len(jobs), next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", operation_id="getJob", responses=error_responses(404))
+def get_job(job: JobDep) -> JobPublic:
+    return JobPublic.from_job(job)
+
+
+@router.post("/{job_id}/cancel", status_code=202, operation_id="cancelJob", responses=error_responses(404, 409))
+def cancel_job(job: JobDep, store: StoreDep) -> JobPublic:
+    """Cancel a queued or running job (409 once it has finished)."""
+    return JobPublic.from_job(operations.cancel_job(store, job.id))
+
+
+@router.delete("/{job_id}", status_code=204, operation_id="deleteJob", responses=error_responses(404, 409))
+def delete_job(job: JobDep, store: StoreDep, dirs: DirsDep) -> Response:
+    """Delete a finished job and its artifacts (409 while it is queued or running)."""
+    operations.delete_job(store, dirs, job.id)
+    return Response(status_code=204)
+
+
+@router.get(
+    "/{job_id}/events", operation_id="streamJobEvents", response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "Server-sent events."},
+               **error_responses(404)},
+)
+def stream_job_events(
+    job: JobDep, store: StoreDep,
+    last_event_id: Annotated[int | None, Header(alias="Last-Event-ID", ge=0)] = None,
+) -> StreamingResponse:
+    """The job's event log (status, stage, progress, warning) as SSE; ends when the job has finished."""
+    return StreamingResponse(
+        job_event_stream(store, job.id, last_event_id or 0), media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

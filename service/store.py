@@ -1,0 +1,396 @@
+"""The durable job store: SQLite (WAL) by default, PostgreSQL through the same SQLAlchemy Core code.
+
+Every status change is a compare-and-set ``UPDATE ... WHERE status = <seen>`` checked against the one
+transition table, so concurrent API processes, workers and reapers never overwrite each other. A claim is
+one ``UPDATE ... WHERE seq = (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING``: atomic on both databases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import IntegrityError
+
+from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound
+from service.jobs import Job, JobEvent, JobStatus, Stage, transition
+
+__all__ = ["JobStore", "JobLost"]
+
+logger = logging.getLogger(__name__)
+
+_ACTIVE = (JobStatus.RUNNING.value, JobStatus.CANCELLING.value)
+
+
+class JobLost(Exception):
+    """A worker wrote to a job it no longer owns (it was requeued and maybe claimed elsewhere)."""
+
+
+def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table]:
+    md = sa.MetaData()
+    jobs = sa.Table(
+        f"{prefix}jobs", md,
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("id", sa.String(32), nullable=False, unique=True),
+        sa.Column("status", sa.String(16), nullable=False, index=True),
+        sa.Column("request", sa.JSON, nullable=False),
+        sa.Column("request_hash", sa.String(64), nullable=False),
+        sa.Column("idempotency_key", sa.String(200), unique=True),
+        sa.Column("attempt", sa.Integer, nullable=False, default=0),
+        sa.Column("max_attempts", sa.Integer, nullable=False),
+        sa.Column("stage", sa.String(16)),
+        sa.Column("stage_done", sa.Integer, nullable=False, default=0),
+        sa.Column("stage_total", sa.Integer, nullable=False, default=0),
+        sa.Column("created_at", sa.Double, nullable=False),
+        sa.Column("updated_at", sa.Double, nullable=False),
+        sa.Column("started_at", sa.Double),
+        sa.Column("finished_at", sa.Double),
+        sa.Column("heartbeat_at", sa.Double),
+        sa.Column("worker_id", sa.String(200)),
+        sa.Column("error_code", sa.String(64)),
+        sa.Column("error_message", sa.Text),
+        sa.Column("artifacts", sa.JSON),
+        sqlite_autoincrement=True,  # never reuse a seq: cursors stay valid across deletions
+    )
+    events = sa.Table(
+        f"{prefix}job_events", md,
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(32), nullable=False, index=True),
+        sa.Column("at", sa.Double, nullable=False),
+        sa.Column("kind", sa.String(16), nullable=False),
+        sa.Column("data", sa.JSON, nullable=False),
+        sqlite_autoincrement=True,
+    )
+    workers = sa.Table(
+        f"{prefix}workers", md,
+        sa.Column("id", sa.String(200), primary_key=True),
+        sa.Column("hostname", sa.String(255), nullable=False),
+        sa.Column("pid", sa.Integer, nullable=False),
+        sa.Column("started_at", sa.Double, nullable=False),
+        sa.Column("heartbeat_at", sa.Double, nullable=False),
+        sa.Column("job_id", sa.String(32)),
+    )
+    durations = sa.Table(
+        f"{prefix}stage_durations", md,
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(32), nullable=False),
+        sa.Column("stage", sa.String(16), nullable=False),
+        sa.Column("seconds", sa.Double, nullable=False),
+    )
+    return md, jobs, events, workers, durations
+
+
+def _make_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return sa.create_engine(url, pool_pre_ping=True)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+    @sa.event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: Any, _: Any) -> None:
+        cur = dbapi_conn.cursor()
+        # WAL lets the API read while a worker writes; busy_timeout makes writers queue, not fail.
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    return engine
+
+
+class JobStore:
+    """Jobs, their event logs, worker heartbeats and stage timings in one SQL database.
+
+    Args:
+        url: SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://...``).
+        table_prefix: prepended to every table name, so several stores can share one database.
+    """
+
+    def __init__(self, url: str, *, table_prefix: str = "") -> None:
+        self.engine = _make_engine(url)
+        self._md, self.jobs, self.events, self.workers, self.durations = _tables(table_prefix)
+        self._md.create_all(self.engine)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def drop_all(self) -> None:
+        """Drop this store's tables (tests use it to clean up their own prefix)."""
+        self._md.drop_all(self.engine)
+        self.engine.dispose()
+
+    def ping(self) -> bool:
+        """True when the database answers a trivial query."""
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not reachable"
+            logger.warning("job store unreachable", exc_info=True)
+            return False
+
+    # -- jobs --------------------------------------------------------------------------------------
+    def create_job(
+        self, request: Mapping[str, Any], *, request_hash: str, idempotency_key: str | None = None,
+        max_attempts: int = 3,
+    ) -> tuple[Job, bool]:
+        """Store a new queued job; returns ``(job, created)``.
+
+        With an ``idempotency_key`` already used for the same ``request_hash`` the existing job is returned
+        with ``created=False``.
+
+        Raises:
+            IdempotencyConflict: the key was used for a different request.
+        """
+        now = time.time()
+        job_id = uuid.uuid4().hex
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(self.jobs.insert().values(
+                    id=job_id, status=JobStatus.QUEUED.value, request=dict(request), request_hash=request_hash,
+                    idempotency_key=idempotency_key, attempt=0, max_attempts=max_attempts, stage_done=0,
+                    stage_total=0, created_at=now, updated_at=now,
+                ))
+                self._event(conn, job_id, "status", {"status": JobStatus.QUEUED.value}, now)
+        except IntegrityError:
+            if idempotency_key is None:
+                raise
+            with self.engine.connect() as conn:
+                row = conn.execute(
+                    sa.select(self.jobs).where(self.jobs.c.idempotency_key == idempotency_key)
+                ).mappings().first()
+            if row is None:  # the holder was deleted in between: the key is free again
+                return self.create_job(request, request_hash=request_hash, idempotency_key=idempotency_key,
+                                       max_attempts=max_attempts)
+            if row["request_hash"] != request_hash:
+                raise IdempotencyConflict(
+                    "this Idempotency-Key was already used for a different request body; use a new key",
+                    field="Idempotency-Key",
+                ) from None
+            return self._job(row), False
+        return self.get_job(job_id), True
+
+    def get_job(self, job_id: str) -> Job:
+        """Raises JobNotFound when no job has this id."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(self.jobs).where(self.jobs.c.id == job_id)).mappings().first()
+        if row is None:
+            raise JobNotFound(f"no job with id {job_id!r}")
+        return self._job(row)
+
+    def list_jobs(
+        self, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None
+    ) -> tuple[list[Job], str | None]:
+        """Newest first; returns the page and the cursor of the next page (None on the last page)."""
+        query = sa.select(self.jobs).order_by(self.jobs.c.seq.desc()).limit(limit + 1)
+        if status is not None:
+            query = query.where(self.jobs.c.status == status.value)
+        if cursor is not None:
+            if not cursor.isdigit():
+                raise InvalidRequest("cursor must be a value returned as next_cursor", field="cursor")
+            query = query.where(self.jobs.c.seq < int(cursor))
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        page = [self._job(r) for r in rows[:limit]]
+        return page, (str(page[-1].seq) if len(rows) > limit else None)
+
+    def count_by_status(self) -> dict[JobStatus, int]:
+        counts = dict.fromkeys(JobStatus, 0)
+        with self.engine.connect() as conn:
+            for status, n in conn.execute(
+                sa.select(self.jobs.c.status, sa.func.count()).group_by(self.jobs.c.status)
+            ):
+                counts[JobStatus(status)] = n
+        return counts
+
+    def claim_next(self, worker_id: str) -> Job | None:
+        """Atomically move the oldest queued job to running for ``worker_id``; None when none is queued."""
+        transition(JobStatus.QUEUED, JobStatus.RUNNING)
+        now = time.time()
+        oldest = (
+            sa.select(self.jobs.c.seq).where(self.jobs.c.status == JobStatus.QUEUED.value)
+            .order_by(self.jobs.c.seq).limit(1).with_for_update(skip_locked=True).scalar_subquery()
+        )
+        stmt = (
+            sa.update(self.jobs)
+            .where(self.jobs.c.seq == oldest, self.jobs.c.status == JobStatus.QUEUED.value)
+            .values(status=JobStatus.RUNNING.value, attempt=self.jobs.c.attempt + 1, worker_id=worker_id,
+                    started_at=now, heartbeat_at=now, updated_at=now, stage=None, stage_done=0, stage_total=0,
+                    error_code=None, error_message=None)
+            .returning(*self.jobs.c)
+        )
+        with self.engine.begin() as conn:
+            row = conn.execute(stmt).mappings().first()
+            if row is None:
+                return None
+            self._event(conn, row["id"], "status",
+                        {"status": JobStatus.RUNNING.value, "attempt": row["attempt"], "worker": worker_id}, now)
+        return self._job(row)
+
+    def set_status(
+        self, job_id: str, target: JobStatus, *, owner: str | None = None, stale_before: float | None = None,
+        event: Mapping[str, Any] | None = None, **values: Any,
+    ) -> Job:
+        """Change a job's status through the transition table (compare-and-set against concurrent writers).
+
+        Args:
+            owner: when given, the write only happens while this worker still owns the job.
+            stale_before: when given, the write only happens if the last heartbeat is older than this.
+            event: extra data for the ``status`` event written with the change.
+            values: other columns to set (error_code, error_message, artifacts, attempt, ...).
+
+        Raises:
+            JobNotFound, InvalidTransition, JobLost (``owner`` no longer owns the job).
+        """
+        for _ in range(10):
+            job = self.get_job(job_id)
+            if owner is not None and (job.worker_id != owner or job.status.value not in _ACTIVE):
+                raise JobLost(f"job {job_id} is no longer owned by {owner}")
+            transition(job.status, target)
+            now = time.time()
+            if target.is_finished:
+                values.setdefault("finished_at", now)
+            stmt = (
+                sa.update(self.jobs)
+                .where(self.jobs.c.id == job_id, self.jobs.c.status == job.status.value,
+                       self.jobs.c.updated_at == job.updated_at)
+                .values(status=target.value, updated_at=now, **values)
+            )
+            if stale_before is not None:
+                stmt = stmt.where(self.jobs.c.heartbeat_at < stale_before)
+            with self.engine.begin() as conn:
+                if conn.execute(stmt).rowcount == 1:
+                    self._event(conn, job_id, "status", {"status": target.value, **(event or {})}, now)
+                    return self._get(conn, job_id)
+                if stale_before is not None:
+                    raise JobLost(f"job {job_id} heartbeated again; it is not stale")
+        raise InvalidTransition(f"job {job_id} kept changing; try again")
+
+    def heartbeat_job(
+        self, job_id: str, worker_id: str, *, stage: Stage | None = None, done: int | None = None,
+        total: int | None = None,
+    ) -> JobStatus | None:
+        """Refresh the job's heartbeat (and progress); returns its status, or None if the worker lost it."""
+        values: dict[str, Any] = {"heartbeat_at": time.time()}
+        if stage is not None:
+            values.update(stage=stage.value, stage_done=done or 0, stage_total=total or 0)
+        stmt = (
+            sa.update(self.jobs)
+            .where(self.jobs.c.id == job_id, self.jobs.c.worker_id == worker_id, self.jobs.c.status.in_(_ACTIVE))
+            .values(**values).returning(self.jobs.c.status)
+        )
+        with self.engine.begin() as conn:
+            status = conn.execute(stmt).scalar()
+        return JobStatus(status) if status is not None else None
+
+    def find_stale(self, timeout_s: float) -> list[Job]:
+        """Running or cancelling jobs whose worker has not heartbeaten for ``timeout_s`` seconds."""
+        cutoff = time.time() - timeout_s
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(self.jobs).where(
+                self.jobs.c.status.in_(_ACTIVE), self.jobs.c.heartbeat_at < cutoff
+            )).mappings().all()
+        return [self._job(r) for r in rows]
+
+    def delete_job(self, job_id: str) -> Job:
+        """Remove a finished job and its event log.
+
+        Raises:
+            JobNotFound; InvalidTransition when the job has not finished (cancel it first).
+        """
+        job = self.get_job(job_id)
+        if not job.status.is_finished:
+            raise InvalidTransition(f"job is {job.status.value}; only finished jobs can be deleted, cancel it first")
+        with self.engine.begin() as conn:
+            deleted = conn.execute(sa.delete(self.jobs).where(
+                self.jobs.c.id == job_id, self.jobs.c.status == job.status.value)).rowcount
+            conn.execute(sa.delete(self.events).where(self.events.c.job_id == job_id))
+        if not deleted:
+            raise JobNotFound(f"no job with id {job_id!r}")
+        return job
+
+    # -- events ------------------------------------------------------------------------------------
+    def add_event(self, job_id: str, kind: str, data: Mapping[str, Any]) -> None:
+        with self.engine.begin() as conn:
+            self._event(conn, job_id, kind, data, time.time())
+
+    def events_after(self, job_id: str, after_seq: int = 0, limit: int = 500) -> list[JobEvent]:
+        query = (
+            sa.select(self.events).where(self.events.c.job_id == job_id, self.events.c.seq > after_seq)
+            .order_by(self.events.c.seq).limit(limit)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        return [JobEvent(seq=r["seq"], job_id=r["job_id"], at=r["at"], kind=r["kind"], data=r["data"]) for r in rows]
+
+    # -- workers and timings -----------------------------------------------------------------------
+    @staticmethod
+    def new_worker_id() -> str:
+        return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+    def heartbeat_worker(self, worker_id: str, job_id: str | None = None) -> None:
+        """Insert or refresh this worker's row (used by /readyz and /metrics)."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            updated = conn.execute(sa.update(self.workers).where(self.workers.c.id == worker_id)
+                                   .values(heartbeat_at=now, job_id=job_id)).rowcount
+            if not updated:
+                conn.execute(self.workers.insert().values(
+                    id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), started_at=now,
+                    heartbeat_at=now, job_id=job_id))
+
+    def remove_worker(self, worker_id: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(sa.delete(self.workers).where(self.workers.c.id == worker_id))
+
+    def live_workers(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Workers that heartbeated within ``timeout_s``; also forgets long-silent ones."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(sa.delete(self.workers).where(self.workers.c.heartbeat_at < now - 10 * timeout_s))
+            rows = conn.execute(sa.select(self.workers).where(
+                self.workers.c.heartbeat_at >= now - timeout_s)).mappings().all()
+        return [dict(r) for r in rows]
+
+    def record_stage_durations(self, job_id: str, durations: Iterable[tuple[str, float]]) -> None:
+        rows = [{"job_id": job_id, "stage": stage, "seconds": seconds} for stage, seconds in durations]
+        if rows:
+            with self.engine.begin() as conn:
+                conn.execute(self.durations.insert(), rows)
+
+    def stage_duration_stats(self) -> dict[str, tuple[int, float]]:
+        """Per stage: (number of recorded runs, total seconds)."""
+        query = sa.select(self.durations.c.stage, sa.func.count(), sa.func.sum(self.durations.c.seconds)) \
+            .group_by(self.durations.c.stage)
+        with self.engine.connect() as conn:
+            return {stage: (n, float(total or 0.0)) for stage, n, total in conn.execute(query)}
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _event(self, conn: sa.Connection, job_id: str, kind: str, data: Mapping[str, Any], at: float) -> None:
+        conn.execute(self.events.insert().values(job_id=job_id, at=at, kind=kind, data=dict(data)))
+
+    def _get(self, conn: sa.Connection, job_id: str) -> Job:
+        return self._job(conn.execute(sa.select(self.jobs).where(self.jobs.c.id == job_id)).mappings().one())
+
+    @staticmethod
+    def _job(row: Mapping[str, Any]) -> Job:
+        return Job(
+            id=row["id"], seq=row["seq"], status=JobStatus(row["status"]), request=row["request"],
+            attempt=row["attempt"], max_attempts=row["max_attempts"],
+            stage=Stage(row["stage"]) if row["stage"] else None, stage_done=row["stage_done"],
+            stage_total=row["stage_total"], created_at=row["created_at"], updated_at=row["updated_at"],
+            started_at=row["started_at"], finished_at=row["finished_at"], heartbeat_at=row["heartbeat_at"],
+            worker_id=row["worker_id"], error_code=row["error_code"], error_message=row["error_message"],
+            artifacts=tuple(row["artifacts"] or ()), idempotency_key=row["idempotency_key"],
+        )

@@ -1,0 +1,94 @@
+"""The worker loop: stop check -> reap stale jobs -> claim -> run in a spawned child -> record.
+
+One job at a time per worker; run one worker per GPU. ``worker_process_main`` is the entry point of a
+worker process (``fp8forge worker`` and the processes ``fp8forge serve`` starts).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from sqlalchemy.exc import DBAPIError
+
+from service.artifacts import ArtifactDirs
+from service.config import Settings
+from service.procs import die_with_parent
+from service.reaper import reap_stale
+from service.runner import JobRun
+from service.store import JobStore
+
+__all__ = ["Worker", "worker_process_main"]
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Claims and runs jobs until :meth:`stop` is called.
+
+    Args:
+        settings: service settings (store URL, data dir, heartbeat and retry knobs).
+        store: an open store; one is opened from ``settings`` when omitted.
+    """
+
+    def __init__(self, settings: Settings, store: JobStore | None = None) -> None:
+        self.settings = settings
+        self.store = store or JobStore(settings.store_url)
+        self.dirs = ArtifactDirs(settings.jobs_dir)
+        self.worker_id = JobStore.new_worker_id()
+        self.stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Ask the loop to end; a running job is stopped and requeued without using up an attempt."""
+        self.stopping.set()
+
+    def run(self) -> None:
+        self.dirs.ensure()
+        logger.info("worker %s started", self.worker_id)
+        next_reap = 0.0
+        try:
+            while not self.stopping.is_set():
+                try:
+                    if time.monotonic() >= next_reap:
+                        reap_stale(self.store, self.dirs, self.settings.heartbeat_timeout_s)
+                        next_reap = time.monotonic() + self.settings.heartbeat_interval_s
+                    if not self.run_once():
+                        self.stopping.wait(self.settings.poll_interval_s)
+                except DBAPIError:
+                    logger.exception("job store error; retrying")
+                    self.stopping.wait(self.settings.poll_interval_s)
+        finally:
+            self.store.remove_worker(self.worker_id)
+            logger.info("worker %s stopped", self.worker_id)
+
+    def run_once(self) -> bool:
+        """Claim and run one job; False when none was queued."""
+        self.store.heartbeat_worker(self.worker_id)
+        job = self.store.claim_next(self.worker_id)
+        if job is None:
+            return False
+        logger.info("job %s: attempt %d of %d", job.id, job.attempt, job.max_attempts)
+        self.store.heartbeat_worker(self.worker_id, job.id)
+        status = JobRun(self.settings, self.store, self.dirs, self.worker_id, job, self.stopping).execute()
+        logger.info("job %s: %s", job.id, status.value if status else "lost")
+        self.store.heartbeat_worker(self.worker_id)
+        return True
+
+
+def worker_process_main(settings: Settings, gpu: str | None = None, parent_pid: int | None = None) -> None:
+    """Run a worker in this process until SIGTERM/SIGINT (or until ``parent_pid`` dies)."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid, signal.SIGTERM)
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before anything in this tree initialises CUDA
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker] %(name)s: %(message)s")
+    worker = Worker(settings)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop())
+    try:
+        worker.run()
+    finally:
+        worker.store.close()

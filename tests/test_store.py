@@ -1,0 +1,188 @@
+"""The job store on real SQLite and real PostgreSQL: persistence, idempotency, atomic claims, reaping."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from service.artifacts import ArtifactDirs
+from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound
+from service.jobs import JobStatus, Stage
+from service.reaper import reap_stale
+from service.store import JobLost, JobStore
+from tests.service_helpers import make_store
+
+KINDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+REQUEST = {"model": "demo/tiny-llama", "recipe": {"backend": "ao"}}
+
+
+@pytest.fixture(params=KINDS)
+def env(request: pytest.FixtureRequest, tmp_path: Path):
+    with make_store(request.param, tmp_path) as (store, url, prefix):
+        yield store, url, prefix
+
+
+def _submit(store: JobStore, n: int = 1, **kw) -> list:
+    return [store.create_job({**REQUEST, "n": i}, request_hash=f"h{i}", **kw)[0] for i in range(n)]
+
+
+def test_jobs_survive_reopening_the_store(env) -> None:
+    store, url, prefix = env
+    (job,) = _submit(store)
+    reopened = JobStore(url, table_prefix=prefix)
+    try:
+        again = reopened.get_job(job.id)
+        assert again.status is JobStatus.QUEUED and again.request == job.request
+    finally:
+        reopened.close()
+
+
+def test_list_is_newest_first_with_cursor_and_status_filter(env) -> None:
+    store, _, _ = env
+    jobs = _submit(store, 5)
+    store.set_status(jobs[1].id, JobStatus.CANCELLED)
+    page1, cursor = store.list_jobs(limit=2)
+    page2, cursor2 = store.list_jobs(limit=2, cursor=cursor)
+    page3, cursor3 = store.list_jobs(limit=2, cursor=cursor2)
+    assert [j.id for j in page1 + page2 + page3] == [j.id for j in reversed(jobs)]
+    assert cursor3 is None
+    assert [j.id for j in store.list_jobs(status=JobStatus.CANCELLED)[0]] == [jobs[1].id]
+    with pytest.raises(InvalidRequest):
+        store.list_jobs(cursor="not-a-cursor")
+
+
+def test_idempotency_key_returns_the_same_job_or_conflicts(env) -> None:
+    store, _, _ = env
+    first, created = store.create_job(REQUEST, request_hash="a", idempotency_key="k1")
+    again, created_again = store.create_job(REQUEST, request_hash="a", idempotency_key="k1")
+    assert created and not created_again and again.id == first.id
+    with pytest.raises(IdempotencyConflict):
+        store.create_job(REQUEST, request_hash="b", idempotency_key="k1")
+    assert len(store.list_jobs()[0]) == 1
+
+
+def test_concurrent_claims_take_each_job_exactly_once(env) -> None:
+    store, url, prefix = env
+    jobs = _submit(store, 12)
+    claimed: list[str] = []
+    lock = threading.Lock()
+
+    def claim_all() -> None:
+        own = JobStore(url, table_prefix=prefix)  # its own engine and connections, like another host
+        wid = JobStore.new_worker_id()
+        try:
+            while (job := own.claim_next(wid)) is not None:
+                with lock:
+                    claimed.append(job.id)
+        finally:
+            own.close()
+
+    threads = [threading.Thread(target=claim_all) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Counter(claimed) == Counter(j.id for j in jobs)
+    assert all(j.status is JobStatus.RUNNING and j.attempt == 1 for j in store.list_jobs(limit=20)[0])
+
+
+def test_claim_is_oldest_first_and_empty_queue_gives_none(env) -> None:
+    store, _, _ = env
+    jobs = _submit(store, 2)
+    assert store.claim_next("w").id == jobs[0].id
+    assert store.claim_next("w").id == jobs[1].id
+    assert store.claim_next("w") is None
+
+
+def test_status_changes_follow_the_table_and_the_owner(env) -> None:
+    store, _, _ = env
+    (job,) = _submit(store)
+    running = store.claim_next("w1")
+    with pytest.raises(JobLost):
+        store.set_status(job.id, JobStatus.SUCCEEDED, owner="w2")
+    done = store.set_status(job.id, JobStatus.SUCCEEDED, owner="w1", artifacts=[{"name": "a", "bytes": 1}])
+    assert running.status is JobStatus.RUNNING
+    assert done.status is JobStatus.SUCCEEDED and done.finished_at is not None and done.progress == 1.0
+    with pytest.raises(InvalidTransition):
+        store.set_status(job.id, JobStatus.CANCELLING)
+    kinds = [(e.kind, e.data.get("status")) for e in store.events_after(job.id)]
+    assert kinds == [("status", "queued"), ("status", "running"), ("status", "succeeded")]
+
+
+def test_heartbeat_reports_cancel_and_loss(env) -> None:
+    store, _, _ = env
+    (job,) = _submit(store)
+    store.claim_next("w1")
+    assert store.heartbeat_job(job.id, "w1", stage=Stage.CALIBRATE, done=3, total=10) is JobStatus.RUNNING
+    progressed = store.get_job(job.id)
+    assert (progressed.stage, progressed.stage_done, progressed.stage_total) == (Stage.CALIBRATE, 3, 10)
+    assert progressed.progress == pytest.approx((list(Stage).index(Stage.CALIBRATE) + 0.3) / len(Stage))
+    store.set_status(job.id, JobStatus.CANCELLING)
+    assert store.heartbeat_job(job.id, "w1") is JobStatus.CANCELLING
+    assert store.heartbeat_job(job.id, "someone-else") is None
+
+
+def test_stale_jobs_are_requeued_then_failed_after_the_last_attempt(env, tmp_path: Path) -> None:
+    store, _, _ = env
+    dirs = ArtifactDirs(tmp_path / "jobs")
+    (job,) = _submit(store, max_attempts=2)
+    store.claim_next("dead-worker")
+    time.sleep(0.15)
+    assert reap_stale(store, dirs, timeout_s=0.1) == [(job.id, JobStatus.QUEUED)]
+    requeued = store.get_job(job.id)
+    assert requeued.status is JobStatus.QUEUED and requeued.worker_id is None
+    assert store.claim_next("dead-again").attempt == 2
+    staging = dirs.staging_dir(job.id)
+    staging.mkdir(parents=True)
+    (staging / "half.safetensors").write_bytes(b"x")
+    time.sleep(0.15)
+    assert reap_stale(store, dirs, timeout_s=0.1) == [(job.id, JobStatus.FAILED)]
+    failed = store.get_job(job.id)
+    assert failed.error_code == "worker_lost" and "attempt 2 of 2" in failed.error_message
+    assert not staging.exists()
+
+
+def test_fresh_heartbeats_are_not_reaped(env, tmp_path: Path) -> None:
+    store, _, _ = env
+    (job,) = _submit(store)
+    store.claim_next("w")
+    assert reap_stale(store, ArtifactDirs(tmp_path / "jobs"), timeout_s=30) == []
+    assert store.get_job(job.id).status is JobStatus.RUNNING
+
+
+def test_stale_cancelling_job_ends_cancelled(env, tmp_path: Path) -> None:
+    store, _, _ = env
+    (job,) = _submit(store)
+    store.claim_next("w")
+    store.set_status(job.id, JobStatus.CANCELLING)
+    time.sleep(0.15)
+    assert reap_stale(store, ArtifactDirs(tmp_path / "jobs"), timeout_s=0.1) == [(job.id, JobStatus.CANCELLED)]
+
+
+def test_delete_only_finished_jobs_and_their_events(env) -> None:
+    store, _, _ = env
+    job, other = _submit(store, 2)
+    with pytest.raises(InvalidTransition):
+        store.delete_job(job.id)
+    store.set_status(job.id, JobStatus.CANCELLED)
+    store.delete_job(job.id)
+    with pytest.raises(JobNotFound):
+        store.get_job(job.id)
+    assert store.events_after(job.id) == []
+    assert store.get_job(other.id).status is JobStatus.QUEUED
+
+
+def test_workers_and_stage_timings_feed_metrics(env) -> None:
+    store, _, _ = env
+    store.heartbeat_worker("w1")
+    store.heartbeat_worker("w2", job_id="j")
+    store.remove_worker("w1")
+    assert [w["id"] for w in store.live_workers(timeout_s=30)] == ["w2"]
+    store.record_stage_durations("j", [("calibrate", 1.5), ("export", 0.5)])
+    store.record_stage_durations("k", [("calibrate", 2.5)])
+    assert store.stage_duration_stats() == {"calibrate": (2, 4.0), "export": (1, 0.5)}
+    assert store.count_by_status()[JobStatus.QUEUED] == 0
