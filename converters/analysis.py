@@ -8,6 +8,7 @@ model stays in high precision. Nothing in the model is touched.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 
 from converters.patterns import matches, validate_pattern
 
-__all__ = ["AnalysisOptions", "Reason", "analyze_model", "analyze_model_reference", "REPORT_VERSION"]
+__all__ = ["AnalysisOptions", "Reason", "analyze_model", "analyze_model_reference", "eligible_paths", "REPORT_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ REPORT_VERSION = 1
 FP8_DIM_MULTIPLE = 16
 
 
-class Reason:
+class Reason(str, enum.Enum):
     """Reason codes a layer carries when it is not eligible (stable strings, documented in README)."""
 
     DIM_NOT_DIVISIBLE = "dim_not_divisible_by_16"
@@ -109,7 +110,7 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
         elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
             in_features, out_features = module.weight.shape
             entry = _layer_entry(path, module, int(in_features), int(out_features))
-            entry["reasons"] = [Reason.NOT_LINEAR]
+            entry["reasons"] = [Reason.NOT_LINEAR.value]
             layers.append(entry)
 
     report = {
@@ -122,16 +123,13 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
         "other_weights": _other_matmul_weights(named),
         "fused_groups": _fused_groups(layers),
     }
-    report["totals"] = _totals(model, report)
+    report["totals"] = _totals(_count_parameters(named), report)
     return report
 
 
 def eligible_paths(report: dict[str, Any]) -> list[str]:
     """Module paths the report calls eligible, in model order (what conversion must swap)."""
     return [layer["path"] for layer in report["layers"] if layer["eligible"]]
-
-
-__all__.append("eligible_paths")
 
 
 def _layer_entry(path: str, module: nn.Module, in_features: int, out_features: int) -> dict[str, Any]:
@@ -155,28 +153,28 @@ def _linear_reasons(
     module = modules[path]
     reasons = []
     if module.in_features % FP8_DIM_MULTIPLE or module.out_features % FP8_DIM_MULTIPLE:
-        reasons.append(Reason.DIM_NOT_DIVISIBLE)
+        reasons.append(Reason.DIM_NOT_DIVISIBLE.value)
     if options.skip_first_last and path == first:
-        reasons.append(Reason.FIRST_LINEAR)
+        reasons.append(Reason.FIRST_LINEAR.value)
     if options.skip_first_last and path == last:
-        reasons.append(Reason.LAST_LINEAR)
+        reasons.append(Reason.LAST_LINEAR.value)
     if path in tied:
-        reasons.append(Reason.TIED_HEAD)
+        reasons.append(Reason.TIED_HEAD.value)
     if not options.convert_router_gates and _is_router_gate(path, modules):
-        reasons.append(Reason.ROUTER_GATE)
+        reasons.append(Reason.ROUTER_GATE.value)
     if options.include and not any(matches(pattern, path) for pattern in options.include):
-        reasons.append(Reason.NOT_INCLUDED)
+        reasons.append(Reason.NOT_INCLUDED.value)
     if any(matches(pattern, path) for pattern in options.exclude):
-        reasons.append(Reason.EXCLUDED)
+        reasons.append(Reason.EXCLUDED.value)
     return reasons
 
 
 def _is_router_gate(path: str, modules: dict[str, nn.Module]) -> bool:
     parent_path, _, name = path.rpartition(".")
-    if "router" in name:
-        return True
     parent = modules.get(parent_path)
-    return name in _ROUTER_NAMES and parent is not None and hasattr(parent, "experts")
+    if parent is None or not hasattr(parent, "experts"):
+        return False
+    return name in _ROUTER_NAMES or "router" in name
 
 
 def _tied_head_paths(model: nn.Module, named: list[tuple[str, nn.Module]]) -> set[str]:
@@ -223,8 +221,12 @@ def _other_matmul_weights(named: list[tuple[str, nn.Module]]) -> list[dict[str, 
     for path, module in named:
         if isinstance(module, skipped_types) or type(module).__name__ in ("Conv1D",) or "Norm" in type(module).__name__:
             continue
-        for name, parameter in module.named_parameters(recurse=False):
-            if parameter.dim() < 2:
+        # The module's own parameter dict: named_parameters() would start a module walk per module.
+        for name, parameter in module._parameters.items():
+            if parameter is None:
+                continue
+            # Learned tokens and position tables are lookups, not matmul weights.
+            if parameter.dim() < 2 or any(word in name for word in ("embed", "token", "position")):
                 continue
             full = f"{path}.{name}" if path else name
             entries.append(
@@ -244,21 +246,31 @@ def _other_matmul_weights(named: list[tuple[str, nn.Module]]) -> list[dict[str, 
 def _other_reason(module: nn.Module, name: str, parameter: torch.Tensor) -> str:
     class_name = type(module).__name__.lower()
     if parameter.dim() == 3 and ("expert" in class_name or "expert" in name or "proj" in name):
-        return Reason.FUSED_EXPERTS
+        return Reason.FUSED_EXPERTS.value
     if "router" in class_name or "gate" in class_name:
-        return Reason.ROUTER_WEIGHT
-    return Reason.OTHER_MATMUL
+        return Reason.ROUTER_WEIGHT.value
+    return Reason.OTHER_MATMUL.value
 
 
-def _totals(model: nn.Module, report: dict[str, Any]) -> dict[str, Any]:
+def _count_parameters(named: list[tuple[str, nn.Module]]) -> int:
+    """Parameters of the model, each tensor once (a tied head shares the embedding's)."""
+    seen: set[int] = set()
+    total = 0
+    for _, module in named:
+        for parameter in module._parameters.values():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                total += parameter.numel()
+    return total
+
+
+def _totals(model_params: int, report: dict[str, Any]) -> dict[str, Any]:
     linear_layers = [layer for layer in report["layers"] if layer["class"] != "Conv1D"]
     eligible = [layer for layer in linear_layers if layer["eligible"]]
     linear_params = sum(layer["parameters"] for layer in linear_layers)
     fp8_weight_params = sum(layer["in_features"] * layer["out_features"] for layer in eligible)
     outside = sum(entry["parameters"] for entry in report["other_weights"])
     conv1d = sum(layer["parameters"] for layer in report["layers"] if layer["class"] == "Conv1D")
-    # Tied tensors are one tensor: count each storage once.
-    model_params = sum(p.numel() for p in model.parameters())
     bytes_before = model_params * 2
     return {
         "linear_layers": len(linear_layers),

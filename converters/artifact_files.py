@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from converters.export import collect_tensors, write_json, write_weights
+from converters.te_layout import BACKWARD_SLOTS, FORWARD_SLOTS
 
 if TYPE_CHECKING:
     from converters.pipeline import _Run
@@ -142,8 +143,8 @@ def _calibration_report(run: _Run) -> dict[str, Any]:
         "seq_len": settings.seq_len,
         "backward": settings.backward,
         "data_source": run.calibration["data_source"],
-        "slots_forward": ["input", "weight", "output"],
-        "slots_backward": ["grad_output", "grad_input"],
+        "slots_forward": list(FORWARD_SLOTS),
+        "slots_backward": list(BACKWARD_SLOTS),
         "layers": layers,
         "te_check": run.calibration.get("te_check", {"ran": False, "reason": "TransformerEngine not used here"}),
     }

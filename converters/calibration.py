@@ -22,6 +22,7 @@ from torch import nn
 from converters.errors import CalibrationDataError, ConversionCancelled, RecipeError
 from converters.recipes import TEDelayedScalingRecipe
 from converters.scaling import delayed_scaling_state, fp8_max_for
+from converters.te_layout import BACKWARD_SLOTS, FORWARD_SLOTS
 
 __all__ = [
     "CORPUS_PATH",
@@ -37,10 +38,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CORPUS_PATH = Path(__file__).parent / "data" / "calibration_corpus.txt"
-#: Column order of ``LayerAmax.forward`` = te.Linear ``scaling_fwd`` slots (GEMM1_INPUT/WEIGHT/OUTPUT).
-FORWARD_SLOTS = ("input", "weight", "output")
-#: Column order of ``LayerAmax.backward`` = te.Linear ``scaling_bwd`` slots (GRAD_OUTPUT1, GRAD_INPUT1).
-BACKWARD_SLOTS = ("grad_output", "grad_input")
+# Column order of LayerAmax.forward / .backward: te.Linear's scaling_fwd (GEMM1_INPUT/WEIGHT/OUTPUT) and
+# scaling_bwd (GRAD_OUTPUT1, GRAD_INPUT1) slots, defined once in converters.te_layout.
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "MANIFEST_NAME",
     "INDEX_NAME",
+    "SINGLE_FILE_NAME",
     "collect_tensors",
     "write_weights",
     "write_json",
@@ -41,6 +42,9 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """A plain CPU tensor: torchao wraps FSDP-gathered weights in a tensor subclass holding ``_tensor``."""
     while type(tensor) is not torch.Tensor and hasattr(tensor, "_tensor"):
         tensor = tensor._tensor
+    if type(tensor) is torch.nn.Parameter:
+        tensor = tensor.data
+    # `.to` and `.contiguous` return the tensor itself when nothing changes, so tied storages stay shared.
     return tensor.detach().to("cpu").contiguous()
 
 
@@ -66,12 +70,13 @@ def collect_tensors(
             continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state entry {name!r} is a {type(value).__name__}, not a tensor")
+        value = _plain(value)
         key = _storage_key(value)
         if key in seen:
             tied[name] = seen[key]
             continue
         seen[key] = name
-        tensors[name] = _plain(value)
+        tensors[name] = value
     return tensors, tied
 
 

@@ -31,9 +31,15 @@ def verify_manifest(directory: Path) -> list[dict[str, Any]]:
     manifest_path = directory / MANIFEST_NAME
     if not manifest_path.is_file():
         raise ArtifactError(f"{directory} has no {MANIFEST_NAME}: not an fp8forge artifact (or a partial one)")
-    entries = json.loads(manifest_path.read_text())["files"]
-    for entry in entries:
-        path = directory / entry["name"]
+    try:
+        entries = json.loads(manifest_path.read_text())["files"]
+        names = [entry["name"] for entry in entries]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArtifactError(f"{manifest_path} is malformed ({exc}); re-download the artifact") from exc
+    for entry, name in zip(entries, names, strict=True):
+        if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
+            raise ArtifactError(f"{manifest_path} lists {name!r}, which is not a plain file name in the artifact")
+        path = directory / name
         if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
             raise ArtifactError(f"{path} is missing or differs from manifest.json; re-download the artifact")
     return entries
@@ -44,7 +50,10 @@ def read_fp8_block(directory: Path, backend: str) -> dict[str, Any]:
     config_path = Path(directory) / "config.json"
     if not config_path.is_file():
         raise ArtifactError(f"{directory} has no config.json")
-    block = json.loads(config_path.read_text()).get("fp8")
+    try:
+        block = json.loads(config_path.read_text()).get("fp8")
+    except (ValueError, AttributeError) as exc:
+        raise ArtifactError(f"{config_path} is not a JSON object: {exc}") from exc
     if not isinstance(block, dict) or "converted_modules" not in block:
         raise ArtifactError(f"{config_path} has no fp8 block: not an fp8forge artifact")
     if block.get("backend") != backend:

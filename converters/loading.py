@@ -34,6 +34,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "model_dtype",
+    "model_class",
     "CONFIG_FILES",
     "WEIGHT_FILES",
     "TOKENIZER_FILES",
@@ -52,6 +53,10 @@ TOKENIZER_FILES = [
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
 ]
 
 _HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_-])?"
@@ -232,12 +237,12 @@ def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
 
     try:
         return AutoConfig.from_pretrained(directory, trust_remote_code=sources.trust_remote_code)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         hint = "" if sources.trust_remote_code else " (if the model ships its own code, enable trust_remote_code)"
         raise ModelNotFoundError(f"cannot read config.json in {directory}: {exc}{hint}") from exc
 
 
-def _model_class(config: Any, sources: ModelSourceOptions) -> Any:
+def model_class(config: Any, sources: ModelSourceOptions) -> Any:
     import transformers
 
     for architecture in getattr(config, "architectures", None) or []:
@@ -271,7 +276,7 @@ def build_meta_model(config: Any, sources: ModelSourceOptions) -> torch.nn.Modul
     """Instantiate the architecture from its config on the ``meta`` device: shapes only, no memory."""
     import torch
 
-    cls = _model_class(config, sources)
+    cls = model_class(config, sources)
     kwargs = {"trust_remote_code": True} if sources.trust_remote_code and hasattr(cls, "from_config") else {}
     with torch.device("meta"):
         if hasattr(cls, "_from_config"):
@@ -282,12 +287,26 @@ def build_meta_model(config: Any, sources: ModelSourceOptions) -> torch.nn.Modul
 def load_model(directory: Path, sources: ModelSourceOptions, *, dtype: torch.dtype | None = None) -> Any:
     """Load the model with its weights on the CPU, in the checkpoint's dtype unless ``dtype`` is given."""
     config = load_config(directory, sources)
-    cls = _model_class(config, sources)
-    model = cls.from_pretrained(
-        directory,
-        dtype=dtype or model_dtype(config),
-        trust_remote_code=sources.trust_remote_code,
-    )
+    if not any(directory.glob("*.safetensors")):
+        raise ModelNotFoundError(
+            f"{directory} has no *.safetensors weights; fp8forge reads only safetensors checkpoints "
+            "(convert .bin weights with transformers' save_pretrained first)"
+        )
+    cls = model_class(config, sources)
+    try:
+        model, info = cls.from_pretrained(
+            directory,
+            dtype=dtype or model_dtype(config),
+            trust_remote_code=sources.trust_remote_code,
+            output_loading_info=True,
+        )
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot load the weights in {directory}: {exc}") from exc
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise ModelNotFoundError(
+            f"{directory}: the checkpoint lacks {len(missing)} weight(s) the architecture needs, e.g. {missing[:3]}"
+        )
     model.eval()
     return model
 

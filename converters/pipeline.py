@@ -125,10 +125,12 @@ def run_conversion(
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise Fp8ForgeError(f"output directory {out_dir} already exists; choose a new one", field="out")
+    if not out_dir.parent.is_dir():
+        raise Fp8ForgeError(f"the parent of {out_dir} does not exist; create {out_dir.parent} first", field="out")
     run = _Run(request=request, sources=sources, sink=sink or NullSink())
     staging = staging_dir_for(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging.mkdir()
     try:
         for stage in (stages.resolve, stages.analyze, stages.calibrate, stages.convert):
             run.check_stop()

@@ -45,7 +45,7 @@ class CalibrationSettings:
             raise CalibrationDataError("calibration.backward must be true or false", field="calibration.backward")
         if self.texts is not None:
             texts = self.texts
-            if isinstance(texts, str) or not all(isinstance(text, str) for text in texts):
+            if not isinstance(texts, (list, tuple)) or not all(isinstance(text, str) for text in texts):
                 raise CalibrationDataError("calibration.texts must be a list of strings", field="calibration.texts")
             if not texts or not any(text.strip() for text in texts) or len(texts) > LIMITS["texts"][1]:
                 raise CalibrationDataError(

@@ -28,7 +28,7 @@ def resolve(run: _Run) -> None:
         run.warn(message)
     run.model_dir = resolve_model_dir(run.request.model, run.sources, with_weights=True)
     run.config = load_config(run.model_dir, run.sources)
-    max_positions = getattr(run.config, "max_position_embeddings", None)
+    max_positions = getattr(_text_config(run.config), "max_position_embeddings", None)
     if max_positions and run.request.calibration.seq_len > max_positions:
         raise CalibrationDataError(
             f"calibration.seq_len {run.request.calibration.seq_len} exceeds the model's "
@@ -92,7 +92,11 @@ def _convert_te(run: _Run, eligible: list[str]) -> None:
         run.te_modules = True
         if run.calibration["states"] and "scale_fwd" in next(iter(run.calibration["states"].values())):
             apply_scaling_state(run.model, run.calibration["states"], run.recipe)
-        run.calibration["te_check"] = fp8_check_step(run.model, run.calibration["check_batch"], run.recipe)
+        try:
+            run.calibration["te_check"] = fp8_check_step(run.model, run.calibration["check_batch"], run.recipe)
+        except BackendUnavailableError as exc:  # TE imports, but this GPU cannot execute FP8 (before sm89)
+            run.calibration["te_check"] = {"ran": False, "reason": exc.message}
+            run.warn(f"the FP8 check step did not run: {exc.message}")
         return
     if run.request.te_extra_state:
         raise BackendUnavailableError(
@@ -118,9 +122,15 @@ def calibrate(run: _Run) -> None:
 
     settings = run.request.calibration
     tokenizer = load_tokenizer(run.model_dir, run.sources)
+    vocab_size = getattr(_text_config(run.config), "vocab_size", None)
+    if not vocab_size:
+        raise CalibrationDataError(
+            f"{type(run.config).__name__} declares no vocab_size: fp8forge calibrates text models only",
+            field="model",
+        )
     batches, source = calibration_batches(
         tokenizer,
-        vocab_size=run.config.vocab_size,
+        vocab_size=vocab_size,
         texts=list(settings.texts) if settings.texts is not None else None,
         steps=settings.steps,
         batch_size=settings.batch_size,
@@ -128,13 +138,36 @@ def calibrate(run: _Run) -> None:
     )
     if tokenizer is None:
         run.warn("the model ships no tokenizer: calibration used random token ids, not text")
-    amax = record_amax(
-        run.model, eligible_paths(run.report), batches, backward=settings.backward,
-        on_step=run.sink.progress, should_stop=run.sink.should_stop,
-    )
+    batches = [_model_inputs(run.model, run.config, batch) for batch in batches]
+    try:
+        amax = record_amax(
+            run.model, eligible_paths(run.report), batches, backward=settings.backward,
+            on_step=run.sink.progress, should_stop=run.sink.should_stop,
+        )
+    except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
+        raise CalibrationDataError(
+            f"{type(run.model).__name__} cannot be calibrated from token batches: {exc}", field="model"
+        ) from exc
     run.calibration = {
         "data_source": source, "amax": amax, "states": _scaling_states(run, amax), "check_batch": batches[0],
     }
+
+
+def _text_config(config: Any) -> Any:
+    """The text part of a config (multimodal configs keep vocab_size and positions in ``text_config``)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def _model_inputs(model: Any, config: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep the inputs the model's forward accepts; an encoder-decoder gets the tokens as decoder input too."""
+    import inspect
+
+    accepted = inspect.signature(model.forward).parameters
+    inputs = {key: value for key, value in batch.items() if key in accepted}
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in accepted:
+        inputs["decoder_input_ids"] = batch["input_ids"]
+    return inputs
 
 
 def _scaling_states(run: _Run, amax: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:

@@ -92,31 +92,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_arguments(convert)
     convert.set_defaults(func=_run_convert)
 
-    try:
-        from service import cli_service
-    except ImportError:  # TEMP until the service commands land
-        cli_service = None
-    if cli_service is not None:
-        cli_service.register(commands)
+    from service import cli_service
+
+    cli_service.register(commands)
     return parser
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
-    # transformers imports torchao whenever it is installed; analysis never needs it, so hide it to keep
-    # start-up short (a None entry makes importlib report the package as absent).
-    sys.modules.setdefault("torchao", None)
     from converters.analysis import analyze_model_reference
     from converters.report_format import format_analysis
 
-    report = analyze_model_reference(
-        args.model,
-        source_options_from_args(args),
-        backend=args.backend or "te",
-        include=args.include,
-        exclude=args.exclude,
-        skip_first_last=not args.no_skip_first_last,
-        convert_router_gates=args.convert_router_gates,
-    )
+    # transformers imports torchao whenever it is installed; analysis never needs it, so hide it while
+    # analysing (a None entry makes importlib report the package as absent) and un-hide it afterwards.
+    hidden = "torchao" not in sys.modules
+    if hidden:
+        sys.modules["torchao"] = None
+    try:
+        report = analyze_model_reference(
+            args.model,
+            source_options_from_args(args),
+            backend=args.backend or "te",
+            include=args.include,
+            exclude=args.exclude,
+            skip_first_last=not args.no_skip_first_last,
+            convert_router_gates=args.convert_router_gates,
+        )
+    finally:
+        if hidden and sys.modules.get("torchao", 0) is None:
+            del sys.modules["torchao"]
     if args.json:
         import json
 

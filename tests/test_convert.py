@@ -174,35 +174,35 @@ def test_tied_weights_are_stored_once(tmp_path):
     assert any("random token ids" in warning for warning in report["warnings"])
 
 
-def test_altered_artifact_is_refused(llama_root):
-    out = llama_root / "ao-tensorwise"
-    if not out.exists():
-        pytest.skip("needs the tensorwise artifact of the earlier test")
-    copy = llama_root / "altered"
-    import shutil
-
-    shutil.copytree(out, copy)
-    with open(copy / "fp8_report.json", "a") as handle:
+def test_altered_or_escaping_artifact_is_refused(llama_root, tmp_path):
+    out = tmp_path / "ao"
+    assert convert(llama_root, llama_root / "llama", out, "--backend", "ao") == 0
+    with open(out / "fp8_report.json", "a") as handle:
         handle.write(" ")
     with pytest.raises(ArtifactError, match="differs from manifest.json"):
-        load_torchao(copy)
+        load_torchao(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"][0]["name"] = "../../etc/passwd"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="not a plain file name"):
+        verify_manifest(out)
 
 
 @pytest.mark.parametrize(
-    ("extra", "message"),
+    ("extra", "message", "expected_code"),
     [
-        (["--calib-seq-len", "100000"], "calibration.seq_len must be an integer from 1 to 32768"),
-        (["--calib-seq-len", "1000"], "exceeds the model's max_position_embeddings 512"),
-        (["--calib-steps", "0"], "calibration.steps must be an integer"),
-        (["--backend", "ao", "--exclude", "*"], "no layer is eligible"),
+        (["--calib-seq-len", "100000"], "calibration.seq_len must be an integer from 1 to 32768", 2),
+        (["--calib-seq-len", "1000"], "exceeds the model's max_position_embeddings 512", 2),
+        (["--calib-steps", "0"], "calibration.steps must be an integer", 2),
+        (["--backend", "ao", "--exclude", "*"], "no layer is eligible", 1),
     ],
 )
-def test_failed_run_leaves_no_output(llama_root, extra, message, capsys):
+def test_failed_run_leaves_no_output(llama_root, extra, message, expected_code, capsys):
     out = llama_root / "failed"
     args = ["convert", str(llama_root / "llama"), "--out", str(out), "--allow-root", str(llama_root), "--no-progress"]
     code = main([*args, *extra])
     err = capsys.readouterr().err
-    assert code in (1, 2) and message in err
+    assert code == expected_code and message in err
     assert not out.exists() and not (llama_root / ".failed.partial").exists()
 
 
@@ -231,3 +231,38 @@ def test_accelerate_config_yaml_drives_a_te_conversion(llama_root, tmp_path, cap
     assert any("interval" in warning and "no effect" in warning for warning in report["warnings"])
     weights = load_file(out / "model.safetensors")
     assert weights[state_key("model.layers.1.mlp.up_proj", "amax_history_fwd")].shape == (8, 3)
+
+
+def test_seed_ao_yaml_with_fsdp_all_gather_converts_and_loads(llama_root, tmp_path):
+    """The seed's AO example turns on enable_fsdp_float8_all_gather, which wraps weights in a tensor subclass."""
+    config = tmp_path / "config.yaml"
+    config.write_text("mixed_precision: fp8\nfp8_config:\n  backend: AO\n  enable_fsdp_float8_all_gather: true\n"
+                      "  pad_inner_dim: true\n")
+    out = tmp_path / "ao-fsdp"
+    assert convert(llama_root, llama_root / "llama", out, "--recipe", str(config)) == 0
+    model = load_torchao(out)
+    assert json.loads((out / "config.json").read_text())["fp8"]["float8_linear_config"]["enable_fsdp_float8_all_gather"]
+    original = load_file(llama_root / "llama" / "model.safetensors")
+    assert torch.equal(load_file(out / "model.safetensors")["model.layers.1.mlp.up_proj.weight"],
+                       original["model.layers.1.mlp.up_proj.weight"])
+    ids = torch.randint(0, 300, (2, 16))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_analyze_then_convert_in_one_process(llama_root, tmp_path, capsys):
+    assert main(["analyze", str(llama_root / "llama"), "--allow-root", str(llama_root), "--json"]) == 0
+    assert convert(llama_root, llama_root / "llama", tmp_path / "out", "--backend", "ao") == 0
+
+
+def test_encoder_decoder_model_calibrates(tmp_path):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                      decoder_start_token_id=0)
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    out = tmp_path / "out"
+    assert main(["convert", str(tmp_path / "t5"), "--out", str(out), "--allow-root", str(tmp_path),
+                 "--backend", "te", *SMALL_CALIBRATION]) == 0
+    report = json.loads((out / "fp8_report.json").read_text())
+    amax = report["calibration"]["layers"]["decoder.block.0.layer.0.SelfAttention.k"]["amax_forward"]
+    assert all(step[0] > 0 for step in amax)  # the decoder ran on every step

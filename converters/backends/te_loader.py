@@ -31,7 +31,8 @@ from converters.backends.transformer_engine import (
     require_te,
 )
 from converters.errors import ConversionError, ModelNotFoundError, RecipeError
-from converters.loading import ModelSourceOptions, _model_class, load_config, model_dtype
+from converters.export import INDEX_NAME, SINGLE_FILE_NAME
+from converters.loading import ModelSourceOptions, load_config, model_class, model_dtype
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe, recipe_from_dict
 from converters.te_layout import TE_STATE_NAMES, split_state_key
 
@@ -39,8 +40,8 @@ __all__ = ["TEArtifact", "read_te_artifact", "build_hf_model", "load_te"]
 
 logger = logging.getLogger(__name__)
 
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
+_INDEX = INDEX_NAME
+_SINGLE = SINGLE_FILE_NAME
 _EXTRA_STATE_SUFFIX = "._extra_state"
 
 
@@ -179,7 +180,7 @@ def build_hf_model(artifact: TEArtifact, sources: ModelSourceOptions | None = No
     """
     sources = sources or ModelSourceOptions()
     config = load_config(artifact.directory, sources)
-    cls = _model_class(config, sources)
+    cls = model_class(config, sources)
     dtype = model_dtype(config)
     if hasattr(cls, "_from_config"):
         model = cls._from_config(config, dtype=dtype)

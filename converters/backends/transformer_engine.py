@@ -424,6 +424,9 @@ def _check_step_loss(outputs: Any) -> torch.Tensor:
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
+    elif isinstance(value, Mapping):  # transformers' ModelOutput is an OrderedDict
+        for item in value.values():
+            yield from _tensors(item)
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from _tensors(item)
