@@ -54,10 +54,9 @@ def child_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [conversion] %(name)s: %(message)s")
     try:
-        from converters.pipeline import ConversionRequest, run_conversion
-
         from converters.errors import Fp8ForgeError
         from converters.loading import ModelSourceOptions
+        from converters.pipeline import ConversionRequest, run_conversion
 
         try:
             result = run_conversion(
