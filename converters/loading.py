@@ -243,23 +243,29 @@ def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
 
 
 def model_class(config: Any, sources: ModelSourceOptions) -> Any:
+    """The class that loads this checkpoint: its declared architecture, else the fitting Auto class.
+
+    Remote-code models (``auto_map`` in the config) get ``AutoModelForCausalLM`` when they map it, so
+    the LM head and its key names are kept.
+    """
     import transformers
 
     for architecture in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, architecture, None)
         if cls is not None:
             return cls
-    if getattr(config, "auto_map", None) and not sources.trust_remote_code:
+    auto_map = getattr(config, "auto_map", None) or {}
+    if auto_map and not sources.trust_remote_code:
         raise ModelNotFoundError(
             "this model's architecture ships as remote code; enable trust_remote_code to load it"
         )
     from transformers import AutoModel, AutoModelForCausalLM
 
-    try:
-        AutoModelForCausalLM._model_mapping[type(config)]
+    if "AutoModelForCausalLM" in auto_map:
         return AutoModelForCausalLM
-    except KeyError:
-        return AutoModel
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    return AutoModel
 
 
 def model_dtype(config: Any) -> torch.dtype:
