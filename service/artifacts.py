@@ -1,16 +1,17 @@
-"""Per-job artifact directories: where runs stage and publish files, listing, and safe name resolution.
+"""Per-job artifact directories: where attempts stage and publish files, listing, and safe name resolution.
 
-A job's files appear under ``<data_dir>/jobs/<job_id>/`` only once the whole run succeeded (the pipeline
-stages into ``.<job_id>.partial`` and renames it). Readers resolve names against the stored listing, never
+Every attempt of a job writes into its own directory, ``<data_dir>/jobs/.<job_id>.a<attempt>`` (the pipeline
+stages that into ``..<job_id>.a<attempt>.partial`` and renames it when every file is written). Only the worker
+that still owns the attempt publishes it as ``<job_id>/``, in the same transaction that records the success,
+so a job's files always come from one attempt. Readers resolve names against the stored listing, never
 against user-supplied paths, so ``..`` and friends cannot escape the directory.
 """
-
-from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Mapping
@@ -47,27 +48,79 @@ class ArtifactDirs:
     def final_dir(self, job_id: str) -> Path:
         return self.root / job_id
 
-    def staging_dir(self, job_id: str) -> Path:
-        """Where the pipeline stages a run (its convention: a hidden ``.partial`` sibling)."""
-        return self.root / f".{job_id}.partial"
+    def attempt_dir(self, job_id: str, attempt: int) -> Path:
+        """Where one attempt's pipeline run puts its finished files (the out_dir it is given)."""
+        return self.root / f".{job_id}.a{attempt}"
 
-    def remove(self, job_id: str) -> None:
-        """Remove everything a job has on disk; the final dir disappears at once (renamed, then deleted)."""
-        for path in (self.final_dir(job_id), self.staging_dir(job_id)):
-            if not path.exists():
+    def staging_dir(self, job_id: str, attempt: int) -> Path:
+        """Where the pipeline stages an attempt (its convention: a hidden ``.partial`` sibling of the out_dir)."""
+        out = self.attempt_dir(job_id, attempt)
+        return out.parent / f".{out.name}.partial"
+
+    def publish(self, job_id: str, attempt: int) -> None:
+        """Rename an attempt's directory to the job's final one (fails if that already exists).
+
+        Raises:
+            OSError: the attempt's directory is gone, or the final directory exists.
+        """
+        os.rename(self.attempt_dir(job_id, attempt), self.final_dir(job_id))
+
+    def unpublish(self, job_id: str, attempt: int) -> None:
+        """Undo :meth:`publish` after the success could not be recorded (the files go back to the attempt)."""
+        try:
+            os.rename(self.final_dir(job_id), self.attempt_dir(job_id, attempt))
+        except FileNotFoundError:
+            pass
+
+    def remove_attempt(self, job_id: str, attempt: int) -> None:
+        """Remove what one attempt left (its directory and its staging directory), never the published files."""
+        for path in (self.attempt_dir(job_id, attempt), self.staging_dir(job_id, attempt)):
+            self._discard(job_id, path)
+
+    def remove(self, job_id: str, *, below_attempt: int | None = None) -> None:
+        """Remove a job's files: the final dir (at once: renamed, then deleted) and attempts' leftovers.
+
+        Args:
+            below_attempt: when given (by the worker starting that attempt, which owns the job, so any final dir
+                is a stale one), only older attempts lose their directories; a newer attempt's, perhaps of
+                another worker still running it, are left alone. Without it, every attempt's go too.
+        """
+        self._discard(job_id, self.final_dir(job_id))
+        pattern = re.compile(rf"\.\.?{re.escape(job_id)}\.(?:a(\d+)(?:\.partial)?|partial|[0-9a-f]{{8}}\.deleting)")
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        for name in names:
+            match = pattern.fullmatch(name)
+            if match is None:
                 continue
-            trash = self.root / f".{job_id}.{uuid.uuid4().hex[:8]}.deleting"
-            os.replace(path, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            attempt = match.group(1)
+            if below_attempt is None or attempt is None or int(attempt) < below_attempt:
+                self._discard(job_id, self.root / name)
 
-    def index(self, job_id: str, manifest: Iterable[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
-        """List every file of a published job with its size and sha256.
+    def _discard(self, job_id: str, path: Path) -> None:
+        # Another process (a reaper, a DELETE, a newer attempt) may remove the same path at the same moment.
+        if path.name.endswith(".deleting"):
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        trash = self.root / f".{job_id}.{uuid.uuid4().hex[:8]}.deleting"
+        try:
+            os.replace(path, trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def index(
+        self, job_id: str, manifest: Iterable[Mapping[str, Any]] = (), *, attempt: int | None = None
+    ) -> list[dict[str, Any]]:
+        """List every file of a published job (or of one attempt's directory) with its size and sha256.
 
         Hashes come from the pipeline's manifest when it covers a file of the same size; other files
         (the manifest itself, the report) are hashed here.
         """
         known = {m["name"]: m for m in manifest if "name" in m}
-        directory = self.final_dir(job_id)
+        directory = self.final_dir(job_id) if attempt is None else self.attempt_dir(job_id, attempt)
         listing = []
         for path in sorted(p for p in directory.rglob("*") if p.is_file()):
             name = path.relative_to(directory).as_posix()

@@ -69,13 +69,23 @@ def run_serve(args: argparse.Namespace) -> int:
     JobStore(settings.store_url).close()  # create the schema once, before several processes race to
     count = settings.workers if settings.workers is not None else default_worker_count()
     pool = WorkerPool(settings, count)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            pool.begin_stop()  # before the graceful wait: a worker stopped by the same Ctrl-C stays stopped
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = Server(config)
     pool.start()
     try:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down
+        pass
     finally:
         pool.stop()
-    return 0
+    return 0 if server.started else 1  # not started: e.g. the port is taken (uvicorn logged why)
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -1,4 +1,9 @@
-"""The local worker processes of ``fp8forge serve``: started with ``spawn``, restarted when they die."""
+"""The local worker processes of ``fp8forge serve``: started with ``spawn``, restarted when they crash.
+
+A worker that exits cleanly (code 0) was asked to stop, typically by the Ctrl-C that reached the whole
+process group, so it is not restarted; ``fp8forge serve`` also calls :meth:`WorkerPool.begin_stop` as soon
+as it is told to shut down, before the API's graceful wait.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ class WorkerPool:
         self._ctx = mp.get_context("spawn")
         self._procs: list[BaseProcess | None] = [None] * count
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._supervise, name="fp8forge-pool", daemon=True)
 
     @property
@@ -43,9 +49,13 @@ class WorkerPool:
             self._spawn(slot)
         self._thread.start()
 
+    def begin_stop(self) -> None:
+        """Restart no worker from now on (the shutdown has begun); :meth:`stop` ends them."""
+        self._stopping.set()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every worker (each requeues its running job), then kill the ones that linger."""
-        self._stopping.set()
+        self.begin_stop()
         if self._thread.is_alive():
             self._thread.join()
         procs = [p for p in self._procs if p is not None]
@@ -69,9 +79,18 @@ class WorkerPool:
 
     def _supervise(self) -> None:
         while not self._stopping.wait(1.0):
+            self.check()
+
+    def check(self) -> None:
+        """Restart every worker that crashed; one that exited cleanly was told to stop and stays stopped."""
+        with self._lock:
             for slot, proc in enumerate(self._procs):
-                if proc is not None and not proc.is_alive() and not self._stopping.is_set():
-                    logger.warning("worker %d (pid %s) exited with %s; restarting it", slot, proc.pid,
-                                   proc.exitcode)
-                    proc.join()
-                    self._spawn(slot)
+                if proc is None or proc.is_alive() or self._stopping.is_set():
+                    continue
+                proc.join()
+                if proc.exitcode == 0:
+                    logger.info("worker %d (pid %s) stopped", slot, proc.pid)
+                    self._procs[slot] = None
+                    continue
+                logger.warning("worker %d (pid %s) exited with %s; restarting it", slot, proc.pid, proc.exitcode)
+                self._spawn(slot)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from service.artifacts import ArtifactDirs
 from service.errors import InvalidTransition
@@ -23,7 +22,6 @@ logger = logging.getLogger(__name__)
 def reap_stale(store: JobStore, dirs: ArtifactDirs, timeout_s: float) -> list[tuple[str, JobStatus]]:
     """Requeue (or fail, or finish cancelling) every job silent for ``timeout_s``; returns what changed."""
     changed = []
-    cutoff = time.time() - timeout_s
     for job in store.find_stale(timeout_s):
         values: dict[str, object] = {}
         if job.status is JobStatus.CANCELLING:
@@ -36,12 +34,13 @@ def reap_stale(store: JobStore, dirs: ArtifactDirs, timeout_s: float) -> list[tu
                 f"the worker stopped heartbeating for {timeout_s:g}s on attempt {job.attempt} of "
                 f"{job.max_attempts}; giving up")}
         try:
-            store.set_status(job.id, target, stale_before=cutoff, event={"reason": "worker_lost"}, **values)
+            # judged again inside the write, by the database's clock: a heartbeat since find_stale keeps the job
+            store.set_status(job.id, target, stale_for_s=timeout_s, event={"reason": "worker_lost"}, **values)
         except (JobLost, InvalidTransition):
             continue
         logger.warning("job %s: worker %s went silent; now %s", job.id, job.worker_id, target.value)
         if target.is_finished:
-            dirs.remove(job.id)  # a requeued job's leftovers are removed by the worker that retries it
+            dirs.remove(job.id)  # its worker is known dead; a requeued job's leftovers go when it is retried
         changed.append((job.id, target))
     return changed
 

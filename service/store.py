@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +89,25 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
     return md, jobs, events, workers, durations
 
 
+def _db_now(engine: Engine) -> sa.ColumnElement[float]:
+    """Seconds since the epoch by the database server's clock.
+
+    Heartbeats are written and judged stale by this one clock, so workers and reapers on hosts whose clocks
+    disagree still agree on how long a job has been silent. SQLite's ``CURRENT_TIMESTAMP`` has one-second
+    resolution and is a string, hence ``julianday`` (milliseconds); PostgreSQL's ``clock_timestamp()`` is the
+    wall clock at the moment of the statement.
+    """
+    if engine.dialect.name == "sqlite":
+        return sa.literal_column("((julianday('now') - 2440587.5) * 86400.0)", sa.Double)
+    return sa.cast(sa.extract("epoch", sa.func.clock_timestamp()), sa.Double)
+
+
 def _make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return sa.create_engine(url, pool_pre_ping=True)
+        # a database host that stops answering must fail a call in seconds, not hang a worker's heartbeats
+        connect_args = {"connect_timeout": 10} if "connect_timeout" not in parsed.query else {}
+        return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
@@ -120,6 +136,7 @@ class JobStore:
         self.engine = _make_engine(url)
         self._md, self.jobs, self.events, self.workers, self.durations = _tables(table_prefix)
         self._md.create_all(self.engine)
+        self._db_now = _db_now(self.engine)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -197,7 +214,7 @@ class JobStore:
         if status is not None:
             query = query.where(self.jobs.c.status == status.value)
         if cursor is not None:
-            if not cursor.isdigit():
+            if not re.fullmatch(r"[0-9]{1,18}", cursor):  # str.isdigit() accepts "²"; 19 digits overflow
                 raise InvalidRequest("cursor must be a value returned as next_cursor", field="cursor")
             query = query.where(self.jobs.c.seq < int(cursor))
         with self.engine.connect() as conn:
@@ -226,7 +243,7 @@ class JobStore:
             sa.update(self.jobs)
             .where(self.jobs.c.seq == oldest, self.jobs.c.status == JobStatus.QUEUED.value)
             .values(status=JobStatus.RUNNING.value, attempt=self.jobs.c.attempt + 1, worker_id=worker_id,
-                    started_at=now, heartbeat_at=now, updated_at=now, stage=None, stage_done=0, stage_total=0,
+                    started_at=now, heartbeat_at=self._db_now, updated_at=now, stage=None, stage_done=0, stage_total=0,
                     error_code=None, error_message=None)
             .returning(*self.jobs.c)
         )
@@ -239,50 +256,69 @@ class JobStore:
         return self._job(row)
 
     def set_status(
-        self, job_id: str, target: JobStatus, *, owner: str | None = None, stale_before: float | None = None,
-        event: Mapping[str, Any] | None = None, **values: Any,
+        self, job_id: str, target: JobStatus, *, owner: str | None = None, owner_attempt: int | None = None,
+        stale_for_s: float | None = None, event: Mapping[str, Any] | None = None,
+        before_commit: Callable[[], None] | None = None, **values: Any,
     ) -> Job:
         """Change a job's status through the transition table (compare-and-set against concurrent writers).
 
         Args:
-            owner: when given, the write only happens while this worker still owns the job.
-            stale_before: when given, the write only happens if the last heartbeat is older than this.
+            owner: when given, the write only happens while this worker still owns the job (running or
+                cancelling, and ``owner_attempt`` is its current attempt when that is given too).
+            stale_for_s: when given, the write only happens if the last heartbeat is at least this many seconds
+                old by the database's clock.
             event: extra data for the ``status`` event written with the change.
+            before_commit: called inside the transaction once the row has changed, before it commits (the row
+                stays locked meanwhile); if it raises, nothing is written and the exception propagates.
             values: other columns to set (error_code, error_message, artifacts, attempt, ...).
 
         Raises:
-            JobNotFound, InvalidTransition, JobLost (``owner`` no longer owns the job).
+            JobNotFound, InvalidTransition, JobLost (``owner`` no longer owns the job, or the job is not stale).
         """
         for _ in range(10):
             job = self.get_job(job_id)
-            if owner is not None and (job.worker_id != owner or job.status.value not in _ACTIVE):
+            if owner is not None and not self._owned(job, owner, owner_attempt):
                 raise JobLost(f"job {job_id} is no longer owned by {owner}")
             transition(job.status, target)
             now = time.time()
             if target.is_finished:
                 values.setdefault("finished_at", now)
+            c = self.jobs.c
             stmt = (
                 sa.update(self.jobs)
-                .where(self.jobs.c.id == job_id, self.jobs.c.status == job.status.value,
-                       self.jobs.c.updated_at == job.updated_at)
+                .where(c.id == job_id, c.status == job.status.value, c.updated_at == job.updated_at)
                 .values(status=target.value, updated_at=now, **values)
             )
-            if stale_before is not None:
-                stmt = stmt.where(self.jobs.c.heartbeat_at < stale_before)
+            if owner is not None:
+                stmt = stmt.where(c.worker_id == owner, c.attempt == job.attempt)
+            if stale_for_s is not None:
+                stmt = stmt.where(c.heartbeat_at < self._db_now - stale_for_s)
             with self.engine.begin() as conn:
                 if conn.execute(stmt).rowcount == 1:
                     self._event(conn, job_id, "status", {"status": target.value, **(event or {})}, now)
-                    return self._get(conn, job_id)
-                if stale_before is not None:
+                    changed = self._get(conn, job_id)
+                    if before_commit is not None:
+                        before_commit()
+                    return changed
+                if stale_for_s is not None and self._still_fresh(conn, job_id, stale_for_s):
                     raise JobLost(f"job {job_id} heartbeated again; it is not stale")
         raise InvalidTransition(f"job {job_id} kept changing; try again")
 
+    @staticmethod
+    def _owned(job: Job, owner: str, attempt: int | None) -> bool:
+        return (job.worker_id == owner and job.status.value in _ACTIVE
+                and (attempt is None or job.attempt == attempt))
+
+    def _still_fresh(self, conn: sa.Connection, job_id: str, stale_for_s: float) -> bool:
+        return conn.execute(sa.select(sa.literal(1)).where(
+            self.jobs.c.id == job_id, self.jobs.c.heartbeat_at >= self._db_now - stale_for_s)).first() is not None
+
     def heartbeat_job(
-        self, job_id: str, worker_id: str, *, stage: Stage | None = None, done: int | None = None,
-        total: int | None = None,
+        self, job_id: str, worker_id: str, *, attempt: int | None = None, stage: Stage | None = None,
+        done: int | None = None, total: int | None = None,
     ) -> JobStatus | None:
         """Refresh the job's heartbeat (and progress); returns its status, or None if the worker lost it."""
-        values: dict[str, Any] = {"heartbeat_at": time.time()}
+        values: dict[str, Any] = {"heartbeat_at": self._db_now}
         if stage is not None:
             values.update(stage=stage.value, stage_done=done or 0, stage_total=total or 0)
         stmt = (
@@ -290,16 +326,17 @@ class JobStore:
             .where(self.jobs.c.id == job_id, self.jobs.c.worker_id == worker_id, self.jobs.c.status.in_(_ACTIVE))
             .values(**values).returning(self.jobs.c.status)
         )
+        if attempt is not None:
+            stmt = stmt.where(self.jobs.c.attempt == attempt)
         with self.engine.begin() as conn:
             status = conn.execute(stmt).scalar()
         return JobStatus(status) if status is not None else None
 
     def find_stale(self, timeout_s: float) -> list[Job]:
-        """Running or cancelling jobs whose worker has not heartbeaten for ``timeout_s`` seconds."""
-        cutoff = time.time() - timeout_s
+        """Running or cancelling jobs whose worker has not heartbeaten for ``timeout_s`` seconds (database clock)."""
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(self.jobs).where(
-                self.jobs.c.status.in_(_ACTIVE), self.jobs.c.heartbeat_at < cutoff
+                self.jobs.c.status.in_(_ACTIVE), self.jobs.c.heartbeat_at < self._db_now - timeout_s
             )).mappings().all()
         return [self._job(r) for r in rows]
 
@@ -321,9 +358,29 @@ class JobStore:
         return job
 
     # -- events ------------------------------------------------------------------------------------
-    def add_event(self, job_id: str, kind: str, data: Mapping[str, Any]) -> None:
+    def add_event(
+        self, job_id: str, kind: str, data: Mapping[str, Any], *, worker_id: str | None = None,
+        attempt: int | None = None,
+    ) -> bool:
+        """Append to a job's event log; returns whether it was written.
+
+        With ``worker_id`` (and ``attempt``) the event is only written while that worker still owns that
+        attempt of the job, so a worker that lost its job cannot write into the next attempt's stream.
+        """
+        now = time.time()
         with self.engine.begin() as conn:
-            self._event(conn, job_id, kind, data, time.time())
+            if worker_id is None:
+                self._event(conn, job_id, kind, data, now)
+                return True
+            c = self.jobs.c
+            owned = sa.select(c.id).where(c.id == job_id, c.worker_id == worker_id, c.status.in_(_ACTIVE))
+            if attempt is not None:
+                owned = owned.where(c.attempt == attempt)
+            row = sa.select(sa.literal(job_id), sa.literal(now, sa.Double), sa.literal(kind),
+                            sa.literal(dict(data), sa.JSON)).where(owned.exists())
+            insert = self.events.insert().from_select(["job_id", "at", "kind", "data"], row) \
+                .returning(self.events.c.seq)
+            return conn.execute(insert).first() is not None
 
     def events_after(self, job_id: str, after_seq: int = 0, limit: int = 500) -> list[JobEvent]:
         query = (
@@ -340,15 +397,14 @@ class JobStore:
         return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
     def heartbeat_worker(self, worker_id: str, job_id: str | None = None) -> None:
-        """Insert or refresh this worker's row (used by /readyz and /metrics)."""
-        now = time.time()
+        """Insert or refresh this worker's row (used by /readyz and /metrics); heartbeats use the database clock."""
         with self.engine.begin() as conn:
             updated = conn.execute(sa.update(self.workers).where(self.workers.c.id == worker_id)
-                                   .values(heartbeat_at=now, job_id=job_id)).rowcount
+                                   .values(heartbeat_at=self._db_now, job_id=job_id)).rowcount
             if not updated:
                 conn.execute(self.workers.insert().values(
-                    id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), started_at=now,
-                    heartbeat_at=now, job_id=job_id))
+                    id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), started_at=time.time(),
+                    heartbeat_at=self._db_now, job_id=job_id))
 
     def remove_worker(self, worker_id: str) -> None:
         with self.engine.begin() as conn:
@@ -356,11 +412,10 @@ class JobStore:
 
     def live_workers(self, timeout_s: float) -> list[dict[str, Any]]:
         """Workers that heartbeated within ``timeout_s``; also forgets long-silent ones."""
-        now = time.time()
         with self.engine.begin() as conn:
-            conn.execute(sa.delete(self.workers).where(self.workers.c.heartbeat_at < now - 10 * timeout_s))
+            conn.execute(sa.delete(self.workers).where(self.workers.c.heartbeat_at < self._db_now - 10 * timeout_s))
             rows = conn.execute(sa.select(self.workers).where(
-                self.workers.c.heartbeat_at >= now - timeout_s)).mappings().all()
+                self.workers.c.heartbeat_at >= self._db_now - timeout_s)).mappings().all()
         return [dict(r) for r in rows]
 
     def record_stage_durations(self, job_id: str, durations: Iterable[tuple[str, float]]) -> None:

@@ -60,8 +60,14 @@ class Worker:
                 except DBAPIError:
                     logger.exception("job store error; retrying")
                     self.stopping.wait(self.settings.poll_interval_s)
+                except Exception:  # noqa: BLE001 - one bad job or a file race must not end the worker for good
+                    logger.exception("worker loop error; going on")
+                    self.stopping.wait(self.settings.poll_interval_s)
         finally:
-            self.store.remove_worker(self.worker_id)
+            try:
+                self.store.remove_worker(self.worker_id)
+            except DBAPIError:  # its row expires by itself (live_workers forgets silent workers)
+                logger.warning("could not remove worker %s from the store", self.worker_id, exc_info=True)
             logger.info("worker %s stopped", self.worker_id)
 
     def run_once(self) -> bool:

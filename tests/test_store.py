@@ -51,8 +51,9 @@ def test_list_is_newest_first_with_cursor_and_status_filter(env) -> None:
     assert [j.id for j in page1 + page2 + page3] == [j.id for j in reversed(jobs)]
     assert cursor3 is None
     assert [j.id for j in store.list_jobs(status=JobStatus.CANCELLED)[0]] == [jobs[1].id]
-    with pytest.raises(InvalidRequest):
-        store.list_jobs(cursor="not-a-cursor")
+    for bad in ("not-a-cursor", "²", "9" * 30, "", "-1", " 1"):
+        with pytest.raises(InvalidRequest):
+            store.list_jobs(cursor=bad)
 
 
 def test_idempotency_key_returns_the_same_job_or_conflicts(env) -> None:
@@ -136,7 +137,7 @@ def test_stale_jobs_are_requeued_then_failed_after_the_last_attempt(env, tmp_pat
     requeued = store.get_job(job.id)
     assert requeued.status is JobStatus.QUEUED and requeued.worker_id is None
     assert store.claim_next("dead-again").attempt == 2
-    staging = dirs.staging_dir(job.id)
+    staging = dirs.staging_dir(job.id, 2)
     staging.mkdir(parents=True)
     (staging / "half.safetensors").write_bytes(b"x")
     time.sleep(0.15)
@@ -186,3 +187,90 @@ def test_workers_and_stage_timings_feed_metrics(env) -> None:
     store.record_stage_durations("k", [("calibrate", 2.5)])
     assert store.stage_duration_stats() == {"calibrate": (2, 4.0), "export": (1, 0.5)}
     assert store.count_by_status()[JobStatus.QUEUED] == 0
+
+
+def test_heartbeats_are_judged_by_the_database_clock(env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import service.store
+
+    store, _, _ = env
+    dirs = ArtifactDirs(tmp_path / "jobs")
+    behind, ahead = _submit(store, 2)
+    real_time = time.time
+
+    def worker_host_clock(offset_s: float) -> None:  # the worker's host clock is off by an hour
+        monkeypatch.setattr(service.store, "time", types.SimpleNamespace(time=lambda: real_time() + offset_s))
+
+    worker_host_clock(-3600)
+    store.claim_next("slow-clock")
+    assert store.heartbeat_job(behind.id, "slow-clock") is JobStatus.RUNNING
+    store.heartbeat_worker("slow-clock")
+    worker_host_clock(+3600)
+    store.claim_next("fast-clock")
+    assert store.heartbeat_job(ahead.id, "fast-clock") is JobStatus.RUNNING
+    monkeypatch.undo()
+
+    # a fresh heartbeat from a host whose clock is behind is not "an hour old" ...
+    assert reap_stale(store, dirs, timeout_s=30) == []
+    assert {w["id"] for w in store.live_workers(timeout_s=30)} == {"slow-clock"}
+    # ... and a silent worker whose clock runs ahead is still found out
+    time.sleep(0.5)
+    assert (ahead.id, JobStatus.QUEUED) in reap_stale(store, dirs, timeout_s=0.25)
+
+
+def test_the_reaper_keeps_a_job_that_heartbeats_after_it_was_found_stale(
+        env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, _, _ = env
+    (job,) = _submit(store)
+    store.claim_next("w")
+    time.sleep(1.2)
+    find_stale = store.find_stale
+
+    def racing_heartbeat(timeout_s: float) -> list:
+        found = find_stale(timeout_s)
+        assert [j.id for j in found] == [job.id]
+        assert store.heartbeat_job(job.id, "w") is JobStatus.RUNNING  # the worker answers just in time
+        return found
+
+    monkeypatch.setattr(store, "find_stale", racing_heartbeat)
+    assert reap_stale(store, ArtifactDirs(tmp_path / "jobs"), timeout_s=1.0) == []
+    kept = store.get_job(job.id)
+    assert (kept.status, kept.worker_id, kept.attempt) == (JobStatus.RUNNING, "w", 1)
+    assert [e.data["status"] for e in store.events_after(job.id)] == ["queued", "running"]
+
+
+def test_a_lost_worker_can_neither_write_events_nor_heartbeat_into_the_next_attempt(env) -> None:
+    store, _, _ = env
+    (job,) = _submit(store)
+    store.claim_next("w1")
+    assert store.add_event(job.id, "stage", {"stage": "calibrate"}, worker_id="w1", attempt=1)
+    store.set_status(job.id, JobStatus.QUEUED, owner="w1", worker_id=None)
+    assert store.claim_next("w2").attempt == 2
+
+    assert not store.add_event(job.id, "warning", {"message": "late"}, worker_id="w1", attempt=1)
+    assert not store.add_event(job.id, "warning", {"message": "late"}, worker_id="w1")
+    assert not store.add_event(job.id, "warning", {"message": "wrong attempt"}, worker_id="w2", attempt=1)
+    assert store.heartbeat_job(job.id, "w1") is None and store.heartbeat_job(job.id, "w2", attempt=1) is None
+    assert store.add_event(job.id, "stage", {"stage": "resolve"}, worker_id="w2", attempt=2)
+    with pytest.raises(JobLost):
+        store.set_status(job.id, JobStatus.FAILED, owner="w2", owner_attempt=1)
+    kinds = [(e.kind, e.data.get("status") or e.data.get("stage")) for e in store.events_after(job.id)]
+    assert kinds == [("status", "queued"), ("status", "running"), ("stage", "calibrate"), ("status", "queued"),
+                     ("status", "running"), ("stage", "resolve")]
+
+
+def test_a_failing_before_commit_leaves_the_job_as_it_was(env) -> None:
+    store, _, _ = env
+    (job,) = _submit(store)
+    store.claim_next("w")
+
+    def publish() -> None:
+        raise FileExistsError("the final directory is in the way")
+
+    with pytest.raises(FileExistsError):
+        store.set_status(job.id, JobStatus.SUCCEEDED, owner="w", owner_attempt=1, before_commit=publish,
+                         artifacts=[{"name": "a", "bytes": 1}])
+    again = store.get_job(job.id)
+    assert again.status is JobStatus.RUNNING and again.artifacts == ()
+    assert [e.data["status"] for e in store.events_after(job.id)] == ["queued", "running"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.artifacts import ArtifactDirs
 from service.config import Settings
 from service.jobs import JobStatus
 from service.operations import submit_job
@@ -47,7 +48,7 @@ def test_stopping_a_worker_requeues_its_job_without_using_an_attempt(tmp_path: P
     job = submit_job(worker.store, settings, body, None)
     thread = threading.Thread(target=worker.run)
     thread.start()
-    staging = settings.jobs_dir / f".{job.id}.partial"
+    staging = ArtifactDirs(settings.jobs_dir).staging_dir(job.id, 1)
     wait_for(staging.exists, timeout=60, what="the run to start staging files", interval=0.01)
     (child,) = children_of(os.getpid())
     os.kill(child, signal.SIGSTOP)  # a run that does not answer: the worker must stop it by force

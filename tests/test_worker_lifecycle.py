@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from service.artifacts import ArtifactDirs
 from tests.service_helpers import (
     ServeProcess,
     build_tiny_llama,
@@ -33,8 +34,10 @@ BODY = {"recipe": {"backend": "ao", "recipe_name": "tensorwise"},
 def serve(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("lifecycle")
     build_tiny_llama(root / "models" / "tiny-llama")
+    # A cancel must end within the 5 s the API promises: a short grace leaves room for a loaded machine.
+    # The heartbeat timeout is generous, so a busy machine never makes a live job look lost.
     env = {"FP8FORGE_ALLOWED_MODEL_ROOTS": str(root / "models"), "FP8FORGE_HEARTBEAT_INTERVAL_S": "0.5",
-           "FP8FORGE_HEARTBEAT_TIMEOUT_S": "3", "FP8FORGE_POLL_INTERVAL_S": "0.3"}
+           "FP8FORGE_HEARTBEAT_TIMEOUT_S": "10", "FP8FORGE_POLL_INTERVAL_S": "0.3", "FP8FORGE_CANCEL_GRACE_S": "0.5"}
     with ServeProcess(root / "data", workers=1, env=env) as serve, serve.client() as client:
         wait_for(lambda: client.get("/readyz").status_code == 200, timeout=30, what="a worker heartbeat")
         serve.model = str(root / "models" / "tiny-llama")
@@ -43,7 +46,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory):
 
 def _freeze_mid_run(serve, client, job_id: str) -> tuple[int, int]:
     """Wait until the job's pipeline is staging files, then SIGSTOP it; returns (worker pid, child pid)."""
-    staging = serve.data_dir / "jobs" / f".{job_id}.partial"
+    staging = ArtifactDirs(serve.data_dir / "jobs").staging_dir(job_id, 1)
     wait_for(staging.exists, timeout=60, what="the job's staging directory", interval=0.01)
     job = client.get(f"/v1/jobs/{job_id}").json()
     worker_pid = int(job["worker_id"].split(":")[1])
