@@ -23,6 +23,7 @@ __all__ = [
     "IdempotencyConflict",
     "BodyTooLarge",
     "InvalidRequest",
+    "RangeNotSatisfiable",
     "error_response",
     "install_error_handler",
 ]
@@ -36,10 +37,11 @@ class ServiceError(Exception):
     code = "service_error"
     status_code = 500
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        self.headers = headers or {}
 
 
 class JobNotFound(ServiceError):
@@ -74,7 +76,15 @@ class InvalidRequest(ServiceError):
     status_code = 422
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "bad_request", 413: "body_too_large"}
+class RangeNotSatisfiable(ServiceError):
+    """A ``Range`` header this server cannot serve; ``headers`` carries ``Content-Range: bytes */<size>``."""
+
+    code = "range_not_satisfiable"
+    status_code = 416
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "bad_request", 413: "body_too_large",
+               416: "range_not_satisfiable"}
 
 
 def _body(code: str, message: str, field: str | None) -> dict[str, Any]:
@@ -116,7 +126,8 @@ def error_response(exc: Exception) -> JSONResponse:
     status, code, message, field = _describe(exc)
     if status >= 500:
         logger.error("request failed: %s", message, exc_info=exc)
-    return JSONResponse(_body(code, message, field), status_code=status)
+    headers = getattr(exc, "headers", None)  # e.g. Content-Range on a 416, Allow on a 405
+    return JSONResponse(_body(code, message, field), status_code=status, headers=headers)
 
 
 async def _handle(_: Request, exc: Exception) -> JSONResponse:

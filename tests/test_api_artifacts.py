@@ -80,21 +80,42 @@ def test_head_gives_headers_without_body(served) -> None:
     assert response.headers["content-length"] == str(len(PAYLOAD))
 
 
-def test_unsatisfiable_range_is_416(served) -> None:
+@pytest.mark.parametrize("header,start,end", [
+    ("bytes=0-99", 0, 99), ("bytes=100-", 100, len(PAYLOAD) - 1), ("bytes=-100", len(PAYLOAD) - 100, len(PAYLOAD) - 1),
+    ("bytes=10-999999999", 10, len(PAYLOAD) - 1), (f"bytes=-{len(PAYLOAD) * 2}", 0, len(PAYLOAD) - 1),
+])
+def test_one_range_is_206_with_exactly_those_bytes(served, header: str, start: int, end: int) -> None:
     client, job, _ = served
-    response = client.get(f"/v1/jobs/{job.id}/artifacts/model.safetensors",
-                          headers={"Range": f"bytes={len(PAYLOAD) + 10}-"})
+    response = client.get(f"/v1/jobs/{job.id}/artifacts/model.safetensors", headers={"Range": header})
+    assert response.status_code == 206, response.text
+    assert response.content == PAYLOAD[start:end + 1]
+    assert response.headers["content-range"] == f"bytes {start}-{end}/{len(PAYLOAD)}"
+    assert response.headers["content-length"] == str(end - start + 1)
+
+
+@pytest.mark.parametrize("header", [f"bytes={len(PAYLOAD) + 10}-", f"bytes={len(PAYLOAD)}-", "bytes=-0", "bytes=5-2",
+                                    "bytes=0-1,5-6", "bytes=abc", "bytes=²-".encode(), "items=0-5",
+                                    "bytes=" + "9" * 30 + "-"])
+def test_a_range_that_cannot_be_served_is_416_in_the_error_shape(served, header: str | bytes) -> None:
+    client, job, _ = served
+    response = client.get(f"/v1/jobs/{job.id}/artifacts/model.safetensors", headers={"Range": header})
     assert response.status_code == 416
+    assert response.headers["content-range"] == f"bytes */{len(PAYLOAD)}"
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["code"] == "range_not_satisfiable" and error["field"] == "Range" and "bytes=" in error["message"]
 
 
-@pytest.mark.parametrize("name", ["missing.safetensors", "../../fp8forge.db", "..%2F..%2Ffp8forge.db",
-                                  "%2Fetc%2Fpasswd"])
+# Percent-encoded, so that the client sends them as they are (httpx would resolve a literal "../" itself and the
+# request would never reach the artifact route).
+@pytest.mark.parametrize("name", ["missing.safetensors", "..%2F..%2Ffp8forge.db", "..%2Fmodel.safetensors",
+                                  "%2E%2E%2F%2E%2E%2Ffp8forge.db", "%2Fetc%2Fpasswd", "sub%2F..%2Fmodel.safetensors"])
 def test_unknown_or_escaping_names_are_404(served, name: str) -> None:
-    client, job, _ = served
+    client, job, settings = served
+    assert (settings.data_dir / "fp8forge.db").exists()  # what an escape would reach
     response = client.get(f"/v1/jobs/{job.id}/artifacts/{name}")
     assert response.status_code == 404
-    # (a client may normalise "../" away, which then names another job)
-    assert response.json()["error"]["code"] in {"artifact_not_found", "job_not_found", "not_found"}
+    assert response.json()["error"]["code"] == "artifact_not_found"
 
 
 def test_delete_removes_the_files(served) -> None:

@@ -1,22 +1,31 @@
-"""/v1/jobs/{id}/artifacts: listing and resumable downloads (ETag, Content-Length, Range)."""
+"""/v1/jobs/{id}/artifacts: listing and resumable downloads (ETag, Content-Length, Range, If-Range)."""
 
 from __future__ import annotations
 
+from typing import Annotated
 from urllib.parse import quote
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Header
 from fastapi.responses import FileResponse
 
 from service.deps import DirsDep, JobDep
+from service.downloads import ArtifactResponse, artifact_response
 from service.routes import error_responses
-from service.schemas import ArtifactPublic, ArtifactsPublic
+from service.schemas import ArtifactPublic, ArtifactsPublic, ErrorBody
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 
 _FILE = {200: {"content": {"application/octet-stream": {}}, "description": "The file (206 for a Range)."},
-         206: {"description": "The requested byte range."}, 416: {"description": "Range not satisfiable."}}
+         206: {"description": "The requested byte range."},
+         416: {"model": ErrorBody,
+               "description": "Range not satisfiable (one range of the file only); Content-Range: bytes */size."}}
+
+RangeHeader = Annotated[str | None, Header(alias="Range", max_length=200,
+                                           description="One byte range: bytes=a-b, bytes=a- or bytes=-n.")]
+IfRangeHeader = Annotated[str | None, Header(alias="If-Range", max_length=200,
+                                             description="The ETag the partial download started with.")]
 
 
 @router.get("/{job_id}/artifacts", operation_id="listArtifacts", responses=error_responses(404))
@@ -27,21 +36,19 @@ def list_artifacts(job: JobDep) -> ArtifactsPublic:
     return ArtifactsPublic(data=data, count=len(data))
 
 
-def _file(job: JobDep, name: str, dirs: DirsDep) -> FileResponse:
-    path, entry = dirs.resolve(job, name)
-    return FileResponse(path, media_type="application/octet-stream", filename=path.name,
-                        headers={"ETag": f'"{entry["sha256"]}"'})
-
-
 @router.get("/{job_id}/artifacts/{name:path}", operation_id="downloadArtifact", response_class=FileResponse,
             responses={**_FILE, **error_responses(404)})
-def download_artifact(job: JobDep, name: str, dirs: DirsDep) -> FileResponse:
+def download_artifact(
+    job: JobDep, name: str, dirs: DirsDep, range_: RangeHeader = None, if_range: IfRangeHeader = None,
+) -> ArtifactResponse:
     """The file, streamed; send ``Range: bytes=N-`` (and ``If-Range: <ETag>``) to resume."""
-    return _file(job, name, dirs)
+    return artifact_response(job, name, dirs, range_header=range_, if_range=if_range)
 
 
 @router.head("/{job_id}/artifacts/{name:path}", operation_id="headArtifact", response_class=FileResponse,
              responses={**_FILE, **error_responses(404)})
-def head_artifact(job: JobDep, name: str, dirs: DirsDep) -> FileResponse:
+def head_artifact(
+    job: JobDep, name: str, dirs: DirsDep, range_: RangeHeader = None, if_range: IfRangeHeader = None,
+) -> ArtifactResponse:
     """The download's headers only (size, ETag), e.g. to check before resuming."""
-    return _file(job, name, dirs)
+    return artifact_response(job, name, dirs, range_header=range_, if_range=if_range)
