@@ -1,10 +1,13 @@
-# fp8forge service image: CUDA PyTorch, TransformerEngine and torchao; runs `fp8forge serve`.
+# fp8forge service image: CUDA PyTorch, TransformerEngine and torchao; runs `fp8forge serve` under tini.
 #   docker build -t fp8forge .
-#   docker run --gpus all -p 8000:8000 -v fp8forge-data:/data fp8forge
+#   docker run --gpus all --stop-timeout 30 -p 8000:8000 -v fp8forge-data:/data fp8forge
 # The base must carry a torch that satisfies pyproject.toml (>=2.13,<2.15) and nvcc (the -devel flavour)
 # for TransformerEngine's PyTorch extension; override BASE_IMAGE to pin another CUDA build.
+# TE_VERSION pins TransformerEngine's release line: the TE backend was checked against 2.20, and TE changes
+# its PyTorch API between minor releases, so move the pin only after running the TE tests on a GPU.
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-devel
 FROM ${BASE_IMAGE}
+ARG TE_VERSION=2.20
 
 ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -13,8 +16,14 @@ ENV PIP_NO_CACHE_DIR=1 \
     FP8FORGE_HF_CACHE=/data/hf-cache \
     FP8FORGE_ALLOWED_MODEL_ROOTS=/models
 
+# tini as PID 1: it forwards SIGTERM to `fp8forge serve` (which requeues running jobs) and reaps the worker
+# and conversion processes that end, so `docker stop` is a clean shutdown, not a kill after the timeout.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/*
+
 # TransformerEngine builds against the torch already in the image (hence no build isolation).
-RUN python -m pip install --no-build-isolation "transformer_engine[pytorch]"
+RUN python -m pip install --no-build-isolation "transformer_engine[pytorch]==${TE_VERSION}.*"
 
 WORKDIR /opt/fp8forge
 COPY pyproject.toml README.md ./
@@ -36,4 +45,7 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
         || exit 1
 
 # Workers default to one per visible GPU (one CPU worker without GPUs); FP8FORGE_WORKERS overrides.
+# A shutdown takes up to ~20 s (graceful HTTP wait, cancel grace, workers requeueing their jobs): run with
+# `--stop-timeout 30` so Docker does not SIGKILL it first.
+ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["fp8forge", "serve", "--host", "0.0.0.0", "--port", "8000"]

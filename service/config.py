@@ -102,8 +102,13 @@ def load_settings(**overrides: Any) -> Settings:
     """Read the settings from the environment (``overrides`` win) and validate them.
 
     Raises:
-        SettingsError: a variable is malformed; the message names ``FP8FORGE_<NAME>``.
+        SettingsError: a variable is malformed, or an ``FP8FORGE_*`` variable is not a setting (a misspelt
+            name would otherwise be ignored without a word); the message names ``FP8FORGE_<NAME>``.
     """
+    valid = sorted(f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields)
+    unknown = sorted(k for k in os.environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in valid)
+    if unknown:
+        raise SettingsError(f"unknown setting {', '.join(unknown)}; valid variables are: {', '.join(valid)}")
     try:
         return Settings(**overrides)
     except ValidationError as exc:

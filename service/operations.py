@@ -104,5 +104,7 @@ def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
 
     sources = loading.ModelSourceOptions(**settings.model_sources())
     _check_reference(body.model, sources)
-    return analysis.analyze_model_reference(body.model, sources, backend=body.backend, include=tuple(body.include),
-                                   exclude=tuple(body.exclude), skip_first_last=body.skip_first_last)
+    return analysis.analyze_model_reference(
+        body.model, sources, backend=body.backend, include=tuple(body.include), exclude=tuple(body.exclude),
+        skip_first_last=body.skip_first_last, convert_router_gates=body.convert_router_gates,
+    )

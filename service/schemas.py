@@ -68,6 +68,7 @@ class AnalyzeCreate(BaseModel):
     include: list[str] = Field(default_factory=list)
     exclude: list[str] = Field(default_factory=list)
     skip_first_last: bool = True
+    convert_router_gates: bool = Field(False, description="Also count MoE router gates as convertible.")
 
 
 class ProgressPublic(BaseModel):
