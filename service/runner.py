@@ -6,6 +6,8 @@ this worker, while it still owns the attempt, renames it to the job's final dire
 that records the success. Every other outcome (failure, cancel, requeue, a lost job) removes the attempt's
 directory. A database that stops answering for a while does not stop the run: heartbeats and events are
 retried until ``heartbeat_timeout_s`` of continuous failures, after which the job counts as lost.
+
+This module supervises the child; recording the outcome once it has exited is ``service.runner_outcome``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -27,9 +28,9 @@ from sqlalchemy.exc import DBAPIError
 from service.artifacts import ArtifactDirs
 from service.child import child_main
 from service.config import Settings
-from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus, Stage
-from service.store import JobLost, JobStore
+from service.runner_outcome import OutcomeRecorder
+from service.store import JobStore
 
 __all__ = ["JobRun"]
 
@@ -37,8 +38,6 @@ logger = logging.getLogger(__name__)
 
 _PROGRESS_EVENT_EVERY_S = 1.0
 _KILL_AFTER_TERM_S = 1.0
-_RECORD_TRIES = 4
-_RECORD_BACKOFF_S = 0.5  # doubled after every failed try
 _PENDING_EVENTS = 1000  # kept while the store is unreachable; the oldest go first
 
 
@@ -60,8 +59,8 @@ class _Watch:
     pending_events: deque[tuple[str, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=_PENDING_EVENTS))
 
 
-class JobRun:
-    """One attempt of one job on this worker."""
+class JobRun(OutcomeRecorder):
+    """One attempt of one job on this worker (``OutcomeRecorder`` supplies ``_record`` and what it calls)."""
 
     def __init__(
         self, settings: Settings, store: JobStore, dirs: ArtifactDirs, worker_id: str, job: Job,
@@ -225,121 +224,6 @@ class JobRun:
             if strict:
                 raise
             self._store_failed()
-
-    # -- outcome -----------------------------------------------------------------------------------
-    def _record(self, exitcode: int | None) -> JobStatus | None:
-        """Record the attempt's outcome, retrying a store that fails for a moment."""
-        job_id, attempt = self.job.id, self.job.attempt
-        self._end_stage()
-        try:
-            self.store.record_stage_durations(job_id, self.watch.durations)
-        except DBAPIError:
-            logger.warning("job %s: stage timings not recorded", job_id, exc_info=True)
-        delay = _RECORD_BACKOFF_S
-        for left in reversed(range(_RECORD_TRIES)):
-            try:
-                self._flush_events(strict=True)  # the run's last events come before its final status
-                return self._outcome(exitcode)
-            except (JobLost, JobNotFound):
-                logger.warning("job %s was taken from this worker before its outcome was recorded", job_id)
-                self.dirs.remove_attempt(job_id, attempt)
-                return None
-            except (DBAPIError, InvalidTransition) as exc:  # the store failed, or the job kept changing
-                if not left:
-                    logger.error("job %s: could not record its outcome (%s); it is requeued once its heartbeat "
-                                 "is stale", job_id, exc)
-                    break
-                logger.warning("job %s: recording its outcome failed (%s); retrying in %.1fs", job_id, exc, delay)
-                time.sleep(delay)  # a back-off between tries, not a wait for another process
-                delay *= 2
-        self.dirs.remove_attempt(job_id, attempt)
-        return None
-
-    def _outcome(self, exitcode: int | None) -> JobStatus:
-        w = self.watch
-        if w.cancel_at is not None:
-            return self._finish(JobStatus.CANCELLED)
-        if w.result is not None and w.result[0] == "done":
-            return self._succeed(w.result[1])
-        if w.shutdown_at is not None:
-            return self._requeue("worker_shutdown", count_attempt=False)
-        if w.result is not None:
-            return self._finish(JobStatus.FAILED, error_code=w.result[1], error_message=w.result[2])
-        return self._crashed(f"the conversion process exited with code {exitcode} without a result")
-
-    def _succeed(self, manifest: list[dict[str, Any]]) -> JobStatus:
-        job_id, attempt = self.job.id, self.job.attempt
-        artifacts = self.dirs.index(job_id, manifest, attempt=attempt)
-        published = False
-
-        def publish() -> None:  # runs while the job's row is locked by the write that records the success
-            nonlocal published
-            self.dirs.publish(job_id, attempt)
-            published = True
-
-        try:
-            status = self._set(JobStatus.SUCCEEDED, artifacts=artifacts, before_commit=publish)
-        except OSError as exc:  # the attempt's files could not be moved into place; nothing was recorded
-            return self._crashed(f"the artifacts could not be published: {exc}")
-        except JobLost:
-            if not self._recorded_as_succeeded():
-                raise
-            status = JobStatus.SUCCEEDED  # an earlier try committed although it reported a failure
-            if not self.dirs.final_dir(job_id).exists():
-                self.dirs.publish(job_id, attempt)
-        except BaseException:
-            if published:
-                self.dirs.unpublish(job_id, attempt)  # the success was not recorded: the files go back
-            raise
-        if status is not JobStatus.SUCCEEDED:  # a cancel won: the user asked for nothing
-            self.dirs.remove_attempt(job_id, attempt)
-        return status
-
-    def _recorded_as_succeeded(self) -> bool:
-        job = self.store.get_job(self.job.id)
-        return (job.status is JobStatus.SUCCEEDED and job.worker_id == self.worker_id
-                and job.attempt == self.job.attempt)
-
-    def _crashed(self, message: str) -> JobStatus:
-        if self.job.attempt < self.job.max_attempts:
-            return self._requeue("conversion_crashed", message=message)
-        return self._finish(JobStatus.FAILED, error_code="worker_crashed", error_message=message)
-
-    def _requeue(self, reason: str, *, count_attempt: bool = True, message: str = "") -> JobStatus:
-        self.dirs.remove_attempt(self.job.id, self.job.attempt)  # before the job is another worker's to claim
-        attempt = self.job.attempt if count_attempt else self.job.attempt - 1
-        return self._set(JobStatus.QUEUED, worker_id=None, attempt=attempt,
-                         event={"reason": reason, "message": message})
-
-    def _finish(self, status: JobStatus, **errors: Any) -> JobStatus:
-        self.dirs.remove_attempt(self.job.id, self.job.attempt)
-        event = {"error": {"code": errors["error_code"], "message": errors["error_message"]}} if errors else {}
-        return self._set(status, event=event, **errors)
-
-    def _set(
-        self, target: JobStatus, *, event: dict[str, Any] | None = None,
-        before_commit: Callable[[], None] | None = None, **values: Any,
-    ) -> JobStatus:
-        """Record ``target`` as the owner of this attempt; returns the status recorded.
-
-        A cancel that arrived after the last heartbeat wins over a success or a requeue: the job ends
-        ``cancelled`` (and ``before_commit`` does not run).
-
-        Raises:
-            JobLost: the attempt is no longer this worker's. InvalidTransition: the job kept changing.
-            DBAPIError: the store failed.
-        """
-        for _ in range(3):
-            try:
-                self.store.set_status(self.job.id, target, owner=self.worker_id, owner_attempt=self.job.attempt,
-                                      event=event, before_commit=before_commit, **values)
-                return target
-            except InvalidTransition:
-                current = self.store.get_job(self.job.id)
-                if current.status is JobStatus.CANCELLING and target in (JobStatus.SUCCEEDED, JobStatus.QUEUED):
-                    target, event, before_commit, values = JobStatus.CANCELLED, None, None, {}
-                # otherwise it was still running but changed under every try; the owner check decides next
-        raise InvalidTransition(f"job {self.job.id} kept changing while its outcome was recorded")
 
 
 def _ensure_dead(proc: BaseProcess) -> None:

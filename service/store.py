@@ -3,128 +3,38 @@
 Every status change is a compare-and-set ``UPDATE ... WHERE status = <seen>`` checked against the one
 transition table, so concurrent API processes, workers and reapers never overwrite each other. A claim is
 one ``UPDATE ... WHERE seq = (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING``: atomic on both databases.
+
+This module holds job queries and status transitions; the tables and dialect helpers live in
+``service.store_schema``, event logs, worker heartbeats and stage timings in ``service.store_events``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
-import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import IntegrityError
 
 from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound
-from service.jobs import Job, JobEvent, JobStatus, Stage, transition
+from service.jobs import Job, JobStatus, Stage, transition
+from service.store_events import EventsAndWorkers
+from service.store_schema import ACTIVE_STATUSES, db_now, make_engine, tables
 
 __all__ = ["JobStore", "JobLost"]
 
 logger = logging.getLogger(__name__)
-
-_ACTIVE = (JobStatus.RUNNING.value, JobStatus.CANCELLING.value)
 
 
 class JobLost(Exception):
     """A worker wrote to a job it no longer owns (it was requeued and maybe claimed elsewhere)."""
 
 
-def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table]:
-    md = sa.MetaData()
-    jobs = sa.Table(
-        f"{prefix}jobs", md,
-        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column("id", sa.String(32), nullable=False, unique=True),
-        sa.Column("status", sa.String(16), nullable=False, index=True),
-        sa.Column("request", sa.JSON, nullable=False),
-        sa.Column("request_hash", sa.String(64), nullable=False),
-        sa.Column("idempotency_key", sa.String(200), unique=True),
-        sa.Column("attempt", sa.Integer, nullable=False, default=0),
-        sa.Column("max_attempts", sa.Integer, nullable=False),
-        sa.Column("stage", sa.String(16)),
-        sa.Column("stage_done", sa.Integer, nullable=False, default=0),
-        sa.Column("stage_total", sa.Integer, nullable=False, default=0),
-        sa.Column("created_at", sa.Double, nullable=False),
-        sa.Column("updated_at", sa.Double, nullable=False),
-        sa.Column("started_at", sa.Double),
-        sa.Column("finished_at", sa.Double),
-        sa.Column("heartbeat_at", sa.Double),
-        sa.Column("worker_id", sa.String(200)),
-        sa.Column("error_code", sa.String(64)),
-        sa.Column("error_message", sa.Text),
-        sa.Column("artifacts", sa.JSON),
-        sqlite_autoincrement=True,  # never reuse a seq: cursors stay valid across deletions
-    )
-    events = sa.Table(
-        f"{prefix}job_events", md,
-        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column("job_id", sa.String(32), nullable=False, index=True),
-        sa.Column("at", sa.Double, nullable=False),
-        sa.Column("kind", sa.String(16), nullable=False),
-        sa.Column("data", sa.JSON, nullable=False),
-        sqlite_autoincrement=True,
-    )
-    workers = sa.Table(
-        f"{prefix}workers", md,
-        sa.Column("id", sa.String(200), primary_key=True),
-        sa.Column("hostname", sa.String(255), nullable=False),
-        sa.Column("pid", sa.Integer, nullable=False),
-        sa.Column("started_at", sa.Double, nullable=False),
-        sa.Column("heartbeat_at", sa.Double, nullable=False),
-        sa.Column("job_id", sa.String(32)),
-    )
-    durations = sa.Table(
-        f"{prefix}stage_durations", md,
-        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column("job_id", sa.String(32), nullable=False),
-        sa.Column("stage", sa.String(16), nullable=False),
-        sa.Column("seconds", sa.Double, nullable=False),
-    )
-    return md, jobs, events, workers, durations
-
-
-def _db_now(engine: Engine) -> sa.ColumnElement[float]:
-    """Seconds since the epoch by the database server's clock.
-
-    Heartbeats are written and judged stale by this one clock, so workers and reapers on hosts whose clocks
-    disagree still agree on how long a job has been silent. SQLite's ``CURRENT_TIMESTAMP`` has one-second
-    resolution and is a string, hence ``julianday`` (milliseconds); PostgreSQL's ``clock_timestamp()`` is the
-    wall clock at the moment of the statement.
-    """
-    if engine.dialect.name == "sqlite":
-        return sa.literal_column("((julianday('now') - 2440587.5) * 86400.0)", sa.Double)
-    return sa.cast(sa.extract("epoch", sa.func.clock_timestamp()), sa.Double)
-
-
-def _make_engine(url: str) -> Engine:
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite":
-        # a database host that stops answering must fail a call in seconds, not hang a worker's heartbeats
-        connect_args = {"connect_timeout": 10} if "connect_timeout" not in parsed.query else {}
-        return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
-    if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-
-    @sa.event.listens_for(engine, "connect")
-    def _pragmas(dbapi_conn: Any, _: Any) -> None:
-        cur = dbapi_conn.cursor()
-        # WAL lets the API read while a worker writes; busy_timeout makes writers queue, not fail.
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=NORMAL")
-        cur.execute("PRAGMA busy_timeout=30000")
-        cur.close()
-
-    return engine
-
-
-class JobStore:
+class JobStore(EventsAndWorkers):
     """Jobs, their event logs, worker heartbeats and stage timings in one SQL database.
 
     Args:
@@ -133,10 +43,10 @@ class JobStore:
     """
 
     def __init__(self, url: str, *, table_prefix: str = "") -> None:
-        self.engine = _make_engine(url)
-        self._md, self.jobs, self.events, self.workers, self.durations = _tables(table_prefix)
+        self.engine = make_engine(url)
+        self._md, self.jobs, self.events, self.workers, self.durations = tables(table_prefix)
         self._md.create_all(self.engine)
-        self._db_now = _db_now(self.engine)
+        self._db_now = db_now(self.engine)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -306,7 +216,7 @@ class JobStore:
 
     @staticmethod
     def _owned(job: Job, owner: str, attempt: int | None) -> bool:
-        return (job.worker_id == owner and job.status.value in _ACTIVE
+        return (job.worker_id == owner and job.status.value in ACTIVE_STATUSES
                 and (attempt is None or job.attempt == attempt))
 
     def _still_fresh(self, conn: sa.Connection, job_id: str, stale_for_s: float) -> bool:
@@ -323,7 +233,8 @@ class JobStore:
             values.update(stage=stage.value, stage_done=done or 0, stage_total=total or 0)
         stmt = (
             sa.update(self.jobs)
-            .where(self.jobs.c.id == job_id, self.jobs.c.worker_id == worker_id, self.jobs.c.status.in_(_ACTIVE))
+            .where(self.jobs.c.id == job_id, self.jobs.c.worker_id == worker_id,
+                   self.jobs.c.status.in_(ACTIVE_STATUSES))
             .values(**values).returning(self.jobs.c.status)
         )
         if attempt is not None:
@@ -336,7 +247,7 @@ class JobStore:
         """Running or cancelling jobs whose worker has not heartbeaten for ``timeout_s`` seconds (database clock)."""
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(self.jobs).where(
-                self.jobs.c.status.in_(_ACTIVE), self.jobs.c.heartbeat_at < self._db_now - timeout_s
+                self.jobs.c.status.in_(ACTIVE_STATUSES), self.jobs.c.heartbeat_at < self._db_now - timeout_s
             )).mappings().all()
         return [self._job(r) for r in rows]
 
@@ -357,84 +268,7 @@ class JobStore:
             raise JobNotFound(f"no job with id {job_id!r}")
         return job
 
-    # -- events ------------------------------------------------------------------------------------
-    def add_event(
-        self, job_id: str, kind: str, data: Mapping[str, Any], *, worker_id: str | None = None,
-        attempt: int | None = None,
-    ) -> bool:
-        """Append to a job's event log; returns whether it was written.
-
-        With ``worker_id`` (and ``attempt``) the event is only written while that worker still owns that
-        attempt of the job, so a worker that lost its job cannot write into the next attempt's stream.
-        """
-        now = time.time()
-        with self.engine.begin() as conn:
-            if worker_id is None:
-                self._event(conn, job_id, kind, data, now)
-                return True
-            c = self.jobs.c
-            owned = sa.select(c.id).where(c.id == job_id, c.worker_id == worker_id, c.status.in_(_ACTIVE))
-            if attempt is not None:
-                owned = owned.where(c.attempt == attempt)
-            row = sa.select(sa.literal(job_id), sa.literal(now, sa.Double), sa.literal(kind),
-                            sa.literal(dict(data), sa.JSON)).where(owned.exists())
-            insert = self.events.insert().from_select(["job_id", "at", "kind", "data"], row) \
-                .returning(self.events.c.seq)
-            return conn.execute(insert).first() is not None
-
-    def events_after(self, job_id: str, after_seq: int = 0, limit: int = 500) -> list[JobEvent]:
-        query = (
-            sa.select(self.events).where(self.events.c.job_id == job_id, self.events.c.seq > after_seq)
-            .order_by(self.events.c.seq).limit(limit)
-        )
-        with self.engine.connect() as conn:
-            rows = conn.execute(query).mappings().all()
-        return [JobEvent(seq=r["seq"], job_id=r["job_id"], at=r["at"], kind=r["kind"], data=r["data"]) for r in rows]
-
-    # -- workers and timings -----------------------------------------------------------------------
-    @staticmethod
-    def new_worker_id() -> str:
-        return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-    def heartbeat_worker(self, worker_id: str, job_id: str | None = None) -> None:
-        """Insert or refresh this worker's row (used by /readyz and /metrics); heartbeats use the database clock."""
-        with self.engine.begin() as conn:
-            updated = conn.execute(sa.update(self.workers).where(self.workers.c.id == worker_id)
-                                   .values(heartbeat_at=self._db_now, job_id=job_id)).rowcount
-            if not updated:
-                conn.execute(self.workers.insert().values(
-                    id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), started_at=time.time(),
-                    heartbeat_at=self._db_now, job_id=job_id))
-
-    def remove_worker(self, worker_id: str) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(sa.delete(self.workers).where(self.workers.c.id == worker_id))
-
-    def live_workers(self, timeout_s: float) -> list[dict[str, Any]]:
-        """Workers that heartbeated within ``timeout_s``; also forgets long-silent ones."""
-        with self.engine.begin() as conn:
-            conn.execute(sa.delete(self.workers).where(self.workers.c.heartbeat_at < self._db_now - 10 * timeout_s))
-            rows = conn.execute(sa.select(self.workers).where(
-                self.workers.c.heartbeat_at >= self._db_now - timeout_s)).mappings().all()
-        return [dict(r) for r in rows]
-
-    def record_stage_durations(self, job_id: str, durations: Iterable[tuple[str, float]]) -> None:
-        rows = [{"job_id": job_id, "stage": stage, "seconds": seconds} for stage, seconds in durations]
-        if rows:
-            with self.engine.begin() as conn:
-                conn.execute(self.durations.insert(), rows)
-
-    def stage_duration_stats(self) -> dict[str, tuple[int, float]]:
-        """Per stage: (number of recorded runs, total seconds)."""
-        query = sa.select(self.durations.c.stage, sa.func.count(), sa.func.sum(self.durations.c.seconds)) \
-            .group_by(self.durations.c.stage)
-        with self.engine.connect() as conn:
-            return {stage: (n, float(total or 0.0)) for stage, n, total in conn.execute(query)}
-
     # -- helpers -----------------------------------------------------------------------------------
-    def _event(self, conn: sa.Connection, job_id: str, kind: str, data: Mapping[str, Any], at: float) -> None:
-        conn.execute(self.events.insert().values(job_id=job_id, at=at, kind=kind, data=dict(data)))
-
     def _get(self, conn: sa.Connection, job_id: str) -> Job:
         return self._job(conn.execute(sa.select(self.jobs).where(self.jobs.c.id == job_id)).mappings().one())
 

@@ -1,0 +1,111 @@
+"""The job store's tables and the dialect-specific pieces: engine set-up and the database clock.
+
+Kept apart from the queries so that what is stored, and how SQLite and PostgreSQL differ, reads in one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+
+from service.jobs import JobStatus
+
+__all__ = ["ACTIVE_STATUSES", "db_now", "make_engine", "tables"]
+
+# a job in one of these has an owning worker whose heartbeats keep it alive
+ACTIVE_STATUSES = (JobStatus.RUNNING.value, JobStatus.CANCELLING.value)
+
+
+def tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table]:
+    """The metadata and the jobs, job_events, workers and stage_durations tables, each name after ``prefix``."""
+    md = sa.MetaData()
+    jobs = sa.Table(
+        f"{prefix}jobs", md,
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("id", sa.String(32), nullable=False, unique=True),
+        sa.Column("status", sa.String(16), nullable=False, index=True),
+        sa.Column("request", sa.JSON, nullable=False),
+        sa.Column("request_hash", sa.String(64), nullable=False),
+        sa.Column("idempotency_key", sa.String(200), unique=True),
+        sa.Column("attempt", sa.Integer, nullable=False, default=0),
+        sa.Column("max_attempts", sa.Integer, nullable=False),
+        sa.Column("stage", sa.String(16)),
+        sa.Column("stage_done", sa.Integer, nullable=False, default=0),
+        sa.Column("stage_total", sa.Integer, nullable=False, default=0),
+        sa.Column("created_at", sa.Double, nullable=False),
+        sa.Column("updated_at", sa.Double, nullable=False),
+        sa.Column("started_at", sa.Double),
+        sa.Column("finished_at", sa.Double),
+        sa.Column("heartbeat_at", sa.Double),
+        sa.Column("worker_id", sa.String(200)),
+        sa.Column("error_code", sa.String(64)),
+        sa.Column("error_message", sa.Text),
+        sa.Column("artifacts", sa.JSON),
+        sqlite_autoincrement=True,  # never reuse a seq: cursors stay valid across deletions
+    )
+    events = sa.Table(
+        f"{prefix}job_events", md,
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(32), nullable=False, index=True),
+        sa.Column("at", sa.Double, nullable=False),
+        sa.Column("kind", sa.String(16), nullable=False),
+        sa.Column("data", sa.JSON, nullable=False),
+        sqlite_autoincrement=True,
+    )
+    workers = sa.Table(
+        f"{prefix}workers", md,
+        sa.Column("id", sa.String(200), primary_key=True),
+        sa.Column("hostname", sa.String(255), nullable=False),
+        sa.Column("pid", sa.Integer, nullable=False),
+        sa.Column("started_at", sa.Double, nullable=False),
+        sa.Column("heartbeat_at", sa.Double, nullable=False),
+        sa.Column("job_id", sa.String(32)),
+    )
+    durations = sa.Table(
+        f"{prefix}stage_durations", md,
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(32), nullable=False),
+        sa.Column("stage", sa.String(16), nullable=False),
+        sa.Column("seconds", sa.Double, nullable=False),
+    )
+    return md, jobs, events, workers, durations
+
+
+def db_now(engine: Engine) -> sa.ColumnElement[float]:
+    """Seconds since the epoch by the database server's clock.
+
+    Heartbeats are written and judged stale by this one clock, so workers and reapers on hosts whose clocks
+    disagree still agree on how long a job has been silent. SQLite's ``CURRENT_TIMESTAMP`` has one-second
+    resolution and is a string, hence ``julianday`` (milliseconds); PostgreSQL's ``clock_timestamp()`` is the
+    wall clock at the moment of the statement.
+    """
+    if engine.dialect.name == "sqlite":
+        return sa.literal_column("((julianday('now') - 2440587.5) * 86400.0)", sa.Double)
+    return sa.cast(sa.extract("epoch", sa.func.clock_timestamp()), sa.Double)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url``: connect timeouts for a server, WAL and a busy timeout for a SQLite file."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        # a database host that stops answering must fail a call in seconds, not hang a worker's heartbeats
+        connect_args = {"connect_timeout": 10} if "connect_timeout" not in parsed.query else {}
+        return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+    @sa.event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: Any, _: Any) -> None:
+        cur = dbapi_conn.cursor()
+        # WAL lets the API read while a worker writes; busy_timeout makes writers queue, not fail.
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    return engine
+
