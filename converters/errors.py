@@ -10,6 +10,7 @@ __all__ = [
     "Fp8ForgeError",
     "ModelReferenceError",
     "ModelNotFoundError",
+    "ArtifactError",
     "RecipeError",
     "CalibrationDataError",
     "BackendUnavailableError",
@@ -41,6 +42,12 @@ class ModelNotFoundError(Fp8ForgeError):
     """The reference is well formed but no model (or no config.json) could be found for it."""
 
     code = "model_not_found"
+
+
+class ArtifactError(ModelNotFoundError):
+    """The directory is not a complete, unaltered fp8forge artifact of the expected backend."""
+
+    code = "invalid_artifact"
 
 
 class RecipeError(Fp8ForgeError):

@@ -10,17 +10,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from converters.errors import Fp8ForgeError
+from converters.errors import ArtifactError
 
 __all__ = ["read_fp8_block", "verify_manifest", "load_torchao", "load_te", "ArtifactError"]
 
 logger = logging.getLogger(__name__)
-
-
-class ArtifactError(Fp8ForgeError):
-    """The directory is not a complete, unaltered fp8forge artifact of the expected backend."""
-
-    code = "invalid_artifact"
 
 
 def verify_manifest(directory: Path) -> list[dict[str, Any]]:
@@ -46,20 +40,24 @@ def verify_manifest(directory: Path) -> list[dict[str, Any]]:
 
 
 def read_fp8_block(directory: Path, backend: str) -> dict[str, Any]:
-    """The ``fp8`` block of the artifact's config.json, checked to be of ``backend``."""
+    """The ``fp8`` block of the artifact's config.json, checked to be of ``backend``.
+
+    Raises ArtifactError when config.json is missing or unreadable, has no fp8 block, or is of another backend.
+    """
     config_path = Path(directory) / "config.json"
     if not config_path.is_file():
-        raise ArtifactError(f"{directory} has no config.json")
+        raise ArtifactError(f"{directory} has no config.json; point at an fp8forge artifact directory")
     try:
-        block = json.loads(config_path.read_text()).get("fp8")
-    except (ValueError, AttributeError) as exc:
-        raise ArtifactError(f"{config_path} is not a JSON object: {exc}") from exc
-    if not isinstance(block, dict) or "converted_modules" not in block:
-        raise ArtifactError(f"{config_path} has no fp8 block: not an fp8forge artifact")
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ArtifactError(f"{config_path}: cannot read it as JSON: {exc}") from exc
+    block = config.get("fp8") if isinstance(config, dict) else None
+    if not isinstance(block, dict):
+        raise ArtifactError(f"{directory} is not an fp8forge artifact: config.json has no fp8 block "
+                            f"(convert the model with the {backend} backend first)")
     if block.get("backend") != backend:
-        raise ArtifactError(
-            f"{directory} is a {block.get('backend')!r} artifact; load it with load_{block.get('backend')}()"
-        )
+        raise ArtifactError(f"{directory} is an fp8forge artifact for backend {block.get('backend')!r}, not "
+                            f"{backend}; load it with load_{block.get('backend')}()")
     return block
 
 

@@ -86,21 +86,9 @@ def read_te_artifact(directory: str | Path) -> TEArtifact:
 
 
 def _fp8_block(directory: Path) -> dict[str, Any]:
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ModelNotFoundError(f"{directory} has no config.json; point at an fp8forge TE artifact directory")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelNotFoundError(f"{config_path}: cannot read it as JSON: {exc}") from exc
-    fp8 = config.get("fp8") if isinstance(config, dict) else None
-    if not isinstance(fp8, dict):
-        raise ModelNotFoundError(f"{directory} is not an fp8forge artifact: config.json has no fp8 block "
-                                 "(convert the model with the te backend first)")
-    if fp8.get("backend") != "te":
-        raise ModelNotFoundError(f"{directory} is an fp8forge artifact for backend {fp8.get('backend')!r}, "
-                                 "not te; load it with that backend's loader")
-    return fp8
+    from converters.loaders import read_fp8_block
+
+    return read_fp8_block(directory, "te")
 
 
 def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
