@@ -8,13 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from converters.errors import RecipeError
+from converters.recipes import check_bool
 
 __all__ = ["float8_config_to_dict", "float8_linear_config_from_dict"]
-
-
-def _check_bool(value: Any, field: str) -> None:
-    if not isinstance(value, bool):
-        raise RecipeError(f"{field} must be true or false, got {value!r}.", field=field)
 
 
 def float8_config_to_dict(config: Any) -> dict[str, Any]:
@@ -78,10 +74,10 @@ def float8_linear_config_from_dict(data: Mapping[str, Any]) -> Any:
                 )
             elif key.startswith("gemm_config"):
                 fast = value.get("use_fast_accum", False)
-                _check_bool(fast, f"{key}.use_fast_accum")
+                check_bool(fast, f"{key}.use_fast_accum")
                 kwargs[key] = Float8GemmConfig(use_fast_accum=fast)
             else:
-                _check_bool(value, key)
+                check_bool(value, key)
                 kwargs[key] = value
         except RecipeError:
             raise

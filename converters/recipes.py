@@ -107,7 +107,8 @@ def _check_int(value: Any, field: str, *, minimum: int, optional: bool = False) 
         raise RecipeError(f"{field} must be {kind}, got {value!r}.", field=field)
 
 
-def _check_bool(value: Any, field: str) -> None:
+def check_bool(value: Any, field: str) -> None:
+    """Raise RecipeError naming ``field`` unless ``value`` is a bool."""
     if not isinstance(value, bool):
         raise RecipeError(f"{field} must be true or false, got {value!r}.", field=field)
 
@@ -141,7 +142,7 @@ class TEDelayedScalingRecipe:
         _check_int(self.amax_history_len, "amax_history_len", minimum=1)
         _check_int(self.margin, "margin", minimum=0)
         _check_int(self.interval, "interval", minimum=1, optional=True)
-        _check_bool(self.use_autocast_during_eval, "use_autocast_during_eval")
+        check_bool(self.use_autocast_during_eval, "use_autocast_during_eval")
         olp = self.override_linear_precision
         if olp is not None:
             if (
@@ -258,7 +259,7 @@ class TorchAORecipe:
             self, "recipe_name", _coerce_enum(self.recipe_name, AORecipeName, "recipe_name", upper=False)
         )
         for name in ("pad_inner_dim", "enable_fsdp_float8_all_gather", "emulate"):
-            _check_bool(getattr(self, name), name)
+            check_bool(getattr(self, name), name)
         # torchao asserts this in Float8LinearConfig.__post_init__; say it here, before any work starts.
         if self.enable_fsdp_float8_all_gather and self.recipe_name is not AORecipeName.TENSORWISE:
             raise RecipeError(
@@ -399,7 +400,7 @@ def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
                 raise RecipeError(f"Give either {name} or {alias}, not both.", field=alias)
             data[name] = data.pop(alias)
     mxfp8 = data.pop("use_mxfp8_block_scaling", False)
-    _check_bool(mxfp8, "use_mxfp8_block_scaling")
+    check_bool(mxfp8, "use_mxfp8_block_scaling")
     if mxfp8:
         raise RecipeError(
             "use_mxfp8_block_scaling selects TransformerEngine's MXFP8BlockScaling recipe, which "

@@ -40,8 +40,6 @@ __all__ = ["TEArtifact", "read_te_artifact", "build_hf_model", "load_te"]
 
 logger = logging.getLogger(__name__)
 
-_INDEX = INDEX_NAME
-_SINGLE = SINGLE_FILE_NAME
 _EXTRA_STATE_SUFFIX = "._extra_state"
 
 
@@ -110,11 +108,11 @@ def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _shard_files(directory: Path) -> list[Path]:
-    index = directory / _INDEX
+    index = directory / INDEX_NAME
     if not index.is_file():
-        if not (directory / _SINGLE).is_file():
-            raise ModelNotFoundError(f"{directory} has neither {_SINGLE} nor {_INDEX}")
-        return [directory / _SINGLE]
+        if not (directory / SINGLE_FILE_NAME).is_file():
+            raise ModelNotFoundError(f"{directory} has neither {SINGLE_FILE_NAME} nor {INDEX_NAME}")
+        return [directory / SINGLE_FILE_NAME]
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         names = sorted(set(weight_map.values()))
