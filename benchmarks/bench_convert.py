@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from measure import child_peak_rss
 
 CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
               num_key_value_heads=12, vocab_size=16000, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -32,25 +33,6 @@ from safetensors.torch import load_file, save_file
 save_file(load_file(sys.argv[1]), sys.argv[2], metadata={"format": "pt"})
 """
 IMPORTS_ONLY = "import torch, transformers, safetensors, torchao.float8; from transformers import LlamaForCausalLM"
-
-
-def child_peak_rss(argv: list[str]) -> tuple[float, int, str]:
-    """Run ``argv`` in a fresh process (via a wrapper so each measurement is its own child)."""
-    wrapper = (
-        "import resource, subprocess, sys, time\n"
-        "start = time.perf_counter()\n"
-        "out = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-        "elapsed = time.perf_counter() - start\n"
-        "sys.stderr.write(out.stderr[-2000:] if out.returncode else '')\n"
-        "print(elapsed, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, out.returncode)\n"
-        "print(out.stdout)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", wrapper, *argv], capture_output=True, text=True, check=True)
-    first, _, rest = result.stdout.partition("\n")
-    elapsed, rss_kib, code = first.split()
-    if code != "0":
-        raise SystemExit(f"command failed: {' '.join(argv)}\n{result.stderr}")
-    return float(elapsed), int(rss_kib) * 1024, rest
 
 
 def build_model(directory: Path) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "FORWARD_SLOTS",
     "BACKWARD_SLOTS",
     "LayerAmax",
+    "AmaxRecorder",
     "load_corpus",
     "calibration_batches",
     "record_amax",
@@ -217,6 +219,54 @@ def _backward_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     return logits.float().mean()
 
 
+class AmaxRecorder:
+    """Hooks that record the amax of Linear layers at each calibration step.
+
+    Forward hooks record input, weight and output amax; with ``backward=True`` full backward hooks also
+    record grad_output and grad_input (the Linear's own dgrad, not the sum over sibling layers). A layer
+    called several times in one step keeps the maximum, as TE's quantizer does; a layer not called keeps 0.
+    The caller sets :attr:`step` before each step; hooks exist only inside :meth:`attached`.
+    """
+
+    def __init__(self, layers: dict[str, nn.Module], steps: int, *, backward: bool = False) -> None:
+        self.layers = layers
+        self.step = 0
+        self.forward = {path: torch.zeros(steps, len(FORWARD_SLOTS)) for path in layers}
+        self.backward = {path: torch.zeros(steps, len(BACKWARD_SLOTS)) for path in layers} if backward else None
+
+    def _forward_hook(self, path: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            values = torch.stack([_amax(args[0] if args else None), _amax(module.weight), _amax(output)])
+            self.forward[path][self.step] = torch.fmax(self.forward[path][self.step], values)
+
+        return hook
+
+    def _backward_hook(self, path: str) -> Callable:
+        def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            values = torch.stack([_amax(grad_output[0]), _amax(grad_input[0])])
+            self.backward[path][self.step] = torch.fmax(self.backward[path][self.step], values)
+
+        return hook
+
+    @contextmanager
+    def attached(self) -> Iterator[AmaxRecorder]:
+        """Register the hooks for the duration of the block; they are removed even on error."""
+        handles = []
+        try:
+            for path, module in self.layers.items():
+                handles.append(module.register_forward_hook(self._forward_hook(path)))
+                if self.backward is not None:
+                    handles.append(module.register_full_backward_hook(self._backward_hook(path)))
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def results(self) -> dict[str, LayerAmax]:
+        backward = self.backward or {}
+        return {path: LayerAmax(forward=self.forward[path], backward=backward.get(path)) for path in self.layers}
+
+
 def record_amax(
     model: nn.Module,
     layer_paths: Sequence[str],
@@ -228,13 +278,11 @@ def record_amax(
 ) -> dict[str, LayerAmax]:
     """Run ``batches`` through ``model`` and record the amax of each listed ``nn.Linear`` per step.
 
-    Forward hooks record input, weight and output amax; with ``backward=True`` full backward hooks also
-    record grad_output and grad_input (the Linear's own dgrad, not the sum over sibling layers) after a
-    loss (``labels=input_ids`` LM loss, else logits mean) is back-propagated. No optimizer step is taken;
-    parameter ``.grad`` are set to None after every step (earlier grads are discarded). Without backward
-    the model runs under ``torch.no_grad()``. The model runs in eval mode (no dropout) in its own dtype and
-    device; its training flag is restored afterwards and every hook is removed, even on error. A layer
-    called several times in one step keeps the maximum, as TE's quantizer does; a layer not called keeps 0.
+    See :class:`AmaxRecorder` for what is recorded. With ``backward=True`` a loss (``labels=input_ids`` LM
+    loss, else logits mean) is back-propagated; no optimizer step is taken and parameter ``.grad`` are set
+    to None after every step (earlier grads are discarded). Without backward the model runs under
+    ``torch.no_grad()``. The model runs in eval mode (no dropout) in its own dtype and device; its training
+    flag is restored afterwards and every hook is removed, even on error.
 
     ``on_step(done, total)`` is called after each step; ``should_stop()`` is checked before each step and
     raises ConversionCancelled when it returns True. Raises CalibrationDataError for unknown or
@@ -244,59 +292,40 @@ def record_amax(
     total = len(batches)
     if total == 0:
         raise CalibrationDataError("No calibration batches.", field="batches")
-    fwd = {path: torch.zeros(total, len(FORWARD_SLOTS)) for path in layers}
-    bwd = {path: torch.zeros(total, len(BACKWARD_SLOTS)) for path in layers} if backward else None
-    step = 0
-
-    def forward_hook(path: str) -> Callable:
-        def hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> None:
-            values = torch.stack([_amax(args[0] if args else None), _amax(module.weight), _amax(output)])
-            fwd[path][step] = torch.fmax(fwd[path][step], values)
-
-        return hook
-
-    def backward_hook(path: str) -> Callable:
-        def hook(module: nn.Linear, grad_input: tuple, grad_output: tuple) -> None:
-            values = torch.stack([_amax(grad_output[0]), _amax(grad_input[0])])
-            bwd[path][step] = torch.fmax(bwd[path][step], values)
-
-        return hook
-
-    handles = []
+    recorder = AmaxRecorder(layers, total, backward=backward)
     was_training = model.training
     device = next(model.parameters()).device
     try:
-        for path, module in layers.items():
-            handles.append(module.register_forward_hook(forward_hook(path)))
-            if backward:
-                handles.append(module.register_full_backward_hook(backward_hook(path)))
         model.eval()
-        # The hooks read `step` from this scope to know which row to fill.
-        for step in range(total):
-            if should_stop is not None and should_stop():
-                raise ConversionCancelled(f"Calibration stopped after {step} of {total} steps.")
-            batch = {k: v.to(device) for k, v in batches[step].items()}
-            if backward:
-                with torch.enable_grad():
-                    loss = _backward_loss(model, batch)
-                    if not loss.requires_grad:
-                        raise CalibrationDataError(
-                            "Backward calibration needs a model whose parameters require grad "
-                            "(none do, so no gradient reaches the layers).",
-                            field="backward",
-                        )
-                    loss.backward()
-                model.zero_grad(set_to_none=True)
-            else:
-                with torch.no_grad():
-                    model(**batch)
-            if on_step is not None:
-                on_step(step + 1, total)
+        with recorder.attached():
+            for step in range(total):
+                if should_stop is not None and should_stop():
+                    raise ConversionCancelled(f"Calibration stopped after {step} of {total} steps.")
+                recorder.step = step
+                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batches[step].items()}
+                if backward:
+                    _backward_step(model, batch)
+                else:
+                    with torch.no_grad():
+                        model(**batch)
+                if on_step is not None:
+                    on_step(step + 1, total)
     finally:
-        for handle in handles:
-            handle.remove()
         model.train(was_training)
-    return {path: LayerAmax(forward=fwd[path], backward=bwd[path] if bwd is not None else None) for path in layers}
+    return recorder.results()
+
+
+def _backward_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    with torch.enable_grad():
+        loss = _backward_loss(model, batch)
+        if not loss.requires_grad:
+            raise CalibrationDataError(
+                "Backward calibration needs a model whose parameters require grad "
+                "(none do, so no gradient reaches the layers).",
+                field="backward",
+            )
+        loss.backward()
+    model.zero_grad(set_to_none=True)
 
 
 def te_scaling_state(
