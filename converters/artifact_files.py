@@ -1,14 +1,16 @@
-"""The files of one artifact: weights (+ TE scaling state), calibration tensors, config, report.
+"""The files of one artifact: source weights, FP8 state, calibration tensors, config, report.
 
 Layout (all in one directory, listed with checksums in manifest.json):
-- ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``: the
-  model's state dict under its Hugging Face names; for TE delayed scaling also each converted layer's
-  scaling state under the keys of :mod:`converters.te_layout`.
+- the source checkpoint's weight files, copied byte for byte (``model.safetensors``, or its shards and
+  ``model.safetensors.index.json``): TE and torchao keep high-precision weights, so the files keep the
+  source's own tensor names, and a plain ``from_pretrained`` loads them as it loads the source.
+- ``fp8_state.safetensors`` (TE delayed scaling): each converted layer's scaling state under the keys of
+  :mod:`converters.te_layout`, keyed by the layer's module path in the loaded model.
 - ``fp8_calibration.safetensors``: per layer ``<path>.amax_forward [steps, 3]`` (input, weight, output),
   ``<path>.amax_backward [steps, 2]`` when gradients were recorded, and for dynamic-scaling recipes
   ``<path>.scale_fwd_per_step [steps, 3]``.
 - ``config.json``: the model's own config plus an ``fp8`` block (backend, recipe, converted modules).
-- ``fp8_report.json``: analysis, calibration statistics, final scales, data source and warnings.
+- ``fp8_report.json``: analysis, pipeline mode, calibration statistics, final scales, data source, warnings.
 """
 
 from __future__ import annotations
@@ -20,15 +22,27 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from converters.export import collect_tensors, write_json, write_weights
+from converters.export import copy_weight_files, save_tensors, write_json
 from converters.te_layout import BACKWARD_SLOTS, FORWARD_SLOTS
 
 if TYPE_CHECKING:
     from converters.pipeline import _Run
 
-__all__ = ["FP8_BLOCK_VERSION", "write_model_files", "write_calibration_file", "write_json_files", "versions"]
+__all__ = [
+    "FP8_BLOCK_VERSION",
+    "STATE_FILE",
+    "CALIBRATION_FILE",
+    "REPORT_FILE",
+    "write_weight_files",
+    "write_state_file",
+    "write_calibration_file",
+    "write_json_files",
+    "versions",
+]
 
-FP8_BLOCK_VERSION = 1
+# Version 2: the weights are the source's files, untouched; the TE state lives in its own file.
+FP8_BLOCK_VERSION = 2
+STATE_FILE = "fp8_state.safetensors"
 CALIBRATION_FILE = "fp8_calibration.safetensors"
 REPORT_FILE = "fp8_report.json"
 
@@ -59,13 +73,13 @@ def _is_te_delayed(run: _Run) -> bool:
     return isinstance(run.recipe, TEDelayedScalingRecipe)
 
 
-def _te_tensors(run: _Run) -> dict[str, torch.Tensor]:
+def _state_tensors(run: _Run) -> dict[str, torch.Tensor]:
     from converters.te_layout import state_key
 
     tensors = {}
     if _is_te_delayed(run):
         for path, state in run.calibration["states"].items():
-            tensors.update({state_key(path, name): value.float().contiguous() for name, value in state.items()})
+            tensors.update({state_key(path, name): value.float() for name, value in state.items()})
     if run.request.te_extra_state and run.te_modules:
         from converters.backends.transformer_engine import te_extra_state_tensor
 
@@ -74,38 +88,39 @@ def _te_tensors(run: _Run) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_model_files(run: _Run, staging: Path) -> list[str]:
-    """Write the model's weights (and TE state) as safetensors, sharded above the request's limit."""
-    tensors, tied = collect_tensors(run.model.state_dict())
-    backend = run.recipe.backend.value
-    if backend == "te":
-        tensors.update(_te_tensors(run))
+def write_weight_files(run: _Run, staging: Path) -> list[str]:
+    """Copy the source's weight files: the weights do not change, so they are never decoded."""
+    from converters.checkpoint import weight_files
+
+    return copy_weight_files(weight_files(run.model_dir), staging)
+
+
+def write_state_file(run: _Run, staging: Path) -> list[str]:
+    """``fp8_state.safetensors`` for recipes that carry state (TE delayed scaling); nothing otherwise."""
+    tensors = _state_tensors(run)
+    if not tensors:
+        return []
     metadata = {
         "format": "pt",
-        "fp8_backend": backend,
+        "fp8_backend": run.recipe.backend.value,
         "fp8_recipe": json.dumps(run.recipe.to_dict(), sort_keys=True),
-        "fp8_converted_modules": str(len(run.converted)),
-        "tied_weights": json.dumps(tied, sort_keys=True),
-        **{f"version_{name}": value for name, value in versions(backend).items()},
+        "te_state_key_scheme": "converters.te_layout v1: <layer>.fp8_{scale,amax_history}_{fwd,bwd}",
+        **{f"version_{name}": value for name, value in versions(run.recipe.backend.value).items()},
     }
-    if backend == "te":
-        metadata["te_state_key_scheme"] = "converters.te_layout v1: <layer>.fp8_{scale,amax_history}_{fwd,bwd}"
-    run.tied_weights = tied
-    return write_weights(tensors, staging, metadata=metadata, max_shard_bytes=run.request.max_shard_bytes)
+    save_tensors(tensors, staging / STATE_FILE, metadata)
+    return [STATE_FILE]
 
 
 def write_calibration_file(run: _Run, staging: Path) -> list[str]:
-    from converters.export import _save_atomically
-
     tensors = {}
     for path, layer in run.calibration["amax"].items():
-        tensors[f"{path}.amax_forward"] = layer.forward.float().contiguous()
+        tensors[f"{path}.amax_forward"] = layer.forward.float()
         if layer.backward is not None:
-            tensors[f"{path}.amax_backward"] = layer.backward.float().contiguous()
+            tensors[f"{path}.amax_backward"] = layer.backward.float()
         per_step = run.calibration["states"].get(path, {}).get("scale_fwd_per_step")
         if per_step is not None:
-            tensors[f"{path}.scale_fwd_per_step"] = per_step.float().contiguous()
-    _save_atomically(tensors, staging / CALIBRATION_FILE, {"format": "pt", "fp8_calibration": "amax per step"})
+            tensors[f"{path}.scale_fwd_per_step"] = per_step.float()
+    save_tensors(tensors, staging / CALIBRATION_FILE, {"format": "pt", "fp8_calibration": "amax per step"})
     return [CALIBRATION_FILE]
 
 
@@ -116,11 +131,14 @@ def fp8_block(run: _Run) -> dict[str, Any]:
         "backend": run.recipe.backend.value,
         "recipe": run.recipe.to_dict(),
         "converted_modules": list(run.converted),
+        # Readers of the files see the checkpoint's own names; where one differs from the module path, it is here.
+        "converted_weights_on_disk": run.weights_on_disk,
         "tied_weights": run.tied_weights,
     }
     if block["backend"] == "ao":
         block["float8_linear_config"] = run.recipe.float8_config_dict()
     elif _is_te_delayed(run):
+        block["state_file"] = STATE_FILE
         block["state_keys"] = "<layer>.fp8_scale_fwd [3], .fp8_amax_history_fwd [L,3], .fp8_scale_bwd [2], " \
                               ".fp8_amax_history_bwd [L,2]"
         block["te_modules_built"] = run.te_modules
@@ -164,6 +182,7 @@ def write_json_files(run: _Run, staging: Path, written: list[str]) -> list[str]:
         "versions": versions(run.recipe.backend.value),
         "warnings": run.warnings,
         "stage_seconds": run.stage_seconds,
+        "pipeline": run.pipeline,
         "converted_modules": list(run.converted),
         "analysis": run.report,
         "calibration": _calibration_report(run),

@@ -23,13 +23,11 @@ import torch
 from torch import nn
 
 from converters.errors import ModelNotFoundError
+from converters.export import INDEX_NAME, SINGLE_FILE_NAME
 
-__all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "weight_files", "Checkpoint", "release", "unit_keys"]
+__all__ = ["weight_files", "Checkpoint", "release", "unit_keys"]
 
 logger = logging.getLogger(__name__)
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_FILE_NAME = "model.safetensors"
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -99,6 +97,11 @@ class Checkpoint:
     @property
     def on_disk_targets(self) -> set[str]:
         return set(self.target_of.values())
+
+    def on_disk_name(self, target: str) -> str | None:
+        """The on-disk key stored for the in-memory tensor ``target`` when it is a plain rename, else None."""
+        keys = [key for key, mapped in self.target_of.items() if mapped == target]
+        return keys[0] if len(keys) == 1 else None
 
     def disk_keys_for(self, targets: Iterable[str]) -> list[str]:
         """On-disk keys whose in-memory target is one of ``targets``, in file order."""

@@ -1,8 +1,7 @@
-"""Safetensors artifacts: sharded weights with an index, JSON files, and a checksummed manifest.
+"""Artifact files: weight files copied from the source, safetensors, JSON, and a checksummed manifest.
 
 Every file is written to a temporary name and moved into place with ``os.replace``; the pipeline also
 stages the whole directory and renames it only on success, so a reader never sees half an artifact.
-Tied tensors are stored once; the dropped names are recorded in the safetensors metadata.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,8 @@ __all__ = [
     "MANIFEST_NAME",
     "INDEX_NAME",
     "SINGLE_FILE_NAME",
-    "collect_tensors",
-    "write_weights",
+    "copy_weight_files",
+    "save_tensors",
     "write_json",
     "write_manifest",
     "sha256_file",
@@ -38,97 +38,31 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 
 
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain CPU tensor: torchao wraps FSDP-gathered weights in a tensor subclass holding ``_tensor``."""
-    while type(tensor) is not torch.Tensor and hasattr(tensor, "_tensor"):
-        tensor = tensor._tensor
-    if type(tensor) is torch.nn.Parameter:
-        tensor = tensor.data
-    # `.to` and `.contiguous` return the tensor itself when nothing changes, so tied storages stay shared.
-    return tensor.detach().to("cpu").contiguous()
+def copy_weight_files(files: Iterable[Path], directory: Path) -> list[str]:
+    """Copy a checkpoint's weight files (and its index, if any) into ``directory`` byte for byte.
 
-
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
-
-
-def collect_tensors(
-    state: Mapping[str, Any], *, drop_suffixes: Iterable[str] = ("_extra_state",)
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Plain, contiguous CPU tensors of a state dict, each storage once.
-
-    Returns ``(tensors, tied)`` where ``tied`` maps every dropped duplicate name to the name kept (the
-    first in state-dict order, as transformers keeps the input embedding over a tied head). Entries
-    ending in one of ``drop_suffixes`` (TE's pickled ``_extra_state``) are left out.
-    """
-    drop = tuple(drop_suffixes)
-    tensors: dict[str, torch.Tensor] = {}
-    tied: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, value in state.items():
-        if drop and name.endswith(drop):
-            continue
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"state entry {name!r} is a {type(value).__name__}, not a tensor")
-        value = _plain(value)
-        key = _storage_key(value)
-        if key in seen:
-            tied[name] = seen[key]
-            continue
-        seen[key] = name
-        tensors[name] = value
-    return tensors, tied
-
-
-def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-def write_weights(
-    tensors: dict[str, torch.Tensor],
-    directory: Path,
-    *,
-    metadata: Mapping[str, str],
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> list[str]:
-    """Write ``tensors`` as ``model.safetensors`` or, above ``max_shard_bytes``, as shards plus an index.
-
-    ``metadata`` values must be strings (the safetensors rule); it is stored in every shard.
+    TE and torchao artifacts hold the source's weights unchanged, so they are never decoded: the files
+    keep the source's tensor names, dtypes and sharding. Each copy goes through a temporary name.
     Returns the names of the files written.
     """
-    if max_shard_bytes <= 0:
-        raise ValueError("max_shard_bytes must be positive")
+    files = list(files)
+    names = []
+    index = files[0].parent / INDEX_NAME if files else None
+    for source in [*files, *([index] if index is not None and index.is_file() else [])]:
+        temporary = directory / f".{source.name}.tmp"
+        shutil.copyfile(source, temporary)  # follows the hub cache's symlinks to the blobs
+        os.replace(temporary, directory / source.name)
+        names.append(source.name)
+    return names
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str]) -> None:
+    """``safetensors`` ``save_file`` through a temporary name; metadata values must be strings."""
     bad = [key for key, value in metadata.items() if not isinstance(value, str)]
     if bad:
         raise TypeError(f"safetensors metadata must be strings; not strings: {bad}")
-    shards = _shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        _save_atomically({name: tensors[name] for name in shards[0]}, directory / SINGLE_FILE_NAME, metadata)
-        return [SINGLE_FILE_NAME]
-
-    files, weight_map = [], {}
-    for index, names in enumerate(shards, start=1):
-        file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        _save_atomically({name: tensors[name] for name in names}, directory / file_name, metadata)
-        files.append(file_name)
-        weight_map.update({name: file_name for name in names})
-    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return [*files, INDEX_NAME]
-
-
-def _save_atomically(tensors: dict[str, torch.Tensor], path: Path, metadata: Mapping[str, str]) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, temporary, metadata=dict(metadata))
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, metadata=dict(metadata))
     os.replace(temporary, path)
 
 

@@ -86,6 +86,9 @@ def load_torchao(directory: str | Path, *, verify: bool = True) -> Any:
 def load_te(directory: str | Path, *, verify: bool = True, device: str = "cuda") -> Any:
     """A model with ``te.Linear`` layers whose scaling state equals the artifact's (CUDA + TE only).
 
+    Run it under the artifact's recipe, ``model.fp8_recipe``: ``te.autocast(enabled=True,
+    recipe=model.fp8_recipe)``; TE's default recipe would drop or resize the seeded state.
+
     Raises BackendUnavailableError (before reading any weight) where CUDA or TransformerEngine is
     missing, and ArtifactError for a missing/altered file or an artifact of another backend.
     """
@@ -96,6 +99,6 @@ def load_te(directory: str | Path, *, verify: bool = True, device: str = "cuda")
     if verify:
         verify_manifest(directory)
     read_fp8_block(directory, "te")
-    from converters.backends.te_loader import load_te as load_te_modules
+    from converters.backends.te_loader import load_te_model
 
-    return load_te_modules(directory, device=device)
+    return load_te_model(directory, device=device)

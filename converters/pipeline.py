@@ -1,7 +1,9 @@
 """The conversion pipeline: resolve -> analyze -> calibrate -> convert -> export.
 
 Calibration comes before the swap because it measures the high-precision tensors (see
-``stages.calibrate``); ``resolve`` loads the weights.
+``stages.calibrate``). Where the model's layers form one module list, calibration loads one layer at a
+time (``converters.sequential``); otherwise ``resolve`` loads the whole model. The weights themselves
+are copied, never decoded (``converters.artifact_files``).
 
 Each stage is a small function over one :class:`_Run`, reports its progress to a :class:`ProgressSink`,
 and checks for cancellation between steps. The output is staged in a hidden sibling directory and
@@ -89,8 +91,13 @@ class _Run:
     model_dir: Path | None = None
     config: Any = None
     report: dict[str, Any] | None = None
-    model: Any = None
+    meta_model: Any = None  #: built from the config on the meta device; the layer-sequential mode loads into it
+    checkpoint: Any = None  #: converters.checkpoint.Checkpoint over the source's weight files
+    stack: Any = None  #: converters.sequential.LayerStack, or None in whole-model mode
+    pipeline: dict[str, Any] = field(default_factory=dict)  #: mode, reason, device (for the report)
+    model: Any = None  #: the loaded model, whole-model mode only
     converted: list[str] = field(default_factory=list)
+    weights_on_disk: dict[str, str] = field(default_factory=dict)
     te_modules: bool = False
     calibration: dict[str, Any] = field(default_factory=dict)
     tied_weights: dict[str, str] = field(default_factory=dict)

@@ -32,9 +32,22 @@ from converters.calibration import AmaxRecorder, LayerAmax
 from converters.checkpoint import Checkpoint, release, unit_keys
 from converters.errors import ConversionCancelled
 
-__all__ = ["LayerStack", "find_layer_stack", "SequentialUnsupported", "LayerPass", "calibrate_layer_by_layer"]
+__all__ = [
+    "LAYER_SEQUENTIAL",
+    "WHOLE_MODEL",
+    "LayerStack",
+    "find_layer_stack",
+    "choose_mode",
+    "SequentialUnsupported",
+    "LayerPass",
+    "calibrate_layer_by_layer",
+]
 
 logger = logging.getLogger(__name__)
+
+
+LAYER_SEQUENTIAL = "layer_sequential"
+WHOLE_MODEL = "whole_model"
 
 
 class SequentialUnsupported(Exception):
@@ -75,16 +88,33 @@ def find_layer_stack(model: nn.Module) -> tuple[LayerStack | None, str]:
     return LayerStack(path=path, count=len(layers), layer_class=type(layers[0]).__name__), "ok"
 
 
+def choose_mode(model: nn.Module, config: Any, *, backward: bool, te_extra_state: bool) -> tuple[
+        LayerStack | None, str, str]:
+    """``(stack, mode, reason)``: layer-sequential where the model's shape allows it, else the whole model."""
+    if backward:
+        return None, WHOLE_MODEL, "backward calibration back-propagates through the whole model"
+    if te_extra_state:
+        return None, WHOLE_MODEL, "te_extra_state asks TransformerEngine to serialize modules of the whole model"
+    if getattr(config, "is_encoder_decoder", False):
+        return None, WHOLE_MODEL, "encoder-decoder models run two layer lists"
+    stack, why = find_layer_stack(model)
+    if stack is None:
+        return None, WHOLE_MODEL, why
+    reason = f"{stack.count} {stack.layer_class} layers under {stack.path}, one in memory at a time"
+    return stack, LAYER_SEQUENTIAL, reason
+
+
 @dataclass
 class LayerPass:
-    """One layer's calibration inputs and outputs, handed to ``after_layer`` before the layer is released."""
+    """One calibrated layer, handed to ``after_layer`` before it is released."""
 
     index: int
     path: str
     layer: nn.Module
-    linear_paths: list[str]
-    inputs: list[tuple[tuple, dict]] = field(repr=False)  #: per step: (args, kwargs) the layer was called with
-    outputs: list[torch.Tensor] = field(repr=False)
+    linear_paths: list[str]  #: the eligible Linears inside it (model paths)
+    amax: dict[str, LayerAmax] = field(repr=False)
+    outputs: list[torch.Tensor] = field(repr=False)  #: its high-precision output per step
+    call: Callable[[nn.Module, int], Any] = field(repr=False)  #: ``call(module, step)`` runs step's inputs
 
 
 class _StopForward(Exception):
@@ -260,10 +290,10 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
                     f"{stack.layer_class} returns a {type(output).__name__}, not its hidden states")
             outputs.append(output)
     if after_layer is not None:
-        calls = [((hidden, *passes.calls[index][step][0]), passes.calls[index][step][1])
-                 for step, hidden in enumerate(passes.hidden_in)]
-        after_layer(LayerPass(index=index, path=layer_path, layer=layer, linear_paths=paths, inputs=calls,
-                              outputs=outputs))
+        inputs = passes.hidden_in
+        after_layer(LayerPass(index=index, path=layer_path, layer=layer, linear_paths=paths,
+                              amax=recorder.results(), outputs=outputs,
+                              call=lambda module, step: passes.call(module, index, step, inputs[step])))
     release(layer)
     passes.hidden_in = outputs
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from converters.errors import BackendUnavailableError, CalibrationDataError, ConversionError
+from converters.export import DEFAULT_MAX_SHARD_BYTES
 
 if TYPE_CHECKING:
     from converters.pipeline import _Run
@@ -20,12 +21,21 @@ logger = logging.getLogger(__name__)
 
 
 def resolve(run: _Run) -> None:
-    """Parse the recipe, find the model's files, read its config, load its weights (on the GPU if any)."""
-    from converters.loading import load_config, load_model, resolve_model_dir
+    """Parse the recipe, find the model's files, read its config and choose the mode.
+
+    The model is built on the meta device and its checkpoint indexed (headers only). Only the whole-model
+    mode loads weights here, onto the GPU if there is one; the layer-sequential mode loads them layer by
+    layer during calibration.
+    """
+    from converters.checkpoint import Checkpoint
+    from converters.loading import build_meta_model, load_config, model_dtype, resolve_model_dir
+    from converters.sequential import WHOLE_MODEL, choose_mode
 
     run.recipe = run.request.parsed_recipe()
     for message in run.recipe.warnings():
         run.warn(message)
+    if run.request.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES:
+        run.warn("max_shard_bytes has no effect: the artifact keeps the source's weight files as they are")
     run.model_dir = resolve_model_dir(run.request.model, run.sources, with_weights=True)
     run.config = load_config(run.model_dir, run.sources)
     max_positions = getattr(_text_config(run.config), "max_position_embeddings", None)
@@ -35,17 +45,29 @@ def resolve(run: _Run) -> None:
             f"max_position_embeddings {max_positions}",
             field="calibration.seq_len",
         )
+    run.meta_model = build_meta_model(run.config, run.sources)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run.checkpoint = Checkpoint(run.model_dir, run.meta_model, dtype=model_dtype(run.config), device=device)
+    run.tied_weights = dict(run.checkpoint.tied)
+    run.stack, mode, reason = choose_mode(run.meta_model, run.config, backward=run.request.calibration.backward,
+                                          te_extra_state=run.request.te_extra_state)
+    run.pipeline = {"mode": mode, "reason": reason, "device": device}
     run.sink.progress(1, 2)
-    run.model = load_model(run.model_dir, run.sources)
-    if torch.cuda.is_available():
-        run.model.to("cuda")
+    if mode == WHOLE_MODEL:
+        _load_whole_model(run)
     run.sink.progress(2, 2)
+
+
+def _load_whole_model(run: _Run) -> None:
+    from converters.loading import load_model
+
+    run.model = load_model(run.model_dir, run.sources)
+    run.model.to(run.pipeline["device"])
 
 
 def analyze(run: _Run) -> None:
     """The eligibility report on the meta device; it alone decides what is converted."""
     from converters.analysis import AnalysisOptions, analyze_model
-    from converters.loading import build_meta_model
 
     options = AnalysisOptions(
         backend=run.recipe.backend.value,
@@ -54,7 +76,7 @@ def analyze(run: _Run) -> None:
         skip_first_last=run.request.skip_first_last,
         convert_router_gates=run.request.convert_router_gates,
     )
-    run.report = analyze_model(build_meta_model(run.config, run.sources), options)
+    run.report = analyze_model(run.meta_model, options)
     run.report["model"] = {"reference": run.request.model, "model_type": getattr(run.config, "model_type", None)}
     if run.report["totals"]["eligible_layers"] == 0:
         raise ConversionError(
@@ -68,23 +90,43 @@ def analyze(run: _Run) -> None:
 
 
 def convert(run: _Run) -> None:
-    """Swap the eligible layers (TE modules only where CUDA and TE are present) and seed their state."""
+    """Swap the eligible layers and seed their state (TE modules only where CUDA and TE are present).
+
+    In layer-sequential mode the torchao swap runs on the meta-device model: it checks that every eligible
+    layer converts, without holding the weights (the artifact replays the swap on load).
+    """
     from converters.analysis import eligible_paths
 
     eligible = eligible_paths(run.report)
+    run.weights_on_disk = _renamed_weights(run, eligible)
     if run.recipe.backend.value == "ao":
         from converters.backends.torchao import convert_to_torchao
 
-        run.converted = convert_to_torchao(run.model, eligible, run.recipe.to_float8_linear_config())
+        model = run.model if run.model is not None else run.meta_model
+        run.converted = convert_to_torchao(model, eligible, run.recipe.to_float8_linear_config())
     else:
         _convert_te(run, eligible)
     run.sink.progress(1, 1)
+
+
+def _renamed_weights(run: _Run, eligible: list[str]) -> dict[str, str]:
+    """Converted layers whose weight the checkpoint stores under another name: module path -> on-disk key."""
+    renamed = {}
+    for path in eligible:
+        on_disk = run.checkpoint.on_disk_name(f"{path}.weight")
+        if on_disk is not None and on_disk != f"{path}.weight":
+            renamed[path] = on_disk
+    return renamed
 
 
 def _convert_te(run: _Run, eligible: list[str]) -> None:
     from converters.backends.transformer_engine import te_status
 
     available, why = te_status()
+    if available and run.model is None:  # layer-sequential: each layer was swapped and checked as it ran
+        run.converted = list(eligible)
+        run.te_modules = True
+        return
     if available:
         from converters.backends.transformer_engine import apply_scaling_state, convert_to_te, fp8_check_step
 
@@ -92,11 +134,19 @@ def _convert_te(run: _Run, eligible: list[str]) -> None:
         run.te_modules = True
         if run.calibration["states"] and "scale_fwd" in next(iter(run.calibration["states"].values())):
             apply_scaling_state(run.model, run.calibration["states"], run.recipe)
+        from converters.backends.te_layer_check import reset_te_global_state
+
         try:
             run.calibration["te_check"] = fp8_check_step(run.model, run.calibration["check_batch"], run.recipe)
         except BackendUnavailableError as exc:  # TE imports, but this GPU cannot execute FP8 (before sm89)
             run.calibration["te_check"] = {"ran": False, "reason": exc.message}
             run.warn(f"the FP8 check step did not run: {exc.message}")
+        except ConversionError:
+            raise
+        except Exception as exc:  # TE kernels raise AssertionError/RuntimeError; the job must fail with a message
+            raise ConversionError(f"the TransformerEngine FP8 check step failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            reset_te_global_state()
         return
     if run.request.te_extra_state:
         raise BackendUnavailableError(
@@ -114,10 +164,29 @@ def calibrate(run: _Run) -> None:
 
     This runs on the high-precision model, before the swap: the amax seeds describe the tensors FP8
     will have to represent (TE's own calibration mode also runs in high precision), and on a CPU an
-    emulated FP8 matmul costs twenty times a bf16 one.
+    emulated FP8 matmul costs twenty times a bf16 one. Layer by layer where the mode allows it; a model
+    that turns out not to fit that shape falls back to the whole model, and the report says why.
     """
     from converters.analysis import eligible_paths
-    from converters.calibration import calibration_batches, record_amax
+    from converters.sequential import LAYER_SEQUENTIAL, WHOLE_MODEL, SequentialUnsupported
+
+    batches, source = _calibration_batches(run)
+    paths = eligible_paths(run.report)
+    amax = None
+    if run.pipeline["mode"] == LAYER_SEQUENTIAL:
+        try:
+            amax = _calibrate_layer_by_layer(run, batches, paths)
+        except SequentialUnsupported as exc:
+            run.pipeline.update(mode=WHOLE_MODEL, reason=f"layer-sequential calibration stopped: {exc}")
+            run.warn(f"calibrated the whole model at once: {exc}")
+            _load_whole_model(run)
+    if amax is None:
+        amax = _calibrate_whole_model(run, batches, paths)
+    run.calibration.update(data_source=source, amax=amax, states=_scaling_states(run, amax), check_batch=batches[0])
+
+
+def _calibration_batches(run: _Run) -> tuple[list[dict[str, Any]], str]:
+    from converters.calibration import calibration_batches
     from converters.loading import load_tokenizer
 
     settings = run.request.calibration
@@ -138,19 +207,42 @@ def calibrate(run: _Run) -> None:
     )
     if tokenizer is None:
         run.warn("the model ships no tokenizer: calibration used random token ids, not text")
-    batches = [_model_inputs(run.model, run.config, batch) for batch in batches]
+    return [_model_inputs(run.meta_model, run.config, batch) for batch in batches], source
+
+
+def _calibrate_whole_model(run: _Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
+    from converters.calibration import record_amax
+
     try:
-        amax = record_amax(
-            run.model, eligible_paths(run.report), batches, backward=settings.backward,
-            on_step=run.sink.progress, should_stop=run.sink.should_stop,
-        )
+        return record_amax(run.model, paths, batches, backward=run.request.calibration.backward,
+                           on_step=run.sink.progress, should_stop=run.sink.should_stop)
     except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
         raise CalibrationDataError(
             f"{type(run.model).__name__} cannot be calibrated from token batches: {exc}", field="model"
         ) from exc
-    run.calibration = {
-        "data_source": source, "amax": amax, "states": _scaling_states(run, amax), "check_batch": batches[0],
-    }
+
+
+def _calibrate_layer_by_layer(run: _Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
+    from converters.backends.transformer_engine import te_status
+    from converters.sequential import calibrate_layer_by_layer
+
+    after_layer = None
+    if run.recipe.backend.value == "te" and te_status()[0]:
+        from converters.backends.te_layer_check import LayerChecks
+
+        after_layer = LayerChecks(run.recipe)
+    try:
+        amax = calibrate_layer_by_layer(
+            run.meta_model, run.stack, run.checkpoint, batches, paths,
+            on_layer=run.sink.progress, should_stop=run.sink.should_stop, after_layer=after_layer,
+        )
+    except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
+        raise CalibrationDataError(
+            f"{type(run.meta_model).__name__} cannot be calibrated from token batches: {exc}", field="model"
+        ) from exc
+    if after_layer is not None:
+        run.calibration["te_check"] = after_layer.summary()
+    return amax
 
 
 def _text_config(config: Any) -> Any:
@@ -167,6 +259,8 @@ def _model_inputs(model: Any, config: Any, batch: dict[str, torch.Tensor]) -> di
     inputs = {key: value for key, value in batch.items() if key in accepted}
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in accepted:
         inputs["decoder_input_ids"] = batch["input_ids"]
+    if "use_cache" in accepted:  # a KV cache would keep every layer's keys and values for nothing
+        inputs["use_cache"] = False
     return inputs
 
 
@@ -185,11 +279,13 @@ def _scaling_states(run: _Run, amax: dict[str, Any]) -> dict[str, dict[str, torc
 
 
 def export(run: _Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
-    """Write weights, calibration, config, report and manifest into ``staging``."""
+    """Write weights (copied), FP8 state, calibration, config, report and manifest into ``staging``."""
     from converters import artifact_files
 
-    written = artifact_files.write_model_files(run, staging)
+    written = artifact_files.write_weight_files(run, staging)
     run.sink.progress(1, 3)
+    run.check_stop()
+    written += artifact_files.write_state_file(run, staging)
     written += artifact_files.write_calibration_file(run, staging)
     written += _copy_side_files(run.model_dir, staging)
     written += artifact_files.write_json_files(run, staging, written)

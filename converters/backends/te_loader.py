@@ -1,21 +1,21 @@
 """Load an fp8forge TransformerEngine artifact back into a model with te.Linear layers and their FP8 state.
 
-An artifact directory holds a Hugging Face ``config.json`` with an ``fp8`` block::
+An artifact directory holds the source's weight files unchanged, a Hugging Face ``config.json`` with an
+``fp8`` block::
 
     "fp8": {"backend": "te", "recipe": {...recipe.to_dict()...}, "converted_modules": ["model.layers.0...", ...]}
 
-and safetensors (``model.safetensors``, or the shards listed by ``model.safetensors.index.json``) with the
-model's normal keys plus, per converted layer, the four scaling-state keys of :mod:`converters.te_layout`.
-TE's own pickled ``<layer>._extra_state`` keys (opt-in artifact mode) are never unpickled here: the plain
-tensors carry the same numbers.
+and, for delayed scaling, ``fp8_state.safetensors`` with the four scaling-state keys of
+:mod:`converters.te_layout` per converted layer. TE's own pickled ``<layer>._extra_state`` keys (opt-in
+artifact mode) are never unpickled here: the plain tensors carry the same numbers.
 
-:func:`read_te_artifact` and :func:`build_hf_model` need no TE and run anywhere; :func:`load_te` checks for
-CUDA and TE before reading anything.
+:func:`read_te_artifact` needs no TE and runs anywhere; :func:`load_te` checks for CUDA and TE before
+reading anything, and hands back the artifact's recipe with the model (``model.fp8_recipe``): TE's default
+recipe (MXFP8 on Blackwell, history length 1024 on Hopper) would drop or resize the seeded state.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,17 +26,17 @@ from torch import nn
 
 from converters.backends.transformer_engine import (
     apply_scaling_state,
+    build_te_recipe,
     check_state_tensors,
     convert_to_te,
     require_te,
 )
 from converters.errors import ConversionError, ModelNotFoundError, RecipeError
-from converters.export import INDEX_NAME, SINGLE_FILE_NAME
-from converters.loading import ModelSourceOptions, load_config, model_class, model_dtype
+from converters.loading import ModelSourceOptions, load_model
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe, recipe_from_dict
 from converters.te_layout import TE_STATE_NAMES, split_state_key
 
-__all__ = ["TEArtifact", "read_te_artifact", "build_hf_model", "load_te"]
+__all__ = ["TEArtifact", "read_te_artifact", "load_te_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +45,11 @@ _EXTRA_STATE_SUFFIX = "._extra_state"
 
 @dataclass(frozen=True, kw_only=True)
 class TEArtifact:
-    """What an artifact directory holds, read and checked (tensors on the CPU)."""
+    """What an artifact directory holds besides its weights, read and checked (tensors on the CPU)."""
 
     directory: Path
     recipe: TEDelayedScalingRecipe | TECurrentScalingRecipe
     converted_modules: tuple[str, ...]
-    #: Hugging Face keys -> tensors, scaling-state and ``_extra_state`` keys removed.
-    weights: dict[str, torch.Tensor] = field(repr=False)
     #: layer path -> {te_layout name -> tensor}; empty for current scaling.
     scaling_states: dict[str, dict[str, torch.Tensor]] = field(repr=False)
     #: TE ``_extra_state`` keys found and ignored.
@@ -59,14 +57,16 @@ class TEArtifact:
 
 
 def read_te_artifact(directory: str | Path) -> TEArtifact:
-    """Read and check an artifact directory (no TE needed).
+    """Read and check an artifact's fp8 block and FP8 state (no TE, no weights read).
 
-    Raises ModelNotFoundError when the directory, its config.json or its safetensors are missing, or the
-    config has no ``fp8`` block for backend ``te`` (not an fp8forge TE artifact); RecipeError for an invalid
-    recipe; ConversionError when the state keys do not match ``converted_modules`` and the recipe.
+    Raises ArtifactError when the directory or its config.json is not an fp8forge TE artifact; RecipeError
+    for an invalid recipe; ModelNotFoundError for a missing or unreadable state file; ConversionError when
+    the state keys do not match ``converted_modules`` and the recipe.
     """
+    from converters.loaders import read_fp8_block
+
     directory = Path(directory)
-    fp8 = _fp8_block(directory)
+    fp8 = read_fp8_block(directory, "te")
     try:
         recipe = recipe_from_dict(fp8.get("recipe"))
     except RecipeError as exc:
@@ -77,56 +77,31 @@ def read_te_artifact(directory: str | Path) -> TEArtifact:
     if not isinstance(converted, list) or not all(isinstance(p, str) and p for p in converted) \
             or len(set(converted)) != len(converted):
         raise ModelNotFoundError(f"{directory}: fp8.converted_modules must be a list of distinct module paths")
-    weights, states, ignored = _split_keys(_read_safetensors(directory))
+    states, ignored = _split_keys(_read_state_file(directory, fp8))
     _check_states(directory, recipe, converted, states)
-    return TEArtifact(directory=directory, recipe=recipe, converted_modules=tuple(converted), weights=weights,
+    return TEArtifact(directory=directory, recipe=recipe, converted_modules=tuple(converted),
                       scaling_states=states, ignored_keys=tuple(ignored))
 
 
-def _fp8_block(directory: Path) -> dict[str, Any]:
-    from converters.loaders import read_fp8_block
-
-    return read_fp8_block(directory, "te")
-
-
-def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+def _read_state_file(directory: Path, fp8: dict[str, Any]) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    files = _shard_files(directory)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            shard = load_file(path)
-        except (OSError, SafetensorError) as exc:
-            raise ModelNotFoundError(f"{path}: cannot read safetensors: {exc}") from exc
-        clash = sorted(set(shard) & set(tensors))
-        if clash:
-            raise ModelNotFoundError(f"{path}: keys also present in another shard: {clash[:3]}")
-        tensors.update(shard)
-    return tensors
+    from converters.artifact_files import STATE_FILE
 
-
-def _shard_files(directory: Path) -> list[Path]:
-    index = directory / INDEX_NAME
-    if not index.is_file():
-        if not (directory / SINGLE_FILE_NAME).is_file():
-            raise ModelNotFoundError(f"{directory} has neither {SINGLE_FILE_NAME} nor {INDEX_NAME}")
-        return [directory / SINGLE_FILE_NAME]
+    name = fp8.get("state_file")
+    if name is None:
+        return {}
+    if name != STATE_FILE or not (directory / name).is_file():
+        raise ModelNotFoundError(f"{directory}: fp8.state_file names {name!r}, which is not {STATE_FILE} in "
+                                 "the artifact; re-download the artifact")
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelNotFoundError(f"{index}: not a safetensors index (needs a weight_map object): {exc}") from exc
-    for name in names:
-        # The index names files next to it; anything else would read outside the artifact.
-        if not isinstance(name, str) or Path(name).name != name or not (directory / name).is_file():
-            raise ModelNotFoundError(f"{index}: shard {name!r} is not a file in {directory}")
-    return [directory / name for name in names]
+        return load_file(directory / name)
+    except (OSError, SafetensorError) as exc:
+        raise ModelNotFoundError(f"{directory / name}: cannot read safetensors: {exc}") from exc
 
 
-def _split_keys(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict, list[str]]:
-    weights: dict[str, torch.Tensor] = {}
+def _split_keys(tensors: dict[str, torch.Tensor]) -> tuple[dict, list[str]]:
     states: dict[str, dict[str, torch.Tensor]] = {}
     ignored = []
     for key, tensor in tensors.items():
@@ -136,10 +111,10 @@ def _split_keys(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict, list[str]
         elif key.endswith(_EXTRA_STATE_SUFFIX):
             ignored.append(key)
         else:
-            weights[key] = tensor
+            raise ConversionError(f"fp8_state.safetensors holds {key!r}, which is not scaling state")
     if ignored:
         logger.info("ignoring %d TE _extra_state keys (pickles); the plain state tensors are used", len(ignored))
-    return weights, states, sorted(ignored)
+    return states, sorted(ignored)
 
 
 def _check_states(directory: Path, recipe: Any, converted: list[str], states: dict[str, dict]) -> None:
@@ -157,51 +132,24 @@ def _check_states(directory: Path, recipe: Any, converted: list[str], states: di
         check_state_tensors(path, states[path], recipe.amax_history_len)
 
 
-def build_hf_model(artifact: TEArtifact, sources: ModelSourceOptions | None = None) -> nn.Module:
-    """Build the Hugging Face model from the artifact's config on the CPU and load its weights (no TE needed).
-
-    Strict: every key of the model's state_dict must come from the files, except a tied parameter whose
-    twin was loaded; every file key must belong to the model. Raises ModelNotFoundError for a config
-    transformers cannot build, ConversionError for missing or unexpected keys.
-    """
-    sources = sources or ModelSourceOptions()
-    config = load_config(artifact.directory, sources)
-    cls = model_class(config, sources)
-    dtype = model_dtype(config)
-    if hasattr(cls, "_from_config"):
-        model = cls._from_config(config, dtype=dtype)
-    else:
-        model = cls.from_config(config, dtype=dtype, trust_remote_code=sources.trust_remote_code)
-    result = model.load_state_dict(artifact.weights, strict=False)
-    missing = [k for k in result.missing_keys if not _tied_to_loaded(model, k, artifact.weights)]
-    if missing or result.unexpected_keys:
-        raise ConversionError(f"{artifact.directory}: the weights do not match the model built from config.json "
-                              f"(missing: {missing[:5]}, unexpected: {result.unexpected_keys[:5]})")
-    model.eval()
-    return model
-
-
-def _tied_to_loaded(model: nn.Module, key: str, loaded: dict[str, torch.Tensor]) -> bool:
-    """Whether ``key`` names a parameter shared with (tied to) a parameter that was loaded."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    target = params.get(key)
-    return target is not None and any(params.get(k) is target for k in loaded if k != key)
-
-
-def load_te(directory: str | Path, sources: ModelSourceOptions | None = None, *,
-            device: str | torch.device = "cuda") -> nn.Module:
+def load_te_model(directory: str | Path, sources: ModelSourceOptions | None = None, *,
+                  device: str | torch.device = "cuda") -> nn.Module:
     """Load an fp8forge TE artifact: the HF model with ``fp8.converted_modules`` as te.Linear on ``device``
-    and, for delayed scaling, the scaling state of the files in each te.Linear. Returns the model in eval mode.
+    and, for delayed scaling, the scaling state of the files in each te.Linear. The model is returned in
+    eval mode with ``model.fp8_recipe``, the TE recipe to run it under
+    (``te.autocast(enabled=True, recipe=model.fp8_recipe)``).
 
     Raises BackendUnavailableError without CUDA/TE (checked before anything is read), the errors of
-    :func:`read_te_artifact` and :func:`build_hf_model`, and ConversionError from the swap or the state.
+    :func:`read_te_artifact` and of loading the weights, and ConversionError from the swap or the state.
     """
     require_te()
     artifact = read_te_artifact(directory)
-    model = build_hf_model(artifact, sources)
+    directory = Path(directory).resolve()
+    model = load_model(directory, sources or ModelSourceOptions(allowed_roots=(directory,)))
     convert_to_te(model, list(artifact.converted_modules), device=device)
     if artifact.scaling_states:
         apply_scaling_state(model, artifact.scaling_states, artifact.recipe)
+    model.fp8_recipe = build_te_recipe(artifact.recipe)
     model.eval()
     logger.info("loaded TE artifact %s: %d te.Linear layers", artifact.directory, len(artifact.converted_modules))
     return model

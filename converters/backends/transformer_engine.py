@@ -362,8 +362,10 @@ def fp8_check_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     device = next(model.parameters()).device
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     grads = {p: p.grad for p in model.parameters()}
+    from converters.backends.te_layer_check import rows_padded
+
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), rows_padded(te, model):
             with _autocast(te, enabled=True, recipe=te_recipe):
                 outputs = model(**inputs)
                 step_amax = {p: _meta_tensor(model.get_submodule(p), "amax_history_fwd")[0].tolist() for p in before}
