@@ -338,6 +338,8 @@ def run_child(role: str, **params) -> ChildRun:
     os.sync()  # this process's dirty pages must not be written back while the next one is timed
     lines = [line for line in stdout.splitlines() if line.strip()]
     details = json.loads(lines[-1])
+    # On a shared machine another job can slow a measurement down; the load average shows when it did.
+    details["load_average"] = os.getloadavg()[0]
     return ChildRun(wall=wall, peak_rss=peak_rss, seconds=details.pop("seconds"), details=details)
 
 
@@ -366,7 +368,8 @@ def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, with_for
     copy_dir = root / f"{plan.name}-copy"
     copy = run_child("copy", model_dir=str(model_dir), copy_dir=str(copy_dir))
     shutil.rmtree(copy_dir)
-    print(f"[{plan.name}] copy-only {copy.seconds:.1f} s", flush=True)
+    print(f"[{plan.name}] copy-only {copy.seconds:.1f} s, load average {copy.details['load_average']:.1f}",
+          flush=True)
 
     out_dir = root / f"{plan.name}-fp8"
     convert = run_child("convert", model_dir=str(model_dir), out_dir=str(out_dir), root=str(root),
@@ -375,13 +378,14 @@ def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, with_for
     shutil.rmtree(out_dir)
     reason = f" ({convert.details['reason']})" if convert.details["reason"] else ""
     print(f"[{plan.name}] convert {convert.seconds:.1f} s, peak RSS {convert.peak_rss / MIB:.0f} MiB, "
-          f"pipeline mode: {convert.details['mode']}{reason}, stages {convert.details['stages']}", flush=True)
+          f"load average {convert.details['load_average']:.1f}, pipeline mode: {convert.details['mode']}{reason}, "
+          f"stages {convert.details['stages']}", flush=True)
 
     forward = None
     if with_forward:
         forward = run_child("forward", model_dir=str(model_dir), **calibration_params)
-        print(f"[{plan.name}] forward-only {forward.seconds:.1f} s, peak RSS {forward.peak_rss / MIB:.0f} MiB",
-              flush=True)
+        print(f"[{plan.name}] forward-only {forward.seconds:.1f} s, peak RSS {forward.peak_rss / MIB:.0f} MiB, "
+              f"load average {forward.details['load_average']:.1f}", flush=True)
     if not keep:
         shutil.rmtree(model_dir)
     return SizeResult(plan=plan, copy=copy, convert=convert, forward=forward)

@@ -15,7 +15,7 @@ from converters.export import DEFAULT_MAX_SHARD_BYTES
 if TYPE_CHECKING:
     from converters.pipeline import _Run
 
-__all__ = ["resolve", "analyze", "convert", "calibrate", "export"]
+__all__ = ["resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def _calibration_batches(run: _Run) -> tuple[list[dict[str, Any]], str]:
     )
     if tokenizer is None:
         run.warn("the model ships no tokenizer: calibration used random token ids, not text")
-    return [_model_inputs(run.meta_model, run.config, batch) for batch in batches], source
+    return [model_inputs(run.meta_model, run.config, batch) for batch in batches], source
 
 
 def _calibrate_whole_model(run: _Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
@@ -251,7 +251,7 @@ def _text_config(config: Any) -> Any:
     return getter() if callable(getter) else config
 
 
-def _model_inputs(model: Any, config: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def model_inputs(model: Any, config: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Keep the inputs the model's forward accepts; an encoder-decoder gets the tokens as decoder input too."""
     import inspect
 

@@ -6,7 +6,7 @@ import importlib.util
 import shutil
 from pathlib import Path
 
-__all__ = ["TINY_CONFIGS", "tiny_config", "save_tiny_model", "install_in_hf_cache", "minilm_dir"]
+__all__ = ["TINY_CONFIGS", "MORE_CONFIGS", "tiny_config", "save_tiny_model", "install_in_hf_cache", "minilm_dir"]
 
 _ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2}
 TINY_CONFIGS = {
@@ -27,13 +27,32 @@ TINY_CONFIGS = {
     "bert": ("BertConfig", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                             "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128}),
 }
+# Further layer-list shapes for the layer-sequential tests: a renamed head on disk (GPT-NeoX's embed_out),
+# per-layer masks (Qwen3 with sliding and full attention layers), per-expert MoE tensors (Qwen2-MoE), a
+# nested layer list (OPT's model.decoder.layers) and fused projections (Phi-3).
+MORE_CONFIGS = {
+    "gpt_neox": ("GPTNeoXConfig", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                   "num_attention_heads": 4, "vocab_size": 256, "tie_word_embeddings": False}),
+    "qwen3_sliding": ("Qwen3Config", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                      "head_dim": 16, "vocab_size": 256, "use_sliding_window": True,
+                                      "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                                      **_ATTENTION}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 64, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "num_hidden_layers": 2, "vocab_size": 256,
+                                     **_ATTENTION}),
+    "opt": ("OPTConfig", {"hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "vocab_size": 256, "word_embed_proj_dim": 64, "max_position_embeddings": 128}),
+    "phi3": ("Phi3Config", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256,
+                            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **_ATTENTION}),
+}
 _ARCHITECTURE = {"bert": "BertModel"}
 
 
 def tiny_config(name: str):
     import transformers
 
-    class_name, kwargs = TINY_CONFIGS[name]
+    class_name, kwargs = {**TINY_CONFIGS, **MORE_CONFIGS}[name]
     return getattr(transformers, class_name)(**kwargs)
 
 

@@ -8,6 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from converters.calibration import LayerAmax, te_scaling_state
+from converters.export import sha256_file
 from converters.loaders import ArtifactError, load_torchao, verify_manifest
 from converters.loading import ModelSourceOptions, load_model
 from converters.recipes import recipe_from_dict
@@ -69,27 +70,28 @@ def test_te_checkpoint_layout_and_state_equal_the_recorded_calibration(llama_roo
     out = llama_root / "te"
     assert convert(llama_root, llama_root / "llama", out, "--recipe", str(recipe), "--calib-backward") == 0
 
-    weights = load_file(out / "model.safetensors")
+    state = load_file(out / "fp8_state.safetensors")
     calibration = load_file(out / "fp8_calibration.safetensors")
-    original = load_file(llama_root / "llama" / "model.safetensors")
+    assert sha256_file(out / "model.safetensors") == sha256_file(llama_root / "llama" / "model.safetensors")
     block = json.loads((out / "config.json").read_text())["fp8"]
     assert block["te_modules_built"] is False and len(block["converted_modules"]) == 13
-    assert {key for key in weights if ".fp8_" not in key} == set(original)
-    assert all(torch.equal(weights[key], original[key]) for key in original)
+    assert block["state_file"] == "fp8_state.safetensors"
 
     parsed = recipe_from_dict(block["recipe"])
     for path in block["converted_modules"]:
         layer = LayerAmax(forward=calibration[f"{path}.amax_forward"], backward=calibration[f"{path}.amax_backward"])
         expected = te_scaling_state(layer, parsed)
         for name in TE_STATE_NAMES:
-            assert torch.equal(weights[state_key(path, name)], expected[name]), (path, name)
-        assert weights[state_key(path, "amax_history_fwd")].shape == (4, 3)
-        assert weights[state_key(path, "scale_bwd")].shape == (2,)
-        assert weights[state_key(path, "scale_fwd")][1] != 1.0  # the weight slot was calibrated
+            assert torch.equal(state[state_key(path, name)], expected[name]), (path, name)
+        assert state[state_key(path, "amax_history_fwd")].shape == (4, 3)
+        assert state[state_key(path, "scale_bwd")].shape == (2,)
+        assert state[state_key(path, "scale_fwd")][1] != 1.0  # the weight slot was calibrated
+    assert len(state) == 4 * 13
     report = json.loads((out / "fp8_report.json").read_text())
     assert report["calibration"]["steps"] == 3 and "built-in corpus" in report["calibration"]["data_source"]
+    assert report["pipeline"]["mode"] == "whole_model" and "backward" in report["pipeline"]["reason"]
     assert any("TransformerEngine modules were not built here" in warning for warning in report["warnings"])
-    with safe_open(out / "model.safetensors", "pt") as handle:
+    with safe_open(out / "fp8_state.safetensors", "pt") as handle:
         metadata = handle.metadata()
     assert json.loads(metadata["fp8_recipe"])["amax_history_len"] == 4 and metadata["version_torch"]
 
@@ -122,40 +124,44 @@ def test_real_minilm_torchao_recipes(tmp_path, recipe_name):
     assert model.encoder.layer[1].attention.self.query.weight.grad is not None
 
 
-def test_real_minilm_te_files_reload_key_for_key(tmp_path):
-    from converters.backends.te_loader import build_hf_model, read_te_artifact
+def test_real_minilm_te_files_are_the_source_files(tmp_path):
+    from converters.backends.te_loader import read_te_artifact
 
     directory = minilm_dir()
     out = tmp_path / "te"
     assert main(["convert", str(directory), "--out", str(out), "--allow-root", str(directory.parent),
                  "--backend", "te", *SMALL_CALIBRATION]) == 0
     artifact = read_te_artifact(out)
-    original = load_file(directory / "model.safetensors")
-    # The 2021 checkpoint still stores position_ids, a buffer transformers 5 no longer saves.
-    original.pop("embeddings.position_ids")
-    assert set(artifact.weights) == set(original)
-    assert all(torch.equal(artifact.weights[key], original[key]) for key in original)
+    # Byte for byte, even the position_ids buffer that transformers 5 no longer saves.
+    assert sha256_file(out / "model.safetensors") == sha256_file(directory / "model.safetensors")
     assert sorted(artifact.scaling_states) == sorted(artifact.converted_modules)
     assert len(artifact.converted_modules) == 35
-    model = build_hf_model(artifact)
+    report = json.loads((out / "fp8_report.json").read_text())
+    assert report["pipeline"]["mode"] == "layer_sequential" and "BertLayer" in report["pipeline"]["reason"]
+    model = load_model(out, ModelSourceOptions(allowed_roots=(out,)))
     query = "encoder.layer.0.attention.self.query.weight"
-    assert torch.equal(model.get_parameter(query), original[query])
+    assert torch.equal(model.get_parameter(query), load_file(directory / "model.safetensors")[query])
 
 
-def test_sharding_writes_an_index_and_reloads(llama_root):
-    out = llama_root / "sharded"
+def test_sharded_source_keeps_its_shards_and_index(tmp_path):
+    from converters.demo import build_demo_tokenizer, build_tiny_llama
     from converters.pipeline import NullSink, run_conversion
     from converters.requests import CalibrationSettings, ConversionRequest
 
-    request = ConversionRequest(
-        model=str(llama_root / "llama"), recipe={"backend": "ao"}, max_shard_bytes=200_000,
-        calibration=CalibrationSettings(steps=2, seq_len=16),
-    )
-    run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_root,)), NullSink())
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) >= 2 and all((out / shard).is_file() for shard in shards)
-    assert len(load_torchao(out).model.layers) == 2
+    source = tmp_path / "sharded"
+    load_model(build_tiny_llama(tmp_path / "llama"), ModelSourceOptions()).save_pretrained(
+        source, max_shard_size="100KB")
+    build_demo_tokenizer().save_pretrained(source)
+    files = sorted(path.name for path in source.glob("model*.safetensors*"))
+    assert len(files) >= 3  # at least two shards and the index
+    request = ConversionRequest(model=str(source), recipe={"backend": "ao"}, max_shard_bytes=200_000,
+                                calibration=CalibrationSettings(steps=2, seq_len=16))
+    sink = NullSink()
+    run_conversion(request, tmp_path / "out", ModelSourceOptions(allowed_roots=(tmp_path,)), sink)
+    assert sorted(path.name for path in (tmp_path / "out").glob("model*.safetensors*")) == files
+    assert all(sha256_file(tmp_path / "out" / name) == sha256_file(source / name) for name in files)
+    assert any("max_shard_bytes has no effect" in warning for warning in sink.warnings)
+    assert len(load_torchao(tmp_path / "out").model.layers) == 2
 
 
 def test_tied_weights_are_stored_once(tmp_path):
@@ -229,8 +235,8 @@ def test_accelerate_config_yaml_drives_a_te_conversion(llama_root, tmp_path, cap
     report = json.loads((out / "fp8_report.json").read_text())
     assert report["recipe"]["amax_compute_algo"] == "most_recent" and report["recipe"]["fp8_format"] == "E4M3"
     assert any("interval" in warning and "no effect" in warning for warning in report["warnings"])
-    weights = load_file(out / "model.safetensors")
-    assert weights[state_key("model.layers.1.mlp.up_proj", "amax_history_fwd")].shape == (8, 3)
+    state = load_file(out / "fp8_state.safetensors")
+    assert state[state_key("model.layers.1.mlp.up_proj", "amax_history_fwd")].shape == (8, 3)
 
 
 def test_seed_ao_yaml_with_fsdp_all_gather_converts_and_loads(llama_root, tmp_path):

@@ -30,7 +30,6 @@ def _download(client, url: str, *, etag: str, size: int, resume_at: int | None) 
 
 
 def test_convert_follow_download_and_restart(tmp_path: Path) -> None:
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
     models = tmp_path / "models"
@@ -68,9 +67,8 @@ def test_convert_follow_download_and_restart(tmp_path: Path) -> None:
             if name.endswith(".safetensors"):
                 assert load_file(tmp_path / name), f"{name} holds no tensors"
         assert "model.layers.0.mlp.down_proj.weight" in load_file(tmp_path / "model.safetensors")
-        with safe_open(tmp_path / "model.safetensors", "pt") as fh:
-            assert fh.metadata()["fp8_backend"] == "ao"
-        assert json.loads((tmp_path / "fp8_report.json").read_text())
+        report = json.loads((tmp_path / "fp8_report.json").read_text())
+        assert report["backend"] == "ao" and report["pipeline"]["mode"] == "layer_sequential"
         metrics = client.get("/metrics").text
         assert 'fp8forge_jobs{status="succeeded"} 1' in metrics
         assert 'fp8forge_stage_duration_seconds_count{stage="calibrate"} 1' in metrics

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from converters.backends import te_loader
-from converters.backends.te_loader import build_hf_model, load_te, read_te_artifact
+from converters.backends.te_loader import load_te_model, read_te_artifact
 from converters.backends.transformer_engine import (
     apply_scaling_state,
     build_te_recipe,
@@ -64,8 +64,8 @@ def layer_state(seed: int, history: int = HISTORY) -> dict[str, torch.Tensor]:
 
 
 def write_artifact(directory, *, tie=False, converted=None, recipe=RECIPE, states=None, extra_state=False):
-    """save_pretrained a tiny Llama, then add the fp8 block and the te_layout state keys in a second shard."""
-    from safetensors.torch import load_file, save_file
+    """save_pretrained a tiny Llama, then add the fp8 block and the te_layout state in fp8_state.safetensors."""
+    from safetensors.torch import save_file
 
     model = tiny_llama(tie=tie)
     model.save_pretrained(directory)
@@ -73,18 +73,15 @@ def write_artifact(directory, *, tie=False, converted=None, recipe=RECIPE, state
     if states is None:
         states = {p: layer_state(i) for i, p in enumerate(converted)} if isinstance(recipe, TEDelayedScalingRecipe) \
             else {}
-    weights = load_file(directory / "model.safetensors")
-    (directory / "model.safetensors").unlink()
     extra = {state_key(p, n): t.contiguous() for p, s in states.items() for n, t in s.items()}
     if extra_state:
         extra.update({f"{p}._extra_state": torch.zeros(8, dtype=torch.uint8) for p in converted})
-    shards = {"model-00001-of-00002.safetensors": weights, "model-00002-of-00002.safetensors": extra}
-    for name, tensors in shards.items():
-        save_file(tensors, directory / name)
-    index = {"metadata": {}, "weight_map": {k: name for name, ts in shards.items() for k in ts}}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    block = {"backend": "te", "recipe": recipe.to_dict(), "converted_modules": converted}
+    if extra:
+        save_file(extra, directory / "fp8_state.safetensors")
+        block["state_file"] = "fp8_state.safetensors"
     config = json.loads((directory / "config.json").read_text())
-    config["fp8"] = {"backend": "te", "recipe": recipe.to_dict(), "converted_modules": converted}
+    config["fp8"] = block
     (directory / "config.json").write_text(json.dumps(config))
     return model, states
 
@@ -134,11 +131,11 @@ def test_load_te_checks_backend_before_reading_anything(tmp_path, monkeypatch):
         raise AssertionError("weights were read before the backend check")
 
     monkeypatch.setattr(te_loader, "read_te_artifact", must_not_read)
-    monkeypatch.setattr(te_loader, "_read_safetensors", must_not_read)
+    monkeypatch.setattr(te_loader, "load_model", must_not_read)
     with pytest.raises(BackendUnavailableError, match="CUDA"):
-        load_te(tmp_path)
+        load_te_model(tmp_path)
     with pytest.raises(BackendUnavailableError):
-        load_te(tmp_path / "does-not-exist")
+        load_te_model(tmp_path / "does-not-exist")
 
 
 def test_build_te_recipe_rejects_a_torchao_recipe():
@@ -178,31 +175,41 @@ def test_check_state_tensors_accepts_a_plausible_state():
     check_state_tensors("lm_head", layer_state(3), HISTORY)
 
 
-def test_read_te_artifact_splits_weights_state_and_ignores_pickles(tmp_path):
+def test_read_te_artifact_splits_state_and_ignores_pickles(tmp_path):
     model, states = write_artifact(tmp_path, extra_state=True)
     artifact = read_te_artifact(tmp_path)
     assert artifact.recipe == RECIPE
     assert artifact.converted_modules == tuple(linear_paths(model))
-    assert set(artifact.weights) == set(model.state_dict())
     assert set(artifact.scaling_states) == set(states)
     assert all(torch.equal(artifact.scaling_states[p][n], states[p][n]) for p in states for n in states[p])
     assert artifact.ignored_keys == tuple(sorted(f"{p}._extra_state" for p in states))
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_build_hf_model_loads_the_files_strictly(tmp_path, tie):
+def test_artifact_weights_load_with_a_plain_from_pretrained(tmp_path, tie):
+    from transformers import AutoModelForCausalLM
+
     model, _ = write_artifact(tmp_path, tie=tie)
-    loaded = build_hf_model(read_te_artifact(tmp_path))
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) is tie
 
 
-def test_build_hf_model_rejects_a_missing_weight(tmp_path):
+def test_a_missing_state_file_is_refused(tmp_path):
     write_artifact(tmp_path)
-    artifact = read_te_artifact(tmp_path)
-    del artifact.weights["model.layers.1.mlp.down_proj.weight"]
-    with pytest.raises(ConversionError, match="missing: \\['model.layers.1.mlp.down_proj.weight'\\]"):
-        build_hf_model(artifact)
+    (tmp_path / "fp8_state.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError, match="re-download the artifact"):
+        read_te_artifact(tmp_path)
+
+
+def test_a_state_file_holding_weights_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    write_artifact(tmp_path)
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, tmp_path / "fp8_state.safetensors")
+    with pytest.raises(ConversionError, match="not scaling state"):
+        read_te_artifact(tmp_path)
 
 
 def test_a_plain_hf_directory_is_not_a_te_artifact(tmp_path):
@@ -243,12 +250,10 @@ def test_a_converted_layer_without_state_is_refused(tmp_path):
         read_te_artifact(tmp_path)
 
 
-def test_a_shard_outside_the_directory_is_refused(tmp_path):
+def test_a_state_file_outside_the_artifact_is_refused(tmp_path):
     write_artifact(tmp_path)
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    index["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(Fp8ForgeError, match="is not a file in"):
+    _edit_fp8(tmp_path, state_file="../elsewhere.safetensors")
+    with pytest.raises(Fp8ForgeError, match="which is not fp8_state.safetensors"):
         read_te_artifact(tmp_path)
 
 
@@ -369,8 +374,9 @@ def test_load_te_equals_the_files(tmp_path):
     import transformer_engine.pytorch as te
 
     model, states = write_artifact(tmp_path)
-    loaded = load_te(tmp_path)
+    loaded = load_te_model(tmp_path)
     assert not loaded.training
+    assert loaded.fp8_recipe.amax_history_len == HISTORY and loaded.fp8_recipe.amax_compute_algo == "max"
     assert all(isinstance(loaded.get_submodule(p), te.Linear) for p in states)
     _assert_states_equal(read_scaling_state(loaded), states)
     assert all(torch.equal(v, loaded.state_dict()[k].cpu()) for k, v in model.state_dict().items())
