@@ -78,6 +78,7 @@ class ConversionResult:
     manifest: list[dict[str, Any]]
     report_path: Path
     converted: list[str]
+    pipeline: dict[str, Any]  #: ``mode`` (layer_sequential or whole_model), ``reason``, ``device``
 
 
 @dataclass
@@ -155,4 +156,4 @@ def run_conversion(
         raise
     report_path = out_dir / "fp8_report.json"
     return ConversionResult(out_dir=out_dir, files=files, manifest=manifest, report_path=report_path,
-                            converted=run.converted)
+                            converted=run.converted, pipeline=run.pipeline)

@@ -101,6 +101,7 @@ def run_convert_command(args: argparse.Namespace, sources) -> int:
         sink.close()
     total = sum(entry["bytes"] for entry in result.manifest)
     print(f"converted {len(result.converted)} layers with backend {request.parsed_recipe().backend.value}")
+    print(f"mode: {result.pipeline['mode'].replace('_', '-')} ({result.pipeline['reason']})")
     print(f"wrote {len(result.manifest) + 1} files ({human_bytes(total)}) to {result.out_dir}")
     print(f"report: {result.report_path}")
     if sink.warnings:
