@@ -242,6 +242,8 @@ def _calibrate_layer_by_layer(run: _Run, batches: list[dict[str, Any]], paths: l
         ) from exc
     if after_layer is not None:
         run.calibration["te_check"] = after_layer.summary()
+        if not run.calibration["te_check"]["ran"]:
+            run.warn(f"the FP8 check step did not run: {run.calibration['te_check']['reason']}")
     return amax
 
 
