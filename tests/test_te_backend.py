@@ -76,7 +76,7 @@ def write_artifact(directory, *, tie=False, converted=None, recipe=RECIPE, state
     extra = {state_key(p, n): t.contiguous() for p, s in states.items() for n, t in s.items()}
     if extra_state:
         extra.update({f"{p}._extra_state": torch.zeros(8, dtype=torch.uint8) for p in converted})
-    block = {"backend": "te", "recipe": recipe.to_dict(), "converted_modules": converted}
+    block = {"version": 2, "backend": "te", "recipe": recipe.to_dict(), "converted_modules": converted}
     if extra:
         save_file(extra, directory / "fp8_state.safetensors")
         block["state_file"] = "fp8_state.safetensors"
@@ -228,6 +228,7 @@ def _edit_fp8(directory, **changes):
     ("changes", "error", "message"),
     [
         ({"backend": "ao"}, ModelNotFoundError, "backend 'ao'"),
+        ({"version": 1}, ModelNotFoundError, "convert the model again"),
         ({"recipe": {"backend": "te", "amax_history_len": 0}}, RecipeError, "amax_history_len"),
         ({"converted_modules": "lm_head"}, ModelNotFoundError, "distinct module paths"),
         ({"converted_modules": ["lm_head"]}, ConversionError, "state without a converted module"),

@@ -31,7 +31,7 @@ from converters.backends.transformer_engine import (
     convert_to_te,
     require_te,
 )
-from converters.errors import ConversionError, ModelNotFoundError, RecipeError
+from converters.errors import ArtifactError, ConversionError, ModelNotFoundError, RecipeError
 from converters.loading import ModelSourceOptions, load_model
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe, recipe_from_dict
 from converters.te_layout import TE_STATE_NAMES, split_state_key
@@ -63,10 +63,14 @@ def read_te_artifact(directory: str | Path) -> TEArtifact:
     for an invalid recipe; ModelNotFoundError for a missing or unreadable state file; ConversionError when
     the state keys do not match ``converted_modules`` and the recipe.
     """
+    from converters.artifact_files import FP8_BLOCK_VERSION, STATE_FILE
     from converters.loaders import read_fp8_block
 
     directory = Path(directory)
     fp8 = read_fp8_block(directory, "te")
+    if fp8.get("version") != FP8_BLOCK_VERSION:
+        raise ArtifactError(f"{directory} has an fp8 block of version {fp8.get('version')!r}; this fp8forge reads "
+                            f"version {FP8_BLOCK_VERSION} (state in {STATE_FILE}): convert the model again")
     try:
         recipe = recipe_from_dict(fp8.get("recipe"))
     except RecipeError as exc:
