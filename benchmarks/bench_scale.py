@@ -32,7 +32,10 @@ Targets (printed with the measured ratios; a missed target never changes the exi
   flat     convert peak RSS above the baseline grows by at most one decoder layer's bytes from the
            shallowest to the deepest model (a pipeline holding the whole model grows by every layer);
            the growth per added decoder layer is printed as well
-  time     convert seconds <= 1.15 x (copy seconds + forward seconds)
+  time     convert seconds <= 1.15 x (copy seconds + forward seconds). The forward-only passes compute the
+           logits; a layer-by-layer conversion skips the lm_head when no Linear outside the layers is
+           calibrated (the default first/last rule), which is ~13% of the 0.5B model's forward FLOPs and ~2% of
+           the 3B's, so the ratio flatters the smaller sizes a little.
 
 Run:
   .venv/bin/python benchmarks/bench_scale.py                      # 0.5B, 1B, 3B; 4 calibration steps
@@ -47,13 +50,17 @@ check of the whole flow: `--sizes 0.005,0.01 --hidden 256 --intermediate 1024 --
 
 Disk and time: the default run needs ~6 GB for the 3B model, as much for its copy and again for the
 converted output (each deleted after its size; `--keep` keeps the models and the work directory). On a
-2-core CPU-only machine it takes about NN minutes, mostly in the bf16 forward passes of the 3B model.
+2-core CPU-only machine (AVX2, no bf16 matmul units) it takes 20 to 25 minutes, 12 of them in the 3B model's
+convert and forward-only runs: bf16 forward passes run at ~20 GFLOP/s there. The `--llama3-8b` run writes
+~16 GB and copies it; expect roughly 10 minutes there (an estimate, not measured). Timings are only as good as
+the machine is quiet; each measurement's progress line shows the load average after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -130,7 +137,7 @@ class ModelPlan:
 
     @property
     def parameters(self) -> int:
-        return sum(_numel(shape) for shape in self.tensor_shapes.values())
+        return sum(math.prod(shape) for shape in self.tensor_shapes.values())
 
     @property
     def weight_bytes(self) -> int:
@@ -141,16 +148,16 @@ class ModelPlan:
         per_layer: dict[str, int] = {}
         for name, shape in self.tensor_shapes.items():
             if match := LAYER_PREFIX.match(name):
-                per_layer[match.group(1)] = per_layer.get(match.group(1), 0) + _numel(shape) * BF16_BYTES
+                per_layer[match.group(1)] = per_layer.get(match.group(1), 0) + math.prod(shape) * BF16_BYTES
         return max(per_layer.values())
 
     @property
     def embedding_bytes(self) -> int:
-        return _numel(self.tensor_shapes[EMBEDDING]) * BF16_BYTES
+        return math.prod(self.tensor_shapes[EMBEDDING]) * BF16_BYTES
 
     @property
     def lm_head_bytes(self) -> int:
-        return _numel(self.tensor_shapes[LM_HEAD]) * BF16_BYTES
+        return math.prod(self.tensor_shapes[LM_HEAD]) * BF16_BYTES
 
     def activation_bytes(self, calibration: Calibration) -> int:
         hidden_states = calibration.steps * calibration.batch_size * calibration.seq_len * self.width.hidden_size
@@ -175,13 +182,6 @@ class SizeResult:
     forward: ChildRun | None
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
 # ---- planning and writing the models ----------------------------------------------------------------------
 
 
@@ -198,8 +198,8 @@ def meta_tensor_shapes(width: Width, layers: int) -> dict[str, tuple[int, ...]]:
 def layers_for(width: Width, billions: float) -> int:
     """The decoder-layer count whose model comes closest to ``billions`` parameters (at least one)."""
     shapes = meta_tensor_shapes(width, 1)
-    per_layer = sum(_numel(shape) for name, shape in shapes.items() if LAYER_PREFIX.match(name))
-    outside_layers = sum(_numel(shape) for shape in shapes.values()) - per_layer
+    per_layer = sum(math.prod(shape) for name, shape in shapes.items() if LAYER_PREFIX.match(name))
+    outside_layers = sum(math.prod(shape) for shape in shapes.values()) - per_layer
     return max(1, round((billions * 1e9 - outside_layers) / per_layer))
 
 
@@ -212,7 +212,7 @@ def plan_shards(tensor_shapes: dict[str, tuple[int, ...]], max_bytes: int) -> li
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in tensor_shapes.items():
-        nbytes = _numel(shape) * BF16_BYTES
+        nbytes = math.prod(shape) * BF16_BYTES
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
