@@ -186,6 +186,7 @@ def write_json_files(run: _Run, staging: Path, written: list[str]) -> list[str]:
         "converted_modules": list(run.converted),
         "analysis": run.report,
         "calibration": _calibration_report(run),
+        "serving": {name: plan.report() for name, plan in run.serving.items()},
         "files": sorted(written),
     }
     write_json(staging / REPORT_FILE, report)

@@ -86,11 +86,15 @@ def sha256_file(path: Path, chunk_bytes: int = 4 * 1024 * 1024) -> str:
 
 
 def write_manifest(directory: Path) -> list[dict[str, Any]]:
-    """Checksum every file in ``directory`` (written last, so it covers all of them) into manifest.json."""
+    """Checksum every file below ``directory`` (written last, so it covers all of them) into manifest.json.
+
+    Names are relative POSIX paths (``serving/<format>/config.json`` for a serving export's files).
+    """
+    files = (path for path in sorted(directory.rglob("*")) if path.is_file())
     entries = [
-        {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-        for path in sorted(directory.iterdir())
-        if path.is_file() and path.name != MANIFEST_NAME and not path.name.startswith(".")
+        {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        for path, name in ((path, path.relative_to(directory).as_posix()) for path in files)
+        if name != MANIFEST_NAME and not any(part.startswith(".") for part in name.split("/"))
     ]
     write_json(directory / MANIFEST_NAME, {"version": 1, "files": entries})
     return entries

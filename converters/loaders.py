@@ -31,8 +31,9 @@ def verify_manifest(directory: Path) -> list[dict[str, Any]]:
     except (ValueError, KeyError, TypeError) as exc:
         raise ArtifactError(f"{manifest_path} is malformed ({exc}); re-download the artifact") from exc
     for entry, name in zip(entries, names, strict=True):
-        if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
-            raise ArtifactError(f"{manifest_path} lists {name!r}, which is not a plain file name in the artifact")
+        parts = name.split("/") if isinstance(name, str) else [""]
+        if any(not part or part.startswith(".") or "\\" in part for part in parts):
+            raise ArtifactError(f"{manifest_path} lists {name!r}, which is not a file name inside the artifact")
         path = directory / name
         if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
             raise ArtifactError(f"{path} is missing or differs from manifest.json; re-download the artifact")

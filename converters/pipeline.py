@@ -99,6 +99,7 @@ class _Run:
     model: Any = None  #: the loaded model, whole-model mode only
     converted: list[str] = field(default_factory=list)
     weights_on_disk: dict[str, str] = field(default_factory=dict)
+    serving: dict[str, Any] = field(default_factory=dict)  #: format name -> converters.formats.serving.ServingPlan
     te_modules: bool = False
     calibration: dict[str, Any] = field(default_factory=dict)
     tied_weights: dict[str, str] = field(default_factory=dict)

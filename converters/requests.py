@@ -18,7 +18,7 @@ __all__ = ["CalibrationSettings", "ConversionRequest", "LIMITS"]
 LIMITS = {"steps": (1, 4096), "batch_size": (1, 256), "seq_len": (1, 32768), "texts": (1, 100_000)}
 _REQUEST_KEYS = (
     "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
-    "max_shard_bytes", "te_extra_state",
+    "max_shard_bytes", "te_extra_state", "serving_formats",
 )
 
 
@@ -92,6 +92,7 @@ class ConversionRequest:
     convert_router_gates: bool = False
     max_shard_bytes: int = 5 * 1024**3
     te_extra_state: bool = False
+    serving_formats: tuple[str, ...] = ()  #: names in converters.formats.SERVING_FORMATS, each its own subdirectory
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -110,7 +111,20 @@ class ConversionRequest:
             self.max_shard_bytes < 65536
         ):
             raise Fp8ForgeError("max_shard_bytes must be an integer of at least 65536", field="max_shard_bytes")
+        self._check_serving_formats()
         self.parsed_recipe()  # raises RecipeError naming the field
+
+    def _check_serving_formats(self) -> None:
+        from converters.formats import serving_format
+
+        names = self.serving_formats
+        if isinstance(names, str) or not isinstance(names, (list, tuple)):
+            raise Fp8ForgeError("serving_formats must be a list of format names", field="serving_formats")
+        for index, name in enumerate(names):
+            serving_format(name, field=f"serving_formats[{index}]")
+        if len(set(names)) != len(names):
+            raise Fp8ForgeError("serving_formats lists a format twice", field="serving_formats")
+        object.__setattr__(self, "serving_formats", tuple(names))
 
     def parsed_recipe(self):
         """The recipe dataclass (``TEDelayedScalingRecipe``, ``TECurrentScalingRecipe`` or ``TorchAORecipe``)."""
@@ -139,7 +153,7 @@ class ConversionRequest:
         if calibration is not None and not isinstance(calibration, Mapping):
             raise CalibrationDataError("calibration must be a JSON object", field="calibration")
         data["calibration"] = CalibrationSettings.from_dict(calibration)
-        for name in ("include", "exclude"):
+        for name in ("include", "exclude", "serving_formats"):
             if data.get(name) is None:
                 data.pop(name, None)
         if data.get("recipe") is None:
@@ -157,4 +171,5 @@ class ConversionRequest:
             "convert_router_gates": self.convert_router_gates,
             "max_shard_bytes": self.max_shard_bytes,
             "te_extra_state": self.te_extra_state,
+            "serving_formats": list(self.serving_formats),
         }

@@ -92,7 +92,7 @@ class StreamingWriter:
         self.handle = None
 
     @staticmethod
-    def planned(dtype: torch.dtype, shape: tuple[int, ...]) -> _Planned:
+    def entry(dtype: torch.dtype, shape: tuple[int, ...]) -> _Planned:
         """A plan entry for a tensor computed later (e.g. a quantized weight)."""
         numel = 1
         for size in shape:
@@ -147,7 +147,7 @@ def _as_planned(value: SourceTensor | torch.Tensor | _Planned) -> _Planned:
         return value
     if isinstance(value, SourceTensor):
         return _Planned(dtype=value.dtype, shape=value.shape, nbytes=value.nbytes)
-    return StreamingWriter.planned(value.dtype, tuple(value.shape))
+    return StreamingWriter.entry(value.dtype, tuple(value.shape))
 
 
 def _element_size(dtype: torch.dtype) -> int:

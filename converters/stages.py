@@ -86,7 +86,23 @@ def analyze(run: _Run) -> None:
     for group in run.report["fused_groups"]:
         if group["partly_eligible"]:
             run.warn(f"fused group {group['name']} is only partly FP8; serving engines may refuse it")
+    _plan_serving(run)
     run.sink.progress(1, 1)
+
+
+def _plan_serving(run: _Run) -> None:
+    """What each requested serving format quantizes; a format with nothing to quantize is bad input."""
+    from converters.formats import serving_format
+    from converters.formats.serving import plan_serving
+
+    for index, name in enumerate(run.request.serving_formats):
+        plan = plan_serving(serving_format(name), run.report, run.checkpoint.on_disk_name)
+        if not plan.quantized:
+            raise ConversionError(
+                f"serving format {name} would quantize no layer (fused groups must be eligible as a whole; see the "
+                "analysis): adjust include/exclude or skip_first_last, or drop the format",
+                field=f"serving_formats[{index}]")
+        run.serving[name] = plan
 
 
 def convert(run: _Run) -> None:
@@ -290,6 +306,7 @@ def export(run: _Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     written += artifact_files.write_state_file(run, staging)
     written += artifact_files.write_calibration_file(run, staging)
     written += _copy_side_files(run.model_dir, staging)
+    written += _write_serving(run, staging)
     written += artifact_files.write_json_files(run, staging, written)
     run.sink.progress(2, 3)
     from converters.export import write_manifest
@@ -297,6 +314,23 @@ def export(run: _Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     manifest = write_manifest(staging)
     run.sink.progress(3, 3)
     return sorted({*written, "manifest.json"}), manifest
+
+
+def _write_serving(run: _Run, staging: Path) -> list[str]:
+    """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran."""
+    from converters.checkpoint import weight_files
+    from converters.formats import serving_format
+    from converters.formats.serving import set_input_amax, write_serving_checkpoint
+    from converters.loading import model_dtype
+
+    written = []
+    for name, plan in run.serving.items():
+        set_input_amax(plan, run.report, run.calibration["amax"])
+        directory = staging / "serving" / name
+        files = write_serving_checkpoint(serving_format(name), plan, run.model_dir, weight_files(run.model_dir),
+                                         directory, model_dtype(run.config), check_stop=run.check_stop)
+        written += [f"serving/{name}/{file}" for file in files]
+    return written
 
 
 def _copy_side_files(source: Path, staging: Path) -> list[str]:

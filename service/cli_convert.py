@@ -86,6 +86,7 @@ def request_from_args(args: argparse.Namespace):
         exclude=tuple(args.exclude),
         skip_first_last=not args.no_skip_first_last,
         convert_router_gates=args.convert_router_gates,
+        serving_formats=tuple(args.serving),
     )
 
 

@@ -55,6 +55,9 @@ class JobCreate(BaseModel):
     convert_router_gates: bool | None = Field(None, description="Also convert MoE router gates.")
     max_shard_bytes: int | None = Field(None, description="Largest safetensors shard (default 5 GiB).")
     te_extra_state: bool | None = Field(None, description="Store TE's _extra_state (scaling state) too.")
+    serving_formats: list[str] | None = Field(
+        None, description='Serving checkpoints to write as well, each in serving/<name>/: '
+                          '"compressed-tensors-fp8" (static), "compressed-tensors-fp8-dynamic".')
 
     def to_request(self) -> dict[str, Any]:
         """The body as the conversion library reads it (unset optional fields left out)."""
