@@ -7,10 +7,11 @@ Two schemes, named as llm-compressor names them:
 - ``FP8_DYNAMIC``: per-channel weight scale ``[out, 1]``, activations scaled per token at run time (no
   calibration needed, no ``input_scale``).
 
-Scales are ``amax / 448`` (an amax of 0 gives the smallest normal float32 instead, so no scale is 0), stored
-in the model's dtype as llm-compressor stores them; weights are ``clamp(w / scale, -448, 448)`` cast to
-``float8_e4m3fn`` (round to nearest even). Written from compressed-tensors 0.20.1 and vLLM's
-``compressed_tensors_w8a8_fp8`` scheme.
+Scales are ``amax / 448`` computed and stored in the model's dtype (a zero scale becomes that dtype's eps);
+weights are ``clamp(w / scale, -448, 448)`` in the model's dtype, cast to ``float8_e4m3fn`` (round to nearest
+even). This is compressed-tensors' own arithmetic (``calculate_qparams`` / ``quantize``, 0.19 and 0.20.1), so
+the weights and scales are bit-identical to what llm-compressor 0.14 writes for the same model; the config
+carries the same fields. vLLM's ``CompressedTensorsW8A8Fp8`` scheme reads it.
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ from converters.safetensors_stream import SourceTensor, StreamingWriter
 
 __all__ = ["CompressedTensorsFP8", "STATIC", "DYNAMIC"]
 
-_TINY = torch.finfo(torch.float32).tiny
 
 
-def _scales(amax: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(amax.float() / FP8_E4M3_MAX, min=_TINY)
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` in amax's dtype; a zero scale becomes that dtype's eps (compressed-tensors' rule)."""
+    scale = amax / FP8_E4M3_MAX
+    return torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
 
 
 def _quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(weight.float() / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (weight / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 class CompressedTensorsFP8:
@@ -56,34 +58,35 @@ class CompressedTensorsFP8:
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
                  ) -> list[torch.Tensor]:
+        # The math runs in the model's dtype, as compressed-tensors runs it, so the bytes match llm-compressor's.
+        weight = weight.to(scale_dtype)
+        amax = weight.abs().amax().reshape(1) if self.static else weight.abs().amax(dim=1, keepdim=True)
+        scale = _scale(amax)
+        tensors = [_quantize(weight, scale), scale]
         if self.static:
-            scale = _scales(weight.abs().amax()).reshape(1)
-        else:
-            scale = _scales(weight.abs().amax(dim=1, keepdim=True))
-        # The stored scale is what a reader multiplies by: quantize with exactly that value.
-        stored = scale.to(scale_dtype)
-        tensors = [_quantize(weight, stored.float()), stored]
-        if self.static:
-            tensors.append(_scales(torch.tensor(float(input_amax or 0.0))).reshape(1).to(scale_dtype))
+            tensors.append(_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
         return tensors
 
     def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-                   "strategy": "tensor" if self.static else "channel", "group_size": None, "block_structure": None,
-                   "actorder": None, "observer": "minmax"}
-        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not self.static,
-                       "strategy": "tensor" if self.static else "token", "group_size": None,
-                       "block_structure": None, "actorder": None, "observer": "minmax" if self.static else None}
-        ignored = [path for path in plan.linear_paths if path not in plan.quantized]
+        def args(strategy: str, *, dynamic: bool, observer: str | None) -> dict[str, Any]:
+            return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
+                    "block_structure": None, "dynamic": dynamic, "actorder": None, "scale_dtype": None,
+                    "zp_dtype": None, "observer": observer, "observer_kwargs": {}}
+
+        weights = args("tensor" if self.static else "channel", dynamic=False, observer="memoryless_minmax")
+        inputs = args("tensor", dynamic=False, observer="static_minmax") if self.static \
+            else args("token", dynamic=True, observer=None)
         return {
             "quant_method": "compressed-tensors",
             "format": "float-quantized",
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": activations, "output_activations": None,
-                                          "format": "float-quantized"}},
-            "ignore": ignored,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                                          "output_activations": None, "format": "float-quantized"}},
+            "ignore": [path for path in plan.linear_paths if path not in plan.quantized],
             "kv_cache_scheme": None,
+            "global_compression_ratio": None,
+            "sparsity_config": {},
+            "transform_config": {},
         }
 
 

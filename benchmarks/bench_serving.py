@@ -1,0 +1,638 @@
+"""fp8forge's compressed-tensors static FP8 export beside llm-compressor's `oneshot` FP8: same models, same tokens.
+
+What is measured: for Llama-shaped models of two sizes (about 0.5B and 1B parameters; hidden 2048, intermediate
+8192, 16 heads, 8 KV heads, vocab 32000, untied head; only the depth differs, as in bench_scale.py's family),
+each tool writes a compressed-tensors `float-quantized` checkpoint with static per-tensor FP8 weights and
+activations (llm-compressor's `FP8` scheme) of every decoder Linear, lm_head left in bf16:
+  fp8forge   run_conversion(backend "ao", skip_first_last off, exclude lm_head, serving format
+             "compressed-tensors-fp8"). Its timed work also writes the ao artifact (a copy of the bf16 weights
+             plus the FP8 state) next to the serving export: fp8forge always writes both, so both are counted.
+  peer       llm-compressor 0.14.0.1 in its own virtualenv (never a project dependency; the script installs it):
+             AutoModelForCausalLM.from_pretrained(dtype=bfloat16), oneshot(QuantizationModifier(targets="Linear",
+             scheme="FP8", ignore=["lm_head"])), model.save_pretrained(save_compressed=True). Its default pipeline
+             for this recipe is "sequential": every layer runs the calibration batches twice (calibrate, then
+             propagate the quantized outputs).
+Both calibrate on the same tokens: `--steps` batches of `--batch-size` x `--seq-len` (default 8 x 2 x 128 = 16
+samples, 2,048 tokens) built once by converters.calibration.calibration_batches from the built-in corpus with
+the model's tokenizer and seed 0 (exactly what fp8forge builds inside its job), saved to a JSON file that the
+peer turns into a `datasets.Dataset` of input_ids and attention_mask (oneshot batch_size = `--batch-size`).
+
+Each export is a fresh child process measured by benchmarks/measure.py: the in-process seconds (load +
+calibrate + save, after the imports) and the process wall; its peak RSS is printed above the same tool's
+import-only baseline (fp8forge: torch, transformers, safetensors, torchao and converters in the project venv;
+peer: torch, transformers, datasets and llmcompressor in the peer venv). The weights are read once before
+anything is timed so that both tools find them in the page cache.
+
+After the smallest size's exports, a check in the project venv loads both with transformers +
+compressed-tensors, prints each one's logits cosine to the bf16 original on a fixed batch (not a calibration
+batch), compares their scales layer by layer, and prints how the two quantization_config blocks and tensor
+layouts differ.
+
+Targets (printed with the measured ratios; a missed target never changes the exit status):
+  time    fp8forge's in-process seconds < the peer's, at every size
+  memory  fp8forge's peak RSS above its baseline grows by at most one decoder layer from the smallest to
+          the largest model (flat), while the peer's grows (it holds the whole model)
+
+Run:
+  .venv/bin/python benchmarks/bench_serving.py                       # 0.5B and 1B, both tools
+  .venv/bin/python benchmarks/bench_serving.py --skip-peer           # fp8forge's side alone
+  .venv/bin/python benchmarks/bench_serving.py --sizes 0.005,0.01 --hidden 256 --intermediate 1024 --heads 4 \
+      --kv-heads 2 --vocab 1024 --steps 2                            # the whole flow in about a minute
+The first run creates the peer venv (default ~/.cache/fp8forge-bench/llmcompressor-venv, `--peer-venv`):
+torch 2.13.0 first (the CPU wheel; a constraints file keeps it when llmcompressor's dependencies resolve),
+then llmcompressor; ~1.5 GB and about 3 minutes, reported apart from the measurements. Later runs reuse it.
+
+Disk and time: the 1B size needs ~7 GB at once (model, fp8forge's artifact with its serving export, the
+peer's export; each deleted after its size unless `--keep`). On a 2-core CPU-only machine the default run
+takes about 25 minutes, most of it in the two tools' forward passes (bf16 matmuls at ~20 GFLOP/s there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench_scale import MIB, ModelPlan, Width, layers_for, plan_model, read_through, weight_files, write_model
+from measure import child_peak_rss
+
+GIB = 2**30
+SERVING_FORMAT = "compressed-tensors-fp8"
+PEER_TORCH = "torch==2.13.0"  # the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build
+PEER_PACKAGE = "llmcompressor==0.14.0.1"
+DEFAULT_PEER_VENV = Path.home() / ".cache" / "fp8forge-bench" / "llmcompressor-venv"
+FLAT_TARGET_LAYERS = 1
+FP8FORGE, PEER = "fp8forge", "llm-compressor"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    steps: int
+    batch_size: int
+    seq_len: int
+
+    @property
+    def samples(self) -> int:
+        return self.steps * self.batch_size
+
+
+@dataclass(frozen=True)
+class ToolRun:
+    """One measured export: in-process seconds of the work, process wall, peak RSS, and what the child said."""
+
+    tool: str
+    seconds: float
+    wall: float
+    peak_rss: int
+    details: dict
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    plan: ModelPlan
+    runs: dict[str, ToolRun]  # tool name -> its run
+
+
+# ---- the peer's virtualenv ---------------------------------------------------------------------------------
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def peer_versions(venv: Path) -> dict | None:
+    """The peer venv's package versions, or None when it cannot import llmcompressor (absent or broken)."""
+    python = venv_python(venv)
+    if not python.exists():
+        return None
+    probe = ("import json, torch, transformers, compressed_tensors, datasets, llmcompressor; print(json.dumps({"
+             "'torch': torch.__version__, 'cuda': torch.version.cuda, 'transformers': transformers.__version__, "
+             "'compressed-tensors': compressed_tensors.__version__, 'datasets': datasets.__version__, "
+             "'llmcompressor': llmcompressor.__version__}))")
+    result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    return json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else None
+
+
+def pip_install(venv: Path, constraints: Path, requirement: str, log: Path) -> None:
+    with open(log, "a") as handle:
+        code = subprocess.run([str(venv_python(venv)), "-m", "pip", "install", "-c", str(constraints), requirement],
+                              stdout=handle, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise SystemExit(f"pip install {requirement} into {venv} failed; see {log}")
+
+
+def ensure_peer_venv(venv: Path) -> tuple[dict, float | None]:
+    """The peer's versions and its install seconds (None when an existing venv was reused)."""
+    versions = peer_versions(venv)
+    if versions is not None:
+        return versions, None
+    started = time.perf_counter()
+    print(f"installing {PEER_PACKAGE} into {venv} (log: {venv / 'install.log'})", flush=True)
+    if not venv_python(venv).exists():
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # torch first and pinned for every later resolution, so llmcompressor's dependencies keep the CPU wheel.
+    constraints = venv / "fp8forge-bench-constraints.txt"
+    constraints.write_text(PEER_TORCH + "\n")
+    log = venv / "install.log"
+    pip_install(venv, constraints, PEER_TORCH, log)
+    pip_install(venv, constraints, PEER_PACKAGE, log)
+    versions = peer_versions(venv)
+    if versions is None:
+        raise SystemExit(f"{venv} still cannot import llmcompressor after the install; see {log}")
+    return versions, time.perf_counter() - started
+
+
+# ---- calibration tokens, shared by both tools -------------------------------------------------------------
+
+
+def write_calibration_tokens(model_dir: Path, vocab_size: int, calibration: Calibration, path: Path) -> str:
+    """Build the batches as fp8forge's job does (its tokenizer, built-in corpus, seed 0) and save their rows."""
+    from transformers import AutoTokenizer
+
+    from converters.calibration import calibration_batches
+
+    batches, source = calibration_batches(
+        AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab_size, steps=calibration.steps,
+        batch_size=calibration.batch_size, seq_len=calibration.seq_len,
+    )
+    rows = {key: [row for batch in batches for row in batch[key].tolist()] for key in ("input_ids", "attention_mask")}
+    path.write_text(json.dumps(rows))
+    return source
+
+
+# ---- the measured child processes (run as `bench_serving.py --child ROLE JSON`, in either venv) -----------
+
+
+def import_fp8forge() -> None:
+    """What fp8forge's baseline loads; its export child loads the same before its clock starts."""
+    import torchao.float8  # noqa: F401  (the ao backend's library)
+    from bench_scale import import_libraries
+
+    import converters.formats  # noqa: F401
+
+    import_libraries()
+
+
+def import_peer() -> None:
+    """What the peer's baseline loads; its export child loads the same before its clock starts."""
+    import datasets  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from llmcompressor import oneshot  # noqa: F401
+    from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: F401
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+
+
+def child_fp8forge_imports(_: dict) -> dict:
+    import_fp8forge()
+    return {"seconds": 0.0}
+
+
+def child_peer_imports(_: dict) -> dict:
+    import_peer()
+    return {"seconds": 0.0}
+
+
+def child_fp8forge_export(params: dict) -> dict:
+    from converters.loading import ModelSourceOptions
+    from converters.pipeline import run_conversion
+    from converters.requests import CalibrationSettings, ConversionRequest
+
+    # skip_first_last off and lm_head excluded: the same Linears as the peer's ignore=["lm_head"].
+    request = ConversionRequest(
+        model=params["model_dir"], recipe={"backend": "ao"}, skip_first_last=False, exclude=("lm_head",),
+        calibration=CalibrationSettings(steps=params["steps"], batch_size=params["batch_size"],
+                                        seq_len=params["seq_len"]),
+        serving_formats=(SERVING_FORMAT,),
+    )
+    sources = ModelSourceOptions(allowed_roots=(Path(params["root"]),))
+    import_fp8forge()
+    start = time.perf_counter()
+    run_conversion(request, Path(params["out_dir"]), sources)
+    return {"seconds": time.perf_counter() - start}
+
+
+def child_peer_export(params: dict) -> dict:
+    import_peer()
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    rows = json.loads(Path(params["tokens"]).read_text())
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=torch.bfloat16)
+    loaded = time.perf_counter()
+    # Already tokenized (an input_ids column), so oneshot uses the rows as they are; the processor it loads
+    # from the model directory only matters for text datasets.
+    dataset = Dataset.from_dict(rows)
+    oneshot(model=model, dataset=dataset,
+            recipe=QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"]),
+            num_calibration_samples=len(rows["input_ids"]), max_seq_length=params["seq_len"],
+            batch_size=params["batch_size"])
+    calibrated = time.perf_counter()
+    model.save_pretrained(params["out_dir"], save_compressed=True)
+    end = time.perf_counter()
+    return {"seconds": end - start, "load": loaded - start, "oneshot": calibrated - loaded, "save": end - calibrated}
+
+
+CHILD_ROLES = {
+    "fp8forge-imports": child_fp8forge_imports,
+    "peer-imports": child_peer_imports,
+    "fp8forge-export": child_fp8forge_export,
+    "peer-export": child_peer_export,
+}
+
+
+def last_json_line(stdout: str) -> dict:
+    """The child's result: its last stdout line (libraries may print before it)."""
+    return json.loads([line for line in stdout.splitlines() if line.strip()][-1])
+
+
+def run_child(python: Path | str, role: str, **params) -> tuple[float, int, dict]:
+    wall, peak_rss, stdout = child_peak_rss([str(python), __file__, "--child", role, json.dumps(params)])
+    os.sync()  # this process's dirty pages must not be written back while the next one is timed
+    details = last_json_line(stdout)
+    details["load_average"] = os.getloadavg()[0]  # shows when another job slowed a measurement down
+    return wall, peak_rss, details
+
+
+def measure_tool(tool: str, python: Path | str, role: str, **params) -> ToolRun:
+    wall, peak_rss, details = run_child(python, role, **params)
+    return ToolRun(tool=tool, seconds=details.pop("seconds"), wall=wall, peak_rss=peak_rss, details=details)
+
+
+# ---- the sanity check of both exports (smallest size; project venv, not measured) -------------------------
+
+
+def child_check(params: dict) -> dict:
+    """Load the original and both exports with transformers + compressed-tensors; logits cosine on one batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from converters.calibration import calibration_batches
+
+    batches, _ = calibration_batches(AutoTokenizer.from_pretrained(params["model_dir"]), vocab_size=params["vocab"],
+                                     steps=1, batch_size=2, seq_len=params["seq_len"], seed=1)
+    batch = batches[0]  # seed 1: windows the calibration (seed 0) did not choose as a whole
+
+    def logits(directory: str) -> tuple[torch.Tensor, dict]:
+        model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+        with torch.no_grad():
+            out = model.eval()(**batch, use_cache=False).logits.float()
+        linear_classes = sorted({type(m).__name__ for name, m in model.named_modules() if name.endswith("q_proj")})
+        problems = {kind: sorted(info[kind])[:5] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                    if info[kind]}
+        return out, {"loading_problems": problems, "q_proj_class": linear_classes,
+                     "dtype": str(next(model.parameters()).dtype)}
+
+    reference, _ = logits(params["model_dir"])
+    result = {}
+    for tool, directory in params["exports"].items():
+        served, info = logits(directory)
+        cosine = torch.nn.functional.cosine_similarity(served.flatten(), reference.flatten(), dim=0)
+        result[tool] = {"cosine": float(cosine), **info}
+    result["scales"] = compare_scales(params["exports"][FP8FORGE], params["exports"][PEER])
+    return result
+
+
+def compare_scales(first: str, second: str) -> dict:
+    """Relative differences of weight_scale and input_scale, layer by layer, and how many FP8 weights agree."""
+    import torch
+    from safetensors import safe_open
+
+    def scale_tensors(directory: str) -> dict:
+        tensors = {}
+        for path in sorted(Path(directory).glob("*.safetensors")):
+            with safe_open(path, framework="pt") as handle:
+                tensors.update({name: (path, handle.get_tensor(name)) for name in handle.keys()
+                                if name.endswith(("weight_scale", "input_scale"))})
+        return tensors
+
+    ours, theirs = scale_tensors(first), scale_tensors(second)
+    result = {}
+    for kind in ("weight_scale", "input_scale"):
+        shared = sorted(name for name in ours if name.endswith(kind) and name in theirs)
+        if not shared:
+            continue
+        relative = torch.stack([((ours[n][1].float() - theirs[n][1].float()).abs().max()
+                                 / theirs[n][1].float().abs().max()) for n in shared])
+        worst = shared[int(relative.argmax())]
+        result[kind] = {"layers": len(shared), "max_relative_diff": float(relative.max()),
+                        "median_relative_diff": float(relative.median()), "worst": worst}
+    # One weight compared element by element: same scale and rounding should give the same FP8 bytes.
+    name = next((n.removesuffix("_scale") for n in sorted(ours) if n.endswith("weight_scale") and n in theirs), None)
+    if name is not None:
+        with safe_open(ours[name + "_scale"][0], framework="pt") as a, \
+                safe_open(theirs[name + "_scale"][0], framework="pt") as b:
+            mine, peer = a.get_tensor(name), b.get_tensor(name)
+        same = (mine.view(torch.uint8) == peer.view(torch.uint8)).float().mean()
+        result["fp8_weight_bytes_equal"] = {"tensor": name, "fraction": float(same),
+                                            "dtypes": [str(mine.dtype), str(peer.dtype)]}
+    return result
+
+
+CHILD_ROLES["check"] = child_check
+
+
+# ---- comparing the two exports' files (in this process; headers and config only) --------------------------
+
+
+def flatten(value, prefix: str = "") -> dict:
+    """Nested dicts as {dotted.key: leaf}; lists stay leaves."""
+    if isinstance(value, dict):
+        flat = {}
+        for key, inner in value.items():
+            flat.update(flatten(inner, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: value}
+
+
+def config_differences(ours: Path, theirs: Path) -> list[str]:
+    """quantization_config keys and values that differ between the two config.json files."""
+    first = flatten(json.loads((ours / "config.json").read_text()).get("quantization_config", {}))
+    second = flatten(json.loads((theirs / "config.json").read_text()).get("quantization_config", {}))
+    lines = []
+    for key in sorted(set(first) | set(second)):
+        a, b = first.get(key, "<absent>"), second.get(key, "<absent>")
+        if a == b:
+            continue
+        if isinstance(a, list) and isinstance(b, list):
+            lines.append(f"  {key}: only {FP8FORGE} {sorted(set(map(str, a)) - set(map(str, b)))}, "
+                         f"only {PEER} {sorted(set(map(str, b)) - set(map(str, a)))}")
+        else:
+            lines.append(f"  {key}: {FP8FORGE} {json.dumps(a)} | {PEER} {json.dumps(b)}")
+    return lines or ["  (none)"]
+
+
+def tensor_layout(directory: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor's dtype and shape, from the safetensors headers (8-byte length, then JSON)."""
+    layout = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        layout.update({name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()
+                       if name != "__metadata__"})
+    return layout
+
+
+def layer_pattern(name: str) -> str:
+    return re.sub(r"\.layers\.\d+\.", ".layers.N.", name)
+
+
+def layout_differences(ours: Path, theirs: Path) -> list[str]:
+    """Tensors present in one export only, or with another dtype/shape, collapsed over the layer index."""
+    first, second = tensor_layout(ours), tensor_layout(theirs)
+    counts: dict[str, int] = {}
+    for name in sorted(set(first) | set(second)):
+        a, b = first.get(name), second.get(name)
+        if a == b:
+            continue
+        describe = lambda entry: "absent" if entry is None else f"{entry[0]} {list(entry[1])}"  # noqa: E731
+        line = f"  {layer_pattern(name)}: {FP8FORGE} {describe(a)} | {PEER} {describe(b)}"
+        counts[line] = counts.get(line, 0) + 1
+    summary = [f"  tensors: {FP8FORGE} {len(first)}, {PEER} {len(second)}; "
+               f"FP8 weights: {sum(dtype == 'F8_E4M3' for dtype, _ in first.values())} / "
+               f"{sum(dtype == 'F8_E4M3' for dtype, _ in second.values())}"]
+    return summary + [f"{line} (x{count})" for line, count in counts.items()]
+
+
+def directory_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+# ---- one size ---------------------------------------------------------------------------------------------
+
+
+def fp8forge_details(out_dir: Path) -> dict:
+    """Stage seconds and pipeline mode from fp8forge's report, and the sizes of what it wrote."""
+    report = json.loads((out_dir / "fp8_report.json").read_text())
+    serving_dir = out_dir / "serving" / SERVING_FORMAT
+    quantized = report.get("serving", {}).get(SERVING_FORMAT, {}).get("quantized", [])
+    return {"stages": report.get("stage_seconds", {}), "mode": report.get("pipeline", {}).get("mode"),
+            "quantized": len(quantized), "artifact_bytes": directory_bytes(out_dir) - directory_bytes(serving_dir),
+            "serving_bytes": directory_bytes(serving_dir)}
+
+
+def print_run(name: str, run: ToolRun, baseline: int) -> None:
+    details = dict(run.details)
+    load = details.pop("load_average")
+    extra = ", ".join(f"{key} {value:.1f} s" if isinstance(value, float) else f"{key} {value}"
+                      for key, value in details.items() if not key.endswith("_bytes"))
+    print(f"[{name}] {run.tool}: {run.seconds:.1f} s in process, {run.wall:.1f} s wall, peak RSS "
+          f"{run.peak_rss / MIB:,.0f} MiB ({(run.peak_rss - baseline) / MIB:+,.0f} above baseline), "
+          f"load average {load:.1f}; {extra}", flush=True)
+
+
+def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, peer_venv: Path | None,
+                 tokens: Path, baselines: dict[str, int], check: bool, keep: bool) -> SizeResult:
+    model_dir = root / plan.name
+    started = time.perf_counter()
+    write_model(plan, model_dir)
+    os.sync()
+    read_through(weight_files(model_dir))
+    print(f"[{plan.name}] wrote {plan.layers} layers, {plan.parameters:,} parameters "
+          f"({plan.weight_bytes / GIB:.2f} GiB) in {time.perf_counter() - started:.0f} s", flush=True)
+    sizes = {"steps": calibration.steps, "batch_size": calibration.batch_size, "seq_len": calibration.seq_len}
+    if peer_venv is not None and not tokens.exists():
+        # The same tokenizer and vocabulary for every model here: the tokens are built once, from the first.
+        source = write_calibration_tokens(model_dir, plan.width.vocab_size, calibration, tokens)
+        print(f"calibration tokens for both tools: {source}", flush=True)
+
+    ours_dir = root / f"{plan.name}-fp8forge"
+    ours = measure_tool(FP8FORGE, sys.executable, "fp8forge-export", model_dir=str(model_dir),
+                        out_dir=str(ours_dir), root=str(root), **sizes)
+    ours.details.update(fp8forge_details(ours_dir))
+    print_run(plan.name, ours, baselines[FP8FORGE])
+    print(f"[{plan.name}] {FP8FORGE} wrote {ours.details['artifact_bytes'] / GIB:.2f} GiB of ao artifact and "
+          f"{ours.details['serving_bytes'] / GIB:.2f} GiB of serving export", flush=True)
+    runs = {FP8FORGE: ours}
+
+    theirs_dir = root / f"{plan.name}-peer"
+    if peer_venv is not None:
+        theirs = measure_tool(PEER, venv_python(peer_venv), "peer-export", model_dir=str(model_dir),
+                              out_dir=str(theirs_dir), tokens=str(tokens), **sizes)
+        print_run(plan.name, theirs, baselines[PEER])
+        print(f"[{plan.name}] {PEER} wrote {directory_bytes(theirs_dir) / GIB:.2f} GiB", flush=True)
+        runs[PEER] = theirs
+        if check:
+            check_exports(plan, model_dir, ours_dir / "serving" / SERVING_FORMAT, theirs_dir, calibration)
+    if not keep:
+        for directory in (model_dir, ours_dir, theirs_dir):
+            shutil.rmtree(directory, ignore_errors=True)
+    return SizeResult(plan=plan, runs=runs)
+
+
+def check_exports(plan: ModelPlan, model_dir: Path, ours: Path, theirs: Path, calibration: Calibration) -> None:
+    started = time.perf_counter()
+    stdout = subprocess.run(
+        [sys.executable, __file__, "--child", "check",
+         json.dumps({"model_dir": str(model_dir), "vocab": plan.width.vocab_size, "seq_len": calibration.seq_len,
+                     "exports": {FP8FORGE: str(ours), PEER: str(theirs)}})],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    result = last_json_line(stdout)
+    print(f"\n[{plan.name}] check in the project venv (transformers + compressed-tensors, "
+          f"{time.perf_counter() - started:.0f} s): logits cosine to the bf16 original on 2 x {calibration.seq_len} "
+          "tokens not used for calibration")
+    for tool in (FP8FORGE, PEER):
+        info = result[tool]
+        print(f"  {tool}: cosine {info['cosine']:.5f}; loads as {info['q_proj_class']} ({info['dtype']}); "
+              f"loading problems: {info['loading_problems'] or 'none'}")
+    print(f"  scales, {FP8FORGE} vs {PEER}:")
+    for key, value in result["scales"].items():
+        print(f"    {key}: {json.dumps(value)}")
+    print(f"  quantization_config differences ({FP8FORGE} | {PEER}):")
+    print("\n".join(config_differences(ours, theirs)))
+    print("  tensor layout differences (dtype [shape]):")
+    print("\n".join(layout_differences(ours, theirs)), flush=True)
+
+
+# ---- the report -------------------------------------------------------------------------------------------
+
+
+def print_table(results: list[SizeResult], baselines: dict[str, int]) -> None:
+    header = ("size", "layers", "parameters", "tool", "in-process s", "process wall s", "peak RSS above base MiB")
+    rows = [(r.plan.name, str(r.plan.layers), f"{r.plan.parameters:,}", run.tool, f"{run.seconds:.1f}",
+             f"{run.wall:.1f}", f"{(run.peak_rss - baselines[run.tool]) / MIB:,.0f}")
+            for r in results for run in r.runs.values()]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    print()
+    for row in [header, *rows]:
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+
+
+def _verdict(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
+
+
+def growth(results: list[SizeResult], tool: str, baseline: int) -> tuple[int, int, str] | None:
+    """Peak RSS growth of ``tool`` from the shallowest to the deepest model, in bytes, added layers, and text."""
+    measured = [r for r in results if tool in r.runs]
+    if len(measured) < 2:
+        return None
+    shallow, deep = min(measured, key=lambda r: r.plan.layers), max(measured, key=lambda r: r.plan.layers)
+    grown = deep.runs[tool].peak_rss - shallow.runs[tool].peak_rss
+    layers = max(1, deep.plan.layers - shallow.plan.layers)
+    text = (f"{tool} peak RSS above baseline {(shallow.runs[tool].peak_rss - baseline) / MIB:,.0f} -> "
+            f"{(deep.runs[tool].peak_rss - baseline) / MIB:,.0f} MiB from {shallow.plan.name} to {deep.plan.name}: "
+            f"{grown / MIB:+,.0f} MiB ({grown / layers / MIB:+.1f} MiB per added layer; the model grew by "
+            f"{(deep.plan.weight_bytes - shallow.plan.weight_bytes) / MIB:,.0f} MiB of bf16 weights)")
+    return grown, deep.plan.decoder_layer_bytes, text
+
+
+def print_targets(results: list[SizeResult], baselines: dict[str, int]) -> None:
+    print("\nbaselines (import-only peak RSS, subtracted above): "
+          + ", ".join(f"{tool} {value / MIB:,.0f} MiB" for tool, value in baselines.items()))
+    compared = [r for r in results if PEER in r.runs]
+    if compared:
+        print(f"ratios {FP8FORGE} / {PEER}:")
+    for r in compared:
+        ours, theirs = r.runs[FP8FORGE], r.runs[PEER]
+        memory = (ours.peak_rss - baselines[FP8FORGE]) / max(1, theirs.peak_rss - baselines[PEER])
+        time_ratio = ours.seconds / theirs.seconds
+        print(f"  {r.plan.name}: time in process {time_ratio:.2f} (target < 1: {_verdict(time_ratio < 1)}), "
+              f"process wall {ours.wall / theirs.wall:.2f}; peak RSS above baseline {memory:.2f}")
+    grown = {tool: growth(results, tool, baselines[tool]) for tool in baselines}
+    print("memory growth:")
+    for tool, value in grown.items():
+        print(f"  {value[2] if value else f'{tool}: n/a (one size only)'}")
+    ours = grown.get(FP8FORGE)
+    if ours:
+        flat = ours[0] <= FLAT_TARGET_LAYERS * ours[1]
+        theirs = grown.get(PEER)
+        peer_text = "" if not theirs else (
+            f"; {PEER} grows by more than that: {'yes' if theirs[0] > FLAT_TARGET_LAYERS * ours[1] else 'no'}")
+        print(f"  target: {FP8FORGE} grows by <= {FLAT_TARGET_LAYERS} decoder layer ({ours[1] / MIB:,.0f} MiB): "
+              f"{_verdict(flat)}{peer_text}")
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="0.5,1", help="target sizes in billions of parameters (0.5,1)")
+    parser.add_argument("--steps", type=int, default=8, help="calibration batches (8)")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--workdir", type=Path, help="where the run's temporary directory goes (system temp)")
+    parser.add_argument("--keep", action="store_true", help="keep the models, the exports and the run's directory")
+    parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV,
+                        help=f"llm-compressor's virtualenv, created when missing ({DEFAULT_PEER_VENV})")
+    parser.add_argument("--skip-peer", action="store_true", help="measure fp8forge only")
+    width = Width()
+    parser.add_argument("--hidden", type=int, default=width.hidden_size)
+    parser.add_argument("--intermediate", type=int, default=width.intermediate_size)
+    parser.add_argument("--heads", type=int, default=width.num_attention_heads)
+    parser.add_argument("--kv-heads", type=int, default=width.num_key_value_heads)
+    parser.add_argument("--vocab", type=int, default=width.vocab_size)
+    return parser.parse_args()
+
+
+def model_plans(args: argparse.Namespace) -> list[ModelPlan]:
+    width = Width(hidden_size=args.hidden, intermediate_size=args.intermediate, num_attention_heads=args.heads,
+                  num_key_value_heads=args.kv_heads, vocab_size=args.vocab)
+    sizes = sorted(float(size) for size in args.sizes.split(","))
+    return [plan_model(f"{size:g}B", width, layers_for(width, size)) for size in sizes]
+
+
+def measure_baselines(peer_venv: Path | None) -> dict[str, int]:
+    baselines = {FP8FORGE: run_child(sys.executable, "fp8forge-imports")[1]}
+    if peer_venv is not None:
+        baselines[PEER] = run_child(venv_python(peer_venv), "peer-imports")[1]
+    return baselines
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
+    calibration = Calibration(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
+    peer_venv = None if args.skip_peer else args.peer_venv.expanduser().resolve()
+    if peer_venv is not None:
+        versions, install_seconds = ensure_peer_venv(peer_venv)
+        how = "reused" if install_seconds is None else f"installed in {install_seconds:.0f} s (not measured below)"
+        print(f"peer venv {peer_venv} {how}: {json.dumps(versions)}", flush=True)
+    plans = model_plans(args)
+    baselines = measure_baselines(peer_venv)
+    print(f"calibration: {calibration.steps} steps x {calibration.batch_size} x {calibration.seq_len} tokens = "
+          f"{calibration.samples} samples, {calibration.samples * calibration.seq_len:,} tokens; "
+          f"work directory {root}", flush=True)
+    tokens = root / "calibration_tokens.json"
+    results = [measure_size(plan, root, calibration, peer_venv, tokens, baselines, check=index == 0, keep=args.keep)
+               for index, plan in enumerate(plans)]
+    print_table(results, baselines)
+    print_targets(results, baselines)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        print(json.dumps(CHILD_ROLES[sys.argv[2]](json.loads(sys.argv[3]))))
+        return
+    args = parse_args()
+    os.environ["TORCHAO_FORCE_SKIP_LOADING_SO_FILES"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench_serving-", dir=args.workdir)).resolve()
+    started = time.perf_counter()
+    try:
+        run(args, root)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
