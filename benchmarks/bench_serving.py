@@ -25,7 +25,7 @@ anything is timed so that both tools find them in the page cache.
 
 After the smallest size's exports, a check in the project venv loads both with transformers +
 compressed-tensors, prints each one's logits cosine to the bf16 original on a fixed batch (not a calibration
-batch), compares their scales layer by layer, and prints how the two quantization_config blocks and tensor
+batch), compares their scales and FP8 weight bytes layer by layer, and prints how the two quantization_config blocks and tensor
 layouts differ.
 
 Targets (printed with the measured ratios; a missed target never changes the exit status):
@@ -303,43 +303,57 @@ def child_check(params: dict) -> dict:
         served, info = logits(directory)
         cosine = torch.nn.functional.cosine_similarity(served.flatten(), reference.flatten(), dim=0)
         result[tool] = {"cosine": float(cosine), **info}
-    result["scales"] = compare_scales(params["exports"][FP8FORGE], params["exports"][PEER])
+    result["tensors"] = compare_exports(params["exports"][FP8FORGE], params["exports"][PEER])
     return result
 
 
-def compare_scales(first: str, second: str) -> dict:
-    """Relative differences of weight_scale and input_scale, layer by layer, and how many FP8 weights agree."""
+def tensor_files(directory: str) -> dict[str, Path]:
+    """Each tensor's safetensors file in an export."""
+    from safetensors import safe_open
+
+    files = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            files.update({name: path for name in handle.keys()})
+    return files
+
+
+def compare_exports(first: str, second: str) -> dict:
+    """Per quantized Linear: relative differences of weight_scale and input_scale, and how many FP8 bytes agree.
+
+    Reads one tensor at a time from each export, so the check holds two weights at most.
+    """
     import torch
     from safetensors import safe_open
 
-    def scale_tensors(directory: str) -> dict:
-        tensors = {}
-        for path in sorted(Path(directory).glob("*.safetensors")):
-            with safe_open(path, framework="pt") as handle:
-                tensors.update({name: (path, handle.get_tensor(name)) for name in handle.keys()
-                                if name.endswith(("weight_scale", "input_scale"))})
-        return tensors
+    ours, theirs = tensor_files(first), tensor_files(second)
 
-    ours, theirs = scale_tensors(first), scale_tensors(second)
+    def read(files: dict[str, Path], name: str) -> torch.Tensor:
+        with safe_open(files[name], framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    weights = sorted(name.removesuffix("_scale") for name in ours
+                     if name.endswith(".weight_scale") and name in theirs)
+    relative: dict[str, list[tuple[float, str]]] = {"weight_scale": [], "input_scale": []}
+    equal_bytes = total_bytes = identical_tensors = 0
+    for weight in weights:
+        for kind in relative:
+            name = weight.removesuffix("weight") + kind
+            if name in ours and name in theirs:
+                a, b = read(ours, name).float(), read(theirs, name).float()
+                relative[kind].append((float((a - b).abs().max() / b.abs().max()), name))
+        a, b = read(ours, weight).view(torch.uint8), read(theirs, weight).view(torch.uint8)
+        same = int((a == b).sum()) if a.shape == b.shape else 0
+        equal_bytes, total_bytes = equal_bytes + same, total_bytes + a.numel()
+        identical_tensors += same == a.numel()
     result = {}
-    for kind in ("weight_scale", "input_scale"):
-        shared = sorted(name for name in ours if name.endswith(kind) and name in theirs)
-        if not shared:
-            continue
-        relative = torch.stack([((ours[n][1].float() - theirs[n][1].float()).abs().max()
-                                 / theirs[n][1].float().abs().max()) for n in shared])
-        worst = shared[int(relative.argmax())]
-        result[kind] = {"layers": len(shared), "max_relative_diff": float(relative.max()),
-                        "median_relative_diff": float(relative.median()), "worst": worst}
-    # One weight compared element by element: same scale and rounding should give the same FP8 bytes.
-    name = next((n.removesuffix("_scale") for n in sorted(ours) if n.endswith("weight_scale") and n in theirs), None)
-    if name is not None:
-        with safe_open(ours[name + "_scale"][0], framework="pt") as a, \
-                safe_open(theirs[name + "_scale"][0], framework="pt") as b:
-            mine, peer = a.get_tensor(name), b.get_tensor(name)
-        same = (mine.view(torch.uint8) == peer.view(torch.uint8)).float().mean()
-        result["fp8_weight_bytes_equal"] = {"tensor": name, "fraction": float(same),
-                                            "dtypes": [str(mine.dtype), str(peer.dtype)]}
+    for kind, values in relative.items():
+        if values:
+            diffs = torch.tensor([value for value, _ in values])
+            result[kind] = {"layers": len(values), "max_relative_diff": float(diffs.max()),
+                            "median_relative_diff": float(diffs.median()), "worst": max(values)[1]}
+    result["fp8_weights"] = {"tensors": len(weights), "identical_tensors": identical_tensors,
+                             "equal_byte_fraction": equal_bytes / max(1, total_bytes)}
     return result
 
 
@@ -491,8 +505,8 @@ def check_exports(plan: ModelPlan, model_dir: Path, ours: Path, theirs: Path, ca
         info = result[tool]
         print(f"  {tool}: cosine {info['cosine']:.5f}; loads as {info['q_proj_class']} ({info['dtype']}); "
               f"loading problems: {info['loading_problems'] or 'none'}")
-    print(f"  scales, {FP8FORGE} vs {PEER}:")
-    for key, value in result["scales"].items():
+    print(f"  quantized tensors, {FP8FORGE} vs {PEER} (same names in both):")
+    for key, value in result["tensors"].items():
         print(f"    {key}: {json.dumps(value)}")
     print(f"  quantization_config differences ({FP8FORGE} | {PEER}):")
     print("\n".join(config_differences(ours, theirs)))

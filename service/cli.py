@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--calib-texts", type=Path, help="text file, one calibration sample per paragraph")
     convert.add_argument("--calib-backward", action="store_true", help="also record gradient amax")
     convert.add_argument("--serving", action="append", default=[], metavar="FORMAT",
-                         help="also write a serving checkpoint in serving/FORMAT/: compressed-tensors-fp8 (static) "
-                              "or compressed-tensors-fp8-dynamic; repeatable")
+                         help="also write a serving checkpoint in serving/FORMAT/: compressed-tensors-fp8 (static), "
+                              "compressed-tensors-fp8-dynamic or fp8-block; repeatable")
     convert.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_source_arguments(convert)
     convert.set_defaults(func=_run_convert)

@@ -57,7 +57,7 @@ class JobCreate(BaseModel):
     te_extra_state: bool | None = Field(None, description="Store TE's _extra_state (scaling state) too.")
     serving_formats: list[str] | None = Field(
         None, description='Serving checkpoints to write as well, each in serving/<name>/: '
-                          '"compressed-tensors-fp8" (static), "compressed-tensors-fp8-dynamic".')
+                          '"compressed-tensors-fp8" (static), "compressed-tensors-fp8-dynamic", "fp8-block".')
 
     def to_request(self) -> dict[str, Any]:
         """The body as the conversion library reads it (unset optional fields left out)."""

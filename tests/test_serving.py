@@ -17,7 +17,7 @@ from converters.safetensors_stream import read_tensor_index
 from service.cli import main
 from tests.models import minilm_dir
 
-STATIC, DYNAMIC = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic"
+STATIC, DYNAMIC, BLOCK = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block"
 CALIBRATION = CalibrationSettings(steps=3, seq_len=32)
 
 
@@ -32,7 +32,7 @@ def llama_dir(tmp_path_factory):
 def llama_out(llama_dir):
     out = llama_dir.parent / "out"
     request = ConversionRequest(model=str(llama_dir), recipe={"backend": "te"}, calibration=CALIBRATION,
-                                serving_formats=(STATIC, DYNAMIC))
+                                serving_formats=(STATIC, DYNAMIC, BLOCK))
     run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_dir.parent,)))
     return out
 
@@ -138,6 +138,39 @@ def test_untouched_tensors_are_the_source_bytes(llama_dir, llama_out):
     assert all(raw(source[name]) == raw(served[name]) for name in untouched)
 
 
+def test_transformers_loads_the_block_export(llama_dir, llama_out):
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    served = load_plainly(llama_out / "serving" / BLOCK)
+    with torch.no_grad():
+        reference = load_model(llama_dir, ModelSourceOptions())(input_ids=ids).logits
+        assert cosine(served(input_ids=ids).logits, reference) >= 0.99
+    config = json.loads((llama_out / "serving" / BLOCK / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["weight_block_size"] == [128, 128]
+    # transformers dequantized on this CPU; its weights must equal the blocks times their scales.
+    path = "model.layers.1.mlp.up_proj"
+    with safe_open(llama_out / "serving" / BLOCK / "model.safetensors", "pt") as handle:
+        weight, scale = handle.get_tensor(f"{path}.weight"), handle.get_tensor(f"{path}.weight_scale_inv")
+    rows, columns = weight.shape
+    assert scale.dtype == torch.float32 and scale.shape == (rows // 128, columns // 128)
+    expected = weight.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    torch.testing.assert_close(served.get_submodule(path).weight.float(), expected.to(torch.bfloat16).float())
+
+
+def test_block_scales_and_the_128_rule(llama_dir, llama_out):
+    report = json.loads((llama_out / "fp8_report.json").read_text())["serving"][BLOCK]
+    # The tiny Llama's k/v projections have 64 outputs: no whole 128x128 block, so q/k/v stay together in bf16.
+    assert report["skipped"]["model.layers.1.self_attn.k_proj"] == "dim_not_divisible_by_128"
+    assert report["skipped"]["model.layers.1.self_attn.q_proj"].startswith("fused_group_not_fully_eligible")
+    assert "model.layers.1.self_attn.o_proj" in report["quantized"]
+    path = "model.layers.0.mlp.down_proj"
+    with safe_open(llama_out / "serving" / BLOCK / "model.safetensors", "pt") as served, \
+            safe_open(llama_dir / "model.safetensors", "pt") as source:
+        original, scale = source.get_tensor(f"{path}.weight").float(), served.get_tensor(f"{path}.weight_scale_inv")
+    assert torch.equal(scale[0, 1], original[:128, 128:256].abs().max() / 448)
+    config = json.loads((llama_out / "serving" / BLOCK / "config.json").read_text())["quantization_config"]
+    assert sorted(config["modules_to_not_convert"]) == sorted(report["skipped"])
+
+
 class CountingSink(NullSink):
     def __init__(self):
         super().__init__()
@@ -168,7 +201,7 @@ def test_unknown_or_repeated_formats_name_the_field():
     assert info.value.field == "serving_formats[1]"
     with pytest.raises(Fp8ForgeError, match="twice"):
         ConversionRequest(model="org/name", serving_formats=(STATIC, STATIC))
-    assert sorted(SERVING_FORMATS) == [STATIC, DYNAMIC]
+    assert sorted(SERVING_FORMATS) == [STATIC, DYNAMIC, BLOCK]
 
 
 def test_a_format_with_nothing_to_quantize_fails_before_calibration(llama_dir, tmp_path, capsys):

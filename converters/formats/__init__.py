@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from converters.errors import Fp8ForgeError
 from converters.formats.compressed_tensors import DYNAMIC, STATIC
+from converters.formats.fp8_block import FP8_BLOCK
 from converters.formats.serving import ServingFormat
 
 __all__ = ["SERVING_FORMATS", "serving_format"]
 
-SERVING_FORMATS: dict[str, ServingFormat] = {fmt.name: fmt for fmt in (STATIC, DYNAMIC)}
+SERVING_FORMATS: dict[str, ServingFormat] = {fmt.name: fmt for fmt in (STATIC, DYNAMIC, FP8_BLOCK)}
 
 
 def serving_format(name: str, *, field: str = "serving_formats") -> ServingFormat:

@@ -45,6 +45,9 @@ class CompressedTensorsFP8:
         self.static = static
         self.needs_calibration = static
 
+    def layer_rule(self, in_features: int, out_features: int) -> str | None:
+        return None  # the analysis' own rule (both dims multiples of 16) is the one vLLM's FP8 GEMMs need
+
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
         prefix = weight_key.removesuffix("weight")
         out_features = weight.shape[0]

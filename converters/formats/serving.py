@@ -44,6 +44,9 @@ class ServingFormat(Protocol):
     name: str
     needs_calibration: bool
 
+    def layer_rule(self, in_features: int, out_features: int) -> str | None:
+        """The reason code that keeps a Linear of this shape in high precision in this format, or None."""
+
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
         """The tensors replacing ``weight_key`` (itself first), as StreamingWriter plan entries."""
 
@@ -81,6 +84,10 @@ def plan_serving(fmt: ServingFormat, report: Mapping[str, Any], on_disk_name: Ca
         path = layer["path"]
         if not layer["eligible"]:
             plan.skipped[path] = ",".join(layer["reasons"]) or "not_eligible"
+            continue
+        rule = fmt.layer_rule(layer["in_features"], layer["out_features"])
+        if rule is not None:
+            plan.skipped[path] = rule
             continue
         weight_key = on_disk_name(f"{path}.weight")
         if weight_key is None:
