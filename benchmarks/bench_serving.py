@@ -25,8 +25,9 @@ anything is timed so that both tools find them in the page cache.
 
 After the smallest size's exports, a check in the project venv loads both with transformers +
 compressed-tensors, prints each one's logits cosine to the bf16 original on a fixed batch (not a calibration
-batch), compares their scales and FP8 weight bytes layer by layer, and prints how the two quantization_config blocks and tensor
-layouts differ.
+batch), compares their scales and FP8 weight bytes layer by layer, and prints how the two quantization_config
+blocks and tensor layouts differ. The run starts by naming fp8forge's commit and any uncommitted changes under
+converters/, since the numbers are those of the code as it was.
 
 Targets (printed with the measured ratios; a missed target never changes the exit status):
   time    fp8forge's in-process seconds < the peer's, at every size
@@ -603,6 +604,19 @@ def model_plans(args: argparse.Namespace) -> list[ModelPlan]:
     return [plan_model(f"{size:g}B", width, layers_for(width, size)) for size in sizes]
 
 
+def fp8forge_source_state() -> str:
+    """The commit and the uncommitted files under converters/: what the fp8forge numbers belong to."""
+    repo = Path(__file__).resolve().parent.parent
+
+    def git(*argv: str) -> str:
+        result = subprocess.run(["git", "-C", str(repo), *argv], capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown commit"
+    changed = [line[3:] for line in git("status", "--porcelain", "--", "converters").splitlines()]
+    return f"{head}" + (f" with uncommitted changes in {', '.join(changed)}" if changed else " (converters/ clean)")
+
+
 def measure_baselines(peer_venv: Path | None) -> dict[str, int]:
     baselines = {FP8FORGE: run_child(sys.executable, "fp8forge-imports")[1]}
     if peer_venv is not None:
@@ -617,6 +631,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
         versions, install_seconds = ensure_peer_venv(peer_venv)
         how = "reused" if install_seconds is None else f"installed in {install_seconds:.0f} s (not measured below)"
         print(f"peer venv {peer_venv} {how}: {json.dumps(versions)}", flush=True)
+    print(f"fp8forge: {fp8forge_source_state()}", flush=True)
     plans = model_plans(args)
     baselines = measure_baselines(peer_venv)
     print(f"calibration: {calibration.steps} steps x {calibration.batch_size} x {calibration.seq_len} tokens = "

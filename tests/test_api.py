@@ -139,6 +139,7 @@ BAD_BODIES = [
     ({**GOOD, "model": ""}, "model"),
     ({**GOOD, "surprise": 1}, "surprise"),
     ({"recipe": {"backend": "ao"}}, "model"),
+    ({**GOOD, "serving_formats": ["compressed-tensors-fp8", "gguf"]}, "serving_formats[1]"),
 ]
 
 

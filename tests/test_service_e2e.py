@@ -37,7 +37,8 @@ def test_convert_follow_download_and_restart(tmp_path: Path) -> None:
     data = tmp_path / "data"
     env = {"FP8FORGE_ALLOWED_MODEL_ROOTS": str(models), "FP8FORGE_HEARTBEAT_INTERVAL_S": "0.5"}
     body = {"model": str(model_dir), "recipe": {"backend": "ao", "recipe_name": "tensorwise"},
-            "calibration": {"steps": 4, "batch_size": 1, "seq_len": 32}}
+            "calibration": {"steps": 4, "batch_size": 1, "seq_len": 32},
+            "serving_formats": ["compressed-tensors-fp8"]}
 
     with ServeProcess(data, workers=1, env=env) as serve, serve.client() as client:
         wait_for(lambda: client.get("/readyz").status_code == 200, timeout=30, what="a worker heartbeat")
@@ -55,13 +56,16 @@ def test_convert_follow_download_and_restart(tmp_path: Path) -> None:
         assert job["status"] == "succeeded" and job["attempt"] == 1 and job["progress"]["fraction"] == 1.0
         listing = client.get(job["links"]["artifacts"]).json()["data"]
         names = {a["name"] for a in listing}
-        assert {"model.safetensors", "manifest.json", "fp8_report.json"} <= names
+        served = "serving/compressed-tensors-fp8"
+        assert {"model.safetensors", "manifest.json", "fp8_report.json",
+                f"{served}/model.safetensors", f"{served}/config.json"} <= names
         largest = max(listing, key=lambda a: a["bytes"])["name"]
         for artifact in listing:
             etag = client.head(artifact["url"]).headers["etag"]
             content = _download(client, artifact["url"], etag=etag, size=artifact["bytes"],
                                 resume_at=artifact["bytes"] // 2 if artifact["name"] == largest else None)
             assert hashlib.sha256(content).hexdigest() == artifact["sha256"] == etag.strip('"')
+            (tmp_path / artifact["name"]).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / artifact["name"]).write_bytes(content)
         for name in names:
             if name.endswith(".safetensors"):
