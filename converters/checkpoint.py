@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch import nn
 
 from converters.errors import ModelNotFoundError
 from converters.export import INDEX_NAME, SINGLE_FILE_NAME
+from converters.loading import transformers_progress_off
 
 __all__ = ["weight_files", "Checkpoint", "release", "unit_keys"]
 
@@ -153,7 +153,7 @@ class Checkpoint:
         try:
             slices = {key: handle.get_slice(key)
                       for handle, keys in zip(handles, by_file.values(), strict=True) for key in keys}
-            with _quiet_transformers():
+            with transformers_progress_off():
                 info, _ = convert_and_load_state_dict_in_model(self.model, slices, config)
         finally:
             del handles  # unmaps the files: the pages read do not stay in this process
@@ -219,20 +219,6 @@ def _is_real(model: nn.Module, name: str) -> bool:
 def _set_tensor(model: nn.Module, name: str, value: nn.Parameter) -> None:
     module_path, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(module_path) if module_path else model, leaf, value)
-
-
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """No "Loading weights" progress bar per group: the pipeline reports progress per layer itself."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def unit_keys(model: nn.Module, belongs: Callable[[str], bool]) -> set[str]:

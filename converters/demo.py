@@ -52,6 +52,8 @@ def build_tiny_llama(directory: Path, *, hidden_size: int = 128, layers: int = 2
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from converters.loading import transformers_progress_off
+
     tokenizer = build_demo_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -68,7 +70,8 @@ def build_tiny_llama(directory: Path, *, hidden_size: int = 128, layers: int = 2
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(directory)
+    with transformers_progress_off():
+        model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,7 @@ __all__ = [
     "CONFIG_FILES",
     "WEIGHT_FILES",
     "TOKENIZER_FILES",
+    "transformers_progress_off",
 ]
 
 logger = logging.getLogger(__name__)
@@ -328,3 +331,18 @@ def load_tokenizer(directory: Path, sources: ModelSourceOptions) -> Any | None:
     except (OSError, ValueError) as exc:
         logger.warning("tokenizer in %s could not be loaded (%s); calibration will sample token ids", directory, exc)
         return None
+
+
+@contextmanager
+def transformers_progress_off() -> Iterator[None]:
+    """No transformers progress bars ("Loading weights", "Writing model shards") inside the block: the
+    pipeline reports its own progress, and a CLI user sees only fp8forge's lines."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

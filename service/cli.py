@@ -58,11 +58,14 @@ def source_options_from_args(args: argparse.Namespace):
         roots = [root for root in env_roots.split(os.pathsep) if root] or [os.getcwd()]
     cache_dir = args.cache_dir or os.environ.get("FP8FORGE_HF_CACHE") or None
     offline = args.offline or _env_flag("FP8FORGE_HF_OFFLINE") or _env_flag("HF_HUB_OFFLINE")
+    # The built-in demo model works in the CLI as in the service, built once into the user's cache.
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return ModelSourceOptions(
         allowed_roots=tuple(Path(root) for root in roots),
         cache_dir=Path(cache_dir) if cache_dir else None,
         offline=offline,
         trust_remote_code=args.trust_remote_code,
+        demo_dir=cache_home / "fp8forge" / "demo-models",
     )
 
 

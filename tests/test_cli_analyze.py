@@ -83,6 +83,14 @@ def test_analyze_bad_input_exits_2_with_one_line(argv, message, tmp_path, monkey
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_the_built_in_demo_works_in_the_cli_quietly(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code, out, err = run_cli(capsys, "analyze", "demo/tiny-llama")
+    assert code == 0 and "model.layers.0.self_attn.k_proj" in out
+    assert err == ""  # its first use builds it, without transformers' progress bars
+    assert (tmp_path / "cache" / "fp8forge" / "demo-models" / "tiny-llama" / "config.json").is_file()
+
+
 def test_gated_repository_error_is_explained(monkeypatch, capsys):
     # No hub is reachable here, so the hub client's own GatedRepoError is raised in its place.
     import httpx
