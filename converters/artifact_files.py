@@ -78,7 +78,7 @@ def _state_tensors(run: _Run) -> dict[str, torch.Tensor]:
 
     tensors = {}
     if _is_te_delayed(run):
-        for path, state in run.calibration["states"].items():
+        for path, state in run.calibration.states.items():
             tensors.update({state_key(path, name): value.float() for name, value in state.items()})
     if run.request.te_extra_state and run.te_modules:
         from converters.backends.transformer_engine import te_extra_state_tensor
@@ -113,11 +113,11 @@ def write_state_file(run: _Run, staging: Path) -> list[str]:
 
 def write_calibration_file(run: _Run, staging: Path) -> list[str]:
     tensors = {}
-    for path, layer in run.calibration["amax"].items():
+    for path, layer in run.calibration.amax.items():
         tensors[f"{path}.amax_forward"] = layer.forward.float()
         if layer.backward is not None:
             tensors[f"{path}.amax_backward"] = layer.backward.float()
-        per_step = run.calibration["states"].get(path, {}).get("scale_fwd_per_step")
+        per_step = run.calibration.states.get(path, {}).get("scale_fwd_per_step")
         if per_step is not None:
             tensors[f"{path}.scale_fwd_per_step"] = per_step.float()
     save_tensors(tensors, staging / CALIBRATION_FILE, {"format": "pt", "fp8_calibration": "amax per step"})
@@ -148,11 +148,11 @@ def fp8_block(run: _Run) -> dict[str, Any]:
 def _calibration_report(run: _Run) -> dict[str, Any]:
     settings = run.request.calibration
     layers = {}
-    for path, layer in run.calibration["amax"].items():
+    for path, layer in run.calibration.amax.items():
         entry = {"amax_forward": layer.forward.tolist()}
         if layer.backward is not None:
             entry["amax_backward"] = layer.backward.tolist()
-        entry.update({name: value.tolist() for name, value in run.calibration["states"][path].items()
+        entry.update({name: value.tolist() for name, value in run.calibration.states[path].items()
                       if not name.startswith("amax_history")})
         layers[path] = entry
     return {
@@ -160,11 +160,11 @@ def _calibration_report(run: _Run) -> dict[str, Any]:
         "batch_size": settings.batch_size,
         "seq_len": settings.seq_len,
         "backward": settings.backward,
-        "data_source": run.calibration["data_source"],
+        "data_source": run.calibration.data_source,
         "slots_forward": list(FORWARD_SLOTS),
         "slots_backward": list(BACKWARD_SLOTS),
         "layers": layers,
-        "te_check": run.calibration.get("te_check", {"ran": False, "reason": "TransformerEngine not used here"}),
+        "te_check": run.calibration.te_check,
     }
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "ConversionRequest",
     "CalibrationSettings",
     "ConversionResult",
+    "CalibrationResult",
     "run_conversion",
     "staging_dir_for",
 ]
@@ -82,6 +83,18 @@ class ConversionResult:
 
 
 @dataclass
+class CalibrationResult:
+    """What the calibrate stage produced (and the TE check added), for the convert and export stages."""
+
+    data_source: str = ""
+    amax: dict[str, Any] = field(default_factory=dict)  #: layer path -> converters.calibration.LayerAmax
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)  #: layer path -> scaling state tensors
+    check_batch: dict[str, Any] | None = None  #: the first calibration batch, for the whole-model TE check
+    te_check: dict[str, Any] = field(
+        default_factory=lambda: {"ran": False, "reason": "TransformerEngine not used here"})
+
+
+@dataclass
 class _Run:
     """What the stages hand to each other."""
 
@@ -101,7 +114,7 @@ class _Run:
     weights_on_disk: dict[str, str] = field(default_factory=dict)
     serving: dict[str, Any] = field(default_factory=dict)  #: format name -> converters.formats.serving.ServingPlan
     te_modules: bool = False
-    calibration: dict[str, Any] = field(default_factory=dict)
+    calibration: CalibrationResult = field(default_factory=lambda: CalibrationResult())
     tied_weights: dict[str, str] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)

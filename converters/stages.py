@@ -148,14 +148,14 @@ def _convert_te(run: _Run, eligible: list[str]) -> None:
 
         run.converted = convert_to_te(run.model, eligible)
         run.te_modules = True
-        if run.calibration["states"] and "scale_fwd" in next(iter(run.calibration["states"].values())):
-            apply_scaling_state(run.model, run.calibration["states"], run.recipe)
+        if run.calibration.states and "scale_fwd" in next(iter(run.calibration.states.values())):
+            apply_scaling_state(run.model, run.calibration.states, run.recipe)
         from converters.backends.te_layer_check import reset_te_global_state
 
         try:
-            run.calibration["te_check"] = fp8_check_step(run.model, run.calibration["check_batch"], run.recipe)
+            run.calibration.te_check = fp8_check_step(run.model, run.calibration.check_batch, run.recipe)
         except BackendUnavailableError as exc:  # TE imports, but this GPU cannot execute FP8 (before sm89)
-            run.calibration["te_check"] = {"ran": False, "reason": exc.message}
+            run.calibration.te_check = {"ran": False, "reason": exc.message}
             run.warn(f"the FP8 check step did not run: {exc.message}")
         except ConversionError:
             raise
@@ -198,7 +198,8 @@ def calibrate(run: _Run) -> None:
             _load_whole_model(run)
     if amax is None:
         amax = _calibrate_whole_model(run, batches, paths)
-    run.calibration.update(data_source=source, amax=amax, states=_scaling_states(run, amax), check_batch=batches[0])
+    run.calibration.data_source, run.calibration.amax = source, amax
+    run.calibration.states, run.calibration.check_batch = _scaling_states(run, amax), batches[0]
 
 
 def _calibration_batches(run: _Run) -> tuple[list[dict[str, Any]], str]:
@@ -257,9 +258,9 @@ def _calibrate_layer_by_layer(run: _Run, batches: list[dict[str, Any]], paths: l
             f"{type(run.meta_model).__name__} cannot be calibrated from token batches: {exc}", field="model"
         ) from exc
     if after_layer is not None:
-        run.calibration["te_check"] = after_layer.summary()
-        if not run.calibration["te_check"]["ran"]:
-            run.warn(f"the FP8 check step did not run: {run.calibration['te_check']['reason']}")
+        run.calibration.te_check = after_layer.summary()
+        if not run.calibration.te_check["ran"]:
+            run.warn(f"the FP8 check step did not run: {run.calibration.te_check['reason']}")
     return amax
 
 
@@ -325,7 +326,7 @@ def _write_serving(run: _Run, staging: Path) -> list[str]:
 
     written = []
     for name, plan in run.serving.items():
-        set_input_amax(plan, run.report, run.calibration["amax"])
+        set_input_amax(plan, run.report, run.calibration.amax)
         directory = staging / "serving" / name
         files = write_serving_checkpoint(serving_format(name), plan, run.model_dir, weight_files(run.model_dir),
                                          directory, model_dtype(run.config), check_stop=run.check_stop)
