@@ -52,40 +52,16 @@ def versions(backend: str) -> dict[str, str]:
     import transformers
 
     from converters import __version__
+    from converters.formats import training_format
 
-    found = {
+    return {
         "fp8forge": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "safetensors": safetensors.__version__,
         "python": platform.python_version(),
+        **training_format(backend).library_versions(),
     }
-    if backend == "ao":
-        from converters.backends.torchao import torchao_version
-
-        found["torchao"] = torchao_version()
-    return found
-
-
-def _is_te_delayed(run: _Run) -> bool:
-    from converters.recipes import TEDelayedScalingRecipe
-
-    return isinstance(run.recipe, TEDelayedScalingRecipe)
-
-
-def _state_tensors(run: _Run) -> dict[str, torch.Tensor]:
-    from converters.te_layout import state_key
-
-    tensors = {}
-    if _is_te_delayed(run):
-        for path, state in run.calibration.states.items():
-            tensors.update({state_key(path, name): value.float() for name, value in state.items()})
-    if run.request.te_extra_state and run.te_modules:
-        from converters.backends.transformer_engine import te_extra_state_tensor
-
-        for path in run.converted:
-            tensors[f"{path}._extra_state"] = te_extra_state_tensor(run.model.get_submodule(path))
-    return tensors
 
 
 def write_weight_files(run: _Run, staging: Path) -> list[str]:
@@ -97,7 +73,9 @@ def write_weight_files(run: _Run, staging: Path) -> list[str]:
 
 def write_state_file(run: _Run, staging: Path) -> list[str]:
     """``fp8_state.safetensors`` for recipes that carry state (TE delayed scaling); nothing otherwise."""
-    tensors = _state_tensors(run)
+    from converters.formats import training_format
+
+    tensors = training_format(run.recipe.backend.value).state_tensors(run)
     if not tensors:
         return []
     metadata = {
@@ -135,13 +113,9 @@ def fp8_block(run: _Run) -> dict[str, Any]:
         "converted_weights_on_disk": run.weights_on_disk,
         "tied_weights": run.tied_weights,
     }
-    if block["backend"] == "ao":
-        block["float8_linear_config"] = run.recipe.float8_config_dict()
-    elif _is_te_delayed(run):
-        block["state_file"] = STATE_FILE
-        block["state_keys"] = "<layer>.fp8_scale_fwd [3], .fp8_amax_history_fwd [L,3], .fp8_scale_bwd [2], " \
-                              ".fp8_amax_history_bwd [L,2]"
-        block["te_modules_built"] = run.te_modules
+    from converters.formats import training_format
+
+    block.update(training_format(block["backend"]).block_fields(run))
     return block
 
 

@@ -62,26 +62,14 @@ def read_fp8_block(directory: Path, backend: str) -> dict[str, Any]:
     return block
 
 
-def load_torchao(directory: str | Path, *, verify: bool = True) -> Any:
+def load_torchao(directory: str | Path, *, verify: bool = True, device: str = "cpu") -> Any:
     """A model with the artifact's weights and ``Float8Linear`` layers, replaying the recorded conversion.
 
     The torchao ``Float8LinearConfig`` is rebuilt from the artifact's ``fp8.float8_linear_config`` and
     exactly ``fp8.converted_modules`` are swapped. The model is returned in train mode, ready to train.
     Raises ArtifactError for a missing/altered file or an artifact of another backend.
     """
-    from converters.backends.torchao import convert_to_torchao
-    from converters.float8_config import float8_linear_config_from_dict
-    from converters.loading import ModelSourceOptions, load_model
-
-    directory = Path(directory).resolve()
-    if verify:
-        verify_manifest(directory)
-    block = read_fp8_block(directory, "ao")
-    float8_config = float8_linear_config_from_dict(block["float8_linear_config"])
-    model = load_model(directory, ModelSourceOptions(allowed_roots=(directory,)))
-    convert_to_torchao(model, block["converted_modules"], float8_config)
-    model.train()
-    return model
+    return _load(directory, "ao", verify=verify, device=device)
 
 
 def load_te(directory: str | Path, *, verify: bool = True, device: str = "cuda") -> Any:
@@ -89,17 +77,20 @@ def load_te(directory: str | Path, *, verify: bool = True, device: str = "cuda")
 
     Run it under the artifact's recipe, ``model.fp8_recipe``: ``te.autocast(enabled=True,
     recipe=model.fp8_recipe)``; TE's default recipe would drop or resize the seeded state.
-
     Raises BackendUnavailableError (before reading any weight) where CUDA or TransformerEngine is
     missing, and ArtifactError for a missing/altered file or an artifact of another backend.
     """
     from converters.backends.transformer_engine import require_te
 
     require_te()
+    return _load(directory, "te", verify=verify, device=device)
+
+
+def _load(directory: str | Path, backend: str, *, verify: bool, device: str) -> Any:
+    from converters.formats import training_format
+
     directory = Path(directory).resolve()
     if verify:
         verify_manifest(directory)
-    read_fp8_block(directory, "te")
-    from converters.backends.te_loader import load_te_model
-
-    return load_te_model(directory, device=device)
+    read_fp8_block(directory, backend)
+    return training_format(backend).load(directory, device=device)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from converters.errors import BackendUnavailableError, CalibrationDataError, ConversionError
+from converters.errors import CalibrationDataError, ConversionError
 from converters.export import DEFAULT_MAX_SHARD_BYTES
 
 if TYPE_CHECKING:
@@ -112,16 +112,11 @@ def convert(run: _Run) -> None:
     layer converts, without holding the weights (the artifact replays the swap on load).
     """
     from converters.analysis import eligible_paths
+    from converters.formats import training_format
 
     eligible = eligible_paths(run.report)
     run.weights_on_disk = _renamed_weights(run, eligible)
-    if run.recipe.backend.value == "ao":
-        from converters.backends.torchao import convert_to_torchao
-
-        model = run.model if run.model is not None else run.meta_model
-        run.converted = convert_to_torchao(model, eligible, run.recipe.to_float8_linear_config())
-    else:
-        _convert_te(run, eligible)
+    training_format(run.recipe.backend.value).convert(run, eligible)
     run.sink.progress(1, 1)
 
 
@@ -133,46 +128,6 @@ def _renamed_weights(run: _Run, eligible: list[str]) -> dict[str, str]:
         if on_disk is not None and on_disk != f"{path}.weight":
             renamed[path] = on_disk
     return renamed
-
-
-def _convert_te(run: _Run, eligible: list[str]) -> None:
-    from converters.backends.transformer_engine import te_status
-
-    available, why = te_status()
-    if available and run.model is None:  # layer-sequential: each layer was swapped and checked as it ran
-        run.converted = list(eligible)
-        run.te_modules = True
-        return
-    if available:
-        from converters.backends.transformer_engine import apply_scaling_state, convert_to_te, fp8_check_step
-
-        run.converted = convert_to_te(run.model, eligible)
-        run.te_modules = True
-        if run.calibration.states and "scale_fwd" in next(iter(run.calibration.states.values())):
-            apply_scaling_state(run.model, run.calibration.states, run.recipe)
-        from converters.backends.te_layer_check import reset_te_global_state
-
-        try:
-            run.calibration.te_check = fp8_check_step(run.model, run.calibration.check_batch, run.recipe)
-        except BackendUnavailableError as exc:  # TE imports, but this GPU cannot execute FP8 (before sm89)
-            run.calibration.te_check = {"ran": False, "reason": exc.message}
-            run.warn(f"the FP8 check step did not run: {exc.message}")
-        except ConversionError:
-            raise
-        except Exception as exc:  # TE kernels raise AssertionError/RuntimeError; the job must fail with a message
-            raise ConversionError(f"the TransformerEngine FP8 check step failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            reset_te_global_state()
-        return
-    if run.request.te_extra_state:
-        raise BackendUnavailableError(
-            f"te_extra_state needs TransformerEngine to write its own _extra_state, and {why}; "
-            "drop te_extra_state (the plain-tensor state is complete) or run on a CUDA worker with TE"
-        )
-    # No fake TE modules: the checkpoint is written from the recorded calibration, in TE's layout.
-    run.converted = list(eligible)
-    run.warn(f"TransformerEngine modules were not built here ({why}); the TE checkpoint is computed from "
-             "the recorded calibration and loads with load_te() on a CUDA machine")
 
 
 def calibrate(run: _Run) -> None:
@@ -240,14 +195,10 @@ def _calibrate_whole_model(run: _Run, batches: list[dict[str, Any]], paths: list
 
 
 def _calibrate_layer_by_layer(run: _Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
-    from converters.backends.transformer_engine import te_status
+    from converters.formats import training_format
     from converters.sequential import calibrate_layer_by_layer
 
-    after_layer = None
-    if run.recipe.backend.value == "te" and te_status()[0]:
-        from converters.backends.te_layer_check import LayerChecks
-
-        after_layer = LayerChecks(run.recipe)
+    after_layer = training_format(run.recipe.backend.value).layer_check(run)
     try:
         amax = calibrate_layer_by_layer(
             run.meta_model, run.stack, run.checkpoint, batches, paths,

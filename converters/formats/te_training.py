@@ -1,0 +1,111 @@
+"""TransformerEngine training artifacts: the source's weights plus delayed-scaling state as plain tensors.
+
+Where CUDA and TE are present, eligible layers become ``te.Linear`` and are checked in FP8 (each layer
+right after its calibration in layer-sequential mode, one step of the whole model otherwise); elsewhere
+the checkpoint is written from the recorded calibration, in TE's layout, and no TE module is faked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from converters.errors import BackendUnavailableError, ConversionError
+
+if TYPE_CHECKING:
+    from converters.pipeline import _Run
+
+__all__ = ["TETraining", "TE"]
+
+
+def _is_delayed(run: _Run) -> bool:
+    from converters.recipes import TEDelayedScalingRecipe
+
+    return isinstance(run.recipe, TEDelayedScalingRecipe)
+
+
+class TETraining:
+    name = "te"
+
+    def layer_check(self, run: _Run) -> Any:
+        from converters.backends.transformer_engine import te_status
+
+        if not te_status()[0]:
+            return None
+        from converters.backends.te_layer_check import LayerChecks
+
+        return LayerChecks(run.recipe)
+
+    def convert(self, run: _Run, eligible: list[str]) -> None:
+        from converters.backends.transformer_engine import te_status
+
+        available, why = te_status()
+        if available and run.model is None:  # layer-sequential: each layer was swapped and checked as it ran
+            run.converted, run.te_modules = list(eligible), True
+        elif available:
+            self._convert_whole_model(run, eligible)
+        elif run.request.te_extra_state:
+            raise BackendUnavailableError(
+                f"te_extra_state needs TransformerEngine to write its own _extra_state, and {why}; "
+                "drop te_extra_state (the plain-tensor state is complete) or run on a CUDA worker with TE"
+            )
+        else:  # no fake TE modules: the checkpoint is written from the recorded calibration, in TE's layout
+            run.converted = list(eligible)
+            run.warn(f"TransformerEngine modules were not built here ({why}); the TE checkpoint is computed from "
+                     "the recorded calibration and loads with load_te() on a CUDA machine")
+
+    def _convert_whole_model(self, run: _Run, eligible: list[str]) -> None:
+        from converters.backends.te_layer_check import reset_te_global_state
+        from converters.backends.transformer_engine import apply_scaling_state, convert_to_te, fp8_check_step
+
+        run.converted, run.te_modules = convert_to_te(run.model, eligible), True
+        if _is_delayed(run):
+            apply_scaling_state(run.model, run.calibration.states, run.recipe)
+        try:
+            run.calibration.te_check = fp8_check_step(run.model, run.calibration.check_batch, run.recipe)
+        except BackendUnavailableError as exc:  # TE imports, but this GPU cannot execute FP8 (before sm89)
+            run.calibration.te_check = {"ran": False, "reason": exc.message}
+            run.warn(f"the FP8 check step did not run: {exc.message}")
+        except ConversionError:
+            raise
+        except Exception as exc:  # TE kernels raise AssertionError/RuntimeError; the job must fail with a message
+            raise ConversionError(f"the TransformerEngine FP8 check step failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            reset_te_global_state()
+
+    def state_tensors(self, run: _Run) -> dict[str, torch.Tensor]:
+        from converters.te_layout import state_key
+
+        tensors = {}
+        if _is_delayed(run):
+            for path, state in run.calibration.states.items():
+                tensors.update({state_key(path, name): value.float() for name, value in state.items()})
+        if run.request.te_extra_state and run.te_modules:
+            from converters.backends.transformer_engine import te_extra_state_tensor
+
+            for path in run.converted:
+                tensors[f"{path}._extra_state"] = te_extra_state_tensor(run.model.get_submodule(path))
+        return tensors
+
+    def block_fields(self, run: _Run) -> dict[str, Any]:
+        from converters.artifact_files import STATE_FILE
+
+        if not _is_delayed(run):
+            return {}
+        return {"state_file": STATE_FILE,
+                "state_keys": "<layer>.fp8_scale_fwd [3], .fp8_amax_history_fwd [L,3], .fp8_scale_bwd [2], "
+                              ".fp8_amax_history_bwd [L,2]",
+                "te_modules_built": run.te_modules}
+
+    def library_versions(self) -> dict[str, str]:
+        return {}  # TE is optional; the report's te_check names the version that ran, if any
+
+    def load(self, directory: Path, *, device: str) -> Any:
+        from converters.backends.te_loader import load_te_model
+
+        return load_te_model(directory, device=device)
+
+
+TE = TETraining()
