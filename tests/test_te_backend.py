@@ -12,18 +12,16 @@ import torch
 from torch import nn
 
 from converters.backends import te_loader
+from converters.backends.te_check_step import fp8_check_step
 from converters.backends.te_loader import load_te_model, read_te_artifact
-from converters.backends.transformer_engine import (
+from converters.backends.te_state import (
     apply_scaling_state,
-    build_te_recipe,
     check_state_tensors,
-    convert_to_te,
-    fp8_check_step,
     read_scaling_state,
-    require_te,
     te_extra_state_tensor,
-    te_status,
 )
+from converters.backends.te_swap import convert_to_te
+from converters.backends.transformer_engine import build_te_recipe, require_te, te_status
 from converters.errors import BackendUnavailableError, ConversionError, Fp8ForgeError, ModelNotFoundError, RecipeError
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe
 from converters.te_layout import state_key

@@ -20,14 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from converters.backends.transformer_engine import (
-    _autocast,
-    _require_fp8_execution,
-    _te,
-    apply_scaling_state,
-    build_te_recipe,
-    convert_to_te,
-)
+from converters.backends.te_state import apply_scaling_state
+from converters.backends.te_swap import convert_to_te
+from converters.backends.transformer_engine import build_te_recipe, require_fp8_execution, te_autocast, te_module
 from converters.calibration import te_scaling_state
 from converters.errors import BackendUnavailableError, ConversionError
 from converters.recipes import TEDelayedScalingRecipe
@@ -76,8 +71,8 @@ def check_layer(layer_pass: LayerPass, recipe: Any) -> dict[str, Any]:
     Raises BackendUnavailableError where this GPU cannot run FP8, ConversionError (naming the layer) when
     TE fails on the layer or its output is not finite.
     """
-    te = _te()
-    _require_fp8_execution(te)
+    te = te_module()
+    require_fp8_execution(te)
     prefix = f"{layer_pass.path}."
     relative = [path.removeprefix(prefix) for path in layer_pass.linear_paths]
     device = layer_pass.outputs[0].device
@@ -88,7 +83,7 @@ def check_layer(layer_pass: LayerPass, recipe: Any) -> dict[str, Any]:
         apply_scaling_state(layer_pass.layer, states, recipe)
     try:
         with torch.no_grad(), rows_padded(te, layer_pass.layer), \
-                _autocast(te, enabled=True, recipe=build_te_recipe(recipe)):
+                te_autocast(te, enabled=True, recipe=build_te_recipe(recipe)):
             output = layer_pass.call(layer_pass.layer, 0)
     except Exception as exc:  # TE raises AssertionError/RuntimeError from its kernels; the job must say where
         raise ConversionError(f"the TransformerEngine FP8 check of {layer_pass.path} failed: "

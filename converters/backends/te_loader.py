@@ -24,13 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.backends.transformer_engine import (
-    apply_scaling_state,
-    build_te_recipe,
-    check_state_tensors,
-    convert_to_te,
-    require_te,
-)
+from converters.backends.te_state import apply_scaling_state, check_state_tensors
+from converters.backends.te_swap import convert_to_te
+from converters.backends.transformer_engine import build_te_recipe, require_te
 from converters.errors import ArtifactError, ConversionError, ModelNotFoundError, RecipeError
 from converters.loading import ModelSourceOptions, load_model
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe, recipe_from_dict

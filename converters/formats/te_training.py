@@ -57,8 +57,10 @@ class TETraining:
                      "the recorded calibration and loads with load_te() on a CUDA machine")
 
     def _convert_whole_model(self, run: _Run, eligible: list[str]) -> None:
+        from converters.backends.te_check_step import fp8_check_step
         from converters.backends.te_layer_check import reset_te_global_state
-        from converters.backends.transformer_engine import apply_scaling_state, convert_to_te, fp8_check_step
+        from converters.backends.te_state import apply_scaling_state
+        from converters.backends.te_swap import convert_to_te
 
         run.converted, run.te_modules = convert_to_te(run.model, eligible), True
         if _is_delayed(run):
@@ -83,7 +85,7 @@ class TETraining:
             for path, state in run.calibration.states.items():
                 tensors.update({state_key(path, name): value.float() for name, value in state.items()})
         if run.request.te_extra_state and run.te_modules:
-            from converters.backends.transformer_engine import te_extra_state_tensor
+            from converters.backends.te_state import te_extra_state_tensor
 
             for path in run.converted:
                 tensors[f"{path}._extra_state"] = te_extra_state_tensor(run.model.get_submodule(path))
