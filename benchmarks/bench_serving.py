@@ -20,8 +20,11 @@ peer turns into a `datasets.Dataset` of input_ids and attention_mask (oneshot ba
 Each export is a fresh child process measured by benchmarks/measure.py: the in-process seconds (load +
 calibrate + save, after the imports) and the process wall; its peak RSS is printed above the same tool's
 import-only baseline (fp8forge: torch, transformers, safetensors, torchao and converters in the project venv;
-peer: torch, transformers, datasets and llmcompressor in the peer venv). The weights are read once before
-anything is timed so that both tools find them in the page cache.
+peer: torch, transformers, datasets and llmcompressor in the peer venv). ru_maxrss also counts file-backed pages
+(safetensors files read through mmap, which are page cache), so each child also samples its own memory
+(measure.RssSampler) and the table splits the peak into anonymous and file-backed memory, naming the phase
+(fp8forge's pipeline stage; the peer's load, oneshot or save) of the anonymous peak. The weights are read once
+before anything is timed so that both tools find them in the page cache.
 
 After the smallest size's exports, a check in the project venv loads both with transformers +
 compressed-tensors, prints each one's logits cosine to the bf16 original on a fixed batch (not a calibration
@@ -38,14 +41,17 @@ Run:
   .venv/bin/python benchmarks/bench_serving.py                       # 0.5B and 1B, both tools
   .venv/bin/python benchmarks/bench_serving.py --skip-peer           # fp8forge's side alone
   .venv/bin/python benchmarks/bench_serving.py --sizes 0.005,0.01 --hidden 256 --intermediate 1024 --heads 4 \
-      --kv-heads 2 --vocab 1024 --steps 2                            # the whole flow in about a minute
+      --kv-heads 2 --vocab 1024 --steps 2                            # the whole flow in about 1.5 minutes
 The first run creates the peer venv (default ~/.cache/fp8forge-bench/llmcompressor-venv, `--peer-venv`):
 torch 2.13.0 first (the CPU wheel; a constraints file keeps it when llmcompressor's dependencies resolve),
-then llmcompressor; ~1.5 GB and about 3 minutes, reported apart from the measurements. Later runs reuse it.
+then llmcompressor; ~1.5 GB and 2 to 3.5 minutes (pip cache warm or cold), reported apart from the
+measurements. Later runs reuse it; delete the directory to reinstall.
 
-Disk and time: the 1B size needs ~7 GB at once (model, fp8forge's artifact with its serving export, the
+Disk and time: the 1B size needs ~6.5 GB at once (model, fp8forge's artifact with its serving export, the
 peer's export; each deleted after its size unless `--keep`). On a 2-core CPU-only machine the default run
-takes about 25 minutes, most of it in the two tools' forward passes (bf16 matmuls at ~20 GFLOP/s there).
+takes about 20 minutes (measured: 1,179 s, and 1,242 s including a 102 s peer install), most of it in the
+forward passes: the peer's runs every layer twice, fp8forge's once. On a shared machine the same
+measurement varied by up to 1.7x between runs; each one's progress line shows the load average after it.
 """
 
 from __future__ import annotations
@@ -63,27 +69,26 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_scale import MIB, ModelPlan, Width, layers_for, plan_model, read_through, weight_files, write_model
-from measure import child_peak_rss
+from bench_scale import (
+    GIB,
+    MIB,
+    Calibration,
+    ModelPlan,
+    Width,
+    layers_for,
+    plan_model,
+    read_through,
+    weight_files,
+    write_model,
+)
+from measure import RssSampler, child_peak_rss
 
-GIB = 2**30
 SERVING_FORMAT = "compressed-tensors-fp8"
 PEER_TORCH = "torch==2.13.0"  # the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build
 PEER_PACKAGE = "llmcompressor==0.14.0.1"
 DEFAULT_PEER_VENV = Path.home() / ".cache" / "fp8forge-bench" / "llmcompressor-venv"
 FLAT_TARGET_LAYERS = 1
 FP8FORGE, PEER = "fp8forge", "llm-compressor"
-
-
-@dataclass(frozen=True)
-class Calibration:
-    steps: int
-    batch_size: int
-    seq_len: int
-
-    @property
-    def samples(self) -> int:
-        return self.steps * self.batch_size
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,15 @@ class ToolRun:
 class SizeResult:
     plan: ModelPlan
     runs: dict[str, ToolRun]  # tool name -> its run
+
+
+# The child's sampler of its own memory (see measure.RssSampler); the work names its phases on it.
+_sampler: RssSampler | None = None
+
+
+def set_phase(name: str) -> None:
+    if _sampler is not None:
+        _sampler.phase = name
 
 
 # ---- the peer's virtualenv ---------------------------------------------------------------------------------
@@ -206,8 +220,14 @@ def child_peer_imports(_: dict) -> dict:
 
 def child_fp8forge_export(params: dict) -> dict:
     from converters.loading import ModelSourceOptions
-    from converters.pipeline import run_conversion
+    from converters.pipeline import NullSink, run_conversion
     from converters.requests import CalibrationSettings, ConversionRequest
+
+    class PhaseSink(NullSink):
+        """Names each pipeline stage on the memory sampler, so the peak is attributed to a stage."""
+
+        def stage(self, name: str) -> None:
+            set_phase(name)
 
     # skip_first_last off and lm_head excluded: the same Linears as the peer's ignore=["lm_head"].
     request = ConversionRequest(
@@ -219,7 +239,7 @@ def child_fp8forge_export(params: dict) -> dict:
     sources = ModelSourceOptions(allowed_roots=(Path(params["root"]),))
     import_fp8forge()
     start = time.perf_counter()
-    run_conversion(request, Path(params["out_dir"]), sources)
+    run_conversion(request, Path(params["out_dir"]), sources, PhaseSink())
     return {"seconds": time.perf_counter() - start}
 
 
@@ -233,8 +253,10 @@ def child_peer_export(params: dict) -> dict:
 
     rows = json.loads(Path(params["tokens"]).read_text())
     start = time.perf_counter()
+    set_phase("load")
     model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=torch.bfloat16)
     loaded = time.perf_counter()
+    set_phase("oneshot")
     # Already tokenized (an input_ids column), so oneshot uses the rows as they are; the processor it loads
     # from the model directory only matters for text datasets.
     dataset = Dataset.from_dict(rows)
@@ -243,6 +265,7 @@ def child_peer_export(params: dict) -> dict:
             num_calibration_samples=len(rows["input_ids"]), max_seq_length=params["seq_len"],
             batch_size=params["batch_size"])
     calibrated = time.perf_counter()
+    set_phase("save")
     model.save_pretrained(params["out_dir"], save_compressed=True)
     end = time.perf_counter()
     return {"seconds": end - start, "load": loaded - start, "oneshot": calibrated - loaded, "save": end - calibrated}
@@ -286,7 +309,7 @@ def child_check(params: dict) -> dict:
 
     batches, _ = calibration_batches(AutoTokenizer.from_pretrained(params["model_dir"]), vocab_size=params["vocab"],
                                      steps=1, batch_size=2, seq_len=params["seq_len"], seed=1)
-    batch = batches[0]  # seed 1: windows the calibration (seed 0) did not choose as a whole
+    batch = batches[0]  # seed 1: other windows than the calibration's (seed 0)
 
     def logits(directory: str) -> tuple[torch.Tensor, dict]:
         model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
@@ -441,18 +464,38 @@ def fp8forge_details(out_dir: Path) -> dict:
             "serving_bytes": directory_bytes(serving_dir)}
 
 
-def print_run(name: str, run: ToolRun, baseline: int) -> None:
-    details = dict(run.details)
-    load = details.pop("load_average")
+def sampled(run: ToolRun, kind: str) -> int | None:
+    """The child's own sampled peak of ``kind`` ("anon", "file", "total"; see measure.RssSampler), if any."""
+    peak = run.details.get("rss", {}).get(kind)
+    return None if peak is None else peak["bytes"]
+
+
+def above(run: ToolRun, baseline: ToolRun, kind: str = "maxrss") -> int | None:
+    """Peak memory above the same tool's import-only baseline: ru_maxrss, or a sampled kind."""
+    if kind == "maxrss":
+        return run.peak_rss - baseline.peak_rss
+    ours, base = sampled(run, kind), sampled(baseline, kind)
+    return None if ours is None or base is None else ours - base
+
+
+def _mib(value: int | None, signed: bool = False) -> str:
+    return "n/a" if value is None else f"{value / MIB:{'+' if signed else ''},.0f}"
+
+
+def print_run(name: str, run: ToolRun, baseline: ToolRun) -> None:
+    details = {key: value for key, value in run.details.items() if key not in ("rss", "load_average")}
     extra = ", ".join(f"{key} {value:.1f} s" if isinstance(value, float) else f"{key} {value}"
                       for key, value in details.items() if not key.endswith("_bytes"))
+    phase = {kind: run.details.get("rss", {}).get(kind, {}).get("phase", "n/a") for kind in ("anon", "file")}
     print(f"[{name}] {run.tool}: {run.seconds:.1f} s in process, {run.wall:.1f} s wall, peak RSS "
-          f"{run.peak_rss / MIB:,.0f} MiB ({(run.peak_rss - baseline) / MIB:+,.0f} above baseline), "
-          f"load average {load:.1f}; {extra}", flush=True)
+          f"{run.peak_rss / MIB:,.0f} MiB ({_mib(above(run, baseline), True)} above baseline; anonymous "
+          f"{_mib(above(run, baseline, 'anon'), True)} at its peak in {phase['anon']}, file-backed "
+          f"{_mib(above(run, baseline, 'file'), True)} at its peak in {phase['file']}), "
+          f"load average {run.details['load_average']:.1f}; {extra}", flush=True)
 
 
 def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, peer_venv: Path | None,
-                 tokens: Path, baselines: dict[str, int], check: bool, keep: bool) -> SizeResult:
+                 tokens: Path, baselines: dict[str, ToolRun], check: bool, keep: bool) -> SizeResult:
     model_dir = root / plan.name
     started = time.perf_counter()
     write_model(plan, model_dir)
@@ -492,16 +535,16 @@ def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, peer_ven
 
 def check_exports(plan: ModelPlan, model_dir: Path, ours: Path, theirs: Path, calibration: Calibration) -> None:
     started = time.perf_counter()
-    stdout = subprocess.run(
-        [sys.executable, __file__, "--child", "check",
-         json.dumps({"model_dir": str(model_dir), "vocab": plan.width.vocab_size, "seq_len": calibration.seq_len,
-                     "exports": {FP8FORGE: str(ours), PEER: str(theirs)}})],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    result = last_json_line(stdout)
+    params = {"model_dir": str(model_dir), "vocab": plan.width.vocab_size, "seq_len": calibration.seq_len,
+              "exports": {FP8FORGE: str(ours), PEER: str(theirs)}}
+    checked = subprocess.run([sys.executable, __file__, "--child", "check", json.dumps(params)],
+                             capture_output=True, text=True)
+    if checked.returncode:
+        raise SystemExit(f"the check of both exports failed:\n{checked.stderr[-3000:]}")
+    result = last_json_line(checked.stdout)
     print(f"\n[{plan.name}] check in the project venv (transformers + compressed-tensors, "
           f"{time.perf_counter() - started:.0f} s): logits cosine to the bf16 original on 2 x {calibration.seq_len} "
-          "tokens not used for calibration")
+          "tokens drawn with seed 1 (the calibration's with seed 0)")
     for tool in (FP8FORGE, PEER):
         info = result[tool]
         print(f"  {tool}: cosine {info['cosine']:.5f}; loads as {info['q_proj_class']} ({info['dtype']}); "
@@ -518,60 +561,75 @@ def check_exports(plan: ModelPlan, model_dir: Path, ours: Path, theirs: Path, ca
 # ---- the report -------------------------------------------------------------------------------------------
 
 
-def print_table(results: list[SizeResult], baselines: dict[str, int]) -> None:
-    header = ("size", "layers", "parameters", "tool", "in-process s", "process wall s", "peak RSS above base MiB")
+def print_table(results: list[SizeResult], baselines: dict[str, ToolRun]) -> None:
+    header = ("size", "layers", "parameters", "tool", "in-process s", "process wall s",
+              "peak RSS above base MiB", "of it: anon / file-backed MiB")
     rows = [(r.plan.name, str(r.plan.layers), f"{r.plan.parameters:,}", run.tool, f"{run.seconds:.1f}",
-             f"{run.wall:.1f}", f"{(run.peak_rss - baselines[run.tool]) / MIB:,.0f}")
+             f"{run.wall:.1f}", _mib(above(run, baselines[run.tool])),
+             f"{_mib(above(run, baselines[run.tool], 'anon'))} / {_mib(above(run, baselines[run.tool], 'file'))}")
             for r in results for run in r.runs.values()]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     print()
     for row in [header, *rows]:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+    print("(anon and file-backed are the child's own samples every 50 ms, each at its own peak; file-backed pages "
+          "are mmap'd files, e.g. safetensors read through the page cache, which the kernel can drop)")
 
 
 def _verdict(passed: bool) -> str:
     return "PASS" if passed else "FAIL"
 
 
-def growth(results: list[SizeResult], tool: str, baseline: int) -> tuple[int, int, str] | None:
-    """Peak RSS growth of ``tool`` from the shallowest to the deepest model, in bytes, added layers, and text."""
+def growth(results: list[SizeResult], tool: str, baseline: ToolRun, kind: str) -> tuple[int, str] | None:
+    """Growth of ``tool``'s peak (``kind`` as in :func:`above`) from the shallowest to the deepest model."""
     measured = [r for r in results if tool in r.runs]
     if len(measured) < 2:
         return None
     shallow, deep = min(measured, key=lambda r: r.plan.layers), max(measured, key=lambda r: r.plan.layers)
-    grown = deep.runs[tool].peak_rss - shallow.runs[tool].peak_rss
+    first, last = above(shallow.runs[tool], baseline, kind), above(deep.runs[tool], baseline, kind)
+    if first is None or last is None:
+        return None
+    grown = last - first
     layers = max(1, deep.plan.layers - shallow.plan.layers)
-    text = (f"{tool} peak RSS above baseline {(shallow.runs[tool].peak_rss - baseline) / MIB:,.0f} -> "
-            f"{(deep.runs[tool].peak_rss - baseline) / MIB:,.0f} MiB from {shallow.plan.name} to {deep.plan.name}: "
-            f"{grown / MIB:+,.0f} MiB ({grown / layers / MIB:+.1f} MiB per added layer; the model grew by "
-            f"{(deep.plan.weight_bytes - shallow.plan.weight_bytes) / MIB:,.0f} MiB of bf16 weights)")
-    return grown, deep.plan.decoder_layer_bytes, text
+    return grown, (f"{_mib(first)} -> {_mib(last)} MiB from {shallow.plan.name} to {deep.plan.name}: "
+                   f"{_mib(grown, True)} MiB ({grown / layers / MIB:+.1f} MiB per added decoder layer)")
 
 
-def print_targets(results: list[SizeResult], baselines: dict[str, int]) -> None:
-    print("\nbaselines (import-only peak RSS, subtracted above): "
-          + ", ".join(f"{tool} {value / MIB:,.0f} MiB" for tool, value in baselines.items()))
+def print_ratios(results: list[SizeResult], baselines: dict[str, ToolRun]) -> None:
     compared = [r for r in results if PEER in r.runs]
     if compared:
         print(f"ratios {FP8FORGE} / {PEER}:")
     for r in compared:
         ours, theirs = r.runs[FP8FORGE], r.runs[PEER]
-        memory = (ours.peak_rss - baselines[FP8FORGE]) / max(1, theirs.peak_rss - baselines[PEER])
+        memory = above(ours, baselines[FP8FORGE]) / max(1, above(theirs, baselines[PEER]))
         time_ratio = ours.seconds / theirs.seconds
         print(f"  {r.plan.name}: time in process {time_ratio:.2f} (target < 1: {_verdict(time_ratio < 1)}), "
               f"process wall {ours.wall / theirs.wall:.2f}; peak RSS above baseline {memory:.2f}")
-    grown = {tool: growth(results, tool, baselines[tool]) for tool in baselines}
-    print("memory growth:")
-    for tool, value in grown.items():
-        print(f"  {value[2] if value else f'{tool}: n/a (one size only)'}")
-    ours = grown.get(FP8FORGE)
-    if ours:
-        flat = ours[0] <= FLAT_TARGET_LAYERS * ours[1]
-        theirs = grown.get(PEER)
-        peer_text = "" if not theirs else (
-            f"; {PEER} grows by more than that: {'yes' if theirs[0] > FLAT_TARGET_LAYERS * ours[1] else 'no'}")
-        print(f"  target: {FP8FORGE} grows by <= {FLAT_TARGET_LAYERS} decoder layer ({ours[1] / MIB:,.0f} MiB): "
-              f"{_verdict(flat)}{peer_text}")
+
+
+def print_growth(results: list[SizeResult], baselines: dict[str, ToolRun]) -> None:
+    deepest = max(results, key=lambda r: r.plan.layers).plan
+    layer = deepest.decoder_layer_bytes
+    print(f"memory growth (one decoder layer is {layer / MIB:,.0f} MiB of bf16 weights; the model grows by "
+          f"{(deepest.weight_bytes - min(r.plan.weight_bytes for r in results)) / MIB:,.0f} MiB):")
+    for kind, label in (("maxrss", "peak RSS above baseline"), ("anon", "anonymous peak above baseline")):
+        grown = {tool: growth(results, tool, baselines[tool], kind) for tool in baselines}
+        for tool, value in grown.items():
+            print(f"  {tool} {label}: {value[1] if value else 'n/a'}")
+        ours, theirs = grown.get(FP8FORGE), grown.get(PEER)
+        if ours:
+            peer_text = "" if not theirs else f"; {PEER} grows by more: {'yes' if theirs[0] > ours[0] else 'no'}"
+            target = "target" if kind == "maxrss" else "for comparison"
+            print(f"    {target}: {FP8FORGE} grows by <= {FLAT_TARGET_LAYERS} decoder layer: "
+                  f"{_verdict(ours[0] <= FLAT_TARGET_LAYERS * layer)}{peer_text}")
+
+
+def print_targets(results: list[SizeResult], baselines: dict[str, ToolRun]) -> None:
+    print("\nbaselines (import-only peak RSS, subtracted above): " + ", ".join(
+        f"{tool} {run.peak_rss / MIB:,.0f} MiB (anonymous {_mib(sampled(run, 'anon'))}, file-backed "
+        f"{_mib(sampled(run, 'file'))})" for tool, run in baselines.items()))
+    print_ratios(results, baselines)
+    print_growth(results, baselines)
 
 
 # ---- command line -----------------------------------------------------------------------------------------
@@ -617,10 +675,10 @@ def fp8forge_source_state() -> str:
     return f"{head}" + (f" with uncommitted changes in {', '.join(changed)}" if changed else " (converters/ clean)")
 
 
-def measure_baselines(peer_venv: Path | None) -> dict[str, int]:
-    baselines = {FP8FORGE: run_child(sys.executable, "fp8forge-imports")[1]}
+def measure_baselines(peer_venv: Path | None) -> dict[str, ToolRun]:
+    baselines = {FP8FORGE: measure_tool(FP8FORGE, sys.executable, "fp8forge-imports")}
     if peer_venv is not None:
-        baselines[PEER] = run_child(venv_python(peer_venv), "peer-imports")[1]
+        baselines[PEER] = measure_tool(PEER, venv_python(peer_venv), "peer-imports")
     return baselines
 
 
@@ -635,7 +693,8 @@ def run(args: argparse.Namespace, root: Path) -> None:
     plans = model_plans(args)
     baselines = measure_baselines(peer_venv)
     print(f"calibration: {calibration.steps} steps x {calibration.batch_size} x {calibration.seq_len} tokens = "
-          f"{calibration.samples} samples, {calibration.samples * calibration.seq_len:,} tokens; "
+          f"{calibration.steps * calibration.batch_size} samples, "
+          f"{calibration.steps * calibration.batch_size * calibration.seq_len:,} tokens; "
           f"work directory {root}", flush=True)
     tokens = root / "calibration_tokens.json"
     results = [measure_size(plan, root, calibration, peer_venv, tokens, baselines, check=index == 0, keep=args.keep)
@@ -644,9 +703,18 @@ def run(args: argparse.Namespace, root: Path) -> None:
     print_targets(results, baselines)
 
 
+def run_as_child(role: str, params: dict) -> None:
+    global _sampler
+    with RssSampler() as sampler:
+        _sampler = sampler
+        set_phase("imports")
+        result = CHILD_ROLES[role](params)
+    print(json.dumps({**result, "rss": sampler.peaks()}))
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        print(json.dumps(CHILD_ROLES[sys.argv[2]](json.loads(sys.argv[3]))))
+        run_as_child(sys.argv[2], json.loads(sys.argv[3]))
         return
     args = parse_args()
     os.environ["TORCHAO_FORCE_SKIP_LOADING_SO_FILES"] = "1"

@@ -1,9 +1,11 @@
-"""Process-level measurements shared by the benchmarks: wall time and peak RSS of a fresh child process."""
+"""Process-level measurements shared by the benchmarks: wall time and peak RSS of a fresh child process, and a
+sampler that splits a process's own resident memory into anonymous and file-backed pages."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 # The wrapper is a small interpreter whose only child is the measured command, so RUSAGE_CHILDREN's
 # ru_maxrss is that command's own peak, not the benchmark's (whose RSS a forked child would inherit).
@@ -29,3 +31,62 @@ def child_peak_rss(argv: list[str]) -> tuple[float, int, str]:
     if code != "0":
         raise SystemExit(f"command failed: {' '.join(argv)}\n{result.stderr}")
     return float(elapsed), int(rss_kib) * 1024, rest
+
+
+class RssSampler:
+    """Samples this process's resident memory from /proc/self/status in a background thread.
+
+    ru_maxrss (what child_peak_rss reports) counts file-backed pages too: a safetensors file read through mmap
+    shows up in it even though those pages are the page cache and the kernel can drop them. The sampler keeps
+    the peaks of anonymous (RssAnon) and file-backed (RssFile + RssShmem) pages apart, and the ``phase`` label
+    that was current at each peak. A spike shorter than ``interval_s`` can be missed; Linux only (``peaks()``
+    is empty elsewhere).
+    """
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.phase = "start"
+        self._peaks: dict[str, tuple[int, str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()  # the end state, in case the work was shorter than one interval
+
+    def peaks(self) -> dict[str, dict]:
+        """``{"anon": {"bytes": ..., "phase": ...}, "file": {...}, "total": {...}}``, each peak on its own."""
+        return {kind: {"bytes": value, "phase": phase} for kind, (value, phase) in self._peaks.items()}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        fields = _proc_status_kib(("RssAnon", "RssFile", "RssShmem"))
+        if not fields:
+            return
+        anon, file = fields["RssAnon"] * 1024, (fields["RssFile"] + fields.get("RssShmem", 0)) * 1024
+        current = {"anon": anon, "file": file, "total": anon + file}
+        for kind, value in current.items():
+            if value > self._peaks.get(kind, (-1, ""))[0]:
+                self._peaks[kind] = (value, self.phase)
+
+
+def _proc_status_kib(names: tuple[str, ...]) -> dict[str, int]:
+    try:
+        with open("/proc/self/status") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return {}
+    values = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        if key in names:
+            values[key] = int(rest.split()[0])
+    return values if "RssAnon" in values and "RssFile" in values else {}

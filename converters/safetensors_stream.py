@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SourceTensor", "read_tensor_index", "dtype_name", "StreamingWriter"]
+__all__ = ["SourceTensor", "read_tensor_index", "read_tensor", "dtype_name", "StreamingWriter"]
 
 _DTYPE_NAMES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -49,6 +49,21 @@ class SourceTensor:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
+
+
+def read_tensor(source: SourceTensor) -> torch.Tensor:
+    """One tensor's bytes read with ``pread`` into its own memory: no file mapping stays behind once it is freed."""
+    dtype = next(dtype for dtype, name in _DTYPE_NAMES.items() if name == source.dtype)
+    with open(source.path, "rb") as handle:
+        data = bytearray(source.nbytes)
+        view, done = memoryview(data), 0
+        while done < source.nbytes:
+            count = os.preadv(handle.fileno(), [view[done:]], source.start + done)
+            if count <= 0:
+                raise OSError(f"{source.path}: short read at byte {source.start + done}")
+            done += count
+    return torch.frombuffer(data, dtype=dtype).reshape(source.shape) if source.nbytes else torch.empty(
+        source.shape, dtype=dtype)
 
 
 def read_tensor_index(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:

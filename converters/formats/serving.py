@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from converters.export import INDEX_NAME, write_json
-from converters.safetensors_stream import SourceTensor, StreamingWriter, read_tensor_index
+from converters.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -121,8 +121,6 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
 
     Returns the file names written (relative to ``directory``).
     """
-    from safetensors import safe_open
-
     directory.mkdir(parents=True, exist_ok=True)
     path_of = {key: path for path, key in plan.quantized.items()}
     weight_map: dict[str, str] = {}
@@ -132,15 +130,15 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
         entries: dict[str, Any] = {}
         for name, tensor in tensors.items():
             entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in path_of else {name: tensor})
-        with StreamingWriter(directory / source.name, entries, metadata) as writer, \
-                safe_open(source, framework="pt") as handle:
+        with StreamingWriter(directory / source.name, entries, metadata) as writer:
             for name, tensor in tensors.items():
                 if check_stop is not None:
                     check_stop()
                 if name not in path_of:
                     writer.write(name, tensor)
                     continue
-                replacement = fmt.quantize(handle.get_tensor(name), plan.input_amax.get(path_of[name]), scale_dtype)
+                # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
+                replacement = fmt.quantize(read_tensor(tensor), plan.input_amax.get(path_of[name]), scale_dtype)
                 for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
                     writer.write(key, value)
         weight_map.update({name: source.name for name in entries})
