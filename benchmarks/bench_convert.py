@@ -52,7 +52,7 @@ def warm_ratio(model_dir: Path, root: Path, backend: str, steps: int) -> None:
     """Time convert and the safetensors baseline in this process, after a first conversion warmed it."""
     from safetensors.torch import load_file, save_file
 
-    from converters.loading import ModelSourceOptions
+    from converters.model_sources import ModelSourceOptions
     from converters.pipeline import NullSink, run_conversion
     from converters.requests import CalibrationSettings, ConversionRequest
 

@@ -292,7 +292,7 @@ def child_copy(params: dict) -> dict:
 
 
 def child_convert(params: dict) -> dict:
-    from converters.loading import ModelSourceOptions
+    from converters.model_sources import ModelSourceOptions
     from converters.pipeline import run_conversion
     from converters.requests import CalibrationSettings, ConversionRequest
 

@@ -219,7 +219,7 @@ def child_peer_imports(_: dict) -> dict:
 
 
 def child_fp8forge_export(params: dict) -> dict:
-    from converters.loading import ModelSourceOptions
+    from converters.model_sources import ModelSourceOptions
     from converters.pipeline import NullSink, run_conversion
     from converters.requests import CalibrationSettings, ConversionRequest
 

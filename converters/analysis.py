@@ -300,7 +300,7 @@ def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", incl
     Raises:
         Fp8ForgeError subclasses: bad reference, missing model or config, bad options.
     """
-    from converters.loading import build_meta_model, load_config, resolve_model_dir
+    from converters.model_sources import build_meta_model, load_config, resolve_model_dir
 
     options = AnalysisOptions(
         backend=backend,

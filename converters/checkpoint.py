@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from converters.artifact_io import INDEX_NAME, SINGLE_FILE_NAME
 from converters.errors import ModelNotFoundError
-from converters.export import INDEX_NAME, SINGLE_FILE_NAME
-from converters.loading import transformers_progress_off
+from converters.model_sources import transformers_progress_off
 
 __all__ = ["weight_files", "Checkpoint", "release", "unit_keys"]
 

@@ -52,7 +52,7 @@ def build_tiny_llama(directory: Path, *, hidden_size: int = 128, layers: int = 2
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from converters.loading import transformers_progress_off
+    from converters.model_sources import transformers_progress_off
 
     tokenizer = build_demo_tokenizer()
     config = LlamaConfig(

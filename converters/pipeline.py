@@ -3,7 +3,7 @@
 Calibration comes before the swap because it measures the high-precision tensors (see
 ``stages.calibrate``). Where the model's layers form one module list, calibration loads one layer at a
 time (``converters.sequential``); otherwise ``resolve`` loads the whole model. The weights themselves
-are copied, never decoded (``converters.artifact_files``).
+are copied, never decoded (``converters.artifact_layout``).
 
 Each stage is a small function over one :class:`_Run`, reports its progress to a :class:`ProgressSink`,
 and checks for cancellation between steps. The output is staged in a hidden sibling directory and
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from converters.errors import ConversionCancelled, Fp8ForgeError
-from converters.loading import ModelSourceOptions
+from converters.model_sources import ModelSourceOptions
 from converters.requests import CalibrationSettings, ConversionRequest
 
 __all__ = [

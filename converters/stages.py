@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from converters.artifact_io import DEFAULT_MAX_SHARD_BYTES
 from converters.errors import CalibrationDataError, ConversionError
-from converters.export import DEFAULT_MAX_SHARD_BYTES
 
 if TYPE_CHECKING:
     from converters.pipeline import _Run
@@ -28,7 +28,7 @@ def resolve(run: _Run) -> None:
     layer during calibration.
     """
     from converters.checkpoint import Checkpoint
-    from converters.loading import build_meta_model, load_config, model_dtype, resolve_model_dir
+    from converters.model_sources import build_meta_model, load_config, model_dtype, resolve_model_dir
     from converters.sequential import WHOLE_MODEL, choose_mode
 
     run.recipe = run.request.parsed_recipe()
@@ -59,7 +59,7 @@ def resolve(run: _Run) -> None:
 
 
 def _load_whole_model(run: _Run) -> None:
-    from converters.loading import load_model
+    from converters.model_sources import load_model
 
     run.model = load_model(run.model_dir, run.sources)
     run.model.to(run.pipeline["device"])
@@ -159,7 +159,7 @@ def calibrate(run: _Run) -> None:
 
 def _calibration_batches(run: _Run) -> tuple[list[dict[str, Any]], str]:
     from converters.calibration import calibration_batches
-    from converters.loading import load_tokenizer
+    from converters.model_sources import load_tokenizer
 
     settings = run.request.calibration
     tokenizer = load_tokenizer(run.model_dir, run.sources)
@@ -250,18 +250,18 @@ def _scaling_states(run: _Run, amax: dict[str, Any]) -> dict[str, dict[str, torc
 
 def export(run: _Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """Write weights (copied), FP8 state, calibration, config, report and manifest into ``staging``."""
-    from converters import artifact_files
+    from converters import artifact_layout
 
-    written = artifact_files.write_weight_files(run, staging)
+    written = artifact_layout.write_weight_files(run, staging)
     run.sink.progress(1, 3)
     run.check_stop()
-    written += artifact_files.write_state_file(run, staging)
-    written += artifact_files.write_calibration_file(run, staging)
+    written += artifact_layout.write_state_file(run, staging)
+    written += artifact_layout.write_calibration_file(run, staging)
     written += _copy_side_files(run.model_dir, staging)
     written += _write_serving(run, staging)
-    written += artifact_files.write_json_files(run, staging, written)
+    written += artifact_layout.write_json_files(run, staging, written)
     run.sink.progress(2, 3)
-    from converters.export import write_manifest
+    from converters.artifact_io import write_manifest
 
     manifest = write_manifest(staging)
     run.sink.progress(3, 3)
@@ -273,7 +273,7 @@ def _write_serving(run: _Run, staging: Path) -> list[str]:
     from converters.checkpoint import weight_files
     from converters.formats import serving_format
     from converters.formats.serving import set_input_amax, write_serving_checkpoint
-    from converters.loading import model_dtype
+    from converters.model_sources import model_dtype
 
     written = []
     for name, plan in run.serving.items():
@@ -286,7 +286,7 @@ def _write_serving(run: _Run, staging: Path) -> list[str]:
 
 
 def _copy_side_files(source: Path, staging: Path) -> list[str]:
-    from converters.loading import TOKENIZER_FILES
+    from converters.model_sources import TOKENIZER_FILES
 
     copied = []
     for name in [*TOKENIZER_FILES, "generation_config.json"]:

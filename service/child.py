@@ -55,7 +55,7 @@ def child_main(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [conversion] %(name)s: %(message)s")
     try:
         from converters.errors import Fp8ForgeError
-        from converters.loading import ModelSourceOptions
+        from converters.model_sources import ModelSourceOptions
         from converters.pipeline import ConversionRequest, run_conversion
 
         try:

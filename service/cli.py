@@ -50,7 +50,7 @@ def _add_selection_arguments(parser: argparse.ArgumentParser) -> None:
 
 def source_options_from_args(args: argparse.Namespace):
     """Build ``ModelSourceOptions`` from CLI flags, falling back to FP8FORGE_* / HF_* variables."""
-    from converters.loading import ModelSourceOptions
+    from converters.model_sources import ModelSourceOptions
 
     roots = args.allow_root
     if roots is None:

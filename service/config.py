@@ -88,7 +88,7 @@ class Settings(BaseSettings):
         return self.data_dir / "demo-models"
 
     def model_sources(self) -> dict[str, Any]:
-        """Keyword arguments for ``converters.loading.ModelSourceOptions`` (built where converters load)."""
+        """Keyword arguments for ``converters.model_sources.ModelSourceOptions`` (built where converters load)."""
         return {
             "allowed_roots": self.allowed_model_roots,
             "cache_dir": self.hf_cache,

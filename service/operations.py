@@ -26,9 +26,9 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
     Raises:
         converters.errors.Fp8ForgeError: with ``field`` naming the culprit (HTTP 422).
     """
-    from converters import errors, loading, pipeline
+    from converters import errors, model_sources, pipeline
 
-    _check_reference(request["model"], loading.ModelSourceOptions(**settings.model_sources()))
+    _check_reference(request["model"], model_sources.ModelSourceOptions(**settings.model_sources()))
     try:
         pipeline.ConversionRequest.from_dict(request)
     except (errors.RecipeError, errors.CalibrationDataError) as exc:
@@ -40,10 +40,10 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
 
 
 def _check_reference(ref: str, sources: Any) -> None:
-    from converters import errors, loading
+    from converters import errors, model_sources
 
     try:
-        loading.validate_model_reference(ref, sources)
+        model_sources.validate_model_reference(ref, sources)
     except errors.ModelReferenceError as exc:
         exc.field = exc.field or "model"
         raise
@@ -100,9 +100,9 @@ def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
     Raises:
         Fp8ForgeError: bad reference (422), model not found (422), backend problems (503).
     """
-    from converters import analysis, loading
+    from converters import analysis, model_sources
 
-    sources = loading.ModelSourceOptions(**settings.model_sources())
+    sources = model_sources.ModelSourceOptions(**settings.model_sources())
     _check_reference(body.model, sources)
     return analysis.analyze_model_reference(
         body.model, sources, backend=body.backend, include=tuple(body.include), exclude=tuple(body.exclude),

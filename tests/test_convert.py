@@ -7,10 +7,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from converters.artifact_io import sha256_file
+from converters.artifact_loaders import ArtifactError, load_torchao, verify_manifest
 from converters.calibration import LayerAmax, te_scaling_state
-from converters.export import sha256_file
-from converters.loaders import ArtifactError, load_torchao, verify_manifest
-from converters.loading import ModelSourceOptions, load_model
+from converters.model_sources import ModelSourceOptions, load_model
 from converters.recipes import recipe_from_dict
 from converters.te_layout import TE_STATE_NAMES, state_key
 from service.cli import main

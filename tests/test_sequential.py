@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from converters.artifact_io import sha256_file
 from converters.backends.transformer_engine import te_status
 from converters.calibration import calibration_batches, record_amax
 from converters.checkpoint import Checkpoint
 from converters.errors import ConversionCancelled
-from converters.export import sha256_file
-from converters.loading import (
+from converters.model_sources import (
     ModelSourceOptions,
     build_meta_model,
     load_config,
@@ -201,7 +201,7 @@ def test_checkpoint_names_are_kept_and_renames_recorded(more_root, models_root, 
 @pytest.mark.skipif(not TE_OK, reason=f"needs CUDA and TransformerEngine: {TE_WHY}")
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_te_checks_every_converted_layer_on_its_cached_inputs(name, models_root, tmp_path):
-    from converters.loaders import load_te
+    from converters.artifact_loaders import load_te
 
     out = tmp_path / "out"
     # BERT with the first/last rule off puts its pooler ([batch, hidden], 2 rows) in FP8: rows are padded.

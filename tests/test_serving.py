@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from converters.errors import ConversionError, Fp8ForgeError
 from converters.formats import SERVING_FORMATS
-from converters.loading import ModelSourceOptions, load_model
+from converters.model_sources import ModelSourceOptions, load_model
 from converters.pipeline import NullSink, run_conversion
 from converters.requests import CalibrationSettings, ConversionRequest
 from converters.safetensors_stream import read_tensor_index

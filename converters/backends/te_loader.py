@@ -28,7 +28,7 @@ from converters.backends.te_state import apply_scaling_state, check_state_tensor
 from converters.backends.te_swap import convert_to_te
 from converters.backends.transformer_engine import build_te_recipe, require_te
 from converters.errors import ArtifactError, ConversionError, ModelNotFoundError, RecipeError
-from converters.loading import ModelSourceOptions, load_model
+from converters.model_sources import ModelSourceOptions, load_model
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe, recipe_from_dict
 from converters.te_layout import TE_STATE_NAMES, split_state_key
 
@@ -59,8 +59,8 @@ def read_te_artifact(directory: str | Path) -> TEArtifact:
     for an invalid recipe; ModelNotFoundError for a missing or unreadable state file; ConversionError when
     the state keys do not match ``converted_modules`` and the recipe.
     """
-    from converters.artifact_files import FP8_BLOCK_VERSION, STATE_FILE
-    from converters.loaders import read_fp8_block
+    from converters.artifact_layout import FP8_BLOCK_VERSION, STATE_FILE
+    from converters.artifact_loaders import read_fp8_block
 
     directory = Path(directory)
     fp8 = read_fp8_block(directory, "te")
@@ -87,7 +87,7 @@ def _read_state_file(directory: Path, fp8: dict[str, Any]) -> dict[str, torch.Te
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from converters.artifact_files import STATE_FILE
+    from converters.artifact_layout import STATE_FILE
 
     name = fp8.get("state_file")
     if name is None:

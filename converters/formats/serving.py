@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from converters.export import INDEX_NAME, write_json
+from converters.artifact_io import INDEX_NAME, write_json
 from converters.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
 
 __all__ = [
@@ -155,7 +155,7 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
 
 
 def _copy_side_files(source: Path, directory: Path) -> list[str]:
-    from converters.loading import TOKENIZER_FILES
+    from converters.model_sources import TOKENIZER_FILES
 
     copied = []
     for name in [*TOKENIZER_FILES, "generation_config.json"]:

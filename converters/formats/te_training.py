@@ -92,7 +92,7 @@ class TETraining:
         return tensors
 
     def block_fields(self, run: _Run) -> dict[str, Any]:
-        from converters.artifact_files import STATE_FILE
+        from converters.artifact_layout import STATE_FILE
 
         if not _is_delayed(run):
             return {}

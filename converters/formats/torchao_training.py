@@ -41,10 +41,10 @@ class TorchAOTraining:
         return {"torchao": torchao_version()}
 
     def load(self, directory: Path, *, device: str) -> Any:
+        from converters.artifact_loaders import read_fp8_block
         from converters.backends.torchao import convert_to_torchao
         from converters.float8_config import float8_linear_config_from_dict
-        from converters.loaders import read_fp8_block
-        from converters.loading import ModelSourceOptions, load_model
+        from converters.model_sources import ModelSourceOptions, load_model
 
         block = read_fp8_block(directory, self.name)
         float8_config = float8_linear_config_from_dict(block["float8_linear_config"])

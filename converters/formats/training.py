@@ -40,4 +40,4 @@ class TrainingFormat(Protocol):
         """Versions of the libraries this format's artifact was written for (for the report)."""
 
     def load(self, directory: Path, *, device: str) -> Any:
-        """The model of a verified artifact directory, converted as recorded (see converters.loaders)."""
+        """The model of a verified artifact directory, converted as recorded (see converters.artifact_loaders)."""

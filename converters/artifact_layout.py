@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from converters.export import copy_weight_files, save_tensors, write_json
+from converters.artifact_io import copy_weight_files, save_tensors, write_json
 from converters.te_layout import BACKWARD_SLOTS, FORWARD_SLOTS
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 def verify_manifest(directory: Path) -> list[dict[str, Any]]:
     """Check every file listed in manifest.json (size and sha256). Raises ArtifactError on any mismatch."""
-    from converters.export import MANIFEST_NAME, sha256_file
+    from converters.artifact_io import MANIFEST_NAME, sha256_file
 
     directory = Path(directory)
     manifest_path = directory / MANIFEST_NAME
