@@ -18,11 +18,22 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from converters.errors import ConversionCancelled, Fp8ForgeError
 from converters.model_sources import ModelSourceOptions
 from converters.requests import CalibrationSettings, ConversionRequest
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from converters.calibration import LayerAmax
+    from converters.checkpoint import Checkpoint
+    from converters.formats.serving import ServingPlan
+    from converters.recipes import Recipe
+    from converters.sequential import LayerStack
 
 __all__ = [
     "STAGES",
@@ -87,8 +98,8 @@ class CalibrationResult:
     """What the calibrate stage produced (and the TE check added), for the convert and export stages."""
 
     data_source: str = ""
-    amax: dict[str, Any] = field(default_factory=dict)  #: layer path -> converters.calibration.LayerAmax
-    states: dict[str, dict[str, Any]] = field(default_factory=dict)  #: layer path -> scaling state tensors
+    amax: dict[str, LayerAmax] = field(default_factory=dict)  #: layer path -> amax per step
+    states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  #: layer path -> scaling state
     check_batch: dict[str, Any] | None = None  #: the first calibration batch, for the whole-model TE check
     te_check: dict[str, Any] = field(
         default_factory=lambda: {"ran": False, "reason": "TransformerEngine not used here"})
@@ -101,18 +112,18 @@ class _Run:
     request: ConversionRequest
     sources: ModelSourceOptions
     sink: ProgressSink
-    recipe: Any = None
+    recipe: Recipe | None = None
     model_dir: Path | None = None
-    config: Any = None
+    config: PretrainedConfig | None = None
     report: dict[str, Any] | None = None
-    meta_model: Any = None  #: built from the config on the meta device; the layer-sequential mode loads into it
-    checkpoint: Any = None  #: converters.checkpoint.Checkpoint over the source's weight files
-    stack: Any = None  #: converters.sequential.LayerStack, or None in whole-model mode
+    meta_model: nn.Module | None = None  #: built on the meta device; the layer-sequential mode loads into it
+    checkpoint: Checkpoint | None = None  #: the source's weight files, indexed
+    stack: LayerStack | None = None  #: None in whole-model mode
     pipeline: dict[str, Any] = field(default_factory=dict)  #: mode, reason, device (for the report)
-    model: Any = None  #: the loaded model, whole-model mode only
+    model: nn.Module | None = None  #: the loaded model, whole-model mode only
     converted: list[str] = field(default_factory=list)
     weights_on_disk: dict[str, str] = field(default_factory=dict)
-    serving: dict[str, Any] = field(default_factory=dict)  #: format name -> converters.formats.serving.ServingPlan
+    serving: dict[str, ServingPlan] = field(default_factory=dict)  #: format name -> its plan
     te_modules: bool = False
     calibration: CalibrationResult = field(default_factory=lambda: CalibrationResult())
     tied_weights: dict[str, str] = field(default_factory=dict)
