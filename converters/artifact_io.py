@@ -24,6 +24,7 @@ __all__ = [
     "INDEX_NAME",
     "SINGLE_FILE_NAME",
     "copy_weight_files",
+    "copy_side_files",
     "save_tensors",
     "write_json",
     "write_manifest",
@@ -54,6 +55,18 @@ def copy_weight_files(files: Iterable[Path], directory: Path) -> list[str]:
         os.replace(temporary, directory / source.name)
         names.append(source.name)
     return names
+
+
+def copy_side_files(source: Path, directory: Path) -> list[str]:
+    """Copy the source model's tokenizer files and generation config into ``directory``; return their names."""
+    from converters.model_sources import TOKENIZER_FILES
+
+    copied = []
+    for name in [*TOKENIZER_FILES, "generation_config.json"]:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, directory / name)
+            copied.append(name)
+    return copied
 
 
 def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str]) -> None:

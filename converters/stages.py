@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -257,7 +256,9 @@ def export(run: _Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     run.check_stop()
     written += artifact_layout.write_state_file(run, staging)
     written += artifact_layout.write_calibration_file(run, staging)
-    written += _copy_side_files(run.model_dir, staging)
+    from converters.artifact_io import copy_side_files
+
+    written += copy_side_files(run.model_dir, staging)
     written += _write_serving(run, staging)
     written += artifact_layout.write_json_files(run, staging, written)
     run.sink.progress(2, 3)
@@ -283,14 +284,3 @@ def _write_serving(run: _Run, staging: Path) -> list[str]:
                                          directory, model_dtype(run.config), check_stop=run.check_stop)
         written += [f"serving/{name}/{file}" for file in files]
     return written
-
-
-def _copy_side_files(source: Path, staging: Path) -> list[str]:
-    from converters.model_sources import TOKENIZER_FILES
-
-    copied = []
-    for name in [*TOKENIZER_FILES, "generation_config.json"]:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, staging / name)
-            copied.append(name)
-    return copied

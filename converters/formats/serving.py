@@ -15,7 +15,6 @@ group. One shared ``input_scale`` per fused group (their input is the same tenso
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from converters.artifact_io import INDEX_NAME, write_json
+from converters.artifact_io import INDEX_NAME, copy_side_files, write_json
 from converters.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
 
 __all__ = [
@@ -151,15 +150,4 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
     config["quantization_config"] = fmt.quantization_config(plan)
     write_json(directory / "config.json", config)
     written.append("config.json")
-    return written + _copy_side_files(source_dir, directory)
-
-
-def _copy_side_files(source: Path, directory: Path) -> list[str]:
-    from converters.model_sources import TOKENIZER_FILES
-
-    copied = []
-    for name in [*TOKENIZER_FILES, "generation_config.json"]:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, directory / name)
-            copied.append(name)
-    return copied
+    return written + copy_side_files(source_dir, directory)
