@@ -508,13 +508,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--workdir", type=Path, help="where the run's temporary directory goes (system temp)")
     parser.add_argument("--keep", action="store_true", help="keep the models and the run's directory")
+    add_width_arguments(parser)
+    return parser.parse_args()
+
+
+def add_width_arguments(parser: argparse.ArgumentParser) -> None:
+    """--hidden, --intermediate, --heads, --kv-heads, --vocab, defaulting to the benchmark family's width."""
     width = Width()
     parser.add_argument("--hidden", type=int, default=width.hidden_size)
     parser.add_argument("--intermediate", type=int, default=width.intermediate_size)
     parser.add_argument("--heads", type=int, default=width.num_attention_heads)
     parser.add_argument("--kv-heads", type=int, default=width.num_key_value_heads)
     parser.add_argument("--vocab", type=int, default=width.vocab_size)
-    return parser.parse_args()
 
 
 def model_plans(args: argparse.Namespace) -> list[ModelPlan]:

@@ -75,6 +75,7 @@ from bench_scale import (
     Calibration,
     ModelPlan,
     Width,
+    add_width_arguments,
     layers_for,
     plan_model,
     read_through,
@@ -646,12 +647,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV,
                         help=f"llm-compressor's virtualenv, created when missing ({DEFAULT_PEER_VENV})")
     parser.add_argument("--skip-peer", action="store_true", help="measure fp8forge only")
-    width = Width()
-    parser.add_argument("--hidden", type=int, default=width.hidden_size)
-    parser.add_argument("--intermediate", type=int, default=width.intermediate_size)
-    parser.add_argument("--heads", type=int, default=width.num_attention_heads)
-    parser.add_argument("--kv-heads", type=int, default=width.num_key_value_heads)
-    parser.add_argument("--vocab", type=int, default=width.vocab_size)
+    add_width_arguments(parser)
     return parser.parse_args()
 
 
