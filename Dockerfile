@@ -32,7 +32,7 @@ COPY service ./service
 # torch comes from the base image; pip keeps it because it satisfies the range. torchao is pinned there.
 # TE is only located, not imported: importing it needs the CUDA driver, which a build has no access to.
 RUN python -m pip install . \
-    && python -c "import torch, torchao, transformers, service.cli_service" \
+    && python -c "import torch, torchao, transformers, service.cli.serve" \
     && python -c "import importlib.util as u; assert u.find_spec('transformer_engine'), 'TE missing'"
 
 RUN useradd --create-home --uid 10001 fp8forge \

@@ -88,7 +88,7 @@ def main() -> None:
               f"{(build + analysis) / build:.3f}x the build)")
 
         bare = wall([sys.executable, "-c", "import torch, transformers"], args.repeat)
-        cli = [sys.executable, "-m", "service.cli", "analyze", str(directory), "--allow-root", root, "--json"]
+        cli = [sys.executable, "-m", "service.cli.main", "analyze", str(directory), "--allow-root", root, "--json"]
         analyze_wall = wall(cli, args.repeat)
         print(f"bare `import torch, transformers` (baseline): {bare:6.2f} s")
         print(f"`fp8forge analyze` wall:                      {analyze_wall:6.2f} s")
@@ -96,7 +96,7 @@ def main() -> None:
 
         print(weight_file_check(directory, root, cli))
         probe = (
-            "import sys\nfrom service.cli import main\n"
+            "import sys\nfrom service.cli.main import main\n"
             f"main(['analyze', {str(directory)!r}, '--allow-root', {root!r}, '--json'])\n"
             "mods = [m for m in ('torchao', 'fastapi', 'uvicorn', 'sqlalchemy') if sys.modules.get(m) is not None]\n"
             "print(f'heavy modules imported by analyze: {mods}', file=sys.stderr)"

@@ -82,7 +82,7 @@ def cold_figures(model_dir: Path, root: Path, backend: str, steps: int, weight_b
         [sys.executable, "-c", BASELINE_IO, str(model_dir / "model.safetensors"), str(root / "copy-cold.st")])
     _, import_rss, _ = child_peak_rss([sys.executable, "-c", IMPORTS_ONLY])
     convert_wall, convert_rss, _ = child_peak_rss([
-        sys.executable, "-m", "service.cli", "convert", str(model_dir), "--out", str(root / "cold"),
+        sys.executable, "-m", "service.cli.main", "convert", str(model_dir), "--out", str(root / "cold"),
         "--allow-root", str(root), "--backend", backend, "--calib-steps", str(steps), "--no-progress",
     ])
     calibration = json.loads((root / "cold" / "fp8_report.json").read_text())["stage_seconds"]["calibrate"]

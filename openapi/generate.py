@@ -15,7 +15,7 @@ def render() -> str:
     """The app's OpenAPI document as stable, sorted JSON text."""
     sys.path.insert(0, str(ROOT))
     from service.config import Settings
-    from service.main import create_app
+    from service.api.app import create_app
 
     spec = create_app(Settings(data_dir=ROOT / "data")).openapi()
     return json.dumps(spec, indent=2, sort_keys=True) + "\n"

@@ -101,7 +101,7 @@ def live_app(settings: Settings) -> Iterator[httpx.Client]:
     """Run ``create_app(settings)`` on a real uvicorn server on loopback; yields a client bound to it."""
     import uvicorn
 
-    from service.main import create_app
+    from service.api.app import create_app
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -133,11 +133,11 @@ def wait_for(predicate: Any, *, timeout: float, what: str, interval: float = 0.1
 
 
 def fp8forge_command() -> list[str]:
-    """How to run the ``fp8forge`` CLI: the installed console script once ``service/cli.py`` exists."""
+    """How to run the ``fp8forge`` CLI: the installed console script once ``service/cli/main.py`` exists."""
     script = Path(sys.executable).with_name("fp8forge")
     if script.exists() and (Path(__file__).parents[1] / "service" / "cli.py").exists():
         return [str(script)]
-    return [sys.executable, "-m", "service.cli_service"]
+    return [sys.executable, "-m", "service.cli.serve"]
 
 
 class ServeProcess:

@@ -53,7 +53,7 @@ def test_health_ready_and_metrics(client, store) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     not_ready = client.get("/readyz")
     assert not_ready.status_code == 503 and not_ready.json() == {"ready": False, "store": True, "workers": 0}
-    store.heartbeat_worker("w-test")
+    store.workers.heartbeat("w-test")
     assert client.get("/readyz").json() == {"ready": True, "store": True, "workers": 1}
     assert client.post("/v1/jobs", json=GOOD).status_code == 202
     metrics = client.get("/metrics")

@@ -21,9 +21,9 @@ def test_events_follow_a_job_live_and_end_when_it_ends(tmp_path: Path) -> None:
         def work() -> None:  # plays a worker, slowly, while the client follows
             time.sleep(0.3)
             store.claim_next("w")
-            store.add_event(job.id, "stage", {"stage": Stage.CALIBRATE.value})
-            store.add_event(job.id, "progress", {"stage": "calibrate", "done": 1, "total": 2})
-            store.add_event(job.id, "warning", {"message": "few calibration texts"})
+            store.events.add(job.id, "stage", {"stage": Stage.CALIBRATE.value})
+            store.events.add(job.id, "progress", {"stage": "calibrate", "done": 1, "total": 2})
+            store.events.add(job.id, "warning", {"message": "few calibration texts"})
             time.sleep(0.6)
             store.set_status(job.id, JobStatus.FAILED, owner="w", error_code="conversion_failed",
                              error_message="boom", event={"error": {"code": "conversion_failed"}})
@@ -39,7 +39,7 @@ def test_events_follow_a_job_live_and_end_when_it_ends(tmp_path: Path) -> None:
                          ("progress", "calibrate"), ("warning", "few calibration texts"), ("status", "failed")]
         assert all("at" in data for _, data in events)
 
-        all_ids = [e.seq for e in store.events_after(job.id)]
+        all_ids = [e.seq for e in store.events.after(job.id)]
         resumed = sse_events_after(client, job.id, all_ids[2])
         assert [kind for kind, _ in resumed] == ["progress", "warning", "status"]
         store.close()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from service.cli import main
+from service.cli.main import main
 from tests.models import TINY_CONFIGS, install_in_hf_cache, minilm_dir
 
 EXPECTED_ELIGIBLE = {"llama": 13, "qwen2": 13, "mistral": 13, "mixtral": 7, "gpt2": 0, "gemma": 13, "bert": 11}
@@ -109,7 +109,7 @@ def test_gated_repository_error_is_explained(monkeypatch, capsys):
 
 def test_analyze_imports_neither_torchao_nor_the_service_stack(models_root):
     probe = (
-        "import sys; from service.cli import main; "
+        "import sys; from service.cli.main import main; "
         f"code = main(['analyze', {str(models_root / 'llama')!r}, '--allow-root', {str(models_root)!r}, '--json']); "
         "loaded = [m for m in ('torchao', 'fastapi', 'uvicorn', 'sqlalchemy') if sys.modules.get(m) is not None]; "
         "print('LOADED', loaded, file=sys.stderr); sys.exit(code)"

@@ -13,7 +13,7 @@ from converters.calibration import LayerAmax, te_scaling_state
 from converters.model_sources import ModelSourceOptions, load_model
 from converters.recipes import recipe_from_dict
 from converters.te_layout import TE_STATE_NAMES, state_key
-from service.cli import main
+from service.cli.main import main
 from tests.models import minilm_dir, save_tiny_model
 
 SMALL_CALIBRATION = ["--calib-steps", "3", "--calib-seq-len", "32", "--no-progress"]

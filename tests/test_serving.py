@@ -14,7 +14,7 @@ from converters.model_sources import ModelSourceOptions, load_model
 from converters.pipeline import NullSink, run_conversion
 from converters.requests import CalibrationSettings, ConversionRequest
 from converters.safetensors_stream import read_tensor_index
-from service.cli import main
+from service.cli.main import main
 from tests.models import minilm_dir
 
 STATIC, DYNAMIC, BLOCK = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block"

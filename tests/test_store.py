@@ -12,8 +12,9 @@ import pytest
 from service.artifacts import ArtifactDirs
 from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound
 from service.jobs import JobStatus, Stage
-from service.reaper import reap_stale
 from service.store import JobLost, JobStore
+from service.store.workers import WorkerRegistry
+from service.workers.reaper import reap_stale
 from tests.service_helpers import make_store
 
 KINDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
@@ -74,7 +75,7 @@ def test_concurrent_claims_take_each_job_exactly_once(env) -> None:
 
     def claim_all() -> None:
         own = JobStore(url, table_prefix=prefix)  # its own engine and connections, like another host
-        wid = JobStore.new_worker_id()
+        wid = WorkerRegistry.new_id()
         try:
             while (job := own.claim_next(wid)) is not None:
                 with lock:
@@ -110,7 +111,7 @@ def test_status_changes_follow_the_table_and_the_owner(env) -> None:
     assert done.status is JobStatus.SUCCEEDED and done.finished_at is not None and done.progress == 1.0
     with pytest.raises(InvalidTransition):
         store.set_status(job.id, JobStatus.CANCELLING)
-    kinds = [(e.kind, e.data.get("status")) for e in store.events_after(job.id)]
+    kinds = [(e.kind, e.data.get("status")) for e in store.events.after(job.id)]
     assert kinds == [("status", "queued"), ("status", "running"), ("status", "succeeded")]
 
 
@@ -173,26 +174,26 @@ def test_delete_only_finished_jobs_and_their_events(env) -> None:
     store.delete_job(job.id)
     with pytest.raises(JobNotFound):
         store.get_job(job.id)
-    assert store.events_after(job.id) == []
+    assert store.events.after(job.id) == []
     assert store.get_job(other.id).status is JobStatus.QUEUED
 
 
 def test_workers_and_stage_timings_feed_metrics(env) -> None:
     store, _, _ = env
-    store.heartbeat_worker("w1")
-    store.heartbeat_worker("w2", job_id="j")
-    store.remove_worker("w1")
-    assert [w["id"] for w in store.live_workers(timeout_s=30)] == ["w2"]
-    store.record_stage_durations("j", [("calibrate", 1.5), ("export", 0.5)])
-    store.record_stage_durations("k", [("calibrate", 2.5)])
-    assert store.stage_duration_stats() == {"calibrate": (2, 4.0), "export": (1, 0.5)}
+    store.workers.heartbeat("w1")
+    store.workers.heartbeat("w2", job_id="j")
+    store.workers.remove("w1")
+    assert [w["id"] for w in store.workers.live(timeout_s=30)] == ["w2"]
+    store.timings.record("j", [("calibrate", 1.5), ("export", 0.5)])
+    store.timings.record("k", [("calibrate", 2.5)])
+    assert store.timings.stats() == {"calibrate": (2, 4.0), "export": (1, 0.5)}
     assert store.count_by_status()[JobStatus.QUEUED] == 0
 
 
 def test_heartbeats_are_judged_by_the_database_clock(env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    import service.store
+    import service.store.job_store
 
     store, _, _ = env
     dirs = ArtifactDirs(tmp_path / "jobs")
@@ -200,12 +201,12 @@ def test_heartbeats_are_judged_by_the_database_clock(env, tmp_path: Path, monkey
     real_time = time.time
 
     def worker_host_clock(offset_s: float) -> None:  # the worker's host clock is off by an hour
-        monkeypatch.setattr(service.store, "time", types.SimpleNamespace(time=lambda: real_time() + offset_s))
+        monkeypatch.setattr(service.store.job_store, "time", types.SimpleNamespace(time=lambda: real_time() + offset_s))
 
     worker_host_clock(-3600)
     store.claim_next("slow-clock")
     assert store.heartbeat_job(behind.id, "slow-clock") is JobStatus.RUNNING
-    store.heartbeat_worker("slow-clock")
+    store.workers.heartbeat("slow-clock")
     worker_host_clock(+3600)
     store.claim_next("fast-clock")
     assert store.heartbeat_job(ahead.id, "fast-clock") is JobStatus.RUNNING
@@ -213,7 +214,7 @@ def test_heartbeats_are_judged_by_the_database_clock(env, tmp_path: Path, monkey
 
     # a fresh heartbeat from a host whose clock is behind is not "an hour old" ...
     assert reap_stale(store, dirs, timeout_s=30) == []
-    assert {w["id"] for w in store.live_workers(timeout_s=30)} == {"slow-clock"}
+    assert {w["id"] for w in store.workers.live(timeout_s=30)} == {"slow-clock"}
     # ... and a silent worker whose clock runs ahead is still found out
     time.sleep(0.5)
     assert (ahead.id, JobStatus.QUEUED) in reap_stale(store, dirs, timeout_s=0.25)
@@ -237,25 +238,25 @@ def test_the_reaper_keeps_a_job_that_heartbeats_after_it_was_found_stale(
     assert reap_stale(store, ArtifactDirs(tmp_path / "jobs"), timeout_s=1.0) == []
     kept = store.get_job(job.id)
     assert (kept.status, kept.worker_id, kept.attempt) == (JobStatus.RUNNING, "w", 1)
-    assert [e.data["status"] for e in store.events_after(job.id)] == ["queued", "running"]
+    assert [e.data["status"] for e in store.events.after(job.id)] == ["queued", "running"]
 
 
 def test_a_lost_worker_can_neither_write_events_nor_heartbeat_into_the_next_attempt(env) -> None:
     store, _, _ = env
     (job,) = _submit(store)
     store.claim_next("w1")
-    assert store.add_event(job.id, "stage", {"stage": "calibrate"}, worker_id="w1", attempt=1)
+    assert store.events.add(job.id, "stage", {"stage": "calibrate"}, worker_id="w1", attempt=1)
     store.set_status(job.id, JobStatus.QUEUED, owner="w1", worker_id=None)
     assert store.claim_next("w2").attempt == 2
 
-    assert not store.add_event(job.id, "warning", {"message": "late"}, worker_id="w1", attempt=1)
-    assert not store.add_event(job.id, "warning", {"message": "late"}, worker_id="w1")
-    assert not store.add_event(job.id, "warning", {"message": "wrong attempt"}, worker_id="w2", attempt=1)
+    assert not store.events.add(job.id, "warning", {"message": "late"}, worker_id="w1", attempt=1)
+    assert not store.events.add(job.id, "warning", {"message": "late"}, worker_id="w1")
+    assert not store.events.add(job.id, "warning", {"message": "wrong attempt"}, worker_id="w2", attempt=1)
     assert store.heartbeat_job(job.id, "w1") is None and store.heartbeat_job(job.id, "w2", attempt=1) is None
-    assert store.add_event(job.id, "stage", {"stage": "resolve"}, worker_id="w2", attempt=2)
+    assert store.events.add(job.id, "stage", {"stage": "resolve"}, worker_id="w2", attempt=2)
     with pytest.raises(JobLost):
         store.set_status(job.id, JobStatus.FAILED, owner="w2", owner_attempt=1)
-    kinds = [(e.kind, e.data.get("status") or e.data.get("stage")) for e in store.events_after(job.id)]
+    kinds = [(e.kind, e.data.get("status") or e.data.get("stage")) for e in store.events.after(job.id)]
     assert kinds == [("status", "queued"), ("status", "running"), ("stage", "calibrate"), ("status", "queued"),
                      ("status", "running"), ("stage", "resolve")]
 
@@ -273,4 +274,4 @@ def test_a_failing_before_commit_leaves_the_job_as_it_was(env) -> None:
                          artifacts=[{"name": "a", "bytes": 1}])
     again = store.get_job(job.id)
     assert again.status is JobStatus.RUNNING and again.artifacts == ()
-    assert [e.data["status"] for e in store.events_after(job.id)] == ["queued", "running"]
+    assert [e.data["status"] for e in store.events.after(job.id)] == ["queued", "running"]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.api.operations import submit_job
+from service.api.schemas import JobCreate
 from service.artifacts import ArtifactDirs
 from service.config import Settings
 from service.jobs import JobStatus
-from service.operations import submit_job
-from service.schemas import JobCreate
-from service.worker import Worker
+from service.workers.worker import Worker
 from tests.service_helpers import leftovers
 
 
@@ -59,5 +59,5 @@ def test_stopping_a_worker_requeues_its_job_without_using_an_attempt(tmp_path: P
     requeued = worker.store.get_job(job.id)
     assert requeued.status is JobStatus.QUEUED and requeued.attempt == 0 and requeued.worker_id is None
     assert leftovers(settings.jobs_dir) == [] and not (settings.jobs_dir / job.id).exists()
-    assert worker.store.live_workers(timeout_s=30) == []
+    assert worker.store.workers.live(timeout_s=30) == []
     worker.store.close()

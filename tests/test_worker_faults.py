@@ -19,15 +19,16 @@ from typing import Any
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from service import worker as worker_module
 from service.artifacts import ArtifactDirs
 from service.config import Settings
 from service.errors import InvalidTransition
 from service.jobs import JobStatus
-from service.pool import WorkerPool
-from service.runner import JobRun
 from service.store import JobStore
-from service.worker import Worker
+from service.workers import worker as worker_module
+from service.workers.messages import Failed, Progress, StageStarted, Succeeded
+from service.workers.outcome import AttemptOutcome
+from service.workers.pool import WorkerPool
+from service.workers.worker import Worker
 from tests.service_helpers import children_of, leftovers, pid_alive, wait_for
 
 STAGES = ("resolve", "analyze", "calibrate", "convert", "export")
@@ -36,35 +37,35 @@ PAYLOAD = b"\x01fp8" * 1000
 
 def fake_child(request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Any, stop: Any,
                parent_pid: int) -> None:
-    """Stands in for ``service.child.child_main``: stages, optional wait for ``request["go"]``, then files."""
-    from service.procs import die_with_parent
+    """Stands in for ``service.workers.child.child_main``: stages, optional wait for ``request["go"]``, then files."""
+    from service.workers.procs import die_with_parent
 
     die_with_parent(parent_pid)
     out = Path(out_dir)
     staging = out.parent / f".{out.name}.partial"
     staging.mkdir()
-    conn.send(("stage", STAGES[0]))
+    conn.send(StageStarted(STAGES[0]))
     go = request.get("go")
     deadline = time.monotonic() + 120
     while go and not Path(go).exists():
         if stop.is_set() or time.monotonic() > deadline:
-            conn.send(("error", "cancelled", "stopped before the marker appeared"))
+            conn.send(Failed("cancelled", "stopped before the marker appeared"))
             conn.close()
             return
         time.sleep(0.02)
     for stage in STAGES[1:]:
-        conn.send(("stage", stage))
-        conn.send(("progress", 1, 1))
+        conn.send(StageStarted(stage))
+        conn.send(Progress(1, 1))
     (staging / "model.safetensors").write_bytes(PAYLOAD)
     (staging / "manifest.json").write_text(json.dumps({"files": []}))
     os.replace(staging, out)
-    conn.send(("done", []))
+    conn.send(Succeeded([]))
     conn.close()
 
 
 @pytest.fixture
 def worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr("service.runner.child_main", fake_child)
+    monkeypatch.setattr("service.workers.runner.child_main", fake_child)
     settings = Settings(data_dir=tmp_path / "data", heartbeat_interval_s=0.2, heartbeat_timeout_s=30,
                         poll_interval_s=0.1)
     worker = Worker(settings)
@@ -82,7 +83,7 @@ def _db_down() -> OperationalError:
 
 
 def _stages(worker: Worker, job_id: str) -> list[str]:
-    return [e.data["stage"] for e in worker.store.events_after(job_id) if e.kind == "stage"]
+    return [e.data["stage"] for e in worker.store.events.after(job_id) if e.kind == "stage"]
 
 
 def test_a_run_publishes_its_own_attempt_directory(worker: Worker) -> None:
@@ -102,7 +103,7 @@ def test_a_brief_store_outage_does_not_stop_the_run(worker: Worker, tmp_path: Pa
     go = tmp_path / "go"
     job = _submit(worker, go=str(go))
     store = worker.store
-    real_heartbeat, real_event, real_set = store.heartbeat_job, store.add_event, store.set_status
+    real_heartbeat, real_event, real_set = store.heartbeat_job, store.events.add, store.set_status
     failed = {"heartbeat": 0, "event": 0, "record": 0}
 
     def heartbeat_job(*args: Any, **kwargs: Any):
@@ -125,7 +126,7 @@ def test_a_brief_store_outage_does_not_stop_the_run(worker: Worker, tmp_path: Pa
         return real_set(job_id, target, **kwargs)
 
     monkeypatch.setattr(store, "heartbeat_job", heartbeat_job)
-    monkeypatch.setattr(store, "add_event", add_event)
+    monkeypatch.setattr(store.events, "add", add_event)
     monkeypatch.setattr(store, "set_status", set_status)
     assert worker.run_once()
 
@@ -139,7 +140,7 @@ def test_a_brief_store_outage_does_not_stop_the_run(worker: Worker, tmp_path: Pa
 
 def test_a_store_that_stays_down_ends_the_attempt_after_the_heartbeat_timeout(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("service.runner.child_main", fake_child)
+    monkeypatch.setattr("service.workers.runner.child_main", fake_child)
     settings = Settings(data_dir=tmp_path / "data", heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
     worker = Worker(settings)
     job = _submit(worker, go=str(tmp_path / "never"))
@@ -164,17 +165,17 @@ def test_a_lost_attempt_publishes_nothing_and_leaves_the_newer_attempt_alone(
     job = _submit(worker)
     store, dirs = worker.store, worker.dirs
     newer = dirs.attempt_dir(job.id, 2)
-    real_record = JobRun._record
+    real_record = AttemptOutcome.record
 
-    def taken_then_record(run: JobRun, exitcode: int | None):
+    def taken_then_record(outcome: AttemptOutcome, exitcode: int | None, **kwargs: Any):
         # the attempt's files are complete, but meanwhile a reaper requeued the job and another worker took it
         store.set_status(job.id, JobStatus.QUEUED, owner=worker.worker_id, worker_id=None)
         assert store.claim_next("other-worker").attempt == 2
         newer.mkdir()
         (newer / "model.safetensors").write_bytes(b"half")
-        return real_record(run, exitcode)
+        return real_record(outcome, exitcode, **kwargs)
 
-    monkeypatch.setattr(JobRun, "_record", taken_then_record)
+    monkeypatch.setattr(AttemptOutcome, "record", taken_then_record)
     assert worker.run_once()
 
     now = store.get_job(job.id)
@@ -186,13 +187,13 @@ def test_a_lost_attempt_publishes_nothing_and_leaves_the_newer_attempt_alone(
 
 def test_a_cancel_that_arrives_with_the_result_ends_cancelled(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
     job = _submit(worker)
-    real_record = JobRun._record
+    real_record = AttemptOutcome.record
 
-    def cancelled_then_record(run: JobRun, exitcode: int | None):
+    def cancelled_then_record(outcome: AttemptOutcome, exitcode: int | None, **kwargs: Any):
         worker.store.set_status(job.id, JobStatus.CANCELLING)
-        return real_record(run, exitcode)
+        return real_record(outcome, exitcode, **kwargs)
 
-    monkeypatch.setattr(JobRun, "_record", cancelled_then_record)
+    monkeypatch.setattr(AttemptOutcome, "record", cancelled_then_record)
     assert worker.run_once()
     assert worker.store.get_job(job.id).status is JobStatus.CANCELLED
     assert not worker.dirs.final_dir(job.id).exists() and leftovers(worker.settings.jobs_dir) == []
@@ -278,7 +279,7 @@ def test_pool_restarts_a_crashed_worker_but_not_one_that_stopped(tmp_path: Path)
     try:
         store = JobStore(settings.store_url)
         # each worker has installed its signal handlers once it heartbeats
-        wait_for(lambda: len(store.live_workers(30)) == 2, timeout=60, what="two worker heartbeats")
+        wait_for(lambda: len(store.workers.live(30)) == 2, timeout=60, what="two worker heartbeats")
         stopped, crashed = pool.pids
         os.kill(stopped, signal.SIGINT)  # the Ctrl-C of a shutting-down `fp8forge serve`
         os.kill(crashed, signal.SIGKILL)

@@ -4,8 +4,9 @@ Every status change is a compare-and-set ``UPDATE ... WHERE status = <seen>`` ch
 transition table, so concurrent API processes, workers and reapers never overwrite each other. A claim is
 one ``UPDATE ... WHERE seq = (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING``: atomic on both databases.
 
-This module holds job queries and status transitions; the tables and dialect helpers live in
-``service.store_schema``, event logs, worker heartbeats and stage timings in ``service.store_events``.
+This class holds job queries and status transitions; the tables and dialect helpers live in
+``service.store.schema``, event logs in ``service.store.events`` (``JobStore.events``), worker heartbeats and
+stage timings in ``service.store.workers`` (``JobStore.workers``, ``JobStore.timings``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from sqlalchemy.exc import IntegrityError
 
 from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus, Stage, transition
-from service.store_events import EventsAndWorkers
-from service.store_schema import ACTIVE_STATUSES, db_now, make_engine, tables
+from service.store.events import EventLog
+from service.store.schema import ACTIVE_STATUSES, db_now, make_engine, tables
+from service.store.workers import StageTimings, WorkerRegistry
 
 __all__ = ["JobStore", "JobLost"]
 
@@ -34,7 +36,7 @@ class JobLost(Exception):
     """A worker wrote to a job it no longer owns (it was requeued and maybe claimed elsewhere)."""
 
 
-class JobStore(EventsAndWorkers):
+class JobStore:
     """Jobs, their event logs, worker heartbeats and stage timings in one SQL database.
 
     Args:
@@ -44,9 +46,13 @@ class JobStore(EventsAndWorkers):
 
     def __init__(self, url: str, *, table_prefix: str = "") -> None:
         self.engine = make_engine(url)
-        self._md, self.jobs, self.events, self.workers, self.durations = tables(table_prefix)
-        self._md.create_all(self.engine)
+        self.tables = tables(table_prefix)
+        self.tables.metadata.create_all(self.engine)
+        self._jobs = self.tables.jobs
         self._db_now = db_now(self.engine)
+        self.events = EventLog(self.engine, self.tables)
+        self.workers = WorkerRegistry(self.engine, self.tables, self._db_now)
+        self.timings = StageTimings(self.engine, self.tables)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -54,7 +60,7 @@ class JobStore(EventsAndWorkers):
 
     def drop_all(self) -> None:
         """Drop this store's tables (tests use it to clean up their own prefix)."""
-        self._md.drop_all(self.engine)
+        self.tables.metadata.drop_all(self.engine)
         self.engine.dispose()
 
     def ping(self) -> bool:
@@ -84,18 +90,18 @@ class JobStore(EventsAndWorkers):
         job_id = uuid.uuid4().hex
         try:
             with self.engine.begin() as conn:
-                conn.execute(self.jobs.insert().values(
+                conn.execute(self._jobs.insert().values(
                     id=job_id, status=JobStatus.QUEUED.value, request=dict(request), request_hash=request_hash,
                     idempotency_key=idempotency_key, attempt=0, max_attempts=max_attempts, stage_done=0,
                     stage_total=0, created_at=now, updated_at=now,
                 ))
-                self._event(conn, job_id, "status", {"status": JobStatus.QUEUED.value}, now)
+                self.events.append(conn, job_id, "status", {"status": JobStatus.QUEUED.value}, now)
         except IntegrityError:
             if idempotency_key is None:
                 raise
             with self.engine.connect() as conn:
                 row = conn.execute(
-                    sa.select(self.jobs).where(self.jobs.c.idempotency_key == idempotency_key)
+                    sa.select(self._jobs).where(self._jobs.c.idempotency_key == idempotency_key)
                 ).mappings().first()
             if row is None:  # the holder was deleted in between: the key is free again
                 return self.create_job(request, request_hash=request_hash, idempotency_key=idempotency_key,
@@ -111,7 +117,7 @@ class JobStore(EventsAndWorkers):
     def get_job(self, job_id: str) -> Job:
         """Raises JobNotFound when no job has this id."""
         with self.engine.connect() as conn:
-            row = conn.execute(sa.select(self.jobs).where(self.jobs.c.id == job_id)).mappings().first()
+            row = conn.execute(sa.select(self._jobs).where(self._jobs.c.id == job_id)).mappings().first()
         if row is None:
             raise JobNotFound(f"no job with id {job_id!r}")
         return self._job(row)
@@ -120,13 +126,13 @@ class JobStore(EventsAndWorkers):
         self, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None
     ) -> tuple[list[Job], str | None]:
         """Newest first; returns the page and the cursor of the next page (None on the last page)."""
-        query = sa.select(self.jobs).order_by(self.jobs.c.seq.desc()).limit(limit + 1)
+        query = sa.select(self._jobs).order_by(self._jobs.c.seq.desc()).limit(limit + 1)
         if status is not None:
-            query = query.where(self.jobs.c.status == status.value)
+            query = query.where(self._jobs.c.status == status.value)
         if cursor is not None:
             if not re.fullmatch(r"[0-9]{1,18}", cursor):  # str.isdigit() accepts "²"; 19 digits overflow
                 raise InvalidRequest("cursor must be a value returned as next_cursor", field="cursor")
-            query = query.where(self.jobs.c.seq < int(cursor))
+            query = query.where(self._jobs.c.seq < int(cursor))
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
         page = [self._job(r) for r in rows[:limit]]
@@ -136,7 +142,7 @@ class JobStore(EventsAndWorkers):
         counts = dict.fromkeys(JobStatus, 0)
         with self.engine.connect() as conn:
             for status, n in conn.execute(
-                sa.select(self.jobs.c.status, sa.func.count()).group_by(self.jobs.c.status)
+                sa.select(self._jobs.c.status, sa.func.count()).group_by(self._jobs.c.status)
             ):
                 counts[JobStatus(status)] = n
         return counts
@@ -146,22 +152,22 @@ class JobStore(EventsAndWorkers):
         transition(JobStatus.QUEUED, JobStatus.RUNNING)
         now = time.time()
         oldest = (
-            sa.select(self.jobs.c.seq).where(self.jobs.c.status == JobStatus.QUEUED.value)
-            .order_by(self.jobs.c.seq).limit(1).with_for_update(skip_locked=True).scalar_subquery()
+            sa.select(self._jobs.c.seq).where(self._jobs.c.status == JobStatus.QUEUED.value)
+            .order_by(self._jobs.c.seq).limit(1).with_for_update(skip_locked=True).scalar_subquery()
         )
         stmt = (
-            sa.update(self.jobs)
-            .where(self.jobs.c.seq == oldest, self.jobs.c.status == JobStatus.QUEUED.value)
-            .values(status=JobStatus.RUNNING.value, attempt=self.jobs.c.attempt + 1, worker_id=worker_id,
+            sa.update(self._jobs)
+            .where(self._jobs.c.seq == oldest, self._jobs.c.status == JobStatus.QUEUED.value)
+            .values(status=JobStatus.RUNNING.value, attempt=self._jobs.c.attempt + 1, worker_id=worker_id,
                     started_at=now, heartbeat_at=self._db_now, updated_at=now, stage=None, stage_done=0, stage_total=0,
                     error_code=None, error_message=None)
-            .returning(*self.jobs.c)
+            .returning(*self._jobs.c)
         )
         with self.engine.begin() as conn:
             row = conn.execute(stmt).mappings().first()
             if row is None:
                 return None
-            self._event(conn, row["id"], "status",
+            self.events.append(conn, row["id"], "status",
                         {"status": JobStatus.RUNNING.value, "attempt": row["attempt"], "worker": worker_id}, now)
         return self._job(row)
 
@@ -193,9 +199,9 @@ class JobStore(EventsAndWorkers):
             now = time.time()
             if target.is_finished:
                 values.setdefault("finished_at", now)
-            c = self.jobs.c
+            c = self._jobs.c
             stmt = (
-                sa.update(self.jobs)
+                sa.update(self._jobs)
                 .where(c.id == job_id, c.status == job.status.value, c.updated_at == job.updated_at)
                 .values(status=target.value, updated_at=now, **values)
             )
@@ -205,7 +211,7 @@ class JobStore(EventsAndWorkers):
                 stmt = stmt.where(c.heartbeat_at < self._db_now - stale_for_s)
             with self.engine.begin() as conn:
                 if conn.execute(stmt).rowcount == 1:
-                    self._event(conn, job_id, "status", {"status": target.value, **(event or {})}, now)
+                    self.events.append(conn, job_id, "status", {"status": target.value, **(event or {})}, now)
                     changed = self._get(conn, job_id)
                     if before_commit is not None:
                         before_commit()
@@ -221,7 +227,7 @@ class JobStore(EventsAndWorkers):
 
     def _still_fresh(self, conn: sa.Connection, job_id: str, stale_for_s: float) -> bool:
         return conn.execute(sa.select(sa.literal(1)).where(
-            self.jobs.c.id == job_id, self.jobs.c.heartbeat_at >= self._db_now - stale_for_s)).first() is not None
+            self._jobs.c.id == job_id, self._jobs.c.heartbeat_at >= self._db_now - stale_for_s)).first() is not None
 
     def heartbeat_job(
         self, job_id: str, worker_id: str, *, attempt: int | None = None, stage: Stage | None = None,
@@ -232,13 +238,13 @@ class JobStore(EventsAndWorkers):
         if stage is not None:
             values.update(stage=stage.value, stage_done=done or 0, stage_total=total or 0)
         stmt = (
-            sa.update(self.jobs)
-            .where(self.jobs.c.id == job_id, self.jobs.c.worker_id == worker_id,
-                   self.jobs.c.status.in_(ACTIVE_STATUSES))
-            .values(**values).returning(self.jobs.c.status)
+            sa.update(self._jobs)
+            .where(self._jobs.c.id == job_id, self._jobs.c.worker_id == worker_id,
+                   self._jobs.c.status.in_(ACTIVE_STATUSES))
+            .values(**values).returning(self._jobs.c.status)
         )
         if attempt is not None:
-            stmt = stmt.where(self.jobs.c.attempt == attempt)
+            stmt = stmt.where(self._jobs.c.attempt == attempt)
         with self.engine.begin() as conn:
             status = conn.execute(stmt).scalar()
         return JobStatus(status) if status is not None else None
@@ -246,8 +252,8 @@ class JobStore(EventsAndWorkers):
     def find_stale(self, timeout_s: float) -> list[Job]:
         """Running or cancelling jobs whose worker has not heartbeaten for ``timeout_s`` seconds (database clock)."""
         with self.engine.connect() as conn:
-            rows = conn.execute(sa.select(self.jobs).where(
-                self.jobs.c.status.in_(ACTIVE_STATUSES), self.jobs.c.heartbeat_at < self._db_now - timeout_s
+            rows = conn.execute(sa.select(self._jobs).where(
+                self._jobs.c.status.in_(ACTIVE_STATUSES), self._jobs.c.heartbeat_at < self._db_now - timeout_s
             )).mappings().all()
         return [self._job(r) for r in rows]
 
@@ -261,16 +267,16 @@ class JobStore(EventsAndWorkers):
         if not job.status.is_finished:
             raise InvalidTransition(f"job is {job.status.value}; only finished jobs can be deleted, cancel it first")
         with self.engine.begin() as conn:
-            deleted = conn.execute(sa.delete(self.jobs).where(
-                self.jobs.c.id == job_id, self.jobs.c.status == job.status.value)).rowcount
-            conn.execute(sa.delete(self.events).where(self.events.c.job_id == job_id))
+            deleted = conn.execute(sa.delete(self._jobs).where(
+                self._jobs.c.id == job_id, self._jobs.c.status == job.status.value)).rowcount
+            self.events.delete(conn, job_id)
         if not deleted:
             raise JobNotFound(f"no job with id {job_id!r}")
         return job
 
     # -- helpers -----------------------------------------------------------------------------------
     def _get(self, conn: sa.Connection, job_id: str) -> Job:
-        return self._job(conn.execute(sa.select(self.jobs).where(self.jobs.c.id == job_id)).mappings().one())
+        return self._job(conn.execute(sa.select(self._jobs).where(self._jobs.c.id == job_id)).mappings().one())
 
     @staticmethod
     def _job(row: Mapping[str, Any]) -> Job:

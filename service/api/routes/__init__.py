@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.schemas import ErrorBody
+from service.api.schemas import ErrorBody
 
 __all__ = ["error_responses"]
 

@@ -10,11 +10,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from service.api.schemas import AnalyzeCreate, JobCreate
 from service.artifacts import ArtifactDirs
 from service.config import Settings
 from service.errors import InvalidRequest, InvalidTransition
 from service.jobs import Job, JobStatus
-from service.schemas import AnalyzeCreate, JobCreate
 from service.store import JobStore
 
 __all__ = ["check_request", "submit_job", "cancel_job", "delete_job", "analyze"]

@@ -16,10 +16,11 @@ from sqlalchemy.exc import DBAPIError
 
 from service.artifacts import ArtifactDirs
 from service.config import Settings
-from service.procs import die_with_parent
-from service.reaper import reap_stale
-from service.runner import JobRun
 from service.store import JobStore
+from service.store.workers import WorkerRegistry
+from service.workers.procs import die_with_parent
+from service.workers.reaper import reap_stale
+from service.workers.runner import JobRun
 
 __all__ = ["Worker", "worker_process_main"]
 
@@ -38,7 +39,7 @@ class Worker:
         self.settings = settings
         self.store = store or JobStore(settings.store_url)
         self.dirs = ArtifactDirs(settings.jobs_dir)
-        self.worker_id = JobStore.new_worker_id()
+        self.worker_id = WorkerRegistry.new_id()
         self.stopping = threading.Event()
 
     def stop(self) -> None:
@@ -65,22 +66,22 @@ class Worker:
                     self.stopping.wait(self.settings.poll_interval_s)
         finally:
             try:
-                self.store.remove_worker(self.worker_id)
+                self.store.workers.remove(self.worker_id)
             except DBAPIError:  # its row expires by itself (live_workers forgets silent workers)
                 logger.warning("could not remove worker %s from the store", self.worker_id, exc_info=True)
             logger.info("worker %s stopped", self.worker_id)
 
     def run_once(self) -> bool:
         """Claim and run one job; False when none was queued."""
-        self.store.heartbeat_worker(self.worker_id)
+        self.store.workers.heartbeat(self.worker_id)
         job = self.store.claim_next(self.worker_id)
         if job is None:
             return False
         logger.info("job %s: attempt %d of %d", job.id, job.attempt, job.max_attempts)
-        self.store.heartbeat_worker(self.worker_id, job.id)
+        self.store.workers.heartbeat(self.worker_id, job.id)
         status = JobRun(self.settings, self.store, self.dirs, self.worker_id, job, self.stopping).execute()
         logger.info("job %s: %s", job.id, status.value if status else "lost")
-        self.store.heartbeat_worker(self.worker_id)
+        self.store.workers.heartbeat(self.worker_id)
         return True
 
 

@@ -6,10 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from service import operations
-from service.deps import SettingsDep
-from service.routes import error_responses
-from service.schemas import AnalyzeCreate
+from service.api import operations
+from service.api.deps import SettingsDep
+from service.api.routes import error_responses
+from service.api.schemas import AnalyzeCreate
 
 __all__ = ["router"]
 

@@ -9,13 +9,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
 
+from service.api.limits import BodyLimitMiddleware
+from service.api.routes import analyze, artifacts, health, jobs
 from service.artifacts import ArtifactDirs
 from service.config import Settings, load_settings
 from service.errors import install_error_handler
-from service.limits import BodyLimitMiddleware
-from service.reaper import Reaper
-from service.routes import analyze, artifacts, health, jobs
 from service.store import JobStore
+from service.workers.reaper import Reaper
 
 __all__ = ["create_app"]
 

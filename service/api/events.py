@@ -36,7 +36,7 @@ async def job_event_stream(
             finished = (await to_thread.run_sync(store.get_job, job_id)).status.is_finished
         except JobNotFound:
             return  # deleted while we followed it
-        events = await to_thread.run_sync(store.events_after, job_id, last, _BATCH)
+        events = await to_thread.run_sync(store.events.after, job_id, last, _BATCH)
         for event in events:
             last = event.seq
             yield format_event(event)

@@ -16,14 +16,14 @@ def render_metrics(store: JobStore, settings: Settings) -> str:
     lines = ["# HELP fp8forge_jobs Jobs in the store by status.", "# TYPE fp8forge_jobs gauge"]
     for status, count in store.count_by_status().items():
         lines.append(f'fp8forge_jobs{{status="{status.value}"}} {count}')
-    stats = store.stage_duration_stats()
+    stats = store.timings.stats()
     lines += ["# HELP fp8forge_stage_duration_seconds Time spent in each pipeline stage.",
               "# TYPE fp8forge_stage_duration_seconds summary"]
     for stage in STAGES:
         count, total = stats.get(stage.value, (0, 0.0))
         lines.append(f'fp8forge_stage_duration_seconds_sum{{stage="{stage.value}"}} {total:.6f}')
         lines.append(f'fp8forge_stage_duration_seconds_count{{stage="{stage.value}"}} {count}')
-    workers = store.live_workers(settings.heartbeat_timeout_s)
+    workers = store.workers.live(settings.heartbeat_timeout_s)
     lines += ["# HELP fp8forge_workers Workers with a fresh heartbeat.", "# TYPE fp8forge_workers gauge",
               f"fp8forge_workers {len(workers)}",
               "# HELP fp8forge_workers_busy Workers running a job.", "# TYPE fp8forge_workers_busy gauge",

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from service.deps import SettingsDep, StoreDep
-from service.metrics import CONTENT_TYPE, render_metrics
-from service.schemas import HealthPublic, ReadyPublic
+from service.api.deps import SettingsDep, StoreDep
+from service.api.metrics import CONTENT_TYPE, render_metrics
+from service.api.schemas import HealthPublic, ReadyPublic
 
 __all__ = ["router"]
 
@@ -24,7 +24,7 @@ def health() -> HealthPublic:
 def ready(store: StoreDep, settings: SettingsDep) -> JSONResponse:
     """Ready when the store answers and at least one worker heartbeat is fresh (503 otherwise)."""
     reachable = store.ping()
-    workers = len(store.live_workers(settings.heartbeat_timeout_s)) if reachable else 0
+    workers = len(store.workers.live(settings.heartbeat_timeout_s)) if reachable else 0
     body = ReadyPublic(ready=reachable and workers > 0, store=reachable, workers=workers)
     return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 

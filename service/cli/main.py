@@ -98,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_arguments(convert)
     convert.set_defaults(func=_run_convert)
 
-    from service import cli_service
+    from service.cli import serve
 
-    cli_service.register(commands)
+    serve.register(commands)
     return parser
 
 
@@ -136,7 +136,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from service.cli_convert import run_convert_command
+    from service.cli.convert import run_convert_command
 
     return run_convert_command(args, source_options_from_args(args))
 

@@ -8,10 +8,10 @@ from urllib.parse import quote
 from fastapi import APIRouter, Header
 from fastapi.responses import FileResponse
 
-from service.deps import DirsDep, JobDep
-from service.downloads import ArtifactResponse, artifact_response
-from service.routes import error_responses
-from service.schemas import ArtifactPublic, ArtifactsPublic, ErrorBody
+from service.api.deps import DirsDep, JobDep
+from service.api.downloads import ArtifactResponse, artifact_response
+from service.api.routes import error_responses
+from service.api.schemas import ArtifactPublic, ArtifactsPublic, ErrorBody
 
 __all__ = ["router"]
 

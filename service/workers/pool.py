@@ -14,8 +14,8 @@ import threading
 from multiprocessing.process import BaseProcess
 
 from service.config import Settings
-from service.procs import visible_gpus
-from service.worker import worker_process_main
+from service.workers.procs import visible_gpus
+from service.workers.worker import worker_process_main
 
 __all__ = ["WorkerPool", "default_worker_count"]
 

@@ -1,13 +1,14 @@
 """Runs one claimed job: spawn the conversion child, relay its reports, heartbeat, honour cancel, record.
 
-The worker process is the parent; the child (``service.child``) is started with the ``spawn`` method so it
+The worker process is the parent; the child (``service.workers.child``) is started with the ``spawn`` method so it
 never inherits CUDA or lock state, and dies with its worker. Each attempt writes into its own directory; only
 this worker, while it still owns the attempt, renames it to the job's final directory, inside the transaction
 that records the success. Every other outcome (failure, cancel, requeue, a lost job) removes the attempt's
 directory. A database that stops answering for a while does not stop the run: heartbeats and events are
 retried until ``heartbeat_timeout_s`` of continuous failures, after which the job counts as lost.
 
-This module supervises the child; recording the outcome once it has exited is ``service.runner_outcome``.
+This module supervises the child; recording the outcome once it has exited is ``service.workers.outcome``,
+and the messages the child sends are ``service.workers.messages``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -26,11 +25,13 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from service.artifacts import ArtifactDirs
-from service.child import child_main
 from service.config import Settings
 from service.jobs import Job, JobStatus, Stage
-from service.runner_outcome import OutcomeRecorder
 from service.store import JobStore
+from service.workers.child import child_main
+from service.workers.messages import ChildMessage, Failed, Progress, StageStarted, Succeeded, Warned
+from service.workers.outcome import AttemptOutcome
+from service.workers.watch import RunWatch
 
 __all__ = ["JobRun"]
 
@@ -38,29 +39,10 @@ logger = logging.getLogger(__name__)
 
 _PROGRESS_EVENT_EVERY_S = 1.0
 _KILL_AFTER_TERM_S = 1.0
-_PENDING_EVENTS = 1000  # kept while the store is unreachable; the oldest go first
 
 
-@dataclass
-class _Watch:
-    """What the worker has learned about the running child so far."""
-
-    stage: Stage | None = None
-    done: int = 0
-    total: int = 0
-    stage_started: float | None = None
-    durations: list[tuple[str, float]] = field(default_factory=list)
-    result: tuple[Any, ...] | None = None
-    cancel_at: float | None = None
-    shutdown_at: float | None = None
-    lost: bool = False
-    last_progress_event: float = 0.0
-    store_failing_since: float | None = None
-    pending_events: deque[tuple[str, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=_PENDING_EVENTS))
-
-
-class JobRun(OutcomeRecorder):
-    """One attempt of one job on this worker (``OutcomeRecorder`` supplies ``_record`` and what it calls)."""
+class JobRun:
+    """One attempt of one job on this worker: supervises the child, then hands over to ``AttemptOutcome``."""
 
     def __init__(
         self, settings: Settings, store: JobStore, dirs: ArtifactDirs, worker_id: str, job: Job,
@@ -68,7 +50,7 @@ class JobRun(OutcomeRecorder):
     ) -> None:
         self.settings, self.store, self.dirs = settings, store, dirs
         self.worker_id, self.job, self.stopping = worker_id, job, stopping
-        self.watch = _Watch()
+        self.watch = RunWatch()
         self._check_every = min(settings.heartbeat_interval_s, 0.5)
 
     def execute(self) -> JobStatus | None:
@@ -98,7 +80,9 @@ class JobRun(OutcomeRecorder):
                            "discarded", job_id)
             self.dirs.remove_attempt(job_id, attempt)
             return None
-        return self._record(proc.exitcode)
+        self._end_stage()  # the run is over; what remains is recording it
+        outcome = AttemptOutcome(self.store, self.dirs, self.worker_id, self.job, self.watch)
+        return outcome.record(proc.exitcode, flush_events=self._flush_events)
 
     # -- supervision -------------------------------------------------------------------------------
     def _supervise(self, proc: BaseProcess, receiver: Connection, stop: Any) -> None:
@@ -146,26 +130,29 @@ class JobRun(OutcomeRecorder):
             return True
         return False
 
-    def _handle(self, msg: tuple[Any, ...]) -> None:
-        w, kind = self.watch, msg[0]
-        if kind == "stage":
-            self._end_stage()
-            w.stage, w.done, w.total, w.stage_started = Stage(msg[1]), 0, 0, time.monotonic()
-            w.last_progress_event = 0.0  # the first step of every stage is always reported
-            self._emit("stage", {"stage": w.stage.value})
-            self._heartbeat()
-        elif kind == "progress":
-            w.done, w.total = msg[1], msg[2]
-            now = time.monotonic()
-            if now - w.last_progress_event >= _PROGRESS_EVENT_EVERY_S or w.done >= w.total:
-                w.last_progress_event = now
-                stage = w.stage.value if w.stage else None
-                self._emit("progress", {"stage": stage, "done": w.done, "total": w.total})
-        elif kind == "warning":
-            self._emit("warning", {"message": msg[1]})
-        else:
-            self._end_stage()  # the run is over; the child's own teardown is not stage time
-            w.result = msg
+    def _handle(self, msg: ChildMessage) -> None:
+        w = self.watch
+        match msg:
+            case StageStarted(stage=stage):
+                self._end_stage()
+                w.stage, w.done, w.total, w.stage_started = Stage(stage), 0, 0, time.monotonic()
+                w.last_progress_event = 0.0  # the first step of every stage is always reported
+                self._emit("stage", {"stage": w.stage.value})
+                self._heartbeat()
+            case Progress(done=done, total=total):
+                w.done, w.total = done, total
+                now = time.monotonic()
+                if now - w.last_progress_event >= _PROGRESS_EVENT_EVERY_S or w.done >= w.total:
+                    w.last_progress_event = now
+                    stage = w.stage.value if w.stage else None
+                    self._emit("progress", {"stage": stage, "done": w.done, "total": w.total})
+            case Warned(message=message):
+                self._emit("warning", {"message": message})
+            case Succeeded() | Failed():
+                self._end_stage()  # the run is over; the child's own teardown is not stage time
+                w.result = msg
+            case _:
+                logger.error("job %s: the conversion child sent an unknown message %r", self.job.id, msg)
 
     def _end_stage(self) -> None:
         w = self.watch
@@ -189,7 +176,7 @@ class JobRun(OutcomeRecorder):
         if status is JobStatus.CANCELLING and w.cancel_at is None:
             w.cancel_at = time.monotonic()
         try:
-            self.store.heartbeat_worker(self.worker_id, self.job.id)
+            self.store.workers.heartbeat(self.worker_id, self.job.id)
         except DBAPIError:
             logger.warning("job %s: worker heartbeat failed", self.job.id, exc_info=True)
         self._flush_events()
@@ -215,7 +202,7 @@ class JobRun(OutcomeRecorder):
         try:
             while pending:
                 kind, data = pending[0]
-                if not self.store.add_event(self.job.id, kind, data, worker_id=self.worker_id,
+                if not self.store.events.add(self.job.id, kind, data, worker_id=self.worker_id,
                                             attempt=self.job.attempt):
                     pending.clear()  # the job is no longer ours; the next heartbeat (or the outcome) notices
                     return

@@ -1,7 +1,7 @@
 """Recording the outcome of one job attempt: success (publishing its files), failure, cancel or requeue.
 
-A mixin of ``JobRun`` (``service.runner``), kept apart from the supervision loop: it runs once the child has
-exited, and decides only what the store says about the attempt and what happens to its directory. A success
+Used by ``JobRun`` (``service.workers.runner``) once the child has exited; it decides only what the store
+says about the attempt and what happens to its directory. A success
 is published only by the attempt's owner, inside the transaction that records it; every other outcome
 removes the attempt's directory. A store that fails for a moment is retried with a back-off.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
@@ -19,11 +19,10 @@ from service.artifacts import ArtifactDirs
 from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus
 from service.store import JobLost, JobStore
+from service.workers.messages import Succeeded
+from service.workers.watch import RunWatch
 
-if TYPE_CHECKING:
-    from service.runner import _Watch
-
-__all__ = ["OutcomeRecorder"]
+__all__ = ["AttemptOutcome"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,29 +30,26 @@ _RECORD_TRIES = 4
 _RECORD_BACKOFF_S = 0.5  # doubled after every failed try
 
 
-class OutcomeRecorder:
-    """The outcome methods of ``JobRun``, which sets the attributes and supervision methods below."""
+class AttemptOutcome:
+    """Records how one attempt ended, as told by what its ``RunWatch`` saw."""
 
-    store: JobStore
-    dirs: ArtifactDirs
-    worker_id: str
-    job: Job
-    watch: _Watch
-    _end_stage: Callable[[], None]
-    _flush_events: Callable[..., None]
+    def __init__(self, store: JobStore, dirs: ArtifactDirs, worker_id: str, job: Job, watch: RunWatch) -> None:
+        self.store, self.dirs, self.worker_id, self.job, self.watch = store, dirs, worker_id, job, watch
 
-    def _record(self, exitcode: int | None) -> JobStatus | None:
-        """Record the attempt's outcome, retrying a store that fails for a moment."""
+    def record(self, exitcode: int | None, *, flush_events: Callable[..., None]) -> JobStatus | None:
+        """Record the attempt's outcome, retrying a store that fails for a moment.
+
+        ``flush_events(strict=True)`` writes the run's held-back events, which come before its final status.
+        """
         job_id, attempt = self.job.id, self.job.attempt
-        self._end_stage()
         try:
-            self.store.record_stage_durations(job_id, self.watch.durations)
+            self.store.timings.record(job_id, self.watch.durations)
         except DBAPIError:
             logger.warning("job %s: stage timings not recorded", job_id, exc_info=True)
         delay = _RECORD_BACKOFF_S
         for left in reversed(range(_RECORD_TRIES)):
             try:
-                self._flush_events(strict=True)  # the run's last events come before its final status
+                flush_events(strict=True)
                 return self._outcome(exitcode)
             except (JobLost, JobNotFound):
                 logger.warning("job %s was taken from this worker before its outcome was recorded", job_id)
@@ -74,12 +70,12 @@ class OutcomeRecorder:
         w = self.watch
         if w.cancel_at is not None:
             return self._finish(JobStatus.CANCELLED)
-        if w.result is not None and w.result[0] == "done":
-            return self._succeed(w.result[1])
+        if isinstance(w.result, Succeeded):
+            return self._succeed(w.result.manifest)
         if w.shutdown_at is not None:
             return self._requeue("worker_shutdown", count_attempt=False)
         if w.result is not None:
-            return self._finish(JobStatus.FAILED, error_code=w.result[1], error_message=w.result[2])
+            return self._finish(JobStatus.FAILED, error_code=w.result.code, error_message=w.result.message)
         return self._crashed(f"the conversion process exited with code {exitcode} without a result")
 
     def _succeed(self, manifest: list[dict[str, Any]]) -> JobStatus:

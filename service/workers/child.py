@@ -3,8 +3,7 @@
 This is the one place where ``service`` meets ``converters`` (and thus torch): the worker process itself
 stays free of CUDA state, so killing this child is always a safe way to stop a run.
 
-Messages sent to the worker: ``("stage", name)``, ``("progress", done, total)``, ``("warning", text)``,
-then exactly one of ``("done", manifest)`` or ``("error", code, message)``.
+The messages it sends are the typed ones of ``service.workers.messages``.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
-from service.procs import die_with_parent
+from service.workers.messages import Failed, Progress, StageStarted, Succeeded, Warned
+from service.workers.procs import die_with_parent
 
 __all__ = ["PipeSink", "child_main"]
 
@@ -32,13 +32,13 @@ class PipeSink:
         self._stop = stop
 
     def stage(self, name: str) -> None:
-        self._conn.send(("stage", str(name)))
+        self._conn.send(StageStarted(str(name)))
 
     def progress(self, done: int, total: int) -> None:
-        self._conn.send(("progress", int(done), int(total)))
+        self._conn.send(Progress(int(done), int(total)))
 
     def warning(self, message: str) -> None:
-        self._conn.send(("warning", str(message)))
+        self._conn.send(Warned(str(message)))
 
     def should_stop(self) -> bool:
         return self._stop.is_set()
@@ -63,11 +63,11 @@ def child_main(
                 ConversionRequest.from_dict(request), Path(out_dir), ModelSourceOptions(**sources),
                 PipeSink(conn, stop),
             )
-            conn.send(("done", [dict(m) for m in result.manifest]))
+            conn.send(Succeeded([dict(m) for m in result.manifest]))
         except Fp8ForgeError as exc:
-            conn.send(("error", exc.code, exc.message))
+            conn.send(Failed(exc.code, exc.message))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
         logger.error("conversion crashed:\n%s", traceback.format_exc())
-        conn.send(("error", "internal_error", f"{type(exc).__name__}: {exc}"))
+        conn.send(Failed("internal_error", f"{type(exc).__name__}: {exc}"))
     finally:
         conn.close()

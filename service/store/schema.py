@@ -6,20 +6,28 @@ Kept apart from the queries so that what is stored, and how SQLite and PostgreSQ
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
 from service.jobs import JobStatus
 
-__all__ = ["ACTIVE_STATUSES", "db_now", "make_engine", "tables"]
+__all__ = ["ACTIVE_STATUSES", "Tables", "db_now", "make_engine", "tables"]
 
 # a job in one of these has an owning worker whose heartbeats keep it alive
 ACTIVE_STATUSES = (JobStatus.RUNNING.value, JobStatus.CANCELLING.value)
 
 
-def tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table]:
+class Tables(NamedTuple):
+    metadata: sa.MetaData
+    jobs: sa.Table
+    events: sa.Table
+    workers: sa.Table
+    durations: sa.Table
+
+
+def tables(prefix: str) -> Tables:
     """The metadata and the jobs, job_events, workers and stage_durations tables, each name after ``prefix``."""
     md = sa.MetaData()
     jobs = sa.Table(
@@ -71,7 +79,7 @@ def tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.T
         sa.Column("stage", sa.String(16), nullable=False),
         sa.Column("seconds", sa.Double, nullable=False),
     )
-    return md, jobs, events, workers, durations
+    return Tables(md, jobs, events, workers, durations)
 
 
 def db_now(engine: Engine) -> sa.ColumnElement[float]:

@@ -61,9 +61,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from service.main import create_app
-    from service.pool import WorkerPool, default_worker_count
+    from service.api.app import create_app
     from service.store import JobStore
+    from service.workers.pool import WorkerPool, default_worker_count
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     JobStore(settings.store_url).close()  # create the schema once, before several processes race to
@@ -93,14 +93,14 @@ def run_worker(args: argparse.Namespace) -> int:
     settings = _settings()
     if settings is None:
         return 2
-    from service.worker import worker_process_main
+    from service.workers.worker import worker_process_main
 
     worker_process_main(settings, gpu=args.gpu)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m service.cli_service serve``); ``fp8forge`` is the usual one."""
+    """Stand-alone entry (``python -m service.cli.serve serve``); ``fp8forge`` is the usual one."""
     parser = argparse.ArgumentParser(prog="fp8forge")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

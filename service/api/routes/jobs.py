@@ -7,12 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
-from service import operations
-from service.deps import DirsDep, JobDep, SettingsDep, StoreDep
-from service.events import job_event_stream
+from service.api import operations
+from service.api.deps import DirsDep, JobDep, SettingsDep, StoreDep
+from service.api.events import job_event_stream
+from service.api.routes import error_responses
+from service.api.schemas import JobCreate, JobPublic, JobsPublic
 from service.jobs import JobStatus
-from service.routes import error_responses
-from service.schemas import JobCreate, JobPublic, JobsPublic
 
 __all__ = ["router"]
 

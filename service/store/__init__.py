@@ -1,0 +1,5 @@
+"""The durable job store: jobs and their transitions, event logs, worker liveness, stage timings."""
+
+from service.store.job_store import JobLost, JobStore
+
+__all__ = ["JobLost", "JobStore"]

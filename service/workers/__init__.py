@@ -1,0 +1,1 @@
+"""Workers: claim jobs from the store, run each conversion in a spawned child, record the outcome."""

@@ -1,0 +1,44 @@
+"""What a conversion child tells its worker over the pipe, one typed message per event.
+
+The child sends any number of ``StageStarted``, ``Progress`` and ``Warned`` messages, then exactly one
+``Succeeded`` or ``Failed``. Messages are frozen dataclasses, so both ends agree on their fields and a reader
+sees the whole protocol here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ChildMessage", "ChildResult", "Failed", "Progress", "StageStarted", "Succeeded", "Warned"]
+
+
+@dataclass(frozen=True)
+class StageStarted:
+    stage: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Warned:
+    message: str
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    manifest: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Failed:
+    code: str
+    message: str
+
+
+ChildResult = Succeeded | Failed
+ChildMessage = StageStarted | Progress | Warned | Succeeded | Failed
