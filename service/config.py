@@ -43,12 +43,37 @@ class Settings(BaseSettings):
     max_attempts: int = Field(3, ge=1, le=100, description="Attempts per job before it fails for good.")
     poll_interval_s: float = Field(1.0, gt=0, description="How often an idle worker looks for work.")
     cancel_grace_s: float = Field(2.0, ge=0, description="Time a cancelled run gets to stop by itself.")
+    conversion_threads: int | None = Field(
+        None, ge=1, le=1024, description="CPU threads each conversion child may use; unset: all cores but one."
+    )
+    auth_disabled: bool = Field(
+        False, description="Serve without API keys (every caller is an admin); only on a loopback address."
+    )
+    api_keys_file: Path | None = Field(
+        None, description="File of API keys, one 'name:role:sha256-of-token' per line (`fp8forge keys create`)."
+    )
+    api_keys: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="More API keys in the same 'name:role:sha256' form, comma-separated."
+    )
+    max_queued_jobs_per_key: int = Field(
+        20, ge=1, le=100_000, description="Queued jobs one key may have; more are refused with 429."
+    )
+    max_running_jobs_per_key: int = Field(
+        2, ge=1, le=10_000, description="Jobs of one key that workers run at the same time."
+    )
 
     @field_validator("allowed_model_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(part for part in value.split(os.pathsep) if part.strip())
+        return value
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
 
     @field_validator("allowed_model_roots")
