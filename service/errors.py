@@ -17,6 +17,8 @@ from converters.errors import BackendUnavailableError, Fp8ForgeError
 
 __all__ = [
     "ServiceError",
+    "Unauthorized",
+    "TooManyJobs",
     "JobNotFound",
     "ArtifactNotFound",
     "InvalidTransition",
@@ -42,6 +44,23 @@ class ServiceError(Exception):
         self.message = message
         self.field = field
         self.headers = headers or {}
+
+
+class Unauthorized(ServiceError):
+    """No API key, or one this server does not know (401 with ``WWW-Authenticate: Bearer``)."""
+
+    code = "unauthorized"
+    status_code = 401
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class TooManyJobs(ServiceError):
+    """The caller's key has as many queued jobs as it may (429 with ``Retry-After``)."""
+
+    code = "too_many_jobs"
+    status_code = 429
 
 
 class JobNotFound(ServiceError):
