@@ -275,7 +275,9 @@ def model_dtype(config: Any) -> torch.dtype:
     """The dtype the checkpoint declares (float32 when it declares none)."""
     import torch
 
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 5 reads a config.json's "torch_dtype" into ``dtype``; its ``torch_dtype`` property only
+    # logs a deprecation warning.
+    dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
@@ -303,12 +305,13 @@ def load_model(directory: Path, sources: ModelSourceOptions, *, dtype: torch.dty
         )
     cls = model_class(config, sources)
     try:
-        model, info = cls.from_pretrained(
-            directory,
-            dtype=dtype or model_dtype(config),
-            trust_remote_code=sources.trust_remote_code,
-            output_loading_info=True,
-        )
+        with transformers_progress_off():
+            model, info = cls.from_pretrained(
+                directory,
+                dtype=dtype or model_dtype(config),
+                trust_remote_code=sources.trust_remote_code,
+                output_loading_info=True,
+            )
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load the weights in {directory}: {exc}") from exc
     if info.get("missing_keys"):

@@ -146,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     from converters.errors import Fp8ForgeError
+    from converters.third_party_noise import silence_third_party_noise
+
+    silence_third_party_noise()  # before any command imports torch, torchao or transformers
 
     try:
         return args.func(args)
