@@ -21,8 +21,9 @@ lint: $(STAMP)
 test: lint
 	TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
 
+# Local use: no API keys, and the server refuses to listen on anything but loopback that way.
 serve: $(STAMP)
-	$(VENV)/bin/fp8forge serve
+	FP8FORGE_AUTH_DISABLED=1 $(VENV)/bin/fp8forge serve
 
 clean:
 	rm -rf $(VENV)

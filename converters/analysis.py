@@ -16,9 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.patterns import matches, validate_pattern
+from converters.patterns import PatternError, matches, validate_pattern
 
-__all__ = ["AnalysisOptions", "Reason", "analyze_model", "analyze_model_reference", "eligible_paths", "REPORT_VERSION"]
+__all__ = [
+    "AnalysisOptions",
+    "Reason",
+    "analyze_model",
+    "analyze_model_reference",
+    "check_include_patterns",
+    "eligible_paths",
+    "REPORT_VERSION",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +138,25 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
 def eligible_paths(report: dict[str, Any]) -> list[str]:
     """Module paths the report calls eligible, in model order (what conversion must swap)."""
     return [layer["path"] for layer in report["layers"] if layer["eligible"]]
+
+
+def check_include_patterns(report: dict[str, Any]) -> None:
+    """Refuse an include pattern that selects no Linear layer of the analysed model: it is a typo or
+    belongs to another model, and would leave the layers it meant to select unconverted without a word.
+
+    Raises:
+        PatternError: naming ``include[i]`` and the pattern, with a path of this model as an example.
+    """
+    paths = [layer["path"] for layer in report["layers"] if Reason.NOT_LINEAR.value not in layer["reasons"]]
+    for index, pattern in enumerate(report["options"]["include"]):
+        if any(matches(pattern, path) for path in paths):
+            continue
+        example = f"its Linear layers have paths like {paths[len(paths) // 2]!r}" if paths else "it has no nn.Linear"
+        raise PatternError(
+            f"include[{index}]: pattern {pattern!r} matches no Linear layer of this model ({example}); "
+            "patterns match whole dotted path segments",
+            field=f"include[{index}]",
+        )
 
 
 def _layer_entry(path: str, module: nn.Module, in_features: int, out_features: int) -> dict[str, Any]:
@@ -313,5 +340,6 @@ def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", incl
     config = load_config(directory, sources)
     model = build_meta_model(config, sources)
     report = analyze_model(model, options)
+    check_include_patterns(report)
     report["model"] = {"reference": ref, "model_type": getattr(config, "model_type", None)}
     return report

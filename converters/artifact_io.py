@@ -76,7 +76,18 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapp
         raise TypeError(f"safetensors metadata must be strings; not strings: {bad}")
     temporary = path.with_name(f".{path.name}.tmp")
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, metadata=dict(metadata))
+    os.chmod(temporary, new_file_mode())  # safetensors creates 0600 files; an artifact's files share one mode
     os.replace(temporary, path)
+
+
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file here: 0666 less the process umask (read without changing it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):  # not Linux: the usual umask
+        umask = 0o022
+    return 0o666 & ~umask
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -67,6 +67,20 @@ _HUB_ID = re.compile(rf"^{_HUB_PART}/{_HUB_PART}$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")
 _URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
+# The service (fp8forge serve, fp8forge worker) reads its settings from the environment, while fp8forge analyze
+# and convert take flags: a message that tells how to change a source option names both.
+_ALLOW_ROOT_HINT = (
+    "allow a directory above it (the service: FP8FORGE_ALLOWED_MODEL_ROOTS; fp8forge analyze and convert: "
+    "--allow-root DIR, repeatable)"
+)
+_TRUST_REMOTE_CODE_HINT = (
+    "enable remote code (the service: FP8FORGE_TRUST_REMOTE_CODE=1; fp8forge analyze and convert: --trust-remote-code)"
+)
+_OFFLINE_HINT = (
+    "turn offline mode off (the service: FP8FORGE_HF_OFFLINE; fp8forge analyze and convert: drop --offline and "
+    "unset FP8FORGE_HF_OFFLINE and HF_HUB_OFFLINE)"
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSourceOptions:
@@ -143,16 +157,16 @@ def _allowed_local_path(text: str, sources: ModelSourceOptions) -> Path:
     roots = [Path(root).resolve() for root in sources.allowed_roots]
     if not roots:
         raise ModelReferenceError(
-            f"local model {text!r} refused: no local model roots are allowed; "
-            "set FP8FORGE_ALLOWED_MODEL_ROOTS (or --allow-root) to the directory that holds your models"
+            f"local model {text!r} refused: no local model roots are allowed; {_ALLOW_ROOT_HINT}"
         )
     if not any(path == root or root in path.parents for root in roots):
         allowed = ", ".join(str(root) for root in roots)
         raise ModelReferenceError(
-            f"local model {text!r} is outside the allowed roots ({allowed}); move it below one of them "
-            "or add its parent with FP8FORGE_ALLOWED_MODEL_ROOTS / --allow-root"
+            f"local model {text!r} is outside the allowed roots ({allowed}); move it below one of them, "
+            f"or {_ALLOW_ROOT_HINT}"
         )
     return path
+
 
 
 def resolve_model_dir(ref: str, sources: ModelSourceOptions, *, with_weights: bool) -> Path:
@@ -219,14 +233,29 @@ def _download_hub_model(reference: ModelReference, sources: ModelSourceOptions, 
     except RepositoryNotFoundError as exc:
         raise ModelNotFoundError(f"model {name!r} not found on the hub (check the id, or set HF_TOKEN)") from exc
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
-        hint = "offline mode is on" if sources.offline else "the hub could not be reached"
-        raise ModelNotFoundError(
-            f"{name!r} is not in the HF cache ({sources.cache_dir or 'default cache'}) and {hint}; "
-            "download it on a connected machine with `hf download` into that cache, or turn offline mode off"
-        ) from exc
+        raise ModelNotFoundError(_cache_miss_message(reference, sources, exc)) from exc
     except (HfHubHTTPError, OSError) as exc:
         raise ModelNotFoundError(f"could not fetch {name!r} from the hub: {exc}") from exc
     return Path(path)
+
+
+def _cache_miss_message(reference: ModelReference, sources: ModelSourceOptions, exc: Exception) -> str:
+    """Why a hub model was not found, in the one case that happened: fp8forge's offline mode, huggingface_hub's
+    own HF_HUB_OFFLINE, or a hub that did not answer."""
+    from huggingface_hub import constants
+
+    cache = sources.cache_dir or constants.HF_HUB_CACHE
+    download = f"hf download {reference.repo_id}" + (f" --revision {reference.revision}" if reference.revision else "")
+    miss = f"{reference.text!r} is not in the HF cache ({cache})"
+    fill = f"fill the cache on a connected machine with `{download} --cache-dir {cache}`"
+    if sources.offline:
+        return f"{miss} and offline mode is on; {fill}, or {_OFFLINE_HINT}"
+    if constants.HF_HUB_OFFLINE:
+        return (f"{miss} and HF_HUB_OFFLINE is set in the environment, which keeps huggingface_hub offline; {fill}, "
+                "or unset HF_HUB_OFFLINE")
+    cause = exc.__cause__ or exc
+    return (f"{miss} and the hub could not be reached ({type(cause).__name__}: {cause}); check the network, "
+            f"proxy and HF_ENDPOINT, or {fill}")
 
 
 def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
@@ -241,7 +270,7 @@ def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
     try:
         return AutoConfig.from_pretrained(directory, trust_remote_code=sources.trust_remote_code)
     except (ValueError, OSError) as exc:
-        hint = "" if sources.trust_remote_code else " (if the model ships its own code, enable trust_remote_code)"
+        hint = "" if sources.trust_remote_code else f"; if the model ships its own code, {_TRUST_REMOTE_CODE_HINT}"
         raise ModelNotFoundError(f"cannot read config.json in {directory}: {exc}{hint}") from exc
 
 
@@ -260,7 +289,7 @@ def model_class(config: Any, sources: ModelSourceOptions) -> Any:
     auto_map = getattr(config, "auto_map", None) or {}
     if auto_map and not sources.trust_remote_code:
         raise ModelNotFoundError(
-            "this model's architecture ships as remote code; enable trust_remote_code to load it"
+            f"this model's architecture ships as remote code; to load it, {_TRUST_REMOTE_CODE_HINT}"
         )
     from transformers import AutoModel, AutoModelForCausalLM
 

@@ -66,7 +66,7 @@ def _load_whole_model(run: _Run) -> None:
 
 def analyze(run: _Run) -> None:
     """The eligibility report on the meta device; it alone decides what is converted."""
-    from converters.analysis import AnalysisOptions, analyze_model
+    from converters.analysis import AnalysisOptions, analyze_model, check_include_patterns
 
     options = AnalysisOptions(
         backend=run.recipe.backend.value,
@@ -77,6 +77,7 @@ def analyze(run: _Run) -> None:
     )
     run.report = analyze_model(run.meta_model, options)
     run.report["model"] = {"reference": run.request.model, "model_type": getattr(run.config, "model_type", None)}
+    check_include_patterns(run.report)
     if run.report["totals"]["eligible_layers"] == 0:
         raise ConversionError(
             "no layer is eligible for FP8 (see `fp8forge analyze`): nothing to convert; "
@@ -178,7 +179,18 @@ def _calibration_batches(run: _Run) -> tuple[list[dict[str, Any]], str]:
     )
     if tokenizer is None:
         run.warn("the model ships no tokenizer: calibration used random token ids, not text")
+    else:
+        _warn_if_shorter_than_a_window(run, batches[0]["attention_mask"])
     return [model_inputs(run.meta_model, run.config, batch) for batch in batches], source
+
+
+def _warn_if_shorter_than_a_window(run: _Run, first_mask: torch.Tensor) -> None:
+    # Only a token stream shorter than one window is padded, and then every window is that one sequence.
+    tokens, seq_len = int(first_mask[0].sum()), run.request.calibration.seq_len
+    if tokens < seq_len:
+        run.warn(f"the calibration text holds {tokens} tokens, fewer than one window of calibration.seq_len "
+                 f"{seq_len}: every step sees the same padded sequence; give more calibration.texts or a smaller "
+                 "calibration.seq_len")
 
 
 def _calibrate_whole_model(run: _Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:

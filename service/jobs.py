@@ -98,6 +98,7 @@ class Job:
     error_message: str | None = None
     artifacts: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
     idempotency_key: str | None = None
+    owner: str | None = None  #: name of the API key that created it; None on a server without keys
 
     @property
     def progress(self) -> float:

@@ -133,11 +133,11 @@ def wait_for(predicate: Any, *, timeout: float, what: str, interval: float = 0.1
 
 
 def fp8forge_command() -> list[str]:
-    """How to run the ``fp8forge`` CLI: the installed console script once ``service/cli/main.py`` exists."""
+    """How to run the ``fp8forge`` CLI: the installed console script, else the module it runs."""
     script = Path(sys.executable).with_name("fp8forge")
-    if script.exists() and (Path(__file__).parents[1] / "service" / "cli.py").exists():
+    if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "service.cli.serve"]
+    return [sys.executable, "-m", "service.cli.main"]
 
 
 class ServeProcess:
@@ -149,7 +149,8 @@ class ServeProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = data_dir.parent / f"serve-{self.port}.log"
         self.env = {**os.environ, "FP8FORGE_DATA_DIR": str(data_dir), "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
-                    "HF_HUB_OFFLINE": "1", "FP8FORGE_HF_OFFLINE": "1", **(env or {})}
+                    "HF_HUB_OFFLINE": "1", "FP8FORGE_HF_OFFLINE": "1", "FP8FORGE_AUTH_DISABLED": "1",
+                    **(env or {})}
         self.workers = workers
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -18,8 +18,8 @@ GOOD = {"model": "demo/tiny-llama", "recipe": {"backend": "ao", "recipe_name": "
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     (tmp_path / "models").mkdir()
-    return Settings(data_dir=tmp_path / "data", allowed_model_roots=(tmp_path / "models",), max_body_bytes=4096,
-                    workers=0)
+    return Settings(data_dir=tmp_path / "data", auth_disabled=True, allowed_model_roots=(tmp_path / "models",),
+                    max_body_bytes=4096, workers=0)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ FILES = {"model.safetensors": PAYLOAD, "fp8_report.json": b'{"converted": 14}', 
 
 @pytest.fixture
 def served(tmp_path: Path):
-    settings = Settings(data_dir=tmp_path / "data", workers=0)
+    settings = Settings(data_dir=tmp_path / "data", workers=0, auth_disabled=True)
     with live_app(settings) as client:
         store = JobStore(settings.store_url)
         job = publish_job(store, settings.jobs_dir, FILES)

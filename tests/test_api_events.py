@@ -13,7 +13,7 @@ from tests.service_helpers import live_app, sse_events
 
 
 def test_events_follow_a_job_live_and_end_when_it_ends(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path / "data", workers=0)
+    settings = Settings(data_dir=tmp_path / "data", workers=0, auth_disabled=True)
     with live_app(settings) as client:
         store = JobStore(settings.store_url)
         job, _ = store.create_job({"model": "demo/tiny-llama"}, request_hash="h")

@@ -94,6 +94,9 @@ def test_te_checkpoint_layout_and_state_equal_the_recorded_calibration(llama_roo
     with safe_open(out / "fp8_state.safetensors", "pt") as handle:
         metadata = handle.metadata()
     assert json.loads(metadata["fp8_recipe"])["amax_history_len"] == 4 and metadata["version_torch"]
+    # every file of an artifact gets the mode of a new file here (safetensors itself creates 0600 files)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir() if path.is_file()}
+    assert len(set(modes.values())) == 1 and "fp8_state.safetensors" in modes, modes
 
 
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.api.auth import LOCAL_CALLER
 from service.api.operations import submit_job
 from service.api.schemas import JobCreate
 from service.artifacts import ArtifactDirs
@@ -20,7 +21,7 @@ def test_a_failing_run_is_recorded_with_its_error_and_leaves_nothing(tmp_path: P
     worker = Worker(settings)
     body = JobCreate(model=str(models / "not-there"), recipe={"backend": "ao"},
                      calibration={"steps": 1, "batch_size": 1, "seq_len": 8})
-    job = submit_job(worker.store, settings, body, None)
+    job = submit_job(worker.store, settings, body, None, LOCAL_CALLER)
 
     assert worker.run_once() is True
     failed = worker.store.get_job(job.id)
@@ -45,7 +46,7 @@ def test_stopping_a_worker_requeues_its_job_without_using_an_attempt(tmp_path: P
     worker = Worker(settings)
     body = JobCreate(model=str(models / "tiny-llama"), recipe={"backend": "ao"},
                      calibration={"steps": 50, "batch_size": 1, "seq_len": 16})
-    job = submit_job(worker.store, settings, body, None)
+    job = submit_job(worker.store, settings, body, None, LOCAL_CALLER)
     thread = threading.Thread(target=worker.run)
     thread.start()
     staging = ArtifactDirs(settings.jobs_dir).staging_dir(job.id, 1)

@@ -45,6 +45,10 @@ def fake_child(request: dict[str, Any], out_dir: str, sources: dict[str, Any], c
     staging = out.parent / f".{out.name}.partial"
     staging.mkdir()
     conn.send(StageStarted(STAGES[0]))
+    if request.get("internal_error"):  # what child_main sends for an exception that is not an Fp8ForgeError
+        conn.send(Failed("internal_error", request["internal_error"]))
+        conn.close()
+        return
     go = request.get("go")
     deadline = time.monotonic() + 120
     while go and not Path(go).exists():
@@ -96,6 +100,19 @@ def test_a_run_publishes_its_own_attempt_directory(worker: Worker) -> None:
     assert sorted(a["name"] for a in done.artifacts) == ["manifest.json", "model.safetensors"]
     assert leftovers(worker.settings.jobs_dir) == []
     assert _stages(worker, job.id) == list(STAGES)
+
+
+def test_an_internal_error_reaches_the_client_as_a_fact_not_as_raw_exception_text(
+        worker: Worker, caplog: pytest.LogCaptureFixture) -> None:
+    raw = "FileNotFoundError: [Errno 2] No such file or directory: '/srv/models/secret-project/config.json'"
+    job = _submit(worker, internal_error=raw)
+    with caplog.at_level("ERROR"):
+        assert worker.run_once()
+    failed = worker.store.get_job(job.id)
+    assert failed.status is JobStatus.FAILED and failed.error_code == "internal_error"
+    assert "secret-project" not in failed.error_message and "Errno" not in failed.error_message
+    assert job.id in failed.error_message and "log" in failed.error_message
+    assert raw in caplog.text  # the operator still sees what happened
 
 
 def test_a_brief_store_outage_does_not_stop_the_run(worker: Worker, tmp_path: Path,

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from service.artifacts import ArtifactDirs
+from service.store import JobStore
 from tests.service_helpers import (
     ServeProcess,
     build_tiny_llama,
@@ -48,13 +49,20 @@ def _freeze_mid_run(serve, client, job_id: str) -> tuple[int, int]:
     """Wait until the job's pipeline is staging files, then SIGSTOP it; returns (worker pid, child pid)."""
     staging = ArtifactDirs(serve.data_dir / "jobs").staging_dir(job_id, 1)
     wait_for(staging.exists, timeout=60, what="the job's staging directory", interval=0.01)
-    job = client.get(f"/v1/jobs/{job_id}").json()
-    worker_pid = int(job["worker_id"].split(":")[1])
+    worker_pid = int(_stored_worker_id(serve, job_id).split(":")[1])  # clients see an opaque name only
     (child,) = children_of(worker_pid)
     os.kill(child, signal.SIGSTOP)
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["status"] == "running" and staging.exists(), job
     return worker_pid, child
+
+
+def _stored_worker_id(serve, job_id: str) -> str:
+    store = JobStore(f"sqlite:///{serve.data_dir / 'fp8forge.db'}")
+    try:
+        return store.get_job(job_id).worker_id
+    finally:
+        store.close()
 
 
 def test_cancel_of_a_running_job_finishes_within_5s_and_leaves_nothing(serve) -> None:

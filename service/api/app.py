@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
+from service.api.auth import KeyRing, require_caller
 from service.api.limits import BodyLimitMiddleware
 from service.api.routes import analyze, artifacts, health, jobs
+from service.api.schemas import ErrorBody
 from service.artifacts import ArtifactDirs
 from service.config import Settings, load_settings
 from service.errors import install_error_handler
@@ -18,6 +20,8 @@ from service.store import JobStore
 from service.workers.reaper import Reaper
 
 __all__ = ["create_app"]
+
+UNAUTHORIZED = {401: {"model": ErrorBody, "description": "No API key, or one this server does not accept."}}
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +37,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; the store is opened (and stale jobs watched) while the app runs.
 
     Raises:
-        SettingsError: ``settings`` omitted and the environment holds an invalid ``FP8FORGE_*`` value.
+        SettingsError: ``settings`` omitted and the environment holds an invalid ``FP8FORGE_*`` value, or the
+            API keys are malformed or missing while authentication is on.
     """
     settings = settings or load_settings()
     dirs = ArtifactDirs(settings.jobs_dir)
+    keys = KeyRing.from_settings(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,8 +65,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.dirs = dirs
+    app.state.keys = keys
     install_error_handler(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    for module in (jobs, artifacts, analyze, health):
-        app.include_router(module.router)
+    for module in (jobs, artifacts, analyze):  # every /v1 route needs a key (unless auth is off)
+        app.include_router(module.router, dependencies=[Depends(require_caller)], responses=UNAUTHORIZED)
+    app.include_router(health.router)
     return app

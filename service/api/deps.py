@@ -6,8 +6,10 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
+from service.api.auth import CallerDep
 from service.artifacts import ArtifactDirs
 from service.config import Settings
+from service.errors import JobNotFound
 from service.jobs import Job
 from service.store import JobStore
 
@@ -31,9 +33,15 @@ StoreDep = Annotated[JobStore, Depends(get_store)]
 DirsDep = Annotated[ArtifactDirs, Depends(get_dirs)]
 
 
-def get_job(job_id: Annotated[str, Path(max_length=64)], store: StoreDep) -> Job:
-    """The job named in the path; JobNotFound (404) otherwise."""
-    return store.get_job(job_id)
+def get_job(job_id: Annotated[str, Path(max_length=64)], store: StoreDep, caller: CallerDep) -> Job:
+    """The job named in the path, if the caller may see it; JobNotFound (404) otherwise.
+
+    Someone else's job answers exactly like a missing one, so job ids cannot be probed.
+    """
+    job = store.get_job(job_id)
+    if not caller.may_see(job):
+        raise JobNotFound(f"no job with id {job_id!r}")
+    return job
 
 
 JobDep = Annotated[Job, Depends(get_job)]

@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from service.api.auth import Caller
 from service.api.schemas import AnalyzeCreate, JobCreate
 from service.artifacts import ArtifactDirs
 from service.config import Settings
@@ -49,11 +50,13 @@ def _check_reference(ref: str, sources: Any) -> None:
         raise
 
 
-def submit_job(store: JobStore, settings: Settings, body: JobCreate, idempotency_key: str | None) -> Job:
-    """Validate and queue a conversion job, honouring ``Idempotency-Key``.
+def submit_job(
+    store: JobStore, settings: Settings, body: JobCreate, idempotency_key: str | None, caller: Caller,
+) -> Job:
+    """Validate and queue a conversion job for ``caller``, honouring ``Idempotency-Key``.
 
     Raises:
-        Fp8ForgeError (422), InvalidRequest (422), IdempotencyConflict (409).
+        Fp8ForgeError (422), InvalidRequest (422), IdempotencyConflict (409), TooManyJobs (429).
     """
     if idempotency_key is not None and not (idempotency_key.isascii() and idempotency_key.isprintable()):
         raise InvalidRequest("Idempotency-Key must be printable ASCII", field="Idempotency-Key")
@@ -61,7 +64,8 @@ def submit_job(store: JobStore, settings: Settings, body: JobCreate, idempotency
     check_request(request, settings)
     digest = hashlib.sha256(json.dumps(request, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     job, _ = store.create_job(request, request_hash=digest, idempotency_key=idempotency_key or None,
-                              max_attempts=settings.max_attempts)
+                              max_attempts=settings.max_attempts, owner=caller.owner,
+                              max_queued=settings.max_queued_jobs_per_key)
     return job
 
 

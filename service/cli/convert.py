@@ -32,8 +32,16 @@ class BarSink:
             self.bar.refresh()
 
     def warning(self, message: str) -> None:
+        from service.cli.wording import in_cli_words
+
         self.warnings.append(message)
-        print(f"warning: {message}", file=sys.stderr)
+        line = f"warning: {in_cli_words(message)}"
+        if self.bar is not None:
+            from tqdm import tqdm
+
+            tqdm.write(line, file=sys.stderr)  # above the open bar, not through it
+        else:
+            print(line, file=sys.stderr)
 
     def should_stop(self) -> bool:
         return False

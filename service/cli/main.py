@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Fp8ForgeError as exc:
-        print(f"fp8forge {args.command}: error: {exc.message}", file=sys.stderr)
+        from service.cli.wording import error_in_cli_words
+
+        print(f"fp8forge {args.command}: error: {error_in_cli_words(exc.message, exc.field)}", file=sys.stderr)
         return EXIT_BAD_INPUT if exc.is_bad_input else EXIT_FAILED
     except KeyboardInterrupt:
         print(f"fp8forge {args.command}: interrupted", file=sys.stderr)

@@ -7,6 +7,7 @@ for (or require) the web stack.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -40,8 +41,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _settings(**overrides: object) -> Settings | None:
-    import sys
-
     from service.config import SettingsError, load_settings
 
     try:
@@ -58,14 +57,25 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = _settings(workers=args.workers)
     if settings is None:
         return 2
+    if settings.auth_disabled and not _is_loopback(args.host):
+        print(f"fp8forge: FP8FORGE_AUTH_DISABLED lets anyone who reaches {args.host} run and read every job; it is "
+              "only allowed on a loopback address (--host 127.0.0.1). Create keys with `fp8forge keys create NAME` "
+              "to serve on the network.", file=sys.stderr)
+        return 2
 
     import uvicorn
 
     from service.api.app import create_app
+    from service.config import SettingsError
     from service.store import JobStore
     from service.workers.pool import WorkerPool, default_worker_count
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = create_app(settings)  # reads the API keys: refuse to start without any, rather than refuse everyone
+    except SettingsError as exc:
+        print(f"fp8forge: {exc}", file=sys.stderr)
+        return 2
     JobStore(settings.store_url).close()  # create the schema once, before several processes race to
     count = settings.workers if settings.workers is not None else default_worker_count()
     pool = WorkerPool(settings, count)
@@ -75,7 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
             pool.begin_stop()  # before the graceful wait: a worker stopped by the same Ctrl-C stays stopped
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
-    config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     server = Server(config)
     pool.start()
@@ -86,6 +96,17 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         pool.stop()
     return 0 if server.started else 1  # not started: e.g. the port is taken (uvicorn logged why)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ stage timings in ``service.store.workers`` (``JobStore.workers``, ``JobStore.tim
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -21,10 +22,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound
+from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound, TooManyJobs
 from service.jobs import Job, JobStatus, Stage, transition
 from service.store.events import EventLog
-from service.store.schema import ACTIVE_STATUSES, db_now, make_engine, tables
+from service.store.schema import ACTIVE_STATUSES, add_missing_columns, db_now, make_engine, tables
 from service.store.workers import StageTimings, WorkerRegistry
 
 __all__ = ["JobStore", "JobLost"]
@@ -48,6 +49,7 @@ class JobStore:
         self.engine = make_engine(url)
         self.tables = tables(table_prefix)
         self.tables.metadata.create_all(self.engine)
+        add_missing_columns(self.engine, self.tables)
         self._jobs = self.tables.jobs
         self._db_now = db_now(self.engine)
         self.events = EventLog(self.engine, self.tables)
@@ -76,43 +78,73 @@ class JobStore:
     # -- jobs --------------------------------------------------------------------------------------
     def create_job(
         self, request: Mapping[str, Any], *, request_hash: str, idempotency_key: str | None = None,
-        max_attempts: int = 3,
+        max_attempts: int = 3, owner: str | None = None, max_queued: int | None = None,
     ) -> tuple[Job, bool]:
         """Store a new queued job; returns ``(job, created)``.
 
-        With an ``idempotency_key`` already used for the same ``request_hash`` the existing job is returned
-        with ``created=False``.
+        With an ``idempotency_key`` already used by the same ``owner`` for the same ``request_hash`` the
+        existing job is returned with ``created=False``; keys of different owners never meet.
 
         Raises:
             IdempotencyConflict: the key was used for a different request.
+            TooManyJobs: ``owner`` already has ``max_queued`` queued jobs.
         """
         now = time.time()
         job_id = uuid.uuid4().hex
+        stored_key = _scoped_key(owner, idempotency_key)
+        values = dict(
+            id=job_id, status=JobStatus.QUEUED.value, request=dict(request), request_hash=request_hash,
+            idempotency_key=stored_key, attempt=0, max_attempts=max_attempts, stage_done=0,
+            stage_total=0, created_at=now, updated_at=now, owner=owner,
+        )
         try:
             with self.engine.begin() as conn:
-                conn.execute(self._jobs.insert().values(
-                    id=job_id, status=JobStatus.QUEUED.value, request=dict(request), request_hash=request_hash,
-                    idempotency_key=idempotency_key, attempt=0, max_attempts=max_attempts, stage_done=0,
-                    stage_total=0, created_at=now, updated_at=now,
-                ))
+                if owner is not None and max_queued is not None:
+                    inserted = self._insert_within_limit(conn, values, owner, max_queued)
+                else:
+                    conn.execute(self._jobs.insert().values(**values))  # raises, or inserted the row
+                    inserted = True
+                if not inserted:
+                    existing = self._by_key(stored_key) if stored_key else None
+                    if existing is None:
+                        raise TooManyJobs(
+                            f"this key already has {max_queued} queued jobs, the most it may have; wait for some "
+                            "to start, or cancel some", headers={"Retry-After": "30"})
+                    return self._same_request(existing, request_hash), False
                 self.events.append(conn, job_id, "status", {"status": JobStatus.QUEUED.value}, now)
         except IntegrityError:
-            if idempotency_key is None:
+            if stored_key is None:
                 raise
-            with self.engine.connect() as conn:
-                row = conn.execute(
-                    sa.select(self._jobs).where(self._jobs.c.idempotency_key == idempotency_key)
-                ).mappings().first()
+            row = self._by_key(stored_key)
             if row is None:  # the holder was deleted in between: the key is free again
                 return self.create_job(request, request_hash=request_hash, idempotency_key=idempotency_key,
-                                       max_attempts=max_attempts)
-            if row["request_hash"] != request_hash:
-                raise IdempotencyConflict(
-                    "this Idempotency-Key was already used for a different request body; use a new key",
-                    field="Idempotency-Key",
-                ) from None
-            return self._job(row), False
+                                       max_attempts=max_attempts, owner=owner, max_queued=max_queued)
+            return self._same_request(row, request_hash), False
         return self.get_job(job_id), True
+
+    def _insert_within_limit(self, conn: sa.Connection, values: dict[str, Any], owner: str, limit: int) -> bool:
+        """Insert the job only while ``owner`` has fewer than ``limit`` queued jobs, in one statement."""
+        c = self._jobs.c
+        if self.engine.dialect.name == "postgresql":  # serialise one owner's submissions: count, then insert
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"fp8forge-owner:{owner}"))))
+        queued = sa.select(sa.func.count()).where(c.owner == owner, c.status == JobStatus.QUEUED.value) \
+            .scalar_subquery()
+        row = sa.select(*(sa.literal(v, c[k].type) for k, v in values.items())).where(queued < limit)
+        insert = self._jobs.insert().from_select(list(values), row).returning(c.seq)
+        return conn.execute(insert).first() is not None
+
+    def _by_key(self, stored_key: str) -> Mapping[str, Any] | None:
+        with self.engine.connect() as conn:
+            return conn.execute(
+                sa.select(self._jobs).where(self._jobs.c.idempotency_key == stored_key)).mappings().first()
+
+    def _same_request(self, row: Mapping[str, Any], request_hash: str) -> Job:
+        if row["request_hash"] != request_hash:
+            raise IdempotencyConflict(
+                "this Idempotency-Key was already used for a different request body; use a new key",
+                field="Idempotency-Key",
+            )
+        return self._job(row)
 
     def get_job(self, job_id: str) -> Job:
         """Raises JobNotFound when no job has this id."""
@@ -123,10 +155,13 @@ class JobStore:
         return self._job(row)
 
     def list_jobs(
-        self, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None
+        self, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None,
+        owner: str | None = None,
     ) -> tuple[list[Job], str | None]:
-        """Newest first; returns the page and the cursor of the next page (None on the last page)."""
+        """Newest first (only ``owner``'s when given); returns the page and the next page's cursor (None: last)."""
         query = sa.select(self._jobs).order_by(self._jobs.c.seq.desc()).limit(limit + 1)
+        if owner is not None:
+            query = query.where(self._jobs.c.owner == owner)
         if status is not None:
             query = query.where(self._jobs.c.status == status.value)
         if cursor is not None:
@@ -147,14 +182,21 @@ class JobStore:
                 counts[JobStatus(status)] = n
         return counts
 
-    def claim_next(self, worker_id: str) -> Job | None:
-        """Atomically move the oldest queued job to running for ``worker_id``; None when none is queued."""
+    def claim_next(self, worker_id: str, *, max_running_per_owner: int | None = None) -> Job | None:
+        """Atomically move the oldest queued job to running for ``worker_id``; None when none is queued.
+
+        With ``max_running_per_owner``, jobs of an owner who already has that many running wait their turn
+        (two workers claiming at the same instant may each start one more).
+        """
         transition(JobStatus.QUEUED, JobStatus.RUNNING)
         now = time.time()
-        oldest = (
-            sa.select(self._jobs.c.seq).where(self._jobs.c.status == JobStatus.QUEUED.value)
-            .order_by(self._jobs.c.seq).limit(1).with_for_update(skip_locked=True).scalar_subquery()
-        )
+        c = self._jobs.c
+        claimable = sa.select(c.seq).where(c.status == JobStatus.QUEUED.value)
+        if max_running_per_owner is not None:
+            busy = sa.select(c.owner).where(c.status.in_(ACTIVE_STATUSES), c.owner.is_not(None)) \
+                .group_by(c.owner).having(sa.func.count() >= max_running_per_owner)
+            claimable = claimable.where(sa.or_(c.owner.is_(None), c.owner.not_in(busy)))
+        oldest = claimable.order_by(c.seq).limit(1).with_for_update(skip_locked=True).scalar_subquery()
         stmt = (
             sa.update(self._jobs)
             .where(self._jobs.c.seq == oldest, self._jobs.c.status == JobStatus.QUEUED.value)
@@ -287,5 +329,12 @@ class JobStore:
             stage_total=row["stage_total"], created_at=row["created_at"], updated_at=row["updated_at"],
             started_at=row["started_at"], finished_at=row["finished_at"], heartbeat_at=row["heartbeat_at"],
             worker_id=row["worker_id"], error_code=row["error_code"], error_message=row["error_message"],
-            artifacts=tuple(row["artifacts"] or ()), idempotency_key=row["idempotency_key"],
+            artifacts=tuple(row["artifacts"] or ()), idempotency_key=row["idempotency_key"], owner=row["owner"],
         )
+
+
+def _scoped_key(owner: str | None, idempotency_key: str | None) -> str | None:
+    """The stored form of an Idempotency-Key: one owner's keys never collide with (or reveal) another's."""
+    if idempotency_key is None or owner is None:
+        return idempotency_key
+    return "o:" + hashlib.sha256(f"{owner}\0{idempotency_key}".encode()).hexdigest()

@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from service.jobs import JobStatus
 
-__all__ = ["ACTIVE_STATUSES", "Tables", "db_now", "make_engine", "tables"]
+__all__ = ["ACTIVE_STATUSES", "Tables", "add_missing_columns", "db_now", "make_engine", "tables"]
 
 # a job in one of these has an owning worker whose heartbeats keep it alive
 ACTIVE_STATUSES = (JobStatus.RUNNING.value, JobStatus.CANCELLING.value)
@@ -52,6 +52,7 @@ def tables(prefix: str) -> Tables:
         sa.Column("error_code", sa.String(64)),
         sa.Column("error_message", sa.Text),
         sa.Column("artifacts", sa.JSON),
+        sa.Column("owner", sa.String(64), index=True),
         sqlite_autoincrement=True,  # never reuse a seq: cursors stay valid across deletions
     )
     events = sa.Table(
@@ -80,6 +81,31 @@ def tables(prefix: str) -> Tables:
         sa.Column("seconds", sa.Double, nullable=False),
     )
     return Tables(md, jobs, events, workers, durations)
+
+
+# Columns added after the first release, with their DDL type: ``add_missing_columns`` adds them to an older
+# database in place (create_all creates missing tables, never missing columns).
+_ADDED_COLUMNS = {"jobs": (("owner", "VARCHAR(64)"),)}
+
+
+def add_missing_columns(engine: Engine, t: Tables) -> None:
+    """Bring tables created by an earlier version up to date (idempotent; safe with concurrent starts)."""
+    inspector = sa.inspect(engine)
+    for short, columns in _ADDED_COLUMNS.items():
+        table: sa.Table = getattr(t, short)
+        present = {c["name"] for c in inspector.get_columns(table.name)}
+        for name, ddl in columns:
+            if name in present:
+                continue
+            try:
+                with engine.begin() as conn:
+                    conn.execute(sa.text(f'ALTER TABLE "{table.name}" ADD COLUMN "{name}" {ddl}'))
+            except sa.exc.DBAPIError:  # another process added it first
+                if name not in {c["name"] for c in sa.inspect(engine).get_columns(table.name)}:
+                    raise
+            with engine.begin() as conn:
+                index = f'"ix_{table.name}_{name}" ON "{table.name}" ("{name}")'
+                conn.execute(sa.text(f"CREATE INDEX IF NOT EXISTS {index}"))
 
 
 def db_now(engine: Engine) -> sa.ColumnElement[float]:

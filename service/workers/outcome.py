@@ -74,6 +74,12 @@ class AttemptOutcome:
             return self._succeed(w.result.manifest)
         if w.shutdown_at is not None:
             return self._requeue("worker_shutdown", count_attempt=False)
+        if w.result is not None and w.result.code == "internal_error":
+            # raw exception text names files, hosts and internals: the log keeps it, the client gets the fact
+            logger.error("job %s: the conversion failed with an internal error: %s", self.job.id, w.result.message)
+            return self._finish(JobStatus.FAILED, error_code="internal_error",
+                                error_message="the conversion failed with an unexpected internal error; the "
+                                              f"worker's log has the details (job {self.job.id})")
         if w.result is not None:
             return self._finish(JobStatus.FAILED, error_code=w.result.code, error_message=w.result.message)
         return self._crashed(f"the conversion process exited with code {exitcode} without a result")
@@ -91,7 +97,8 @@ class AttemptOutcome:
         try:
             status = self._set(JobStatus.SUCCEEDED, artifacts=artifacts, before_commit=publish)
         except OSError as exc:  # the attempt's files could not be moved into place; nothing was recorded
-            return self._crashed(f"the artifacts could not be published: {exc}")
+            logger.error("job %s: publishing attempt %d failed: %s", job_id, attempt, exc)
+            return self._crashed("the artifacts could not be published (a file system error on the worker)")
         except JobLost:
             if not self._recorded_as_succeeded():
                 raise

@@ -74,7 +74,7 @@ class Worker:
     def run_once(self) -> bool:
         """Claim and run one job; False when none was queued."""
         self.store.workers.heartbeat(self.worker_id)
-        job = self.store.claim_next(self.worker_id)
+        job = self.store.claim_next(self.worker_id, max_running_per_owner=self.settings.max_running_jobs_per_key)
         if job is None:
             return False
         logger.info("job %s: attempt %d of %d", job.id, job.attempt, job.max_attempts)

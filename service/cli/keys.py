@@ -1,0 +1,84 @@
+"""``fp8forge keys``: create API keys for the service (only their SHA-256 is stored) and list them.
+
+Only ``argparse`` is imported at module level, as in ``service.cli.serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["register"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    keys = subparsers.add_parser(
+        "keys", help="create and list API keys",
+        description="API keys for `fp8forge serve`. A key is shown once, when it is created; the key file keeps "
+                    "only its SHA-256. Several keys may share a name (rotation): they own the same jobs.",
+    )
+    actions = keys.add_subparsers(dest="keys_command", required=True)
+    create = actions.add_parser("create", help="create a key and add it to the key file")
+    create.add_argument("name", help="who the key belongs to; jobs are owned by this name")
+    create.add_argument("--role", choices=["user", "admin"], default="user",
+                        help="admin sees every job (not their requests); default: %(default)s")
+    create.add_argument("--file", default=None, metavar="PATH",
+                        help="key file to append to (default: FP8FORGE_API_KEYS_FILE, else <data dir>/api_keys)")
+    create.set_defaults(func=_create)
+    listing = actions.add_parser("list", help="list the names and roles in the key file")
+    listing.add_argument("--file", default=None, metavar="PATH", help="key file (default as for create)")
+    listing.set_defaults(func=_list)
+
+
+def _key_file(args: argparse.Namespace):
+    from pathlib import Path
+
+    from service.api.auth import default_keys_file
+    from service.config import SettingsError, load_settings
+
+    if args.file:
+        return Path(args.file)
+    try:
+        return default_keys_file(load_settings())
+    except SettingsError as exc:
+        print(f"fp8forge: {exc}", file=sys.stderr)
+        return None
+
+
+def _create(args: argparse.Namespace) -> int:
+    from service.api.auth import key_entry, new_token
+    from service.config import SettingsError
+
+    path = _key_file(args)
+    if path is None:
+        return 2
+    token = new_token()
+    try:
+        entry = key_entry(args.name, args.role, token)
+    except SettingsError as exc:
+        print(f"fp8forge: {exc}", file=sys.stderr)
+        return 2
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # the file holds hashes only, yet nobody else needs to read it
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a", encoding="utf-8") as fh:
+        fh.write(entry + "\n")
+    print(f"fp8forge: added {args.role} key for {args.name!r} to {path}; a running server reads keys at start-up, "
+          "so restart it. The key (shown only now):", file=sys.stderr)
+    print(token)
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    path = _key_file(args)
+    if path is None:
+        return 2
+    if not path.exists():
+        print(f"fp8forge: no key file at {path}; create a key with `fp8forge keys create NAME`", file=sys.stderr)
+        return 1
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, role, digest = (line.strip().split(":") + ["", "", ""])[:3]
+            print(f"{name}\t{role}\tsha256:{digest[:12]}…")
+    return 0
