@@ -167,7 +167,7 @@ def _layer_entry(path: str, module: nn.Module, in_features: int, out_features: i
         "in_features": in_features,
         "out_features": out_features,
         "parameters": module.weight.numel() + (bias.numel() if bias is not None else 0),
-        "dtype": str(module.weight.dtype).removeprefix("torch."),
+        "dtype": _dtype_name(module.weight.dtype),
         "eligible": False,
         "reasons": [],
         "group": None,
@@ -263,7 +263,7 @@ def _other_matmul_weights(named: list[tuple[str, nn.Module]]) -> list[dict[str, 
                     "cls": type(module).__name__,
                     "shape": list(parameter.shape),
                     "parameters": parameter.numel(),
-                    "dtype": str(parameter.dtype).removeprefix("torch."),
+                    "dtype": _dtype_name(parameter.dtype),
                     "reason": _other_reason(module, name, parameter),
                 }
             )
@@ -279,26 +279,45 @@ def _other_reason(module: nn.Module, name: str, parameter: torch.Tensor) -> str:
     return Reason.OTHER_MATMUL.value
 
 
-def _count_parameters(named: list[tuple[str, nn.Module]]) -> int:
-    """Parameters of the model, each tensor once (a tied head shares the embedding's)."""
+@dataclass(frozen=True, kw_only=True)
+class _Parameters:
+    """The model's parameters, each tensor once (a tied head shares the embedding's)."""
+
+    count: int
+    bytes: int
+    dtypes: tuple[str, ...]  # most bytes first
+
+
+def _count_parameters(named: list[tuple[str, nn.Module]]) -> _Parameters:
     seen: set[int] = set()
-    total = 0
+    count = 0
+    bytes_by_dtype: dict[str, int] = {}
     for _, module in named:
         for parameter in module._parameters.values():
             if parameter is not None and id(parameter) not in seen:
                 seen.add(id(parameter))
-                total += parameter.numel()
-    return total
+                count += parameter.numel()
+                dtype = _dtype_name(parameter.dtype)
+                bytes_by_dtype[dtype] = bytes_by_dtype.get(dtype, 0) + parameter.numel() * parameter.element_size()
+    dtypes = tuple(sorted(bytes_by_dtype, key=lambda name: -bytes_by_dtype[name]))
+    return _Parameters(count=count, bytes=sum(bytes_by_dtype.values()), dtypes=dtypes)
 
 
-def _totals(model_params: int, report: dict[str, Any]) -> dict[str, Any]:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _totals(parameters: _Parameters, report: dict[str, Any]) -> dict[str, Any]:
     linear_layers = [layer for layer in report["layers"] if layer["class"] != "Conv1D"]
     eligible = [layer for layer in linear_layers if layer["eligible"]]
     linear_params = sum(layer["parameters"] for layer in linear_layers)
     fp8_weight_params = sum(layer["in_features"] * layer["out_features"] for layer in eligible)
     outside = sum(entry["parameters"] for entry in report["other_weights"])
     conv1d = sum(layer["parameters"] for layer in report["layers"] if layer["class"] == "Conv1D")
-    bytes_before = model_params * 2
+    # One byte per FP8 weight element, in place of the layer's own element size.
+    fp8_saving = sum(layer["in_features"] * layer["out_features"] * (getattr(torch, layer["dtype"]).itemsize - 1)
+                     for layer in eligible)
+    bytes_before = parameters.count * 2
     return {
         "linear_layers": len(linear_layers),
         "eligible_layers": len(eligible),
@@ -309,8 +328,12 @@ def _totals(model_params: int, report: dict[str, Any]) -> dict[str, Any]:
         "fp8_share_of_linear_parameters": _ratio(fp8_weight_params, linear_params),
         "matmul_parameters_outside_linear": outside + conv1d,
         "fp8_share_of_all_matmul_parameters": _ratio(fp8_weight_params, linear_params + outside + conv1d),
-        "model_parameters": model_params,
+        "model_parameters": parameters.count,
         "partly_eligible_groups": sum(1 for group in report["fused_groups"] if group["partly_eligible"]),
+        "weight_dtype": "+".join(parameters.dtypes) or "none",
+        "weight_bytes": parameters.bytes,
+        "weight_bytes_with_fp8": parameters.bytes - fp8_saving,
+        # The same two figures as if every parameter were bf16 (report version 1 had only these).
         "weight_bytes_bf16": bytes_before,
         "weight_bytes_fp8": bytes_before - fp8_weight_params,
     }

@@ -50,6 +50,7 @@ def format_analysis(report: dict[str, Any]) -> str:
             lines.append(f"  {group['name']}: {len(group['eligible_members'])}/{len(group['members'])} eligible")
 
     totals = report["totals"]
+    dtype = totals["weight_dtype"]
     lines += [
         "",
         f"model: {report.get('model', {}).get('reference', report['model_class'])}  "
@@ -58,7 +59,8 @@ def format_analysis(report: dict[str, Any]) -> str:
         f"skipped: {totals['skipped_layers']}  Conv1D: {totals['conv1d_layers']}",
         f"FP8 share of Linear parameters: {totals['fp8_share_of_linear_parameters']:.1%}  "
         f"of all matmul parameters: {totals['fp8_share_of_all_matmul_parameters']:.1%}",
-        f"weights: {human_bytes(totals['weight_bytes_bf16'])} in bf16 -> "
-        f"{human_bytes(totals['weight_bytes_fp8'])} with FP8 layers",
+        f"weights: {human_bytes(totals['weight_bytes'])} in {dtype} (the model's dtype) -> "
+        f"{human_bytes(totals['weight_bytes_with_fp8'])} with the eligible weights in FP8",
+        f"  (a serving export's size; TE and torchao artifacts keep the {dtype} weights, cast to FP8 at run time)",
     ]
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """What `fp8forge analyze` / `convert` tell a user: flags rather than API fields, bad selections refused,
-short calibration text warned about, suggestions that name real flags and settings."""
+short calibration text warned about, suggestions that name real flags and settings, sizes in the model's dtype."""
 
 import json
 import os
@@ -158,3 +158,14 @@ def test_hf_hub_offline_in_the_service_environment_is_named(tmp_path, monkeypatc
         resolve_model_dir("nobody/nothing", ModelSourceOptions(cache_dir=tmp_path, offline=False), with_weights=False)
     assert "HF_HUB_OFFLINE is set in the environment" in info.value.message
     assert "unset HF_HUB_OFFLINE" in info.value.message and "offline mode is on" not in info.value.message
+
+
+@pytest.mark.parametrize(("model", "dtype", "itemsize"), [("llama", "float32", 4), ("demo", "bfloat16", 2)])
+def test_analyze_prints_sizes_in_the_models_dtype(model, dtype, itemsize, models_root, demo_cache, capsys):
+    ref = "demo/tiny-llama" if model == "demo" else str(models_root / model)
+    code, out, _ = run_cli(capsys, "analyze", ref, "--allow-root", str(models_root))
+    assert code == 0 and f" in {dtype} (the model's dtype) -> " in out and "bf16" not in out
+    code, out, _ = run_cli(capsys, "analyze", ref, "--allow-root", str(models_root), "--json")
+    totals = json.loads(out)["totals"]
+    assert totals["weight_dtype"] == dtype and totals["weight_bytes"] == itemsize * totals["model_parameters"]
+    assert totals["weight_bytes_with_fp8"] == totals["weight_bytes"] - (itemsize - 1) * totals["fp8_parameters"]
