@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from service.cli.main import build_parser, main
 from service.config import ENV_PREFIX, Settings
@@ -169,3 +170,14 @@ def test_analyze_prints_sizes_in_the_models_dtype(model, dtype, itemsize, models
     totals = json.loads(out)["totals"]
     assert totals["weight_dtype"] == dtype and totals["weight_bytes"] == itemsize * totals["model_parameters"]
     assert totals["weight_bytes_with_fp8"] == totals["weight_bytes"] - (itemsize - 1) * totals["fp8_parameters"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_te_conversion_on_cpu_succeeds_and_says_what_it_did_not_do(demo_cache, tmp_path, capsys):
+    code, out, err = run_cli(capsys, "convert", "demo/tiny-llama", "--out", str(tmp_path / "out"), "--no-progress",
+                             "--calib-steps", "1", "--calib-batch-size", "1")
+    assert code == 0 and "converted 13 layers with backend te" in out
+    assert (tmp_path / "out" / "fp8_state.safetensors").is_file()
+    warning = next(line for line in err.splitlines() if "TransformerEngine modules were not built here" in line)
+    assert "no CUDA device" in warning and "no FP8 check step ran" in warning and "compute capability 8.9" in warning
+    assert "GPU worker" not in warning and "pip install" not in warning  # the job needed neither

@@ -41,6 +41,7 @@ from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe
 
 __all__ = [
     "TE_INSTALL_HINT",
+    "te_missing",
     "te_status",
     "require_te",
     "te_module",
@@ -60,12 +61,11 @@ TE_INSTALL_HINT = (
 
 # --- availability ---------------------------------------------------------------------------------
 
-def te_status() -> tuple[bool, str]:
-    """Whether TE can run here: a CUDA device is visible and ``transformer_engine.pytorch`` imports.
+def te_missing() -> list[str]:
+    """What keeps TE from running here (no CUDA device, package absent, import failure); empty when TE runs.
 
-    Returns ``(True, "TransformerEngine <version> on <device>")`` or ``(False, message)`` where the
-    message names what is missing and how to fix it. Never raises. TE is imported only when CUDA is
-    present (without CUDA its import fails while loading its libraries).
+    Never raises. TE is imported only when CUDA is present (without CUDA its import fails while loading
+    its libraries).
     """
     problems = []
     if not torch.cuda.is_available():
@@ -78,6 +78,16 @@ def te_status() -> tuple[bool, str]:
             importlib.import_module("transformer_engine.pytorch")
         except Exception as exc:  # TE raises ImportError, OSError or RuntimeError for missing CUDA libraries
             problems.append(f"transformer_engine.pytorch failed to import ({type(exc).__name__}: {exc})")
+    return problems
+
+
+def te_status() -> tuple[bool, str]:
+    """Whether TE can run here: a CUDA device is visible and ``transformer_engine.pytorch`` imports.
+
+    Returns ``(True, "TransformerEngine <version> on <device>")`` or ``(False, message)`` where the
+    message names what is missing (:func:`te_missing`) and how to fix it. Never raises.
+    """
+    problems = te_missing()
     if problems:
         return False, f"TransformerEngine backend unavailable: {'; '.join(problems)}. {TE_INSTALL_HINT}"
     te_root = importlib.import_module("transformer_engine")

@@ -39,7 +39,7 @@ class TETraining:
         return LayerChecks(run.recipe)
 
     def convert(self, run: _Run, eligible: list[str]) -> None:
-        from converters.backends.transformer_engine import te_status
+        from converters.backends.transformer_engine import te_missing, te_status
 
         available, why = te_status()
         if available and run.model is None:  # layer-sequential: each layer was swapped and checked as it ran
@@ -53,8 +53,10 @@ class TETraining:
             )
         else:  # no fake TE modules: the checkpoint is written from the recorded calibration, in TE's layout
             run.converted = list(eligible)
-            run.warn(f"TransformerEngine modules were not built here ({why}); the TE checkpoint is computed from "
-                     "the recorded calibration and loads with load_te() on a CUDA machine")
+            run.warn(f"TransformerEngine modules were not built here ({'; '.join(te_missing())}), so no FP8 check "
+                     "step ran; the TE checkpoint is complete (delayed-scaling state computed from the recorded "
+                     "calibration as TE's own update would) and load_te() loads it where TE runs FP8 (CUDA, "
+                     "compute capability 8.9+)")
 
     def _convert_whole_model(self, run: _Run, eligible: list[str]) -> None:
         from converters.backends.te_check_step import fp8_check_step
