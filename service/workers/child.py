@@ -4,11 +4,18 @@ This is the one place where ``service`` meets ``converters`` (and thus torch): t
 stays free of CUDA state, so killing this child is always a safe way to stop a run.
 
 The messages it sends are the typed ones of ``service.workers.messages``.
+
+Before anything imports torch the child limits the CPU threads its math libraries use to a budget
+(``conversion_threads``; by default every CPU it may use but one), so a conversion leaves the API process a
+core: with torch's OpenMP pool on every core, 64 clients polling the API cut calibration from about 95 to 5
+steps per second, the threads of both fighting over the same cores.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import signal
 import traceback
 from multiprocessing.connection import Connection
@@ -19,9 +26,71 @@ from typing import Any
 from service.workers.messages import Failed, Progress, StageStarted, Succeeded, Warned
 from service.workers.procs import die_with_parent
 
-__all__ = ["PipeSink", "child_main"]
+__all__ = ["PipeSink", "child_main", "cpu_quota", "limit_threads", "thread_budget", "usable_cpus"]
 
 logger = logging.getLogger(__name__)
+
+# Read by OpenMP (torch's intra-op pool), MKL, OpenBLAS and Rust's rayon (tokenizers) when they start their pools
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def cpu_quota(cgroup: Path = _CGROUP) -> float | None:
+    """CPUs a cgroup CPU limit allows (``docker --cpus``, a Kubernetes CPU limit); None when there is none.
+
+    Reads cgroup v2 ``cpu.max``, else v1 ``cpu/cpu.cfs_quota_us``, at ``cgroup``: a container sees its own
+    cgroup there. A quota does not show in the affinity mask, so without this a container limited to two CPUs
+    on a 64-core host would start 63 threads.
+    """
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        return int(quota) / int(period) if int(quota) > 0 and int(period) > 0 else None
+    except ValueError:  # "max": no limit
+        return None
+
+
+def usable_cpus(cgroup: Path = _CGROUP) -> int:
+    """CPUs this process may run on: its affinity mask (taskset, cpusets), capped by a cgroup CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    quota = cpu_quota(cgroup)
+    return max(1, min(cpus, math.ceil(quota)) if quota is not None else cpus)
+
+
+def thread_budget(configured: int | None, cpus: int | None = None) -> int:
+    """The CPU threads one conversion may use: ``configured``, else all ``cpus`` (default: usable) but one."""
+    if configured is not None:
+        return configured
+    return max(1, (usable_cpus() if cpus is None else cpus) - 1)
+
+
+def limit_threads(configured: int | None) -> int:
+    """Hold this process's math libraries to :func:`thread_budget` threads; returns the budget.
+
+    Call it before torch is imported: OpenMP, MKL and rayon size their pools from the environment when they
+    load. torch's own pools are set as well, which also covers a torch that was imported earlier.
+    """
+    threads = thread_budget(configured)
+    for name in _THREAD_VARIABLES:
+        os.environ[name] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # only possible before torch's first inter-op work, i.e. torch was in use already
+        logger.warning("torch's inter-op thread pool had already started; it keeps %d threads",
+                       torch.get_num_interop_threads())
+    return threads
 
 
 class PipeSink:
@@ -46,14 +115,18 @@ class PipeSink:
 
 def child_main(
     request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Connection, stop: Event,
-    parent_pid: int,
+    parent_pid: int, threads: int | None = None,
 ) -> None:
-    """Run ``converters.pipeline.run_conversion`` for one job; never raises."""
+    """Run ``converters.pipeline.run_conversion`` for one job with ``threads`` CPU threads; never raises.
+
+    ``threads`` None: every CPU this process may use but one (see :func:`thread_budget`).
+    """
     die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the worker decides how this run stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [conversion] %(name)s: %(message)s")
     try:
+        logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
         from converters.errors import Fp8ForgeError
         from converters.model_sources import ModelSourceOptions
         from converters.pipeline import ConversionRequest, run_conversion

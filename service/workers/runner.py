@@ -63,10 +63,13 @@ class JobRun:
         ctx = mp.get_context("spawn")
         receiver, sender = ctx.Pipe(duplex=False)
         stop = ctx.Event()
+        # Unset, the child works its budget out from the CPUs it may use (the worker's, which it inherits).
+        threads = self.settings.conversion_threads
         proc = ctx.Process(
             target=child_main, name=f"fp8forge-job-{job_id[:8]}",
             args=(dict(self.job.request), str(self.dirs.attempt_dir(job_id, attempt)),
                   self.settings.model_sources(), sender, stop, os.getpid()),
+            kwargs={} if threads is None else {"threads": threads},
         )
         proc.start()
         sender.close()
