@@ -31,12 +31,14 @@ def foreign_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if not line.startswith(("warning: ", "fp8forge "))]
 
 
-def test_demo_analyze_and_convert_work_and_print_only_fp8forge_lines(user_env, tmp_path):
+def test_demo_analyze_works_and_prints_nothing_on_stderr(user_env):
     code, out, err = fp8forge(user_env, "analyze", "demo/tiny-llama")
     assert code == 0 and "model.layers.1.mlp.down_proj" in out
     assert err == ""
     assert (Path(user_env["XDG_CACHE_HOME"]) / "fp8forge" / "demo-models" / "tiny-llama" / "config.json").is_file()
 
+
+def test_demo_convert_works_and_prints_only_fp8forge_lines(user_env, tmp_path):
     code, out, err = fp8forge(user_env, "convert", "demo/tiny-llama", "--out", str(tmp_path / "out"), "--no-progress",
                               "--backend", "ao", "--calib-steps", "2", "--calib-seq-len", "32")
     assert code == 0, err
