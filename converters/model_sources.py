@@ -92,6 +92,8 @@ class ModelSourceOptions:
         offline: never touch the network; hub references must already be in the cache.
         trust_remote_code: allow architectures whose code ships with the checkpoint (off by default).
         demo_dir: where the built-in demo model is built on first use (``None``: demo disabled).
+        reveal_roots: name the allowed roots in errors (the CLI's user chose them; a service's clients must not
+            learn its directory layout).
     """
 
     allowed_roots: tuple[Path, ...] = ()
@@ -99,6 +101,7 @@ class ModelSourceOptions:
     offline: bool = False
     trust_remote_code: bool = False
     demo_dir: Path | None = None
+    reveal_roots: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +163,11 @@ def _allowed_local_path(text: str, sources: ModelSourceOptions) -> Path:
             f"local model {text!r} refused: no local model roots are allowed; {_ALLOW_ROOT_HINT}"
         )
     if not any(path == root or root in path.parents for root in roots):
+        if not sources.reveal_roots:
+            raise ModelReferenceError(
+                f"local model {text!r} is not below a directory this server accepts models from; use a path "
+                "below one of them (its operator knows which: FP8FORGE_ALLOWED_MODEL_ROOTS), or a hub id"
+            )
         allowed = ", ".join(str(root) for root in roots)
         raise ModelReferenceError(
             f"local model {text!r} is outside the allowed roots ({allowed}); move it below one of them, "

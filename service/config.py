@@ -120,6 +120,7 @@ class Settings(BaseSettings):
             "offline": self.hf_offline,
             "trust_remote_code": self.trust_remote_code,
             "demo_dir": self.demo_dir,
+            "reveal_roots": False,
         }
 
 

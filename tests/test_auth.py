@@ -201,3 +201,17 @@ def test_serve_refuses_to_start_without_keys_or_open_to_the_network_without_auth
     exposed = _cli(["serve", "--workers", "0", "--host", "0.0.0.0", "--port", "1"], tmp_path,
                    FP8FORGE_AUTH_DISABLED="1")
     assert exposed.returncode == 2 and "loopback" in exposed.stderr and "Traceback" not in exposed.stderr
+
+
+def test_errors_do_not_reveal_the_servers_model_roots(tmp_path: Path) -> None:
+    secret_root = tmp_path / "srv-models-of-team-x"
+    (secret_root / "m").mkdir(parents=True)
+    settings = Settings(data_dir=tmp_path / "data", workers=0, auth_disabled=True, allowed_model_roots=(secret_root,))
+    with live_app(settings) as client:
+        for model in ("/etc", str(tmp_path), "/nonexistent/model"):
+            for path, body in (("/v1/jobs", {"model": model}), ("/v1/analyze", {"model": model})):
+                response = client.post(path, json=body)
+                assert response.status_code == 422, response.text
+                error = response.json()["error"]
+                assert error["code"] == "invalid_model_reference" and error["field"] == "model"
+                assert "srv-models-of-team-x" not in response.text and "FP8FORGE_ALLOWED_MODEL_ROOTS" in response.text

@@ -200,9 +200,9 @@ def test_altered_or_escaping_artifact_is_refused(llama_root, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message", "expected_code"),
     [
-        (["--calib-seq-len", "100000"], "calibration.seq_len must be an integer from 1 to 32768", 2),
+        (["--calib-seq-len", "100000"], "--calib-seq-len must be an integer from 1 to", 2),
         (["--calib-seq-len", "1000"], "exceeds the model's max_position_embeddings 512", 2),
-        (["--calib-steps", "0"], "calibration.steps must be an integer", 2),
+        (["--calib-steps", "0"], "--calib-steps must be an integer", 2),
         (["--backend", "ao", "--exclude", "*"], "no layer is eligible", 1),
     ],
 )
