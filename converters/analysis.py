@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.patterns import PatternError, matches, validate_pattern
+from converters.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
+from converters.patterns import PatternError, matches
 
 __all__ = [
     "AnalysisOptions",
@@ -24,6 +25,8 @@ __all__ = [
     "analyze_model",
     "analyze_model_reference",
     "check_include_patterns",
+    "converted_expert_gemms",
+    "eligible_expert_units",
     "eligible_paths",
     "REPORT_VERSION",
 ]
@@ -48,6 +51,7 @@ class Reason(str, enum.Enum):
     FUSED_EXPERTS = "fused_expert_parameter"
     ROUTER_WEIGHT = "router_parameter"
     OTHER_MATMUL = "matmul_weight_outside_linear"
+    EXPERT_LAYOUT = "expert_layout_unsupported"
 
 
 # Sibling projections that inference engines and TE fuse into one GEMM: a group must agree.
@@ -81,17 +85,14 @@ class AnalysisOptions:
     convert_router_gates: bool = False
 
     def __post_init__(self) -> None:
-        from converters.errors import Fp8ForgeError
+        from converters.requests import RequestError, check_patterns
 
         backend = str(self.backend).lower()
         if backend not in _BACKENDS:
-            raise Fp8ForgeError(f"backend must be one of {_BACKENDS}, got {self.backend!r}", field="backend")
+            raise RequestError(f"backend must be one of {_BACKENDS}, got {self.backend!r}", field="backend")
         object.__setattr__(self, "backend", backend)
         for name in ("include", "exclude"):
-            patterns = tuple(getattr(self, name))
-            for index, pattern in enumerate(patterns):
-                validate_pattern(pattern, field=f"{name}[{index}]")
-            object.__setattr__(self, name, patterns)
+            object.__setattr__(self, name, check_patterns(tuple(getattr(self, name)), name))
 
 
 def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> dict[str, Any]:
@@ -107,10 +108,13 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
     first = linear_paths[0] if linear_paths else None
     last = linear_paths[-1] if linear_paths else None
     tied = _tied_head_paths(model, named)
+    experts = {block.path: block for block in find_experts(named)}
 
     layers: list[dict[str, Any]] = []
     for path, module in named:
-        if isinstance(module, nn.Linear):
+        if path in experts:
+            layers += _expert_entries(experts[path], module, options)
+        elif isinstance(module, nn.Linear):
             entry = _layer_entry(path, module, module.in_features, module.out_features)
             entry["reasons"] = _linear_reasons(path, modules, options, first=first, last=last, tied=tied)
             entry["eligible"] = not entry["reasons"]
@@ -128,16 +132,78 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
         "rule": "both Linear dims divisible by 16"
         + ("; first and last nn.Linear skipped" if options.skip_first_last else ""),
         "layers": layers,
-        "other_weights": _other_matmul_weights(named),
-        "fused_groups": _fused_groups(layers),
+        "other_weights": _other_matmul_weights(named, set(experts)),
+        "fused_groups": _fused_groups(layers) + _expert_groups(layers, experts.values()),
+        "moe": [_moe_entry(block) for block in experts.values()],
     }
     report["totals"] = _totals(_count_parameters(named), report)
     return report
 
 
 def eligible_paths(report: dict[str, Any]) -> list[str]:
-    """Module paths the report calls eligible, in model order (what conversion must swap)."""
-    return [layer["path"] for layer in report["layers"] if layer["eligible"]]
+    """Linear module paths the report calls eligible, in model order (what conversion must swap)."""
+    return [layer["path"] for layer in report["layers"] if layer["eligible"] and "expert" not in layer]
+
+
+def eligible_expert_units(report: dict[str, Any]) -> list[str]:
+    """Expert GEMM units (``<experts>.<e>.<gemm>``, see ``converters.experts``) the report calls eligible."""
+    return [layer["path"] for layer in report["layers"] if layer["eligible"] and "expert" in layer]
+
+
+def _expert_entries(block: ExpertsModule, module: nn.Module, options: AnalysisOptions) -> list[dict[str, Any]]:
+    """One entry per expert GEMM, with the Linear rules that apply to a GEMM (shape, include, exclude)."""
+    dtype = _dtype_name(module.gate_up_proj.dtype)
+    entries = []
+    for e in range(block.num_experts):
+        for gemm in EXPERT_GEMMS:
+            in_features, out_features = block.features(gemm)
+            path = unit_path(block.path, e, gemm)
+            reasons = []
+            if not block.supported:
+                reasons.append(Reason.EXPERT_LAYOUT.value)
+            if in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE:
+                reasons.append(Reason.DIM_NOT_DIVISIBLE.value)
+            if options.include and not any(matches(pattern, path) for pattern in options.include):
+                reasons.append(Reason.NOT_INCLUDED.value)
+            if any(matches(pattern, path) for pattern in options.exclude):
+                reasons.append(Reason.EXCLUDED.value)
+            entries.append({
+                "path": path, "class": block.cls, "in_features": in_features, "out_features": out_features,
+                "parameters": in_features * out_features, "dtype": dtype, "eligible": not reasons,
+                "reasons": reasons, "group": None, "expert": {"module": block.path, "index": e, "gemm": gemm},
+            })
+    return entries
+
+
+def _expert_groups(layers: list[dict[str, Any]], blocks: Any) -> list[dict[str, Any]]:
+    """One group per experts module and GEMM kind: TE and serving engines run it as one grouped GEMM."""
+    by_path = {layer["path"]: layer for layer in layers}
+    groups = []
+    for block in blocks:
+        for gemm in EXPERT_GEMMS:
+            name = f"{block.path}.{gemm}"
+            members = [unit_path(block.path, e, gemm) for e in range(block.num_experts)]
+            for member in members:
+                by_path[member]["group"] = name
+            eligible = [member for member in members if by_path[member]["eligible"]]
+            groups.append({"name": name, "members": members, "eligible_members": eligible,
+                           "partly_eligible": 0 < len(eligible) < len(members)})
+    return groups
+
+
+def converted_expert_gemms(report: dict[str, Any]) -> list[str]:
+    """``<experts>.<gemm>`` of every expert GEMM kind whose experts are all eligible (they convert together)."""
+    groups = {group["name"]: group for group in report["fused_groups"]}
+    names = [f"{block['module']}.{gemm}" for block in report.get("moe", []) for gemm in EXPERT_GEMMS]
+    return [name for name in names if len(groups[name]["eligible_members"]) == len(groups[name]["members"])]
+
+
+def _moe_entry(block: ExpertsModule) -> dict[str, Any]:
+    entry = {"module": block.path, "class": block.cls, "experts": block.num_experts, "hidden": block.hidden,
+             "intermediate": block.intermediate, "supported": block.supported}
+    if not block.supported:
+        entry["why_not"] = block.why_not
+    return entry
 
 
 def check_include_patterns(report: dict[str, Any]) -> None:
@@ -241,12 +307,14 @@ def _fused_groups(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return groups
 
 
-def _other_matmul_weights(named: list[tuple[str, nn.Module]]) -> list[dict[str, Any]]:
-    """Parameters of 2+ dims outside Linear/Conv1D/embedding/norm modules: fused experts, routers."""
+def _other_matmul_weights(named: list[tuple[str, nn.Module]], experts: set[str]) -> list[dict[str, Any]]:
+    """Parameters of 2+ dims outside Linear/Conv1D/embedding/norm and experts modules: routers, the rest."""
     skipped_types = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.modules.conv._ConvNd)
     entries = []
     for path, module in named:
         if isinstance(module, skipped_types) or type(module).__name__ in ("Conv1D",) or "Norm" in type(module).__name__:
+            continue
+        if path in experts:  # listed per expert GEMM among the layers (biases are not matmul weights)
             continue
         # The module's own parameter dict: named_parameters() would start a module walk per module.
         for name, parameter in module._parameters.items():
@@ -308,26 +376,35 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _totals(parameters: _Parameters, report: dict[str, Any]) -> dict[str, Any]:
-    linear_layers = [layer for layer in report["layers"] if layer["class"] != "Conv1D"]
+    units = [layer for layer in report["layers"] if "expert" in layer]
+    linear_layers = [layer for layer in report["layers"] if layer["class"] != "Conv1D" and "expert" not in layer]
     eligible = [layer for layer in linear_layers if layer["eligible"]]
+    eligible_units = [unit for unit in units if unit["eligible"]]
     linear_params = sum(layer["parameters"] for layer in linear_layers)
-    fp8_weight_params = sum(layer["in_features"] * layer["out_features"] for layer in eligible)
+    expert_params = sum(unit["parameters"] for unit in units)
+    fp8_linear_params = sum(layer["in_features"] * layer["out_features"] for layer in eligible)
+    fp8_weight_params = fp8_linear_params + sum(unit["parameters"] for unit in eligible_units)
     outside = sum(entry["parameters"] for entry in report["other_weights"])
     conv1d = sum(layer["parameters"] for layer in report["layers"] if layer["class"] == "Conv1D")
     # One byte per FP8 weight element, in place of the layer's own element size.
     fp8_saving = sum(layer["in_features"] * layer["out_features"] * (getattr(torch, layer["dtype"]).itemsize - 1)
-                     for layer in eligible)
+                     for layer in eligible + eligible_units)
     bytes_before = parameters.count * 2
     return {
         "linear_layers": len(linear_layers),
         "eligible_layers": len(eligible),
         "skipped_layers": len(linear_layers) - len(eligible),
-        "conv1d_layers": len(report["layers"]) - len(linear_layers),
+        "conv1d_layers": len(report["layers"]) - len(linear_layers) - len(units),
+        "expert_units": len(units),
+        "eligible_expert_units": len(eligible_units),
         "linear_parameters": linear_params,
+        "expert_parameters": expert_params,
         "fp8_parameters": fp8_weight_params,
-        "fp8_share_of_linear_parameters": _ratio(fp8_weight_params, linear_params),
-        "matmul_parameters_outside_linear": outside + conv1d,
-        "fp8_share_of_all_matmul_parameters": _ratio(fp8_weight_params, linear_params + outside + conv1d),
+        "fp8_share_of_linear_parameters": _ratio(fp8_linear_params, linear_params),
+        "fp8_share_of_expert_parameters": _ratio(fp8_weight_params - fp8_linear_params, expert_params),
+        "matmul_parameters_outside_linear": outside + conv1d + expert_params,
+        "fp8_share_of_all_matmul_parameters": _ratio(fp8_weight_params,
+                                                     linear_params + expert_params + outside + conv1d),
         "model_parameters": parameters.count,
         "partly_eligible_groups": sum(1 for group in report["fused_groups"] if group["partly_eligible"]),
         "weight_dtype": "+".join(parameters.dtypes) or "none",

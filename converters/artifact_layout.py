@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from converters.analysis import converted_expert_gemms
 from converters.artifact_io import copy_weight_files, save_tensors, write_json
 from converters.te_layout import BACKWARD_SLOTS, FORWARD_SLOTS
 
@@ -109,6 +110,8 @@ def fp8_block(run: _Run) -> dict[str, Any]:
         "backend": run.recipe.backend.value,
         "recipe": run.recipe.to_dict(),
         "converted_modules": list(run.converted),
+        # <experts module>.<gate_up_proj|down_proj>: expert GEMMs converted together (converters.experts)
+        "converted_experts": converted_expert_gemms(run.report),
         # Readers of the files see the checkpoint's own names; where one differs from the module path, it is here.
         "converted_weights_on_disk": run.weights_on_disk,
         "tied_weights": run.tied_weights,

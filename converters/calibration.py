@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from converters.errors import CalibrationDataError, ConversionCancelled, RecipeError
+from converters.expert_calibration import ExpertsRecorder
+from converters.experts import parse_unit_path
 from converters.recipes import TEDelayedScalingRecipe
 from converters.scaling import delayed_scaling_state, fp8_max_for
 from converters.te_layout import BACKWARD_SLOTS, FORWARD_SLOTS
@@ -31,6 +33,7 @@ __all__ = [
     "BACKWARD_SLOTS",
     "LayerAmax",
     "AmaxRecorder",
+    "amax_recorder",
     "load_corpus",
     "calibration_batches",
     "record_amax",
@@ -50,6 +53,7 @@ class LayerAmax:
 
     forward: torch.Tensor  #: ``[steps, 3]``: input, weight, output
     backward: torch.Tensor | None = None  #: ``[steps, 2]``: grad_output, grad_input; None if not recorded
+    tokens: torch.Tensor | None = None  #: ``[steps]``: tokens routed to an expert GEMM unit; None for a Linear
 
     def __post_init__(self) -> None:
         if self.forward.dim() != 2 or self.forward.shape[1] != len(FORWARD_SLOTS):
@@ -176,9 +180,31 @@ def calibration_batches(
     return batches, f"{origin}, {stream.numel()} tokens, tokenized windows of {seq_len}, seed {seed}"
 
 
-def _resolve_layers(model: nn.Module, layer_paths: Sequence[str]) -> dict[str, nn.Linear]:
+def amax_recorder(model: nn.Module, layer_paths: Sequence[str], steps: int, *, backward: bool = False
+                  ) -> AmaxRecorder:
+    """A recorder for ``layer_paths``: Linear module paths and expert GEMM units (``converters.experts``).
+
+    Raises CalibrationDataError for a path that is neither, and for no path at all.
+    """
     if not layer_paths:
         raise CalibrationDataError("No layers to calibrate.", field="layer_paths")
+    units = [path for path in layer_paths if parse_unit_path(path) is not None]
+    experts = None
+    if units:
+        modules = {}
+        for unit in units:
+            module_path = parse_unit_path(unit).module
+            try:
+                modules[module_path] = model.get_submodule(module_path)
+            except AttributeError as exc:
+                raise CalibrationDataError(f"The model has no experts module {module_path!r}.",
+                                           field="layer_paths") from exc
+        experts = ExpertsRecorder(modules, units, steps)
+    linears = _resolve_layers(model, [path for path in layer_paths if parse_unit_path(path) is None])
+    return AmaxRecorder(linears, steps, backward=backward, experts=experts)
+
+
+def _resolve_layers(model: nn.Module, layer_paths: Sequence[str]) -> dict[str, nn.Linear]:
     layers = {}
     for path in layer_paths:
         try:
@@ -228,11 +254,23 @@ class AmaxRecorder:
     The caller sets :attr:`step` before each step; hooks exist only inside :meth:`attached`.
     """
 
-    def __init__(self, layers: dict[str, nn.Module], steps: int, *, backward: bool = False) -> None:
+    def __init__(self, layers: dict[str, nn.Module], steps: int, *, backward: bool = False,
+                 experts: ExpertsRecorder | None = None) -> None:
         self.layers = layers
-        self.step = 0
+        self.experts = experts
+        self._step = 0
         self.forward = {path: torch.zeros(steps, len(FORWARD_SLOTS)) for path in layers}
         self.backward = {path: torch.zeros(steps, len(BACKWARD_SLOTS)) for path in layers} if backward else None
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        if self.experts is not None:
+            self.experts.step = value
 
     def _forward_hook(self, path: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -257,6 +295,8 @@ class AmaxRecorder:
                 handles.append(module.register_forward_hook(self._forward_hook(path)))
                 if self.backward is not None:
                     handles.append(module.register_full_backward_hook(self._backward_hook(path)))
+            for module, hook in self.experts.hooks() if self.experts is not None else ():
+                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             yield self
         finally:
             for handle in handles:
@@ -264,7 +304,11 @@ class AmaxRecorder:
 
     def results(self) -> dict[str, LayerAmax]:
         backward = self.backward or {}
-        return {path: LayerAmax(forward=self.forward[path], backward=backward.get(path)) for path in self.layers}
+        results = {path: LayerAmax(forward=self.forward[path], backward=backward.get(path)) for path in self.layers}
+        if self.experts is not None:
+            results.update({unit: LayerAmax(forward=forward, tokens=self.experts.tokens_per_step(unit))
+                            for unit, forward in self.experts.forward.items()})
+        return results
 
 
 def record_amax(
@@ -288,11 +332,10 @@ def record_amax(
     raises ConversionCancelled when it returns True. Raises CalibrationDataError for unknown or
     non-Linear ``layer_paths`` or an empty ``batches``.
     """
-    layers = _resolve_layers(model, layer_paths)
     total = len(batches)
     if total == 0:
         raise CalibrationDataError("No calibration batches.", field="batches")
-    recorder = AmaxRecorder(layers, total, backward=backward)
+    recorder = amax_recorder(model, layer_paths, total, backward=backward)
     was_training = model.training
     device = next(model.parameters()).device
     try:

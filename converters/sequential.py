@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.calibration import AmaxRecorder, LayerAmax
+from converters.calibration import AmaxRecorder, LayerAmax, amax_recorder
 from converters.checkpoint import Checkpoint, release, unit_keys
 from converters.errors import ConversionCancelled
+from converters.experts import parse_unit_path
 
 __all__ = [
     "LAYER_SEQUENTIAL",
@@ -278,7 +279,7 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
     layers: nn.ModuleList = model.get_submodule(stack.path)
     layers[index] = layer  # the real layer, so that its tensors load under their own names
     checkpoint.load(unit_keys(model, lambda name: _under(name, layer_path)))
-    recorder = AmaxRecorder({path: model.get_submodule(path) for path in paths}, len(passes.hidden_in))
+    recorder = amax_recorder(model, paths, len(passes.hidden_in)) if paths else AmaxRecorder({}, 0)
     passes.recorders.append(recorder)
     outputs = []
     with torch.no_grad(), recorder.attached():
@@ -291,7 +292,8 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
             outputs.append(output)
     if after_layer is not None:
         inputs = passes.hidden_in
-        after_layer(LayerPass(index=index, path=layer_path, layer=layer, linear_paths=paths,
+        linear_paths = [path for path in paths if parse_unit_path(path) is None]  # experts are not swapped there
+        after_layer(LayerPass(index=index, path=layer_path, layer=layer, linear_paths=linear_paths,
                               amax=recorder.results(), outputs=outputs,
                               call=lambda module, step: passes.call(module, index, step, inputs[step])))
     release(layer)

@@ -78,7 +78,7 @@ def analyze(run: _Run) -> None:
     run.report = analyze_model(run.meta_model, options)
     run.report["model"] = {"reference": run.request.model, "model_type": getattr(run.config, "model_type", None)}
     check_include_patterns(run.report)
-    if run.report["totals"]["eligible_layers"] == 0:
+    if run.report["totals"]["eligible_layers"] + run.report["totals"]["expert_units"] == 0:
         raise ConversionError(
             "no layer is eligible for FP8 (see `fp8forge analyze`): nothing to convert; "
             "adjust include/exclude or choose a model with nn.Linear layers whose dims are multiples of 16"
@@ -138,11 +138,11 @@ def calibrate(run: _Run) -> None:
     emulated FP8 matmul costs twenty times a bf16 one. Layer by layer where the mode allows it; a model
     that turns out not to fit that shape falls back to the whole model, and the report says why.
     """
-    from converters.analysis import eligible_paths
+    from converters.analysis import eligible_expert_units, eligible_paths
     from converters.sequential import LAYER_SEQUENTIAL, WHOLE_MODEL, SequentialUnsupported
 
     batches, source = _calibration_batches(run)
-    paths = eligible_paths(run.report)
+    paths = eligible_paths(run.report) + eligible_expert_units(run.report)
     amax = None
     if run.pipeline["mode"] == LAYER_SEQUENTIAL:
         try:
@@ -155,6 +155,26 @@ def calibrate(run: _Run) -> None:
         amax = _calibrate_whole_model(run, batches, paths)
     run.calibration.data_source, run.calibration.amax = source, amax
     run.calibration.states, run.calibration.check_batch = _scaling_states(run, amax), batches[0]
+    _report_experts(run, amax)
+
+
+def _report_experts(run: _Run, amax: dict[str, Any]) -> None:
+    """Per MoE block: the experts converted, the tokens each received, and a warning for any that got none."""
+    from converters.experts import parse_unit_path
+
+    tokens: dict[str, dict[int, int]] = {}
+    for path, layer in amax.items():
+        unit = parse_unit_path(path)
+        if unit is not None and layer.tokens is not None:
+            tokens.setdefault(unit.module, {})[unit.index] = int(layer.tokens.sum())
+    for block in run.report["moe"]:
+        seen = tokens.get(block["module"], {})
+        block["converted_experts"] = sorted(seen)
+        block["tokens_per_expert"] = [seen.get(e) for e in range(block["experts"])]
+        block["experts_without_tokens"] = [e for e in sorted(seen) if seen[e] == 0]
+        if block["experts_without_tokens"]:
+            run.warn(f"{block['module']}: expert(s) {block['experts_without_tokens']} received no calibration token; "
+                     "they keep the weight-only state (input scale 1): give more or more varied calibration data")
 
 
 def _calibration_batches(run: _Run) -> tuple[list[dict[str, Any]], str]:

@@ -6,7 +6,8 @@ import importlib.util
 import shutil
 from pathlib import Path
 
-__all__ = ["TINY_CONFIGS", "MORE_CONFIGS", "tiny_config", "save_tiny_model", "install_in_hf_cache", "minilm_dir"]
+__all__ = ["TINY_CONFIGS", "MORE_CONFIGS", "MOE_CONFIGS", "tiny_config", "save_tiny_model", "save_tiny_moe",
+           "install_in_hf_cache", "minilm_dir"]
 
 _ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2}
 TINY_CONFIGS = {
@@ -47,6 +48,15 @@ MORE_CONFIGS = {
                             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **_ATTENTION}),
 }
 _ARCHITECTURE = {"bert": "BertModel"}
+# Mixture-of-experts models sized like the real ones in proportion: experts hold almost all matmul weights.
+MOE_CONFIGS = {
+    "mixtral": ("MixtralConfig", {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+                                  "num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16, **_ATTENTION}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 256,
+                                     "shared_expert_intermediate_size": 128, "num_experts": 8,
+                                     "num_experts_per_tok": 2, "num_hidden_layers": 2, "norm_topk_prob": True,
+                                     **_ATTENTION}),
+}
 
 
 def tiny_config(name: str):
@@ -69,6 +79,25 @@ def save_tiny_model(name: str, directory: Path, *, seed: int = 0) -> Path:
     else:
         model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(directory)
+    return directory
+
+
+def save_tiny_moe(name: str, directory: Path, *, seed: int = 0) -> Path:
+    """A tiny MoE model of ``MOE_CONFIGS`` with the demo's trained tokenizer, both saved with save_pretrained."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from converters.demo import build_demo_tokenizer
+
+    tokenizer = build_demo_tokenizer()
+    class_name, kwargs = MOE_CONFIGS[name]
+    config = getattr(transformers, class_name)(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **kwargs)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     return directory
 
 

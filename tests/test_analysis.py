@@ -127,15 +127,22 @@ def test_partly_eligible_fused_group_is_flagged():
     assert report["totals"]["partly_eligible_groups"] == 1
 
 
-def test_mixtral_fused_experts_and_router_are_reported():
+def test_mixtral_experts_are_units_per_expert_gemm_and_the_router_stays_out():
     report = analyze_model(meta_model("mixtral"))
     other = {entry["path"]: entry for entry in report["other_weights"]}
-    experts = other["model.layers.0.mlp.experts.gate_up_proj"]
-    assert experts["reason"] == Reason.FUSED_EXPERTS
-    assert experts["shape"] == [4, 256, 64] and experts["parameters"] == 4 * 256 * 64
+    assert not any("experts" in path for path in other)  # listed per expert GEMM among the layers instead
     assert other["model.layers.0.mlp.gate.weight"]["reason"] == Reason.ROUTER_WEIGHT
+    units = {layer["path"]: layer for layer in report["layers"] if "expert" in layer}
+    assert len(units) == 2 * 4 * 2  # layers x experts x (gate_up, down)
+    gate_up, down = units["model.layers.1.mlp.experts.3.gate_up_proj"], units["model.layers.1.mlp.experts.3.down_proj"]
+    assert (gate_up["in_features"], gate_up["out_features"], down["in_features"], down["out_features"]) == (
+        64, 256, 128, 64)
+    assert gate_up["eligible"] and gate_up["group"] == "model.layers.1.mlp.experts.gate_up_proj"
     totals = report["totals"]
-    assert totals["fp8_share_of_all_matmul_parameters"] < totals["fp8_share_of_linear_parameters"]
+    assert totals["expert_parameters"] == 2 * 4 * (64 * 256 + 128 * 64) and totals["eligible_expert_units"] == 16
+    excluded = analyze_model(meta_model("mixtral"), AnalysisOptions(exclude=("experts",)))
+    assert not any(layer["eligible"] for layer in excluded["layers"] if "expert" in layer)
+    assert excluded["totals"]["fp8_share_of_all_matmul_parameters"] < totals["fp8_share_of_all_matmul_parameters"]
 
 
 class MoeBlock(nn.Module):

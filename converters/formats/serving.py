@@ -77,10 +77,13 @@ def plan_serving(fmt: ServingFormat, report: Mapping[str, Any], on_disk_name: Ca
                  ) -> ServingPlan:
     """Decide what ``fmt`` quantizes from the analysis report and the checkpoint's names (before calibration)."""
     plan = ServingPlan(format=fmt.name, linear_paths=[layer["path"] for layer in report["layers"]
-                                                      if layer["class"] != "Conv1D"])
+                                                      if layer["class"] != "Conv1D" and "expert" not in layer])
     candidates = {}
     for layer in report["layers"]:
         path = layer["path"]
+        if "expert" in layer:
+            plan.skipped[path] = "expert_gemm_not_in_serving_export"
+            continue
         if not layer["eligible"]:
             plan.skipped[path] = ",".join(layer["reasons"]) or "not_eligible"
             continue

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from converters.errors import BackendUnavailableError, ConversionError
+from converters.experts import parse_unit_path
+from converters.te_layout import grouped_state, state_key
 
 if TYPE_CHECKING:
     from converters.pipeline import _Run
@@ -80,12 +82,16 @@ class TETraining:
             reset_te_global_state()
 
     def state_tensors(self, run: _Run) -> dict[str, torch.Tensor]:
-        from converters.te_layout import state_key
-
         tensors = {}
         if _is_delayed(run):
+            experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = {}
             for path, state in run.calibration.states.items():
-                tensors.update({state_key(path, name): value.float() for name, value in state.items()})
+                unit = parse_unit_path(path)
+                if unit is None:
+                    tensors.update({state_key(path, name): value.float() for name, value in state.items()})
+                else:
+                    experts.setdefault((unit.module, unit.gemm), {})[unit.index] = state
+            tensors.update(_grouped_expert_state(run, experts))
         if run.request.te_extra_state and run.te_modules:
             from converters.backends.te_state import te_extra_state_tensor
 
@@ -101,6 +107,9 @@ class TETraining:
         return {"state_file": STATE_FILE,
                 "state_keys": "<layer>.fp8_scale_fwd [3], .fp8_amax_history_fwd [L,3], .fp8_scale_bwd [2], "
                               ".fp8_amax_history_bwd [L,2]",
+                "expert_state_keys": "<experts>.<gate_up_proj|down_proj>.fp8_scale_fwd [3E], .fp8_amax_history_fwd "
+                                     "[L,3E], .fp8_scale_bwd [2E], .fp8_amax_history_bwd [L,2E], in TE GroupedLinear "
+                                     "slot order (forward 3e+0/1/2 = expert e input/weight/output)",
                 "te_modules_built": run.te_modules}
 
     def library_versions(self) -> dict[str, str]:
@@ -110,6 +119,23 @@ class TETraining:
         from converters.backends.te_loader import load_te_model
 
         return load_te_model(directory, device=device)
+
+
+def _grouped_expert_state(run: _Run, experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]]
+                          ) -> dict[str, torch.Tensor]:
+    """GroupedLinear state per experts module and GEMM; only where every expert of it was calibrated.
+
+    TE applies one recipe to a whole GroupedLinear, so a GEMM kind with some experts excluded stays in high
+    precision (the analysis warns about such partly eligible groups).
+    """
+    sizes = {block["module"]: block["experts"] for block in run.report["moe"]}
+    tensors = {}
+    for (module, gemm), by_index in experts.items():
+        if len(by_index) != sizes[module]:
+            continue
+        grouped = grouped_state([by_index[index] for index in range(sizes[module])])
+        tensors.update({state_key(f"{module}.{gemm}", name): value.float() for name, value in grouped.items()})
+    return tensors
 
 
 TE = TETraining()
