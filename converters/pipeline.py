@@ -91,6 +91,7 @@ class ConversionResult:
     report_path: Path
     converted: list[str]
     pipeline: dict[str, Any]  #: ``mode`` (layer_sequential or whole_model), ``reason``, ``device``
+    converted_experts: list[str] = field(default_factory=list)  #: ``<experts>.<gemm>`` converted together
 
 
 @dataclass
@@ -180,5 +181,8 @@ def run_conversion(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     report_path = out_dir / "fp8_report.json"
+    from converters.analysis import converted_expert_gemms
+
     return ConversionResult(out_dir=out_dir, files=files, manifest=manifest, report_path=report_path,
-                            converted=run.converted, pipeline=run.pipeline)
+                            converted=run.converted, pipeline=run.pipeline,
+                            converted_experts=converted_expert_gemms(run.report))

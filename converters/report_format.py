@@ -57,6 +57,9 @@ def format_analysis(report: dict[str, Any]) -> str:
         f"backend: {report['options']['backend']}  rule: {report['rule']}",
         f"Linear layers: {totals['linear_layers']}  eligible: {totals['eligible_layers']}  "
         f"skipped: {totals['skipped_layers']}  Conv1D: {totals['conv1d_layers']}",
+        *([f"MoE expert GEMMs: {totals['expert_units']} in {len(report['moe'])} experts modules  eligible: "
+           f"{totals['eligible_expert_units']}  FP8 share of expert parameters: "
+           f"{totals['fp8_share_of_expert_parameters']:.1%}"] if report.get("moe") else []),
         f"FP8 share of Linear parameters: {totals['fp8_share_of_linear_parameters']:.1%}  "
         f"of all matmul parameters: {totals['fp8_share_of_all_matmul_parameters']:.1%}",
         f"weights: {human_bytes(totals['weight_bytes'])} in {dtype} (the model's dtype) -> "

@@ -109,7 +109,8 @@ def run_convert_command(args: argparse.Namespace, sources) -> int:
     finally:
         sink.close()
     total = sum(entry["bytes"] for entry in result.manifest)
-    print(f"converted {len(result.converted)} layers with backend {request.parsed_recipe().backend.value}")
+    experts = f" and {len(result.converted_experts)} expert GEMM groups" if result.converted_experts else ""
+    print(f"converted {len(result.converted)} layers{experts} with backend {request.parsed_recipe().backend.value}")
     print(f"mode: {result.pipeline['mode'].replace('_', '-')} ({result.pipeline['reason']})")
     print(f"wrote {len(result.manifest) + 1} files ({human_bytes(total)}) to {result.out_dir}")
     print(f"report: {result.report_path}")
