@@ -14,9 +14,15 @@ from fnmatch import fnmatchcase
 
 from converters.errors import Fp8ForgeError
 
-__all__ = ["PatternError", "validate_pattern", "matches"]
+__all__ = ["PatternError", "PATTERN_REGEX", "MAX_PATTERN_CHARS", "validate_pattern", "matches"]
 
-_ALLOWED = re.compile(r"^[A-Za-z0-9_*?\[\]!.-]+$")
+#: One segment: letters, digits and ``_ - * ? [ ] !``; segments joined by single dots. Written so that
+#: Python's ``re``, the Rust regex of pydantic and ECMAScript (the OpenAPI schema's readers) agree on it.
+PATTERN_REGEX = r"^[A-Za-z0-9_*?\[\]!-]+(\.[A-Za-z0-9_*?\[\]!-]+)*$"
+#: Longer than any real module path glob; it bounds the work of matching against every Linear of a model.
+MAX_PATTERN_CHARS = 128
+
+_PATTERN = re.compile(PATTERN_REGEX)
 
 
 class PatternError(Fp8ForgeError):
@@ -27,9 +33,12 @@ class PatternError(Fp8ForgeError):
 
 def validate_pattern(pattern: str, *, field: str) -> str:
     """Return the pattern if it is usable, else raise :class:`PatternError` naming ``field``."""
-    if not isinstance(pattern, str) or not pattern.strip():
+    if not isinstance(pattern, str) or not pattern:
         raise PatternError(f"{field}: a pattern must be a non-empty string like 'layers.0' or '*.mlp.*'", field=field)
-    if not _ALLOWED.match(pattern) or "" in pattern.split("."):
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise PatternError(f"{field}: a pattern may have at most {MAX_PATTERN_CHARS} characters", field=field)
+    # fullmatch: `$` alone would let a trailing newline through
+    if not _PATTERN.fullmatch(pattern):
         raise PatternError(
             f"{field}: pattern {pattern!r} is not a dotted module path glob (letters, digits, _, -, *, ?, [], "
             "segments separated by single dots)",
@@ -40,17 +49,31 @@ def validate_pattern(pattern: str, *, field: str) -> str:
 
 def matches(pattern: str, path: str) -> bool:
     """True when ``pattern`` matches a contiguous run of whole segments of ``path``."""
-    return _match_anywhere(pattern.split("."), path.split("."))
+    segments = _collapse(pattern.split("."))
+    parts = path.split(".")
+    if sum(segment != "**" for segment in segments) > len(parts):
+        return False  # each other segment consumes one path segment
+    return _match_anywhere(segments, parts)
+
+
+def _collapse(segments: list[str]) -> list[str]:
+    # `**.**` means what `**` means; collapsing keeps the table below small
+    return [s for i, s in enumerate(segments) if not (s == "**" and i and segments[i - 1] == "**")]
 
 
 def _match_anywhere(pattern: list[str], path: list[str]) -> bool:
-    return any(_match_prefix(pattern, path[start:]) for start in range(len(path) + 1))
-
-
-def _match_prefix(pattern: list[str], path: list[str]) -> bool:
-    if not pattern:
-        return True
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_match_prefix(rest, path[skip:]) for skip in range(len(path) + 1))
-    return bool(path) and fnmatchcase(path[0], head) and _match_prefix(rest, path[1:])
+    # ok[j]: pattern[i:] matches a run of segments starting at path[j], filled from the last pattern segment
+    # back. A table instead of recursion: `**` segments would otherwise try every split of the path.
+    n = len(path)
+    ok = [True] * (n + 1)
+    for segment in reversed(pattern):
+        if segment == "**":
+            nxt = [False] * (n + 1)
+            seen = False
+            for j in range(n, -1, -1):
+                seen = seen or ok[j]
+                nxt[j] = seen
+        else:
+            nxt = [j < n and ok[j + 1] and fnmatchcase(path[j], segment) for j in range(n + 1)]
+        ok = nxt
+    return any(ok)

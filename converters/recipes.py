@@ -25,6 +25,9 @@ from converters.errors import RecipeError
 
 __all__ = [
     "RECIPE_VERSION",
+    "MAX_AMAX_HISTORY_LEN",
+    "MAX_MARGIN",
+    "MAX_INTERVAL",
     "Backend",
     "Fp8Format",
     "AmaxComputeAlgo",
@@ -43,6 +46,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 RECIPE_VERSION = 1
+
+# Upper bounds: a number a client sends must never let one job outgrow a worker's memory.
+#: Rows of the fp32 amax history TE keeps per Linear (3 forward, 2 backward columns), in the worker, the
+#: artifact and every process that loads it. Users pick 16..1024 (TE's default is 1024); 4096 leaves room and
+#: keeps one Linear's history at 80 KiB. Unbounded, 2**40 made the worker try to allocate 13 TB.
+MAX_AMAX_HISTORY_LEN = 4096
+#: ``scale = fp8_max * 2**-margin / amax``: at 32 E4M3's range (448) has shrunk below 1e-7 already; beyond,
+#: the fp32 scale only heads for underflow (2**-149 is 0). Working recipes use 0..a few.
+MAX_MARGIN = 32
+#: ``interval`` has no effect any more (TE removed it); bounded to the int32 step count TE kept it in.
+MAX_INTERVAL = 2**31 - 1
 
 
 class Backend(str, enum.Enum):
@@ -98,12 +112,12 @@ def _coerce_enum(value: Any, enum_cls: type[enum.Enum], field: str, *, upper: bo
     )
 
 
-def _check_int(value: Any, field: str, *, minimum: int, optional: bool = False) -> None:
+def _check_int(value: Any, field: str, *, minimum: int, maximum: int, optional: bool = False) -> None:
     if value is None and optional:
         return
     # bool is an int subclass; `margin: true` in a YAML file is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = f"an integer >= {minimum}" + (" or null" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        kind = f"an integer >= {minimum} and <= {maximum}" + (" or null" if optional else "")
         raise RecipeError(f"{field} must be {kind}, got {value!r}.", field=field)
 
 
@@ -139,9 +153,9 @@ class TEDelayedScalingRecipe:
             "amax_compute_algo",
             _coerce_enum(self.amax_compute_algo, AmaxComputeAlgo, "amax_compute_algo", upper=False),
         )
-        _check_int(self.amax_history_len, "amax_history_len", minimum=1)
-        _check_int(self.margin, "margin", minimum=0)
-        _check_int(self.interval, "interval", minimum=1, optional=True)
+        _check_int(self.amax_history_len, "amax_history_len", minimum=1, maximum=MAX_AMAX_HISTORY_LEN)
+        _check_int(self.margin, "margin", minimum=0, maximum=MAX_MARGIN)
+        _check_int(self.interval, "interval", minimum=1, maximum=MAX_INTERVAL, optional=True)
         check_bool(self.use_autocast_during_eval, "use_autocast_during_eval")
         olp = self.override_linear_precision
         if olp is not None:

@@ -1,11 +1,14 @@
 """A conversion request: what the CLI and the service hand to the pipeline, validated up front.
 
 Everything that can be checked without loading the model is checked here, so a bad job is refused
-before it is queued; each error names the field as a dotted path (``recipe.margin``, ``calibration.steps``).
+before it is queued; each error names the field as a dotted path (``recipe.margin``, ``calibration.steps``,
+``include[2]``). Every number has an upper bound that keeps one job within a worker's memory; the service
+states the same bounds in its OpenAPI schema, read from here.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,13 +16,62 @@ from typing import Any
 from converters.errors import CalibrationDataError, Fp8ForgeError, RecipeError
 from converters.patterns import validate_pattern
 
-__all__ = ["CalibrationSettings", "ConversionRequest", "LIMITS"]
+__all__ = [
+    "RequestError",
+    "CalibrationSettings",
+    "ConversionRequest",
+    "check_patterns",
+    "LIMITS",
+    "MAX_TOKENS_PER_STEP",
+    "MAX_CALIBRATION_TOKENS",
+    "MAX_TEXT_CHARS",
+    "MAX_TEXTS_CHARS",
+    "MAX_PATTERNS",
+    "SHARD_BYTES",
+    "SERVING_FORMAT_NAMES",
+    "NOT_BLANK",
+]
 
-LIMITS = {"steps": (1, 4096), "batch_size": (1, 256), "seq_len": (1, 32768), "texts": (1, 100_000)}
+#: Inclusive ranges of the calibration numbers. Layer-sequential calibration caches every step's hidden
+#: states, so besides each number the tokens of one step and of the whole run are bounded (below).
+LIMITS = {"steps": (1, 1024), "batch_size": (1, 256), "seq_len": (1, 8192), "texts": (1, 10_000)}
+#: batch_size x seq_len. A step's logits are tokens x vocabulary x 4 bytes: 4 GiB at Llama-3's 128k vocabulary;
+#: the old per-number limits allowed 8M tokens (10 GB of logits even on the 320-token demo vocabulary).
+MAX_TOKENS_PER_STEP = 8192
+#: steps x batch_size x seq_len. The cached hidden states of a run are tokens x hidden x 2 bytes: 4 GiB for an
+#: 8B model (hidden 4096), twice for 70B. The default run is 4096 tokens.
+MAX_CALIBRATION_TOKENS = 2**19
+#: One calibration text, and all of them together (about 1M tokens: twice what the largest run reads).
+MAX_TEXT_CHARS = 1_000_000
+MAX_TEXTS_CHARS = 4_000_000
+#: Patterns in ``include`` and in ``exclude`` each (every one is matched against every Linear of the model).
+MAX_PATTERNS = 64
+#: ``max_shard_bytes`` range; the value has no effect on today's artifacts (their weight files are the
+#: source's) and the top, 1 TiB, only keeps it an exact integer in every JSON reader.
+SHARD_BYTES = (65536, 2**40)
+#: Names in ``converters.formats.SERVING_FORMATS`` (that registry imports torch; tests keep the two equal).
+SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block")
+#: A calibration text must contain a character this regex finds: anything but ASCII whitespace. ASCII only, so
+#: that Python, pydantic's Rust regex and the OpenAPI schema's ECMAScript readers agree on which texts are blank.
+NOT_BLANK = r"[^\t\n\x0b\x0c\r ]"
+_NOT_BLANK = re.compile(NOT_BLANK)
+
+_DEFAULT_SHARD_BYTES = 5 * 1024**3
 _REQUEST_KEYS = (
     "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
     "max_shard_bytes", "te_extra_state", "serving_formats",
 )
+_CALIBRATION_KEYS = ("steps", "batch_size", "seq_len", "texts", "backward")
+
+
+class RequestError(Fp8ForgeError):
+    """A field of a conversion or analysis request is missing, unknown, of the wrong type or out of range."""
+
+    code = "invalid_request"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # `true` is a mistake, not 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,37 +88,43 @@ class CalibrationSettings:
         for name in ("steps", "batch_size", "seq_len"):
             value = getattr(self, name)
             low, high = LIMITS[name]
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            if not _is_int(value) or not low <= value <= high:
                 raise CalibrationDataError(
                     f"calibration.{name} must be an integer from {low} to {high}, got {value!r}",
                     field=f"calibration.{name}",
                 )
+        self._check_tokens()
         if not isinstance(self.backward, bool):
             raise CalibrationDataError("calibration.backward must be true or false", field="calibration.backward")
         if self.texts is not None:
-            texts = self.texts
-            if not isinstance(texts, (list, tuple)) or not all(isinstance(text, str) for text in texts):
-                raise CalibrationDataError("calibration.texts must be a list of strings", field="calibration.texts")
-            if not texts or not any(text.strip() for text in texts) or len(texts) > LIMITS["texts"][1]:
-                raise CalibrationDataError(
-                    f"calibration.texts must hold 1 to {LIMITS['texts'][1]} non-empty strings; omit it to use "
-                    "the built-in corpus",
-                    field="calibration.texts",
-                )
-            object.__setattr__(self, "texts", tuple(texts))
+            object.__setattr__(self, "texts", _checked_texts(self.texts))
+
+    def _check_tokens(self) -> None:
+        per_step = self.batch_size * self.seq_len
+        if per_step > MAX_TOKENS_PER_STEP:
+            raise CalibrationDataError(
+                f"calibration.batch_size x calibration.seq_len is {per_step} tokens per step; at most "
+                f"{MAX_TOKENS_PER_STEP} fit a worker (e.g. 4 x 2048): lower one of them",
+                field="calibration",
+            )
+        if self.steps * per_step > MAX_CALIBRATION_TOKENS:
+            raise CalibrationDataError(
+                f"calibration.steps x batch_size x seq_len is {self.steps * per_step} tokens; at most "
+                f"{MAX_CALIBRATION_TOKENS} fit a worker: lower steps, batch_size or seq_len",
+                field="calibration",
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> CalibrationSettings:
         data = dict(data or {})
-        allowed = ("steps", "batch_size", "seq_len", "texts", "backward")
-        unknown = sorted(set(data) - set(allowed))
+        unknown = sorted(set(data) - set(_CALIBRATION_KEYS), key=str)
         if unknown:
             raise CalibrationDataError(
-                f"unknown calibration field {unknown[0]!r}; allowed: {', '.join(allowed)}",
+                f"unknown calibration field {unknown[0]!r}; allowed: {', '.join(_CALIBRATION_KEYS)}",
                 field=f"calibration.{unknown[0]}",
             )
-        if data.get("texts") is not None:
-            data["texts"] = tuple(data["texts"]) if isinstance(data["texts"], list) else data["texts"]
+        if data.get("texts") is None:
+            data.pop("texts", None)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,6 +135,32 @@ class CalibrationSettings:
             "texts": None if self.texts is None else f"{len(self.texts)} user text(s)",
             "backward": self.backward,
         }
+
+
+def _checked_texts(texts: Any) -> tuple[str, ...]:
+    low, high = LIMITS["texts"]
+    if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+        raise CalibrationDataError("calibration.texts must be a list of strings", field="calibration.texts")
+    if not low <= len(texts) <= high:
+        raise CalibrationDataError(
+            f"calibration.texts must hold {low} to {high} texts, got {len(texts)}; omit it to use the built-in corpus",
+            field="calibration.texts",
+        )
+    for index, text in enumerate(texts):
+        where = f"calibration.texts[{index}]"
+        if not isinstance(text, str):
+            raise CalibrationDataError(f"{where} must be a string, got {type(text).__name__}", field=where)
+        if len(text) > MAX_TEXT_CHARS:
+            raise CalibrationDataError(f"{where} has {len(text)} characters; at most {MAX_TEXT_CHARS}", field=where)
+        if not _NOT_BLANK.search(text):
+            raise CalibrationDataError(f"{where} is empty or blank; remove it", field=where)
+    total = sum(len(text) for text in texts)
+    if total > MAX_TEXTS_CHARS:
+        raise CalibrationDataError(
+            f"calibration.texts hold {total} characters together; at most {MAX_TEXTS_CHARS}",
+            field="calibration.texts",
+        )
+    return tuple(texts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,40 +174,34 @@ class ConversionRequest:
     exclude: tuple[str, ...] = ()
     skip_first_last: bool = True
     convert_router_gates: bool = False
-    max_shard_bytes: int = 5 * 1024**3
+    max_shard_bytes: int = _DEFAULT_SHARD_BYTES
     te_extra_state: bool = False
     serving_formats: tuple[str, ...] = ()  #: names in converters.formats.SERVING_FORMATS, each its own subdirectory
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
-            raise Fp8ForgeError("model must be a non-empty string like 'org/name[@revision]'", field="model")
+            raise RequestError("model must be a non-empty string like 'org/name[@revision]'", field="model")
         for name in ("include", "exclude"):
-            patterns = getattr(self, name)
-            if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
-                raise Fp8ForgeError(f"{name} must be a list of patterns", field=name)
-            for index, pattern in enumerate(patterns):
-                validate_pattern(pattern, field=f"{name}[{index}]")
-            object.__setattr__(self, name, tuple(patterns))
+            object.__setattr__(self, name, check_patterns(getattr(self, name), name))
         for name in ("skip_first_last", "convert_router_gates", "te_extra_state"):
             if not isinstance(getattr(self, name), bool):
-                raise Fp8ForgeError(f"{name} must be true or false", field=name)
-        if isinstance(self.max_shard_bytes, bool) or not isinstance(self.max_shard_bytes, int) or (
-            self.max_shard_bytes < 65536
-        ):
-            raise Fp8ForgeError("max_shard_bytes must be an integer of at least 65536", field="max_shard_bytes")
+                raise RequestError(f"{name} must be true or false", field=name)
+        low, high = SHARD_BYTES
+        if not _is_int(self.max_shard_bytes) or not low <= self.max_shard_bytes <= high:
+            raise RequestError(f"max_shard_bytes must be an integer from {low} to {high}", field="max_shard_bytes")
         self._check_serving_formats()
         self.parsed_recipe()  # raises RecipeError naming the field
 
     def _check_serving_formats(self) -> None:
-        from converters.formats import serving_format
-
         names = self.serving_formats
         if isinstance(names, str) or not isinstance(names, (list, tuple)):
-            raise Fp8ForgeError("serving_formats must be a list of format names", field="serving_formats")
+            raise RequestError("serving_formats must be a list of format names", field="serving_formats")
         for index, name in enumerate(names):
-            serving_format(name, field=f"serving_formats[{index}]")
+            if name not in SERVING_FORMAT_NAMES:
+                raise RequestError(f"unknown serving format {name!r}; known: {', '.join(SERVING_FORMAT_NAMES)}",
+                                   field=f"serving_formats[{index}]")
         if len(set(names)) != len(names):
-            raise Fp8ForgeError("serving_formats lists a format twice", field="serving_formats")
+            raise RequestError("serving_formats lists a format twice", field="serving_formats")
         object.__setattr__(self, "serving_formats", tuple(names))
 
     def parsed_recipe(self):
@@ -135,20 +213,21 @@ class ConversionRequest:
         try:
             return recipe_from_dict(self.recipe)
         except RecipeError as exc:
-            dotted = f"recipe.{exc.field}" if exc.field and not exc.field.startswith("recipe") else exc.field
-            raise RecipeError(exc.message, field=dotted or "recipe") from exc
+            # recipe_from_dict names fields inside the recipe; the request names them from its root
+            dotted = "recipe" if exc.field in (None, "recipe") else f"recipe.{exc.field}"
+            raise RecipeError(exc.message, field=dotted) from exc
 
     @classmethod
     def from_dict(cls, body: Mapping[str, Any]) -> ConversionRequest:
         """Build from a JSON body; raises Fp8ForgeError subclasses with ``field`` set to a dotted path."""
         if not isinstance(body, Mapping):
-            raise Fp8ForgeError("the request body must be a JSON object", field="body")
-        unknown = sorted(set(body) - set(_REQUEST_KEYS))
+            raise RequestError("the request body must be a JSON object", field="body")
+        unknown = sorted(set(body) - set(_REQUEST_KEYS), key=str)
         if unknown:
-            raise Fp8ForgeError(f"unknown field {unknown[0]!r}; allowed: {', '.join(_REQUEST_KEYS)}", field=unknown[0])
+            raise RequestError(f"unknown field {unknown[0]!r}; allowed: {', '.join(_REQUEST_KEYS)}", field=unknown[0])
         data = dict(body)
         if "model" not in data:
-            raise Fp8ForgeError("model is required, e.g. 'org/name[@revision]'", field="model")
+            raise RequestError("model is required, e.g. 'org/name[@revision]'", field="model")
         calibration = data.get("calibration")
         if calibration is not None and not isinstance(calibration, Mapping):
             raise CalibrationDataError("calibration must be a JSON object", field="calibration")
@@ -173,3 +252,14 @@ class ConversionRequest:
             "te_extra_state": self.te_extra_state,
             "serving_formats": list(self.serving_formats),
         }
+
+
+def check_patterns(patterns: Any, name: str) -> tuple[str, ...]:
+    """``include`` or ``exclude`` as a tuple of valid patterns; RequestError / PatternError naming the culprit."""
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
+        raise RequestError(f"{name} must be a list of patterns", field=name)
+    if len(patterns) > MAX_PATTERNS:
+        raise RequestError(f"{name} may hold at most {MAX_PATTERNS} patterns, got {len(patterns)}", field=name)
+    for index, pattern in enumerate(patterns):
+        validate_pattern(pattern, field=f"{name}[{index}]")
+    return tuple(patterns)
