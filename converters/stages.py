@@ -93,11 +93,14 @@ def analyze(run: _Run) -> None:
 def _plan_serving(run: _Run) -> None:
     """What each requested serving format quantizes; a format with nothing to quantize is bad input."""
     from converters.formats import serving_format
-    from converters.formats.serving import plan_serving
+    from converters.formats.serving import expert_disk_keys, plan_serving
 
+    if not run.request.serving_formats:
+        return
+    expert_keys = expert_disk_keys(run.checkpoint.mapping, run.checkpoint.target_of, run.report)
     for index, name in enumerate(run.request.serving_formats):
-        plan = plan_serving(serving_format(name), run.report, run.checkpoint.on_disk_name)
-        if not plan.quantized:
+        plan = plan_serving(serving_format(name), run.report, run.checkpoint.on_disk_name, expert_keys)
+        if not plan.quantized and not plan.experts:
             raise ConversionError(
                 f"serving format {name} would quantize no layer (fused groups must be eligible as a whole; see the "
                 "analysis): adjust include/exclude or skip_first_last, or drop the format",
@@ -310,7 +313,10 @@ def _write_serving(run: _Run, staging: Path) -> list[str]:
 
     written = []
     for name, plan in run.serving.items():
-        set_input_amax(plan, run.report, run.calibration.amax)
+        starved = set_input_amax(plan, run.report, run.calibration.amax)
+        if starved:
+            run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
+                     "is the largest of the same GEMM's other experts in that layer")
         directory = staging / "serving" / name
         files = write_serving_checkpoint(serving_format(name), plan, run.model_dir, weight_files(run.model_dir),
                                          directory, model_dtype(run.config), check_stop=run.check_stop)

@@ -12,10 +12,18 @@ weights are ``clamp(w / scale, -448, 448)`` in the model's dtype, cast to ``floa
 even). This is compressed-tensors' own arithmetic (``calculate_qparams`` / ``quantize``, 0.19 and 0.20.1), so
 the weights and scales are bit-identical to what llm-compressor 0.14 writes for the same model; the config
 carries the same fields. vLLM's ``CompressedTensorsW8A8Fp8`` scheme reads it.
+
+MoE experts: each on-disk expert matrix (``experts.<e>.w1``/``w3``/``w2``, or ``gate_proj``/``up_proj``/
+``down_proj``) is quantized as a Linear weight of its own under its own name, with the same scheme: per
+tensor with a static ``input_scale`` (w1 and w3 of one expert share their unit's), or per channel with
+dynamic per-token activations, the two combinations vLLM's ``CompressedTensorsW8A8Fp8MoEMethod`` accepts.
+transformers reports the experts' ``input_scale`` as unexpected keys and drops them (it dequantizes
+experts); vLLM reads them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -85,12 +93,25 @@ class CompressedTensorsFP8:
             "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                           "output_activations": None, "format": "float-quantized"}},
-            "ignore": [path for path in plan.linear_paths if path not in plan.quantized],
+            "ignore": _ignore(plan),
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
             "sparsity_config": {},
             "transform_config": {},
         }
+
+
+def _ignore(plan: ServingPlan) -> list[str]:
+    """Linears kept in high precision, MoE routers, and one ``re:`` entry per experts module kept in high precision.
+
+    The one config group targets ``Linear``: vLLM and SGLang map that target onto their fused MoE layers
+    too, and transformers' ``get_experts_scheme`` takes the first class-name group for the experts. vLLM
+    asks about an experts module through names of its first expert (``<prefix>.0.gate_proj``, also for
+    Mixtral's ``w1``), so a module kept in high precision is ignored by a regex on its on-disk prefix.
+    """
+    linears = [path for path in plan.linear_paths if path not in plan.quantized]
+    experts = [f"re:{re.escape(prefix)}\\." for prefix in plan.unquantized_experts.values()]
+    return linears + [gate for gate in plan.router_gates if gate not in linears] + experts
 
 
 STATIC = CompressedTensorsFP8(name="compressed-tensors-fp8", static=True)

@@ -11,6 +11,10 @@ but transformers 5.24's CPU dequantization derives the block size from the shape
 (or fails) for them, and vLLM needs whole blocks in every fused shard but the last; such layers stay in
 high precision with reason ``dim_not_divisible_by_128`` and are listed in ``modules_to_not_convert``.
 Written from transformers 5.24 (``integrations/finegrained_fp8.py``) and vLLM's ``fp8`` block path.
+
+MoE experts: each on-disk expert matrix gets its own blocks and ``weight_scale_inv`` under its own name
+(``experts.<e>.w1.weight_scale_inv``), as DeepSeek-V3's and Qwen3-MoE's FP8 checkpoints store them; the
+128 rule applies to each matrix (``[I, H]`` for gate and up, ``[H, I]`` for down).
 """
 
 from __future__ import annotations
@@ -58,8 +62,21 @@ class FP8Block:
             "quant_method": "fp8",
             "activation_scheme": "dynamic",
             "weight_block_size": [BLOCK, BLOCK],
-            "modules_to_not_convert": [path for path in plan.linear_paths if path not in plan.quantized],
+            "modules_to_not_convert": _not_converted(plan),
         }
+
+
+def _not_converted(plan: ServingPlan) -> list[str]:
+    """Linears kept in high precision, MoE routers, and experts modules kept in high precision.
+
+    An experts module is named twice when its names differ: transformers matches its own module path
+    (``model.layers.1.mlp.experts``), vLLM the on-disk prefix (``model.layers.1.block_sparse_moe.experts``).
+    """
+    names = [path for path in plan.linear_paths if path not in plan.quantized]
+    names += [gate for gate in plan.router_gates if gate not in names]
+    for module, prefix in plan.unquantized_experts.items():
+        names += dict.fromkeys([module, prefix])
+    return names
 
 
 FP8_BLOCK = FP8Block()
