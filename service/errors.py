@@ -5,17 +5,23 @@ Every error response has the shape ``{"error": {"code", "message", "field"?}}``.
 
 from __future__ import annotations
 
+import enum
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from converters.errors import BackendUnavailableError, Fp8ForgeError
 
 __all__ = [
+    "ERROR_CODES",
+    "ErrorCode",
     "ServiceError",
     "Unauthorized",
     "TooManyJobs",
@@ -32,11 +38,44 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Every ``error.code`` an error response can carry: code -> (HTTP status, when). The one list: the OpenAPI
+#: schema's ErrorCode enum is built from it, and a test checks every error class's code is here.
+ERROR_CODES: dict[str, tuple[str, str]] = {
+    "invalid_json": ("400", "the body is not JSON (or not sent as Content-Type: application/json)"),
+    "unauthorized": ("401", "no API key, or one this server does not know"),
+    "not_found": ("404", "no such route"),
+    "job_not_found": ("404", "no such job (or not yours)"),
+    "artifact_not_found": ("404", "no such artifact of the job"),
+    "method_not_allowed": ("405", "the route exists but not with this method; `Allow` lists those it has"),
+    "invalid_transition": ("409", "the job's status does not allow this (e.g. cancelling a finished job)"),
+    "idempotency_conflict": ("409", "the Idempotency-Key was used with another body"),
+    "body_too_large": ("413", "the body exceeds FP8FORGE_MAX_BODY_BYTES"),
+    "range_not_satisfiable": ("416", "a Range header that is malformed, lists several ranges or lies outside the file"),
+    "invalid_request": ("422", "a field is missing, unknown, of the wrong type or out of its bounds; `field` names it"),
+    "invalid_model_reference": ("422", "`model` is malformed or points outside the allowed roots"),
+    "model_not_found": ("422", "`model` is well formed but names no model this server can read"),
+    "invalid_artifact": ("422", "a directory is not a complete fp8forge artifact"),
+    "invalid_recipe": ("422", "a recipe field is unknown or out of range; `field` is `recipe.<name>`"),
+    "invalid_calibration": ("422", "calibration settings or texts are unusable; `field` is `calibration[.<name>]`"),
+    "invalid_pattern": ("422", "an include/exclude pattern is malformed or matches no Linear layer"),
+    "too_many_jobs": ("429", "the API key has as many queued jobs as it may; see Retry-After"),
+    "http_error": ("4xx", "another refusal of the HTTP layer; the status says which"),
+    "internal_error": ("500", "a bug; the server log has the traceback"),
+    "conversion_failed": ("500", "the conversion ran but its result was inconsistent"),
+    "cancelled": ("500", "the run was cancelled"),
+    "backend_unavailable": ("503", "the backend needs a library or device this server lacks"),
+}
+
+ErrorCode = enum.Enum("ErrorCode", [(code.upper(), code) for code in ERROR_CODES], type=str)
+ErrorCode.__doc__ = "What went wrong, stable for programs to test (the HTTP status says the family):\n\n" + "\n".join(
+    f"- `{code}` ({status}): {meaning}" for code, (status, meaning) in ERROR_CODES.items()
+)
+
 
 class ServiceError(Exception):
     """An error of the service itself, with a stable ``code`` and its HTTP status."""
 
-    code = "service_error"
+    code = "internal_error"
     status_code = 500
 
     def __init__(self, message: str, *, field: str | None = None, headers: dict[str, str] | None = None) -> None:
@@ -102,8 +141,11 @@ class RangeNotSatisfiable(ServiceError):
     status_code = 416
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "bad_request", 413: "body_too_large",
+_HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
                416: "range_not_satisfiable"}
+# pydantic puts the tag of a discriminated union's variant into `loc` (the request schemas write tags as
+# "[te delayed]"); the client never sent it, so the field path leaves it out
+_UNION_TAG = re.compile(r"\[.*\]")
 
 
 def _body(code: str, message: str, field: str | None) -> dict[str, Any]:
@@ -113,11 +155,41 @@ def _body(code: str, message: str, field: str | None) -> dict[str, Any]:
     return {"error": error}
 
 
-def _validation_field(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc]
-    if parts and parts[0] in ("body", "query", "path", "header"):
-        parts = parts[1:]
-    return ".".join(parts)
+def client_path(loc: Sequence[Any]) -> str:
+    """A validation error's location as the client wrote it: ``recipe.margin``, ``calibration.texts[2]``.
+
+    The first item (``body``, ``query``, ``header``, ``path``) and union tags are left out; a header or query
+    parameter is named as sent (``Last-Event-ID``, ``limit``).
+    """
+    items = list(loc[1:]) if loc and loc[0] in ("body", "query", "path", "header", "cookie") else list(loc)
+    path = ""
+    for index, item in enumerate(items):
+        if isinstance(item, int):
+            path += f"[{item}]"
+        elif not (_UNION_TAG.fullmatch(str(item)) and index < len(items) - 1):
+            path += f".{item}" if path else str(item)
+    return path
+
+
+def _error_path(error: dict[str, Any]) -> str:
+    path = client_path(tuple(error.get("loc", ())))
+    if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        # the error sits on the union; the client's mistake is in the field that picks the variant
+        name = str(error.get("ctx", {}).get("discriminator", "")).strip("'")
+        path = f"{path}.{name}" if path and name.isidentifier() else path
+    return path
+
+
+def _validation(exc: RequestValidationError) -> tuple[int, str, str, str | None]:
+    errors = list(exc.errors()) or [{"loc": ("body",), "msg": "invalid request"}]
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "decode error")
+        return 400, "invalid_json", f"the body is not valid JSON ({detail})", None
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), (bytes, bytearray)):
+        return 400, "invalid_json", "the body must be JSON, sent with Content-Type: application/json", None
+    message = "; ".join(f"{_error_path(e) or 'body'}: {e['msg']}" for e in errors)
+    return 422, "invalid_request", message, _error_path(first) or "body"
 
 
 def _describe(exc: Exception) -> tuple[int, str, str, str | None]:
@@ -125,19 +197,27 @@ def _describe(exc: Exception) -> tuple[int, str, str, str | None]:
         return exc.status_code, exc.code, exc.message, exc.field
     if isinstance(exc, Fp8ForgeError):
         if exc.is_bad_input:
-            status = 422
+            status, generic = 422, "invalid_request"
         else:
-            status = 503 if isinstance(exc, BackendUnavailableError) else 500
-        return status, exc.code, exc.message, exc.field
+            status, generic = (503 if isinstance(exc, BackendUnavailableError) else 500), "internal_error"
+        # the library's base class carries no specific code; the API answers only codes from ERROR_CODES
+        code = exc.code if exc.code in ERROR_CODES else generic
+        return status, code, exc.message, exc.field
     if isinstance(exc, RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        field = _validation_field(tuple(first.get("loc", ())))
-        message = "; ".join(f"{_validation_field(tuple(e['loc'])) or 'body'}: {e['msg']}" for e in errors)
-        return 422, "invalid_request", message or "invalid request", field or None
+        return _validation(exc)
     if isinstance(exc, StarletteHTTPException):
         return exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail), None
     return 500, "internal_error", "internal server error; see the server log", None
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path (Starlette's 405 names only the first route's methods)."""
+    routes = request.app.router.routes
+    return ", ".join(method for method in _METHODS if any(
+        route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes))
 
 
 def error_response(exc: Exception) -> JSONResponse:
@@ -149,7 +229,11 @@ def error_response(exc: Exception) -> JSONResponse:
     return JSONResponse(_body(code, message, field), status_code=status, headers=headers)
 
 
-async def _handle(_: Request, exc: Exception) -> JSONResponse:
+async def _handle(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
+        allow = _allowed_methods(request)
+        message = f"{request.method} is not served at {request.url.path}; it serves {allow}"
+        return JSONResponse(_body("method_not_allowed", message, None), status_code=405, headers={"Allow": allow})
     return error_response(exc)
 
 

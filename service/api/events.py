@@ -5,17 +5,28 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
+from typing import Annotated
 
 import anyio
 from anyio import to_thread
+from fastapi import Header
 
 from service.errors import JobNotFound
 from service.jobs import JobEvent
 from service.store import JobStore
 
-__all__ = ["format_event", "job_event_stream"]
+__all__ = ["MAX_EVENT_ID", "LastEventIdHeader", "format_event", "job_event_stream"]
 
 _BATCH = 500
+#: The largest event id a store can issue (SQLite's 64-bit rowid); a larger Last-Event-ID was never sent by us,
+#: and the store's driver cannot even bind it (2**63 overflowed SQLite's INTEGER and aborted the stream).
+MAX_EVENT_ID = 2**63 - 1
+
+#: The header as a route parameter: ``last_event_id: LastEventIdHeader = None``. The type is ``int``, not
+#: ``int | None``: an absent header is None by default, and the schema must not offer clients a null header.
+LastEventIdHeader = Annotated[int, Header(
+    alias="Last-Event-ID", ge=0, le=MAX_EVENT_ID,
+    description="The id of the last event you received; the stream resumes after it.")]
 
 
 def format_event(event: JobEvent) -> str:
@@ -28,7 +39,7 @@ async def job_event_stream(
     store: JobStore, job_id: str, after_seq: int = 0, *, poll_s: float = 0.5, keepalive_s: float = 15.0
 ) -> AsyncIterator[str]:
     """Yield the job's events after ``after_seq``, following new ones until the job has finished."""
-    last, quiet = after_seq, 0.0
+    last, quiet = min(max(after_seq, 0), MAX_EVENT_ID), 0.0
     while True:
         try:
             # Read the status before the events: the final status event is written with the status change,

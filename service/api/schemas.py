@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from converters.patterns import MAX_PATTERN_CHARS, PATTERN_REGEX
+from converters.requests import (
+    LIMITS,
+    MAX_CALIBRATION_TOKENS,
+    MAX_PATTERNS,
+    MAX_TEXT_CHARS,
+    MAX_TEXTS_CHARS,
+    MAX_TOKENS_PER_STEP,
+    NOT_BLANK,
+    SERVING_FORMAT_NAMES,
+    SHARD_BYTES,
+    CalibrationSettings,
+)
+from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
+from service.errors import ErrorCode
 from service.jobs import Job, JobStatus, Stage
 
 __all__ = [
@@ -26,50 +41,76 @@ __all__ = [
     "ReadyPublic",
 ]
 
-_STRICT = ConfigDict(extra="forbid")
+_CAL = CalibrationSettings()
+_STEPS, _BATCH, _SEQ, _TEXTS = (LIMITS[name] for name in ("steps", "batch_size", "seq_len", "texts"))
+
+Pattern = Annotated[str, Field(max_length=MAX_PATTERN_CHARS, pattern=PATTERN_REGEX, description=(
+    "A dotted module path glob matching whole segments: `layers.2`, `*.mlp.*`, `model.**.down_proj`."))]
+Patterns = Annotated[list[Pattern], Field(max_length=MAX_PATTERNS)]
+ServingFormats = Annotated[list[Literal[SERVING_FORMAT_NAMES]], Field(  # type: ignore[valid-type]
+    max_length=len(SERVING_FORMAT_NAMES), json_schema_extra={"uniqueItems": True})]
+CalibrationText = Annotated[str, Field(max_length=MAX_TEXT_CHARS, pattern=NOT_BLANK,
+                                       description="One text; not empty or blank.")]
 
 
 class CalibrationCreate(BaseModel):
-    """Calibration run settings; unset fields take the library's defaults (ranges are checked there)."""
+    """Calibration run settings; unset fields take the library's defaults.
 
-    model_config = _STRICT
-    steps: int | None = Field(None, description="Calibration batches (library default 16).")
-    batch_size: int | None = Field(None, description="Sequences per batch (default 2).")
-    seq_len: int | None = Field(None, description="Tokens per sequence (default 128).")
-    texts: list[str] | None = Field(None, description="Your own calibration texts instead of the built-in corpus.")
+    Besides each number's range, one step (batch_size x seq_len) may hold at most {tokens} tokens and the
+    whole run (steps x batch_size x seq_len) at most {total}: more does not fit a worker (422 otherwise).
+    """
+
+    model_config = STRICT
+    steps: json_int(*_STEPS) | None = Field(None, description=f"Calibration batches (default {_CAL.steps}).")
+    batch_size: json_int(*_BATCH) | None = Field(None, description=f"Sequences per batch (default {_CAL.batch_size}).")
+    seq_len: json_int(*_SEQ) | None = Field(None, description=(
+        f"Tokens per sequence (default {_CAL.seq_len}); at most the model's max_position_embeddings."))
+    texts: Annotated[list[CalibrationText], Field(min_length=_TEXTS[0], max_length=_TEXTS[1])] | None = Field(
+        None, description=f"Your own calibration texts instead of the built-in corpus, {MAX_TEXTS_CHARS} characters "
+                    "in all at most.")
     backward: bool | None = Field(None, description="Also run backward passes (gradient amax).")
 
 
-class JobCreate(BaseModel):
-    """A conversion request. ``recipe`` is checked in depth by the conversion library before queueing."""
+CalibrationCreate.__doc__ = CalibrationCreate.__doc__.format(tokens=MAX_TOKENS_PER_STEP, total=MAX_CALIBRATION_TOKENS)
 
-    model_config = _STRICT
-    model: str = Field(..., min_length=1, max_length=1024,
+
+class JobCreate(BaseModel):
+    """A conversion request. The conversion library checks it again, in depth, before it is queued."""
+
+    model_config = STRICT
+    model: str = Field(..., min_length=1, max_length=1024, examples=["demo/tiny-llama"],
                        description='"org/name[@rev]", a local path under an allowed root, or "demo/tiny-llama".')
-    recipe: dict[str, Any] | None = Field(
-        None, description='e.g. {"backend": "ao", "recipe_name": "tensorwise"}; default {"backend": "te"}.')
+    recipe: RecipeCreate | None = Field(
+        None, description='How to convert, chosen by `backend` (and `scaling` for te); default {"backend": "te"}.')
     calibration: CalibrationCreate = Field(default_factory=CalibrationCreate)
-    include: list[str] | None = Field(None, description="Module-name patterns to convert (default: all).")
-    exclude: list[str] | None = Field(None, description="Module-name patterns never to convert.")
+    include: Patterns | None = Field(None, description="Module-name patterns to convert (default: all).")
+    exclude: Patterns | None = Field(None, description="Module-name patterns never to convert.")
     skip_first_last: bool | None = Field(None, description="Keep the first and last Linear in high precision.")
     convert_router_gates: bool | None = Field(None, description="Also convert MoE router gates.")
-    max_shard_bytes: int | None = Field(None, description="Largest safetensors shard (default 5 GiB).")
+    max_shard_bytes: json_int(*SHARD_BYTES) | None = Field(
+        None, description="Largest safetensors shard (default 5 GiB; no effect on today's artifacts).")
     te_extra_state: bool | None = Field(None, description="Store TE's _extra_state (scaling state) too.")
-    serving_formats: list[str] | None = Field(
-        None, description='Serving checkpoints to write as well, each in serving/<name>/: '
-                          '"compressed-tensors-fp8" (static), "compressed-tensors-fp8-dynamic", "fp8-block".')
+    serving_formats: ServingFormats | None = Field(
+        None, description="Serving checkpoints to write as well, each in serving/<name>/, each at most once: "
+                    "compressed-tensors-fp8 (static), compressed-tensors-fp8-dynamic, fp8-block.")
 
     def to_request(self) -> dict[str, Any]:
-        """The body as the conversion library reads it (unset optional fields left out)."""
-        return self.model_dump(mode="json", exclude_none=True)
+        """The body as the conversion library reads it (unset optional fields left out; the recipe as sent)."""
+        request = self.model_dump(mode="json", exclude_none=True, exclude={"recipe"})
+        if self.recipe is not None:
+            request["recipe"] = self.recipe.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+        return request
 
 
 class AnalyzeCreate(BaseModel):
-    model_config = _STRICT
-    model: str = Field(..., min_length=1, max_length=1024)
-    backend: str = Field("te", description='"te" (TransformerEngine) or "ao" (torchao).')
-    include: list[str] = Field(default_factory=list)
-    exclude: list[str] = Field(default_factory=list)
+    """Which Linear layers of a model a conversion would convert."""
+
+    model_config = STRICT
+    model: str = Field(..., min_length=1, max_length=1024, examples=["demo/tiny-llama"],
+                       description='"org/name[@rev]", a local path under an allowed root, or "demo/tiny-llama".')
+    backend: Literal["te", "ao"] = Field("te", description='"te" (TransformerEngine) or "ao" (torchao).')
+    include: Patterns = Field(default_factory=list)
+    exclude: Patterns = Field(default_factory=list)
     skip_first_last: bool = True
     convert_router_gates: bool = Field(False, description="Also count MoE router gates as convertible.")
 
@@ -144,9 +185,11 @@ class ArtifactsPublic(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    code: str
-    message: str
-    field: str | None = None
+    code: ErrorCode
+    message: str = Field(..., description="What was wrong and how to fix it, for people.")
+    field: str | None = Field(None, description=(
+        "The input at fault as the client sent it: a dotted path into the body (`recipe.margin`, "
+        "`calibration.texts[2]`), or a header or query parameter name (`Last-Event-ID`, `limit`)."))
 
 
 class ErrorBody(BaseModel):

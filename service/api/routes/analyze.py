@@ -16,7 +16,7 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1", tags=["analyze"])
 
 
-@router.post("/analyze", operation_id="analyzeModel", responses=error_responses(413, 422, 503))
+@router.post("/analyze", operation_id="analyzeModel", responses=error_responses(400, 413, 422, 503))
 def analyze_model(body: AnalyzeCreate, settings: SettingsDep) -> dict[str, Any]:
     """Which Linear layers would be converted, and why the others would not (no weights are loaded)."""
     return operations.analyze(settings, body)

@@ -28,7 +28,7 @@ IfRangeHeader = Annotated[str | None, Header(alias="If-Range", max_length=200,
                                              description="The ETag the partial download started with.")]
 
 
-@router.get("/{job_id}/artifacts", operation_id="listArtifacts", responses=error_responses(404))
+@router.get("/{job_id}/artifacts", operation_id="listArtifacts", responses=error_responses(404, 422))
 def list_artifacts(job: JobDep) -> ArtifactsPublic:
     """Every file of a succeeded job (empty until it has succeeded)."""
     data = [ArtifactPublic(name=a["name"], bytes=a["bytes"], sha256=a["sha256"],
@@ -37,7 +37,7 @@ def list_artifacts(job: JobDep) -> ArtifactsPublic:
 
 
 @router.get("/{job_id}/artifacts/{name:path}", operation_id="downloadArtifact", response_class=FileResponse,
-            responses={**_FILE, **error_responses(404)})
+            responses={**_FILE, **error_responses(404, 422)})
 def download_artifact(
     job: JobDep, name: str, dirs: DirsDep, range_: RangeHeader = None, if_range: IfRangeHeader = None,
 ) -> ArtifactResponse:
@@ -46,7 +46,7 @@ def download_artifact(
 
 
 @router.head("/{job_id}/artifacts/{name:path}", operation_id="headArtifact", response_class=FileResponse,
-             responses={**_FILE, **error_responses(404)})
+             responses={**_FILE, **error_responses(404, 422)})
 def head_artifact(
     job: JobDep, name: str, dirs: DirsDep, range_: RangeHeader = None, if_range: IfRangeHeader = None,
 ) -> ArtifactResponse:

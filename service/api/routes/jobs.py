@@ -19,7 +19,7 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
-@router.post("", status_code=202, operation_id="createJob", responses=error_responses(409, 413, 422))
+@router.post("", status_code=202, operation_id="createJob", responses=error_responses(400, 409, 413, 422))
 def create_job(
     body: JobCreate, store: StoreDep, settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
@@ -38,18 +38,18 @@ def list_jobs(
     return JobsPublic(data=[JobPublic.from_job(j) for j in jobs], count=len(jobs), next_cursor=next_cursor)
 
 
-@router.get("/{job_id}", operation_id="getJob", responses=error_responses(404))
+@router.get("/{job_id}", operation_id="getJob", responses=error_responses(404, 422))
 def get_job(job: JobDep) -> JobPublic:
     return JobPublic.from_job(job)
 
 
-@router.post("/{job_id}/cancel", status_code=202, operation_id="cancelJob", responses=error_responses(404, 409))
+@router.post("/{job_id}/cancel", status_code=202, operation_id="cancelJob", responses=error_responses(404, 409, 422))
 def cancel_job(job: JobDep, store: StoreDep) -> JobPublic:
     """Cancel a queued or running job (409 once it has finished)."""
     return JobPublic.from_job(operations.cancel_job(store, job.id))
 
 
-@router.delete("/{job_id}", status_code=204, operation_id="deleteJob", responses=error_responses(404, 409))
+@router.delete("/{job_id}", status_code=204, operation_id="deleteJob", responses=error_responses(404, 409, 422))
 def delete_job(job: JobDep, store: StoreDep, dirs: DirsDep) -> Response:
     """Delete a finished job and its artifacts (409 while it is queued or running)."""
     operations.delete_job(store, dirs, job.id)
@@ -59,7 +59,7 @@ def delete_job(job: JobDep, store: StoreDep, dirs: DirsDep) -> Response:
 @router.get(
     "/{job_id}/events", operation_id="streamJobEvents", response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {}}, "description": "Server-sent events."},
-               **error_responses(404)},
+               **error_responses(404, 422)},
 )
 def stream_job_events(
     job: JobDep, store: StoreDep,
