@@ -66,14 +66,18 @@ def load_torchao(directory: str | Path, *, verify: bool = True, device: str = "c
     """A model with the artifact's weights and ``Float8Linear`` layers, replaying the recorded conversion.
 
     The torchao ``Float8LinearConfig`` is rebuilt from the artifact's ``fp8.float8_linear_config`` and
-    exactly ``fp8.converted_modules`` are swapped. The model is returned in train mode, ready to train.
+    exactly ``fp8.converted_modules`` are swapped. MoE experts GEMMs (``fp8.converted_experts``) get torchao's
+    FP8 rowwise grouped GEMM (``fp8.experts_config``) where it runs (CUDA compute capability 9.0/10.0 with
+    triton) and stay in high precision elsewhere, with a warning; ``model.fp8_experts`` (an
+    ``ExpertsPrecision``) says which. The model is returned in train mode, ready to train.
     Raises ArtifactError for a missing/altered file or an artifact of another backend.
     """
     return _load(directory, "ao", verify=verify, device=device)
 
 
 def load_te(directory: str | Path, *, verify: bool = True, device: str = "cuda") -> Any:
-    """A model with ``te.Linear`` layers whose scaling state equals the artifact's (CUDA + TE only).
+    """A model with ``te.Linear`` layers (and ``te.GroupedLinear`` experts GEMMs) whose scaling state equals the
+    artifact's (CUDA + TE only).
 
     Run it under the artifact's recipe, ``model.fp8_recipe``: ``te.autocast(enabled=True,
     recipe=model.fp8_recipe)``; TE's default recipe would drop or resize the seeded state.

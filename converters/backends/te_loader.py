@@ -3,10 +3,12 @@
 An artifact directory holds the source's weight files unchanged, a Hugging Face ``config.json`` with an
 ``fp8`` block::
 
-    "fp8": {"backend": "te", "recipe": {...recipe.to_dict()...}, "converted_modules": ["model.layers.0...", ...]}
+    "fp8": {"backend": "te", "recipe": {...recipe.to_dict()...}, "converted_modules": ["model.layers.0...", ...],
+            "converted_experts": ["model.layers.0.mlp.experts.gate_up_proj", ...]}
 
 and, for delayed scaling, ``fp8_state.safetensors`` with the four scaling-state keys of
-:mod:`converters.te_layout` per converted layer. TE's own pickled ``<layer>._extra_state`` keys (opt-in
+:mod:`converters.te_layout` per converted layer and per converted experts GEMM (``te.GroupedLinear`` state,
+:mod:`converters.backends.te_grouped`). TE's own pickled ``<layer>._extra_state`` keys (opt-in
 artifact mode) are never unpickled here: the plain tensors carry the same numbers.
 
 :func:`read_te_artifact` needs no TE and runs anywhere; :func:`load_te` checks for CUDA and TE before
@@ -24,10 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from converters.backends.te_grouped import apply_grouped_state, check_grouped_state, convert_experts_to_te
 from converters.backends.te_state import apply_scaling_state, check_state_tensors
 from converters.backends.te_swap import convert_to_te
 from converters.backends.transformer_engine import build_te_recipe, require_te
 from converters.errors import ArtifactError, ConversionError, ModelNotFoundError, RecipeError
+from converters.experts import EXPERT_GEMMS
 from converters.model_sources import ModelSourceOptions, load_model
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe, recipe_from_dict
 from converters.te_layout import TE_STATE_NAMES, split_state_key
@@ -50,6 +54,10 @@ class TEArtifact:
     scaling_states: dict[str, dict[str, torch.Tensor]] = field(repr=False)
     #: TE ``_extra_state`` keys found and ignored.
     ignored_keys: tuple[str, ...] = ()
+    #: ``<experts module>.<gate_up_proj|down_proj>`` run on te.GroupedLinear.
+    converted_experts: tuple[str, ...] = ()
+    #: experts GEMM -> {te_layout name -> GroupedLinear-shaped tensor}; empty for current scaling.
+    expert_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
 
 
 def read_te_artifact(directory: str | Path) -> TEArtifact:
@@ -57,7 +65,7 @@ def read_te_artifact(directory: str | Path) -> TEArtifact:
 
     Raises ArtifactError when the directory or its config.json is not an fp8forge TE artifact; RecipeError
     for an invalid recipe; ModelNotFoundError for a missing or unreadable state file; ConversionError when
-    the state keys do not match ``converted_modules`` and the recipe.
+    the state keys do not match ``converted_modules``, ``converted_experts`` and the recipe.
     """
     from converters.artifact_layout import FP8_BLOCK_VERSION, STATE_FILE
     from converters.artifact_loaders import read_fp8_block
@@ -73,14 +81,29 @@ def read_te_artifact(directory: str | Path) -> TEArtifact:
         raise RecipeError(f"{directory}: fp8.recipe: {exc.message}", field=exc.field) from exc
     if not isinstance(recipe, (TEDelayedScalingRecipe, TECurrentScalingRecipe)):
         raise RecipeError(f"{directory}: fp8.recipe is not a TransformerEngine recipe", field="backend")
-    converted = fp8.get("converted_modules")
-    if not isinstance(converted, list) or not all(isinstance(p, str) and p for p in converted) \
-            or len(set(converted)) != len(converted):
-        raise ModelNotFoundError(f"{directory}: fp8.converted_modules must be a list of distinct module paths")
+    converted = _path_list(directory, fp8, "converted_modules")
+    experts = _path_list(directory, fp8, "converted_experts", default=[])
+    if any(path.rpartition(".")[2] not in EXPERT_GEMMS for path in experts):
+        raise ModelNotFoundError(f"{directory}: fp8.converted_experts must name <experts module>.<gemm> paths, "
+                                 f"gemm one of {EXPERT_GEMMS}")
     states, ignored = _split_keys(_read_state_file(directory, fp8))
-    _check_states(directory, recipe, converted, states)
+    _check_states(directory, recipe, converted + experts, states)
+    expert_states = {path: states.pop(path) for path in experts if path in states}
+    for path, tensors in expert_states.items():
+        check_grouped_state(path, tensors, recipe.amax_history_len)
+    for path, tensors in states.items():
+        check_state_tensors(path, tensors, recipe.amax_history_len)
     return TEArtifact(directory=directory, recipe=recipe, converted_modules=tuple(converted),
-                      scaling_states=states, ignored_keys=tuple(ignored))
+                      scaling_states=states, ignored_keys=tuple(ignored), converted_experts=tuple(experts),
+                      expert_states=expert_states)
+
+
+def _path_list(directory: Path, fp8: dict[str, Any], name: str, default: list[str] | None = None) -> list[str]:
+    paths = fp8.get(name, default)
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths) \
+            or len(set(paths)) != len(paths):
+        raise ModelNotFoundError(f"{directory}: fp8.{name} must be a list of distinct module paths")
+    return paths
 
 
 def _read_state_file(directory: Path, fp8: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -125,18 +148,17 @@ def _check_states(directory: Path, recipe: Any, converted: list[str], states: di
         return
     extra, missing = sorted(set(states) - set(converted)), sorted(set(converted) - set(states))
     if extra or missing:
-        raise ConversionError(f"{directory}: scaling state does not match fp8.converted_modules "
-                              f"(state without a converted module: {extra[:3]}; converted without state: "
-                              f"{missing[:3]}); each converted layer needs {list(TE_STATE_NAMES)}")
-    for path in converted:
-        check_state_tensors(path, states[path], recipe.amax_history_len)
+        raise ConversionError(f"{directory}: scaling state does not match fp8.converted_modules and "
+                              f"fp8.converted_experts (state without a converted module: {extra[:3]}; converted "
+                              f"without state: {missing[:3]}); each converted layer needs {list(TE_STATE_NAMES)}")
 
 
 def load_te_model(directory: str | Path, sources: ModelSourceOptions | None = None, *,
                   device: str | torch.device = "cuda") -> nn.Module:
-    """Load an fp8forge TE artifact: the HF model with ``fp8.converted_modules`` as te.Linear on ``device``
-    and, for delayed scaling, the scaling state of the files in each te.Linear. The model is returned in
-    eval mode with ``model.fp8_recipe``, the TE recipe to run it under
+    """Load an fp8forge TE artifact: the HF model with ``fp8.converted_modules`` as te.Linear and the experts
+    GEMMs of ``fp8.converted_experts`` as te.GroupedLinear (in :class:`~converters.backends.te_grouped.GroupedExperts`)
+    on ``device`` and, for delayed scaling, the scaling state of the files in each of them. The model is returned
+    in eval mode with ``model.fp8_recipe``, the TE recipe to run it under
     (``te.autocast(enabled=True, recipe=model.fp8_recipe)``).
 
     Raises BackendUnavailableError without CUDA/TE (checked before anything is read), the errors of
@@ -146,10 +168,15 @@ def load_te_model(directory: str | Path, sources: ModelSourceOptions | None = No
     artifact = read_te_artifact(directory)
     directory = Path(directory).resolve()
     model = load_model(directory, sources or ModelSourceOptions(allowed_roots=(directory,)))
+    if artifact.converted_experts:  # first: convert_to_te moves the whole model, experts built on device already
+        convert_experts_to_te(model, list(artifact.converted_experts), device=device)
     convert_to_te(model, list(artifact.converted_modules), device=device)
     if artifact.scaling_states:
         apply_scaling_state(model, artifact.scaling_states, artifact.recipe)
+    if artifact.expert_states:
+        apply_grouped_state(model, artifact.expert_states, artifact.recipe)
     model.fp8_recipe = build_te_recipe(artifact.recipe)
     model.eval()
-    logger.info("loaded TE artifact %s: %d te.Linear layers", artifact.directory, len(artifact.converted_modules))
+    logger.info("loaded TE artifact %s: %d te.Linear layers, %d experts GEMMs on te.GroupedLinear",
+                artifact.directory, len(artifact.converted_modules), len(artifact.converted_experts))
     return model
