@@ -68,7 +68,10 @@ class TETraining:
 
         run.converted, run.te_modules = convert_to_te(run.model, eligible), True
         if _is_delayed(run):
-            apply_scaling_state(run.model, run.calibration.states, run.recipe)
+            # experts keep their transformers module for the check step; the artifact's loader builds their
+            # GroupedLinear (converters.backends.te_grouped) from the grouped state written at export
+            linears = {path: state for path, state in run.calibration.states.items() if parse_unit_path(path) is None}
+            apply_scaling_state(run.model, linears, run.recipe)
         try:
             run.calibration.te_check = fp8_check_step(run.model, run.calibration.check_batch, run.recipe)
         except BackendUnavailableError as exc:  # TE imports, but this GPU cannot execute FP8 (before sm89)
