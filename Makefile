@@ -18,7 +18,15 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service converters tests benchmarks
 
-test: lint
+# tests/test_ui_browser.py drives Debian's Chromium through Playwright (a dev extra). A failed install does not
+# stop the other tests; those browser tests then fail and say what is missing (they never skip).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+$(CHROMIUM):
+	-$(SUDO) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium'
+
+test: lint $(CHROMIUM)
 	TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
 
 # Local use: no API keys, and the server refuses to listen on anything but loopback that way.

@@ -61,6 +61,7 @@ class Settings(BaseSettings):
     max_running_jobs_per_key: int = Field(
         2, ge=1, le=10_000, description="Jobs of one key that workers run at the same time."
     )
+    ui_enabled: bool = Field(True, description="Serve the web UI under /ui (it calls the public API only).")
 
     @field_validator("allowed_model_roots", mode="before")
     @classmethod

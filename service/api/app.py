@@ -17,6 +17,7 @@ from service.artifacts import ArtifactDirs
 from service.config import Settings, load_settings
 from service.errors import install_error_handler
 from service.store import JobStore
+from service.ui import install_ui
 from service.workers.reaper import Reaper
 
 __all__ = ["create_app"]
@@ -71,4 +72,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (jobs, artifacts, analyze):  # every /v1 route needs a key (unless auth is off)
         app.include_router(module.router, dependencies=[Depends(require_caller)], responses=UNAUTHORIZED)
     app.include_router(health.router)
+    if settings.ui_enabled:
+        install_ui(app)
     return app

@@ -1,0 +1,52 @@
+"""What the pages need to know that the API also states: stages, statuses, recipe defaults, bounds, names.
+
+Read from the same library constants the API's schema is built from, so the form's defaults and ranges
+cannot drift from what the API accepts. No torch is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from converters.recipes import (
+    MAX_AMAX_HISTORY_LEN,
+    MAX_MARGIN,
+    AmaxComputeAlgo,
+    AORecipeName,
+    Fp8Format,
+    TECurrentScalingRecipe,
+    TEDelayedScalingRecipe,
+    TorchAORecipe,
+)
+from converters.requests import LIMITS, MAX_PATTERNS, SERVING_FORMAT_NAMES, CalibrationSettings
+from service.jobs import STAGES, JobStatus
+
+__all__ = ["page_config", "form_defaults"]
+
+
+def form_defaults() -> dict[str, Any]:
+    """Defaults, choices and bounds of the new-job and analyze forms (rendered into the HTML)."""
+    te, ao, cal = TEDelayedScalingRecipe(), TorchAORecipe(), CalibrationSettings()
+    return {
+        "te": te.to_dict(),
+        "te_current": TECurrentScalingRecipe().to_dict(),
+        "ao": ao.to_dict(),
+        "fp8_formats": [m.value for m in Fp8Format],
+        "amax_compute_algos": [m.value for m in AmaxComputeAlgo],
+        "ao_recipe_names": [m.value for m in AORecipeName],
+        "max_amax_history_len": MAX_AMAX_HISTORY_LEN,
+        "max_margin": MAX_MARGIN,
+        "calibration": {"steps": cal.steps, "batch_size": cal.batch_size, "seq_len": cal.seq_len},
+        "limits": {name: {"min": low, "max": high} for name, (low, high) in LIMITS.items()},
+        "max_patterns": MAX_PATTERNS,
+        "serving_formats": list(SERVING_FORMAT_NAMES),
+    }
+
+
+def page_config() -> dict[str, Any]:
+    """The JSON every page's scripts read: how progress is computed and which statuses are final."""
+    return {
+        "stages": [stage.value for stage in STAGES],
+        "statuses": [status.value for status in JobStatus],
+        "finished": [status.value for status in JobStatus if status.is_finished],
+    }

@@ -1,0 +1,156 @@
+"""The web UI's server side: pages, their files, the setting that turns them off, the YAML recipe helper.
+
+What the pages do in a browser is tested in tests/test_ui_browser.py.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.api.app import create_app
+from service.api.auth import hash_token
+from service.config import Settings, load_settings
+from service.ui.routes import STATIC_DIR
+
+UI_DIR = STATIC_DIR.parent
+PAGES = ["/ui/jobs", "/ui/jobs/new", "/ui/analyze", "/ui/jobs/0123abcd"]
+TOKEN = "fp8f_ui-test-token"
+
+
+@pytest.fixture
+def client(tmp_path):
+    with TestClient(create_app(Settings(data_dir=tmp_path, auth_disabled=True))) as client:
+        yield client
+
+
+class _Assets(HTMLParser):
+    """Every URL a page loads: scripts, stylesheets, icons."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+        self.inline_scripts = 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "script" and attrs.get("type") != "application/json":
+            if attrs.get("src"):
+                self.urls.append(attrs["src"])
+            else:
+                self.inline_scripts += 1
+        if tag == "link":
+            self.urls.append(attrs["href"])
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_pages_load_only_their_own_files(client, path):
+    page = client.get(path)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assets = _Assets()
+    assets.feed(page.text)
+    assert assets.inline_scripts == 0  # the CSP forbids them; Alpine's CSP build needs none
+    for url in assets.urls:
+        if url.startswith("data:"):
+            continue
+        assert url.startswith("/ui/static/"), url
+        assert client.get(url).status_code == 200, url
+
+
+def test_ui_redirects_to_the_jobs_list(client):
+    answer = client.get("/ui", follow_redirects=False)
+    assert answer.status_code == 307 and answer.headers["location"] == "/ui/jobs"
+
+
+def test_no_file_of_the_ui_names_another_origin():
+    own = [p for p in UI_DIR.rglob("*")
+           if p.is_file() and "vendor" not in p.parts and p.suffix in (".html", ".js", ".css")]
+    assert own
+    for path in own:
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", path.read_text()), path
+
+
+def test_every_vendored_file_is_listed_with_its_licence():
+    vendor = STATIC_DIR / "vendor"
+    readme = (vendor / "README.md").read_text()
+    for path in vendor.glob("*.min.*"):
+        assert path.name in readme, path.name
+    assert {p.name for p in vendor.glob("LICENSE.*")} >= {"LICENSE.alpinejs.txt", "LICENSE.uplot.txt",
+                                                          "LICENSE.vue-reactivity.txt"}
+
+
+def test_package_data_ships_every_ui_file():
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["service.ui"]
+    for path in UI_DIR.rglob("*"):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".py":
+            name = path.relative_to(UI_DIR).as_posix()
+            assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name
+
+
+@pytest.mark.parametrize("env", ["0", "false"])
+def test_ui_enabled_off_serves_no_page(tmp_path, monkeypatch, env):
+    monkeypatch.setenv("FP8FORGE_UI_ENABLED", env)
+    settings = load_settings(data_dir=tmp_path, auth_disabled=True)
+    assert settings.ui_enabled is False
+    with TestClient(create_app(settings)) as client:
+        for path in ["/ui/jobs", "/ui/static/js/api.js"]:
+            answer = client.get(path)
+            assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found"
+        assert client.get("/v1/jobs").status_code == 200
+
+
+def test_ui_routes_stay_out_of_the_api_contract(client):
+    assert not [path for path in client.get("/openapi.json").json()["paths"] if path.startswith("/ui")]
+
+
+ACCELERATE_YAML = """\
+compute_environment: LOCAL_MACHINE
+mixed_precision: fp8
+fp8_config:
+  backend: TE
+  fp8_format: E4M3
+  amax_history_length: 32
+  amax_compute_algorithm: most_recent
+"""
+
+
+def test_yaml_helper_returns_the_recipe_object_the_api_takes(client):
+    answer = client.post("/ui/api/recipe-from-yaml", json={"yaml": ACCELERATE_YAML})
+    assert answer.status_code == 200
+    recipe = answer.json()["recipe"]
+    assert recipe == {"version": 1, "backend": "te", "scaling": "delayed", "fp8_format": "E4M3",
+                      "amax_history_len": 32, "amax_compute_algo": "most_recent", "margin": 0,
+                      "use_autocast_during_eval": False}
+    job = client.post("/v1/jobs", json={"model": "demo/tiny-llama", "recipe": recipe})
+    assert job.status_code == 202, job.text
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    (ACCELERATE_YAML.replace("32", "5000"), "amax_history_len must be an integer >= 1 and <= 4096"),
+    ("mixed_precision: bf16\n", "mixed_precision: fp8"),
+    ("mixed_precision: fp8\nfp8_config: [\n", "Not valid YAML"),
+])
+def test_yaml_helper_names_the_box_and_the_yaml_key(client, text, words):
+    answer = client.post("/ui/api/recipe-from-yaml", json={"yaml": text})
+    assert answer.status_code == 422
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_recipe" and error["field"] == "yaml" and words in error["message"]
+
+
+def test_yaml_helper_needs_a_key_where_keys_are_on(tmp_path):
+    settings = Settings(data_dir=tmp_path, api_keys=(f"alice:user:{hash_token(TOKEN)}",))
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/ui/jobs").status_code == 200  # the page holds no data
+        refused = client.post("/ui/api/recipe-from-yaml", json={"yaml": ACCELERATE_YAML})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+        answer = client.post("/ui/api/recipe-from-yaml", json={"yaml": ACCELERATE_YAML},
+                             headers={"Authorization": f"Bearer {TOKEN}"})
+        assert answer.status_code == 200
