@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -23,6 +24,9 @@ from converters.requests import (
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode
 from service.jobs import Job, JobStatus, Stage
+
+if TYPE_CHECKING:
+    from service.api.auth import Caller
 
 __all__ = [
     "CalibrationCreate",
@@ -144,13 +148,14 @@ class JobPublic(BaseModel):
     updated_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    worker_id: str | None
+    worker_id: str | None = Field(..., description="An opaque name of the worker that runs (or ran) the job.")
     error: ErrorPublic | None
-    request: dict[str, Any]
+    request: dict[str, Any] | None = Field(
+        ..., description="The submitted request; only its owner sees it (null for anyone else, an admin too).")
     links: JobLinks
 
     @classmethod
-    def from_job(cls, job: Job) -> JobPublic:
+    def from_job(cls, job: Job, caller: Caller) -> JobPublic:
         base = f"/v1/jobs/{job.id}"
         report = next((a["name"] for a in job.artifacts if a["name"].endswith("fp8_report.json")), None)
         return cls(
@@ -158,9 +163,9 @@ class JobPublic(BaseModel):
             progress=ProgressPublic(fraction=job.progress, stage_done=job.stage_done, stage_total=job.stage_total),
             attempt=job.attempt, max_attempts=job.max_attempts, created_at=_ts(job.created_at),
             updated_at=_ts(job.updated_at), started_at=_ts(job.started_at), finished_at=_ts(job.finished_at),
-            worker_id=job.worker_id,
+            worker_id=_opaque(job.worker_id),
             error=ErrorPublic(code=job.error_code, message=job.error_message or "") if job.error_code else None,
-            request=dict(job.request),
+            request=dict(job.request) if caller.may_read_request(job) else None,
             links=JobLinks(self=base, events=f"{base}/events", artifacts=f"{base}/artifacts",
                            report=f"{base}/artifacts/{report}" if report else None),
         )
@@ -204,6 +209,11 @@ class ReadyPublic(BaseModel):
     ready: bool
     store: bool
     workers: int
+
+
+def _opaque(worker_id: str | None) -> str | None:
+    """A stable stand-in for a worker id, which names a host and a PID that are nobody's business outside."""
+    return None if worker_id is None else "w-" + hashlib.sha256(worker_id.encode()).hexdigest()[:12]
 
 
 def _ts(value: float | None) -> datetime | None:

@@ -98,9 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_arguments(convert)
     convert.set_defaults(func=_run_convert)
 
-    from service.cli import serve
+    from service.cli import keys, serve
 
     serve.register(commands)
+    keys.register(commands)
     return parser
 
 

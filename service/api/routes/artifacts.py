@@ -22,10 +22,11 @@ _FILE = {200: {"content": {"application/octet-stream": {}}, "description": "The 
          416: {"model": ErrorBody,
                "description": "Range not satisfiable (one range of the file only); Content-Range: bytes */size."}}
 
-RangeHeader = Annotated[str | None, Header(alias="Range", max_length=200,
-                                           description="One byte range: bytes=a-b, bytes=a- or bytes=-n.")]
-IfRangeHeader = Annotated[str | None, Header(alias="If-Range", max_length=200,
-                                             description="The ETag the partial download started with.")]
+# No max_length on Range: every Range this server cannot serve, a long one too, is 416 (parse_range).
+RangeHeader = Annotated[str, Header(alias="Range",
+                                    description="One byte range: bytes=a-b, bytes=a- or bytes=-n; 416 otherwise.")]
+IfRangeHeader = Annotated[str, Header(alias="If-Range", max_length=200,
+                                      description="The ETag the partial download started with.")]
 
 
 @router.get("/{job_id}/artifacts", operation_id="listArtifacts", responses=error_responses(404, 422))

@@ -8,8 +8,9 @@ from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
 from service.api import operations
+from service.api.auth import CallerDep
 from service.api.deps import DirsDep, JobDep, SettingsDep, StoreDep
-from service.api.events import job_event_stream
+from service.api.events import LastEventIdHeader, job_event_stream
 from service.api.routes import error_responses
 from service.api.schemas import JobCreate, JobPublic, JobsPublic
 from service.jobs import JobStatus
@@ -19,34 +20,40 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
-@router.post("", status_code=202, operation_id="createJob", responses=error_responses(400, 409, 413, 422))
+@router.post("", status_code=202, operation_id="createJob", responses=error_responses(400, 409, 413, 422, 429))
 def create_job(
-    body: JobCreate, store: StoreDep, settings: SettingsDep,
-    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
+    body: JobCreate, store: StoreDep, settings: SettingsDep, caller: CallerDep,
+    idempotency_key: Annotated[str, Header(alias="Idempotency-Key", max_length=200, pattern=r"^[ -~]*$",
+                                           description="Printable ASCII; same key and body, same job.")] = None,
 ) -> JobPublic:
-    """Queue a conversion job. The same Idempotency-Key with the same body returns the same job."""
-    return JobPublic.from_job(operations.submit_job(store, settings, body, idempotency_key))
+    """Queue a conversion job. The same Idempotency-Key with the same body returns the same job.
+
+    A key with as many queued jobs as it may have gets 429 with ``Retry-After``.
+    """
+    return JobPublic.from_job(operations.submit_job(store, settings, body, idempotency_key, caller), caller)
 
 
 @router.get("", operation_id="listJobs", responses=error_responses(422))
 def list_jobs(
-    store: StoreDep, status: JobStatus | None = None, limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    cursor: Annotated[str | None, Query(max_length=32)] = None,
+    store: StoreDep, caller: CallerDep, status: Annotated[JobStatus, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str, Query(pattern=r"^[0-9]{1,18}$", description="next_cursor of the page before")] = None,
 ) -> JobsPublic:
-    """Jobs, newest first; pass ``next_cursor`` back as ``cursor`` for the next page."""
-    jobs, next_cursor = store.list_jobs(status=status, limit=limit, cursor=cursor)
-    return JobsPublic(data=[JobPublic.from_job(j) for j in jobs], count=len(jobs), next_cursor=next_cursor)
+    """Your jobs (an admin's: everyone's), newest first; pass ``next_cursor`` back as ``cursor`` for more."""
+    owner = None if caller.admin else caller.name
+    jobs, next_cursor = store.list_jobs(status=status, limit=limit, cursor=cursor, owner=owner)
+    return JobsPublic(data=[JobPublic.from_job(j, caller) for j in jobs], count=len(jobs), next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", operation_id="getJob", responses=error_responses(404, 422))
-def get_job(job: JobDep) -> JobPublic:
-    return JobPublic.from_job(job)
+def get_job(job: JobDep, caller: CallerDep) -> JobPublic:
+    return JobPublic.from_job(job, caller)
 
 
 @router.post("/{job_id}/cancel", status_code=202, operation_id="cancelJob", responses=error_responses(404, 409, 422))
-def cancel_job(job: JobDep, store: StoreDep) -> JobPublic:
+def cancel_job(job: JobDep, store: StoreDep, caller: CallerDep) -> JobPublic:
     """Cancel a queued or running job (409 once it has finished)."""
-    return JobPublic.from_job(operations.cancel_job(store, job.id))
+    return JobPublic.from_job(operations.cancel_job(store, job.id), caller)
 
 
 @router.delete("/{job_id}", status_code=204, operation_id="deleteJob", responses=error_responses(404, 409, 422))
@@ -63,7 +70,7 @@ def delete_job(job: JobDep, store: StoreDep, dirs: DirsDep) -> Response:
 )
 def stream_job_events(
     job: JobDep, store: StoreDep,
-    last_event_id: Annotated[int | None, Header(alias="Last-Event-ID", ge=0)] = None,
+    last_event_id: LastEventIdHeader = None,
 ) -> StreamingResponse:
     """The job's event log (status, stage, progress, warning) as SSE; ends when the job has finished."""
     return StreamingResponse(
