@@ -216,7 +216,7 @@
   function applyEvent(job, kind, data) {
     if (kind === 'status') {
       job.status = data.status;
-      if (data.status === 'running' && !job.started_at) job.started_at = data.at;
+      if (data.status === 'running') { job.started_at = data.at; job.attempt = data.attempt || job.attempt; }
       if (data.status === 'queued') { job.stage = null; job.progress = { fraction: 0, stage_done: 0, stage_total: 0 }; }
     } else if (kind === 'stage') {
       job.stage = data.stage;

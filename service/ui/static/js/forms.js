@@ -45,10 +45,13 @@
       // Shows the error by its field (and in the summary), then moves the focus to that field.
       showError(err, form) {
         const field = this.fieldFor(err.field);
+        const prefix = err.field ? err.field + ': ' : '';
+        const named = Boolean(prefix) && err.message.startsWith(prefix);
         const errors = {};
-        if (field) errors[field] = err.message;
+        // next to its own field the message needs no path; next to an enclosing one (include for include[2]) it does
+        if (field) errors[field] = named && field === err.field ? err.message.slice(prefix.length) : err.message;
         this.errors = errors;
-        this.summary = (err.field ? err.field + ': ' : '') + err.message;
+        this.summary = named ? err.message : prefix + err.message;
         this.status = '';
         this.$nextTick(function () {
           const target = field && form.querySelector('[data-field="' + field + '"] :is(input, select, textarea)');

@@ -75,6 +75,7 @@
           if (this.events.length > MAX_EVENTS) this.events.splice(0, this.events.length - MAX_EVENTS);
           const before = this.job.status + ' ' + this.job.stage;
           window.fp8.applyEvent(this.job, kind, data);
+          if (kind === 'status') this.times.started = window.fp8.formatTime(this.job.started_at);
           if (before !== this.job.status + ' ' + this.job.stage) {
             this.announcement = 'Job ' + this.job.status + (this.job.stage && !this.job.finished ? ', stage ' + this.job.stage : '') + '.';
           }

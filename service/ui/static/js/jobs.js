@@ -22,7 +22,7 @@
         init() {
           const self = this;
           this.reload();
-          timer = setInterval(function () { self.reload(true); }, RELOAD_MS);
+          timer = setInterval(function () { self.reload(); }, RELOAD_MS);
           window.addEventListener('fp8:key-changed', function () { self.reload(); });
         },
 
@@ -31,14 +31,17 @@
           streams.forEach(function (controller) { controller.abort(); });
         },
 
-        async reload(quiet) {
+        // The status filter changed: reload, and keep the filter in the address (a link or reload keeps it).
+        filter() {
+          const url = new URL(window.location.href);
+          if (this.status) url.searchParams.set('status', this.status); else url.searchParams.delete('status');
+          window.history.replaceState(null, '', url);
+          this.reload();
+        },
+
+        async reload() {
           const query = new URLSearchParams({ limit: '50' });
           if (this.status) query.set('status', this.status);
-          if (!quiet) {
-            const url = new URL(window.location.href);
-            if (this.status) url.searchParams.set('status', this.status); else url.searchParams.delete('status');
-            window.history.replaceState(null, '', url);
-          }
           try {
             const page = await window.fp8.request('GET', '/v1/jobs?' + query);
             this.error = '';
