@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.errors import InvalidTransition
 
-__all__ = ["JobStatus", "Stage", "STAGES", "TRANSITIONS", "transition", "Job", "JobEvent"]
+__all__ = ["JobStatus", "Stage", "STAGES", "TRANSITIONS", "transition", "Job", "JobEvent", "public_worker_name"]
 
 
 class JobStatus(str, enum.Enum):
@@ -120,3 +121,8 @@ class JobEvent:
     at: float
     kind: str
     data: Mapping[str, Any]
+
+
+def public_worker_name(worker_id: str | None) -> str | None:
+    """What clients see of a worker id: a stable opaque name (the id names a host and a PID, kept for logs)."""
+    return None if worker_id is None else "w-" + hashlib.sha256(worker_id.encode()).hexdigest()[:12]

@@ -119,10 +119,12 @@ def test_worker_ids_reach_clients_only_as_opaque_names(client, settings: Setting
     store = JobStore(settings.store_url)
     try:
         store.claim_next("gpu-host-7.internal:4242:abcdef")
+        running = [e.data for e in store.events.after(job["id"]) if e.data.get("status") == "running"]
     finally:
         store.close()
     shown = client.get(f"/v1/jobs/{job['id']}", headers=_auth("alice")).json()["worker_id"]
     assert shown.startswith("w-") and "gpu-host" not in shown and "4242" not in shown
+    assert running == [{"status": "running", "attempt": 1, "worker": shown}]  # the event stream says the same
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -23,7 +22,7 @@ from converters.requests import (
 )
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode
-from service.jobs import Job, JobStatus, Stage
+from service.jobs import Job, JobStatus, Stage, public_worker_name
 
 if TYPE_CHECKING:
     from service.api.auth import Caller
@@ -163,7 +162,7 @@ class JobPublic(BaseModel):
             progress=ProgressPublic(fraction=job.progress, stage_done=job.stage_done, stage_total=job.stage_total),
             attempt=job.attempt, max_attempts=job.max_attempts, created_at=_ts(job.created_at),
             updated_at=_ts(job.updated_at), started_at=_ts(job.started_at), finished_at=_ts(job.finished_at),
-            worker_id=_opaque(job.worker_id),
+            worker_id=public_worker_name(job.worker_id),
             error=ErrorPublic(code=job.error_code, message=job.error_message or "") if job.error_code else None,
             request=dict(job.request) if caller.may_read_request(job) else None,
             links=JobLinks(self=base, events=f"{base}/events", artifacts=f"{base}/artifacts",
@@ -209,11 +208,6 @@ class ReadyPublic(BaseModel):
     ready: bool
     store: bool
     workers: int
-
-
-def _opaque(worker_id: str | None) -> str | None:
-    """A stable stand-in for a worker id, which names a host and a PID that are nobody's business outside."""
-    return None if worker_id is None else "w-" + hashlib.sha256(worker_id.encode()).hexdigest()[:12]
 
 
 def _ts(value: float | None) -> datetime | None:

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound, TooManyJobs
-from service.jobs import Job, JobStatus, Stage, transition
+from service.jobs import Job, JobStatus, Stage, public_worker_name, transition
 from service.store.events import EventLog
 from service.store.schema import ACTIVE_STATUSES, add_missing_columns, db_now, make_engine, tables
 from service.store.workers import StageTimings, WorkerRegistry
@@ -210,7 +210,8 @@ class JobStore:
             if row is None:
                 return None
             self.events.append(conn, row["id"], "status",
-                        {"status": JobStatus.RUNNING.value, "attempt": row["attempt"], "worker": worker_id}, now)
+                        {"status": JobStatus.RUNNING.value, "attempt": row["attempt"],
+                         "worker": public_worker_name(worker_id)}, now)
         return self._job(row)
 
     def set_status(
