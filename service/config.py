@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -62,6 +62,24 @@ class Settings(BaseSettings):
         2, ge=1, le=10_000, description="Jobs of one key that workers run at the same time."
     )
     ui_enabled: bool = Field(True, description="Serve the web UI under /ui (it calls the public API only).")
+    artifact_store: Literal["local", "s3"] = Field(
+        "local", description="Where job artifacts live: 'local' (the data dir) or 's3' (an S3-compatible bucket)."
+    )
+    s3_bucket: str = Field("", description="Bucket of the s3 artifact store (required with artifact_store=s3).")
+    s3_prefix: str = Field("", description="Key prefix inside the bucket, e.g. 'fp8forge/'.")
+    s3_endpoint_url: str = Field("", description="Endpoint of an S3-compatible store; empty means AWS S3.")
+    s3_region: str = Field("", description="Region; empty means AWS_REGION / AWS_DEFAULT_REGION, else us-east-1.")
+    s3_part_size_bytes: int = Field(
+        16 << 20, ge=5 << 20, le=5 << 30, description="Multipart upload part size (S3: 5 MiB to 5 GiB)."
+    )
+    s3_upload_concurrency: int = Field(4, ge=1, le=64, description="Parts of one file uploaded at once.")
+    artifact_downloads: Literal["stream", "redirect"] = Field(
+        "stream", description="s3 store: the API streams downloads, or redirects to a pre-signed URL."
+    )
+    presigned_url_ttl_s: int = Field(900, ge=1, le=604_800, description="Lifetime of a pre-signed download URL.")
+    artifact_sweep_interval_s: float = Field(
+        300.0, gt=0, description="How often workers and the API remove attempt files no job points at."
+    )
 
     @field_validator("allowed_model_roots", mode="before")
     @classmethod
@@ -94,10 +112,18 @@ class Settings(BaseSettings):
             raise ValueError("must be a sqlite:// or postgresql+psycopg:// SQLAlchemy URL")
         return url
 
+    @field_validator("s3_prefix")
+    @classmethod
+    def _prefix_is_a_folder(cls, prefix: str) -> str:
+        prefix = prefix.strip("/")
+        return f"{prefix}/" if prefix else ""
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must be at least twice heartbeat_interval_s")
+        if self.artifact_store == "s3" and not self.s3_bucket:
+            raise ValueError("artifact_store=s3 needs FP8FORGE_S3_BUCKET")
         return self
 
     @property

@@ -63,7 +63,9 @@ ERROR_CODES: dict[str, tuple[str, str]] = {
     "internal_error": ("500", "a bug; the server log has the traceback"),
     "conversion_failed": ("500", "the conversion ran but its result was inconsistent"),
     "cancelled": ("500", "the run was cancelled"),
+    "artifact_upload_failed": ("500", "a job's worker could not upload its artifacts to the object store (job error)"),
     "backend_unavailable": ("503", "the backend needs a library or device this server lacks"),
+    "artifact_store_unavailable": ("503", "the object store holding the artifacts did not answer; see Retry-After"),
 }
 
 ErrorCode = enum.Enum("ErrorCode", [(code.upper(), code) for code in ERROR_CODES], type=str)

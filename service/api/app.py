@@ -13,9 +13,9 @@ from service.api.auth import KeyRing, require_caller
 from service.api.limits import BodyLimitMiddleware
 from service.api.routes import analyze, artifacts, health, jobs
 from service.api.schemas import ErrorBody
-from service.artifacts import ArtifactDirs
 from service.config import Settings, load_settings
 from service.errors import install_error_handler
+from service.storage import open_storage
 from service.store import JobStore
 from service.ui import install_ui
 from service.workers.reaper import Reaper
@@ -42,17 +42,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             API keys are malformed or missing while authentication is on.
     """
     settings = settings or load_settings()
-    dirs = ArtifactDirs(settings.jobs_dir)
+    dirs = open_storage(settings)
     keys = KeyRing.from_settings(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         dirs.ensure()
         store = JobStore(settings.store_url)
-        reaper = Reaper(store, dirs, settings.heartbeat_timeout_s, settings.heartbeat_interval_s)
+        reaper = Reaper(store, dirs, settings.heartbeat_timeout_s, settings.heartbeat_interval_s,
+                        sweep_every_s=settings.artifact_sweep_interval_s)
         app.state.store = store
         reaper.start()
-        logger.info("fp8forge API ready (store %s, data %s)", store.engine.url.render_as_string(), settings.data_dir)
+        logger.info("fp8forge API ready (store %s, artifacts %s)", store.engine.url.render_as_string(),
+                    dirs if dirs.remote else settings.jobs_dir)
         try:
             yield
         finally:

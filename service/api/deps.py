@@ -7,13 +7,13 @@ from typing import Annotated
 from fastapi import Depends, Path, Request
 
 from service.api.auth import CallerDep
-from service.artifacts import ArtifactDirs
 from service.config import Settings
 from service.errors import JobNotFound
 from service.jobs import Job
+from service.storage import ArtifactStorage
 from service.store import JobStore
 
-__all__ = ["SettingsDep", "StoreDep", "DirsDep", "JobDep"]
+__all__ = ["SettingsDep", "StoreDep", "StorageDep", "DirsDep", "JobDep"]
 
 
 def get_settings(request: Request) -> Settings:
@@ -24,13 +24,14 @@ def get_store(request: Request) -> JobStore:
     return request.app.state.store
 
 
-def get_dirs(request: Request) -> ArtifactDirs:
+def get_storage(request: Request) -> ArtifactStorage:
     return request.app.state.dirs
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[JobStore, Depends(get_store)]
-DirsDep = Annotated[ArtifactDirs, Depends(get_dirs)]
+StorageDep = Annotated[ArtifactStorage, Depends(get_storage)]
+DirsDep = StorageDep  # the name routes used before the storage had two implementations
 
 
 def get_job(job_id: Annotated[str, Path(max_length=64)], store: StoreDep, caller: CallerDep) -> Job:

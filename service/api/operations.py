@@ -12,10 +12,10 @@ from typing import Any
 
 from service.api.auth import Caller
 from service.api.schemas import AnalyzeCreate, JobCreate
-from service.artifacts import ArtifactDirs
 from service.config import Settings
 from service.errors import InvalidRequest, InvalidTransition
 from service.jobs import Job, JobStatus
+from service.storage import ArtifactStorage
 from service.store import JobStore
 
 __all__ = ["check_request", "submit_job", "cancel_job", "delete_job", "analyze"]
@@ -88,8 +88,11 @@ def cancel_job(store: JobStore, job_id: str) -> Job:
     raise InvalidTransition(f"job {job_id} kept changing; try again")
 
 
-def delete_job(store: JobStore, dirs: ArtifactDirs, job_id: str) -> None:
-    """Delete a finished job and its artifacts.
+def delete_job(store: JobStore, dirs: ArtifactStorage, job_id: str) -> None:
+    """Delete a finished job and its artifacts (files on disk, or every object of the job in the store).
+
+    The row goes first, so no reader resolves a name to the files being removed; files a store could not
+    remove just then are the sweeper's once no row points at them.
 
     Raises:
         JobNotFound (404); InvalidTransition (409) while the job is queued or running.

@@ -34,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     worker = subparsers.add_parser(
         "worker", help="run one conversion worker",
         description="Claim and run conversion jobs from the shared job store, one at a time. Run one per GPU; "
-                    "stop with SIGTERM or Ctrl-C (a running job is requeued).",
+                    "stop with SIGTERM or Ctrl-C (a running job is requeued). On a host of its own it needs "
+                    "FP8FORGE_DATABASE_URL and, without a shared disk, FP8FORGE_ARTIFACT_STORE=s3 with the "
+                    "FP8FORGE_S3_* settings (docs/deployment.md).",
     )
     worker.add_argument("--gpu", default=None, metavar="ID", help="CUDA device this worker uses")
     worker.set_defaults(func=run_worker)
@@ -50,12 +52,27 @@ def _settings(**overrides: object) -> Settings | None:
         return None
 
 
+def _storage_reachable(settings: Settings) -> bool:
+    """Check an object store at start-up, so a wrong bucket or credentials stop the process with a message."""
+    if settings.artifact_store == "local":
+        return True
+    from service.storage import ArtifactStoreUnavailable, open_storage
+
+    try:
+        open_storage(settings).check()
+    except ArtifactStoreUnavailable as exc:
+        print(f"fp8forge: {exc.message}; check FP8FORGE_S3_BUCKET, FP8FORGE_S3_ENDPOINT_URL and the AWS_* "
+              "credentials", file=sys.stderr)
+        return False
+    return True
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the API in this process and the worker pool beside it until SIGINT/SIGTERM."""
     import logging
 
     settings = _settings(workers=args.workers)
-    if settings is None:
+    if settings is None or not _storage_reachable(settings):
         return 2
     if settings.auth_disabled and not _is_loopback(args.host):
         print(f"fp8forge: FP8FORGE_AUTH_DISABLED lets anyone who reaches {args.host} run and read every job; it is "
@@ -112,7 +129,7 @@ def _is_loopback(host: str) -> bool:
 def run_worker(args: argparse.Namespace) -> int:
     """Run one worker in this process until SIGINT/SIGTERM."""
     settings = _settings()
-    if settings is None:
+    if settings is None or not _storage_reachable(settings):
         return 2
     from service.workers.worker import worker_process_main
 

@@ -1,23 +1,26 @@
 """Recording the outcome of one job attempt: success (publishing its files), failure, cancel or requeue.
 
 Used by ``JobRun`` (``service.workers.runner``) once the child has exited; it decides only what the store
-says about the attempt and what happens to its directory. A success
-is published only by the attempt's owner, inside the transaction that records it; every other outcome
-removes the attempt's directory. A store that fails for a moment is retried with a back-off.
+says about the attempt and what happens to its files. A success is uploaded first where the storage is
+remote (the worker heartbeats meanwhile), then published only by the attempt's owner, inside the transaction
+that records it; every other outcome removes the attempt's files. An upload that fails is retried as a new
+attempt, or fails the job with ``artifact_upload_failed`` after the last one. A store that fails for a moment
+is retried with a back-off.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from service.artifacts import ArtifactDirs
 from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus
+from service.storage import ArtifactStorage, ArtifactUploadFailed
 from service.store import JobLost, JobStore
 from service.workers.messages import Succeeded
 from service.workers.watch import RunWatch
@@ -33,8 +36,13 @@ _RECORD_BACKOFF_S = 0.5  # doubled after every failed try
 class AttemptOutcome:
     """Records how one attempt ended, as told by what its ``RunWatch`` saw."""
 
-    def __init__(self, store: JobStore, dirs: ArtifactDirs, worker_id: str, job: Job, watch: RunWatch) -> None:
+    def __init__(
+        self, store: JobStore, dirs: ArtifactStorage, worker_id: str, job: Job, watch: RunWatch, *,
+        heartbeat_interval_s: float = 1.0,
+    ) -> None:
         self.store, self.dirs, self.worker_id, self.job, self.watch = store, dirs, worker_id, job, watch
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._upload_interrupted: JobStatus | None = None  # CANCELLING, or QUEUED for a job taken away
 
     def record(self, exitcode: int | None, *, flush_events: Callable[..., None]) -> JobStatus | None:
         """Record the attempt's outcome, retrying a store that fails for a moment.
@@ -87,15 +95,21 @@ class AttemptOutcome:
     def _succeed(self, manifest: list[dict[str, Any]]) -> JobStatus:
         job_id, attempt = self.job.id, self.job.attempt
         artifacts = self.dirs.index(job_id, manifest, attempt=attempt)
+        try:
+            self._upload(artifacts)
+        except ArtifactUploadFailed as exc:
+            return self._upload_failed(exc)
         published = False
 
         def publish() -> None:  # runs while the job's row is locked by the write that records the success
             nonlocal published
-            self.dirs.publish(job_id, attempt)
+            self.dirs.publish(job_id, attempt, artifacts)
             published = True
 
         try:
             status = self._set(JobStatus.SUCCEEDED, artifacts=artifacts, before_commit=publish)
+        except ArtifactUploadFailed as exc:  # the store did not hold the files at the moment of publishing
+            return self._upload_failed(exc)
         except OSError as exc:  # the attempt's files could not be moved into place; nothing was recorded
             logger.error("job %s: publishing attempt %d failed: %s", job_id, attempt, exc)
             return self._crashed("the artifacts could not be published (a file system error on the worker)")
@@ -103,15 +117,58 @@ class AttemptOutcome:
             if not self._recorded_as_succeeded():
                 raise
             status = JobStatus.SUCCEEDED  # an earlier try committed although it reported a failure
-            if not self.dirs.final_dir(job_id).exists():
-                self.dirs.publish(job_id, attempt)
+            if not self.dirs.is_published(job_id, attempt):
+                self.dirs.publish(job_id, attempt, artifacts)
         except BaseException:
             if published:
                 self.dirs.unpublish(job_id, attempt)  # the success was not recorded: the files go back
             raise
         if status is not JobStatus.SUCCEEDED:  # a cancel won: the user asked for nothing
             self.dirs.remove_attempt(job_id, attempt)
+        else:
+            self.dirs.settle(job_id, attempt)
         return status
+
+    def _upload(self, artifacts: list[dict[str, Any]]) -> None:
+        """Send the attempt's files to a remote storage, heartbeating the job meanwhile (an upload can outlast
+        the heartbeat timeout); a cancel or the job taken away stops it between parts.
+
+        Raises:
+            ArtifactUploadFailed.
+        """
+        if not self.dirs.remote:
+            return
+        done = threading.Event()
+
+        def heartbeat() -> None:
+            while not done.wait(self.heartbeat_interval_s):
+                try:
+                    status = self.store.heartbeat_job(self.job.id, self.worker_id, attempt=self.job.attempt)
+                except DBAPIError:  # recording the outcome afterwards has its own retries
+                    continue
+                if status is None or status is JobStatus.CANCELLING:
+                    self._upload_interrupted = status or JobStatus.QUEUED
+                    return
+
+        beating = threading.Thread(target=heartbeat, name=f"fp8forge-upload-{self.job.id[:8]}", daemon=True)
+        beating.start()
+        try:
+            self.dirs.upload(self.job.id, self.job.attempt, artifacts,
+                             should_stop=lambda: self._upload_interrupted is not None)
+        finally:
+            done.set()
+            beating.join()
+
+    def _upload_failed(self, exc: ArtifactUploadFailed) -> JobStatus:
+        logger.error("job %s: attempt %d: %s", self.job.id, self.job.attempt, exc, exc_info=exc.__cause__)
+        if self._upload_interrupted is JobStatus.CANCELLING:
+            return self._finish(JobStatus.CANCELLED)
+        if self._upload_interrupted is not None:
+            raise JobLost(f"job {self.job.id} was taken from this worker during the upload")
+        message = f"{exc} (attempt {self.job.attempt} of {self.job.max_attempts})"
+        if self.job.attempt < self.job.max_attempts:
+            return self._requeue("artifact_upload_failed", message=message)
+        return self._finish(JobStatus.FAILED, error_code="artifact_upload_failed", error_message=message)
 
     def _recorded_as_succeeded(self) -> bool:
         job = self.store.get_job(self.job.id)

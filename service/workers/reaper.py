@@ -1,25 +1,29 @@
-"""Stale-job detection: a job whose worker stopped heartbeating is requeued, or failed after its last try.
+"""Stale-job detection and the sweeper of orphaned attempt files.
 
-Any process may run it (workers between jobs, the API in the background); the store's compare-and-set
-makes concurrent reapers harmless.
+A job whose worker stopped heartbeating is requeued, or failed after its last try. Attempt files (local
+directories, object-store prefixes and unfinished uploads) that no job can still use are removed. Any process
+may run both (workers between jobs, the API in the background); the store's compare-and-set makes
+concurrent reapers harmless, and the sweeper only judges jobs that have finished or are gone, which no
+worker writes to any more.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
-from service.artifacts import ArtifactDirs
-from service.errors import InvalidTransition
-from service.jobs import JobStatus
+from service.errors import InvalidTransition, JobNotFound
+from service.jobs import Job, JobStatus
+from service.storage import ArtifactStorage, Leftover
 from service.store import JobLost, JobStore
 
-__all__ = ["reap_stale", "Reaper"]
+__all__ = ["reap_stale", "sweep_orphans", "Reaper"]
 
 logger = logging.getLogger(__name__)
 
 
-def reap_stale(store: JobStore, dirs: ArtifactDirs, timeout_s: float) -> list[tuple[str, JobStatus]]:
+def reap_stale(store: JobStore, dirs: ArtifactStorage, timeout_s: float) -> list[tuple[str, JobStatus]]:
     """Requeue (or fail, or finish cancelling) every job silent for ``timeout_s``; returns what changed."""
     changed = []
     for job in store.find_stale(timeout_s):
@@ -45,12 +49,46 @@ def reap_stale(store: JobStore, dirs: ArtifactDirs, timeout_s: float) -> list[tu
     return changed
 
 
-class Reaper:
-    """Runs :func:`reap_stale` every ``interval_s`` seconds in a daemon thread."""
+def sweep_orphans(store: JobStore, storage: ArtifactStorage) -> list[Leftover]:
+    """Remove attempt files no job can use any more; returns what was removed.
 
-    def __init__(self, store: JobStore, dirs: ArtifactDirs, timeout_s: float, interval_s: float) -> None:
+    An attempt's files are orphaned once its job is gone (deleted), or finished without them being its
+    published ones: a failed or cancelled job's, a succeeded job's other attempts, and any local copy. Running
+    and queued jobs are left alone: their own worker, or the next attempt's, cleans up after them.
+    """
+    removed = []
+    jobs: dict[str, Job | None] = {}
+    for leftover in storage.leftovers():
+        if leftover.job_id not in jobs:
+            try:
+                jobs[leftover.job_id] = store.get_job(leftover.job_id)
+            except JobNotFound:
+                jobs[leftover.job_id] = None
+        job = jobs[leftover.job_id]
+        if job is not None and not job.status.is_finished:
+            continue
+        if (job is not None and job.status is JobStatus.SUCCEEDED and leftover.publishable
+                and job.attempt == leftover.attempt):
+            continue  # the job's published files
+        storage.discard(leftover)
+        removed.append(leftover)
+    if removed:
+        logger.info("removed %d orphaned attempt(s): %s", len(removed),
+                    ", ".join(f"{r.job_id} a{r.attempt}" for r in removed))
+    return removed
+
+
+class Reaper:
+    """Runs :func:`reap_stale` every ``interval_s`` seconds, and :func:`sweep_orphans` every ``sweep_every_s``,
+    in a daemon thread."""
+
+    def __init__(
+        self, store: JobStore, dirs: ArtifactStorage, timeout_s: float, interval_s: float, *,
+        sweep_every_s: float = 300.0,
+    ) -> None:
         self._args = (store, dirs, timeout_s)
         self._interval = interval_s
+        self._sweep_every = sweep_every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fp8forge-reaper", daemon=True)
 
@@ -62,8 +100,12 @@ class Reaper:
         self._thread.join(timeout=5)
 
     def _loop(self) -> None:
+        next_sweep = time.monotonic()
         while not self._stop.wait(self._interval):
             try:
                 reap_stale(*self._args)
-            except Exception:  # noqa: BLE001 - keep reaping after a transient database error
-                logger.exception("stale-job check failed")
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + self._sweep_every
+                    sweep_orphans(*self._args[:2])
+            except Exception:  # noqa: BLE001 - keep reaping after a transient database or object-store error
+                logger.exception("stale-job check or orphan sweep failed")

@@ -24,9 +24,9 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from service.artifacts import ArtifactDirs
 from service.config import Settings
 from service.jobs import Job, JobStatus, Stage
+from service.storage import ArtifactStorage
 from service.store import JobStore
 from service.workers.child import child_main
 from service.workers.messages import ChildMessage, Failed, Progress, StageStarted, Succeeded, Warned
@@ -45,7 +45,7 @@ class JobRun:
     """One attempt of one job on this worker: supervises the child, then hands over to ``AttemptOutcome``."""
 
     def __init__(
-        self, settings: Settings, store: JobStore, dirs: ArtifactDirs, worker_id: str, job: Job,
+        self, settings: Settings, store: JobStore, dirs: ArtifactStorage, worker_id: str, job: Job,
         stopping: threading.Event,
     ) -> None:
         self.settings, self.store, self.dirs = settings, store, dirs
@@ -84,7 +84,8 @@ class JobRun:
             self.dirs.remove_attempt(job_id, attempt)
             return None
         self._end_stage()  # the run is over; what remains is recording it
-        outcome = AttemptOutcome(self.store, self.dirs, self.worker_id, self.job, self.watch)
+        outcome = AttemptOutcome(self.store, self.dirs, self.worker_id, self.job, self.watch,
+                                 heartbeat_interval_s=self.settings.heartbeat_interval_s)
         return outcome.record(proc.exitcode, flush_events=self._flush_events)
 
     # -- supervision -------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The worker loop: stop check -> reap stale jobs -> claim -> run in a spawned child -> record.
+"""The worker loop: stop check -> reap stale jobs (and now and then sweep orphaned attempt files) -> claim ->
+run in a spawned child -> record.
 
 One job at a time per worker; run one worker per GPU. ``worker_process_main`` is the entry point of a
-worker process (``fp8forge worker`` and the processes ``fp8forge serve`` starts).
+worker process (``fp8forge worker`` and the processes ``fp8forge serve`` starts). With the object store, a
+worker's own disk holds only the model cache, demo models and the attempt it is writing.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import time
 
 from sqlalchemy.exc import DBAPIError
 
-from service.artifacts import ArtifactDirs
 from service.config import Settings
+from service.storage import ArtifactStorage, open_storage
 from service.store import JobStore
 from service.store.workers import WorkerRegistry
 from service.workers.procs import die_with_parent
-from service.workers.reaper import reap_stale
+from service.workers.reaper import reap_stale, sweep_orphans
 from service.workers.runner import JobRun
 
 __all__ = ["Worker", "worker_process_main"]
@@ -31,14 +33,17 @@ class Worker:
     """Claims and runs jobs until :meth:`stop` is called.
 
     Args:
-        settings: service settings (store URL, data dir, heartbeat and retry knobs).
+        settings: service settings (store URL, data dir, artifact storage, heartbeat and retry knobs).
         store: an open store; one is opened from ``settings`` when omitted.
+        storage: the artifact storage; the one the settings name when omitted.
     """
 
-    def __init__(self, settings: Settings, store: JobStore | None = None) -> None:
+    def __init__(
+        self, settings: Settings, store: JobStore | None = None, storage: ArtifactStorage | None = None,
+    ) -> None:
         self.settings = settings
         self.store = store or JobStore(settings.store_url)
-        self.dirs = ArtifactDirs(settings.jobs_dir)
+        self.dirs = storage or open_storage(settings)
         self.worker_id = WorkerRegistry.new_id()
         self.stopping = threading.Event()
 
@@ -49,13 +54,16 @@ class Worker:
     def run(self) -> None:
         self.dirs.ensure()
         logger.info("worker %s started", self.worker_id)
-        next_reap = 0.0
+        next_reap = next_sweep = 0.0  # the first sweep finds what a killed predecessor left on this host
         try:
             while not self.stopping.is_set():
                 try:
                     if time.monotonic() >= next_reap:
                         reap_stale(self.store, self.dirs, self.settings.heartbeat_timeout_s)
                         next_reap = time.monotonic() + self.settings.heartbeat_interval_s
+                    if time.monotonic() >= next_sweep:
+                        next_sweep = time.monotonic() + self.settings.artifact_sweep_interval_s
+                        sweep_orphans(self.store, self.dirs)
                     if not self.run_once():
                         self.stopping.wait(self.settings.poll_interval_s)
                 except DBAPIError:

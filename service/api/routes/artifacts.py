@@ -1,4 +1,8 @@
-"""/v1/jobs/{id}/artifacts: listing and resumable downloads (ETag, Content-Length, Range, If-Range)."""
+"""/v1/jobs/{id}/artifacts: listing and resumable downloads (ETag, Content-Length, Range, If-Range).
+
+Files come from the local disk or, with ``FP8FORGE_ARTIFACT_STORE=s3``, from the object store: streamed
+through the API, or a 307 to a pre-signed URL with ``FP8FORGE_ARTIFACT_DOWNLOADS=redirect``.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,15 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Header
 from fastapi.responses import FileResponse
+from starlette.responses import Response
 
-from service.api.deps import DirsDep, JobDep
-from service.api.downloads import ArtifactResponse, artifact_response
+from service.api.deps import JobDep, SettingsDep, StorageDep
+from service.api.downloads import artifact_response
 from service.api.routes import error_responses
 from service.api.schemas import ArtifactPublic, ArtifactsPublic, ErrorBody
+from service.config import Settings
+from service.jobs import Job
+from service.storage import ArtifactStorage
 
 __all__ = ["router"]
 
@@ -20,7 +28,10 @@ router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 _FILE = {200: {"content": {"application/octet-stream": {}}, "description": "The file (206 for a Range)."},
          206: {"description": "The requested byte range."},
          416: {"model": ErrorBody,
-               "description": "Range not satisfiable (one range of the file only); Content-Range: bytes */size."}}
+               "description": "Range not satisfiable (one range of the file only); Content-Range: bytes */size."},
+         503: {"model": ErrorBody, "description": "The object store holding the artifacts did not answer."}}
+_REDIRECT = {307: {"description": "With FP8FORGE_ARTIFACT_DOWNLOADS=redirect: Location is a pre-signed URL of the "
+                                  "object store; send the Range there."}}
 
 # No max_length on Range: every Range this server cannot serve, a long one too, is 416 (parse_range).
 RangeHeader = Annotated[str, Header(alias="Range",
@@ -38,18 +49,32 @@ def list_artifacts(job: JobDep) -> ArtifactsPublic:
 
 
 @router.get("/{job_id}/artifacts/{name:path}", operation_id="downloadArtifact", response_class=FileResponse,
-            responses={**_FILE, **error_responses(404, 422)})
+            responses={**_FILE, **_REDIRECT, **error_responses(404, 422)})
 def download_artifact(
-    job: JobDep, name: str, dirs: DirsDep, range_: RangeHeader = None, if_range: IfRangeHeader = None,
-) -> ArtifactResponse:
+    job: JobDep, name: str, storage: StorageDep, settings: SettingsDep, range_: RangeHeader = None,
+    if_range: IfRangeHeader = None,
+) -> Response:
     """The file, streamed; send ``Range: bytes=N-`` (and ``If-Range: <ETag>``) to resume."""
-    return artifact_response(job, name, dirs, range_header=range_, if_range=if_range)
+    return _download(job, name, storage, settings, range_, if_range, head=False)
 
 
 @router.head("/{job_id}/artifacts/{name:path}", operation_id="headArtifact", response_class=FileResponse,
              responses={**_FILE, **error_responses(404, 422)})
 def head_artifact(
-    job: JobDep, name: str, dirs: DirsDep, range_: RangeHeader = None, if_range: IfRangeHeader = None,
-) -> ArtifactResponse:
+    job: JobDep, name: str, storage: StorageDep, settings: SettingsDep, range_: RangeHeader = None,
+    if_range: IfRangeHeader = None,
+) -> Response:
     """The download's headers only (size, ETag), e.g. to check before resuming."""
-    return artifact_response(job, name, dirs, range_header=range_, if_range=if_range)
+    return _download(job, name, storage, settings, range_, if_range, head=True)
+
+
+def _download(
+    job: Job, name: str, storage: ArtifactStorage, settings: Settings, range_: str | None, if_range: str | None,
+    *, head: bool,
+) -> Response:
+    if not storage.remote:
+        return artifact_response(job, name, storage, range_header=range_, if_range=if_range)  # type: ignore[arg-type]
+    from service.api.object_downloads import object_response  # imports boto3: only where the store is in use
+
+    return object_response(job, name, storage, range_header=range_, if_range=if_range,  # type: ignore[arg-type]
+                           head=head, redirect=settings.artifact_downloads == "redirect")

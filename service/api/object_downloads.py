@@ -1,0 +1,113 @@
+"""Artifact downloads from the object store: streamed through the API, or a redirect to a pre-signed URL.
+
+Streamed, a download answers exactly as one from the local disk (``service.api.downloads``): the ``ETag`` is
+the quoted sha256 of the listing, one ``Range`` gives 206, ``If-Range`` with another ETag the whole file, and a
+``Range`` that cannot be served is 416 before the store is asked. The store is read in 1 MiB pieces as the
+client takes them; a client that disconnects closes the store's response.
+
+Redirected (``FP8FORGE_ARTIFACT_DOWNLOADS=redirect``), GET answers 307 with a URL of the store that expires
+after ``FP8FORGE_PRESIGNED_URL_TTL_S``; the client sends its ``Range`` there, and the store serves it (its own
+ETag, which is not the sha256: the listing keeps that). HEAD is answered here in both modes, since a URL
+signed for GET does not admit HEAD.
+"""
+
+from __future__ import annotations
+
+import logging
+from email.utils import formatdate
+from typing import Any
+
+import anyio
+from botocore.exceptions import BotoCoreError
+from starlette.responses import RedirectResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from service.api.downloads import _disposition, parse_range
+from service.jobs import Job
+from service.storage.base import listed_entry
+from service.storage.s3 import ObjectArtifacts
+
+__all__ = ["object_response", "ObjectResponse"]
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 1 << 20
+
+
+class ObjectResponse(Response):
+    """Streams ``length`` bytes of an open object-store body (nothing for HEAD), then closes it."""
+
+    def __init__(self, body: Any, length: int, *, status_code: int, headers: dict[str, str]) -> None:
+        self.body_stream, self.length = body, length
+        self.status_code = status_code
+        self.media_type = "application/octet-stream"
+        self.background = None
+        self.init_headers({**headers, "content-length": str(length)})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if self.body_stream is None or scope.get("method") == "HEAD" or self.length == 0:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(_cancel_on_disconnect, receive, tasks.cancel_scope)
+                await self._send_body(send)
+                tasks.cancel_scope.cancel()
+        finally:
+            if self.body_stream is not None:
+                self.body_stream.close()  # a cancelled read finishes in its thread before this
+
+    async def _send_body(self, send: Send) -> None:
+        left = self.length
+        while left > 0:
+            try:
+                chunk = await anyio.to_thread.run_sync(self.body_stream.read, min(_CHUNK, left))
+            except (BotoCoreError, OSError):
+                logger.warning("the object store broke off a download; the client gets a short body to resume",
+                               exc_info=True)
+                chunk = b""
+            if not chunk:
+                break
+            left -= len(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+        if left > 0:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def object_response(
+    job: Job, name: str, storage: ObjectArtifacts, *, range_header: str | None, if_range: str | None, head: bool,
+    redirect: bool,
+) -> Response:
+    """The download of one artifact from the store: whole (200), one byte range (206), or a redirect (307).
+
+    Raises:
+        ArtifactNotFound: no such artifact, or its object is gone (e.g. the job was just deleted).
+        RangeNotSatisfiable: a ``Range`` that cannot be served (416).
+        ArtifactStoreUnavailable: the store did not answer (503).
+    """
+    disposition = _disposition(name.rsplit("/", 1)[-1])
+    if redirect and not head:
+        url = storage.presigned_url(job, name, disposition=disposition)
+        return RedirectResponse(url, status_code=307, headers={"cache-control": "no-store"})
+    entry = listed_entry(job, name)
+    size, etag = entry["bytes"], f'"{entry["sha256"]}"'
+    headers = {"etag": etag, "accept-ranges": "bytes", "content-disposition": disposition}
+    status, first, last = 200, 0, size - 1
+    # If-Range guards a resume: a file that changed since (another ETag) is sent whole
+    if range_header is not None and (if_range is None or if_range.strip() == etag):
+        first, last = parse_range(range_header, size)  # 416 before the store is asked
+        status = 206
+        headers["content-range"] = f"bytes {first}-{last}/{size}"
+    if head or size == 0:
+        body, (_, modified) = None, storage.stat(job, name)
+    else:
+        body, modified = storage.read(job, name, first, last)
+    headers["last-modified"] = formatdate(modified.timestamp(), usegmt=True)
+    return ObjectResponse(body, last - first + 1, status_code=status, headers=headers)
