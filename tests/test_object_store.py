@@ -272,3 +272,74 @@ def test_the_object_store_needs_a_bucket(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("FP8FORGE_S3_BUCKET", "artifacts")
     monkeypatch.setenv("FP8FORGE_S3_PREFIX", "/team/fp8/")
     assert load_settings().s3_prefix == "team/fp8/"
+
+
+
+@pytest.fixture
+def slow_worker(moto, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A worker whose every file upload starts late (a slow link; ``worker.upload_began`` lists when), with a
+    heartbeat timeout of 1 s and ``sized_child`` as its conversion; ``worker.proxy`` counts the bytes sent."""
+    import service.storage.s3 as s3_module
+
+    monkeypatch.setattr("service.workers.runner.child_main", sized_child)
+    proxy = CuttingProxy(moto.port)
+    worker = Worker(s3_settings(tmp_path / "data", proxy.endpoint, new_bucket(moto), heartbeat_timeout_s=1.0))
+    worker.proxy = proxy
+    real, worker.upload_began = s3_module.put_file, []
+
+    def late(*args: Any, **kwargs: Any) -> None:
+        worker.upload_began.append(time.monotonic())
+        time.sleep(1.2)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(s3_module, "put_file", late)
+    yield worker
+    proxy.close()
+    worker.store.close()
+
+
+def test_an_upload_longer_than_the_heartbeat_timeout_keeps_its_job(moto, slow_worker) -> None:
+    import threading
+
+    from service.workers.reaper import reap_stale
+
+    worker = slow_worker
+    job = _submit(worker, max_attempts=2, size=4096)  # two files: more than twice the timeout in all
+    stop = threading.Event()
+
+    def reaper() -> None:  # what the API and other workers do meanwhile
+        while not stop.wait(0.1):
+            reap_stale(worker.store, worker.dirs, worker.settings.heartbeat_timeout_s)
+
+    thread = threading.Thread(target=reaper)
+    thread.start()
+    try:
+        assert worker.run_once()
+    finally:
+        stop.set()
+        thread.join()
+    done = worker.store.get_job(job.id)
+    assert (done.status, done.attempt) == (JobStatus.SUCCEEDED, 1)
+    assert not any(e.data.get("reason") == "worker_lost" for e in worker.store.events.after(job.id))
+    assert len(bucket_keys(moto, worker.dirs.bucket)) == 2
+
+
+def test_a_cancel_during_the_upload_stops_it_and_publishes_nothing(moto, slow_worker) -> None:
+    import threading
+
+    worker = slow_worker
+    job = _submit(worker, max_attempts=2, size=BIG)
+
+    def cancel_once_uploading() -> None:
+        while not worker.upload_began:
+            time.sleep(0.02)
+        worker.store.set_status(job.id, JobStatus.CANCELLING)
+
+    thread = threading.Thread(target=cancel_once_uploading)
+    thread.start()
+    assert worker.run_once()
+    thread.join()
+    assert worker.store.get_job(job.id).status is JobStatus.CANCELLED
+    assert worker.proxy.forwarded < BIG // 2  # the model's parts were never sent
+    assert bucket_keys(moto, worker.dirs.bucket) == [] and unfinished_uploads(moto, worker.dirs.bucket) == []
+    assert leftovers(worker.settings.jobs_dir) == []

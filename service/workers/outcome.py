@@ -144,6 +144,7 @@ class AttemptOutcome:
             while not done.wait(self.heartbeat_interval_s):
                 try:
                     status = self.store.heartbeat_job(self.job.id, self.worker_id, attempt=self.job.attempt)
+                    self.store.workers.heartbeat(self.worker_id, self.job.id)  # /readyz counts this worker
                 except DBAPIError:  # recording the outcome afterwards has its own retries
                     continue
                 if status is None or status is JobStatus.CANCELLING:
