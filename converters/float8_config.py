@@ -1,4 +1,6 @@
-"""torchao ``Float8LinearConfig`` <-> JSON, so an artifact records the exact config and can replay it."""
+"""torchao configs <-> JSON, so an artifact records the exact config and can replay it: ``Float8LinearConfig``
+(the ``Float8Linear`` swap) and the ``quantize_`` training configs ``Float8TrainingOpConfig`` /
+``MXFP8TrainingOpConfig``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 from converters.errors import RecipeError
 from converters.recipes import check_bool
 
-__all__ = ["float8_config_to_dict", "float8_linear_config_from_dict"]
+__all__ = ["float8_config_to_dict", "float8_linear_config_from_dict", "training_op_config_from_dict"]
 
 
 def float8_config_to_dict(config: Any) -> dict[str, Any]:
@@ -87,3 +89,55 @@ def float8_linear_config_from_dict(data: Mapping[str, Any]) -> Any:
         return Float8LinearConfig(**kwargs)
     except AssertionError as exc:  # torchao validates with asserts
         raise RecipeError(f"torchao rejects this Float8LinearConfig: {exc}", field="float8_config") from exc
+
+
+_TRAINING_OP_FIELDS = {
+    "Float8TrainingOpConfig": ("float8_dtype", "out_dtype", "pad_token_groups_for_grouped_mm", "float8_linear_recipe"),
+    "MXFP8TrainingOpConfig": ("kernel_preference", "out_dtype", "wgrad_with_hp", "scale_calculation_mode",
+                              "pad_token_groups_for_grouped_mm"),
+}
+
+
+def training_op_config_from_dict(data: Mapping[str, Any]) -> Any:
+    """torchao's ``Float8TrainingOpConfig`` or ``MXFP8TrainingOpConfig`` from its recorded fields
+    (``{"config": <class name>, ...}``, as a training-op recipe's ``config_fields()`` writes them).
+
+    Raises RecipeError naming the field for an unknown config or key, or a value torchao rejects.
+    """
+    import torch
+    from torchao.prototype.moe_training import config as moe_config
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    if not isinstance(data, Mapping) or data.get("config") not in _TRAINING_OP_FIELDS:
+        raise RecipeError(f"a training-op config must be a JSON object with config one of "
+                          f"{', '.join(_TRAINING_OP_FIELDS)}, got {data!r}", field="training_op_config")
+    name = data["config"]
+    kwargs = {key: value for key, value in data.items() if key != "config"}
+    for key in kwargs:
+        if key not in _TRAINING_OP_FIELDS[name]:
+            raise RecipeError(f"Unknown {name} field {key!r}; allowed: {', '.join(_TRAINING_OP_FIELDS[name])}.",
+                              field=key)
+    try:
+        for key in ("float8_dtype", "out_dtype"):
+            if key in kwargs:
+                kwargs[key] = _torch_dtype(torch, kwargs[key], key)
+        if "kernel_preference" in kwargs:
+            kwargs["kernel_preference"] = KernelPreference(kwargs["kernel_preference"])
+        if "scale_calculation_mode" in kwargs:
+            kwargs["scale_calculation_mode"] = ScaleCalculationMode(kwargs["scale_calculation_mode"])
+        for key in ("pad_token_groups_for_grouped_mm", "wgrad_with_hp"):
+            if key in kwargs:
+                check_bool(kwargs[key], key)
+        return getattr(moe_config, name)(**kwargs)
+    except RecipeError:
+        raise
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise RecipeError(f"torchao rejects this {name}: {exc}", field="training_op_config") from exc
+
+
+def _torch_dtype(torch: Any, name: Any, field: str) -> Any:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise RecipeError(f"{field} must name a torch dtype like bfloat16, got {name!r}", field=field)
+    return dtype

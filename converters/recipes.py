@@ -1,27 +1,72 @@
 """FP8 recipes: frozen dataclasses, and parsing from JSON objects and Accelerate ``config.yaml`` files.
 
-A recipe says *how* a model is converted: TransformerEngine delayed or current scaling, or a torchao
-``Float8LinearConfig`` recipe. Omitted fields take the library's own default (TransformerEngine's
-``DelayedScaling`` / torchao's ``Float8LinearConfig``), not Accelerate's, because the artifact is loaded
-by those libraries. Accelerate's spellings are accepted so that an existing ``fp8_config:`` block works.
+A recipe says *how* a model is converted. TransformerEngine (``"backend": "te"``), one class per TE recipe,
+chosen by ``scaling``: ``delayed`` (``DelayedScaling``, the default), ``current`` (``Float8CurrentScaling``),
+``mxfp8_block`` (``MXFP8BlockScaling``), ``float8_block`` (``Float8BlockScaling``), ``nvfp4_block``
+(``NVFP4BlockScaling``; see :mod:`converters.te_block_recipes`). torchao (``"backend": "ao"``): a
+``Float8LinearConfig`` recipe (``recipe_name``; no ``scaling``), or a ``quantize_`` training config chosen by
+``scaling``: ``float8_training_op`` / ``mxfp8_training_op`` (:mod:`converters.ao_training_recipes`).
 
-torchao is imported only inside the methods that need it; this module itself imports no torch.
+Omitted fields take the library's own default, not Accelerate's, because the artifact is loaded by those
+libraries. Accelerate's spellings are accepted so that an existing ``fp8_config:`` block works, including
+``use_mxfp8_block_scaling: true`` (``MXFP8BlockScaling``, as Accelerate builds it).
+
+Every recipe class answers ``backend``, ``scaling``, ``stateful`` (only delayed scaling has an amax history to
+seed), ``library_class``, ``state_note()``, ``warnings()``, ``shape_rule()``, ``hardware()``
+(:mod:`converters.recipe_requirements`), ``cast_formats()`` (its forward casts, by spec name) and
+``to_dict()`` / ``from_dict()``. torchao is imported only inside the methods that need it; this module itself
+imports no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
+from converters.ao_training_recipes import AO_LINEAR_CAST_FORMATS, AOFloat8TrainingOpRecipe, AOMXFP8TrainingOpRecipe
 from converters.errors import RecipeError
+from converters.recipe_base import (
+    MAX_AMAX_HISTORY_LEN,
+    MAX_INTERVAL,
+    MAX_MARGIN,
+    RECIPE_VERSION,
+    AmaxComputeAlgo,
+    AORecipeName,
+    AOTrainingOp,
+    Backend,
+    Fp8Format,
+    MXKernelPreference,
+    MXScaleCalculationMode,
+    NVFP4ErrMode,
+    NVFP4Scope,
+    TEScaling,
+    allowed,
+    check_bool,
+    check_fp8_format,
+    check_int,
+    coerce_enum,
+)
+from converters.recipe_requirements import (
+    ANY_DEVICE,
+    FP8_GPU,
+    FP8_RULE,
+    TORCH_FP8_GPU,
+    Hardware,
+    ShapeRule,
+    stateless_note,
+)
+from converters.te_block_recipes import (
+    TEFloat8BlockScalingRecipe,
+    TEMXFP8BlockScalingRecipe,
+    TENVFP4BlockScalingRecipe,
+)
 
 __all__ = [
     "RECIPE_VERSION",
@@ -33,98 +78,34 @@ __all__ = [
     "AmaxComputeAlgo",
     "TEScaling",
     "AORecipeName",
+    "AOTrainingOp",
+    "NVFP4Scope",
+    "NVFP4ErrMode",
+    "MXKernelPreference",
+    "MXScaleCalculationMode",
     "TEDelayedScalingRecipe",
     "TECurrentScalingRecipe",
+    "TEMXFP8BlockScalingRecipe",
+    "TEFloat8BlockScalingRecipe",
+    "TENVFP4BlockScalingRecipe",
     "TorchAORecipe",
+    "AOFloat8TrainingOpRecipe",
+    "AOMXFP8TrainingOpRecipe",
+    "TE_RECIPES",
+    "AO_RECIPES",
     "Recipe",
+    "check_bool",
     "recipe_from_dict",
     "recipe_from_accelerate_yaml",
     "load_recipe_file",
     "default_recipe",
+    "typed_from_dict",
 ]
 
 logger = logging.getLogger(__name__)
 
-RECIPE_VERSION = 1
 
-# Upper bounds: a number a client sends must never let one job outgrow a worker's memory.
-#: Rows of the fp32 amax history TE keeps per Linear (3 forward, 2 backward columns), in the worker, the
-#: artifact and every process that loads it. Users pick 16..1024 (TE's default is 1024); 4096 leaves room and
-#: keeps one Linear's history at 80 KiB. Unbounded, 2**40 made the worker try to allocate 13 TB.
-MAX_AMAX_HISTORY_LEN = 4096
-#: ``scale = fp8_max * 2**-margin / amax``: at 32 E4M3's range (448) has shrunk below 1e-7 already; beyond,
-#: the fp32 scale only heads for underflow (2**-149 is 0). Working recipes use 0..a few.
-MAX_MARGIN = 32
-#: ``interval`` has no effect any more (TE removed it); bounded to the int32 step count TE kept it in.
-MAX_INTERVAL = 2**31 - 1
-
-
-class Backend(str, enum.Enum):
-    """Conversion backend."""
-
-    TE = "te"  #: TransformerEngine (te.Linear); runs only on a CUDA worker.
-    AO = "ao"  #: torchao Float8Linear (dynamic scaling).
-
-
-class Fp8Format(str, enum.Enum):
-    """TransformerEngine ``Format``; pure E5M2 is absent because ``DelayedScaling`` rejects it."""
-
-    HYBRID = "HYBRID"  #: E4M3 forward, E5M2 backward (TE's default).
-    E4M3 = "E4M3"  #: E4M3 both ways.
-
-
-class AmaxComputeAlgo(str, enum.Enum):
-    """How TE picks the amax from the history window."""
-
-    MAX = "max"  #: largest amax in the window (TE's default).
-    MOST_RECENT = "most_recent"  #: the current step's amax (Accelerate's default).
-
-
-class TEScaling(str, enum.Enum):
-    """TransformerEngine per-tensor scaling strategy."""
-
-    DELAYED = "delayed"  #: ``DelayedScaling``: scale from the amax history of earlier steps.
-    CURRENT = "current"  #: ``Float8CurrentScaling``: stateless, scale from the tensor being cast.
-
-
-class AORecipeName(str, enum.Enum):
-    """torchao ``Float8LinearRecipeName`` values."""
-
-    TENSORWISE = "tensorwise"
-    ROWWISE = "rowwise"
-    ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
-
-
-def _allowed(enum_cls: type[enum.Enum]) -> str:
-    return ", ".join(str(m.value) for m in enum_cls)
-
-
-def _coerce_enum(value: Any, enum_cls: type[enum.Enum], field: str, *, upper: bool) -> enum.Enum:
-    if isinstance(value, enum_cls):
-        return value
-    if isinstance(value, str):
-        key = value.strip().upper() if upper else value.strip().lower()
-        for member in enum_cls:
-            if member.value == key:
-                return member
-    raise RecipeError(
-        f"{field} must be one of {_allowed(enum_cls)} (case-insensitive), got {value!r}.", field=field
-    )
-
-
-def _check_int(value: Any, field: str, *, minimum: int, maximum: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    # bool is an int subclass; `margin: true` in a YAML file is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        kind = f"an integer >= {minimum} and <= {maximum}" + (" or null" if optional else "")
-        raise RecipeError(f"{field} must be {kind}, got {value!r}.", field=field)
-
-
-def check_bool(value: Any, field: str) -> None:
-    """Raise RecipeError naming ``field`` unless ``value`` is a bool."""
-    if not isinstance(value, bool):
-        raise RecipeError(f"{field} must be true or false, got {value!r}.", field=field)
+_PER_TENSOR_CASTS = {"input": "e4m3_tensor", "weight": "e4m3_tensor"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +117,9 @@ class TEDelayedScalingRecipe:
     disappears, and :meth:`warnings` says they have no effect.
     """
 
+    te_class_name: ClassVar[str] = "DelayedScaling"
+    stateful: ClassVar[bool] = True  #: TE keeps an amax history and scale per tensor: seeded from calibration
+
     fp8_format: Fp8Format = Fp8Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.MAX
@@ -145,17 +129,15 @@ class TEDelayedScalingRecipe:
     use_autocast_during_eval: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "fp8_format", _coerce_enum(self.fp8_format, Fp8Format, "fp8_format", upper=True)
-        )
+        object.__setattr__(self, "fp8_format", check_fp8_format(self.fp8_format))
         object.__setattr__(
             self,
             "amax_compute_algo",
-            _coerce_enum(self.amax_compute_algo, AmaxComputeAlgo, "amax_compute_algo", upper=False),
+            coerce_enum(self.amax_compute_algo, AmaxComputeAlgo, "amax_compute_algo", upper=False),
         )
-        _check_int(self.amax_history_len, "amax_history_len", minimum=1, maximum=MAX_AMAX_HISTORY_LEN)
-        _check_int(self.margin, "margin", minimum=0, maximum=MAX_MARGIN)
-        _check_int(self.interval, "interval", minimum=1, maximum=MAX_INTERVAL, optional=True)
+        check_int(self.amax_history_len, "amax_history_len", minimum=1, maximum=MAX_AMAX_HISTORY_LEN)
+        check_int(self.margin, "margin", minimum=0, maximum=MAX_MARGIN)
+        check_int(self.interval, "interval", minimum=1, maximum=MAX_INTERVAL, optional=True)
         check_bool(self.use_autocast_during_eval, "use_autocast_during_eval")
         olp = self.override_linear_precision
         if olp is not None:
@@ -179,6 +161,24 @@ class TEDelayedScalingRecipe:
     def scaling(self) -> TEScaling:
         return TEScaling.DELAYED
 
+    @property
+    def library_class(self) -> str:
+        return "TransformerEngine DelayedScaling"
+
+    def state_note(self) -> str:
+        return (f"amax history ({self.amax_history_len} rows) and scale per tensor, seeded from the calibration as "
+                "TE's own update would compute them (fp8_state.safetensors)")
+
+    def shape_rule(self) -> ShapeRule:
+        return FP8_RULE
+
+    def hardware(self) -> Hardware:
+        return FP8_GPU
+
+    def cast_formats(self) -> dict[str, str]:
+        """Forward casts: E4M3 per tensor (HYBRID changes only the gradients, to E5M2 per tensor)."""
+        return dict(_PER_TENSOR_CASTS)
+
     def warnings(self) -> list[str]:
         """Human-readable notes about fields that are recorded but change nothing."""
         notes = []
@@ -200,6 +200,9 @@ class TEDelayedScalingRecipe:
             "margin": self.margin,
         }
 
+    def te_qparams(self) -> dict[str, dict[str, Any]]:
+        return {}
+
     def to_dict(self) -> dict[str, Any]:
         olp = self.override_linear_precision
         return {
@@ -217,19 +220,20 @@ class TEDelayedScalingRecipe:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TEDelayedScalingRecipe:
-        return _typed_from_dict(cls, data)
+        return typed_from_dict(cls, data)
 
 
 @dataclass(frozen=True, kw_only=True)
 class TECurrentScalingRecipe:
     """TransformerEngine ``Float8CurrentScaling``: stateless, each cast scales by its own amax."""
 
+    te_class_name: ClassVar[str] = "Float8CurrentScaling"
+    stateful: ClassVar[bool] = False
+
     fp8_format: Fp8Format = Fp8Format.HYBRID
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "fp8_format", _coerce_enum(self.fp8_format, Fp8Format, "fp8_format", upper=True)
-        )
+        object.__setattr__(self, "fp8_format", check_fp8_format(self.fp8_format))
 
     @property
     def backend(self) -> Backend:
@@ -239,12 +243,32 @@ class TECurrentScalingRecipe:
     def scaling(self) -> TEScaling:
         return TEScaling.CURRENT
 
+    @property
+    def library_class(self) -> str:
+        return "TransformerEngine Float8CurrentScaling"
+
+    def state_note(self) -> str:
+        return stateless_note(self.library_class)
+
+    def shape_rule(self) -> ShapeRule:
+        return FP8_RULE
+
+    def hardware(self) -> Hardware:
+        return FP8_GPU
+
+    def cast_formats(self) -> dict[str, str]:
+        """Forward casts: E4M3 per tensor (HYBRID changes only the gradients)."""
+        return dict(_PER_TENSOR_CASTS)
+
     def warnings(self) -> list[str]:
         return []
 
     def te_recipe_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``Float8CurrentScaling`` (``fp8_format`` as a ``Format`` name)."""
         return {"fp8_format": self.fp8_format.value}
+
+    def te_qparams(self) -> dict[str, dict[str, Any]]:
+        return {}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -256,12 +280,14 @@ class TECurrentScalingRecipe:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TECurrentScalingRecipe:
-        return _typed_from_dict(cls, data)
+        return typed_from_dict(cls, data)
 
 
 @dataclass(frozen=True, kw_only=True)
 class TorchAORecipe:
     """torchao ``Float8LinearConfig.from_recipe_name(recipe_name)`` plus per-linear options."""
+
+    stateful: ClassVar[bool] = False
 
     recipe_name: AORecipeName = AORecipeName.TENSORWISE
     pad_inner_dim: bool = False
@@ -270,7 +296,7 @@ class TorchAORecipe:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "recipe_name", _coerce_enum(self.recipe_name, AORecipeName, "recipe_name", upper=False)
+            self, "recipe_name", coerce_enum(self.recipe_name, AORecipeName, "recipe_name", upper=False)
         )
         for name in ("pad_inner_dim", "enable_fsdp_float8_all_gather", "emulate"):
             check_bool(getattr(self, name), name)
@@ -289,6 +315,22 @@ class TorchAORecipe:
     @property
     def scaling(self) -> AORecipeName:
         return self.recipe_name
+
+    @property
+    def library_class(self) -> str:
+        return f"torchao Float8Linear ({self.recipe_name.value})"
+
+    def state_note(self) -> str:
+        return stateless_note(self.library_class)
+
+    def shape_rule(self) -> ShapeRule:
+        return FP8_RULE
+
+    def hardware(self) -> Hardware:
+        return ANY_DEVICE if self.emulate else TORCH_FP8_GPU
+
+    def cast_formats(self) -> dict[str, str]:
+        return dict(AO_LINEAR_CAST_FORMATS[self.recipe_name])
 
     def warnings(self) -> list[str]:
         return []
@@ -326,13 +368,24 @@ class TorchAORecipe:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TorchAORecipe:
-        return _typed_from_dict(cls, data)
+        return typed_from_dict(cls, data)
 
 
-Recipe = TEDelayedScalingRecipe | TECurrentScalingRecipe | TorchAORecipe
+TE_RECIPES = {
+    TEScaling.DELAYED: TEDelayedScalingRecipe,
+    TEScaling.CURRENT: TECurrentScalingRecipe,
+    TEScaling.MXFP8_BLOCK: TEMXFP8BlockScalingRecipe,
+    TEScaling.FLOAT8_BLOCK: TEFloat8BlockScalingRecipe,
+    TEScaling.NVFP4_BLOCK: TENVFP4BlockScalingRecipe,
+}
+AO_RECIPES = {AOTrainingOp.FLOAT8: AOFloat8TrainingOpRecipe, AOTrainingOp.MXFP8: AOMXFP8TrainingOpRecipe}
+
+Recipe = (TEDelayedScalingRecipe | TECurrentScalingRecipe | TEMXFP8BlockScalingRecipe | TEFloat8BlockScalingRecipe
+          | TENVFP4BlockScalingRecipe | TorchAORecipe | AOFloat8TrainingOpRecipe | AOMXFP8TrainingOpRecipe)
 
 
-def _typed_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
+def typed_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
+    """:func:`recipe_from_dict`, checked to give a ``cls``; RecipeError (field ``backend``) otherwise."""
     recipe = recipe_from_dict(data)
     if not isinstance(recipe, cls):
         raise RecipeError(
@@ -346,10 +399,13 @@ def _typed_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
 
 _COMMON_KEYS = ("version", "backend")
 _TE_DELAYED_KEYS = tuple(f.name for f in dataclasses.fields(TEDelayedScalingRecipe))
-_TE_CURRENT_KEYS = tuple(f.name for f in dataclasses.fields(TECurrentScalingRecipe))
 _AO_KEYS = tuple(f.name for f in dataclasses.fields(TorchAORecipe))
 # `accelerate config` writes these spellings into fp8_config (TERecipeKwargs itself uses ours).
 _TE_ALIASES = {"amax_history_length": "amax_history_len", "amax_compute_algorithm": "amax_compute_algo"}
+# What `accelerate config` writes for any TE recipe and Accelerate drops when it builds MXFP8BlockScaling
+# (apply_fp8_autowrap passes only margin and fp8_format on; the rest reaches it as environment defaults).
+_ACCELERATE_DELAYED_ONLY = ("amax_history_len", "amax_history_length", "amax_compute_algo", "amax_compute_algorithm",
+                            "interval", "override_linear_precision", "use_autocast_during_eval")
 _TRUE = {"y", "yes", "t", "true", "on", "1"}
 _FALSE = {"n", "no", "f", "false", "off", "0"}
 
@@ -367,21 +423,26 @@ def _parse_bool_triple(value: Any) -> Any:
     return tuple(p in _TRUE for p in parts)
 
 
-def _reject_unknown(data: Mapping[str, Any], allowed: tuple[str, ...], what: str) -> None:
+def _reject_unknown(data: Mapping[str, Any], allowed_keys: tuple[str, ...], what: str) -> None:
     for key in data:
-        if key not in allowed:
+        if key not in allowed_keys:
             raise RecipeError(
-                f"Unknown {what} recipe key {key!r}; allowed keys: {', '.join(allowed)}.", field=str(key)
+                f"Unknown {what} recipe key {key!r}; allowed keys: {', '.join(allowed_keys)}.", field=str(key)
             )
+
+
+def _fields_of(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("recipe_key", True))
 
 
 def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
     """Build a recipe from a JSON object (or an Accelerate ``fp8_config`` mapping).
 
-    ``{"backend": "te"|"ao", "scaling": "delayed"|"current" (TE only, default delayed), ...fields}``.
-    ``backend`` is case-insensitive (Accelerate writes ``TE``/``AO``). Omitted fields take
-    TransformerEngine's / torchao's defaults. Raises RecipeError naming the field for an unknown key, a
-    wrong type or a value out of range.
+    ``{"backend": "te", "scaling": "delayed"|"current"|"mxfp8_block"|"float8_block"|"nvfp4_block" (default
+    delayed), ...fields}`` or ``{"backend": "ao", ["scaling": "float8_training_op"|"mxfp8_training_op"], ...}``
+    (no ``scaling``: a ``Float8Linear`` recipe). ``backend`` and enum values are case-insensitive (Accelerate
+    writes ``TE``/``AO``). Omitted fields take TransformerEngine's / torchao's defaults. Raises RecipeError
+    naming the field for an unknown key, a wrong type or a value out of range.
     """
     if not isinstance(data, Mapping):
         raise RecipeError(f"A recipe must be a JSON object, got {type(data).__name__}.", field="recipe")
@@ -397,41 +458,70 @@ def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
     raw_backend = data.pop("backend")
     if isinstance(raw_backend, str) and raw_backend.strip().lower() == "msamp":
         raise RecipeError("The MS-AMP backend is not supported; use te or ao.", field="backend")
-    backend = _coerce_enum(raw_backend, Backend, "backend", upper=False)
+    backend = coerce_enum(raw_backend, Backend, "backend", upper=False)
+    return _ao_recipe(data) if backend is Backend.AO else _te_recipe(data)
 
-    if backend is Backend.AO:
+
+def _ao_recipe(data: dict[str, Any]) -> Recipe:
+    if "scaling" not in data:
         _reject_unknown(data, _COMMON_KEYS + _AO_KEYS, "ao")
         return TorchAORecipe(**data)
+    raw = data.pop("scaling")
+    if not isinstance(raw, (str, AOTrainingOp)) or str(getattr(raw, "value", raw)).strip().lower() not in {
+            m.value for m in AOTrainingOp}:
+        raise RecipeError(f"scaling must be one of {allowed(AOTrainingOp)} for a torchao quantize_ training config "
+                          f"(leave it out for a Float8Linear recipe_name), got {raw!r}.", field="scaling")
+    cls = AO_RECIPES[coerce_enum(raw, AOTrainingOp, "scaling", upper=False)]
+    _reject_unknown(data, _COMMON_KEYS + ("scaling",) + _fields_of(cls), f"ao {cls.scaling_value.value}")
+    return cls(**data)
 
-    scaling = _coerce_enum(data.pop("scaling", TEScaling.DELAYED), TEScaling, "scaling", upper=False)
-    if scaling is TEScaling.CURRENT:
-        _reject_unknown(data, _COMMON_KEYS + ("scaling",) + _TE_CURRENT_KEYS, "te current-scaling")
-        return TECurrentScalingRecipe(**data)
 
+def _te_recipe(data: dict[str, Any]) -> Recipe:
+    scaling, accelerate_mxfp8 = _te_scaling(data)
+    cls = TE_RECIPES[scaling]
+    if accelerate_mxfp8:
+        ignored = tuple(key for key in _ACCELERATE_DELAYED_ONLY if key in data)
+        for key in ignored:
+            data.pop(key)
+        _reject_unknown(data, _COMMON_KEYS + ("scaling", "use_mxfp8_block_scaling") + _fields_of(cls),
+                        "te mxfp8_block (Accelerate use_mxfp8_block_scaling)")
+        return TEMXFP8BlockScalingRecipe(**data, accelerate_ignored=ignored)
+    if cls is not TEDelayedScalingRecipe:
+        _reject_unknown(data, _COMMON_KEYS + ("scaling",) + _fields_of(cls), f"te {scaling.value}")
+        return cls(**data)
     for alias, name in _TE_ALIASES.items():
         if alias in data:
             if name in data:
                 raise RecipeError(f"Give either {name} or {alias}, not both.", field=alias)
             data[name] = data.pop(alias)
-    mxfp8 = data.pop("use_mxfp8_block_scaling", False)
-    check_bool(mxfp8, "use_mxfp8_block_scaling")
-    if mxfp8:
-        raise RecipeError(
-            "use_mxfp8_block_scaling selects TransformerEngine's MXFP8BlockScaling recipe, which "
-            "fp8forge does not produce; remove it or set it to false.",
-            field="use_mxfp8_block_scaling",
-        )
-    allowed = _COMMON_KEYS + ("scaling", "use_mxfp8_block_scaling") + _TE_DELAYED_KEYS + tuple(_TE_ALIASES)
-    _reject_unknown(data, allowed, "te delayed-scaling")
-    if isinstance(data.get("fp8_format"), str) and data["fp8_format"].strip().upper() == "E5M2":
-        raise RecipeError(
-            "fp8_format E5M2 is rejected by TransformerEngine (pure E5M2 training is not supported); "
-            f"use one of {_allowed(Fp8Format)}.",
-            field="fp8_format",
-        )
+    allowed_keys = _COMMON_KEYS + ("scaling", "use_mxfp8_block_scaling") + _TE_DELAYED_KEYS + tuple(_TE_ALIASES)
+    _reject_unknown(data, allowed_keys, "te delayed-scaling")
     if "override_linear_precision" in data:
         data["override_linear_precision"] = _parse_bool_triple(data["override_linear_precision"])
     return TEDelayedScalingRecipe(**data)
+
+
+def _te_scaling(data: dict[str, Any]) -> tuple[TEScaling, bool]:
+    """The TE recipe ``data`` asks for (popping ``scaling`` and ``use_mxfp8_block_scaling``), and whether it asks
+    in Accelerate's way (``use_mxfp8_block_scaling: true``).
+
+    Accelerate's ``apply_fp8_autowrap`` builds ``MXFP8BlockScaling(**kwargs)`` for ``use_mxfp8_block_scaling``
+    and ``DelayedScaling`` otherwise; the key may accompany the matching ``scaling`` only.
+    """
+    raw = data.pop("scaling", None)
+    scaling = TEScaling.DELAYED if raw is None else coerce_enum(raw, TEScaling, "scaling", upper=False)
+    if "use_mxfp8_block_scaling" not in data:
+        return scaling, False
+    mxfp8 = data.pop("use_mxfp8_block_scaling")
+    check_bool(mxfp8, "use_mxfp8_block_scaling")
+    if raw is None and mxfp8:
+        scaling = TEScaling.MXFP8_BLOCK
+    expected = TEScaling.MXFP8_BLOCK if mxfp8 else TEScaling.DELAYED
+    if scaling is not expected:
+        raise RecipeError(f"use_mxfp8_block_scaling {str(mxfp8).lower()} selects scaling {expected.value} "
+                          f"(Accelerate's MXFP8BlockScaling or DelayedScaling); it contradicts scaling "
+                          f"{scaling.value}: give one of the two", field="use_mxfp8_block_scaling")
+    return scaling, mxfp8
 
 
 def recipe_from_accelerate_yaml(text: str) -> Recipe:
@@ -439,7 +529,11 @@ def recipe_from_accelerate_yaml(text: str) -> Recipe:
 
     Requires ``mixed_precision: fp8`` and an explicit ``fp8_config.backend`` (Accelerate would otherwise
     pick a backend by what happens to be installed). Other top-level keys are Accelerate's business and
-    are ignored. Raises RecipeError; a field error names ``fp8_config.<field>``.
+    are ignored. ``use_mxfp8_block_scaling: true`` gives TE's ``MXFP8BlockScaling`` with the block's
+    ``fp8_format`` and ``margin``; the delayed-scaling keys ``accelerate config`` writes as well are dropped,
+    as Accelerate drops them, and the recipe's warnings name them. The other recipes have no Accelerate
+    spelling; write their canonical ``scaling`` in the block. Raises RecipeError; a field error names
+    ``fp8_config.<field>``.
     """
     try:
         doc = yaml.safe_load(text)
@@ -463,8 +557,8 @@ def recipe_from_accelerate_yaml(text: str) -> Recipe:
     try:
         return recipe_from_dict(fp8_config)
     except RecipeError as exc:
-        field = f"fp8_config.{exc.field}" if exc.field else "fp8_config"
-        raise RecipeError(f"fp8_config: {exc.message}", field=field) from exc
+        field_path = f"fp8_config.{exc.field}" if exc.field else "fp8_config"
+        raise RecipeError(f"fp8_config: {exc.message}", field=field_path) from exc
 
 
 def load_recipe_file(path: str | Path) -> Recipe:
@@ -494,6 +588,6 @@ def load_recipe_file(path: str | Path) -> Recipe:
 
 def default_recipe(backend: str | Backend) -> Recipe:
     """The default recipe of a backend: TE delayed scaling, or torchao tensorwise."""
-    if _coerce_enum(backend, Backend, "backend", upper=False) is Backend.TE:
+    if coerce_enum(backend, Backend, "backend", upper=False) is Backend.TE:
         return TEDelayedScalingRecipe()
     return TorchAORecipe()

@@ -197,7 +197,9 @@ def test_the_recipe_is_a_union_on_backend_and_scaling(client) -> None:
     spec = client.get("/openapi.json").json()
     recipe = spec["components"]["schemas"]["JobCreate"]["properties"]["recipe"]
     variants = {ref["$ref"].rsplit("/", 1)[1] for ref in recipe["anyOf"][0]["oneOf"]}
-    assert variants == {"TEDelayedRecipeCreate", "TECurrentRecipeCreate", "TorchAORecipeCreate"}
+    assert variants == {"TEDelayedRecipeCreate", "TECurrentRecipeCreate", "TEMXFP8RecipeCreate",
+                        "TEFloat8BlockRecipeCreate", "TENVFP4RecipeCreate", "TorchAORecipeCreate",
+                        "AOFloat8TrainingOpRecipeCreate", "AOMXFP8TrainingOpRecipeCreate"}
     assert spec["components"]["schemas"]["Fp8Format"]["enum"] == ["HYBRID", "E4M3"]
     assert not [name for name in spec["components"]["schemas"] if name.startswith("_")]
 

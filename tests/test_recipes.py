@@ -210,7 +210,9 @@ def test_recipe_from_dict_accepts(data, expected):
         ({"backend": "te", "override_linear_precision": [True, False]}, "override_linear_precision", "three"),
         ({"backend": "te", "override_linear_precision": "(yes, no)"}, "override_linear_precision", "three"),
         ({"backend": "te", "use_autocast_during_eval": "no"}, "use_autocast_during_eval", "true or false"),
-        ({"backend": "te", "use_mxfp8_block_scaling": True}, "use_mxfp8_block_scaling", "MXFP8"),
+        # use_mxfp8_block_scaling: true is MXFP8BlockScaling (tests/test_recipes_more.py); with another scaling, refused
+        ({"backend": "te", "scaling": "current", "use_mxfp8_block_scaling": True}, "use_mxfp8_block_scaling",
+         "MXFP8"),
         ({"backend": "te", "amax_history_len": 8, "amax_history_length": 8}, "amax_history_length", "either"),
         ({"backend": "te", "recipe_name": "rowwise"}, "recipe_name", "allowed keys"),
         ({"backend": "te", "scaling": "current", "margin": 1}, "margin", "allowed keys: version, backend"),

@@ -28,6 +28,9 @@ SEMANTIC_REFUSALS = {
     ("invalid_calibration", "calibration"),  # batch_size x seq_len, steps x batch_size x seq_len
     ("invalid_calibration", "calibration.texts"),  # all texts together
     ("invalid_recipe", "recipe.enable_fsdp_float8_all_gather"),  # only with recipe_name tensorwise
+    ("invalid_recipe", "recipe.w_block_scaling_dim"),  # TE: no GEMM of two 128x128-block operands
+    ("invalid_recipe", "recipe.grad_block_scaling_dim"),  # likewise
+    ("invalid_recipe", "recipe.nvfp4_4over6"),  # activations/all need disable_rht
 }
 @schemathesis.check
 def valid_data_refused_only_for_semantic_reasons(ctx, response, case) -> None:

@@ -1,5 +1,10 @@
 """The recipe of a job as typed request models: one per backend and scaling, chosen by ``backend``/``scaling``.
 
+``te``: ``scaling`` delayed (default), current, mxfp8_block, float8_block, nvfp4_block (one TransformerEngine recipe
+class each); ``ao``: no ``scaling`` (a ``Float8Linear`` ``recipe_name``), or ``scaling`` float8_training_op /
+mxfp8_training_op (torchao's ``quantize_`` training configs). Cross-field rules a schema cannot state (two 2-D
+block dims in one GEMM, 4over6 activations with RHT, FSDP all-gather off tensorwise) are the library's to refuse.
+
 The conversion library (``converters.recipes``) stays the authority and checks the recipe again before a job
 is queued; these models state its fields, enums and bounds in the OpenAPI schema and refuse anything that
 is not exactly right. The API takes the canonical spellings only: the library's extra leniency (``TE`` in
@@ -20,14 +25,27 @@ from converters.recipes import (
     MAX_MARGIN,
     RECIPE_VERSION,
     AmaxComputeAlgo,
+    AOFloat8TrainingOpRecipe,
+    AOMXFP8TrainingOpRecipe,
     AORecipeName,
+    AOTrainingOp,
     Fp8Format,
+    MXKernelPreference,
+    MXScaleCalculationMode,
+    NVFP4ErrMode,
+    NVFP4Scope,
     TEDelayedScalingRecipe,
+    TEFloat8BlockScalingRecipe,
+    TEMXFP8BlockScalingRecipe,
+    TENVFP4BlockScalingRecipe,
+    TEScaling,
     TorchAORecipe,
 )
 
 __all__ = [
-    "STRICT", "json_int", "RecipeCreate", "TEDelayedRecipeCreate", "TECurrentRecipeCreate", "TorchAORecipeCreate",
+    "STRICT", "json_int", "RecipeCreate", "TEDelayedRecipeCreate", "TECurrentRecipeCreate", "TEMXFP8RecipeCreate",
+    "TEFloat8BlockRecipeCreate", "TENVFP4RecipeCreate", "TorchAORecipeCreate", "AOFloat8TrainingOpRecipeCreate",
+    "AOMXFP8TrainingOpRecipeCreate",
 ]
 
 # Strict: a JSON value of the wrong type is refused ("8" is not an integer, "yes" is not a boolean)
@@ -44,6 +62,12 @@ def json_int(low: int, high: int) -> Any:
     return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
 _TE = TEDelayedScalingRecipe()
 _AO = TorchAORecipe()
+_MX = TEMXFP8BlockScalingRecipe()
+_BLOCK = TEFloat8BlockScalingRecipe()
+_NV = TENVFP4BlockScalingRecipe()
+_AO_F8 = AOFloat8TrainingOpRecipe()
+_AO_MX = AOMXFP8TrainingOpRecipe()
+BlockDim = Annotated[json_int(1, 2), Field(description="1: 1x128 blocks; 2: 128x128 blocks.")]
 
 Version = Annotated[Literal[1], Field(description=f"Recipe format version ({RECIPE_VERSION}).")]
 
@@ -97,6 +121,88 @@ class TorchAORecipeCreate(BaseModel):
     emulate: bool = _AO.emulate
 
 
+class TEMXFP8RecipeCreate(BaseModel):
+    """TransformerEngine ``MXFP8BlockScaling``: E4M3 in blocks of 32 values with E8M0 (power-of-two) scales; no state.
+
+    Runs on compute capability 10.x/11.x (Blackwell); Linear dims must be multiples of 32. Accelerate's
+    ``use_mxfp8_block_scaling: true`` is this recipe (send it as ``scaling``).
+    """
+
+    model_config = STRICT
+    version: Version = RECIPE_VERSION
+    backend: Literal["te"]
+    scaling: Literal["mxfp8_block"]
+    fp8_format: Fp8Format = Field(_MX.fp8_format, strict=False,
+                                  description="E4M3 (TE's default here) or HYBRID (E5M2 blocks for gradients).")
+    margin: json_int(0, MAX_MARGIN) = Field(_MX.margin, description=f"TE's margin field, 0..{MAX_MARGIN}.")
+    enable_2d_quantization: bool = Field(_MX.enable_2d_quantization,
+                                         description="32x32 blocks for weights (TE 2.20 development head and later).")
+
+
+class TEFloat8BlockRecipeCreate(BaseModel):
+    """TransformerEngine ``Float8BlockScaling``: E4M3 with one fp32 scale per 1x128 or 128x128 block; no state.
+
+    Runs on compute capability 9.0+ with CUDA 12.9+ (9.x only with ``use_f32_scales``); Linear dims must be multiples
+    of 128. No two operands of one GEMM may both use 128x128 blocks (refused by the library).
+    """
+
+    model_config = STRICT
+    version: Version = RECIPE_VERSION
+    backend: Literal["te"]
+    scaling: Literal["float8_block"]
+    fp8_format: Fp8Format = Field(_BLOCK.fp8_format, strict=False)
+    use_f32_scales: bool = Field(_BLOCK.use_f32_scales,
+                                 description="fp32 block scales instead of powers of two (Hopper only).")
+    x_block_scaling_dim: BlockDim = _BLOCK.x_block_scaling_dim
+    w_block_scaling_dim: BlockDim = _BLOCK.w_block_scaling_dim
+    grad_block_scaling_dim: BlockDim = _BLOCK.grad_block_scaling_dim
+
+
+class TENVFP4RecipeCreate(BaseModel):
+    """TransformerEngine ``NVFP4BlockScaling``: FP4 (E2M1) in blocks of 16 with E4M3 scales and an fp32 tensor scale.
+
+    Runs on compute capability 10.0+; Linear dims must be multiples of 128. ``nvfp4_4over6`` activations or all
+    need ``disable_rht`` (refused by the library otherwise).
+    """
+
+    model_config = STRICT
+    version: Version = RECIPE_VERSION
+    backend: Literal["te"]
+    scaling: Literal["nvfp4_block"]
+    disable_rht: bool = _NV.disable_rht
+    disable_stochastic_rounding: bool = _NV.disable_stochastic_rounding
+    disable_2d_quantization: bool = Field(_NV.disable_2d_quantization,
+                                          description="1-D blocks of 16 for weights too (default: 16x16 blocks).")
+    row_scaled_activation: bool = _NV.row_scaled_activation
+    nvfp4_4over6: NVFP4Scope = Field(_NV.nvfp4_4over6, strict=False)
+    nvfp4_4over6_e4m3_use_256: NVFP4Scope = Field(_NV.nvfp4_4over6_e4m3_use_256, strict=False)
+    nvfp4_4over6_err_mode: NVFP4ErrMode = Field(_NV.nvfp4_4over6_err_mode, strict=False)
+
+
+class AOFloat8TrainingOpRecipeCreate(BaseModel):
+    """torchao ``Float8TrainingOpConfig`` applied with ``quantize_``: the Linear weights become FP8 training tensors."""
+
+    model_config = STRICT
+    version: Version = RECIPE_VERSION
+    backend: Literal["ao"]
+    scaling: Literal["float8_training_op"]
+    float8_linear_recipe: AORecipeName = Field(_AO_F8.float8_linear_recipe, strict=False)
+    pad_token_groups_for_grouped_mm: bool = _AO_F8.pad_token_groups_for_grouped_mm
+
+
+class AOMXFP8TrainingOpRecipeCreate(BaseModel):
+    """torchao ``MXFP8TrainingOpConfig`` applied with ``quantize_``: MXFP8 matmuls (Blackwell, or emulated)."""
+
+    model_config = STRICT
+    version: Version = RECIPE_VERSION
+    backend: Literal["ao"]
+    scaling: Literal["mxfp8_training_op"]
+    kernel_preference: MXKernelPreference = Field(_AO_MX.kernel_preference, strict=False)
+    wgrad_with_hp: bool = _AO_MX.wgrad_with_hp
+    scale_calculation_mode: MXScaleCalculationMode = Field(_AO_MX.scale_calculation_mode, strict=False)
+    pad_token_groups_for_grouped_mm: bool = _AO_MX.pad_token_groups_for_grouped_mm
+
+
 def _refusal(field: str, choices: tuple[str, ...]) -> Any:
     """A union member that never validates: a recipe whose ``field`` is missing or unknown lands here and is
     refused as ``recipe.<field>``. A bare core schema, not a model: FastAPI would list a model among the OpenAPI
@@ -113,21 +219,34 @@ def _variant(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
     backend = value.get("backend")
-    if backend == "ao":
-        return "[ao]"
-    if backend != "te":
+    if backend not in ("te", "ao"):
         return "[unknown backend]"
-    scaling = value.get("scaling", "delayed")
-    return {"delayed": "[te delayed]", "current": "[te current]"}.get(scaling, "[unknown scaling]") if isinstance(
-        scaling, str) else "[unknown scaling]"
+    scaling = value.get("scaling", "delayed" if backend == "te" else None)
+    if backend == "ao" and scaling is None:
+        return "[ao]"
+    tag = f"[{backend} {scaling}]" if isinstance(scaling, str) else None
+    return tag if tag in _TAGS else f"[unknown {backend} scaling]"
 
+
+_TE_TAGS = {f"[te {m.value}]": model for m, model in zip(TEScaling, (
+    TEDelayedRecipeCreate, TECurrentRecipeCreate, TEMXFP8RecipeCreate, TEFloat8BlockRecipeCreate, TENVFP4RecipeCreate),
+    strict=True)}
+_AO_TAGS = {f"[ao {m.value}]": model for m, model in zip(AOTrainingOp, (
+    AOFloat8TrainingOpRecipeCreate, AOMXFP8TrainingOpRecipeCreate), strict=True)}
+_TAGS = {**_TE_TAGS, **_AO_TAGS}
 
 RecipeCreate = Annotated[
     Annotated[TEDelayedRecipeCreate, Tag("[te delayed]")]
     | Annotated[TECurrentRecipeCreate, Tag("[te current]")]
+    | Annotated[TEMXFP8RecipeCreate, Tag("[te mxfp8_block]")]
+    | Annotated[TEFloat8BlockRecipeCreate, Tag("[te float8_block]")]
+    | Annotated[TENVFP4RecipeCreate, Tag("[te nvfp4_block]")]
     | Annotated[TorchAORecipeCreate, Tag("[ao]")]
+    | Annotated[AOFloat8TrainingOpRecipeCreate, Tag("[ao float8_training_op]")]
+    | Annotated[AOMXFP8TrainingOpRecipeCreate, Tag("[ao mxfp8_training_op]")]
     | Annotated[_refusal("backend", ("te", "ao")), Tag("[unknown backend]")]
-    | Annotated[_refusal("scaling", ("delayed", "current")), Tag("[unknown scaling]")],
+    | Annotated[_refusal("scaling", tuple(m.value for m in TEScaling)), Tag("[unknown te scaling]")]
+    | Annotated[_refusal("scaling", tuple(m.value for m in AOTrainingOp)), Tag("[unknown ao scaling]")],
     Discriminator(_variant, custom_error_type="recipe_type",
                   custom_error_message='recipe must be a JSON object like {"backend": "te"}'),
 ]
