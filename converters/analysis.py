@@ -18,6 +18,7 @@ from torch import nn
 
 from converters.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
 from converters.patterns import PatternError, matches
+from converters.recipe_requirements import ShapeRule, requirements
 
 __all__ = [
     "AnalysisOptions",
@@ -28,6 +29,7 @@ __all__ = [
     "converted_expert_gemms",
     "eligible_expert_units",
     "eligible_paths",
+    "options_recipe",
     "REPORT_VERSION",
 ]
 
@@ -41,6 +43,10 @@ class Reason(str, enum.Enum):
     """Reason codes a layer carries when it is not eligible (stable strings, documented in README)."""
 
     DIM_NOT_DIVISIBLE = "dim_not_divisible_by_16"
+    # Each recipe's own shape rule (converters.recipe_requirements: TE's block sizes and alignments)
+    DIM_NOT_DIVISIBLE_MXFP8 = "dim_not_divisible_by_32_for_mxfp8"  #: MXFP8 (TE MXFP8BlockScaling, torchao MXFP8)
+    DIM_NOT_DIVISIBLE_FP8_BLOCK = "dim_not_divisible_by_128_for_fp8_block"  #: TE Float8BlockScaling
+    DIM_NOT_DIVISIBLE_NVFP4 = "dim_not_divisible_by_128_for_nvfp4"  #: TE NVFP4BlockScaling
     FIRST_LINEAR = "first_linear"
     LAST_LINEAR = "last_linear"
     EXCLUDED = "excluded_by_pattern"
@@ -70,7 +76,10 @@ class AnalysisOptions:
     """What decides eligibility besides the shapes.
 
     Attributes:
-        backend: ``te`` or ``ao``; recorded, and used where the backends differ.
+        backend: ``te`` or ``ao``; recorded, and used where the backends differ (the recipe's, when given).
+        recipe: the recipe (object or its JSON) whose shape rule applies (``recipe.shape_rule()``: 16, or 32
+            for MXFP8, 128 for FP8 block scaling and NVFP4) and whose requirements the report lists; by default
+            the backend's default recipe. Stored as its ``to_dict()``.
         include: if given, only Linears matched by one of these patterns are eligible.
         exclude: Linears matched by any of these patterns are skipped.
         skip_first_last: skip the first and last ``nn.Linear`` (Accelerate's torchao rule, the seed's).
@@ -83,10 +92,15 @@ class AnalysisOptions:
     exclude: tuple[str, ...] = ()
     skip_first_last: bool = True
     convert_router_gates: bool = False
+    recipe: Any = None
 
     def __post_init__(self) -> None:
         from converters.requests import RequestError, check_patterns
 
+        if self.recipe is not None:
+            recipe = _parsed_recipe(self.recipe)
+            object.__setattr__(self, "recipe", recipe.to_dict())
+            object.__setattr__(self, "backend", recipe.backend.value)
         backend = str(self.backend).lower()
         if backend not in _BACKENDS:
             raise RequestError(f"backend must be one of {_BACKENDS}, got {self.backend!r}", field="backend")
@@ -95,12 +109,33 @@ class AnalysisOptions:
             object.__setattr__(self, name, check_patterns(tuple(getattr(self, name)), name))
 
 
+def _parsed_recipe(recipe: Any) -> Any:
+    """A recipe object from a recipe object or its JSON; RecipeError naming ``recipe.<field>``."""
+    from converters.errors import RecipeError
+    from converters.recipes import recipe_from_dict
+
+    try:
+        return recipe_from_dict(recipe.to_dict() if hasattr(recipe, "to_dict") else recipe)
+    except RecipeError as exc:
+        raise RecipeError(exc.message, field="recipe" if exc.field in (None, "recipe") else f"recipe.{exc.field}"
+                          ) from exc
+
+
+def options_recipe(options: AnalysisOptions) -> Any:
+    """The recipe whose rules an analysis applies: ``options.recipe``, else the backend's default recipe."""
+    from converters.recipes import default_recipe
+
+    return _parsed_recipe(options.recipe) if options.recipe is not None else default_recipe(options.backend)
+
+
 def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> dict[str, Any]:
     """Build the eligibility report of ``model`` (weights may live on the meta device).
 
     Returns a JSON-able dict: ``layers``, ``other_weights``, ``fused_groups``, ``totals``, ``options``.
     """
     options = options or AnalysisOptions()
+    recipe = options_recipe(options)
+    rule = recipe.shape_rule()
     # One walk over the module tree serves every rule: on a 70B config the walk dominates the cost.
     named = list(model.named_modules())
     modules = dict(named)
@@ -113,10 +148,10 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
     layers: list[dict[str, Any]] = []
     for path, module in named:
         if path in experts:
-            layers += _expert_entries(experts[path], module, options)
+            layers += _expert_entries(experts[path], module, options, rule)
         elif isinstance(module, nn.Linear):
             entry = _layer_entry(path, module, module.in_features, module.out_features)
-            entry["reasons"] = _linear_reasons(path, modules, options, first=first, last=last, tied=tied)
+            entry["reasons"] = _linear_reasons(path, modules, options, rule, first=first, last=last, tied=tied)
             entry["eligible"] = not entry["reasons"]
             layers.append(entry)
         elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
@@ -129,8 +164,8 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
         "version": REPORT_VERSION,
         "model_class": type(model).__name__,
         "options": asdict(options),
-        "rule": "both Linear dims divisible by 16"
-        + ("; first and last nn.Linear skipped" if options.skip_first_last else ""),
+        "rule": rule.describe() + ("; first and last nn.Linear skipped" if options.skip_first_last else ""),
+        "recipe_requirements": requirements(recipe),
         "layers": layers,
         "other_weights": _other_matmul_weights(named, set(experts)),
         "fused_groups": _fused_groups(layers) + _expert_groups(layers, experts.values()),
@@ -150,7 +185,8 @@ def eligible_expert_units(report: dict[str, Any]) -> list[str]:
     return [layer["path"] for layer in report["layers"] if layer["eligible"] and "expert" in layer]
 
 
-def _expert_entries(block: ExpertsModule, module: nn.Module, options: AnalysisOptions) -> list[dict[str, Any]]:
+def _expert_entries(block: ExpertsModule, module: nn.Module, options: AnalysisOptions,
+                    rule: ShapeRule) -> list[dict[str, Any]]:
     """One entry per expert GEMM, with the Linear rules that apply to a GEMM (shape, include, exclude)."""
     dtype = _dtype_name(module.gate_up_proj.dtype)
     entries = []
@@ -161,8 +197,8 @@ def _expert_entries(block: ExpertsModule, module: nn.Module, options: AnalysisOp
             reasons = []
             if not block.supported:
                 reasons.append(Reason.EXPERT_LAYOUT.value)
-            if in_features % FP8_DIM_MULTIPLE or out_features % FP8_DIM_MULTIPLE:
-                reasons.append(Reason.DIM_NOT_DIVISIBLE.value)
+            if rule.fails(in_features, out_features):
+                reasons.append(rule.reason)
             if options.include and not any(matches(pattern, path) for pattern in options.include):
                 reasons.append(Reason.NOT_INCLUDED.value)
             if any(matches(pattern, path) for pattern in options.exclude):
@@ -241,12 +277,13 @@ def _layer_entry(path: str, module: nn.Module, in_features: int, out_features: i
 
 
 def _linear_reasons(
-    path: str, modules: dict[str, nn.Module], options: AnalysisOptions, *, first: str, last: str, tied: set[str]
+    path: str, modules: dict[str, nn.Module], options: AnalysisOptions, rule: ShapeRule, *, first: str, last: str,
+    tied: set[str]
 ) -> list[str]:
     module = modules[path]
     reasons = []
-    if module.in_features % FP8_DIM_MULTIPLE or module.out_features % FP8_DIM_MULTIPLE:
-        reasons.append(Reason.DIM_NOT_DIVISIBLE.value)
+    if rule.fails(module.in_features, module.out_features):
+        reasons.append(rule.reason)
     if options.skip_first_last and path == first:
         reasons.append(Reason.FIRST_LINEAR.value)
     if options.skip_first_last and path == last:
@@ -421,8 +458,9 @@ def _ratio(part: int, whole: int) -> float:
 
 
 def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", include=(), exclude=(),
-                            skip_first_last: bool = True, convert_router_gates: bool = False) -> dict[str, Any]:
-    """Resolve ``ref`` (config only), build it on the meta device and analyze it.
+                            skip_first_last: bool = True, convert_router_gates: bool = False,
+                            recipe: Any = None) -> dict[str, Any]:
+    """Resolve ``ref`` (config only), build it on the meta device and analyze it (``recipe``: see AnalysisOptions).
 
     Raises:
         Fp8ForgeError subclasses: bad reference, missing model or config, bad options.
@@ -435,6 +473,7 @@ def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", incl
         exclude=tuple(exclude),
         skip_first_last=skip_first_last,
         convert_router_gates=convert_router_gates,
+        recipe=recipe,
     )
     directory = resolve_model_dir(ref, sources, with_weights=False)
     config = load_config(directory, sources)
