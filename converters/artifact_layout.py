@@ -4,12 +4,14 @@ Layout (all in one directory, listed with checksums in manifest.json):
 - the source checkpoint's weight files, copied byte for byte (``model.safetensors``, or its shards and
   ``model.safetensors.index.json``): TE and torchao keep high-precision weights, so the files keep the
   source's own tensor names, and a plain ``from_pretrained`` loads them as it loads the source.
-- ``fp8_state.safetensors`` (TE delayed scaling): each converted layer's scaling state under the keys of
-  :mod:`converters.te_layout`, keyed by the layer's module path in the loaded model.
+- ``fp8_state.safetensors`` (TE delayed scaling, the one recipe with state): each converted layer's scaling state
+  under the keys of :mod:`converters.te_layout`, keyed by the layer's module path in the loaded model. Stateless
+  recipes (current scaling, block scaling, MXFP8, NVFP4, every torchao recipe) have none.
 - ``fp8_calibration.safetensors``: per layer ``<path>.amax_forward [steps, 3]`` (input, weight, output),
-  ``<path>.amax_backward [steps, 2]`` when gradients were recorded, and for dynamic-scaling recipes
-  ``<path>.scale_fwd_per_step [steps, 3]``.
-- ``config.json``: the model's own config plus an ``fp8`` block (backend, recipe, converted modules).
+  ``<path>.amax_backward [steps, 2]`` when gradients were recorded, and for per-tensor and rowwise dynamic
+  recipes ``<path>.scale_fwd_per_step [steps, 3]`` (a per-tensor E4M3 scale says nothing of block-scaled casts).
+- ``config.json``: the model's own config plus an ``fp8`` block (backend, the full recipe, converted modules, and
+  what the format adds: TE's recipe class and arguments, torchao's config).
 - ``fp8_report.json``: analysis, pipeline mode, calibration statistics, final scales, data source, warnings.
 """
 
@@ -24,6 +26,7 @@ import torch
 
 from converters.analysis import converted_expert_gemms
 from converters.artifact_io import copy_weight_files, save_tensors, write_json
+from converters.recipe_requirements import requirements
 from converters.te_layout import BACKWARD_SLOTS, FORWARD_SLOTS
 
 if TYPE_CHECKING:
@@ -90,6 +93,11 @@ def write_state_file(run: _Run, staging: Path) -> list[str]:
     return [STATE_FILE]
 
 
+def _block_scaled(run: _Run) -> bool:
+    """Whether the recipe's forward casts are block-scaled (MXFP8, NVFP4, FP8 blocks): no per-tensor scale applies."""
+    return any("block" in spec for spec in run.recipe.cast_formats().values())
+
+
 def write_calibration_file(run: _Run, staging: Path) -> list[str]:
     tensors = {}
     for path, layer in run.calibration.amax.items():
@@ -97,7 +105,7 @@ def write_calibration_file(run: _Run, staging: Path) -> list[str]:
         if layer.backward is not None:
             tensors[f"{path}.amax_backward"] = layer.backward.float()
         per_step = run.calibration.states.get(path, {}).get("scale_fwd_per_step")
-        if per_step is not None:
+        if per_step is not None and not _block_scaled(run):
             tensors[f"{path}.scale_fwd_per_step"] = per_step.float()
     save_tensors(tensors, staging / CALIBRATION_FILE, {"format": "pt", "fp8_calibration": "amax per step"})
     return [CALIBRATION_FILE]
@@ -124,15 +132,18 @@ def fp8_block(run: _Run) -> dict[str, Any]:
 
 def _calibration_report(run: _Run) -> dict[str, Any]:
     settings = run.request.calibration
+    block = _block_scaled(run)
     layers = {}
     for path, layer in run.calibration.amax.items():
         entry = {"amax_forward": layer.forward.tolist()}
         if layer.backward is not None:
             entry["amax_backward"] = layer.backward.tolist()
         entry.update({name: value.tolist() for name, value in run.calibration.states[path].items()
-                      if not name.startswith("amax_history")})
+                      if not name.startswith("amax_history") and not (name == "scale_fwd_per_step" and block)})
         layers[path] = entry
     return {
+        # what the artifact seeds: "none: <recipe> computes scales from each tensor as it is cast" when stateless
+        "state": run.recipe.state_note(),
         "steps": settings.steps,
         "batch_size": settings.batch_size,
         "seq_len": settings.seq_len,
@@ -162,6 +173,7 @@ def write_json_files(run: _Run, staging: Path, written: list[str]) -> list[str]:
         "pipeline": run.pipeline,
         "converted_modules": list(run.converted),
         "analysis": run.report,
+        "recipe_requirements": requirements(run.recipe),
         "calibration": _calibration_report(run),
         "serving": {name: plan.report() for name, plan in run.serving.items()},
         "files": sorted(written),

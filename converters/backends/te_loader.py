@@ -4,9 +4,12 @@ An artifact directory holds the source's weight files unchanged, a Hugging Face 
 ``fp8`` block::
 
     "fp8": {"backend": "te", "recipe": {...recipe.to_dict()...}, "converted_modules": ["model.layers.0...", ...],
-            "converted_experts": ["model.layers.0.mlp.experts.gate_up_proj", ...]}
+            "converted_experts": ["model.layers.0.mlp.experts.gate_up_proj", ...],
+            "te_recipe": {"class": "MXFP8BlockScaling", "kwargs": {...}, "qparams": {...}}}
 
-and, for delayed scaling, ``fp8_state.safetensors`` with the four scaling-state keys of
+``recipe`` is any TE recipe (delayed, current, MXFP8, FP8 block, NVFP4 scaling); the loader builds exactly that
+TE recipe class with its recorded fields (``build_te_recipe``), never TE's default. Only delayed scaling has
+``fp8_state.safetensors`` with the four scaling-state keys of
 :mod:`converters.te_layout` per converted layer and per converted experts GEMM (``te.GroupedLinear`` state,
 :mod:`converters.backends.te_grouped`). TE's own pickled ``<layer>._extra_state`` keys (opt-in
 artifact mode) are never unpickled here: the plain tensors carry the same numbers.
@@ -26,14 +29,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.backends.te_grouped import apply_grouped_state, check_grouped_state, convert_experts_to_te
+from converters.backends.te_grouped import (
+    GroupedExperts,
+    apply_grouped_state,
+    check_grouped_state,
+    convert_experts_to_te,
+)
 from converters.backends.te_state import apply_scaling_state, check_state_tensors
 from converters.backends.te_swap import convert_to_te
-from converters.backends.transformer_engine import build_te_recipe, require_te
+from converters.backends.transformer_engine import build_te_recipe, require_te, te_align_size, te_recipe_spec
 from converters.errors import ArtifactError, ConversionError, ModelNotFoundError, RecipeError
 from converters.experts import EXPERT_GEMMS
 from converters.model_sources import ModelSourceOptions, load_model
-from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe, recipe_from_dict
+from converters.recipe_requirements import hardware_unmet_here
+from converters.recipes import Backend, recipe_from_dict
 from converters.te_layout import TE_STATE_NAMES, split_state_key
 
 __all__ = ["TEArtifact", "read_te_artifact", "load_te_model"]
@@ -48,15 +57,15 @@ class TEArtifact:
     """What an artifact directory holds besides its weights, read and checked (tensors on the CPU)."""
 
     directory: Path
-    recipe: TEDelayedScalingRecipe | TECurrentScalingRecipe
+    recipe: Any  #: a TE recipe of converters.recipes (``backend`` te)
     converted_modules: tuple[str, ...]
-    #: layer path -> {te_layout name -> tensor}; empty for current scaling.
+    #: layer path -> {te_layout name -> tensor}; empty for every recipe but delayed scaling.
     scaling_states: dict[str, dict[str, torch.Tensor]] = field(repr=False)
     #: TE ``_extra_state`` keys found and ignored.
     ignored_keys: tuple[str, ...] = ()
     #: ``<experts module>.<gate_up_proj|down_proj>`` run on te.GroupedLinear.
     converted_experts: tuple[str, ...] = ()
-    #: experts GEMM -> {te_layout name -> GroupedLinear-shaped tensor}; empty for current scaling.
+    #: experts GEMM -> {te_layout name -> GroupedLinear-shaped tensor}; empty but for delayed scaling.
     expert_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
 
 
@@ -79,8 +88,9 @@ def read_te_artifact(directory: str | Path) -> TEArtifact:
         recipe = recipe_from_dict(fp8.get("recipe"))
     except RecipeError as exc:
         raise RecipeError(f"{directory}: fp8.recipe: {exc.message}", field=exc.field) from exc
-    if not isinstance(recipe, (TEDelayedScalingRecipe, TECurrentScalingRecipe)):
+    if recipe.backend is not Backend.TE:
         raise RecipeError(f"{directory}: fp8.recipe is not a TransformerEngine recipe", field="backend")
+    _check_te_recipe_record(directory, recipe, fp8.get("te_recipe"))
     converted = _path_list(directory, fp8, "converted_modules")
     experts = _path_list(directory, fp8, "converted_experts", default=[])
     if any(path.rpartition(".")[2] not in EXPERT_GEMMS for path in experts):
@@ -140,11 +150,19 @@ def _split_keys(tensors: dict[str, torch.Tensor]) -> tuple[dict, list[str]]:
     return states, sorted(ignored)
 
 
+def _check_te_recipe_record(directory: Path, recipe: Any, recorded: Any) -> None:
+    """``fp8.te_recipe`` (written since TE block recipes; absent before) must be what ``fp8.recipe`` builds."""
+    if recorded is not None and recorded != te_recipe_spec(recipe):
+        raise ArtifactError(f"{directory}: fp8.te_recipe {recorded!r} is not what fp8.recipe describes "
+                            f"({te_recipe_spec(recipe)!r}); the artifact was edited: convert the model again")
+
+
 def _check_states(directory: Path, recipe: Any, converted: list[str], states: dict[str, dict]) -> None:
-    if isinstance(recipe, TECurrentScalingRecipe):
+    if not recipe.stateful:
         if states:
-            raise ConversionError(f"{directory}: current-scaling artifact carries scaling state for "
-                                  f"{sorted(states)[:3]}; the recipe and the tensors disagree")
+            kind = recipe.scaling.value.replace("_", " ")
+            raise ConversionError(f"{directory}: a {kind}-scaling artifact ({recipe.te_class_name}, stateless) carries "
+                                  f"scaling state for {sorted(states)[:3]}; the recipe and the tensors disagree")
         return
     extra, missing = sorted(set(states) - set(converted)), sorted(set(converted) - set(states))
     if extra or missing:
@@ -166,16 +184,23 @@ def load_te_model(directory: str | Path, sources: ModelSourceOptions | None = No
     """
     require_te()
     artifact = read_te_artifact(directory)
+    te_recipe = build_te_recipe(artifact.recipe)  # before the weights: a TE without the recipe class fails here
+    if (why := hardware_unmet_here(artifact.recipe)) is not None:
+        logger.warning("%s; the model loads, but FP8 steps under model.fp8_recipe need %s", why,
+                       artifact.recipe.hardware().needs)
     directory = Path(directory).resolve()
     model = load_model(directory, sources or ModelSourceOptions(allowed_roots=(directory,)))
     if artifact.converted_experts:  # first: convert_to_te moves the whole model, experts built on device already
         convert_experts_to_te(model, list(artifact.converted_experts), device=device)
+        for module in model.modules():  # te_grouped pads splits for FP8 per-tensor (16); MXFP8 and NVFP4 need more
+            if isinstance(module, GroupedExperts):
+                module.align = te_align_size(artifact.recipe)
     convert_to_te(model, list(artifact.converted_modules), device=device)
     if artifact.scaling_states:
         apply_scaling_state(model, artifact.scaling_states, artifact.recipe)
     if artifact.expert_states:
         apply_grouped_state(model, artifact.expert_states, artifact.recipe)
-    model.fp8_recipe = build_te_recipe(artifact.recipe)
+    model.fp8_recipe = te_recipe
     model.eval()
     logger.info("loaded TE artifact %s: %d te.Linear layers, %d experts GEMMs on te.GroupedLinear",
                 artifact.directory, len(artifact.converted_modules), len(artifact.converted_experts))

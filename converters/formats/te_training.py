@@ -1,8 +1,17 @@
-"""TransformerEngine training artifacts: the source's weights plus delayed-scaling state as plain tensors.
+"""TransformerEngine training artifacts: the source's weights, the recipe, and delayed-scaling state as plain tensors.
 
-Where CUDA and TE are present, eligible layers become ``te.Linear`` and are checked in FP8 (each layer
-right after its calibration in layer-sequential mode, one step of the whole model otherwise); elsewhere
-the checkpoint is written from the recorded calibration, in TE's layout, and no TE module is faked.
+Every TE recipe is recorded whole (config.json's ``fp8.recipe`` and ``fp8.te_recipe``: the TE class and the
+keyword arguments the loader builds it with). Only ``DelayedScaling`` has state to seed: the other recipes
+(current scaling, MXFP8, FP8 block scaling, NVFP4) compute scales from each tensor as they cast it, and their
+artifacts hold no ``fp8_state.safetensors``.
+
+On a CUDA worker the GPU must be able to run the recipe (its compute capability, then TE's own check), or the
+job fails before TE work with ``backend_unavailable``; :meth:`TETraining.preflight` is that check. Where TE
+runs, eligible layers become ``te.Linear`` and delayed and current scaling are checked in FP8 (each layer right
+after its calibration in layer-sequential mode, one step of the whole model otherwise); the block-scaled recipes
+are converted without that check (it pads rows to 8 and reads delayed-scaling state: see
+``te_layer_check`` / ``te_check_step``). Without CUDA the checkpoint is written from the recorded calibration,
+in TE's layout, with a warning, and no TE module is faked.
 """
 
 from __future__ import annotations
@@ -23,18 +32,44 @@ __all__ = ["TETraining", "TE"]
 
 
 def _is_delayed(run: _Run) -> bool:
-    from converters.recipes import TEDelayedScalingRecipe
+    return run.recipe.stateful
 
-    return isinstance(run.recipe, TEDelayedScalingRecipe)
+
+def _checked(run: _Run) -> bool:
+    """Whether fp8forge's FP8 check (te_layer_check / te_check_step) supports the recipe: per-tensor scaling only."""
+    return run.recipe.scaling.value in ("delayed", "current")
 
 
 class TETraining:
     name = "te"
 
+    def preflight(self, run: _Run) -> None:
+        """Fail before any TE work when this CUDA GPU cannot run the recipe (nothing to check on a CPU worker).
+
+        Raises BackendUnavailableError naming the GPU, what it lacks and the GPUs that run the recipe.
+        """
+        import torch
+
+        from converters.backends.transformer_engine import require_recipe_execution, te_module, te_status
+        from converters.formats.training import check_shape_rule
+        from converters.recipe_requirements import require_recipe_hardware
+
+        check_shape_rule(run)
+        if not torch.cuda.is_available():
+            return
+        if te_status()[0]:
+            require_recipe_execution(te_module(), run.recipe)
+        else:
+            require_recipe_hardware(run.recipe)
+
     def layer_check(self, run: _Run) -> Any:
         from converters.backends.transformer_engine import te_status
 
+        self.preflight(run)
         if not te_status()[0]:
+            return None
+        if not _checked(run):
+            run.calibration.te_check = {"ran": False, "reason": _unchecked_reason(run)}
             return None
         from converters.backends.te_layer_check import LayerChecks
 
@@ -43,9 +78,13 @@ class TETraining:
     def convert(self, run: _Run, eligible: list[str]) -> None:
         from converters.backends.transformer_engine import te_missing, te_status
 
+        self.preflight(run)
         available, why = te_status()
-        if available and run.model is None:  # layer-sequential: each layer was swapped and checked as it ran
+        if available and run.model is None and _checked(run):  # layer-sequential: swapped and checked as it ran
             run.converted, run.te_modules = list(eligible), True
+        elif available and run.model is None:  # layer-sequential (never with te_extra_state): nothing to check
+            run.converted = list(eligible)
+            run.warn(f"the FP8 check step did not run: {_unchecked_reason(run)}")
         elif available:
             self._convert_whole_model(run, eligible)
         elif run.request.te_extra_state:
@@ -55,10 +94,13 @@ class TETraining:
             )
         else:  # no fake TE modules: the checkpoint is written from the recorded calibration, in TE's layout
             run.converted = list(eligible)
+            recipe = run.recipe
+            state = ("delayed-scaling state computed from the recorded calibration as TE's own update would"
+                     if recipe.stateful else f"no state to seed: {recipe.te_class_name} computes scales from each "
+                                             "tensor as it is cast")
             run.warn(f"TransformerEngine modules were not built here ({'; '.join(te_missing())}), so no FP8 check "
-                     "step ran; the TE checkpoint is complete (delayed-scaling state computed from the recorded "
-                     "calibration as TE's own update would) and load_te() loads it where TE runs FP8 (CUDA, "
-                     "compute capability 8.9+)")
+                     f"step ran; the TE checkpoint is complete ({state}) and load_te() loads it with "
+                     f"{recipe.te_class_name} where TE runs it (CUDA, {recipe.hardware().needs})")
 
     def _convert_whole_model(self, run: _Run, eligible: list[str]) -> None:
         from converters.backends.te_check_step import fp8_check_step
@@ -67,6 +109,10 @@ class TETraining:
         from converters.backends.te_swap import convert_to_te
 
         run.converted, run.te_modules = convert_to_te(run.model, eligible), True
+        if not _checked(run):
+            run.calibration.te_check = {"ran": False, "reason": _unchecked_reason(run)}
+            run.warn(f"the FP8 check step did not run: {_unchecked_reason(run)}")
+            return
         if _is_delayed(run):
             # experts keep their transformers module for the check step; the artifact's loader builds their
             # GroupedLinear (converters.backends.te_grouped) from the grouped state written at export
@@ -104,10 +150,12 @@ class TETraining:
 
     def block_fields(self, run: _Run) -> dict[str, Any]:
         from converters.artifact_layout import STATE_FILE
+        from converters.backends.transformer_engine import te_recipe_spec
 
+        fields: dict[str, Any] = {"te_recipe": te_recipe_spec(run.recipe), "state": run.recipe.state_note()}
         if not _is_delayed(run):
-            return {}
-        return {"state_file": STATE_FILE,
+            return fields | {"te_modules_built": run.te_modules}
+        return fields | {"state_file": STATE_FILE,
                 "state_keys": "<layer>.fp8_scale_fwd [3], .fp8_amax_history_fwd [L,3], .fp8_scale_bwd [2], "
                               ".fp8_amax_history_bwd [L,2]",
                 "expert_state_keys": "<experts>.<gate_up_proj|down_proj>.fp8_scale_fwd [3E], .fp8_amax_history_fwd "
@@ -122,6 +170,11 @@ class TETraining:
         from converters.backends.te_loader import load_te_model
 
         return load_te_model(directory, device=device)
+
+
+def _unchecked_reason(run: _Run) -> str:
+    return (f"fp8forge's FP8 check runs delayed and current scaling only; {run.recipe.te_class_name} was converted "
+            "without it (its kernels need rows padded to the recipe's block size)")
 
 
 def _grouped_expert_state(run: _Run, experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]]

@@ -1,9 +1,10 @@
 """The protocol of a training output format: the artifact a recipe's backend (TE, torchao) is loaded from.
 
-A format decides how the report's eligible layers are converted (and checked), which FP8 state it stores
-in ``fp8_state.safetensors``, what it adds to config.json's ``fp8`` block and to the report's library
-versions, and how the artifact loads back. The pipeline asks :func:`converters.formats.training_format`
-for the recipe's backend and never tests the backend's name itself.
+A format checks first that this worker's GPU can run the recipe (``preflight``; a CPU worker writes the artifact
+with a warning), then decides how the report's eligible layers are converted (and checked), which FP8 state it
+stores in ``fp8_state.safetensors`` (only TE delayed scaling has any), what it adds to config.json's ``fp8``
+block and to the report's library versions, and how the artifact loads back. The pipeline asks
+:func:`converters.formats.training_format` for the recipe's backend and never tests the backend's name itself.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ if TYPE_CHECKING:
     from converters.pipeline import _Run
     from converters.sequential import LayerPass
 
-__all__ = ["TrainingFormat"]
+__all__ = ["TrainingFormat", "check_shape_rule"]
 
 
 class TrainingFormat(Protocol):
     name: str  #: the recipe backend it serves: ``te`` or ``ao``
+
+    def preflight(self, run: _Run) -> None:
+        """Raise BackendUnavailableError when this CUDA GPU cannot run ``run.recipe`` (before any work)."""
 
     def layer_check(self, run: _Run) -> Callable[[LayerPass], None] | None:
         """A callback that checks each layer right after its layer-sequential calibration, or None."""
@@ -41,3 +45,22 @@ class TrainingFormat(Protocol):
 
     def load(self, directory: Path, *, device: str) -> Any:
         """The model of a verified artifact directory, converted as recorded (see converters.artifact_loaders)."""
+
+
+def check_shape_rule(run: _Run) -> None:
+    """Refuse a report whose eligible layers break the recipe's shape rule (an analysis run without the recipe).
+
+    Conversion follows the report and never filters again; this only makes sure the report was built for this
+    recipe. Raises ConversionError naming a layer, the rule and the fix.
+    """
+    from converters.errors import ConversionError
+
+    if run.report is None:
+        return
+    rule = run.recipe.shape_rule()
+    bad = [layer["path"] for layer in run.report["layers"]
+           if layer["eligible"] and rule.fails(layer["in_features"], layer["out_features"])]
+    if bad:
+        raise ConversionError(f"{len(bad)} layers the analysis called eligible break {run.recipe.library_class}'s "
+                              f"shape rule ({rule.describe()}), e.g. {bad[0]}: the analysis ran without the recipe; "
+                              "analyze with AnalysisOptions(recipe=...)")
