@@ -86,14 +86,16 @@ def test_a_real_job_lands_in_the_store_and_downloads_through_the_api(moto, tmp_p
     worker = Worker(s3_settings(tmp_path / "worker-host", moto.endpoint, bucket, database_url=db))
     api = s3_settings(tmp_path / "api-host", moto.endpoint, bucket, database_url=db)
     body = {"model": "demo/tiny-llama", "recipe": {"backend": "ao", "recipe_name": "tensorwise"},
-            "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
+            "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16},
+            "serving_formats": ["compressed-tensors-fp8"]}  # files in a sub-folder too
     with live_app(api) as client:
         job_id = client.post("/v1/jobs", json=body).json()["id"]
         assert worker.run_once()
         job = client.get(f"/v1/jobs/{job_id}").json()
         assert job["status"] == "succeeded", job
         listing = {a["name"]: a for a in client.get(f"/v1/jobs/{job_id}/artifacts").json()["data"]}
-        assert {"model.safetensors", "manifest.json", "fp8_report.json"} <= set(listing)
+        nested = "serving/compressed-tensors-fp8/model.safetensors"
+        assert {"model.safetensors", "manifest.json", "fp8_report.json", nested} <= set(listing)
 
         # the objects are the listing, under attempt 1's prefix, with the recorded sha256 as metadata
         assert bucket_keys(moto, bucket) == sorted(_prefix(job_id, 1) + name for name in listing)
