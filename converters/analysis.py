@@ -58,6 +58,7 @@ class Reason(str, enum.Enum):
     ROUTER_WEIGHT = "router_parameter"
     OTHER_MATMUL = "matmul_weight_outside_linear"
     EXPERT_LAYOUT = "expert_layout_unsupported"
+    LOW_SQNR = "low_sqnr"  #: output SQNR under the recipe below min_sqnr_db (converters.sensitivity)
 
 
 # Sibling projections that inference engines and TE fuse into one GEMM: a group must agree.

@@ -9,13 +9,14 @@ exact ``scale`` / ``amax_history`` that TE would hold after the same steps.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from converters.recipes import TEDelayedScalingRecipe
 from converters.scaling import delayed_scaling_state, fp8_max_for
 from converters.te_layout import BACKWARD_SLOTS, FORWARD_SLOTS
 
+if TYPE_CHECKING:
+    from converters.sensitivity import SqnrMeter
+
 __all__ = [
     "CORPUS_PATH",
     "FORWARD_SLOTS",
@@ -34,6 +38,7 @@ __all__ = [
     "LayerAmax",
     "AmaxRecorder",
     "amax_recorder",
+    "measuring_sqnr",
     "load_corpus",
     "calibration_batches",
     "record_amax",
@@ -43,6 +48,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CORPUS_PATH = Path(__file__).parent / "data" / "calibration_corpus.txt"
+# The SQNR meter the recorders built inside measuring_sqnr() feed; a context, not an argument, because the
+# layer-sequential driver (converters.sequential) builds a recorder per layer itself.
+_SQNR_METER: contextvars.ContextVar[SqnrMeter | None] = contextvars.ContextVar("fp8forge_sqnr_meter", default=None)
 # Column order of LayerAmax.forward / .backward: te.Linear's scaling_fwd (GEMM1_INPUT/WEIGHT/OUTPUT) and
 # scaling_bwd (GRAD_OUTPUT1, GRAD_INPUT1) slots, defined once in converters.te_layout.
 
@@ -180,6 +188,17 @@ def calibration_batches(
     return batches, f"{origin}, {stream.numel()} tokens, tokenized windows of {seq_len}, seed {seed}"
 
 
+@contextmanager
+def measuring_sqnr(meter: SqnrMeter | None) -> Iterator[SqnrMeter | None]:
+    """Inside the block, every recorder built (:func:`amax_recorder`, :class:`AmaxRecorder`) also feeds each
+    hooked call to ``meter`` (``converters.sensitivity``), which accumulates the layer's quantization error."""
+    token = _SQNR_METER.set(meter)
+    try:
+        yield meter
+    finally:
+        _SQNR_METER.reset(token)
+
+
 def amax_recorder(model: nn.Module, layer_paths: Sequence[str], steps: int, *, backward: bool = False
                   ) -> AmaxRecorder:
     """A recorder for ``layer_paths``: Linear module paths and expert GEMM units (``converters.experts``).
@@ -199,7 +218,7 @@ def amax_recorder(model: nn.Module, layer_paths: Sequence[str], steps: int, *, b
             except AttributeError as exc:
                 raise CalibrationDataError(f"The model has no experts module {module_path!r}.",
                                            field="layer_paths") from exc
-        experts = ExpertsRecorder(modules, units, steps)
+        experts = ExpertsRecorder(modules, units, steps, sqnr=_SQNR_METER.get())
     linears = _resolve_layers(model, [path for path in layer_paths if parse_unit_path(path) is None])
     return AmaxRecorder(linears, steps, backward=backward, experts=experts)
 
@@ -251,6 +270,7 @@ class AmaxRecorder:
     Forward hooks record input, weight and output amax; with ``backward=True`` full backward hooks also
     record grad_output and grad_input (the Linear's own dgrad, not the sum over sibling layers). A layer
     called several times in one step keeps the maximum, as TE's quantizer does; a layer not called keeps 0.
+    Inside :func:`measuring_sqnr` the forward hooks also hand each call's input, weight and bias to the meter.
     The caller sets :attr:`step` before each step; hooks exist only inside :meth:`attached`.
     """
 
@@ -258,6 +278,7 @@ class AmaxRecorder:
                  experts: ExpertsRecorder | None = None) -> None:
         self.layers = layers
         self.experts = experts
+        self.sqnr = _SQNR_METER.get()
         self._step = 0
         self.forward = {path: torch.zeros(steps, len(FORWARD_SLOTS)) for path in layers}
         self.backward = {path: torch.zeros(steps, len(BACKWARD_SLOTS)) for path in layers} if backward else None
@@ -276,6 +297,10 @@ class AmaxRecorder:
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             values = torch.stack([_amax(args[0] if args else None), _amax(module.weight), _amax(output)])
             self.forward[path][self.step] = torch.fmax(self.forward[path][self.step], values)
+            if self.sqnr is not None and args and isinstance(args[0], torch.Tensor):
+                bias = getattr(module, "bias", None)
+                bias = bias if isinstance(bias, torch.Tensor) and bias.numel() == module.weight.shape[0] else None
+                self.sqnr.observe(path, self.step, args[0], module.weight, bias, output)
 
         return hook
 

@@ -10,18 +10,22 @@ calibration, and the model's own forward is left untouched.
 An expert that receives no token in a step records input and output amax 0 for that step, as TE's grouped
 GEMM leaves the slots of an empty split (its delayed-scaling update then skips the roll and keeps the scale);
 the weight amax is recorded every step, as TE casts every expert's weight. Gradients of experts are not
-recorded: their backward state stays TE's initial one.
+recorded: their backward state stays TE's initial one. With an SQNR meter (``converters.sensitivity``), each
+expert's GEMMs are measured on the same routed tokens, and each unit's weight once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from converters.experts import parse_unit_path
+
+if TYPE_CHECKING:
+    from converters.sensitivity import SqnrMeter
 
 __all__ = ["ExpertsRecorder"]
 
@@ -36,11 +40,14 @@ class ExpertsRecorder:
     """Amax per expert GEMM unit and step, and the tokens each expert received per step.
 
     ``modules`` maps each experts module path to the module; ``units`` are the unit paths to record (an experts
-    module with no listed unit gets no hook). The caller sets :attr:`step` before each step.
+    module with no listed unit gets no hook). The caller sets :attr:`step` before each step. ``sqnr``, if given,
+    receives every unit's weight and each routed expert's GEMM inputs.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], units: list[str], steps: int) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module], units: list[str], steps: int, *,
+                 sqnr: SqnrMeter | None = None) -> None:
         self.step = 0
+        self.sqnr = sqnr
         self.wanted: dict[str, set[tuple[int, str]]] = {}
         for unit in units:
             parsed = parse_unit_path(unit)
@@ -73,6 +80,8 @@ class ExpertsRecorder:
             unit = f"{path}.{index}.{gemm}"
             weight = getattr(module, gemm)[index]
             self.forward[unit][self.step, 1] = torch.fmax(self.forward[unit][self.step, 1], _amax(weight))
+            if self.sqnr is not None:
+                self.sqnr.observe_weight(unit, weight)
         for index in sorted({index for index, _ in self.wanted[path]}):
             if not counts[index]:
                 continue  # input and output stay 0 this step
@@ -87,6 +96,8 @@ class ExpertsRecorder:
                     row = self.forward[unit][self.step]
                     row[0] = torch.fmax(row[0], _amax(inp))
                     row[2] = torch.fmax(row[2], _amax(out))
+                    if self.sqnr is not None:
+                        self.sqnr.observe(unit, self.step, inp, getattr(module, gemm)[index], output=out)
 
     def tokens_per_step(self, unit: str) -> torch.Tensor:
         """``[steps]``: tokens the unit's expert received at each step."""

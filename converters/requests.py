@@ -30,6 +30,7 @@ __all__ = [
     "SHARD_BYTES",
     "SERVING_FORMAT_NAMES",
     "NOT_BLANK",
+    "MIN_SQNR_DB_RANGE",
 ]
 
 #: Inclusive ranges of the calibration numbers. Layer-sequential calibration caches every step's hidden
@@ -55,11 +56,13 @@ SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynami
 #: that Python, pydantic's Rust regex and the OpenAPI schema's ECMAScript readers agree on which texts are blank.
 NOT_BLANK = r"[^\t\n\x0b\x0c\r ]"
 _NOT_BLANK = re.compile(NOT_BLANK)
+#: ``min_sqnr_db`` range (dB): 300 is what an exact cast reports (converters.quant_emulation.SQNR_CAP_DB).
+MIN_SQNR_DB_RANGE = (0.0, 300.0)
 
 _DEFAULT_SHARD_BYTES = 5 * 1024**3
 _REQUEST_KEYS = (
     "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
-    "max_shard_bytes", "te_extra_state", "serving_formats",
+    "max_shard_bytes", "te_extra_state", "serving_formats", "min_sqnr_db", "compare_recipes",
 )
 _CALIBRATION_KEYS = ("steps", "batch_size", "seq_len", "texts", "backward")
 
@@ -177,6 +180,10 @@ class ConversionRequest:
     max_shard_bytes: int = _DEFAULT_SHARD_BYTES
     te_extra_state: bool = False
     serving_formats: tuple[str, ...] = ()  #: names in converters.formats.SERVING_FORMATS, each its own subdirectory
+    #: keep layers whose output SQNR under the recipe is below this many dB in high precision (converters.sensitivity)
+    min_sqnr_db: float | None = None
+    #: more recipes to measure the SQNR of, side by side (names of sensitivity.RECIPE_NAMES or recipe objects)
+    compare_recipes: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -190,6 +197,7 @@ class ConversionRequest:
         if not _is_int(self.max_shard_bytes) or not low <= self.max_shard_bytes <= high:
             raise RequestError(f"max_shard_bytes must be an integer from {low} to {high}", field="max_shard_bytes")
         self._check_serving_formats()
+        self._check_sensitivity()
         self.parsed_recipe()  # raises RecipeError naming the field
 
     def _check_serving_formats(self) -> None:
@@ -203,6 +211,30 @@ class ConversionRequest:
         if len(set(names)) != len(names):
             raise RequestError("serving_formats lists a format twice", field="serving_formats")
         object.__setattr__(self, "serving_formats", tuple(names))
+
+    def _check_sensitivity(self) -> None:
+        from converters.sensitivity import MAX_COMPARE_RECIPES, parse_compare_recipe
+
+        low, high = MIN_SQNR_DB_RANGE
+        value = self.min_sqnr_db
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not low <= value <= high):  # NaN fails the range too
+            raise RequestError(f"min_sqnr_db must be a number of dB from {low:g} to {high:g}, or null",
+                               field="min_sqnr_db")
+        entries = self.compare_recipes
+        if isinstance(entries, (str, Mapping)) or not isinstance(entries, (list, tuple)):
+            raise RequestError("compare_recipes must be a list of recipe names or recipe objects",
+                               field="compare_recipes")
+        if len(entries) > MAX_COMPARE_RECIPES:
+            raise RequestError(f"compare_recipes may hold at most {MAX_COMPARE_RECIPES} recipes, got {len(entries)}",
+                               field="compare_recipes")
+        parsed = [parse_compare_recipe(entry, f"compare_recipes[{index}]").to_dict()
+                  for index, entry in enumerate(entries)]
+        for index, data in enumerate(parsed):
+            if data in parsed[:index]:
+                raise RequestError(f"compare_recipes[{index}] repeats an earlier recipe; list each once",
+                                   field=f"compare_recipes[{index}]")
+        object.__setattr__(self, "compare_recipes", tuple(entries))
 
     def parsed_recipe(self):
         """The recipe dataclass (``TEDelayedScalingRecipe``, ``TECurrentScalingRecipe`` or ``TorchAORecipe``)."""
@@ -232,7 +264,7 @@ class ConversionRequest:
         if calibration is not None and not isinstance(calibration, Mapping):
             raise CalibrationDataError("calibration must be a JSON object", field="calibration")
         data["calibration"] = CalibrationSettings.from_dict(calibration)
-        for name in ("include", "exclude", "serving_formats"):
+        for name in ("include", "exclude", "serving_formats", "compare_recipes"):
             if data.get(name) is None:
                 data.pop(name, None)
         if data.get("recipe") is None:
@@ -251,6 +283,8 @@ class ConversionRequest:
             "max_shard_bytes": self.max_shard_bytes,
             "te_extra_state": self.te_extra_state,
             "serving_formats": list(self.serving_formats),
+            "min_sqnr_db": self.min_sqnr_db,
+            "compare_recipes": [entry if isinstance(entry, str) else dict(entry) for entry in self.compare_recipes],
         }
 
 

@@ -114,10 +114,15 @@ def convert(run: _Run) -> None:
     In layer-sequential mode the torchao swap runs on the meta-device model: it checks that every eligible
     layer converts, without holding the weights (the artifact replays the swap on load).
     """
-    from converters.analysis import eligible_paths
+    from converters.analysis import eligible_expert_units, eligible_paths
     from converters.formats import training_format
+    from converters.requests import RequestError
 
     eligible = eligible_paths(run.report)
+    if run.request.min_sqnr_db is not None and not eligible and not eligible_expert_units(run.report):
+        raise RequestError(f"every eligible layer's output SQNR is below min_sqnr_db {run.request.min_sqnr_db:g} dB "
+                           "(see the report's sensitivity block): nothing is left to convert; lower min_sqnr_db",
+                           field="min_sqnr_db")
     run.weights_on_disk = _renamed_weights(run, eligible)
     training_format(run.recipe.backend.value).convert(run, eligible)
     run.sink.progress(1, 1)
@@ -142,23 +147,53 @@ def calibrate(run: _Run) -> None:
     that turns out not to fit that shape falls back to the whole model, and the report says why.
     """
     from converters.analysis import eligible_expert_units, eligible_paths
+    from converters.calibration import measuring_sqnr
+    from converters.sensitivity import meter_for
     from converters.sequential import LAYER_SEQUENTIAL, WHOLE_MODEL, SequentialUnsupported
 
     batches, source = _calibration_batches(run)
     paths = eligible_paths(run.report) + eligible_expert_units(run.report)
     amax = None
-    if run.pipeline["mode"] == LAYER_SEQUENTIAL:
-        try:
-            amax = _calibrate_layer_by_layer(run, batches, paths)
-        except SequentialUnsupported as exc:
-            run.pipeline.update(mode=WHOLE_MODEL, reason=f"layer-sequential calibration stopped: {exc}")
-            run.warn(f"calibrated the whole model at once: {exc}")
-            _load_whole_model(run)
-    if amax is None:
-        amax = _calibrate_whole_model(run, batches, paths)
+    meter, label = meter_for(run.recipe, run.request.compare_recipes)
+    with measuring_sqnr(meter):  # the hooks also measure each layer's error under the recipe(s)
+        if run.pipeline["mode"] == LAYER_SEQUENTIAL:
+            try:
+                amax = _calibrate_layer_by_layer(run, batches, paths)
+            except SequentialUnsupported as exc:
+                run.pipeline.update(mode=WHOLE_MODEL, reason=f"layer-sequential calibration stopped: {exc}")
+                run.warn(f"calibrated the whole model at once: {exc}")
+                meter.reset()
+                _load_whole_model(run)
+        if amax is None:
+            amax = _calibrate_whole_model(run, batches, paths)
+    amax = _apply_sensitivity(run, meter, label, amax)
     run.calibration.data_source, run.calibration.amax = source, amax
     run.calibration.states, run.calibration.check_batch = _scaling_states(run, amax), batches[0]
     _report_experts(run, amax)
+
+
+def _apply_sensitivity(run: _Run, meter: Any, label: str, amax: dict[str, Any]) -> dict[str, Any]:
+    """Put each layer's SQNR in the report; with min_sqnr_db, keep the layers below it out of the conversion.
+
+    An excluded layer leaves the report's eligible set here, after calibration and before convert, so the swap,
+    the state and calibration files and the serving plans (planned again) all leave it in high precision.
+    """
+    from converters.sensitivity import report_sqnr
+
+    threshold = run.request.min_sqnr_db
+    excluded = report_sqnr(run.report, meter, label, min_sqnr_db=threshold)
+    if not excluded:
+        return amax
+    shown = ", ".join(excluded[:5]) + (f" and {len(excluded) - 5} more" if len(excluded) > 5 else "")
+    run.warn(f"{len(excluded)} layer(s) stay in high precision (low_sqnr): output SQNR under {label} below "
+             f"min_sqnr_db {threshold:g} dB: {shown}")
+    for group in run.report["fused_groups"]:
+        if group["partly_eligible"] and set(group["members"]) & set(excluded):
+            run.warn(f"fused group {group['name']} is only partly FP8 after low_sqnr; serving engines may refuse it")
+    if run.serving:
+        _plan_serving(run)
+    dropped = set(excluded)
+    return {path: layer for path, layer in amax.items() if path not in dropped}
 
 
 def _report_experts(run: _Run, amax: dict[str, Any]) -> None:

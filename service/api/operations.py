@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,17 +102,45 @@ def delete_job(store: JobStore, dirs: ArtifactStorage, job_id: str) -> None:
     dirs.remove(job_id)
 
 
+# One synchronous calibration at a time: each loads a model and uses every core.
+_CALIBRATING = threading.Lock()
+
+
 def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
     """The eligibility report of a model reference, built on the meta device (no weights are read).
 
+    With a calibration (``body.calibrates()``) the weights are loaded layer by layer and a short calibration
+    measures each eligible layer's SQNR (``converters.sensitivity.calibrated_analysis``), one request at a time.
+
     Raises:
-        Fp8ForgeError: bad reference (422), model not found (422), backend problems (503).
+        Fp8ForgeError: bad reference (422), model not found (422), bad calibration or recipe names (422),
+            a model too large to calibrate synchronously (422), backend problems (503).
     """
     from converters import analysis, model_sources
 
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
     _check_reference(body.model, sources)
+    if body.calibrates():
+        return _calibrated_analysis(sources, body)
     return analysis.analyze_model_reference(
         body.model, sources, backend=body.backend, include=tuple(body.include), exclude=tuple(body.exclude),
         skip_first_last=body.skip_first_last, convert_router_gates=body.convert_router_gates,
     )
+
+
+def _calibrated_analysis(sources: Any, body: AnalyzeCreate) -> dict[str, Any]:
+    from converters import sensitivity
+    from converters.requests import CalibrationSettings, ConversionRequest
+
+    given = body.calibration.model_dump(exclude_none=True) if body.calibration is not None else {}
+    if "texts" in given:
+        given["texts"] = tuple(given["texts"])
+    calibration = CalibrationSettings(**{**sensitivity.SYNC_DEFAULTS, **given})
+    sensitivity.check_sync_calibration(calibration)
+    request = ConversionRequest(
+        model=body.model, recipe={"backend": body.backend}, calibration=calibration, include=tuple(body.include),
+        exclude=tuple(body.exclude), skip_first_last=body.skip_first_last,
+        convert_router_gates=body.convert_router_gates, min_sqnr_db=body.min_sqnr_db,
+        compare_recipes=tuple(body.compare_recipes or ()))
+    with _CALIBRATING:
+        return sensitivity.calibrated_analysis(request, sources, max_parameters=sensitivity.SYNC_MAX_PARAMETERS)

@@ -15,11 +15,13 @@ from converters.requests import (
     MAX_TEXT_CHARS,
     MAX_TEXTS_CHARS,
     MAX_TOKENS_PER_STEP,
+    MIN_SQNR_DB_RANGE,
     NOT_BLANK,
     SERVING_FORMAT_NAMES,
     SHARD_BYTES,
     CalibrationSettings,
 )
+from converters.sensitivity import RECIPE_NAMES, SYNC_DEFAULTS, SYNC_LIMITS, SYNC_MAX_PARAMETERS, SYNC_MAX_TEXTS_CHARS
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode
 from service.jobs import Job, JobStatus, Stage, public_worker_name
@@ -31,6 +33,7 @@ __all__ = [
     "CalibrationCreate",
     "JobCreate",
     "AnalyzeCreate",
+    "AnalyzeCalibrationCreate",
     "ProgressPublic",
     "ErrorPublic",
     "JobLinks",
@@ -54,6 +57,14 @@ ServingFormats = Annotated[list[Literal[SERVING_FORMAT_NAMES]], Field(  # type: 
     max_length=len(SERVING_FORMAT_NAMES), json_schema_extra={"uniqueItems": True})]
 CalibrationText = Annotated[str, Field(max_length=MAX_TEXT_CHARS, pattern=NOT_BLANK,
                                        description="One text; not empty or blank.")]
+MinSqnrDb = Annotated[float, Field(ge=MIN_SQNR_DB_RANGE[0], le=MIN_SQNR_DB_RANGE[1], allow_inf_nan=False, description=(
+    "Layers whose output SQNR (dB) under the recipe is below this stay in high precision: reason `low_sqnr` in "
+    "the report (a job does not convert them, an analysis marks them). Output SQNR: the layer's output from "
+    "FP8-cast input and weight against the high-precision output, over the calibration data (300: exact)."))]
+CompareRecipes = Annotated[list[Literal[tuple(RECIPE_NAMES)]], Field(  # type: ignore[valid-type]
+    max_length=len(RECIPE_NAMES), json_schema_extra={"uniqueItems": True}, description=(
+        "Recipes (at their defaults) whose per-layer SQNR to measure side by side from the same calibration: "
+        + ", ".join(f"`{name}`" for name in RECIPE_NAMES) + "."))]
 
 
 class CalibrationCreate(BaseModel):
@@ -96,6 +107,7 @@ class JobCreate(BaseModel):
     serving_formats: ServingFormats | None = Field(
         None, description="Serving checkpoints to write as well, each in serving/<name>/, each at most once: "
                     "compressed-tensors-fp8 (static), compressed-tensors-fp8-dynamic, fp8-block.")
+    min_sqnr_db: MinSqnrDb | None = None
 
     def to_request(self) -> dict[str, Any]:
         """The body as the conversion library reads it (unset optional fields left out; the recipe as sent)."""
@@ -105,8 +117,43 @@ class JobCreate(BaseModel):
         return request
 
 
+_SYNC_STEPS, _SYNC_BATCH, _SYNC_SEQ, _SYNC_TEXTS = (SYNC_LIMITS[name] for name in ("steps", "batch_size", "seq_len",
+                                                                                   "texts"))
+
+
+class AnalyzeCalibrationCreate(BaseModel):
+    """A short calibration, run synchronously inside the request; unset fields take these defaults.
+
+    Bounded so that the answer comes in seconds: at most {steps} steps of {batch} x {seq} tokens, {texts} texts
+    of {chars} characters in all, a model of at most {params:,} parameters (422 otherwise). For more, run
+    `fp8forge compare` or a conversion job (its report holds the SQNR under its recipe).
+    """
+
+    model_config = STRICT
+    steps: json_int(*_SYNC_STEPS) | None = Field(None, description=f"Batches (default {SYNC_DEFAULTS['steps']}).")
+    batch_size: json_int(*_SYNC_BATCH) | None = Field(
+        None, description=f"Sequences per batch (default {SYNC_DEFAULTS['batch_size']}).")
+    seq_len: json_int(*_SYNC_SEQ) | None = Field(
+        None, description=f"Tokens per sequence (default {SYNC_DEFAULTS['seq_len']}).")
+    texts: Annotated[list[Annotated[CalibrationText, Field(max_length=SYNC_MAX_TEXTS_CHARS)]],
+                     Field(min_length=_SYNC_TEXTS[0], max_length=_SYNC_TEXTS[1])] | None = Field(
+        None, description=f"Your own texts instead of the built-in corpus, {SYNC_MAX_TEXTS_CHARS} characters in all "
+                          "at most.")
+
+
+AnalyzeCalibrationCreate.__doc__ = AnalyzeCalibrationCreate.__doc__.format(
+    steps=_SYNC_STEPS[1], batch=_SYNC_BATCH[1], seq=_SYNC_SEQ[1], texts=_SYNC_TEXTS[1], chars=SYNC_MAX_TEXTS_CHARS,
+    params=SYNC_MAX_PARAMETERS)
+
+
 class AnalyzeCreate(BaseModel):
-    """Which Linear layers of a model a conversion would convert."""
+    """Which Linear layers of a model a conversion would convert, and with a calibration, at what error.
+
+    With `calibration`, `compare_recipes` or `min_sqnr_db` the weights are loaded and a short calibration runs
+    in the request (see AnalyzeCalibrationCreate for its bounds): each eligible layer gets `sqnr_db`
+    (weight, input, output) under the backend's default recipe, `sensitivity` says how it was measured, and
+    `comparison` holds the table of `compare_recipes`.
+    """
 
     model_config = STRICT
     model: str = Field(..., min_length=1, max_length=1024, examples=["demo/tiny-llama"],
@@ -116,6 +163,13 @@ class AnalyzeCreate(BaseModel):
     exclude: Patterns = Field(default_factory=list)
     skip_first_last: bool = True
     convert_router_gates: bool = Field(False, description="Also count MoE router gates as convertible.")
+    calibration: AnalyzeCalibrationCreate | None = Field(
+        None, description="Calibrate (synchronously) and report each layer's SQNR; implied by the two fields below.")
+    compare_recipes: CompareRecipes | None = None
+    min_sqnr_db: MinSqnrDb | None = None
+
+    def calibrates(self) -> bool:
+        return self.calibration is not None or bool(self.compare_recipes) or self.min_sqnr_db is not None
 
 
 class ProgressPublic(BaseModel):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 __all__ = ["run_convert_command", "request_from_args"]
@@ -54,21 +53,12 @@ class BarSink:
     close = _close
 
 
-def _read_texts(path: Path) -> list[str]:
-    from converters.errors import CalibrationDataError
-
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CalibrationDataError(f"cannot read --calib-texts {path}: {exc}", field="calib_texts") from exc
-    return [paragraph.strip() for paragraph in text.split("\n\n") if paragraph.strip()]
-
-
 def request_from_args(args: argparse.Namespace):
     """Build the ConversionRequest from CLI flags (recipe file, backend, calibration, selection)."""
     from converters.errors import RecipeError
     from converters.recipes import load_recipe_file
-    from converters.requests import CalibrationSettings, ConversionRequest
+    from converters.requests import ConversionRequest
+    from service.cli.compare import calibration_from_args
 
     recipe: dict[str, Any] = {"backend": args.backend or "te"}
     if args.recipe is not None:
@@ -78,14 +68,7 @@ def request_from_args(args: argparse.Namespace):
                 f"--backend {args.backend} contradicts the recipe file's backend {recipe['backend']}; drop one",
                 field="backend",
             )
-    defaults = CalibrationSettings()
-    calibration = CalibrationSettings(
-        steps=args.calib_steps if args.calib_steps is not None else defaults.steps,
-        batch_size=args.calib_batch_size if args.calib_batch_size is not None else defaults.batch_size,
-        seq_len=args.calib_seq_len if args.calib_seq_len is not None else defaults.seq_len,
-        texts=tuple(_read_texts(args.calib_texts)) if args.calib_texts else None,
-        backward=args.calib_backward,
-    )
+    calibration = calibration_from_args(args)
     return ConversionRequest(
         model=args.model,
         recipe=recipe,
@@ -95,12 +78,16 @@ def request_from_args(args: argparse.Namespace):
         skip_first_last=not args.no_skip_first_last,
         convert_router_gates=args.convert_router_gates,
         serving_formats=tuple(args.serving),
+        min_sqnr_db=args.min_sqnr_db,
     )
 
 
 def run_convert_command(args: argparse.Namespace, sources) -> int:
+    import json
+
     from converters.pipeline import run_conversion
     from converters.report_format import human_bytes
+    from service.cli.compare import format_worst_layers
 
     request = request_from_args(args)
     sink = BarSink(enabled=not args.no_progress)
@@ -114,6 +101,7 @@ def run_convert_command(args: argparse.Namespace, sources) -> int:
     print(f"mode: {result.pipeline['mode'].replace('_', '-')} ({result.pipeline['reason']})")
     print(f"wrote {len(result.manifest) + 1} files ({human_bytes(total)}) to {result.out_dir}")
     print(f"report: {result.report_path}")
+    print(format_worst_layers(json.loads(result.report_path.read_text(encoding="utf-8"))["analysis"]))
     if sink.warnings:
         print(f"{len(sink.warnings)} warning(s); see fp8_report.json")
     return 0

@@ -1,4 +1,4 @@
-"""The ``fp8forge`` command: analyze, convert, serve, worker.
+"""The ``fp8forge`` command: analyze, convert, compare, serve, worker, keys.
 
 Only argparse is imported at start-up; each command imports what it needs, so ``fp8forge analyze``
 pays neither for torchao nor for the service stack.
@@ -70,6 +70,8 @@ def source_options_from_args(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from service.cli import compare
+
     parser = argparse.ArgumentParser(prog="fp8forge", description="Turn Hugging Face models into FP8 checkpoints.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("model", help="org/name[@revision] or a local model directory")
     _add_selection_arguments(analyze)
     analyze.add_argument("--json", action="store_true", help="print the report as JSON")
+    sensitivity = analyze.add_argument_group(
+        "quantization error", "with --calibrate the model's weights are loaded and a calibration runs: each eligible "
+        "layer's SQNR (dB) under the recipe is shown")
+    sensitivity.add_argument("--calibrate", action="store_true", help="calibrate and show each layer's SQNR")
+    sensitivity.add_argument("--recipe", type=Path, help="recipe file (JSON or Accelerate YAML); with --calibrate")
+    compare.add_calibration_arguments(sensitivity, backward=False)
+    compare.add_min_sqnr_argument(sensitivity, "with --calibrate, mark")
+    sensitivity.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_source_arguments(analyze)
     analyze.set_defaults(func=_run_analyze)
 
@@ -86,11 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--out", required=True, type=Path, help="output directory (must not exist)")
     convert.add_argument("--recipe", type=Path, help="recipe file: JSON, or an Accelerate config.yaml")
     _add_selection_arguments(convert)
-    convert.add_argument("--calib-steps", type=int, default=None, help="calibration steps (default 16)")
-    convert.add_argument("--calib-batch-size", type=int, default=None, help="sequences per step (default 2)")
-    convert.add_argument("--calib-seq-len", type=int, default=None, help="tokens per sequence (default 128)")
-    convert.add_argument("--calib-texts", type=Path, help="text file, one calibration sample per paragraph")
-    convert.add_argument("--calib-backward", action="store_true", help="also record gradient amax")
+    compare.add_calibration_arguments(convert)
+    compare.add_min_sqnr_argument(convert, "keep in high precision")
     convert.add_argument("--serving", action="append", default=[], metavar="FORMAT",
                          help="also write a serving checkpoint in serving/FORMAT/: compressed-tensors-fp8 (static), "
                               "compressed-tensors-fp8-dynamic or fp8-block; repeatable")
@@ -98,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_arguments(convert)
     convert.set_defaults(func=_run_convert)
 
+    compare.register(commands, _add_selection_arguments, _add_source_arguments)
     from service.cli import keys, serve
 
     serve.register(commands)
@@ -108,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_analyze(args: argparse.Namespace) -> int:
     from converters.analysis import analyze_model_reference
     from converters.report_format import format_analysis
+
+    if args.calibrate:
+        from service.cli.compare import run_calibrated_analyze
+
+        return run_calibrated_analyze(args, source_options_from_args(args))
+    flags = {"--recipe": args.recipe, "--min-sqnr-db": args.min_sqnr_db, "--calib-steps": args.calib_steps,
+             "--calib-batch-size": args.calib_batch_size, "--calib-seq-len": args.calib_seq_len,
+             "--calib-texts": args.calib_texts}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if given:
+        from converters.requests import RequestError
+
+        raise RequestError(f"{given[0]} applies to a calibrated analysis: add --calibrate", field="calibrate")
 
     # transformers imports torchao whenever it is installed; analysis never needs it, so hide it while
     # analysing (a None entry makes importlib report the package as absent) and un-hide it afterwards.

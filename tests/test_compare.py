@@ -1,0 +1,208 @@
+"""Recipe comparison from one calibration: every recipe side by side on the real MiniLM and the tiny Llama demo,
+through `fp8forge compare`, `fp8forge analyze --calibrate`, `fp8forge convert` and `/v1/analyze`."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from converters.sensitivity import RECIPE_NAMES, SYNC_LIMITS
+from service.cli.compare import format_comparison
+from service.cli.main import main
+from tests.models import minilm_dir
+
+FP8 = [name for name in RECIPE_NAMES if name != "te-nvfp4"]
+SMALL = ("--calib-steps", "2", "--calib-batch-size", "1", "--calib-seq-len", "32", "--no-progress")
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def demo_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "compare-cache"))
+
+
+def _table(report: dict, metric: str) -> dict[str, dict[str, float]]:
+    return {row["path"]: {label: value[metric] for label, value in row["sqnr_db"].items()}
+            for row in report["comparison"]["layers"]}
+
+
+def test_every_recipe_side_by_side_on_the_real_minilm(capsys):
+    model = minilm_dir()
+    layers = [arg for index in (0, 2, 5) for arg in ("--include", f"encoder.layer.{index}.**")]  # to stay quick
+    code, out, err = run_cli(capsys, "compare", str(model), "--allow-root", str(model.parent), "--recipes", "all",
+                             *layers, "--json", *SMALL)
+    assert code == 0, err
+    report = json.loads(out)
+    with capsys.disabled():
+        print("\n" + format_comparison(report, "output"))
+    assert [recipe["label"] for recipe in report["comparison"]["recipes"]] == list(RECIPE_NAMES)
+    outputs, inputs, weights = (_table(report, metric) for metric in ("output", "input", "weight"))
+    assert len(outputs) == report["totals"]["eligible_layers"] == 17  # 3 x 6 Linears less the first (a query)
+    for table in (outputs, inputs, weights):
+        assert all(isinstance(v, float) and math.isfinite(v) and 10 < v < 80 for row in table.values()
+                   for v in row.values())
+    for path in outputs:
+        # E4M3 keeps about 31 dB of a well-scaled tensor whatever the scale granularity; FP4 about 20
+        for label in FP8:
+            assert 28 < weights[path][label] < 35, (path, label)
+            if label != "te-delayed":
+                assert 28 < inputs[path][label] < 35, (path, label)
+        # delayed scaling casts step 2 with step 1's amax: never better than the current amax, worse where the
+        # amax grew (saturation)
+        assert inputs[path]["te-delayed"] <= inputs[path]["te-current"] + 0.5
+        assert max(weights[path]["te-nvfp4"], inputs[path]["te-nvfp4"]) < 23
+        assert outputs[path]["te-nvfp4"] < min(outputs[path][label] for label in FP8)
+        # with power-of-two scales, granularity matters only for values 2**15 below their block's amax (E4M3's
+        # subnormals), which these tensors lack: MXFP8 blocks of 32, 1x128 blocks and rows come out alike
+        for metric in (inputs, weights):
+            assert abs(metric[path]["te-mxfp8"] - metric[path]["te-float8-block"]) < 0.5
+            assert abs(metric[path]["te-mxfp8"] - metric[path]["ao-rowwise"]) < 0.5
+            assert abs(metric[path]["te-mxfp8"] - metric[path]["te-current"]) < 1.5
+        assert outputs[path]["ao-rowwise"] == outputs[path]["ao-rowwise-gw-hp"] == outputs[path]["ao-float8-op"]
+        assert abs(outputs[path]["te-current"] - outputs[path]["ao-tensorwise"]) < 0.1
+    # MXFP8's output SQNR is within a dB of per-tensor current scaling on most layers, and no better overall.
+    # The exceptions are BERT's FFN down projections, whose input holds one activation far above the rest: an
+    # fp32 scale maps it to 448 exactly, a power-of-two one (MXFP8's E8M0, torchao's rowwise) rounds it.
+    close = [path for path in outputs if abs(outputs[path]["te-mxfp8"] - outputs[path]["te-current"]) < 1.0]
+    assert len(close) >= 0.7 * len(outputs)
+    assert any(outputs[path]["te-current"] > outputs[path]["te-mxfp8"] + 3 for path in outputs
+               if path.endswith(".output.dense") and ".attention." not in path)
+    median = {label: statistics.median(outputs[path][label] for path in outputs)
+              for label in ("te-current", "te-mxfp8")}
+    assert abs(median["te-current"] - median["te-mxfp8"]) < 1.0
+
+
+def test_compare_table_on_the_tiny_llama_demo_with_a_recipe_file(demo_cache, tmp_path, capsys):
+    recipe = tmp_path / "margin2.json"
+    recipe.write_text(json.dumps({"backend": "te", "margin": 2}))
+    code, out, err = run_cli(capsys, "compare", "demo/tiny-llama", "--recipes", "all", "--recipe", str(recipe),
+                             "--min-sqnr-db", "25", *SMALL)
+    assert code == 0, err
+    with capsys.disabled():
+        print("\n" + out)
+    lines = out.splitlines()
+    header = lines[2].split()
+    assert header == ["layer", *RECIPE_NAMES, "margin2"]
+    rows = [line.split() for line in lines[4:] if line.startswith("model.layers.")]
+    assert len(rows) == 13
+    for row in rows:
+        values = [float(cell.rstrip("!")) for cell in row[1:]]
+        assert len(values) == len(RECIPE_NAMES) + 1 and all(math.isfinite(v) for v in values)
+        assert row[1 + list(RECIPE_NAMES).index("te-nvfp4")].endswith("!")  # FP4 falls below 25 dB
+    summary = {line.split()[0]: line.split()[-len(header) + 1:] for line in lines
+               if line.startswith(("min ", "median ", "below 25 "))}
+    assert set(summary) == {"min", "median", "below"}
+    assert summary["below"][list(RECIPE_NAMES).index("te-nvfp4")] == "13"
+    assert "margin2: weight e4m3_tensor, input e4m3_tensor, delayed scaling" in out
+
+
+def test_compare_refuses_an_unknown_recipe_name(demo_cache, capsys):
+    code, _, err = run_cli(capsys, "compare", "demo/tiny-llama", "--recipes", "te-delayed,te-fp7", *SMALL)
+    assert code == 2 and "--recipes: unknown recipe name 'te-fp7'" in err
+
+
+def test_analyze_calibrate_shows_sqnr_columns_and_marks_low_sqnr(demo_cache, capsys):
+    code, out, err = run_cli(capsys, "analyze", "demo/tiny-llama", "--calibrate", "--min-sqnr-db", "28.5", *SMALL)
+    assert code == 0, err
+    sqnr_table = out[out.index("SQNR (dB) under te-delayed"):]
+    header = sqnr_table.splitlines()[1].split()
+    assert header == ["layer", "weight", "input", "output", "fp8"]
+    rows = [line.split() for line in sqnr_table.splitlines()[3:] if line.startswith("model.")]
+    assert len(rows) == 13
+    low = [row[0] for row in rows if row[-1] == "(low_sqnr)"]
+    assert low and all(float(row[3].rstrip("!")) < 28.5 for row in rows if row[0] in low)
+    assert f"{len(low)} layer(s) would stay in high precision" in out
+    for path in low:  # the analysis table above gives the reason too
+        assert any(line.startswith(path) and line.rstrip().endswith("low_sqnr") for line in out.splitlines())
+
+
+def test_analyze_flags_that_need_calibrate_say_so(demo_cache, capsys):
+    code, _, err = run_cli(capsys, "analyze", "demo/tiny-llama", "--min-sqnr-db", "20")
+    assert code == 2 and "--min-sqnr-db applies to a calibrated analysis: add --calibrate" in err
+    with pytest.raises(SystemExit) as exit_:  # argparse refuses it before anything runs
+        main(["analyze", "demo/tiny-llama", "--calibrate", "--min-sqnr-db", "301"])
+    assert exit_.value.code == 2 and "--min-sqnr-db: must be from 0 to 300 dB" in capsys.readouterr().err
+
+
+def test_convert_prints_its_worst_layers(demo_cache, tmp_path, capsys):
+    code, out, err = run_cli(capsys, "convert", "demo/tiny-llama", "--out", str(tmp_path / "out"),
+                             "--min-sqnr-db", "10", *SMALL)
+    assert code == 0, err
+    worst = out[out.index("lowest output SQNR under te-delayed (dB):"):].splitlines()
+    rows = [line.split() for line in worst[3:8]]
+    assert len(rows) == 5 and [float(row[3]) for row in rows] == sorted(float(row[3]) for row in rows)
+    assert "kept in high precision (output SQNR below 10 dB): 0 layer(s)" in out
+
+
+# --- /v1/analyze ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    from service.config import Settings
+    from tests.service_helpers import live_app
+
+    root = tmp_path_factory.mktemp("analyze-sqnr")
+    (root / "models").mkdir()
+    settings = Settings(data_dir=root / "data", allowed_model_roots=(root / "models",), workers=0,
+                        auth_disabled=True, hf_offline=True)
+    with live_app(settings) as served:
+        yield served
+
+
+def test_analyze_with_calibration_over_http(client):
+    body = {"model": "demo/tiny-llama", "calibration": {"steps": 2, "batch_size": 1, "seq_len": 32},
+            "compare_recipes": ["te-mxfp8", "te-nvfp4", "ao-rowwise"], "min_sqnr_db": 20}
+    response = client.post("/v1/analyze", json=body)
+    assert response.status_code == 200, response.text
+    report = response.json()
+    measured = [layer for layer in report["layers"] if "sqnr_db" in layer]
+    assert len(measured) == 13 and all(set(layer["sqnr_db"]) == {"weight", "input", "output"} for layer in measured)
+    assert report["sensitivity"]["recipe"]["label"] == "te-delayed" and report["sensitivity"]["min_sqnr_db"] == 20
+    recipes = {recipe["label"]: recipe for recipe in report["comparison"]["recipes"]}
+    assert list(recipes) == ["te-mxfp8", "te-nvfp4", "ao-rowwise"]
+    assert len(recipes["te-nvfp4"]["below_min_sqnr_db"]) == 13 and recipes["te-mxfp8"]["below_min_sqnr_db"] == []
+    assert report["calibration"]["steps"] == 2 and report["calibration"]["pipeline"]["mode"] == "layer_sequential"
+    plain = client.post("/v1/analyze", json={"model": "demo/tiny-llama"}).json()
+    assert "sensitivity" not in plain and not any("sqnr_db" in layer for layer in plain["layers"])
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"calibration": {"steps": SYNC_LIMITS["steps"][1] + 1}}, "calibration.steps"),
+    ({"calibration": {"seq_len": SYNC_LIMITS["seq_len"][1] + 1}}, "calibration.seq_len"),
+    ({"compare_recipes": ["te-fp7"]}, "compare_recipes[0]"),
+    ({"compare_recipes": ["te-mxfp8", "te-mxfp8"]}, "compare_recipes[1]"),
+    ({"min_sqnr_db": 300.5}, "min_sqnr_db"),
+    ({"min_sqnr_db": "30"}, "min_sqnr_db"),
+])
+def test_analyze_refuses_what_is_out_of_bounds(client, body, field):
+    response = client.post("/v1/analyze", json={"model": "demo/tiny-llama", **body})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == field
+
+
+def test_jobs_take_min_sqnr_db_within_its_bounds(client):
+    job = {"model": "demo/tiny-llama", "recipe": {"backend": "ao"}, "calibration": {"steps": 1, "seq_len": 16}}
+    assert client.post("/v1/jobs", json={**job, "min_sqnr_db": 300}).status_code == 202
+    refused = client.post("/v1/jobs", json={**job, "min_sqnr_db": -0.5})
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "min_sqnr_db"
+
+
+def test_the_schema_states_the_synchronous_bounds(client):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    calibration = schemas["AnalyzeCalibrationCreate"]["properties"]
+    for name in ("steps", "batch_size", "seq_len"):
+        bound = calibration[name]["anyOf"][0]
+        assert (bound["minimum"], bound["maximum"]) == SYNC_LIMITS[name], name
+    analyze = schemas["AnalyzeCreate"]["properties"]
+    compare = analyze["compare_recipes"]["anyOf"][0]
+    assert compare["items"]["enum"] == list(RECIPE_NAMES) and compare["uniqueItems"] is True
+    assert analyze["min_sqnr_db"]["anyOf"][0]["maximum"] == 300
