@@ -132,6 +132,8 @@ class _Run:
     warnings: list[str] = field(default_factory=list)
 
     def warn(self, message: str) -> None:
+        if message in self.warnings:  # a check that runs at several stages says its piece once
+            return
         self.warnings.append(message)
         self.sink.warning(message)
 

@@ -27,12 +27,15 @@ def resolve(run: _Run) -> None:
     layer during calibration.
     """
     from converters.checkpoint import Checkpoint
+    from converters.formats import training_format
     from converters.model_sources import build_meta_model, load_config, model_dtype, resolve_model_dir
     from converters.sequential import WHOLE_MODEL, choose_mode
 
     run.recipe = run.request.parsed_recipe()
     for message in run.recipe.warnings():
         run.warn(message)
+    # a GPU that cannot run the recipe fails the job now, before any model is read
+    training_format(run.recipe.backend.value).preflight(run)
     if run.request.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES:
         run.warn("max_shard_bytes has no effect: the artifact keeps the source's weight files as they are")
     run.model_dir = resolve_model_dir(run.request.model, run.sources, with_weights=True)
@@ -69,7 +72,7 @@ def analyze(run: _Run) -> None:
     from converters.analysis import AnalysisOptions, analyze_model, check_include_patterns
 
     options = AnalysisOptions(
-        backend=run.recipe.backend.value,
+        recipe=run.recipe,  # its own shape rule: 16, or 32 for MXFP8, 128 for block scaling and NVFP4
         include=run.request.include,
         exclude=run.request.exclude,
         skip_first_last=run.request.skip_first_last,

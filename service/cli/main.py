@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         "quantization error", "with --calibrate the model's weights are loaded and a calibration runs: each eligible "
         "layer's SQNR (dB) under the recipe is shown")
     sensitivity.add_argument("--calibrate", action="store_true", help="calibrate and show each layer's SQNR")
-    sensitivity.add_argument("--recipe", type=Path, help="recipe file (JSON or Accelerate YAML); with --calibrate")
+    sensitivity.add_argument("--recipe", type=Path,
+                             help="recipe file (JSON or Accelerate YAML): its shape rule decides eligibility; "
+                                  "with --calibrate its casts are measured")
     compare.add_calibration_arguments(sensitivity, backward=False)
     compare.add_min_sqnr_argument(sensitivity, "with --calibrate, mark")
     sensitivity.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -115,13 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_analyze(args: argparse.Namespace) -> int:
     from converters.analysis import analyze_model_reference
+    from converters.recipes import load_recipe_file
     from converters.report_format import format_analysis
 
     if args.calibrate:
         from service.cli.compare import run_calibrated_analyze
 
         return run_calibrated_analyze(args, source_options_from_args(args))
-    flags = {"--recipe": args.recipe, "--min-sqnr-db": args.min_sqnr_db, "--calib-steps": args.calib_steps,
+    flags = {"--min-sqnr-db": args.min_sqnr_db, "--calib-steps": args.calib_steps,
              "--calib-batch-size": args.calib_batch_size, "--calib-seq-len": args.calib_seq_len,
              "--calib-texts": args.calib_texts}
     given = [flag for flag, value in flags.items() if value is not None]
@@ -144,6 +147,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
             exclude=args.exclude,
             skip_first_last=not args.no_skip_first_last,
             convert_router_gates=args.convert_router_gates,
+            recipe=load_recipe_file(args.recipe) if args.recipe is not None else None,  # its own shape rule
         )
     finally:
         if hidden and sys.modules.get("torchao", 0) is None:
