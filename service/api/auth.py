@@ -157,7 +157,7 @@ _bearer = HTTPBearer(auto_error=False, scheme_name="apiKey",
                      description="An API key from `fp8forge keys create`, as 'Authorization: Bearer <token>'.")
 
 
-def require_caller(
+async def require_caller(  # no I/O: a coroutine spares every /v1 request a threadpool hop
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Caller:
     header = f"{credentials.scheme} {credentials.credentials}" if credentials else request.headers.get("authorization")

@@ -16,15 +16,17 @@ from service.store import JobStore
 __all__ = ["SettingsDep", "StoreDep", "StorageDep", "DirsDep", "JobDep"]
 
 
-def get_settings(request: Request) -> Settings:
+# Coroutines, though they only read app.state: FastAPI runs a plain ``def`` dependency in the threadpool, and a
+# status poll paid such a hop for each of them.
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> JobStore:
+async def get_store(request: Request) -> JobStore:
     return request.app.state.store
 
 
-def get_storage(request: Request) -> ArtifactStorage:
+async def get_storage(request: Request) -> ArtifactStorage:
     return request.app.state.dirs
 
 

@@ -130,7 +130,9 @@ def make_engine(url: str) -> Engine:
         return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+    # As many pooled connections as the API runs threads (anyio's default limiter: 40): with SQLAlchemy's default 5
+    # (+10 overflow) the threads beyond fifteen queued for a connection (40 threads reading: 2.3x slower).
+    engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=40)
 
     @sa.event.listens_for(engine, "connect")
     def _pragmas(dbapi_conn: Any, _: Any) -> None:

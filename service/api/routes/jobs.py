@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from service.api import operations
@@ -34,19 +36,22 @@ def create_job(
 
 
 @router.get("", operation_id="listJobs", responses=error_responses(422))
-def list_jobs(
+async def list_jobs(
     store: StoreDep, caller: CallerDep, status: Annotated[JobStatus, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str, Query(pattern=r"^[0-9]{1,18}$", description="next_cursor of the page before")] = None,
 ) -> JobsPublic:
     """Your jobs (an admin's: everyone's), newest first; pass ``next_cursor`` back as ``cursor`` for more."""
     owner = None if caller.admin else caller.name
-    jobs, next_cursor = store.list_jobs(status=status, limit=limit, cursor=cursor, owner=owner)
+    jobs, next_cursor = await run_in_threadpool(
+        partial(store.list_jobs, status=status, limit=limit, cursor=cursor, owner=owner))
     return JobsPublic(data=[JobPublic.from_job(j, caller) for j in jobs], count=len(jobs), next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", operation_id="getJob", responses=error_responses(404, 422))
-def get_job(job: JobDep, caller: CallerDep) -> JobPublic:
+async def get_job(job: JobDep, caller: CallerDep) -> JobPublic:
+    # async: the one threadpool hop of a status poll is JobDep's database read (a sync route adds two more: one
+    # to run it, one to validate its response)
     return JobPublic.from_job(job, caller)
 
 
