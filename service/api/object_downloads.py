@@ -22,7 +22,7 @@ from botocore.exceptions import BotoCoreError
 from starlette.responses import RedirectResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from service.api.downloads import _disposition, parse_range
+from service.api.downloads import _cancel_on_disconnect, _disposition, parse_range
 from service.jobs import Job
 from service.storage.base import listed_entry
 from service.storage.s3 import ObjectArtifacts
@@ -73,12 +73,6 @@ class ObjectResponse(Response):
             await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
         if left > 0:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
 
 
 def object_response(
