@@ -140,6 +140,17 @@ def fp8forge_command() -> list[str]:
     return [sys.executable, "-m", "service.cli.main"]
 
 
+def stop_process(proc: subprocess.Popen | None, *, grace_s: float = 30) -> None:
+    """SIGTERM (a graceful stop: running jobs are requeued), then SIGKILL after ``grace_s``."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ServeProcess:
     """``fp8forge serve`` as a real subprocess on a free loopback port."""
 
@@ -171,13 +182,7 @@ class ServeProcess:
             return False
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""

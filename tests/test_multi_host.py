@@ -29,6 +29,7 @@ from tests.service_helpers import (
     live_app,
     pid_alive,
     postgres_url,
+    stop_process,
     wait_for,
 )
 
@@ -79,13 +80,7 @@ class WorkerHost:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
