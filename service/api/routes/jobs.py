@@ -48,11 +48,12 @@ async def list_jobs(
     return JobsPublic(data=[JobPublic.from_job(j, caller) for j in jobs], count=len(jobs), next_cursor=next_cursor)
 
 
-@router.get("/{job_id}", operation_id="getJob", responses=error_responses(404, 422))
-async def get_job(job: JobDep, caller: CallerDep) -> JobPublic:
+@router.get("/{job_id}", operation_id="getJob", response_model=JobPublic, responses=error_responses(404, 422))
+async def get_job(job: JobDep, caller: CallerDep) -> Response:
     # async: the one threadpool hop of a status poll is JobDep's database read (a sync route adds two more: one
-    # to run it, one to validate its response)
-    return JobPublic.from_job(job, caller)
+    # to run it, one to validate its response). The body is built by the model and sent as it is: FastAPI
+    # would otherwise validate and serialise the model a second time on every poll.
+    return Response(JobPublic.from_job(job, caller).model_dump_json(), media_type="application/json")
 
 
 @router.post("/{job_id}/cancel", status_code=202, operation_id="cancelJob", responses=error_responses(404, 409, 422))
