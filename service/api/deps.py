@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
+from fastapi.concurrency import run_in_threadpool
 
 from service.api.auth import CallerDep
 from service.config import Settings
@@ -36,12 +37,13 @@ StorageDep = Annotated[ArtifactStorage, Depends(get_storage)]
 DirsDep = StorageDep  # the name routes used before the storage had two implementations
 
 
-def get_job(job_id: Annotated[str, Path(max_length=64)], store: StoreDep, caller: CallerDep) -> Job:
+async def get_job(job_id: Annotated[str, Path(max_length=64)], request: Request, caller: CallerDep) -> Job:
     """The job named in the path, if the caller may see it; JobNotFound (404) otherwise.
 
-    Someone else's job answers exactly like a missing one, so job ids cannot be probed.
+    Someone else's job answers exactly like a missing one, so job ids cannot be probed. The store is read from
+    the app directly rather than through StoreDep: on a status poll every resolved dependency costs.
     """
-    job = store.get_job(job_id)
+    job = await run_in_threadpool(request.app.state.store.get_job, job_id)
     if not caller.may_see(job):
         raise JobNotFound(f"no job with id {job_id!r}")
     return job
