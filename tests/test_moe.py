@@ -123,6 +123,23 @@ def _starve_expert(model: nn.Module, expert: int, num_experts: int) -> list:
     return [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers]
 
 
+def starve_expert_in_calibration(monkeypatch, expert: int, num_experts: int) -> None:
+    """Whole-model calibration of any conversion in this test runs with ``expert`` starved of tokens."""
+    from converters import stages
+
+    real_calibrate = stages._calibrate_whole_model
+
+    def starved_calibration(run, batches, paths):
+        hooks = _starve_expert(run.model, expert, num_experts)
+        try:
+            return real_calibrate(run, batches, paths)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    monkeypatch.setattr(stages, "_calibrate_whole_model", starved_calibration)
+
+
 def test_an_expert_without_tokens_gets_finite_weight_only_state_and_a_warning(moe_root, tmp_path, monkeypatch):
     recipe = TEDelayedScalingRecipe(amax_history_len=8)
     model, batches, _ = _load(moe_root, "mixtral")
@@ -139,19 +156,7 @@ def test_an_expert_without_tokens_gets_finite_weight_only_state_and_a_warning(mo
     assert state["scale_fwd"][0] == 1.0 and state["scale_fwd"][1] != 1.0
 
     # the same through a conversion: the report names the expert and the state file stays finite
-    from converters import stages
-
-    real_calibrate = stages._calibrate_whole_model
-
-    def starved_calibration(run, batches, paths):
-        hooks = _starve_expert(run.model, 5, 8)
-        try:
-            return real_calibrate(run, batches, paths)
-        finally:
-            for hook in hooks:
-                hook.remove()
-
-    monkeypatch.setattr(stages, "_calibrate_whole_model", starved_calibration)
+    starve_expert_in_calibration(monkeypatch, 5, 8)
     request = ConversionRequest(model=str(moe_root / "mixtral"), recipe={"backend": "te", "amax_history_len": 8},
                                 calibration=CalibrationSettings(steps=3, seq_len=24, backward=True))
     run_conversion(request, tmp_path / "out", ModelSourceOptions(allowed_roots=(moe_root,)))

@@ -21,7 +21,7 @@ from converters.model_sources import ModelSourceOptions, build_meta_model, load_
 from converters.pipeline import run_conversion
 from converters.requests import CalibrationSettings, ConversionRequest
 from tests.models import MOE_CONFIGS, save_tiny_moe
-from tests.test_moe import ON_DISK, _starve_expert
+from tests.test_moe import ON_DISK, starve_expert_in_calibration
 
 STATIC, DYNAMIC, BLOCK = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block"
 CALIBRATION = CalibrationSettings(steps=3, seq_len=24)
@@ -143,19 +143,7 @@ def test_config_covers_experts_and_attention_and_ignores_routers(moe_root, expor
 
 
 def test_an_expert_without_tokens_gets_the_largest_input_scale_of_its_layer(moe_root, tmp_path, monkeypatch):
-    from converters import stages
-
-    real_calibrate = stages._calibrate_whole_model
-
-    def starved_calibration(run, batches, paths):
-        hooks = _starve_expert(run.model, 5, 8)
-        try:
-            return real_calibrate(run, batches, paths)
-        finally:
-            for hook in hooks:
-                hook.remove()
-
-    monkeypatch.setattr(stages, "_calibrate_whole_model", starved_calibration)
+    starve_expert_in_calibration(monkeypatch, 5, 8)
     report = convert(moe_root, "mixtral", tmp_path / "out", (STATIC,),
                      calibration=CalibrationSettings(steps=3, seq_len=24, backward=True))
     amax = report["calibration"]["layers"]
