@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 
 from service.config import Settings, SettingsError
 from service.errors import Unauthorized
 from service.jobs import Job
 
 __all__ = [
-    "ApiKey", "Caller", "CallerDep", "KeyRing", "LOCAL_CALLER", "ROLES", "hash_token", "key_entry", "new_token",
-    "require_caller",
+    "ApiKey", "ApiKeyBearer", "Caller", "CallerDep", "KeyRing", "LOCAL_CALLER", "ROLES", "hash_token", "key_entry",
+    "new_token", "require_caller",
 ]
 
 ROLES = ("user", "admin")
@@ -153,15 +153,18 @@ class KeyRing:
         return Caller(key.name, admin=key.role == "admin")
 
 
-_bearer = HTTPBearer(auto_error=False, scheme_name="apiKey",
-                     description="An API key from `fp8forge keys create`, as 'Authorization: Bearer <token>'.")
+class ApiKeyBearer(HTTPBearer):
+    """The ``apiKey`` bearer scheme of the OpenAPI document, resolved straight to the :class:`Caller`.
+
+    One dependency instead of a function over ``HTTPBearer``: FastAPI solves every node of a dependency tree on
+    every request, cached or not, and a status poll paid for three such pairs.
+    """
+
+    async def __call__(self, request: Request) -> Caller:  # type: ignore[override]  # no I/O: no threadpool hop
+        return request.app.state.keys.authenticate(request.headers.get("authorization"))
 
 
-async def require_caller(  # no I/O: a coroutine spares every /v1 request a threadpool hop
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Caller:
-    header = f"{credentials.scheme} {credentials.credentials}" if credentials else request.headers.get("authorization")
-    return request.app.state.keys.authenticate(header)
-
+require_caller = ApiKeyBearer(auto_error=False, scheme_name="apiKey",
+                              description="An API key from `fp8forge keys create`, as 'Authorization: Bearer <token>'.")
 
 CallerDep = Annotated[Caller, Depends(require_caller)]

@@ -14,6 +14,8 @@ __all__ = ["router"]
 router = APIRouter(tags=["health"])
 
 
+# A plain ``def`` on purpose: FastAPI runs it in the threadpool that serves the store reads and downloads, so a
+# server whose threads are all stuck fails its liveness probe instead of passing it from the event loop.
 @router.get("/healthz", operation_id="health")
 def health() -> HealthPublic:
     """The process answers."""
