@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from service.api.downloads import _CHUNK
+from service.api.streaming import PIECE_BYTES
 from service.config import Settings
 from service.store import JobStore
 from tests.service_helpers import live_app, publish_job, wait_for
 
-BIG = os.urandom(3 * _CHUNK + 12_345)  # three whole chunks and a partial one
+BIG = os.urandom(3 * PIECE_BYTES + 12_345)  # three whole chunks and a partial one
 HUGE = bytes(range(256)) * (32 << 12)  # 32 MiB: far more than loopback socket buffers hold
 
 
@@ -38,9 +38,9 @@ def test_a_file_of_several_chunks_arrives_whole(served) -> None:
 
 
 @pytest.mark.parametrize(("first", "last"), [
-    (_CHUNK - 1, _CHUNK),              # two bytes either side of a chunk boundary
-    (1, 2 * _CHUNK + 7),               # starts inside the first chunk, ends inside the third
-    (3 * _CHUNK, len(BIG) - 1),        # the partial last chunk alone
+    (PIECE_BYTES - 1, PIECE_BYTES),              # two bytes either side of a chunk boundary
+    (1, 2 * PIECE_BYTES + 7),               # starts inside the first chunk, ends inside the third
+    (3 * PIECE_BYTES, len(BIG) - 1),        # the partial last chunk alone
 ])
 def test_a_range_across_chunk_boundaries_is_exact(served, first: int, last: int) -> None:
     client, job, _ = served

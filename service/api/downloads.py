@@ -4,32 +4,29 @@ Starlette's ``FileResponse`` answers an unsatisfiable or malformed ``Range`` its
 header here lets those answers go through the one JSON error handler (416 with ``Content-Range: bytes */size``).
 The file is opened before the response starts, so a job deleted mid-download still finishes that download.
 
-A client that disconnects stops the reading (the server would otherwise read the rest of the file for nobody).
+The bytes go out through ``ReadAheadResponse``: the next piece is read while the last one is sent, and a client
+that disconnects stops the reading.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from email.utils import formatdate
 from typing import IO
 from urllib.parse import quote
 
-import anyio
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
-
+from service.api.streaming import ReadAheadResponse
 from service.artifacts import ArtifactDirs
 from service.errors import ArtifactNotFound, RangeNotSatisfiable
 from service.jobs import Job
 
 __all__ = ["parse_range", "artifact_response", "ArtifactResponse"]
 
-# Uvicorn offers ASGI no zero-copy send, so every byte is read and written once more in this process; with 1 MiB
-# reads a download still runs at what TCP on loopback carries (benchmarks/bench_api.py: about 0.9 of a bare
-# socket sending from memory); larger reads bought nothing there and cost memory per download.
-_CHUNK = 1 << 20
+logger = logging.getLogger(__name__)
+
 _RANGE = re.compile(r"bytes=(?:([0-9]{1,19})-([0-9]{0,19})|-([0-9]{1,19}))")
 
 
@@ -60,48 +57,28 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
     return start, min(end, size - 1)
 
 
-class ArtifactResponse(Response):
+class ArtifactResponse(ReadAheadResponse):
     """Streams ``length`` bytes of an already open file from ``offset`` (nothing for HEAD), then closes it."""
 
     def __init__(self, fh: IO[bytes], offset: int, length: int, *, status_code: int, headers: dict[str, str]) -> None:
-        self.fh, self.offset, self.length = fh, offset, length
-        self.status_code = status_code
-        self.media_type = "application/octet-stream"
-        self.background = None
-        self.init_headers({**headers, "content-length": str(length)})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            if scope.get("method") == "HEAD" or self.length == 0:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(_cancel_on_disconnect, receive, tasks.cancel_scope)
-                await self._send_body(send)
-                tasks.cancel_scope.cancel()
-        finally:
-            self.fh.close()  # no read is running: a cancelled read finishes in its thread before this
-
-    async def _send_body(self, send: Send) -> None:
-        fd, position, left = self.fh.fileno(), self.offset, self.length
-        if hasattr(os, "posix_fadvise"):  # a larger kernel read-ahead; only advice, so a refusal is fine
+        super().__init__(length, status_code=status_code, headers=headers)
+        self.fh, self.position = fh, offset
+        if hasattr(os, "posix_fadvise") and length:  # a larger kernel read-ahead; only advice, a refusal is fine
             with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, position, left, os.POSIX_FADV_SEQUENTIAL)
-        while left > 0:
-            chunk = await anyio.to_thread.run_sync(os.pread, fd, min(_CHUNK, left), position)
-            if not chunk:  # the file shrank under us; the client sees a short body, never wrong bytes
-                break
-            position, left = position + len(chunk), left - len(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
-        if left > 0:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                os.posix_fadvise(fh.fileno(), offset, length, os.POSIX_FADV_SEQUENTIAL)
 
+    def read(self, size: int) -> bytes:
+        try:
+            piece = os.pread(self.fh.fileno(), size, self.position)  # b"": the file shrank under us
+        except OSError:
+            logger.warning("reading %s failed mid-download; the client gets a short body to resume", self.fh.name,
+                           exc_info=True)
+            return b""
+        self.position += len(piece)
+        return piece
 
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
+    def close(self) -> None:
+        self.fh.close()
 
 
 def artifact_response(

@@ -17,12 +17,11 @@ import logging
 from email.utils import formatdate
 from typing import Any
 
-import anyio
 from botocore.exceptions import BotoCoreError
 from starlette.responses import RedirectResponse, Response
-from starlette.types import Receive, Scope, Send
 
-from service.api.downloads import _cancel_on_disconnect, _disposition, parse_range
+from service.api.downloads import _disposition, parse_range
+from service.api.streaming import ReadAheadResponse
 from service.jobs import Job
 from service.storage.base import listed_entry
 from service.storage.s3 import ObjectArtifacts
@@ -31,48 +30,25 @@ __all__ = ["object_response", "ObjectResponse"]
 
 logger = logging.getLogger(__name__)
 
-_CHUNK = 1 << 20
 
-
-class ObjectResponse(Response):
+class ObjectResponse(ReadAheadResponse):
     """Streams ``length`` bytes of an open object-store body (nothing for HEAD), then closes it."""
 
     def __init__(self, body: Any, length: int, *, status_code: int, headers: dict[str, str]) -> None:
-        self.body_stream, self.length = body, length
-        self.status_code = status_code
-        self.media_type = "application/octet-stream"
-        self.background = None
-        self.init_headers({**headers, "content-length": str(length)})
+        super().__init__(length, status_code=status_code, headers=headers)
+        self.body_stream = body
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def read(self, size: int) -> bytes:
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            if self.body_stream is None or scope.get("method") == "HEAD" or self.length == 0:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(_cancel_on_disconnect, receive, tasks.cancel_scope)
-                await self._send_body(send)
-                tasks.cancel_scope.cancel()
-        finally:
-            if self.body_stream is not None:
-                self.body_stream.close()  # a cancelled read finishes in its thread before this
+            return self.body_stream.read(size)
+        except (BotoCoreError, OSError):
+            logger.warning("the object store broke off a download; the client gets a short body to resume",
+                           exc_info=True)
+            return b""
 
-    async def _send_body(self, send: Send) -> None:
-        left = self.length
-        while left > 0:
-            try:
-                chunk = await anyio.to_thread.run_sync(self.body_stream.read, min(_CHUNK, left))
-            except (BotoCoreError, OSError):
-                logger.warning("the object store broke off a download; the client gets a short body to resume",
-                               exc_info=True)
-                chunk = b""
-            if not chunk:
-                break
-            left -= len(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
-        if left > 0:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    def close(self) -> None:
+        if self.body_stream is not None:
+            self.body_stream.close()
 
 
 def object_response(
