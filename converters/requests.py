@@ -52,9 +52,10 @@ MAX_PATTERNS = 64
 SHARD_BYTES = (65536, 2**40)
 #: Names in ``converters.formats.SERVING_FORMATS`` (that registry imports torch; tests keep the two equal).
 SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block")
-#: A calibration text must contain a character this regex finds: anything but ASCII whitespace. ASCII only, so
-#: that Python, pydantic's Rust regex and the OpenAPI schema's ECMAScript readers agree on which texts are blank.
-NOT_BLANK = r"[^\t\n\x0b\x0c\r ]"
+#: A calibration text must contain a character this regex finds: anything but what ``str.isspace`` calls
+#: whitespace (so "\u00a0\u3000" is blank too). Written with escapes only, which Python, pydantic's Rust regex and
+#: the OpenAPI schema's ECMAScript readers all read alike.
+NOT_BLANK = r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 _NOT_BLANK = re.compile(NOT_BLANK)
 #: ``min_sqnr_db`` range (dB): 300 is what an exact cast reports (converters.quant_emulation.SQNR_CAP_DB).
 MIN_SQNR_DB_RANGE = (0.0, 300.0)

@@ -103,6 +103,8 @@ BOUNDS = [  # (name, body at the bound, body past it, the field named)
      _job(calibration={**SMALL, "texts": ["ok", "t" * (MAX_TEXT_CHARS + 1)]}), "calibration.texts[1]"),
     ("no texts", None, _job(calibration={**SMALL, "texts": []}), "calibration.texts"),
     ("blank text", None, _job(calibration={**SMALL, "texts": ["fine", " \n\t"]}), "calibration.texts[1]"),
+    ("unicode-blank text", _job(calibration={**SMALL, "texts": ["\u00a0x\u3000"]}),
+     _job(calibration={**SMALL, "texts": ["fine", "\u00a0\u2003\u3000\x1f"]}), "calibration.texts[1]"),
     ("serving_formats", _job(serving_formats=list(SERVING_FORMAT_NAMES)),
      _job(serving_formats=[*SERVING_FORMAT_NAMES, SERVING_FORMAT_NAMES[0]]), "serving_formats"),
 ]
@@ -212,6 +214,7 @@ LIBRARY = [  # the same bounds hold for the command line, which builds requests 
     (lambda: CalibrationSettings(batch_size=4, seq_len=MAX_TOKENS_PER_STEP // 2), "calibration"),
     (lambda: CalibrationSettings(texts=["t"] * (LIMITS["texts"][1] + 1)), "calibration.texts"),
     (lambda: CalibrationSettings(texts=["t", " "]), "calibration.texts[1]"),
+    (lambda: CalibrationSettings(texts=["\u2028\u00a0", "t"]), "calibration.texts[0]"),
     (lambda: ConversionRequest(model=MODEL, max_shard_bytes=SHARD_BYTES[1] + 1), "max_shard_bytes"),
     (lambda: ConversionRequest(model=MODEL, include=["x"] * (MAX_PATTERNS + 1)), "include"),
     (lambda: ConversionRequest(model=MODEL, exclude=["x" * (MAX_PATTERN_CHARS + 1)]), "exclude[0]"),
