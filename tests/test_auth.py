@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from service.api.auth import KeyRing, hash_token, key_entry
 from service.config import Settings, SettingsError
 from service.errors import TooManyJobs
-from service.jobs import JobStatus
+from service.jobs import Job, JobStatus
 from service.store import JobStore
 from tests.service_helpers import fp8forge_command, live_app, make_store
 
@@ -137,6 +139,27 @@ def test_workers_run_at_most_the_per_key_number_of_a_keys_jobs(kind: str, tmp_pa
         assert [j.id if j else None for j in claimed] == [alice[0].id, alice[1].id, bob.id, local.id, None]
         store.set_status(alice[0].id, JobStatus.SUCCEEDED, owner="w0")
         assert store.claim_next("w5", max_running_per_owner=2).id == alice[2].id
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_workers_claiming_at_the_same_instant_keep_the_running_limit(kind: str, tmp_path: Path) -> None:
+    with make_store(kind, tmp_path) as (store, _, _):
+        for round_ in range(4):
+            for i in range(6):
+                store.create_job({"n": i, "round": round_}, request_hash=f"a{round_}-{i}", owner="alice")
+            start = threading.Barrier(6)
+
+            def claim(worker: str, start: threading.Barrier = start) -> Job | None:
+                start.wait()
+                return store.claim_next(worker, max_running_per_owner=2)
+
+            with ThreadPoolExecutor(6) as pool:
+                claimed = [job for job in pool.map(claim, [f"w{round_}-{i}" for i in range(6)]) if job is not None]
+            assert len(claimed) == 2, f"round {round_}: {len(claimed)} of alice's jobs started, the limit is 2"
+            for job in claimed:  # clear the round: nothing left running or queued
+                store.set_status(job.id, JobStatus.SUCCEEDED, owner=job.worker_id)
+            for job in store.list_jobs(owner="alice", status=JobStatus.QUEUED)[0]:
+                store.set_status(job.id, JobStatus.CANCELLED)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -191,8 +191,9 @@ class JobStore:
     def claim_next(self, worker_id: str, *, max_running_per_owner: int | None = None) -> Job | None:
         """Atomically move the oldest queued job to running for ``worker_id``; None when none is queued.
 
-        With ``max_running_per_owner``, jobs of an owner who already has that many running wait their turn
-        (two workers claiming at the same instant may each start one more).
+        With ``max_running_per_owner``, jobs of an owner who already has that many running wait their turn. On
+        PostgreSQL such claims take turns on an advisory lock, so two workers claiming at the same instant cannot
+        each count the other's job as not yet running (SQLite runs one writer at a time anyway).
         """
         transition(JobStatus.QUEUED, JobStatus.RUNNING)
         now = time.time()
@@ -212,6 +213,8 @@ class JobStore:
             .returning(*self._jobs.c)
         )
         with self.engine.begin() as conn:
+            if max_running_per_owner is not None and self.engine.dialect.name == "postgresql":
+                conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"fp8forge-claim:{self._jobs}"))))
             row = conn.execute(stmt).mappings().first()
             if row is None:
                 return None
