@@ -131,7 +131,9 @@ def make_engine(url: str) -> Engine:
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     # As many pooled connections as the API runs threads (anyio's default limiter: 40): with SQLAlchemy's default 5
-    # (+10 overflow) the threads beyond fifteen queued for a connection (40 threads reading: 2.3x slower).
+    # (+10 overflow) the threads beyond fifteen queued for a connection (40 threads reading: 2.3x slower). The
+    # overflow covers the rest: the event loop's inline reads (JobStore.reads_inline) and the reaper's thread, so a
+    # read on the loop never waits for a connection.
     engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=40)
 
     @sa.event.listens_for(engine, "connect")
