@@ -154,3 +154,51 @@ def test_yaml_helper_needs_a_key_where_keys_are_on(tmp_path):
         answer = client.post("/ui/api/recipe-from-yaml", json={"yaml": ACCELERATE_YAML},
                              headers={"Authorization": f"Bearer {TOKEN}"})
         assert answer.status_code == 200
+
+
+class _Controls(HTMLParser):
+    """The form controls of a page by id: their attributes, and for a select the option marked selected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.controls: dict[str, dict] = {}
+        self.variants: set[str] = set()
+        self._select: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "data-recipe-variant" in attrs:
+            self.variants.add(attrs["data-recipe-variant"])
+        if tag in ("input", "select") and attrs.get("id"):
+            self.controls[attrs["id"]] = attrs
+            self._select = attrs["id"] if tag == "select" else None
+        if tag == "option" and self._select and "selected" in attrs:
+            self.controls[self._select]["selected"] = attrs["value"]
+
+
+def test_the_form_offers_every_recipe_of_the_api_schema_with_its_defaults(client):
+    """Each recipe in the OpenAPI document (beyond the three with hand-written fields) has a box of options."""
+    components = client.get("/openapi.json").json()["components"]["schemas"]
+    page = _Controls()
+    page.feed(client.get("/ui/jobs/new").text)
+    offered = 0
+    for schema in components.values():
+        scaling = schema.get("properties", {}).get("scaling", {}).get("const")
+        if scaling is None or scaling in ("delayed", "current"):
+            continue
+        backend = schema["properties"]["backend"]["const"]
+        assert f"{backend}/{scaling}" in page.variants
+        for name, prop in schema["properties"].items():
+            if name in ("version", "backend", "scaling"):
+                continue
+            control = page.controls[f"recipe-{scaling}-{name}"]
+            assert control["data-option"] == name
+            if control.get("type") == "checkbox":
+                assert ("checked" in control) is prop["default"], name
+            elif control.get("type") == "number":
+                assert [float(control[k]) for k in ("value", "min", "max")] == \
+                    [prop["default"], prop["minimum"], prop["maximum"]], name
+            else:
+                assert control["selected"] == prop["default"], name
+        offered += 1
+    assert offered == 5  # TE mxfp8_block, float8_block, nvfp4_block; torchao float8/mxfp8 training ops

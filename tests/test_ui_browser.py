@@ -292,6 +292,46 @@ def test_form_errors_sit_next_to_their_fields_and_the_form_reads_out(open_server
     expect(page.locator("#job-status")).to_have_text("cancelled")
 
 
+def test_every_recipe_the_api_takes_can_be_picked_in_the_form(open_server, tab):
+    from playwright.sync_api import expect
+
+    t = tab(open_server.base_url)
+    page = t.page
+    page.goto("/ui/jobs/new")
+    page.fill("#model", "demo/tiny-llama")
+
+    page.check("#recipe-scaling-mxfp8_block")  # margin is an option of the delayed recipe too: the error goes here
+    page.fill("#recipe-mxfp8_block-margin", "40")
+    page.click("#submit-job")
+    expect(page.locator("#recipe-mxfp8_block-margin-error")).to_contain_text("32")
+    expect(page.locator("#recipe-mxfp8_block-margin")).to_be_focused()
+    expect(page.locator("#recipe-margin-error")).to_be_hidden()
+
+    page.check("#recipe-scaling-float8_block")
+    page.select_option("#recipe-float8_block-fp8_format", "HYBRID")
+    page.fill("#recipe-float8_block-w_block_scaling_dim", "1")
+    page.check("#recipe-float8_block-use_f32_scales")
+    t.screenshot("new_job_float8_block")
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r"/ui/jobs/[0-9a-f-]{8,}$"))
+    recipe = open_server.api.get(f"/v1/jobs/{page.url.rsplit('/', 1)[1]}").json()["request"]["recipe"]
+    assert recipe == {"backend": "te", "scaling": "float8_block", "fp8_format": "HYBRID",
+                      "use_f32_scales": True, "x_block_scaling_dim": 1, "w_block_scaling_dim": 1,
+                      "grad_block_scaling_dim": 1}
+
+    page.goto("/ui/jobs/new")
+    page.fill("#model", "demo/tiny-llama")
+    page.check("#recipe-backend-ao")
+    page.check("#ao_scaling-mxfp8_training_op")
+    expect(page.locator("#recipe-recipe_name")).to_be_hidden()  # Float8Linear's options are not this recipe's
+    page.select_option("#recipe-mxfp8_training_op-kernel_preference", "emulated")
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r"/ui/jobs/[0-9a-f-]{8,}$"))
+    recipe = open_server.api.get(f"/v1/jobs/{page.url.rsplit('/', 1)[1]}").json()["request"]["recipe"]
+    assert recipe["scaling"] == "mxfp8_training_op" and recipe["kernel_preference"] == "emulated"
+    assert recipe["wgrad_with_hp"] is False and "recipe_name" not in recipe
+
+
 def _assert_accessible_form(page: Any) -> None:
     """Every control has a label, every fieldset a legend, errors and status are live regions."""
     unlabelled = page.evaluate("""() => Array.from(document.querySelectorAll(

@@ -20,6 +20,7 @@ from converters.recipes import (
 )
 from converters.requests import LIMITS, MAX_PATTERNS, SERVING_FORMAT_NAMES, CalibrationSettings
 from service.jobs import STAGES, JobStatus
+from service.ui.recipe_variants import recipe_variants
 
 __all__ = ["page_config", "form_defaults"]
 
@@ -27,6 +28,7 @@ __all__ = ["page_config", "form_defaults"]
 def form_defaults() -> dict[str, Any]:
     """Defaults, choices and bounds of the new-job and analyze forms (rendered into the HTML)."""
     te, ao, cal = TEDelayedScalingRecipe(), TorchAORecipe(), CalibrationSettings()
+    variants = recipe_variants()
     return {
         "te": te.to_dict(),
         "te_current": TECurrentScalingRecipe().to_dict(),
@@ -40,6 +42,11 @@ def form_defaults() -> dict[str, Any]:
         "limits": {name: {"min": low, "max": high} for name, (low, high) in LIMITS.items()},
         "max_patterns": MAX_PATTERNS,
         "serving_formats": list(SERVING_FORMAT_NAMES),
+        "recipe_variants": variants,
+        "te_scaling_choices": [("delayed", "delayed (amax history)"), ("current", "current (per cast)"),
+                               *((v["scaling"], v["scaling"]) for v in variants if v["backend"] == "te")],
+        "ao_scaling_choices": [("float8_linear", "Float8Linear (module swap)"),
+                               *((v["scaling"], v["scaling"]) for v in variants if v["backend"] == "ao")],
     }
 
 

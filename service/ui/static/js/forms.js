@@ -54,7 +54,9 @@
         this.summary = named ? err.message : prefix + err.message;
         this.status = '';
         this.$nextTick(function () {
-          const target = field && form.querySelector('[data-field="' + field + '"] :is(input, select, textarea)');
+          // several recipes share option names (recipe.fp8_format, ...): the field is the one on show
+          const target = field && Array.from(form.querySelectorAll('[data-field="' + field + '"] :is(input, select, textarea)'))
+            .find(function (el) { return el.offsetParent !== null; });
           (target || form.querySelector('.error-summary')).focus();
         });
       },

@@ -26,6 +26,7 @@
         source: 'fields',
         backend: 'te',
         scaling: 'delayed',
+        aoScaling: 'float8_linear',
         yaml: '',
 
         form() { return document.getElementById('job-form'); },
@@ -35,7 +36,29 @@
         checked(name) { return this.form().elements.namedItem(name).checked; },
         number(name) { return this.numberField(this.form(), name); },
 
+        // A recipe of service/ui/recipe_variants.py: its options are the inputs of its own box.
+        variantRecipe(backend, scaling) {
+          const box = this.form().querySelector('[data-recipe-variant="' + backend + '/' + scaling + '"]');
+          const recipe = { backend: backend, scaling: scaling };
+          box.querySelectorAll('[data-option]').forEach(function (input) {
+            const option = input.dataset.option;
+            if (input.type === 'checkbox') {
+              recipe[option] = input.checked;
+            } else if (input.type === 'number') {
+              if (input.validity.badInput) throw new LocalError('recipe.' + option, 'Enter a whole number.');
+              recipe[option] = input.value.trim() === '' ? undefined : Number(input.value);
+            } else {
+              recipe[option] = input.value;
+            }
+          });
+          return recipe;
+        },
+
         recipeFromFields() {
+          if (this.backend === 'ao' && this.aoScaling !== 'float8_linear') return this.variantRecipe('ao', this.aoScaling);
+          if (this.backend === 'te' && this.scaling !== 'delayed' && this.scaling !== 'current') {
+            return this.variantRecipe('te', this.scaling);
+          }
           if (this.backend === 'ao') {
             return {
               backend: 'ao', recipe_name: this.value('recipe.recipe_name'),
