@@ -67,8 +67,9 @@ def load_torchao(directory: str | Path, *, verify: bool = True, device: str = "c
 
     The torchao ``Float8LinearConfig`` is rebuilt from the artifact's ``fp8.float8_linear_config`` and
     exactly ``fp8.converted_modules`` are swapped. MoE experts GEMMs (``fp8.converted_experts``) get torchao's
-    FP8 rowwise grouped GEMM (``fp8.experts_config``) where it runs (CUDA compute capability 9.0/10.0 with
-    triton) and stay in high precision elsewhere, with a warning; ``model.fp8_experts`` (an
+    grouped GEMM of ``fp8.experts_config`` where it runs (FP8 rowwise: CUDA compute capability 9.0/10.0 with
+    triton; MXFP8: 10.x, or anywhere emulated) and stay in high precision elsewhere, with a warning;
+    ``model.fp8_experts`` (an
     ``ExpertsPrecision``) says which. The model is returned in train mode, ready to train.
     Raises ArtifactError for a missing/altered file or an artifact of another backend.
     """

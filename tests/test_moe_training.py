@@ -34,6 +34,7 @@ from converters.backends.transformer_engine import te_status
 from converters.errors import ConversionError, ModelNotFoundError
 from converters.model_sources import ModelSourceOptions, load_model
 from converters.pipeline import ConversionRequest, run_conversion
+from converters.recipes import recipe_from_dict
 from converters.requests import CalibrationSettings
 from converters.te_layout import state_key
 from tests.models import MOE_CONFIGS, save_tiny_moe
@@ -253,6 +254,69 @@ def test_ao_artifact_loads_and_trains_on_cpu_with_high_precision_experts(ao_arti
     for gemm in GEMMS:
         grad = model.get_parameter(gemm).grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, gemm
+
+
+MX_EMULATED = {"backend": "ao", "scaling": "mxfp8_training_op", "kernel_preference": "emulated"}
+
+
+@pytest.fixture(scope="module")
+def mx_artifact(moe_root, tmp_path_factory):
+    return _convert(moe_root, tmp_path_factory.mktemp("ao_mx") / "out", MX_EMULATED)
+
+
+def test_an_mxfp8_job_gives_its_experts_its_own_mxfp8_config(mx_artifact):
+    block = json.loads((mx_artifact / "config.json").read_text())["fp8"]
+    assert block["converted_experts"] == GEMMS
+    assert block["experts_config"] == {"config": "MXFP8TrainingOpConfig", "kernel_preference": "emulated",
+                                       "out_dtype": "bfloat16", "wgrad_with_hp": False,
+                                       "scale_calculation_mode": "rceil", "pad_token_groups_for_grouped_mm": False,
+                                       "experts_implementation": "grouped_mm"}
+    assert block["experts_config"] | {"experts_implementation": None} == \
+        block["training_op_config"] | {"experts_implementation": None}  # the Linear weights' config, the same
+
+
+def test_emulated_mxfp8_experts_load_and_train_on_cpu_in_torchao_mxfp8(mx_artifact, moe_root):
+    from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
+
+    model = load_torchao(mx_artifact)
+    assert model.fp8_experts.fp8 and model.config._experts_implementation == "grouped_mm"
+    assert model.fp8_experts.note.startswith("experts run torchao's MXFP8 (emulated) grouped GEMM")
+    for gemm in GEMMS:
+        assert isinstance(model.get_parameter(gemm), MXFP8TrainingWeightWrapperTensor), gemm
+
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    reference = _model(moe_root, "mixtral")  # the source in high precision, eager experts
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        got = model(input_ids=ids).logits.float()
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert 0 < error < 0.1, error  # MXFP8 E4M3 rounding: close to the source, never identical
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert math.isfinite(loss.item())
+    for gemm in GEMMS:
+        grad = model.get_parameter(gemm).grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, gemm
+
+
+def test_mxfp8_experts_for_blackwell_kernels_stay_high_precision_on_cpu_and_say_why(moe_root, tmp_path, caplog):
+    artifact = _convert(moe_root, tmp_path / "out", {"backend": "ao", "scaling": "mxfp8_training_op"})
+    with caplog.at_level(logging.WARNING, logger="converters.backends.torchao_experts"):
+        model = load_torchao(artifact)
+    assert not model.fp8_experts.fp8
+    assert model.fp8_experts.note.startswith("experts run in high precision here: MXFP8TrainingOpConfig needs ")
+    assert "the model is on cpu" in model.fp8_experts.note and model.fp8_experts.note in caplog.text
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert math.isfinite(model(input_ids=ids, labels=ids).loss.item())
+
+
+@pytest.mark.parametrize("edit", [{"kernel_preference": "fastest"}, {"out_dtype": "float32"}, {"extra": 1},
+                                  {"experts_implementation": "eager"}])
+def test_edited_mxfp8_experts_configs_are_refused(edit):
+    fields = experts_config_fields(torch.bfloat16, recipe_from_dict(MX_EMULATED))
+    assert experts_config_from_dict(fields).kernel_preference.value == "emulated"
+    with pytest.raises(ConversionError, match="convert the model again"):
+        experts_config_from_dict({**fields, **edit})
 
 
 def test_torchao_wraps_exactly_the_listed_experts_weights(moe_root):

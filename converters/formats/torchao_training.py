@@ -5,9 +5,10 @@ block holds the ``Float8LinearConfig`` (``float8_linear_config``) or the ``quant
 (``training_op_config``: ``Float8TrainingOpConfig`` / ``MXFP8TrainingOpConfig``) and the converted layers, and
 :meth:`load` swaps (or wraps) exactly those; a training config the loading device cannot run leaves the layers in
 high precision, and ``model.fp8_linears`` says so. MoE
-experts GEMMs (``converted_experts``) get torchao's FP8 grouped GEMM (``Float8TrainingOpConfig``, rowwise;
-``fp8.experts_config``) where it runs: CUDA with triton (see :mod:`converters.backends.torchao_experts`);
-elsewhere the loaded experts stay in high precision and ``model.fp8_experts`` says so.
+experts GEMMs (``converted_experts``) get torchao's grouped GEMM (``fp8.experts_config``: the job's own
+``MXFP8TrainingOpConfig`` for an ``mxfp8_training_op`` recipe, ``Float8TrainingOpConfig`` rowwise otherwise) where
+it runs (see :mod:`converters.backends.torchao_experts`); elsewhere the loaded experts stay in high precision and
+``model.fp8_experts`` says so.
 In layer-sequential mode the swaps run on the meta-device model, which checks that every eligible layer
 converts without holding any weight.
 """
@@ -66,7 +67,7 @@ class TorchAOTraining:
         gemms = converted_expert_gemms(run.report)
         if gemms:  # a check that the recorded experts config applies to exactly these weights (before any Linear
             # weight is wrapped by a training config: the experts check counts every wrapped parameter)
-            convert_experts_to_torchao(model, gemms, experts_config_from_dict(_experts_fields(model, gemms)))
+            convert_experts_to_torchao(model, gemms, experts_config_from_dict(_experts_fields(run, model, gemms)))
         if _training_op(run):
             run.converted = convert_to_training_op(model, eligible, run.recipe.to_training_op_config())
         else:
@@ -85,7 +86,8 @@ class TorchAOTraining:
             fields["float8_linear_config"] = run.recipe.float8_config_dict()
         gemms = converted_expert_gemms(run.report)
         if gemms:
-            fields["experts_config"] = _experts_fields(run.model if run.model is not None else run.meta_model, gemms)
+            fields["experts_config"] = _experts_fields(run, run.model if run.model is not None else run.meta_model,
+                                                       gemms)
         return fields
 
     def library_versions(self) -> dict[str, str]:
@@ -108,7 +110,7 @@ class TorchAOTraining:
             model.to(device)
             # experts first: their wrapping checks every wrapped parameter, the Linear weights' included
             model.fp8_experts = load_experts(model, experts, block.get("experts_config"), device=device,
-                                             linear_emulate=False)
+                                             linear_emulate=None)
             model.fp8_linears = load_training_op(model, block["converted_modules"], recipe, config, device=device)
         else:
             float8_config = float8_linear_config_from_dict(block["float8_linear_config"])
@@ -137,11 +139,11 @@ def _recorded_training_op(directory: Path, block: dict[str, Any]) -> tuple[Any, 
     return recipe, training_op_config_from_dict(block["training_op_config"])
 
 
-def _experts_fields(model: nn.Module, gemms: list[str]) -> dict[str, Any]:
+def _experts_fields(run: _Run, model: nn.Module, gemms: list[str]) -> dict[str, Any]:
     from converters.backends.torchao_experts import experts_config_fields
 
     param = model.get_parameter(gemms[0])
-    return experts_config_fields(getattr(param, "dtype", None))
+    return experts_config_fields(getattr(param, "dtype", None), run.recipe)
 
 
 TORCHAO = TorchAOTraining()
