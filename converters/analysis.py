@@ -29,6 +29,7 @@ __all__ = [
     "converted_expert_gemms",
     "eligible_expert_units",
     "eligible_paths",
+    "refresh_totals",
     "options_recipe",
     "REPORT_VERSION",
 ]
@@ -411,6 +412,14 @@ def _count_parameters(named: list[tuple[str, nn.Module]]) -> _Parameters:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def refresh_totals(report: dict[str, Any]) -> None:
+    """Recount ``report["totals"]`` after layers changed eligibility (the model's size is in the totals already)."""
+    totals = report["totals"]
+    dtypes = tuple(name for name in totals["weight_dtype"].split("+") if name != "none")
+    report["totals"] = _totals(_Parameters(count=totals["model_parameters"], bytes=totals["weight_bytes"],
+                                           dtypes=dtypes), report)
 
 
 def _totals(parameters: _Parameters, report: dict[str, Any]) -> dict[str, Any]:

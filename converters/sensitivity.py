@@ -38,10 +38,6 @@ if TYPE_CHECKING:
 __all__ = [
     "RECIPE_NAMES",
     "MAX_COMPARE_RECIPES",
-    "SYNC_LIMITS",
-    "SYNC_DEFAULTS",
-    "SYNC_MAX_TEXTS_CHARS",
-    "SYNC_MAX_PARAMETERS",
     "SQNR_DEFINITION",
     "DelayedParams",
     "RecipeCasts",
@@ -53,8 +49,6 @@ __all__ = [
     "relabel_comparison",
     "report_sqnr",
     "exclude_low_sqnr",
-    "check_sync_calibration",
-    "calibrated_analysis",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,13 +67,6 @@ RECIPE_NAMES: dict[str, dict[str, str]] = {
     "ao-mxfp8-op": {"backend": "ao", "scaling": "mxfp8_training_op"},
 }
 MAX_COMPARE_RECIPES = 16
-#: Bounds of the calibration /v1/analyze runs synchronously, inside the request (inclusive ranges), and its
-#: defaults: at most 4096 tokens, so that the answer comes in seconds for a small model.
-SYNC_LIMITS = {"steps": (1, 8), "batch_size": (1, 4), "seq_len": (1, 128), "texts": (1, 64)}
-SYNC_DEFAULTS = {"steps": 2, "batch_size": 2, "seq_len": 64}
-SYNC_MAX_TEXTS_CHARS = 65_536
-#: Largest model /v1/analyze calibrates synchronously; larger ones: ``fp8forge compare`` or a conversion job.
-SYNC_MAX_PARAMETERS = 1_000_000_000
 SQNR_DEFINITION = ("10*log10(sum(x^2)/sum((x-q(x))^2)) dB; weight: the weight cast once; input: the calibration "
                    "inputs, all steps pooled; output: the output from the cast input and weight against fp32 from "
                    "the originals, all steps pooled; 300 means exact")
@@ -484,76 +471,9 @@ def exclude_low_sqnr(report: dict[str, Any], min_sqnr_db: float) -> list[str]:
 
 
 def _refresh(report: dict[str, Any], by_path: dict[str, dict[str, Any]]) -> None:
-    # The totals rule is analysis's own; the model's parameter count, bytes and dtypes are in the report already.
-    from converters.analysis import _Parameters, _totals
+    from converters.analysis import refresh_totals
 
     for group in report["fused_groups"]:
         group["eligible_members"] = [m for m in group["members"] if by_path[m]["eligible"]]
         group["partly_eligible"] = 0 < len(group["eligible_members"]) < len(group["members"])
-    totals = report["totals"]
-    dtypes = tuple(name for name in totals["weight_dtype"].split("+") if name != "none")
-    report["totals"] = _totals(_Parameters(count=totals["model_parameters"], bytes=totals["weight_bytes"],
-                                           dtypes=dtypes), report)
-
-
-def check_sync_calibration(settings: Any) -> None:
-    """Refuse calibration settings beyond :data:`SYNC_LIMITS` (the synchronous /v1/analyze path).
-
-    Raises CalibrationDataError naming ``calibration.<field>``.
-    """
-    from converters.errors import CalibrationDataError
-
-    for name in ("steps", "batch_size", "seq_len"):
-        low, high = SYNC_LIMITS[name]
-        if not low <= getattr(settings, name) <= high:
-            raise CalibrationDataError(
-                f"calibration.{name} must be from {low} to {high} for a synchronous analysis; run `fp8forge compare` "
-                "or a conversion job for more", field=f"calibration.{name}")
-    if settings.backward:
-        raise CalibrationDataError("a synchronous analysis runs no backward pass", field="calibration.backward")
-    texts = settings.texts or ()
-    if len(texts) > SYNC_LIMITS["texts"][1] or sum(len(text) for text in texts) > SYNC_MAX_TEXTS_CHARS:
-        raise CalibrationDataError(f"a synchronous analysis takes at most {SYNC_LIMITS['texts'][1]} texts of "
-                                   f"{SYNC_MAX_TEXTS_CHARS} characters in all", field="calibration.texts")
-
-
-def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_parameters: int | None = None
-                        ) -> dict[str, Any]:
-    """The analysis report of ``request.model`` with each eligible layer's SQNR; nothing is converted or written.
-
-    Runs the pipeline's resolve, analyze and calibrate stages (layer by layer where the model allows), so the
-    numbers are the ones a conversion with the same request would report; ``request.compare_recipes`` adds the
-    comparison table and ``request.min_sqnr_db`` marks the layers it would keep in high precision. The report
-    gains ``calibration`` (settings, data source, mode) and ``warnings``.
-
-    Raises the pipeline's Fp8ForgeError subclasses, and RequestError (field ``model``) for a model of more
-    than ``max_parameters`` parameters.
-    """
-    from converters import stages
-    from converters.analysis import analyze_model_reference
-    from converters.pipeline import NullSink, _Run
-    from converters.requests import RequestError
-
-    plain = analyze_model_reference(request.model, sources, backend=request.parsed_recipe().backend.value,
-                                    include=request.include, exclude=request.exclude,
-                                    skip_first_last=request.skip_first_last,
-                                    convert_router_gates=request.convert_router_gates)
-    size = plain["totals"]["model_parameters"]
-    if max_parameters is not None and size > max_parameters:
-        raise RequestError(f"the model has {size:,} parameters; a synchronous analysis calibrates at most "
-                           f"{max_parameters:,}: run `fp8forge compare` on a worker machine, or a conversion job "
-                           "(its report holds the SQNR under its recipe)", field="model")
-    if plain["totals"]["eligible_layers"] + plain["totals"]["eligible_expert_units"] == 0:
-        plain["warnings"] = ["no layer is eligible for FP8: nothing was calibrated"]
-        return plain
-    run = _Run(request=request, sources=sources, sink=sink or NullSink())
-    for stage in (stages.resolve, stages.analyze, stages.calibrate):
-        run.check_stop()
-        run.sink.stage(stage.__name__)
-        stage(run)
-    settings = request.calibration
-    run.report["calibration"] = {"steps": settings.steps, "batch_size": settings.batch_size,
-                                 "seq_len": settings.seq_len, "data_source": run.calibration.data_source,
-                                 "pipeline": run.pipeline}
-    run.report["warnings"] = run.warnings
-    return run.report
+    refresh_totals(report)

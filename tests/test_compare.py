@@ -9,7 +9,8 @@ import statistics
 
 import pytest
 
-from converters.sensitivity import RECIPE_NAMES, SYNC_LIMITS
+from converters.sensitivity import RECIPE_NAMES
+from converters.sync_analysis import SYNC_LIMITS
 from service.cli.compare import format_comparison
 from service.cli.main import main
 from tests.models import minilm_dir

@@ -306,7 +306,7 @@ def test_request_bounds_of_the_new_fields():
 @pytest.fixture(scope="module")
 def llama_sqnr(models_root, sources):
     """The tiny Llama's per-layer output SQNR under TE delayed scaling, from a calibrated analysis."""
-    from converters.sensitivity import calibrated_analysis
+    from converters.sync_analysis import calibrated_analysis
 
     report = calibrated_analysis(_request(models_root, None), sources)
     return {layer["path"]: layer["sqnr_db"]["output"] for layer in report["layers"] if "sqnr_db" in layer}
@@ -356,7 +356,7 @@ def test_a_threshold_above_every_layer_fails_the_conversion(models_root, sources
 
 def test_expert_gemms_are_measured_on_routed_tokens_and_excluded_as_a_group(tmp_path):
     from converters.model_sources import ModelSourceOptions
-    from converters.sensitivity import calibrated_analysis
+    from converters.sync_analysis import calibrated_analysis
     from tests.models import save_tiny_moe
 
     save_tiny_moe("mixtral", tmp_path / "mixtral")

@@ -110,7 +110,7 @@ def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
     """The eligibility report of a model reference, built on the meta device (no weights are read).
 
     With a calibration (``body.calibrates()``) the weights are loaded layer by layer and a short calibration
-    measures each eligible layer's SQNR (``converters.sensitivity.calibrated_analysis``), one request at a time.
+    measures each eligible layer's SQNR (``converters.sync_analysis.calibrated_analysis``), one request at a time.
 
     Raises:
         Fp8ForgeError: bad reference (422), model not found (422), bad calibration or recipe names (422),
@@ -129,18 +129,18 @@ def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
 
 
 def _calibrated_analysis(sources: Any, body: AnalyzeCreate) -> dict[str, Any]:
-    from converters import sensitivity
+    from converters import sync_analysis
     from converters.requests import CalibrationSettings, ConversionRequest
 
     given = body.calibration.model_dump(exclude_none=True) if body.calibration is not None else {}
     if "texts" in given:
         given["texts"] = tuple(given["texts"])
-    calibration = CalibrationSettings(**{**sensitivity.SYNC_DEFAULTS, **given})
-    sensitivity.check_sync_calibration(calibration)
+    calibration = CalibrationSettings(**{**sync_analysis.SYNC_DEFAULTS, **given})
+    sync_analysis.check_sync_calibration(calibration)
     request = ConversionRequest(
         model=body.model, recipe={"backend": body.backend}, calibration=calibration, include=tuple(body.include),
         exclude=tuple(body.exclude), skip_first_last=body.skip_first_last,
         convert_router_gates=body.convert_router_gates, min_sqnr_db=body.min_sqnr_db,
         compare_recipes=tuple(body.compare_recipes or ()))
     with _CALIBRATING:
-        return sensitivity.calibrated_analysis(request, sources, max_parameters=sensitivity.SYNC_MAX_PARAMETERS)
+        return sync_analysis.calibrated_analysis(request, sources, max_parameters=sync_analysis.SYNC_MAX_PARAMETERS)

@@ -21,7 +21,8 @@ from converters.requests import (
     SHARD_BYTES,
     CalibrationSettings,
 )
-from converters.sensitivity import RECIPE_NAMES, SYNC_DEFAULTS, SYNC_LIMITS, SYNC_MAX_PARAMETERS, SYNC_MAX_TEXTS_CHARS
+from converters.sensitivity import RECIPE_NAMES
+from converters.sync_analysis import SYNC_DEFAULTS, SYNC_LIMITS, SYNC_MAX_PARAMETERS, SYNC_MAX_TEXTS_CHARS
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode
 from service.jobs import Job, JobStatus, Stage, public_worker_name

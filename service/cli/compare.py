@@ -143,7 +143,7 @@ def _request(args: argparse.Namespace, recipe: dict[str, Any], compare: list[Any
 
 
 def _analysis_with_bars(request, sources, enabled: bool) -> dict[str, Any]:
-    from converters.sensitivity import calibrated_analysis
+    from converters.sync_analysis import calibrated_analysis
     from service.cli.convert import BarSink
 
     sink = BarSink(enabled=enabled)
