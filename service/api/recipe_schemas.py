@@ -72,11 +72,16 @@ BlockDim = Annotated[json_int(1, 2), Field(description="1: 1x128 blocks; 2: 128x
 Version = Annotated[Literal[1], Field(description=f"Recipe format version ({RECIPE_VERSION}).")]
 
 
-class TEDelayedRecipeCreate(BaseModel):
-    """TransformerEngine ``DelayedScaling``: per-tensor scales from an amax history (the default recipe)."""
+class _RecipeCreate(BaseModel):
+    """What every recipe model shares: strict fields (JSON types as they are, no extra keys) and the version."""
 
     model_config = STRICT
     version: Version = RECIPE_VERSION
+
+
+class TEDelayedRecipeCreate(_RecipeCreate):
+    """TransformerEngine ``DelayedScaling``: per-tensor scales from an amax history (the default recipe)."""
+
     backend: Literal["te"]
     scaling: Literal["delayed"] = "delayed"
     # strict=False only lets pydantic take the enum's value from the parsed JSON; anything else is refused
@@ -96,24 +101,20 @@ class TEDelayedRecipeCreate(BaseModel):
     use_autocast_during_eval: bool = _TE.use_autocast_during_eval
 
 
-class TECurrentRecipeCreate(BaseModel):
+class TECurrentRecipeCreate(_RecipeCreate):
     """TransformerEngine ``Float8CurrentScaling``: stateless, each cast scales by its own amax."""
 
-    model_config = STRICT
-    version: Version = RECIPE_VERSION
     backend: Literal["te"]
     scaling: Literal["current"]
     fp8_format: Fp8Format = Field(_TE.fp8_format, strict=False)
 
 
-class TorchAORecipeCreate(BaseModel):
+class TorchAORecipeCreate(_RecipeCreate):
     """torchao ``Float8LinearConfig.from_recipe_name(recipe_name)`` plus per-linear options.
 
     ``enable_fsdp_float8_all_gather`` works only with ``recipe_name`` tensorwise (refused otherwise).
     """
 
-    model_config = STRICT
-    version: Version = RECIPE_VERSION
     backend: Literal["ao"]
     recipe_name: AORecipeName = Field(_AO.recipe_name, strict=False)
     pad_inner_dim: bool = _AO.pad_inner_dim
@@ -121,15 +122,13 @@ class TorchAORecipeCreate(BaseModel):
     emulate: bool = _AO.emulate
 
 
-class TEMXFP8RecipeCreate(BaseModel):
+class TEMXFP8RecipeCreate(_RecipeCreate):
     """TransformerEngine ``MXFP8BlockScaling``: E4M3 in blocks of 32 values with E8M0 (power-of-two) scales; no state.
 
     Runs on compute capability 10.x/11.x (Blackwell); Linear dims must be multiples of 32. Accelerate's
     ``use_mxfp8_block_scaling: true`` is this recipe (send it as ``scaling``).
     """
 
-    model_config = STRICT
-    version: Version = RECIPE_VERSION
     backend: Literal["te"]
     scaling: Literal["mxfp8_block"]
     fp8_format: Fp8Format = Field(_MX.fp8_format, strict=False,
@@ -139,15 +138,13 @@ class TEMXFP8RecipeCreate(BaseModel):
                                          description="32x32 blocks for weights (TE 2.20 development head and later).")
 
 
-class TEFloat8BlockRecipeCreate(BaseModel):
+class TEFloat8BlockRecipeCreate(_RecipeCreate):
     """TransformerEngine ``Float8BlockScaling``: E4M3 with one fp32 scale per 1x128 or 128x128 block; no state.
 
     Runs on compute capability 9.0+ with CUDA 12.9+ (9.x only with ``use_f32_scales``); Linear dims must be multiples
     of 128. No two operands of one GEMM may both use 128x128 blocks (refused by the library).
     """
 
-    model_config = STRICT
-    version: Version = RECIPE_VERSION
     backend: Literal["te"]
     scaling: Literal["float8_block"]
     fp8_format: Fp8Format = Field(_BLOCK.fp8_format, strict=False)
@@ -158,15 +155,13 @@ class TEFloat8BlockRecipeCreate(BaseModel):
     grad_block_scaling_dim: BlockDim = _BLOCK.grad_block_scaling_dim
 
 
-class TENVFP4RecipeCreate(BaseModel):
+class TENVFP4RecipeCreate(_RecipeCreate):
     """TransformerEngine ``NVFP4BlockScaling``: FP4 (E2M1) in blocks of 16 with E4M3 scales and an fp32 tensor scale.
 
     Runs on compute capability 10.0+; Linear dims must be multiples of 128. ``nvfp4_4over6`` activations or all
     need ``disable_rht`` (refused by the library otherwise).
     """
 
-    model_config = STRICT
-    version: Version = RECIPE_VERSION
     backend: Literal["te"]
     scaling: Literal["nvfp4_block"]
     disable_rht: bool = _NV.disable_rht
@@ -179,22 +174,18 @@ class TENVFP4RecipeCreate(BaseModel):
     nvfp4_4over6_err_mode: NVFP4ErrMode = Field(_NV.nvfp4_4over6_err_mode, strict=False)
 
 
-class AOFloat8TrainingOpRecipeCreate(BaseModel):
+class AOFloat8TrainingOpRecipeCreate(_RecipeCreate):
     """torchao ``Float8TrainingOpConfig`` applied with ``quantize_``: the Linear weights become FP8 training tensors."""
 
-    model_config = STRICT
-    version: Version = RECIPE_VERSION
     backend: Literal["ao"]
     scaling: Literal["float8_training_op"]
     float8_linear_recipe: AORecipeName = Field(_AO_F8.float8_linear_recipe, strict=False)
     pad_token_groups_for_grouped_mm: bool = _AO_F8.pad_token_groups_for_grouped_mm
 
 
-class AOMXFP8TrainingOpRecipeCreate(BaseModel):
+class AOMXFP8TrainingOpRecipeCreate(_RecipeCreate):
     """torchao ``MXFP8TrainingOpConfig`` applied with ``quantize_``: MXFP8 matmuls (Blackwell, or emulated)."""
 
-    model_config = STRICT
-    version: Version = RECIPE_VERSION
     backend: Literal["ao"]
     scaling: Literal["mxfp8_training_op"]
     kernel_preference: MXKernelPreference = Field(_AO_MX.kernel_preference, strict=False)
