@@ -44,7 +44,8 @@ class Settings(BaseSettings):
     poll_interval_s: float = Field(1.0, gt=0, description="How often an idle worker looks for work.")
     cancel_grace_s: float = Field(2.0, ge=0, description="Time a cancelled run gets to stop by itself.")
     conversion_threads: int | None = Field(
-        None, ge=1, le=1024, description="CPU threads each conversion child may use; unset: all cores but one."
+        None, ge=1, le=1024,
+        description="CPU threads each conversion child may use; unset: all cores but one, shared by the local workers."
     )
     auth_disabled: bool = Field(
         False, description="Serve without API keys (every caller is an admin); only on a loopback address."

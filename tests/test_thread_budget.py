@@ -66,6 +66,26 @@ def test_budget_is_the_setting_else_all_cpus_but_one(configured: int | None, cpu
     assert thread_budget(configured, cpus) == budget
 
 
+@pytest.mark.parametrize(("configured", "cpus", "conversions", "budget"), [
+    (None, 16, 3, 5),  # 15 cores the API leaves, shared by three conversions
+    (None, 16, 1, 15),
+    (None, 2, 4, 1),   # never zero
+    (6, 16, 3, 6),     # the setting wins
+])
+def test_local_workers_share_the_budget(configured: int | None, cpus: int, conversions: int, budget: int) -> None:
+    assert thread_budget(configured, cpus, conversions=conversions) == budget
+
+
+def test_a_pool_of_several_workers_hands_each_its_share(tmp_path) -> None:
+    from service.config import Settings
+    from service.workers.pool import WorkerPool
+
+    shared = WorkerPool(Settings(data_dir=tmp_path), 3).settings.conversion_threads
+    assert shared == max(1, (usable_cpus() - 1) // 3)
+    assert WorkerPool(Settings(data_dir=tmp_path), 1).settings.conversion_threads is None  # the child decides
+    assert WorkerPool(Settings(data_dir=tmp_path, conversion_threads=7), 3).settings.conversion_threads == 7
+
+
 @pytest.mark.parametrize(("files", "quota"), [
     ({}, None),
     ({"cpu.max": "max 100000\n"}, None),

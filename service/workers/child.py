@@ -66,11 +66,12 @@ def usable_cpus(cgroup: Path = _CGROUP) -> int:
     return max(1, min(cpus, math.ceil(quota)) if quota is not None else cpus)
 
 
-def thread_budget(configured: int | None, cpus: int | None = None) -> int:
-    """The CPU threads one conversion may use: ``configured``, else all ``cpus`` (default: usable) but one."""
+def thread_budget(configured: int | None, cpus: int | None = None, *, conversions: int = 1) -> int:
+    """The CPU threads one conversion may use: ``configured``, else all ``cpus`` (default: usable) but one,
+    shared out among the ``conversions`` that may run at once on this host."""
     if configured is not None:
         return configured
-    return max(1, (usable_cpus() if cpus is None else cpus) - 1)
+    return max(1, ((usable_cpus() if cpus is None else cpus) - 1) // conversions)
 
 
 def limit_threads(configured: int | None) -> int:

@@ -14,6 +14,7 @@ import threading
 from multiprocessing.process import BaseProcess
 
 from service.config import Settings
+from service.workers.child import thread_budget
 from service.workers.procs import visible_gpus
 from service.workers.worker import worker_process_main
 
@@ -31,6 +32,12 @@ class WorkerPool:
     """Keeps ``count`` worker processes alive until :meth:`stop`."""
 
     def __init__(self, settings: Settings, count: int) -> None:
+        if settings.conversion_threads is None and count > 1:
+            # each worker runs one conversion at a time, so they share the cores the API leaves (with every
+            # child on all but one core, three workers' conversions would fight over them threefold)
+            settings = settings.model_copy(update={"conversion_threads": thread_budget(None, conversions=count)})
+            logger.info("%d local workers: each conversion may use %d CPU threads", count,
+                        settings.conversion_threads)
         self.settings = settings
         self.count = count
         self._gpus = visible_gpus()
