@@ -218,7 +218,7 @@ def amax_recorder(model: nn.Module, layer_paths: Sequence[str], steps: int, *, b
             except AttributeError as exc:
                 raise CalibrationDataError(f"The model has no experts module {module_path!r}.",
                                            field="layer_paths") from exc
-        experts = ExpertsRecorder(modules, units, steps, sqnr=_SQNR_METER.get())
+        experts = ExpertsRecorder(modules, units, steps, sqnr=_SQNR_METER.get(), backward=backward)
     linears = _resolve_layers(model, [path for path in layer_paths if parse_unit_path(path) is None])
     return AmaxRecorder(linears, steps, backward=backward, experts=experts)
 
@@ -322,6 +322,8 @@ class AmaxRecorder:
                     handles.append(module.register_full_backward_hook(self._backward_hook(path)))
             for module, hook in self.experts.hooks() if self.experts is not None else ():
                 handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            for module, hook in self.experts.gradient_hooks() if self.experts is not None else ():
+                handles.append(module.register_forward_hook(hook, with_kwargs=True))
             yield self
         finally:
             for handle in handles:
@@ -331,7 +333,9 @@ class AmaxRecorder:
         backward = self.backward or {}
         results = {path: LayerAmax(forward=self.forward[path], backward=backward.get(path)) for path in self.layers}
         if self.experts is not None:
-            results.update({unit: LayerAmax(forward=forward, tokens=self.experts.tokens_per_step(unit))
+            grads = self.experts.backward or {}
+            results.update({unit: LayerAmax(forward=forward, backward=grads.get(unit),
+                                            tokens=self.experts.tokens_per_step(unit))
                             for unit, forward in self.experts.forward.items()})
         return results
 

@@ -9,9 +9,16 @@ calibration, and the model's own forward is left untouched.
 
 An expert that receives no token in a step records input and output amax 0 for that step, as TE's grouped
 GEMM leaves the slots of an empty split (its delayed-scaling update then skips the roll and keeps the scale);
-the weight amax is recorded every step, as TE casts every expert's weight. Gradients of experts are not
-recorded: their backward state stays TE's initial one. With an SQNR meter (``converters.sensitivity``), each
-expert's GEMMs are measured on the same routed tokens, and each unit's weight once.
+the weight amax is recorded every step, as TE casts every expert's weight. With an SQNR meter
+(``converters.sensitivity``), each expert's GEMMs are measured on the same routed tokens, and each unit's weight
+once.
+
+With ``backward``, a hook on the experts module's output receives the gradient of the module's output ``G``
+and works each routed expert's GEMM gradients out from it on the same tokens: the experts module sums
+``w * y`` over a token's experts (``w`` its routing weight), so ``down_proj``'s grad_output is ``w * G`` on the
+expert's tokens, its grad_input that times the expert's ``down_proj`` weight; ``gate_up_proj``'s grad_output is
+the gradient through the gate (autograd on the recomputed activation), its grad_input that times its weight.
+These are what TE's GroupedLinear casts in backward (its grad_input slots stay unwritten, as for a te.Linear).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ class ExpertsRecorder:
     """
 
     def __init__(self, modules: Mapping[str, nn.Module], units: list[str], steps: int, *,
-                 sqnr: SqnrMeter | None = None) -> None:
+                 sqnr: SqnrMeter | None = None, backward: bool = False) -> None:
         self.step = 0
         self.sqnr = sqnr
         self.wanted: dict[str, set[tuple[int, str]]] = {}
@@ -54,12 +61,64 @@ class ExpertsRecorder:
             self.wanted.setdefault(parsed.module, set()).add((parsed.index, parsed.gemm))
         self.modules = {path: modules[path] for path in self.wanted}
         self.forward = {unit: torch.zeros(steps, 3) for unit in units}
+        #: ``[steps, 2]`` per unit: grad_output, grad_input amax (None: no backward recorded)
+        self.backward = {unit: torch.zeros(steps, 2) for unit in units} if backward else None
         self.tokens = {path: torch.zeros(steps, module.gate_up_proj.shape[0], dtype=torch.int64)
                        for path, module in self.modules.items()}
 
     def hooks(self) -> list[tuple[nn.Module, Callable[..., None]]]:
         """``(module, forward pre-hook taking (module, args, kwargs))`` pairs to register."""
         return [(module, self._hook(path)) for path, module in self.modules.items()]
+
+    def gradient_hooks(self) -> list[tuple[nn.Module, Callable[..., None]]]:
+        """``(module, forward hook taking (module, args, kwargs, output))`` pairs to register when recording the
+        backward: each hooks the output's gradient of that call."""
+        if self.backward is None:
+            return []
+        return [(module, self._gradient_hook(path)) for path, module in self.modules.items()]
+
+    def _gradient_hook(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor) -> None:
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            hidden = (args[0] if args else kwargs["hidden_states"]).detach()
+            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            top_k_weights = (args[2] if len(args) > 2 else kwargs["top_k_weights"]).detach()
+            step = self.step  # the gradient arrives in this step's backward, after the forward hooks ran
+
+            def on_gradient(grad: torch.Tensor) -> None:
+                self._record_gradients(path, module, step, hidden, top_k_index, top_k_weights, grad)
+
+            output.register_hook(on_gradient)
+
+        return hook
+
+    def _record_gradients(self, path: str, module: nn.Module, step: int, hidden: torch.Tensor,
+                          top_k_index: torch.Tensor, top_k_weights: torch.Tensor, grad: torch.Tensor) -> None:
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        grad = grad.reshape(-1, grad.shape[-1])
+        routed = top_k_index.reshape(hidden.shape[0], -1)
+        weights = top_k_weights.reshape(hidden.shape[0], -1)
+        for index in sorted({index for index, _ in self.wanted[path]}):
+            chosen = routed == index
+            tokens = chosen.any(dim=-1)
+            if not tokens.any():
+                continue  # no gradient reached this expert: 0, as for its forward
+            gate_up_weight = module.gate_up_proj[index].detach()
+            down_weight = module.down_proj[index].detach()
+            with torch.enable_grad():
+                gate_up = nn.functional.linear(hidden[tokens], gate_up_weight).requires_grad_()
+                activated = module._apply_gate(gate_up)
+            grad_down_out = grad[tokens] * (weights * chosen).sum(dim=-1)[tokens, None].to(grad.dtype)
+            grad_down_in = grad_down_out @ down_weight
+            (grad_gate_up_out,) = torch.autograd.grad(activated, gate_up, grad_outputs=grad_down_in)
+            grad_gate_up_in = grad_gate_up_out @ gate_up_weight
+            for gemm, (out, inp) in (("gate_up_proj", (grad_gate_up_out, grad_gate_up_in)),
+                                     ("down_proj", (grad_down_out, grad_down_in))):
+                unit = f"{path}.{index}.{gemm}"
+                if unit in self.backward:
+                    values = torch.stack([_amax(out), _amax(inp)])
+                    self.backward[unit][step] = torch.fmax(self.backward[unit][step], values)
 
     def _hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:

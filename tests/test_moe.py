@@ -109,6 +109,61 @@ def test_every_experts_implementation_records_the_same_amax(moe_root, name):
                 torch.testing.assert_close(got.forward, eager.forward, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_per_expert_gradient_amax_equals_the_eager_experts_own_gemm_gradients(moe_root, name, monkeypatch):
+    """Backward calibration: each expert GEMM's grad_output / grad_input amax, against the gradients of the very
+    GEMM outputs and inputs transformers' eager experts compute (each nn.functional.linear call kept with
+    retain_grad on a separate forward and backward of the same batches)."""
+    from converters.calibration import _backward_loss
+
+    model, batches, _ = _load(moe_root, name)
+    units = eligible_expert_units(analyze_model(model))
+    recorded = record_amax(model, units, batches, backward=True)
+
+    experts = {f"model.layers.{i}.mlp.experts": layer.mlp.experts for i, layer in enumerate(model.model.layers)}
+    by_pointer = {getattr(module, gemm)[e].data_ptr(): f"{path}.{e}.{gemm}" for path, module in experts.items()
+                  for gemm in ("gate_up_proj", "down_proj") for e in range(module.gate_up_proj.shape[0])}
+    linear, calls = nn.functional.linear, []
+
+    def kept_linear(inp, weight, bias=None):
+        if weight.data_ptr() not in by_pointer or weight.dim() != 2:
+            return linear(inp, weight, bias)
+        inp.retain_grad()
+        out = linear(inp, weight, bias)
+        out.retain_grad()
+        calls.append((by_pointer[weight.data_ptr()], inp, out))
+        return out
+
+    monkeypatch.setattr(nn.functional, "linear", kept_linear)
+    model.eval()
+    for step, batch in enumerate(batches):
+        calls.clear()
+        with torch.enable_grad():
+            _backward_loss(model, batch).backward()
+        model.zero_grad(set_to_none=True)
+        expected = {}
+        for unit, inp, out in calls:
+            pair = torch.stack([out.grad.abs().max(), inp.grad.abs().max()]).float()
+            expected[unit] = torch.fmax(expected.get(unit, torch.zeros(2)), pair)
+        assert len(expected) > 8  # the eager loop ran the routed experts of both layers
+        for unit in units:
+            got = recorded[unit].backward[step]
+            if unit in expected:
+                torch.testing.assert_close(got, expected[unit], rtol=1e-4, atol=1e-12)
+            else:  # no token routed to this expert in this step: nothing reached it
+                assert torch.equal(got, torch.zeros(2)), unit
+
+
+def test_backward_calibration_seeds_the_experts_backward_te_state(moe_root):
+    model, batches, _ = _load(moe_root, "mixtral")
+    unit = "model.layers.0.mlp.experts.1.down_proj"
+    layer_amax = record_amax(model, [unit], batches, backward=True)[unit]
+    assert layer_amax.backward[:, 0].gt(0).any() and layer_amax.backward[:, 1].gt(0).any()
+    state = te_scaling_state(layer_amax, TEDelayedScalingRecipe(amax_history_len=4))
+    assert state["amax_history_bwd"][:, 0].gt(0).any() and state["scale_bwd"][0] != 1
+    assert state["amax_history_bwd"][:, 1].eq(0).all() and state["scale_bwd"][1] == 1  # grad_input never cast
+
+
 def _starve_expert(model: nn.Module, expert: int, num_experts: int) -> list:
     """Router hooks that send every token elsewhere: ``expert`` is replaced by the next free expert."""
     def hook(_module, _args, output):

@@ -164,6 +164,18 @@ def test_te_artifact_reads_grouped_state_per_experts_gemm(te_artifact):
         assert torch.all(tensors["scale_bwd"] == 1) and torch.all(tensors["amax_history_bwd"] == 0)
 
 
+def test_a_backward_calibrated_te_artifact_seeds_each_experts_grad_output_slot(moe_root, tmp_path):
+    artifact = read_te_artifact(_convert(moe_root, tmp_path / "out", {"backend": "te", "amax_history_len": HISTORY},
+                                         backward=True))
+    for gemm, tensors in artifact.expert_states.items():
+        assert check_grouped_state(gemm, tensors, HISTORY) == EXPERTS
+        grad_output, grad_input = tensors["amax_history_bwd"][:, 0::2], tensors["amax_history_bwd"][:, 1::2]
+        assert grad_output.amax(0).gt(0).sum() >= EXPERTS - 1, gemm  # every expert that got a token
+        assert grad_input.eq(0).all() and tensors["scale_bwd"][1::2].eq(1).all(), gemm  # never cast, as in TE
+        seeded = grad_output.amax(0).gt(0)
+        assert tensors["scale_bwd"][0::2][seeded].ne(1).all(), gemm
+
+
 def _grouped_state():
     fwd = torch.rand(HISTORY, 3 * EXPERTS) + 0.1
     fwd[:, 2::3] = 0
