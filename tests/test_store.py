@@ -57,6 +57,18 @@ def test_list_is_newest_first_with_cursor_and_status_filter(env) -> None:
             store.list_jobs(cursor=bad)
 
 
+def test_a_page_of_jobs_leaves_the_calibration_texts_in_the_database(env) -> None:
+    store, _, _ = env
+    texts = ["x" * 200_000, "é✓ " * 50_000]  # a page may list 200 jobs: their texts would be 200 request bodies
+    request = {**REQUEST, "calibration": {"steps": 3, "texts": texts}, "include": ["model.layers.*"]}
+    job, _ = store.create_job(request, request_hash="t")
+    plain, _ = store.create_job(REQUEST, request_hash="p")
+    listed = {j.id: j.request for j in store.list_jobs()[0]}
+    assert listed[job.id] == {**REQUEST, "calibration": {"steps": 3}, "include": ["model.layers.*"]}
+    assert listed[plain.id] == REQUEST  # nothing to leave out: the request as it was
+    assert store.get_job(job.id).request["calibration"]["texts"] == texts
+
+
 def test_idempotency_key_returns_the_same_job_or_conflicts(env) -> None:
     store, _, _ = env
     first, created = store.create_job(REQUEST, request_hash="a", idempotency_key="k1")

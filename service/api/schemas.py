@@ -205,7 +205,8 @@ class JobPublic(BaseModel):
     worker_id: str | None = Field(..., description="An opaque name of the worker that runs (or ran) the job.")
     error: ErrorPublic | None
     request: dict[str, Any] | None = Field(
-        ..., description="The submitted request; only its owner sees it (null for anyone else, an admin too).")
+        ..., description="The submitted request; only its owner sees it (null for anyone else, an admin too). "
+                         "In GET /v1/jobs without calibration.texts: GET /v1/jobs/{id} has them.")
     links: JobLinks
 
     @classmethod

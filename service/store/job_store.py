@@ -25,7 +25,14 @@ from sqlalchemy.exc import IntegrityError
 from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound, TooManyJobs
 from service.jobs import Job, JobStatus, Stage, public_worker_name, transition
 from service.store.events import EventLog
-from service.store.schema import ACTIVE_STATUSES, add_missing_columns, db_now, make_engine, tables
+from service.store.schema import (
+    ACTIVE_STATUSES,
+    add_missing_columns,
+    db_now,
+    make_engine,
+    request_without_texts,
+    tables,
+)
 from service.store.workers import StageTimings, WorkerRegistry
 
 __all__ = ["JobStore", "JobLost"]
@@ -164,8 +171,14 @@ class JobStore:
         self, *, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None,
         owner: str | None = None,
     ) -> tuple[list[Job], str | None]:
-        """Newest first (only ``owner``'s when given); returns the page and the next page's cursor (None: last)."""
-        query = sa.select(self._jobs).order_by(self._jobs.c.seq.desc()).limit(limit + 1)
+        """Newest first (only ``owner``'s when given); returns the page and the next page's cursor (None: last).
+
+        Each job's ``request`` comes without its ``calibration.texts``: a page may hold 200 jobs, and each one's
+        texts may be a megabyte; :meth:`get_job` has them.
+        """
+        columns = [c for c in self._jobs.c if c.name != "request"]
+        columns.append(request_without_texts(self.engine, self._jobs.c.request).label("request"))
+        query = sa.select(*columns).order_by(self._jobs.c.seq.desc()).limit(limit + 1)
         if owner is not None:
             query = query.where(self._jobs.c.owner == owner)
         if status is not None:

@@ -121,6 +121,17 @@ def db_now(engine: Engine) -> sa.ColumnElement[float]:
     return sa.cast(sa.extract("epoch", sa.func.clock_timestamp()), sa.Double)
 
 
+def request_without_texts(engine: Engine, request: sa.Column) -> sa.ColumnElement[Any]:
+    """A job's ``request`` without ``calibration.texts``, left out by the database itself: a page of jobs then
+    never loads their texts (up to a request body each, FP8FORGE_MAX_BODY_BYTES)."""
+    if engine.dialect.name == "sqlite":
+        return sa.func.json_remove(request, "$.calibration.texts", type_=sa.JSON)
+    from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+
+    path = sa.cast(sa.literal("{calibration,texts}"), ARRAY(sa.Text))
+    return sa.type_coerce(sa.cast(request, JSONB).op("#-")(path), sa.JSON)
+
+
 def make_engine(url: str) -> Engine:
     """An engine for ``url``: connect timeouts for a server, WAL and a busy timeout for a SQLite file."""
     parsed = make_url(url)
