@@ -14,7 +14,6 @@ source is closed after it (never under it).
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import anyio
@@ -25,8 +24,9 @@ __all__ = ["PIECE_BYTES", "ReadAheadResponse"]
 
 PIECE_BYTES = 1 << 20  # larger pieces bought nothing on loopback and cost memory per download
 # Reads of every download share these threads (not the API's threadpool, which serves its routes): a download
-# has at most one read running, and more downloads than threads only queue their reads.
-_READERS = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="fp8forge-read")
+# has at most one read running, and more downloads than threads only queue their reads. As many as object-store
+# reads, which wait on the network, may want at once; the pool starts threads only as reads need them.
+_READERS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fp8forge-read")
 
 
 class ReadAheadResponse(Response):
