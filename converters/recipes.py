@@ -108,8 +108,22 @@ logger = logging.getLogger(__name__)
 _PER_TENSOR_CASTS = {"input": "e4m3_tensor", "weight": "e4m3_tensor"}
 
 
+class _PerTensorFP8:
+    """What TE's per-tensor FP8 recipes (delayed and current scaling) share: dims % 16, FP8 GPUs, E4M3 casts."""
+
+    def shape_rule(self) -> ShapeRule:
+        return FP8_RULE
+
+    def hardware(self) -> Hardware:
+        return FP8_GPU
+
+    def cast_formats(self) -> dict[str, str]:
+        """Forward casts: E4M3 per tensor (HYBRID changes only the gradients, to E5M2 per tensor)."""
+        return dict(_PER_TENSOR_CASTS)
+
+
 @dataclass(frozen=True, kw_only=True)
-class TEDelayedScalingRecipe:
+class TEDelayedScalingRecipe(_PerTensorFP8):
     """TransformerEngine ``DelayedScaling``: per-tensor scales from an amax history.
 
     ``interval`` and ``override_linear_precision`` are Accelerate keys that TransformerEngine no longer
@@ -169,15 +183,6 @@ class TEDelayedScalingRecipe:
         return (f"amax history ({self.amax_history_len} rows) and scale per tensor, seeded from the calibration as "
                 "TE's own update would compute them (fp8_state.safetensors)")
 
-    def shape_rule(self) -> ShapeRule:
-        return FP8_RULE
-
-    def hardware(self) -> Hardware:
-        return FP8_GPU
-
-    def cast_formats(self) -> dict[str, str]:
-        """Forward casts: E4M3 per tensor (HYBRID changes only the gradients, to E5M2 per tensor)."""
-        return dict(_PER_TENSOR_CASTS)
 
     def warnings(self) -> list[str]:
         """Human-readable notes about fields that are recorded but change nothing."""
@@ -224,7 +229,7 @@ class TEDelayedScalingRecipe:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TECurrentScalingRecipe:
+class TECurrentScalingRecipe(_PerTensorFP8):
     """TransformerEngine ``Float8CurrentScaling``: stateless, each cast scales by its own amax."""
 
     te_class_name: ClassVar[str] = "Float8CurrentScaling"
@@ -250,15 +255,6 @@ class TECurrentScalingRecipe:
     def state_note(self) -> str:
         return stateless_note(self.library_class)
 
-    def shape_rule(self) -> ShapeRule:
-        return FP8_RULE
-
-    def hardware(self) -> Hardware:
-        return FP8_GPU
-
-    def cast_formats(self) -> dict[str, str]:
-        """Forward casts: E4M3 per tensor (HYBRID changes only the gradients)."""
-        return dict(_PER_TENSOR_CASTS)
 
     def warnings(self) -> list[str]:
         return []
