@@ -43,6 +43,12 @@ def _amax(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().abs().max().float().cpu()
 
 
+def _routing(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hidden_states, top_k_index, top_k_weights)`` of an experts module call, given by position or name."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    return tuple(args[i] if len(args) > i else kwargs[name] for i, name in enumerate(names))
+
+
 class ExpertsRecorder:
     """Amax per expert GEMM unit and step, and the tokens each expert received per step.
 
@@ -81,9 +87,7 @@ class ExpertsRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor) -> None:
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
-            hidden = (args[0] if args else kwargs["hidden_states"]).detach()
-            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            top_k_weights = (args[2] if len(args) > 2 else kwargs["top_k_weights"]).detach()
+            hidden, top_k_index, top_k_weights = (t.detach() for t in _routing(args, kwargs))
             step = self.step  # the gradient arrives in this step's backward, after the forward hooks ran
 
             def on_gradient(grad: torch.Tensor) -> None:
@@ -122,8 +126,7 @@ class ExpertsRecorder:
 
     def _hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-            hidden = args[0] if args else kwargs["hidden_states"]
-            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            hidden, top_k_index, _ = _routing(args, kwargs)
             with torch.no_grad():
                 self._record(path, module, hidden, top_k_index)
 

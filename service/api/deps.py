@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from functools import partial
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Path, Request
 from fastapi.concurrency import run_in_threadpool
@@ -14,7 +16,9 @@ from service.jobs import Job
 from service.storage import ArtifactStorage
 from service.store import JobStore
 
-__all__ = ["SettingsDep", "StoreDep", "StorageDep", "DirsDep", "JobDep"]
+__all__ = ["SettingsDep", "StoreDep", "StorageDep", "DirsDep", "JobDep", "read_store"]
+
+T = TypeVar("T")
 
 
 # Coroutines, though they only read app.state: FastAPI runs a plain ``def`` dependency in the threadpool, and a
@@ -37,6 +41,12 @@ StorageDep = Annotated[ArtifactStorage, Depends(get_storage)]
 DirsDep = StorageDep  # the name routes used before the storage had two implementations
 
 
+async def read_store(store: JobStore, read: Callable[[], T]) -> T:
+    """Run a short read of ``store``: on the event loop for a SQLite file (``JobStore.reads_inline``: microseconds
+    from the page cache, and WAL never makes a reader wait), in the threadpool for a database server."""
+    return read() if store.reads_inline else await run_in_threadpool(read)
+
+
 async def get_job(job_id: Annotated[str, Path(max_length=64)], request: Request, caller: CallerDep) -> Job:
     """The job named in the path, if the caller may see it; JobNotFound (404) otherwise.
 
@@ -46,7 +56,7 @@ async def get_job(job_id: Annotated[str, Path(max_length=64)], request: Request,
     connections served 0.6 of /healthz, without it 1.05 (benchmarks/bench_api.py --parts idle).
     """
     store: JobStore = request.app.state.store
-    job = store.get_job(job_id) if store.reads_inline else await run_in_threadpool(store.get_job, job_id)
+    job = await read_store(store, partial(store.get_job, job_id))
     if not caller.may_see(job):
         raise JobNotFound(f"no job with id {job_id!r}")
     return job

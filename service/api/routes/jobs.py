@@ -6,12 +6,11 @@ from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from service.api import operations
 from service.api.auth import CallerDep
-from service.api.deps import DirsDep, JobDep, SettingsDep, StoreDep
+from service.api.deps import DirsDep, JobDep, SettingsDep, StoreDep, read_store
 from service.api.events import LastEventIdHeader, job_event_stream
 from service.api.routes import error_responses
 from service.api.schemas import JobCreate, JobPublic, JobsPublic
@@ -42,10 +41,10 @@ async def list_jobs(
     cursor: Annotated[str, Query(pattern=r"^[0-9]{1,18}$", description="next_cursor of the page before")] = None,
 ) -> Response:
     """Your jobs (an admin's: everyone's), newest first; pass ``next_cursor`` back as ``cursor`` for more."""
-    # as for a status poll: a SQLite page is read on the event loop, and the body the model built is sent as it is
     owner = None if caller.admin else caller.name
-    read = partial(store.list_jobs, status=status, limit=limit, cursor=cursor, owner=owner)
-    jobs, next_cursor = read() if store.reads_inline else await run_in_threadpool(read)
+    jobs, next_cursor = await read_store(
+        store, partial(store.list_jobs, status=status, limit=limit, cursor=cursor, owner=owner))
+    # the body the model built is sent as it is, as for a status poll
     page = JobsPublic(data=[JobPublic.from_job(j, caller) for j in jobs], count=len(jobs), next_cursor=next_cursor)
     return Response(page.model_dump_json(), media_type="application/json")
 
