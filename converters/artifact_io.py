@@ -10,13 +10,14 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from converters.model_files import FileConfinement, copy_model_file
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -39,32 +40,34 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 
 
-def copy_weight_files(files: Iterable[Path], directory: Path) -> list[str]:
+def copy_weight_files(files: Iterable[Path], directory: Path, confinement: FileConfinement) -> list[str]:
     """Copy a checkpoint's weight files (and its index, if any) into ``directory`` byte for byte.
 
     TE and torchao artifacts hold the source's weights unchanged, so they are never decoded: the files
-    keep the source's tensor names, dtypes and sharding. Each copy goes through a temporary name.
+    keep the source's tensor names, dtypes and sharding. Each copy goes through a temporary name, and
+    reads nothing outside ``confinement`` (the hub cache's links to its blobs are followed, others refused).
     Returns the names of the files written.
     """
     files = list(files)
     names = []
     index = files[0].parent / INDEX_NAME if files else None
     for source in [*files, *([index] if index is not None and index.is_file() else [])]:
-        temporary = directory / f".{source.name}.tmp"
-        shutil.copyfile(source, temporary)  # follows the hub cache's symlinks to the blobs
-        os.replace(temporary, directory / source.name)
+        copy_model_file(source, directory / source.name, confinement)
         names.append(source.name)
     return names
 
 
-def copy_side_files(source: Path, directory: Path) -> list[str]:
-    """Copy the source model's tokenizer files and generation config into ``directory``; return their names."""
+def copy_side_files(source: Path, directory: Path, confinement: FileConfinement) -> list[str]:
+    """Copy the source model's tokenizer files and generation config into ``directory``; return their names.
+
+    Nothing outside ``confinement`` is read (see :func:`converters.model_files.copy_model_file`).
+    """
     from converters.model_sources import TOKENIZER_FILES
 
     copied = []
     for name in [*TOKENIZER_FILES, "generation_config.json"]:
         if (source / name).is_file():
-            shutil.copyfile(source / name, directory / name)
+            copy_model_file(source / name, directory / name, confinement)
             copied.append(name)
     return copied
 

@@ -24,6 +24,7 @@ from torch import nn
 from converters.artifact_io import INDEX_NAME, SINGLE_FILE_NAME
 from converters.errors import ModelNotFoundError
 from converters.model_sources import transformers_progress_off
+from converters.safetensors_stream import read_tensor_index
 
 __all__ = ["weight_files", "Checkpoint", "release", "unit_keys"]
 
@@ -83,6 +84,7 @@ class Checkpoint:
         self.file_of: dict[str, Path] = {}
         self.target_of: dict[str, str] = {}
         for path in weight_files(self.directory):
+            read_tensor_index(path)  # a corrupt header is refused with its reason before the Rust reader maps it
             with safe_open(path, framework="pt") as handle:
                 keys = list(handle.keys())
             for key in keys:

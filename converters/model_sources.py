@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from converters.errors import ModelNotFoundError, ModelReferenceError
+from converters.model_files import check_model_directory, confinement_for
+from converters.model_limits import load_checked_config
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +96,9 @@ class ModelSourceOptions:
         demo_dir: where the built-in demo model is built on first use (``None``: demo disabled).
         reveal_roots: name the allowed roots in errors (the CLI's user chose them; a service's clients must not
             learn its directory layout).
+        private_paths: files and directories no model file may resolve into, even below an allowed root (the
+            service's data directory and key file); the demo directory is exempt.
+        config_limits: what a config.json may declare (``converters.model_limits.ConfigLimits``; None: defaults).
     """
 
     allowed_roots: tuple[Path, ...] = ()
@@ -102,6 +107,8 @@ class ModelSourceOptions:
     trust_remote_code: bool = False
     demo_dir: Path | None = None
     reveal_roots: bool = True
+    private_paths: tuple[Path, ...] = ()
+    config_limits: Any = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +134,9 @@ def parse_model_reference(ref: str, sources: ModelSourceOptions) -> ModelReferen
     text = ref.strip() if isinstance(ref, str) else ""
     if not text:
         raise ModelReferenceError("model reference is empty: give 'org/name[@revision]' or a local path")
+    if any(ord(char) < 32 or ord(char) == 127 for char in text):
+        raise ModelReferenceError("model reference contains a control character (e.g. a NUL byte); give "
+                                  "'org/name[@revision]' or a local path in plain characters")
     if _URL_SCHEME.match(text) and not re.match(r"^[A-Za-z]:[\\/]", text):
         raise ModelReferenceError(
             f"model reference {text!r} is a URL; give a hub id 'org/name[@revision]' or a local directory"
@@ -151,8 +161,12 @@ def parse_model_reference(ref: str, sources: ModelSourceOptions) -> ModelReferen
 
 
 def validate_model_reference(ref: str, sources: ModelSourceOptions) -> None:
-    """Cheap up-front check of a reference (see :func:`parse_model_reference`)."""
-    parse_model_reference(ref, sources)
+    """Cheap up-front check of a reference (see :func:`parse_model_reference`); an existing local directory is
+    also checked for links out of the allowed places (see :func:`converters.model_files.check_model_directory`),
+    so such a job is refused at submission rather than failed by its worker."""
+    reference = parse_model_reference(ref, sources)
+    if reference.kind == "local" and reference.path is not None and reference.path.is_dir():
+        _check_local_directory(reference, sources)
 
 
 def _allowed_local_path(text: str, sources: ModelSourceOptions) -> Path:
@@ -177,6 +191,13 @@ def _allowed_local_path(text: str, sources: ModelSourceOptions) -> Path:
 
 
 
+def _check_local_directory(reference: ModelReference, sources: ModelSourceOptions) -> None:
+    if not confinement_for(sources).allows(reference.path):
+        raise ModelReferenceError(f"local model {reference.text!r} is in a directory this server keeps to itself; "
+                                  "put models elsewhere below an allowed root", field="model")
+    check_model_directory(reference.path, sources, shown=reference.text)
+
+
 def resolve_model_dir(ref: str, sources: ModelSourceOptions, *, with_weights: bool) -> Path:
     """Return a local directory holding the model's config (and weights/tokenizer if asked).
 
@@ -184,7 +205,8 @@ def resolve_model_dir(ref: str, sources: ModelSourceOptions, *, with_weights: bo
     index and tokenizer files for conversion.
 
     Raises:
-        ModelReferenceError: see :func:`parse_model_reference`.
+        ModelReferenceError: see :func:`parse_model_reference`; also a file of the directory that resolves
+            outside the allowed roots, the hub cache and the demo directory, or into the server's own files.
         ModelNotFoundError: unknown repository or revision, gated repository, offline cache miss,
             missing directory or a directory without ``config.json``.
     """
@@ -199,6 +221,10 @@ def resolve_model_dir(ref: str, sources: ModelSourceOptions, *, with_weights: bo
             raise ModelNotFoundError(f"local model directory {reference.text!r} does not exist")
     else:
         directory = _download_hub_model(reference, sources, with_weights=with_weights)
+    if reference.kind == "local":
+        _check_local_directory(reference, sources)
+    else:
+        check_model_directory(directory, sources, shown=reference.text)
     if not (directory / "config.json").is_file():
         raise ModelNotFoundError(
             f"{reference.text!r} has no config.json; point at a Hugging Face model directory "
@@ -272,11 +298,10 @@ def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
     Raises:
         ModelNotFoundError: the config names an unknown architecture, or needs remote code while
             ``trust_remote_code`` is off.
+        ModelConfigError: the config is out of ``sources.config_limits`` or malformed (``converters.model_limits``).
     """
-    from transformers import AutoConfig
-
     try:
-        return AutoConfig.from_pretrained(directory, trust_remote_code=sources.trust_remote_code)
+        return load_checked_config(directory, sources)
     except (ValueError, OSError) as exc:
         hint = "" if sources.trust_remote_code else f"; if the model ships its own code, {_TRUST_REMOTE_CODE_HINT}"
         raise ModelNotFoundError(f"cannot read config.json in {directory}: {exc}{hint}") from exc

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from converters.errors import ModelNotFoundError
+
 __all__ = ["SourceTensor", "read_tensor_index", "read_tensor", "dtype_name", "StreamingWriter"]
 
 _DTYPE_NAMES = {
@@ -28,6 +30,9 @@ _DTYPE_NAMES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+#: Bytes per element of every safetensors dtype a header may name (the sub-byte F4/F6 types are not read here).
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _CHUNK = 64 * 1024 * 1024
 
 
@@ -67,18 +72,70 @@ def read_tensor(source: SourceTensor) -> torch.Tensor:
 
 
 def read_tensor_index(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:
-    """The tensors of a safetensors file (in file order) and its metadata, from the header alone."""
+    """The tensors of a safetensors file (in file order) and its metadata, from the header alone.
+
+    The header is checked against the file before it is trusted: its length, every tensor's dtype, shape and
+    byte range (inside the data, the size the dtype and shape need, no two overlapping), string metadata.
+
+    Raises:
+        ModelNotFoundError: the file is not a well-formed safetensors file; the message names the file (by
+            its name, not its server path) and what is wrong.
+    """
+    path = Path(path)
     with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
+        size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise _corrupt(path, f"{size} bytes is shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise _corrupt(path, f"its header claims {length} bytes, more than the file's {size - 8} after the "
+                                 f"length (at most {MAX_HEADER_BYTES} are accepted)")
+        try:
+            header = json.loads(handle.read(length))
+        except (ValueError, RecursionError) as exc:
+            raise _corrupt(path, f"its header is not JSON ({type(exc).__name__})") from exc
+    if not isinstance(header, dict):
+        raise _corrupt(path, "its header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _corrupt(path, "its __metadata__ is not an object of strings")
     base = 8 + length
-    tensors = {
-        name: SourceTensor(path=Path(path), dtype=info["dtype"], shape=tuple(info["shape"]),
-                           start=base + info["data_offsets"][0], end=base + info["data_offsets"][1])
-        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
-    }
-    return tensors, metadata
+    tensors = {name: _source_tensor(path, name, info, base, size) for name, info in header.items()}
+    ordered = sorted(tensors.items(), key=lambda item: (item[1].start, item[1].end))
+    for (_, before), (name, after) in zip(ordered, ordered[1:], strict=False):
+        if after.start < before.end:
+            raise _corrupt(path, f"tensor {name!r} overlaps the bytes of another tensor")
+    return dict(ordered), metadata
+
+
+#: The safetensors library refuses headers over 100 MB; so does this reader.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _source_tensor(path: Path, name: str, info: object, base: int, size: int) -> SourceTensor:
+    if not isinstance(info, dict):
+        raise _corrupt(path, f"tensor {name!r} has no dtype/shape/data_offsets entry")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _ITEM_BYTES:
+        raise _corrupt(path, f"tensor {name!r} has dtype {str(dtype)[:20]!r}, not one fp8forge reads")
+    if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
+        raise _corrupt(path, f"tensor {name!r} has a shape that is not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= size - base):
+        raise _corrupt(path, f"tensor {name!r} has data_offsets outside the file's {size - base} data bytes")
+    elements = 1
+    for dim in shape:
+        elements *= dim
+    if offsets[1] - offsets[0] != elements * _ITEM_BYTES[dtype]:
+        raise _corrupt(path, f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes; its dtype and shape need "
+                             f"{elements * _ITEM_BYTES[dtype]}")
+    return SourceTensor(path=path, dtype=dtype, shape=tuple(shape), start=base + offsets[0], end=base + offsets[1])
+
+
+def _corrupt(path: Path, why: str) -> ModelNotFoundError:
+    return ModelNotFoundError(f"weight file {path.name!r} is not a valid safetensors file: {why}; replace it with "
+                              "an intact copy (e.g. download it again)")
 
 
 @dataclass(frozen=True)

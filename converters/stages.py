@@ -330,8 +330,9 @@ def export(run: _Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     written += artifact_layout.write_state_file(run, staging)
     written += artifact_layout.write_calibration_file(run, staging)
     from converters.artifact_io import copy_side_files
+    from converters.model_files import confinement_for
 
-    written += copy_side_files(run.model_dir, staging)
+    written += copy_side_files(run.model_dir, staging, confinement_for(run.sources))
     written += _write_serving(run, staging)
     written += artifact_layout.write_json_files(run, staging, written)
     run.sink.progress(2, 3)
@@ -347,6 +348,7 @@ def _write_serving(run: _Run, staging: Path) -> list[str]:
     from converters.checkpoint import weight_files
     from converters.formats import serving_format
     from converters.formats.serving import set_input_amax, write_serving_checkpoint
+    from converters.model_files import confinement_for
     from converters.model_sources import model_dtype
 
     written = []
@@ -357,6 +359,7 @@ def _write_serving(run: _Run, staging: Path) -> list[str]:
                      "is the largest of the same GEMM's other experts in that layer")
         directory = staging / "serving" / name
         files = write_serving_checkpoint(serving_format(name), plan, run.model_dir, weight_files(run.model_dir),
-                                         directory, model_dtype(run.config), check_stop=run.check_stop)
+                                         directory, model_dtype(run.config), confinement_for(run.sources),
+                                         check_stop=run.check_stop)
         written += [f"serving/{name}/{file}" for file in files]
     return written

@@ -81,6 +81,29 @@ class Settings(BaseSettings):
     artifact_sweep_interval_s: float = Field(
         300.0, gt=0, description="How often workers and the API remove attempt files no job points at."
     )
+    # Bounds on what a model's config.json may declare, checked before anything is built from it (analysis and
+    # conversion); the defaults admit Llama-3.1-405B, DeepSeek-V3, Kimi-K2, Qwen3-Next and Gemma 3 with room.
+    max_model_layers: int = Field(1_000, ge=1, description="Layers one stack of a model config may declare.")
+    max_model_dim: int = Field(
+        262_144, ge=1, description="Largest width or head count a model config may declare (hidden, intermediate)."
+    )
+    max_model_experts: int = Field(2_048, ge=1, description="Experts per MoE layer a model config may declare.")
+    max_model_vocab: int = Field(2_097_152, ge=1, description="Largest vocab_size a model config may declare.")
+    max_model_parameters: int = Field(
+        4_000_000_000_000, ge=1, description="Parameters a model config may declare (estimated from its fields)."
+    )
+    analyze_workers: int = Field(
+        2, ge=1, le=64, description="Processes that run /v1/analyze (each builds models; the API's threads never do)."
+    )
+    analyze_queue_depth: int = Field(
+        8, ge=0, le=10_000, description="/v1/analyze requests that may wait for a process; more get 503 + Retry-After."
+    )
+    analyze_timeout_s: float = Field(
+        300.0, gt=0, description="Time one analysis may take; its process is then replaced and the request gets 503."
+    )
+    max_event_streams_per_key: int = Field(
+        16, ge=1, le=10_000, description="Open event streams (GET /v1/jobs/{id}/events) per API key; more get 429."
+    )
 
     @field_validator("allowed_model_roots", mode="before")
     @classmethod
@@ -149,7 +172,18 @@ class Settings(BaseSettings):
             "trust_remote_code": self.trust_remote_code,
             "demo_dir": self.demo_dir,
             "reveal_roots": False,
+            # A model directory's links must not reach the server's own files (database, keys, artifacts).
+            "private_paths": (self.data_dir, *([self.api_keys_file] if self.api_keys_file else [])),
+            "config_limits": self.config_limits(),
         }
+
+    def config_limits(self) -> Any:
+        """``converters.model_limits.ConfigLimits`` from the ``max_model_*`` settings."""
+        from converters.model_limits import ConfigLimits
+
+        return ConfigLimits(max_layers=self.max_model_layers, max_dim=self.max_model_dim,
+                            max_experts=self.max_model_experts, max_vocab=self.max_model_vocab,
+                            max_parameters=self.max_model_parameters)
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -33,6 +33,7 @@ import torch
 
 from converters.artifact_io import INDEX_NAME, copy_side_files, write_json
 from converters.experts import EXPERT_GEMMS, parse_unit_path, unit_path
+from converters.model_files import FileConfinement
 from converters.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
 
 __all__ = [
@@ -259,9 +260,11 @@ def set_input_amax(plan: ServingPlan, report: Mapping[str, Any], amax: Mapping[s
 
 
 def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: Path, weight_files: list[Path],
-                             directory: Path, scale_dtype: torch.dtype,
+                             directory: Path, scale_dtype: torch.dtype, confinement: FileConfinement,
                              check_stop: Callable[[], None] | None = None) -> list[str]:
     """Write ``fmt``'s checkpoint of the source into ``directory``: weight files, index, config, side files.
+
+    Side files are copied without reading outside ``confinement``.
 
     Returns the file names written (relative to ``directory``).
     """
@@ -295,4 +298,4 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
     config["quantization_config"] = fmt.quantization_config(plan)
     write_json(directory / "config.json", config)
     written.append("config.json")
-    return written + copy_side_files(source_dir, directory)
+    return written + copy_side_files(source_dir, directory, confinement)
