@@ -30,6 +30,7 @@ __all__ = [
     "check_int",
     "check_bool",
     "check_fp8_format",
+    "brief",
 ]
 
 RECIPE_VERSION = 1
@@ -128,6 +129,15 @@ def allowed(enum_cls: type[enum.Enum]) -> str:
     return ", ".join(str(m.value) for m in enum_cls)
 
 
+def brief(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error names the value it refuses, never a megabyte of it."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit cannot even be printed
+        return f"<{type(value).__name__} too large to show>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def coerce_enum(value: Any, enum_cls: type[enum.Enum], field: str, *, upper: bool) -> Any:
     """``value`` as a member of ``enum_cls`` (strings case-insensitive); RecipeError naming ``field`` otherwise."""
     if isinstance(value, enum_cls):
@@ -138,7 +148,7 @@ def coerce_enum(value: Any, enum_cls: type[enum.Enum], field: str, *, upper: boo
             if member.value == key:
                 return member
     raise RecipeError(
-        f"{field} must be one of {allowed(enum_cls)} (case-insensitive), got {value!r}.", field=field
+        f"{field} must be one of {allowed(enum_cls)} (case-insensitive), got {brief(value)}.", field=field
     )
 
 
@@ -149,13 +159,13 @@ def check_int(value: Any, field: str, *, minimum: int, maximum: int, optional: b
     # bool is an int subclass; `margin: true` in a YAML file is a mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         kind = f"an integer >= {minimum} and <= {maximum}" + (" or null" if optional else "")
-        raise RecipeError(f"{field} must be {kind}, got {value!r}.", field=field)
+        raise RecipeError(f"{field} must be {kind}, got {brief(value)}.", field=field)
 
 
 def check_bool(value: Any, field: str) -> None:
     """Raise RecipeError naming ``field`` unless ``value`` is a bool."""
     if not isinstance(value, bool):
-        raise RecipeError(f"{field} must be true or false, got {value!r}.", field=field)
+        raise RecipeError(f"{field} must be true or false, got {brief(value)}.", field=field)
 
 
 def check_fp8_format(value: Any, field: str = "fp8_format") -> Fp8Format:

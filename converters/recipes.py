@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
-
 from converters.ao_training_recipes import AO_LINEAR_CAST_FORMATS, AOFloat8TrainingOpRecipe, AOMXFP8TrainingOpRecipe
 from converters.errors import RecipeError
 from converters.recipe_base import (
@@ -48,6 +46,7 @@ from converters.recipe_base import (
     NVFP4Scope,
     TEScaling,
     allowed,
+    brief,
     check_bool,
     check_fp8_format,
     check_int,
@@ -62,6 +61,7 @@ from converters.recipe_requirements import (
     ShapeRule,
     stateless_note,
 )
+from converters.safe_yaml import YamlRefused, load_yaml
 from converters.te_block_recipes import (
     TEFloat8BlockScalingRecipe,
     TEMXFP8BlockScalingRecipe,
@@ -162,7 +162,7 @@ class TEDelayedScalingRecipe(_PerTensorFP8):
             ):
                 raise RecipeError(
                     "override_linear_precision must be three booleans (fprop, dgrad, wgrad) or null, "
-                    f"got {olp!r}.",
+                    f"got {brief(olp)}.",
                     field="override_linear_precision",
                 )
             object.__setattr__(self, "override_linear_precision", tuple(olp))
@@ -413,7 +413,7 @@ def _parse_bool_triple(value: Any) -> Any:
     parts = [p.strip().lower() for p in value.strip().strip("()[]").split(",")]
     if len(parts) != 3 or not all(p in _TRUE | _FALSE for p in parts):
         raise RecipeError(
-            f"override_linear_precision must be three booleans like (false, false, false), got {value!r}.",
+            f"override_linear_precision must be three booleans like (false, false, false), got {brief(value)}.",
             field="override_linear_precision",
         )
     return tuple(p in _TRUE for p in parts)
@@ -423,7 +423,7 @@ def _reject_unknown(data: Mapping[str, Any], allowed_keys: tuple[str, ...], what
     for key in data:
         if key not in allowed_keys:
             raise RecipeError(
-                f"Unknown {what} recipe key {key!r}; allowed keys: {', '.join(allowed_keys)}.", field=str(key)
+                f"Unknown {what} recipe key {brief(key)}; allowed keys: {', '.join(allowed_keys)}.", field=str(key)
             )
 
 
@@ -446,7 +446,7 @@ def recipe_from_dict(data: Mapping[str, Any]) -> Recipe:
     version = data.pop("version", RECIPE_VERSION)
     if isinstance(version, bool) or version != RECIPE_VERSION:
         raise RecipeError(
-            f"Unsupported recipe version {version!r}; this fp8forge reads version {RECIPE_VERSION}.",
+            f"Unsupported recipe version {brief(version)}; this fp8forge reads version {RECIPE_VERSION}.",
             field="version",
         )
     if "backend" not in data:
@@ -466,7 +466,7 @@ def _ao_recipe(data: dict[str, Any]) -> Recipe:
     if not isinstance(raw, (str, AOTrainingOp)) or str(getattr(raw, "value", raw)).strip().lower() not in {
             m.value for m in AOTrainingOp}:
         raise RecipeError(f"scaling must be one of {allowed(AOTrainingOp)} for a torchao quantize_ training config "
-                          f"(leave it out for a Float8Linear recipe_name), got {raw!r}.", field="scaling")
+                          f"(leave it out for a Float8Linear recipe_name), got {brief(raw)}.", field="scaling")
     cls = AO_RECIPES[coerce_enum(raw, AOTrainingOp, "scaling", upper=False)]
     _reject_unknown(data, _COMMON_KEYS + ("scaling",) + _fields_of(cls), f"ao {cls.scaling_value.value}")
     return cls(**data)
@@ -532,15 +532,15 @@ def recipe_from_accelerate_yaml(text: str) -> Recipe:
     ``fp8_config.<field>``.
     """
     try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"Not valid YAML: {exc}", field="recipe_file") from exc
+        doc = load_yaml(text)
+    except YamlRefused as exc:
+        raise RecipeError(f"Not an Accelerate config: {exc}", field="recipe_file") from exc
     if not isinstance(doc, Mapping):
         raise RecipeError("An Accelerate config must be a YAML mapping.", field="recipe_file")
     mixed = doc.get("mixed_precision")
     if not isinstance(mixed, str) or mixed.strip().lower() != "fp8":
         raise RecipeError(
-            f"The Accelerate config has mixed_precision: {mixed!r}; an FP8 recipe needs "
+            f"The Accelerate config has mixed_precision: {brief(mixed)}; an FP8 recipe needs "
             "mixed_precision: fp8.",
             field="mixed_precision",
         )
@@ -574,7 +574,7 @@ def load_recipe_file(path: str | Path) -> Recipe:
         if suffix == ".json":
             try:
                 data = json.loads(text)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:
                 raise RecipeError(f"Not valid JSON: {exc}", field="recipe_file") from exc
             return recipe_from_dict(data)
         return recipe_from_accelerate_yaml(text)
