@@ -81,6 +81,19 @@ class Settings(BaseSettings):
     artifact_sweep_interval_s: float = Field(
         300.0, gt=0, description="How often workers and the API remove attempt files no job points at."
     )
+    # Bounds on waiting for the job store, so a process stopped inside a transaction cannot stall the others.
+    store_lock_timeout_s: float = Field(
+        10.0, gt=0, description="Longest wait for a lock another transaction holds (PostgreSQL lock_timeout, "
+                                "SQLite busy timeout); then the statement fails and is retried later."
+    )
+    store_statement_timeout_s: float = Field(60.0, gt=0, description="PostgreSQL: longest one statement may run.")
+    store_idle_in_transaction_timeout_s: float = Field(
+        60.0, gt=0, description="PostgreSQL: a session idle inside a transaction this long (its process stopped) is "
+                                "ended by the server, releasing its locks."
+    )
+    ready_timeout_s: float = Field(
+        2.0, gt=0, description="/readyz answers 503 when the job store does not answer within this many seconds."
+    )
     # Bounds on what a model's config.json may declare, checked before anything is built from it (analysis and
     # conversion); the defaults admit Llama-3.1-405B, DeepSeek-V3, Kimi-K2, Qwen3-Next and Gemma 3 with room.
     max_model_layers: int = Field(1_000, ge=1, description="Layers one stack of a model config may declare.")
