@@ -10,6 +10,7 @@ __all__ = [
     "Fp8ForgeError",
     "ModelReferenceError",
     "ModelNotFoundError",
+    "ModelConfigError",
     "ArtifactError",
     "RecipeError",
     "CalibrationDataError",
@@ -42,6 +43,13 @@ class ModelNotFoundError(Fp8ForgeError):
     """The reference is well formed but no model (or no config.json) could be found for it."""
 
     code = "model_not_found"
+
+
+class ModelConfigError(Fp8ForgeError):
+    """The model's config.json declares more than the configured bounds allow, or something transformers cannot
+    build a model from (a count of the wrong type, a class that is not a model)."""
+
+    code = "invalid_model_config"
 
 
 class ArtifactError(ModelNotFoundError):
