@@ -6,6 +6,7 @@ Every error response has the shape ``{"error": {"code", "message", "field"?}}``.
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import re
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ __all__ = [
     "BodyTooLarge",
     "InvalidRequest",
     "RangeNotSatisfiable",
+    "DiskFull",
+    "disk_full",
     "error_response",
     "install_error_handler",
 ]
@@ -66,6 +69,8 @@ ERROR_CODES: dict[str, tuple[str, str]] = {
     "artifact_upload_failed": ("500", "a job's worker could not upload its artifacts to the object store (job error)"),
     "backend_unavailable": ("503", "the backend needs a library or device this server lacks"),
     "artifact_store_unavailable": ("503", "the object store holding the artifacts did not answer; see Retry-After"),
+    "disk_full": ("503", "a disk of the server is full: the job store could not record the request (see Retry-After); "
+                         "as a job's error, its worker ran out of disk space on the last attempt"),
 }
 
 ErrorCode = enum.Enum("ErrorCode", [(code.upper(), code) for code in ERROR_CODES], type=str)
@@ -141,6 +146,39 @@ class RangeNotSatisfiable(ServiceError):
 
     code = "range_not_satisfiable"
     status_code = 416
+
+
+class DiskFull(ServiceError):
+    """A disk of the server is full, so the request could not be recorded (503 with ``Retry-After``)."""
+
+    code = "disk_full"
+    status_code = 503
+
+
+_SQLITE_FULL = 13
+_PG_DISK_FULL = "53100"
+
+
+def disk_full(exc: BaseException) -> bool:
+    """True when ``exc``, or an exception that caused it, says a disk is full: an ``OSError`` with ``ENOSPC``,
+    SQLite's "database or disk is full", PostgreSQL's ``disk_full``, or a Rust library's "(os error 28)"
+    (safetensors writes through Rust, and raises its own error type)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for candidate in (current, getattr(current, "orig", None)):  # a SQLAlchemy error wraps the driver's
+            if isinstance(candidate, OSError) and candidate.errno == errno.ENOSPC:
+                return True
+            code = getattr(candidate, "sqlite_errorcode", None)  # extended: the primary code is the low byte
+            if code is not None and code & 0xFF == _SQLITE_FULL:
+                return True
+            if getattr(candidate, "sqlstate", None) == _PG_DISK_FULL:
+                return True
+        if f"(os error {errno.ENOSPC})" in str(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 _HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
@@ -224,6 +262,10 @@ def _allowed_methods(request: Request) -> str:
 
 def error_response(exc: Exception) -> JSONResponse:
     """Map any exception to the JSON error response (also used by middleware outside the router)."""
+    if not isinstance(exc, ServiceError) and disk_full(exc):  # not a bug: the client may try again later
+        full = DiskFull("a disk of the server is full, so the request could not be recorded; try again later",
+                        headers={"Retry-After": "60"})
+        full.__cause__, exc = exc, full
     status, code, message, field = _describe(exc)
     if status >= 500:
         logger.error("request failed: %s", message, exc_info=exc)
