@@ -48,7 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         dirs.ensure()
-        store = JobStore(settings.store_url)
+        store = JobStore.from_settings(settings)
         reaper = Reaper(store, dirs, settings.heartbeat_timeout_s, settings.heartbeat_interval_s,
                         sweep_every_s=settings.artifact_sweep_interval_s)
         app.state.store = store

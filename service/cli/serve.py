@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--workers", type=int, default=None, metavar="N",
                        help="local worker processes; 0 runs the API only (default: FP8FORGE_WORKERS, "
                             "else one per GPU, or one)")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="level of fp8forge's own log lines, the workers' included (default: %(default)s)")
     serve.set_defaults(func=run_serve)
 
     worker = subparsers.add_parser(
@@ -39,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "FP8FORGE_S3_* settings (docs/deployment.md).",
     )
     worker.add_argument("--gpu", default=None, metavar="ID", help="CUDA device this worker uses")
+    worker.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="level of fp8forge's own log lines, its conversions' included (default: %(default)s)")
     worker.set_defaults(func=run_worker)
 
 
@@ -69,8 +72,6 @@ def _storage_reachable(settings: Settings) -> bool:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the API in this process and the worker pool beside it until SIGINT/SIGTERM."""
-    import logging
-
     settings = _settings(workers=args.workers)
     if settings is None or not _storage_reachable(settings):
         return 2
@@ -86,16 +87,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from service.config import SettingsError
     from service.store import JobStore
     from service.workers.pool import WorkerPool, default_worker_count
+    from service.workers.procs import configure_logging
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, "api")
     try:
         app = create_app(settings)  # reads the API keys: refuse to start without any, rather than refuse everyone
     except SettingsError as exc:
         print(f"fp8forge: {exc}", file=sys.stderr)
         return 2
-    JobStore(settings.store_url).close()  # create the schema once, before several processes race to
+    JobStore.from_settings(settings).close()  # create the schema once, before several processes race to
     count = settings.workers if settings.workers is not None else default_worker_count()
-    pool = WorkerPool(settings, count)
+    pool = WorkerPool(settings, count, log_level=args.log_level)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
@@ -133,7 +135,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     from service.workers.worker import worker_process_main
 
-    worker_process_main(settings, gpu=args.gpu)
+    worker_process_main(settings, gpu=args.gpu, log_level=args.log_level)
     return 0
 
 

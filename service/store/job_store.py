@@ -17,25 +17,32 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound, TooManyJobs
 from service.jobs import Job, JobStatus, Stage, public_worker_name, transition
 from service.store.events import EventLog
+from service.store.probe import Probe
 from service.store.schema import (
     ACTIVE_STATUSES,
-    add_missing_columns,
+    StoreTimeouts,
+    brief,
+    create_schema,
     db_now,
+    lock_refused,
     make_engine,
     request_without_texts,
     tables,
 )
 from service.store.workers import StageTimings, WorkerRegistry
 
-__all__ = ["JobStore", "JobLost"]
+if TYPE_CHECKING:
+    from service.config import Settings
+
+__all__ = ["JobStore", "JobLost", "JobBusy"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,19 +51,23 @@ class JobLost(Exception):
     """A worker wrote to a job it no longer owns (it was requeued and maybe claimed elsewhere)."""
 
 
+class JobBusy(Exception):
+    """Another transaction holds the job's row (a process stopped inside its write, say): not now, try later."""
+
+
 class JobStore:
     """Jobs, their event logs, worker heartbeats and stage timings in one SQL database.
 
     Args:
         url: SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://...``).
         table_prefix: prepended to every table name, so several stores can share one database.
+        timeouts: how long statements may wait for locks and run (``StoreTimeouts()``'s defaults when omitted).
     """
 
-    def __init__(self, url: str, *, table_prefix: str = "") -> None:
-        self.engine = make_engine(url)
+    def __init__(self, url: str, *, table_prefix: str = "", timeouts: StoreTimeouts | None = None) -> None:
+        self.engine = make_engine(url, timeouts)
         self.tables = tables(table_prefix)
-        self.tables.metadata.create_all(self.engine)
-        add_missing_columns(self.engine, self.tables)
+        create_schema(self.engine, self.tables)
         self._jobs = self.tables.jobs
         # built once: a status poll runs it on every request (building the SELECT each time cost ~10 us of ~90)
         self._by_id = sa.select(self._jobs).where(self._jobs.c.id == sa.bindparam("job_id"))
@@ -68,6 +79,14 @@ class JobStore:
         self.events = EventLog(self.engine, self.tables)
         self.workers = WorkerRegistry(self.engine, self.tables, self._db_now)
         self.timings = StageTimings(self.engine, self.tables)
+        self._probe: Probe[int] = Probe("fp8forge-store-probe")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> JobStore:
+        """The store the settings name, with their lock, statement and idle-in-transaction timeouts."""
+        return cls(settings.store_url, timeouts=StoreTimeouts(
+            lock_s=settings.store_lock_timeout_s, statement_s=settings.store_statement_timeout_s,
+            idle_in_transaction_s=settings.store_idle_in_transaction_timeout_s))
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -78,15 +97,18 @@ class JobStore:
         self.tables.metadata.drop_all(self.engine)
         self.engine.dispose()
 
-    def ping(self) -> bool:
-        """True when the database answers a trivial query."""
-        try:
+    def readiness(self, *, within_s: float, worker_timeout_s: float) -> int | None:
+        """The number of live workers, or None when the store did not answer within ``within_s`` seconds.
+
+        A store that hangs (a server that stopped answering, a lock held by a stopped process) makes the answer
+        None instead of hanging its caller; while one check hangs no other starts, so probes do not pile up.
+        """
+        def check() -> int:
             with self.engine.connect() as conn:
                 conn.execute(sa.text("SELECT 1"))
-            return True
-        except Exception:  # noqa: BLE001 - any failure means "not reachable"
-            logger.warning("job store unreachable", exc_info=True)
-            return False
+            return len(self.workers.live(worker_timeout_s))
+
+        return self._probe.run(check, within_s)
 
     # -- jobs --------------------------------------------------------------------------------------
     def create_job(
@@ -225,15 +247,23 @@ class JobStore:
                     error_code=None, error_message=None)
             .returning(*self._jobs.c)
         )
-        with self.engine.begin() as conn:
-            if max_running_per_owner is not None and self.engine.dialect.name == "postgresql":
-                conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"fp8forge-claim:{self._jobs}"))))
-            row = conn.execute(stmt).mappings().first()
-            if row is None:
-                return None
-            self.events.append(conn, row["id"], "status",
-                        {"status": JobStatus.RUNNING.value, "attempt": row["attempt"],
-                         "worker": public_worker_name(worker_id)}, now)
+        try:
+            with self.engine.begin() as conn:
+                if max_running_per_owner is not None and self.engine.dialect.name == "postgresql":
+                    conn.execute(sa.select(
+                        sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"fp8forge-claim:{self._jobs}"))))
+                row = conn.execute(stmt).mappings().first()
+                if row is None:
+                    return None
+                self.events.append(conn, row["id"], "status",
+                                   {"status": JobStatus.RUNNING.value, "attempt": row["attempt"],
+                                    "worker": public_worker_name(worker_id)}, now)
+        except DBAPIError as exc:
+            if not lock_refused(exc):
+                raise
+            # another claimer holds the claim turn past the lock timeout (stopped inside its claim): not now
+            logger.warning("claim skipped: the job store is busy (%s)", brief(exc))
+            return None
         return self._job(row)
 
     def set_status(
@@ -254,7 +284,8 @@ class JobStore:
             values: other columns to set (error_code, error_message, artifacts, attempt, ...).
 
         Raises:
-            JobNotFound, InvalidTransition, JobLost (``owner`` no longer owns the job, or the job is not stale).
+            JobNotFound, InvalidTransition, JobLost (``owner`` no longer owns the job, or the job is not stale),
+            JobBusy (``stale_for_s`` given and another transaction holds the job's row: a reaper does not wait).
         """
         for _ in range(10):
             job = self.get_job(job_id)
@@ -275,6 +306,8 @@ class JobStore:
             if stale_for_s is not None:
                 stmt = stmt.where(c.heartbeat_at < self._db_now - stale_for_s)
             with self.engine.begin() as conn:
+                if stale_for_s is not None:
+                    self._lock_or_busy(conn, job_id)
                 if conn.execute(stmt).rowcount == 1:
                     self.events.append(conn, job_id, "status", {"status": target.value, **(event or {})}, now)
                     changed = self._get(conn, job_id)
@@ -284,6 +317,16 @@ class JobStore:
                 if stale_for_s is not None and self._still_fresh(conn, job_id, stale_for_s):
                     raise JobLost(f"job {job_id} heartbeated again; it is not stale")
         raise InvalidTransition(f"job {job_id} kept changing; try again")
+
+    def _lock_or_busy(self, conn: sa.Connection, job_id: str) -> None:
+        """Lock the job's row, or raise JobBusy at once if another transaction holds it (PostgreSQL; SQLite has one
+        writer at a time, and its busy timeout bounds the wait)."""
+        try:
+            conn.execute(sa.select(self._jobs.c.seq).where(self._jobs.c.id == job_id).with_for_update(nowait=True))
+        except DBAPIError as exc:
+            if lock_refused(exc):
+                raise JobBusy(f"job {job_id} is locked by another transaction") from exc
+            raise
 
     @staticmethod
     def _owned(job: Job, owner: str, attempt: int | None) -> bool:

@@ -5,6 +5,7 @@ Kept apart from the queries so that what is stored, and how SQLite and PostgreSQ
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -13,7 +14,10 @@ from sqlalchemy.engine import Engine, make_url
 
 from service.jobs import JobStatus
 
-__all__ = ["ACTIVE_STATUSES", "Tables", "add_missing_columns", "db_now", "make_engine", "tables"]
+__all__ = [
+    "ACTIVE_STATUSES", "StoreTimeouts", "Tables", "add_missing_columns", "brief", "create_schema", "db_now",
+    "lock_refused", "make_engine", "tables",
+]
 
 # a job in one of these has an owning worker whose heartbeats keep it alive
 ACTIVE_STATUSES = (JobStatus.RUNNING.value, JobStatus.CANCELLING.value)
@@ -88,9 +92,23 @@ def tables(prefix: str) -> Tables:
 _ADDED_COLUMNS = {"jobs": (("owner", "VARCHAR(64)"),)}
 
 
-def add_missing_columns(engine: Engine, t: Tables) -> None:
+def create_schema(engine: Engine, t: Tables) -> None:
+    """Create the tables that are missing and add the columns that are (idempotent).
+
+    On PostgreSQL this runs in one transaction under an advisory lock named after the tables: processes that
+    start at once against a fresh database (an API, its workers) take turns, where each would otherwise see the
+    tables missing and all but one would crash creating them.
+    """
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"fp8forge-schema:{t.jobs.name}"))))
+        t.metadata.create_all(conn)
+        add_missing_columns(conn, t)
+
+
+def add_missing_columns(conn: sa.Connection, t: Tables) -> None:
     """Bring tables created by an earlier version up to date (idempotent; safe with concurrent starts)."""
-    inspector = sa.inspect(engine)
+    inspector = sa.inspect(conn)
     for short, columns in _ADDED_COLUMNS.items():
         table: sa.Table = getattr(t, short)
         present = {c["name"] for c in inspector.get_columns(table.name)}
@@ -98,14 +116,12 @@ def add_missing_columns(engine: Engine, t: Tables) -> None:
             if name in present:
                 continue
             try:
-                with engine.begin() as conn:
-                    conn.execute(sa.text(f'ALTER TABLE "{table.name}" ADD COLUMN "{name}" {ddl}'))
-            except sa.exc.DBAPIError:  # another process added it first
-                if name not in {c["name"] for c in sa.inspect(engine).get_columns(table.name)}:
+                conn.execute(sa.text(f'ALTER TABLE "{table.name}" ADD COLUMN "{name}" {ddl}'))
+            except sa.exc.DBAPIError:  # SQLite (no schema lock): another process added it first
+                if name not in {c["name"] for c in sa.inspect(conn).get_columns(table.name)}:
                     raise
-            with engine.begin() as conn:
-                index = f'"ix_{table.name}_{name}" ON "{table.name}" ("{name}")'
-                conn.execute(sa.text(f"CREATE INDEX IF NOT EXISTS {index}"))
+            index = f'"ix_{table.name}_{name}" ON "{table.name}" ("{name}")'
+            conn.execute(sa.text(f"CREATE INDEX IF NOT EXISTS {index}"))
 
 
 def db_now(engine: Engine) -> sa.ColumnElement[float]:
@@ -132,12 +148,64 @@ def request_without_texts(engine: Engine, request: sa.Column) -> sa.ColumnElemen
     return sa.type_coerce(sa.cast(request, JSONB).op("#-")(path), sa.JSON)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for ``url``: connect timeouts for a server, WAL and a busy timeout for a SQLite file."""
+@dataclass(frozen=True, kw_only=True)
+class StoreTimeouts:
+    """How long the store's statements may wait, so that no process waits forever on another.
+
+    Args:
+        lock_s: the longest a statement waits for a lock another transaction holds (PostgreSQL ``lock_timeout``,
+            SQLite's busy timeout); then it fails, and its caller retries or answers "not now".
+        statement_s: PostgreSQL ``statement_timeout``: the longest one statement may run.
+        idle_in_transaction_s: PostgreSQL ``idle_in_transaction_session_timeout``: a session that stays idle inside
+            a transaction this long (its process was stopped or hangs) is ended by the server, which releases its
+            locks.
+    """
+
+    lock_s: float = 10.0
+    statement_s: float = 60.0
+    idle_in_transaction_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not getattr(self, f.name) > 0:
+                raise ValueError(f"{f.name} must be a positive number of seconds, not {getattr(self, f.name)!r}")
+
+    def session_options(self) -> str:
+        """The libpq ``options`` that set these timeouts on every PostgreSQL session (in milliseconds)."""
+        settings = {"lock_timeout": self.lock_s, "statement_timeout": self.statement_s,
+                    "idle_in_transaction_session_timeout": self.idle_in_transaction_s}
+        return " ".join(f"-c {name}={max(1, round(seconds * 1000))}" for name, seconds in settings.items())
+
+
+_LOCK_REFUSED_SQLSTATES = {"55P03", "57014"}  # lock_not_available (lock_timeout, NOWAIT), query_canceled
+_SQLITE_BUSY, _SQLITE_LOCKED = 5, 6
+
+
+def lock_refused(exc: BaseException) -> bool:
+    """True when a statement failed because another transaction held what it needed past the lock timeout (or a
+    NOWAIT lock was taken), or it ran past the statement timeout: "not now", not a broken store."""
+    orig = getattr(exc, "orig", exc)
+    if getattr(orig, "sqlstate", None) in _LOCK_REFUSED_SQLSTATES:
+        return True
+    code = getattr(orig, "sqlite_errorcode", None)  # an extended code: the primary one is its low byte
+    return code is not None and code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED)
+
+
+def brief(exc: BaseException) -> str:
+    """A database error's own first line, without SQLAlchemy's statement and background link: for one log line."""
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def make_engine(url: str, timeouts: StoreTimeouts | None = None) -> Engine:
+    """An engine for ``url``: connect and lock timeouts for a server, WAL and a busy timeout for a SQLite file."""
+    timeouts = timeouts or StoreTimeouts()
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         # a database host that stops answering must fail a call in seconds, not hang a worker's heartbeats
-        connect_args = {"connect_timeout": 10} if "connect_timeout" not in parsed.query else {}
+        connect_args: dict[str, Any] = {"connect_timeout": 10} if "connect_timeout" not in parsed.query else {}
+        # options given in the URL come last, so they win over these defaults
+        connect_args["options"] = " ".join([timeouts.session_options(), *_as_list(parsed.query.get("options"))])
         return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
@@ -145,16 +213,23 @@ def make_engine(url: str) -> Engine:
     # (+10 overflow) the threads beyond fifteen queued for a connection (40 threads reading: 2.3x slower). The
     # overflow covers the rest: the event loop's inline reads (JobStore.reads_inline) and the reaper's thread, so a
     # read on the loop never waits for a connection.
-    engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=40)
+    engine = sa.create_engine(url, connect_args={"timeout": timeouts.lock_s, "check_same_thread": False},
+                              pool_size=40)
+    busy_ms = max(1, round(timeouts.lock_s * 1000))
 
     @sa.event.listens_for(engine, "connect")
     def _pragmas(dbapi_conn: Any, _: Any) -> None:
         cur = dbapi_conn.cursor()
-        # WAL lets the API read while a worker writes; busy_timeout makes writers queue, not fail.
+        # WAL lets the API read while a worker writes; busy_timeout makes writers queue, not fail, for as long as
+        # the lock timeout (a process stopped inside a write transaction holds the one write lock)
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
-        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute(f"PRAGMA busy_timeout={busy_ms}")
         cur.close()
 
     return engine
+
+
+def _as_list(value: str | tuple[str, ...] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
 

@@ -23,8 +23,9 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
-from service.workers.messages import Failed, Progress, StageStarted, Succeeded, Warned
-from service.workers.procs import die_with_parent
+from service.errors import disk_full
+from service.workers.messages import DISK_FULL, Failed, Progress, StageStarted, Succeeded, Warned
+from service.workers.procs import configure_logging, die_with_parent
 
 __all__ = ["PipeSink", "child_main", "cpu_quota", "limit_threads", "thread_budget", "usable_cpus"]
 
@@ -116,32 +117,44 @@ class PipeSink:
 
 def child_main(
     request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Connection, stop: Event,
-    parent_pid: int, threads: int | None = None,
+    parent_pid: int, threads: int | None = None, log_level: str = "info",
 ) -> None:
     """Run ``converters.pipeline.run_conversion`` for one job with ``threads`` CPU threads; never raises.
 
-    ``threads`` None: every CPU this process may use but one (see :func:`thread_budget`).
+    ``threads`` None: every CPU this process may use but one (see :func:`thread_budget`). fp8forge's own loggers
+    log from ``log_level`` up. A full disk is reported as ``disk_full``, which the worker retries elsewhere.
     """
     die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the worker decides how this run stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [conversion] %(name)s: %(message)s")
+    configure_logging(log_level, "conversion")
+    from converters.third_party_noise import silence_third_party_noise
+
+    silence_third_party_noise()  # a spawned process starts without the filters its worker set; before torch loads
     try:
         logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
-        from converters.errors import Fp8ForgeError
         from converters.model_sources import ModelSourceOptions
         from converters.pipeline import ConversionRequest, run_conversion
 
-        try:
-            result = run_conversion(
-                ConversionRequest.from_dict(request), Path(out_dir), ModelSourceOptions(**sources),
-                PipeSink(conn, stop),
-            )
-            conn.send(Succeeded([dict(m) for m in result.manifest]))
-        except Fp8ForgeError as exc:
-            conn.send(Failed(exc.code, exc.message))
+        result = run_conversion(
+            ConversionRequest.from_dict(request), Path(out_dir), ModelSourceOptions(**sources), PipeSink(conn, stop),
+        )
+        conn.send(Succeeded([dict(m) for m in result.manifest]))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
-        logger.error("conversion crashed:\n%s", traceback.format_exc())
-        conn.send(Failed("internal_error", f"{type(exc).__name__}: {exc}"))
+        conn.send(_failure(exc))
     finally:
         conn.close()
+
+
+def _failure(exc: BaseException) -> Failed:
+    """Why the run failed, for the worker: a full disk (whoever raised it, a library or fp8forge wrapping an
+    ``OSError``), a conversion error, or a crash (whose text stays in this log)."""
+    from converters.errors import Fp8ForgeError
+
+    if disk_full(exc):  # not the job's fault: this host has no room, another may
+        logger.warning("the disk is full: %s: %s", type(exc).__name__, exc)
+        return Failed(DISK_FULL, "the worker's disk filled up while the conversion wrote its files")
+    if isinstance(exc, Fp8ForgeError):
+        return Failed(exc.code, exc.message)
+    logger.error("conversion crashed:\n%s", "".join(traceback.format_exception(exc)))
+    return Failed("internal_error", f"{type(exc).__name__}: {exc}")

@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ChildMessage", "ChildResult", "Failed", "Progress", "StageStarted", "Succeeded", "Warned"]
+__all__ = ["DISK_FULL", "ChildMessage", "ChildResult", "Failed", "Progress", "StageStarted", "Succeeded", "Warned"]
+
+#: ``Failed.code`` of a run whose host ran out of disk space: not the job's fault, so another attempt may succeed.
+DISK_FULL = "disk_full"
 
 
 @dataclass(frozen=True)

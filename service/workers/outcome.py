@@ -4,8 +4,10 @@ Used by ``JobRun`` (``service.workers.runner``) once the child has exited; it de
 says about the attempt and what happens to its files. A success is uploaded first where the storage is
 remote (the worker heartbeats meanwhile), then published only by the attempt's owner, inside the transaction
 that records it; every other outcome removes the attempt's files. An upload that fails is retried as a new
-attempt, or fails the job with ``artifact_upload_failed`` after the last one. A store that fails for a moment
-is retried with a back-off.
+attempt, or fails the job with ``artifact_upload_failed`` after the last one; so is a run whose worker's disk
+filled up (``disk_full``: another worker may have room). A store that fails for a moment is retried with a
+back-off; a worker that finds its attempt given to another meanwhile (it was stopped, then resumed) logs that
+once and leaves the new attempt's files alone.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus
 from service.storage import ArtifactStorage, ArtifactUploadFailed
 from service.store import JobLost, JobStore
-from service.workers.messages import Succeeded
+from service.store.schema import brief
+from service.workers.messages import DISK_FULL, Succeeded
 from service.workers.watch import RunWatch
 
 __all__ = ["AttemptOutcome"]
@@ -52,27 +55,48 @@ class AttemptOutcome:
         job_id, attempt = self.job.id, self.job.attempt
         try:
             self.store.timings.record(job_id, self.watch.durations)
-        except DBAPIError:
-            logger.warning("job %s: stage timings not recorded", job_id, exc_info=True)
+        except DBAPIError as exc:
+            logger.warning("job %s: stage timings not recorded (%s)", job_id, brief(exc))
         delay = _RECORD_BACKOFF_S
         for left in reversed(range(_RECORD_TRIES)):
             try:
                 flush_events(strict=True)
                 return self._outcome(exitcode)
             except (JobLost, JobNotFound):
-                logger.warning("job %s was taken from this worker before its outcome was recorded", job_id)
-                self.dirs.remove_attempt(job_id, attempt)
-                return None
+                return self._lost()
+            except OSError:  # e.g. the attempt's files are gone: the next attempt's worker removed them
+                if self._taken():
+                    return self._lost()
+                raise
             except (DBAPIError, InvalidTransition) as exc:  # the store failed, or the job kept changing
+                if self._taken():  # e.g. this worker was stopped, and the job went to another meanwhile
+                    return self._lost()
                 if not left:
                     logger.error("job %s: could not record its outcome (%s); it is requeued once its heartbeat "
-                                 "is stale", job_id, exc)
+                                 "is stale", job_id, brief(exc))
                     break
-                logger.warning("job %s: recording its outcome failed (%s); retrying in %.1fs", job_id, exc, delay)
+                logger.warning("job %s: recording its outcome failed (%s); retrying in %.1fs", job_id, brief(exc),
+                               delay)
                 time.sleep(delay)  # a back-off between tries, not a wait for another process
                 delay *= 2
         self.dirs.remove_attempt(job_id, attempt)
         return None
+
+    def _lost(self) -> None:
+        logger.warning("job %s was taken from this worker before its outcome was recorded (it went silent, and the "
+                       "job was given to another attempt); its result is discarded", self.job.id)
+        self.dirs.remove_attempt(self.job.id, self.job.attempt)
+
+    def _taken(self) -> bool:
+        """Whether this attempt is no longer the job's (requeued, claimed again, deleted); False when the store
+        cannot tell."""
+        try:
+            job = self.store.get_job(self.job.id)
+        except JobNotFound:
+            return True
+        except DBAPIError:
+            return False
+        return job.worker_id != self.worker_id or job.attempt != self.job.attempt
 
     def _outcome(self, exitcode: int | None) -> JobStatus:
         w = self.watch
@@ -82,6 +106,10 @@ class AttemptOutcome:
             return self._succeed(w.result.manifest)
         if w.shutdown_at is not None:
             return self._requeue("worker_shutdown", count_attempt=False)
+        if w.result is not None and w.result.code == DISK_FULL:  # this host has no room; another may
+            logger.warning("job %s: attempt %d ran out of disk space on this worker", self.job.id, self.job.attempt)
+            return self._retry_or_fail(DISK_FULL, DISK_FULL, f"{w.result.message} (attempt {self.job.attempt} of "
+                                                             f"{self.job.max_attempts})")
         if w.result is not None and w.result.code == "internal_error":
             # raw exception text names files, hosts and internals: the log keeps it, the client gets the fact
             logger.error("job %s: the conversion failed with an internal error: %s", self.job.id, w.result.message)
@@ -120,8 +148,10 @@ class AttemptOutcome:
             if not self.dirs.is_published(job_id, attempt):
                 self.dirs.publish(job_id, attempt, artifacts)
         except BaseException:
-            if published:
-                self.dirs.unpublish(job_id, attempt)  # the success was not recorded: the files go back
+            # the success was not recorded: the files go back, unless the job is another attempt's by now (this
+            # worker was stopped inside its write), whose worker removed them and may have published its own
+            if published and not self._taken():
+                self.dirs.unpublish(job_id, attempt)
             raise
         if status is not JobStatus.SUCCEEDED:  # a cancel won: the user asked for nothing
             self.dirs.remove_attempt(job_id, attempt)
@@ -177,9 +207,13 @@ class AttemptOutcome:
                 and job.attempt == self.job.attempt)
 
     def _crashed(self, message: str) -> JobStatus:
+        return self._retry_or_fail("conversion_crashed", "worker_crashed", message)
+
+    def _retry_or_fail(self, reason: str, error_code: str, message: str) -> JobStatus:
+        """Requeue the job for another attempt (``reason`` in its event), or fail it after the last one."""
         if self.job.attempt < self.job.max_attempts:
-            return self._requeue("conversion_crashed", message=message)
-        return self._finish(JobStatus.FAILED, error_code="worker_crashed", error_message=message)
+            return self._requeue(reason, message=message)
+        return self._finish(JobStatus.FAILED, error_code=error_code, error_message=message)
 
     def _requeue(self, reason: str, *, count_attempt: bool = True, message: str = "") -> JobStatus:
         self.dirs.remove_attempt(self.job.id, self.job.attempt)  # before the job is another worker's to claim

@@ -31,7 +31,7 @@ def default_worker_count() -> int:
 class WorkerPool:
     """Keeps ``count`` worker processes alive until :meth:`stop`."""
 
-    def __init__(self, settings: Settings, count: int) -> None:
+    def __init__(self, settings: Settings, count: int, *, log_level: str = "info") -> None:
         if settings.conversion_threads is None and count > 1:
             # each worker runs one conversion at a time, so they share the cores the API leaves (with every
             # child on all but one core, three workers' conversions would fight over them threefold)
@@ -40,6 +40,7 @@ class WorkerPool:
                         settings.conversion_threads)
         self.settings = settings
         self.count = count
+        self.log_level = log_level
         self._gpus = visible_gpus()
         self._ctx = mp.get_context("spawn")
         self._procs: list[BaseProcess | None] = [None] * count
@@ -78,7 +79,7 @@ class WorkerPool:
 
     def _spawn(self, slot: int) -> None:
         gpu = self._gpus[slot % len(self._gpus)] if self._gpus else None
-        proc = self._ctx.Process(target=worker_process_main, args=(self.settings, gpu, os.getpid()),
+        proc = self._ctx.Process(target=worker_process_main, args=(self.settings, gpu, os.getpid(), self.log_level),
                                  name=f"fp8forge-worker-{slot}")
         proc.start()
         self._procs[slot] = proc

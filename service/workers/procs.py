@@ -1,4 +1,5 @@
-"""Process plumbing shared by workers and their conversion children: parent-death links and GPU discovery."""
+"""Process plumbing shared by the API, workers and their conversion children: logging set-up, parent-death links
+and GPU discovery."""
 
 from __future__ import annotations
 
@@ -10,11 +11,29 @@ import sys
 import threading
 import time
 
-__all__ = ["die_with_parent", "visible_gpus"]
+__all__ = ["LOG_LEVELS", "configure_logging", "die_with_parent", "visible_gpus"]
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+#: The levels ``--log-level`` accepts.
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# fp8forge's own loggers; ``--log-level`` sets theirs, every other library logs from WARNING up
+_OWN_LOGGERS = ("service", "converters")
+
+
+def configure_logging(level: str, tag: str) -> None:
+    """Log one timestamped line per record to stderr, tagged ``[tag]`` (which process of the service wrote it).
+
+    fp8forge's own loggers (``service.*``, ``converters.*``) log from ``level`` (one of :data:`LOG_LEVELS`) up,
+    other libraries from WARNING up. Replaces the configuration the process had: the ``fp8forge`` command sets a
+    plain one before it knows which subcommand runs.
+    """
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s",
+                        force=True)
+    for name in _OWN_LOGGERS:
+        logging.getLogger(name).setLevel(level.upper())
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:

@@ -16,7 +16,7 @@ import time
 from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus
 from service.storage import ArtifactStorage, Leftover
-from service.store import JobLost, JobStore
+from service.store import JobBusy, JobLost, JobStore
 
 __all__ = ["reap_stale", "sweep_orphans", "Reaper"]
 
@@ -41,6 +41,9 @@ def reap_stale(store: JobStore, dirs: ArtifactStorage, timeout_s: float) -> list
             # judged again inside the write, by the database's clock: a heartbeat since find_stale keeps the job
             store.set_status(job.id, target, stale_for_s=timeout_s, event={"reason": "worker_lost"}, **values)
         except (JobLost, InvalidTransition):
+            continue
+        except JobBusy:  # its row is held (its worker stopped inside a write): the next round tries again
+            logger.debug("job %s: silent, but its row is locked by another transaction; not reaped now", job.id)
             continue
         logger.warning("job %s: worker %s went silent; now %s", job.id, job.worker_id, target.value)
         if target.is_finished:

@@ -28,6 +28,7 @@ from service.config import Settings
 from service.jobs import Job, JobStatus, Stage
 from service.storage import ArtifactStorage
 from service.store import JobStore
+from service.store.schema import brief, lock_refused
 from service.workers.child import child_main
 from service.workers.messages import ChildMessage, Failed, Progress, StageStarted, Succeeded, Warned
 from service.workers.outcome import AttemptOutcome
@@ -46,10 +47,11 @@ class JobRun:
 
     def __init__(
         self, settings: Settings, store: JobStore, dirs: ArtifactStorage, worker_id: str, job: Job,
-        stopping: threading.Event,
+        stopping: threading.Event, *, log_level: str | None = None,
     ) -> None:
         self.settings, self.store, self.dirs = settings, store, dirs
         self.worker_id, self.job, self.stopping = worker_id, job, stopping
+        self.log_level = log_level
         self.watch = RunWatch()
         self._check_every = min(settings.heartbeat_interval_s, 0.5)
 
@@ -63,13 +65,14 @@ class JobRun:
         ctx = mp.get_context("spawn")
         receiver, sender = ctx.Pipe(duplex=False)
         stop = ctx.Event()
-        # Unset, the child works its budget out from the CPUs it may use (the worker's, which it inherits).
-        threads = self.settings.conversion_threads
+        # Unset, the child works its budget out from the CPUs it may use (the worker's, which it inherits), and
+        # logs at its own default level.
+        options = {"threads": self.settings.conversion_threads, "log_level": self.log_level}
         proc = ctx.Process(
             target=child_main, name=f"fp8forge-job-{job_id[:8]}",
             args=(dict(self.job.request), str(self.dirs.attempt_dir(job_id, attempt)),
                   self.settings.model_sources(), sender, stop, os.getpid()),
-            kwargs={} if threads is None else {"threads": threads},
+            kwargs={name: value for name, value in options.items() if value is not None},
         )
         proc.start()
         sender.close()
@@ -170,8 +173,8 @@ class JobRun:
         try:
             status = self.store.heartbeat_job(self.job.id, self.worker_id, attempt=self.job.attempt, stage=w.stage,
                                               done=w.done, total=w.total)
-        except DBAPIError:
-            return self._store_failed()
+        except DBAPIError as exc:
+            return self._store_failed(exc)
         if w.store_failing_since is not None:
             logger.info("job %s: the job store answers again", self.job.id)
             w.store_failing_since = None
@@ -181,18 +184,20 @@ class JobRun:
             w.cancel_at = time.monotonic()
         try:
             self.store.workers.heartbeat(self.worker_id, self.job.id)
-        except DBAPIError:
-            logger.warning("job %s: worker heartbeat failed", self.job.id, exc_info=True)
+        except DBAPIError as exc:
+            logger.warning("job %s: worker heartbeat failed (%s)", self.job.id, brief(exc),
+                           exc_info=not lock_refused(exc))
         self._flush_events()
         return True
 
-    def _store_failed(self) -> bool:
+    def _store_failed(self, exc: DBAPIError) -> bool:
         """Note a failed store call; False once the store has failed for ``heartbeat_timeout_s`` on end."""
         w, now = self.watch, time.monotonic()
         if w.store_failing_since is None:
             w.store_failing_since = now
-            logger.warning("job %s: the job store does not answer; the run goes on meanwhile", self.job.id,
-                           exc_info=True)
+            # a lock held elsewhere past the lock timeout is "not now", not a broken store: no traceback
+            logger.warning("job %s: the job store does not answer (%s); the run goes on meanwhile", self.job.id,
+                           brief(exc), exc_info=not lock_refused(exc))
         return now - w.store_failing_since < self.settings.heartbeat_timeout_s
 
     def _emit(self, kind: str, data: dict[str, Any]) -> None:
@@ -211,10 +216,10 @@ class JobRun:
                     pending.clear()  # the job is no longer ours; the next heartbeat (or the outcome) notices
                     return
                 pending.popleft()
-        except DBAPIError:
+        except DBAPIError as exc:
             if strict:
                 raise
-            self._store_failed()
+            self._store_failed(exc)
 
 
 def _ensure_dead(proc: BaseProcess) -> None:

@@ -19,8 +19,9 @@ from sqlalchemy.exc import DBAPIError
 from service.config import Settings
 from service.storage import ArtifactStorage, open_storage
 from service.store import JobStore
+from service.store.schema import brief, lock_refused
 from service.store.workers import WorkerRegistry
-from service.workers.procs import die_with_parent
+from service.workers.procs import configure_logging, die_with_parent
 from service.workers.reaper import reap_stale, sweep_orphans
 from service.workers.runner import JobRun
 
@@ -36,14 +37,17 @@ class Worker:
         settings: service settings (store URL, data dir, artifact storage, heartbeat and retry knobs).
         store: an open store; one is opened from ``settings`` when omitted.
         storage: the artifact storage; the one the settings name when omitted.
+        log_level: the level its conversion children log fp8forge's own records at (theirs when omitted: INFO).
     """
 
     def __init__(
-        self, settings: Settings, store: JobStore | None = None, storage: ArtifactStorage | None = None,
+        self, settings: Settings, store: JobStore | None = None, storage: ArtifactStorage | None = None, *,
+        log_level: str | None = None,
     ) -> None:
         self.settings = settings
-        self.store = store or JobStore(settings.store_url)
+        self.store = store or JobStore.from_settings(settings)
         self.dirs = storage or open_storage(settings)
+        self.log_level = log_level
         self.worker_id = WorkerRegistry.new_id()
         self.stopping = threading.Event()
 
@@ -66,8 +70,11 @@ class Worker:
                         sweep_orphans(self.store, self.dirs)
                     if not self.run_once():
                         self.stopping.wait(self.settings.poll_interval_s)
-                except DBAPIError:
-                    logger.exception("job store error; retrying")
+                except DBAPIError as exc:
+                    if lock_refused(exc):  # another process holds what this needed: not now
+                        logger.warning("the job store is busy (%s); retrying", brief(exc))
+                    else:
+                        logger.exception("job store error; retrying")
                     self.stopping.wait(self.settings.poll_interval_s)
                 except Exception:  # noqa: BLE001 - one bad job or a file race must not end the worker for good
                     logger.exception("worker loop error; going on")
@@ -85,22 +92,28 @@ class Worker:
         job = self.store.claim_next(self.worker_id, max_running_per_owner=self.settings.max_running_jobs_per_key)
         if job is None:
             return False
-        logger.info("job %s: attempt %d of %d", job.id, job.attempt, job.max_attempts)
+        logger.info("job %s: claimed, attempt %d of %d", job.id, job.attempt, job.max_attempts)
         self.store.workers.heartbeat(self.worker_id, job.id)
-        status = JobRun(self.settings, self.store, self.dirs, self.worker_id, job, self.stopping).execute()
+        status = JobRun(self.settings, self.store, self.dirs, self.worker_id, job, self.stopping,
+                        log_level=self.log_level).execute()
         logger.info("job %s: %s", job.id, status.value if status else "lost")
         self.store.workers.heartbeat(self.worker_id)
         return True
 
 
-def worker_process_main(settings: Settings, gpu: str | None = None, parent_pid: int | None = None) -> None:
-    """Run a worker in this process until SIGTERM/SIGINT (or until ``parent_pid`` dies)."""
+def worker_process_main(
+    settings: Settings, gpu: str | None = None, parent_pid: int | None = None, log_level: str = "info",
+) -> None:
+    """Run a worker in this process until SIGTERM/SIGINT (or until ``parent_pid`` dies).
+
+    Its log, and its conversion children's, shows fp8forge's own records from ``log_level`` up.
+    """
     if parent_pid is not None:
         die_with_parent(parent_pid, signal.SIGTERM)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before anything in this tree initialises CUDA
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker] %(name)s: %(message)s")
-    worker = Worker(settings)
+    configure_logging(log_level, "worker")
+    worker = Worker(settings, log_level=log_level)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     try:

@@ -24,10 +24,11 @@ def health() -> HealthPublic:
 
 @router.get("/readyz", operation_id="ready", responses={503: {"model": ReadyPublic}})
 def ready(store: StoreDep, settings: SettingsDep) -> JSONResponse:
-    """Ready when the store answers and at least one worker heartbeat is fresh (503 otherwise)."""
-    reachable = store.ping()
-    workers = len(store.workers.live(settings.heartbeat_timeout_s)) if reachable else 0
-    body = ReadyPublic(ready=reachable and workers > 0, store=reachable, workers=workers)
+    """Ready when the store answers within FP8FORGE_READY_TIMEOUT_S and at least one worker heartbeat is fresh
+    (503 otherwise)."""
+    workers = store.readiness(within_s=settings.ready_timeout_s, worker_timeout_s=settings.heartbeat_timeout_s)
+    reachable = workers is not None
+    body = ReadyPublic(ready=bool(workers), store=reachable, workers=workers or 0)
     return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
 
