@@ -534,7 +534,7 @@ def recipe_from_accelerate_yaml(text: str) -> Recipe:
     try:
         doc = load_yaml(text)
     except YamlRefused as exc:
-        raise RecipeError(f"Not an Accelerate config: {exc}", field="recipe_file") from exc
+        raise RecipeError(str(exc), field="recipe_file") from exc
     if not isinstance(doc, Mapping):
         raise RecipeError("An Accelerate config must be a YAML mapping.", field="recipe_file")
     mixed = doc.get("mixed_precision")
@@ -574,8 +574,8 @@ def load_recipe_file(path: str | Path) -> Recipe:
         if suffix == ".json":
             try:
                 data = json.loads(text)
-            except (json.JSONDecodeError, RecursionError) as exc:
-                raise RecipeError(f"Not valid JSON: {exc}", field="recipe_file") from exc
+            except (ValueError, RecursionError) as exc:  # ValueError: also an integer too long to convert
+                raise RecipeError(f"Not valid JSON: {str(exc)[:200]}", field="recipe_file") from exc
             return recipe_from_dict(data)
         return recipe_from_accelerate_yaml(text)
     except RecipeError as exc:

@@ -34,11 +34,11 @@ class _BoundedLoader(yaml.SafeLoader):
     def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise YamlRefused(f"anchors and aliases ('&' and '*', line {event.start_mark.line + 1}) are not "
+            raise YamlRefused(f"Anchors and aliases ('&' and '*', line {event.start_mark.line + 1}) are not "
                               "accepted; write the values out in full")
         self.depth += 1
         if self.depth > MAX_YAML_DEPTH:
-            raise YamlRefused(f"the document nests deeper than {MAX_YAML_DEPTH} levels "
+            raise YamlRefused(f"The document nests deeper than {MAX_YAML_DEPTH} levels "
                               f"(line {event.start_mark.line + 1}); an Accelerate config nests three")
         try:
             return super().compose_node(parent, index)
@@ -54,13 +54,17 @@ def load_yaml(text: str) -> Any:
             :data:`MAX_YAML_DEPTH`, or not YAML (PyYAML's message, whose snippet is bounded).
     """
     if len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
-        raise YamlRefused(f"the document is larger than {MAX_YAML_BYTES} bytes; an Accelerate config is a few hundred")
+        raise YamlRefused(f"The document is larger than {MAX_YAML_BYTES} bytes; an Accelerate config is a few hundred")
     loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()
+    except YamlRefused:
+        raise
     except yaml.YAMLError as exc:
-        raise YamlRefused(f"not valid YAML: {exc}") from exc
+        raise YamlRefused(f"Not valid YAML: {exc}") from exc
+    except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python converts
+        raise YamlRefused(f"A value cannot be read: {str(exc)[:200]}") from exc
     except RecursionError as exc:  # defence in depth: the depth bound above should stop it first
-        raise YamlRefused("the document nests too deeply") from exc
+        raise YamlRefused("The document nests too deeply") from exc
     finally:
         loader.dispose()
