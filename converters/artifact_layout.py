@@ -71,7 +71,7 @@ def versions(backend: str) -> dict[str, str]:
 def write_weight_files(run: _Run, staging: Path) -> list[str]:
     """Copy the source's weight files: the weights do not change, so they are never decoded."""
     from converters.checkpoint import weight_files
-    from converters.model_files import confinement_for
+    from converters.model_sources import confinement_for
 
     return copy_weight_files(weight_files(run.model_dir), staging, confinement_for(run.sources))
 

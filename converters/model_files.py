@@ -23,15 +23,10 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from converters.errors import ModelReferenceError
 
-if TYPE_CHECKING:
-    from converters.model_sources import ModelSourceOptions
-
-__all__ = ["MAX_MODEL_DIRECTORY_ENTRIES", "FileConfinement", "confinement_for", "check_model_directory",
-           "copy_model_file"]
+__all__ = ["MAX_MODEL_DIRECTORY_ENTRIES", "FileConfinement", "check_model_directory", "copy_model_file"]
 
 #: A model directory holds a config, tokenizer files and shards: tens of files. Ten thousand bounds the walk.
 MAX_MODEL_DIRECTORY_ENTRIES = 10_000
@@ -66,36 +61,18 @@ def _below(path: Path, directory: Path) -> bool:
     return path == directory or directory in path.parents
 
 
-def confinement_for(sources: ModelSourceOptions) -> FileConfinement:
-    """The confinement of the model sources ``sources`` allows."""
-    from huggingface_hub import constants
-
-    roots = [*sources.allowed_roots, sources.cache_dir or Path(constants.HF_HUB_CACHE)]
-    exempt = [sources.demo_dir] if sources.demo_dir is not None else []
-    return FileConfinement(
-        roots=tuple(_resolved(path) for path in [*roots, *exempt]),
-        private=tuple(_resolved(path) for path in sources.private_paths),
-        exempt=tuple(_resolved(path) for path in exempt),
-    )
-
-
-def _resolved(path: Path) -> Path:
-    return Path(os.path.expanduser(path)).resolve()
-
-
-def check_model_directory(directory: Path, sources: ModelSourceOptions, *, shown: str) -> None:
-    """Refuse a model directory any entry of which resolves outside what ``sources`` allows.
+def check_model_directory(directory: Path, confinement: FileConfinement, *, shown: str) -> None:
+    """Refuse a model directory any entry of which resolves outside ``confinement``.
 
     Args:
         directory: the model directory, itself already resolved and allowed.
-        sources: the allowed model sources.
+        confinement: where its files may resolve (``converters.model_sources.confinement_for``).
         shown: how to name the model in a message (the reference the user gave, never a server path).
 
     Raises:
         ModelReferenceError: naming the first offending file relative to the model directory, or a
             directory with more than :data:`MAX_MODEL_DIRECTORY_ENTRIES` entries.
     """
-    confinement = confinement_for(sources)
     for count, _ in enumerate(_entries(Path(directory), confinement, shown), start=1):
         if count > MAX_MODEL_DIRECTORY_ENTRIES:
             raise ModelReferenceError(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from converters.errors import ModelNotFoundError, ModelReferenceError
-from converters.model_files import check_model_directory, confinement_for
+from converters.model_files import FileConfinement, check_model_directory
 from converters.model_limits import load_checked_config
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ __all__ = [
     "parse_model_reference",
     "validate_model_reference",
     "resolve_model_dir",
+    "confinement_for",
     "load_config",
     "build_meta_model",
     "load_model",
@@ -195,7 +196,25 @@ def _check_local_directory(reference: ModelReference, sources: ModelSourceOption
     if not confinement_for(sources).allows(reference.path):
         raise ModelReferenceError(f"local model {reference.text!r} is in a directory this server keeps to itself; "
                                   "put models elsewhere below an allowed root", field="model")
-    check_model_directory(reference.path, sources, shown=reference.text)
+    check_model_directory(reference.path, confinement_for(sources), shown=reference.text)
+
+
+def confinement_for(sources: ModelSourceOptions) -> FileConfinement:
+    """Where the files of models from ``sources`` may resolve: the allowed roots, the hub cache and the demo
+    directory, less the server's private paths (see :mod:`converters.model_files`)."""
+    from huggingface_hub import constants
+
+    roots = [*sources.allowed_roots, sources.cache_dir or Path(constants.HF_HUB_CACHE)]
+    exempt = [sources.demo_dir] if sources.demo_dir is not None else []
+    return FileConfinement(
+        roots=tuple(_resolved(path) for path in [*roots, *exempt]),
+        private=tuple(_resolved(path) for path in sources.private_paths),
+        exempt=tuple(_resolved(path) for path in exempt),
+    )
+
+
+def _resolved(path: Path) -> Path:
+    return Path(os.path.expanduser(path)).resolve()
 
 
 def resolve_model_dir(ref: str, sources: ModelSourceOptions, *, with_weights: bool) -> Path:
@@ -224,7 +243,7 @@ def resolve_model_dir(ref: str, sources: ModelSourceOptions, *, with_weights: bo
     if reference.kind == "local":
         _check_local_directory(reference, sources)
     else:
-        check_model_directory(directory, sources, shown=reference.text)
+        check_model_directory(directory, confinement_for(sources), shown=reference.text)
     if not (directory / "config.json").is_file():
         raise ModelNotFoundError(
             f"{reference.text!r} has no config.json; point at a Hugging Face model directory "
