@@ -45,8 +45,8 @@ def timed(fn):
 
 
 def in_process(directory: Path, repeat: int) -> tuple[float, float, dict]:
-    from converters.analysis import analyze_model
-    from converters.model_sources import ModelSourceOptions, build_meta_model, load_config
+    from converters.analysis.eligibility import analyze_model
+    from converters.model.sources import ModelSourceOptions, build_meta_model, load_config
 
     sources = ModelSourceOptions(allowed_roots=(directory.parent,))
     config = load_config(directory, sources)

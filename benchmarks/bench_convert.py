@@ -39,7 +39,7 @@ def build_model(directory: Path) -> int:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from converters.demo import build_demo_tokenizer
+    from converters.model.demo import build_demo_tokenizer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), dtype=torch.bfloat16)
@@ -52,9 +52,9 @@ def warm_ratio(model_dir: Path, root: Path, backend: str, steps: int) -> None:
     """Time convert and the safetensors baseline in this process, after a first conversion warmed it."""
     from safetensors.torch import load_file, save_file
 
-    from converters.model_sources import ModelSourceOptions
-    from converters.pipeline import NullSink, run_conversion
-    from converters.requests import CalibrationSettings, ConversionRequest
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.driver import NullSink, run_conversion
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
 
     sources = ModelSourceOptions(allowed_roots=(root,))
 

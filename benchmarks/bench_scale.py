@@ -7,12 +7,12 @@ and 3B parameters (the exact count is printed). The weights are written shard by
 a meta-device model, so the benchmark itself never holds a whole model.
 
 For each size, each measurement is a fresh process (peak RSS is its own, see benchmarks/measure.py):
-  import-only   imports torch, transformers, safetensors and converters.pipeline; its peak RSS is the
+  import-only   imports torch, transformers, safetensors and converters.pipeline.driver; its peak RSS is the
                 baseline subtracted from every other peak (once per run)
   copy-only     copies the shards and the index with shutil.copyfile
   convert       run_conversion(backend "te", `--steps` calibration batches of `--batch-size` x `--seq-len`)
   forward-only  loads the model with from_pretrained and runs the same calibration batches (built by
-                converters.calibration.calibration_batches) through it under no_grad; only the forward
+                converters.calibration.amax.calibration_batches) through it under no_grad; only the forward
                 passes are timed. Its peak RSS is what holding the whole model costs.
 Times are measured inside each process around the work alone (imports and start-up excluded); the
 process wall times are printed too. The page cache cannot be dropped without root, so every weight file
@@ -234,7 +234,7 @@ def write_model(plan: ModelPlan, directory: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from converters.demo import build_demo_tokenizer
+    from converters.model.demo import build_demo_tokenizer
 
     torch.manual_seed(0)
     directory.mkdir(parents=True)
@@ -274,7 +274,7 @@ def import_libraries() -> None:
     import transformers  # noqa: F401
     from transformers import LlamaForCausalLM  # noqa: F401
 
-    import converters.pipeline  # noqa: F401
+    import converters.pipeline.driver  # noqa: F401
 
 
 def child_imports(_: dict) -> dict:
@@ -292,9 +292,9 @@ def child_copy(params: dict) -> dict:
 
 
 def child_convert(params: dict) -> dict:
-    from converters.model_sources import ModelSourceOptions
-    from converters.pipeline import run_conversion
-    from converters.requests import CalibrationSettings, ConversionRequest
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
 
     request = ConversionRequest(
         model=params["model_dir"],
@@ -315,7 +315,7 @@ def child_forward(params: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from converters.calibration import calibration_batches
+    from converters.calibration.amax import calibration_batches
 
     model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=torch.bfloat16)
     model.eval()

@@ -13,7 +13,7 @@ activations (llm-compressor's `FP8` scheme) of every decoder Linear, lm_head lef
              for this recipe is "sequential": every layer runs the calibration batches twice (calibrate, then
              propagate the quantized outputs).
 Both calibrate on the same tokens: `--steps` batches of `--batch-size` x `--seq-len` (default 8 x 2 x 128 = 16
-samples, 2,048 tokens) built once by converters.calibration.calibration_batches from the built-in corpus with
+samples, 2,048 tokens) built once by converters.calibration.amax.calibration_batches from the built-in corpus with
 the model's tokenizer and seed 0 (exactly what fp8forge builds inside its job), saved to a JSON file that the
 peer turns into a `datasets.Dataset` of input_ids and attention_mask (oneshot batch_size = `--batch-size`).
 
@@ -175,7 +175,7 @@ def write_calibration_tokens(model_dir: Path, vocab_size: int, calibration: Cali
     """Build the batches as fp8forge's job does (its tokenizer, built-in corpus, seed 0) and save their rows."""
     from transformers import AutoTokenizer
 
-    from converters.calibration import calibration_batches
+    from converters.calibration.amax import calibration_batches
 
     batches, source = calibration_batches(
         AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab_size, steps=calibration.steps,
@@ -194,7 +194,7 @@ def import_fp8forge() -> None:
     import torchao.float8  # noqa: F401  (the ao backend's library)
     from bench_scale import import_libraries
 
-    import converters.formats  # noqa: F401
+    import converters.serving  # noqa: F401
 
     import_libraries()
 
@@ -220,9 +220,9 @@ def child_peer_imports(_: dict) -> dict:
 
 
 def child_fp8forge_export(params: dict) -> dict:
-    from converters.model_sources import ModelSourceOptions
-    from converters.pipeline import NullSink, run_conversion
-    from converters.requests import CalibrationSettings, ConversionRequest
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.driver import NullSink, run_conversion
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
 
     class PhaseSink(NullSink):
         """Names each pipeline stage on the memory sampler, so the peak is attributed to a stage."""
@@ -306,7 +306,7 @@ def child_check(params: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from converters.calibration import calibration_batches
+    from converters.calibration.amax import calibration_batches
 
     batches, _ = calibration_batches(AutoTokenizer.from_pretrained(params["model_dir"]), vocab_size=params["vocab"],
                                      steps=1, batch_size=2, seq_len=params["seq_len"], seed=1)

@@ -41,10 +41,11 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 import httpx  # noqa: E402
 
+from converters.artifact.layout import sha256_file  # noqa: E402
+from service.artifacts import ArtifactDirs  # noqa: E402
+from service.artifacts.s3 import ObjectArtifacts  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.jobs import JobStatus  # noqa: E402
-from service.storage import ArtifactDirs, sha256_file  # noqa: E402
-from service.storage.s3 import ObjectArtifacts  # noqa: E402
 from service.store import JobStore  # noqa: E402
 from tests.object_store_server import AWS_ENV, moto_server  # noqa: E402
 from tests.service_helpers import live_app  # noqa: E402

@@ -17,6 +17,7 @@ __all__ = [
     "BackendUnavailableError",
     "ConversionError",
     "ConversionCancelled",
+    "RequestError",
 ]
 
 
@@ -89,3 +90,9 @@ class ConversionCancelled(Fp8ForgeError):
 
     code = "cancelled"
     is_bad_input = False
+
+
+class RequestError(Fp8ForgeError):
+    """A field of a conversion or analysis request is missing, unknown, of the wrong type or out of range."""
+
+    code = "invalid_request"

@@ -14,7 +14,7 @@ SPEC = ROOT / "openapi" / "openapi.json"
 def render() -> str:
     """The app's OpenAPI document as stable, sorted JSON text."""
     sys.path.insert(0, str(ROOT))
-    from service.api.app import create_app
+    from service.main import create_app
     from service.config import Settings
 
     # the schema is the same with API keys configured; auth_disabled only spares the generator a key file

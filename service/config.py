@@ -177,7 +177,7 @@ class Settings(BaseSettings):
         return self.data_dir / "demo-models"
 
     def model_sources(self) -> dict[str, Any]:
-        """Keyword arguments for ``converters.model_sources.ModelSourceOptions`` (built where converters load)."""
+        """Keyword arguments for ``converters.model.sources.ModelSourceOptions`` (built where converters load)."""
         return {
             "allowed_roots": self.allowed_model_roots,
             "cache_dir": self.hf_cache,
@@ -191,8 +191,8 @@ class Settings(BaseSettings):
         }
 
     def config_limits(self) -> Any:
-        """``converters.model_limits.ConfigLimits`` from the ``max_model_*`` settings."""
-        from converters.model_limits import ConfigLimits
+        """``converters.model.limits.ConfigLimits`` from the ``max_model_*`` settings."""
+        from converters.model.limits import ConfigLimits
 
         return ConfigLimits(max_layers=self.max_model_layers, max_dim=self.max_model_dim,
                             max_experts=self.max_model_experts, max_vocab=self.max_model_vocab,

@@ -21,6 +21,6 @@ def models_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def sources(models_root):
-    from converters.model_sources import ModelSourceOptions
+    from converters.model.sources import ModelSourceOptions
 
     return ModelSourceOptions(allowed_roots=(models_root,), offline=True)

@@ -88,7 +88,7 @@ def save_tiny_moe(name: str, directory: Path, *, seed: int = 0) -> Path:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from converters.demo import build_demo_tokenizer
+    from converters.model.demo import build_demo_tokenizer
 
     tokenizer = build_demo_tokenizer()
     class_name, kwargs = MOE_CONFIGS[name]

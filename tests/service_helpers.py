@@ -101,7 +101,7 @@ def live_app(settings: Settings) -> Iterator[httpx.Client]:
     """Run ``create_app(settings)`` on a real uvicorn server on loopback; yields a client bound to it."""
     import uvicorn
 
-    from service.api.app import create_app
+    from service.main import create_app
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

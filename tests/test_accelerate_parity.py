@@ -5,8 +5,8 @@ import torch
 from accelerate.utils.ao import filter_linear_layers, find_first_last_linear_layers
 from torch import nn
 
-from converters.analysis import analyze_model, eligible_paths
-from converters.model_sources import build_meta_model, load_config
+from converters.analysis.eligibility import analyze_model, eligible_paths
+from converters.model.sources import build_meta_model, load_config
 from tests.models import minilm_dir
 from tests.test_analysis import MoeBlock, meta_model
 
@@ -29,7 +29,7 @@ def test_tiny_models_match_accelerate(name):
 
 
 def test_real_minilm_matches_accelerate(sources):
-    from converters.model_sources import ModelSourceOptions
+    from converters.model.sources import ModelSourceOptions
 
     directory = minilm_dir()
     options = ModelSourceOptions(allowed_roots=(directory.parent,))

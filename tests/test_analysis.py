@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from converters.analysis import AnalysisOptions, Reason, analyze_model, eligible_paths
+from converters.analysis.eligibility import AnalysisOptions, Reason, analyze_model, eligible_paths
+from converters.analysis.patterns import matches
 from converters.errors import Fp8ForgeError
-from converters.patterns import matches
 from tests.models import tiny_config
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from converters import recipes, requests
+from converters import recipes
+from converters.analysis.patterns import MAX_PATTERN_CHARS, MAX_PATTERNS, matches
 from converters.errors import Fp8ForgeError
-from converters.patterns import MAX_PATTERN_CHARS, matches
-from converters.requests import (
+from converters.pipeline import request as requests
+from converters.pipeline.request import (
     LIMITS,
     MAX_CALIBRATION_TOKENS,
-    MAX_PATTERNS,
     MAX_TEXT_CHARS,
     MAX_TEXTS_CHARS,
     MAX_TOKENS_PER_STEP,
@@ -230,7 +230,7 @@ def test_the_library_enforces_the_same_bounds(build, field: str) -> None:
 
 
 def test_serving_format_names_match_the_registry() -> None:
-    from converters.formats import SERVING_FORMATS
+    from converters.serving import SERVING_FORMATS
 
     assert SERVING_FORMAT_NAMES == tuple(SERVING_FORMATS)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.calibration import (
+from converters.calibration.amax import (
     CORPUS_PATH,
     LayerAmax,
     calibration_batches,
@@ -13,9 +13,9 @@ from converters.calibration import (
     record_amax,
     te_scaling_state,
 )
+from converters.calibration.scaling import delayed_scaling_state
 from converters.errors import CalibrationDataError, ConversionCancelled, RecipeError
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe
-from converters.scaling import delayed_scaling_state
 
 VOCAB = 256
 Q_PROJ = "model.layers.0.self_attn.q_proj"

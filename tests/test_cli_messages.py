@@ -152,7 +152,7 @@ def test_hf_hub_offline_in_the_service_environment_is_named(tmp_path, monkeypatc
     from huggingface_hub import constants
 
     from converters.errors import ModelNotFoundError
-    from converters.model_sources import ModelSourceOptions, resolve_model_dir
+    from converters.model.sources import ModelSourceOptions, resolve_model_dir
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelNotFoundError) as info:

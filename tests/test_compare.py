@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from converters.sensitivity import RECIPE_NAMES
-from converters.sync_analysis import SYNC_LIMITS
+from converters.pipeline.sync_analysis import SYNC_LIMITS
+from converters.recipes.presets import RECIPE_NAMES
 from service.cli.compare import format_comparison
 from service.cli.main import main
 from tests.models import minilm_dir

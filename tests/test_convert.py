@@ -7,12 +7,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from converters.artifact_io import sha256_file
-from converters.artifact_loaders import ArtifactError, load_torchao, verify_manifest
-from converters.calibration import LayerAmax, te_scaling_state
-from converters.model_sources import ModelSourceOptions, load_model
+from converters.artifact.files import sha256_file, verify_manifest
+from converters.backends.loaders import load_torchao
+from converters.backends.te.layout import TE_STATE_NAMES, state_key
+from converters.calibration.amax import LayerAmax, te_scaling_state
+from converters.errors import ArtifactError
+from converters.model.sources import ModelSourceOptions, load_model
 from converters.recipes import recipe_from_dict
-from converters.te_layout import TE_STATE_NAMES, state_key
 from service.cli.main import main
 from tests.models import minilm_dir, save_tiny_model
 
@@ -22,7 +23,7 @@ SMALL_CALIBRATION = ["--calib-steps", "3", "--calib-seq-len", "32", "--no-progre
 @pytest.fixture(scope="module")
 def llama_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
-    from converters.demo import build_tiny_llama
+    from converters.model.demo import build_tiny_llama
 
     build_tiny_llama(root / "llama")  # bf16, with a tokenizer
     return root
@@ -128,7 +129,7 @@ def test_real_minilm_torchao_recipes(tmp_path, recipe_name):
 
 
 def test_real_minilm_te_files_are_the_source_files(tmp_path):
-    from converters.backends.te_loader import read_te_artifact
+    from converters.backends.te.loader import read_te_artifact
 
     directory = minilm_dir()
     out = tmp_path / "te"
@@ -147,9 +148,9 @@ def test_real_minilm_te_files_are_the_source_files(tmp_path):
 
 
 def test_sharded_source_keeps_its_shards_and_index(tmp_path):
-    from converters.demo import build_demo_tokenizer, build_tiny_llama
-    from converters.pipeline import NullSink, run_conversion
-    from converters.requests import CalibrationSettings, ConversionRequest
+    from converters.model.demo import build_demo_tokenizer, build_tiny_llama
+    from converters.pipeline.driver import NullSink, run_conversion
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
 
     source = tmp_path / "sharded"
     load_model(build_tiny_llama(tmp_path / "llama"), ModelSourceOptions()).save_pretrained(

@@ -4,22 +4,30 @@ import inspect
 
 import pytest
 
-from converters.formats import SERVING_FORMATS, TRAINING_FORMATS, serving_format, training_format
-from converters.formats.serving import ServingFormat
-from converters.formats.training import TrainingFormat
-from converters.recipes import Backend
+from converters.backends import BACKENDS, backend_for, backend_named
+from converters.backends.base import Backend as BackendProtocol
+from converters.recipes import RECIPE_CLASSES, Backend
+from converters.serving import SERVING_FORMATS, serving_format
+from converters.serving.plan import ServingFormat
 
 
 def protocol_methods(protocol) -> set[str]:
     return {name for name, _ in inspect.getmembers(protocol, inspect.isfunction) if not name.startswith("_")}
 
 
-def test_every_recipe_backend_has_a_training_format():
-    assert set(TRAINING_FORMATS) == {backend.value for backend in Backend}
-    assert all(training_format(name).name == name for name in TRAINING_FORMATS)
+def test_every_recipe_backend_has_a_backend():
+    assert set(BACKENDS) == {backend.value for backend in Backend}
+    assert all(backend_named(name).name == name for name in BACKENDS)
 
 
-@pytest.mark.parametrize(("registry", "protocol"), [(TRAINING_FORMATS, TrainingFormat),
+def test_every_recipe_class_has_exactly_one_backend_of_its_own_name():
+    for cls in RECIPE_CLASSES:
+        owners = [backend for backend in BACKENDS.values() if cls in backend.recipe_types]
+        assert len(owners) == 1, cls
+        assert backend_for(cls()).name == cls().backend.value
+
+
+@pytest.mark.parametrize(("registry", "protocol"), [(BACKENDS, BackendProtocol),
                                                     (SERVING_FORMATS, ServingFormat)])
 def test_every_format_implements_its_whole_protocol(registry, protocol):
     for name, fmt in registry.items():

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from converters.errors import ModelNotFoundError, RecipeError
+from converters.model.safetensors_stream import read_tensor_index
 from converters.recipes import load_recipe_file, recipe_from_accelerate_yaml, recipe_from_dict
-from converters.safetensors_stream import read_tensor_index
 from service.config import Settings
 from tests.models import save_tiny_model
 from tests.service_helpers import live_app
@@ -115,9 +115,9 @@ def corrupt_model(tmp_path: Path) -> Path:
 
 
 def test_a_job_on_a_corrupt_checkpoint_fails_with_a_model_error(corrupt_model: Path, tmp_path: Path) -> None:
-    from converters.model_sources import ModelSourceOptions
-    from converters.pipeline import run_conversion
-    from converters.requests import ConversionRequest
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import ConversionRequest
 
     request = ConversionRequest.from_dict({"model": str(corrupt_model), "recipe": {"backend": "ao"},
                                            "calibration": {"steps": 1, "batch_size": 1, "seq_len": 8}})

@@ -3,7 +3,7 @@
 import pytest
 
 from converters.errors import ModelNotFoundError, ModelReferenceError
-from converters.model_sources import (
+from converters.model.sources import (
     ModelSourceOptions,
     load_model,
     load_tokenizer,
@@ -101,7 +101,7 @@ def test_remote_code_is_refused_unless_enabled(tmp_path):
                     "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}})
     )
     sources = ModelSourceOptions(allowed_roots=(tmp_path,))
-    from converters.model_sources import load_config
+    from converters.model.sources import load_config
 
     with pytest.raises(ModelNotFoundError, match="trust_remote_code"):
         load_config(directory, sources)

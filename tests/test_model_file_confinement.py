@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from converters.errors import ModelReferenceError
-from converters.model_files import FileConfinement, copy_model_file
-from converters.model_sources import ModelSourceOptions, resolve_model_dir, validate_model_reference
+from converters.model.files import FileConfinement, copy_model_file
+from converters.model.sources import ModelSourceOptions, resolve_model_dir, validate_model_reference
 from service.config import Settings
 from tests.models import install_in_hf_cache, save_tiny_model
 from tests.service_helpers import ServeProcess, live_app, sse_events, wait_for

@@ -13,14 +13,14 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from converters.analysis import analyze_model, eligible_expert_units
-from converters.calibration import LayerAmax, calibration_batches, record_amax, te_scaling_state
-from converters.model_sources import ModelSourceOptions, build_meta_model, load_config, load_model, load_tokenizer
-from converters.pipeline import ConversionRequest, run_conversion
+from converters.analysis.eligibility import analyze_model, eligible_expert_units
+from converters.backends.te.layout import state_key
+from converters.calibration.amax import LayerAmax, calibration_batches, record_amax, te_scaling_state
+from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_model, load_tokenizer
+from converters.pipeline.driver import ConversionRequest, run_conversion
+from converters.pipeline.request import CalibrationSettings
+from converters.pipeline.stages import model_inputs
 from converters.recipes import TEDelayedScalingRecipe
-from converters.requests import CalibrationSettings
-from converters.stages import model_inputs
-from converters.te_layout import state_key
 from tests.models import MOE_CONFIGS, save_tiny_moe
 
 # on-disk names of one expert's three matrices: (gate, up, down)
@@ -114,7 +114,7 @@ def test_per_expert_gradient_amax_equals_the_eager_experts_own_gemm_gradients(mo
     """Backward calibration: each expert GEMM's grad_output / grad_input amax, against the gradients of the very
     GEMM outputs and inputs transformers' eager experts compute (each nn.functional.linear call kept with
     retain_grad on a separate forward and backward of the same batches)."""
-    from converters.calibration import _backward_loss
+    from converters.calibration.amax import _backward_loss
 
     model, batches, _ = _load(moe_root, name)
     units = eligible_expert_units(analyze_model(model))
@@ -180,7 +180,7 @@ def _starve_expert(model: nn.Module, expert: int, num_experts: int) -> list:
 
 def starve_expert_in_calibration(monkeypatch, expert: int, num_experts: int) -> None:
     """Whole-model calibration of any conversion in this test runs with ``expert`` starved of tokens."""
-    from converters import stages
+    from converters.pipeline import stages
 
     real_calibrate = stages._calibrate_whole_model
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from converters.analysis import analyze_model
-from converters.checkpoint import Checkpoint
-from converters.formats import serving_format
-from converters.formats.serving import expert_disk_keys, plan_serving
-from converters.model_sources import ModelSourceOptions, build_meta_model, load_config, load_model
-from converters.pipeline import run_conversion
-from converters.requests import CalibrationSettings, ConversionRequest
+from converters.analysis.eligibility import analyze_model
+from converters.model.checkpoint import Checkpoint
+from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_model
+from converters.pipeline.driver import run_conversion
+from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.serving import serving_format
+from converters.serving.plan import expert_disk_keys, plan_serving
 from tests.models import MOE_CONFIGS, save_tiny_moe
 from tests.test_moe import ON_DISK, starve_expert_in_calibration
 
@@ -210,7 +210,7 @@ def save_moe_128(directory):
     """A Mixtral whose expert and attention matrices hold whole 128x128 blocks."""
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    from converters.demo import build_demo_tokenizer
+    from converters.model.demo import build_demo_tokenizer
 
     tokenizer = build_demo_tokenizer()
     config = MixtralConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,

@@ -16,27 +16,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from converters.artifact_loaders import load_torchao
-from converters.backends.te_grouped import (
+from converters.backends.loaders import load_torchao
+from converters.backends.te.grouped import (
     GroupedExperts,
     TorchGroupedLinear,
     check_grouped_state,
     route_tokens,
 )
-from converters.backends.te_loader import load_te_model, read_te_artifact
-from converters.backends.torchao_experts import (
+from converters.backends.te.layout import state_key
+from converters.backends.te.loader import load_te_model, read_te_artifact
+from converters.backends.te.runtime import te_status
+from converters.backends.torchao.experts import (
     convert_experts_to_torchao,
     experts_config_fields,
     experts_config_from_dict,
     fp8_grouped_gemm_unavailable,
 )
-from converters.backends.transformer_engine import te_status
 from converters.errors import ConversionError, ModelNotFoundError
-from converters.model_sources import ModelSourceOptions, load_model
-from converters.pipeline import ConversionRequest, run_conversion
+from converters.model.sources import ModelSourceOptions, load_model
+from converters.pipeline.driver import ConversionRequest, run_conversion
+from converters.pipeline.request import CalibrationSettings
 from converters.recipes import recipe_from_dict
-from converters.requests import CalibrationSettings
-from converters.te_layout import state_key
 from tests.models import MOE_CONFIGS, save_tiny_moe
 
 TE_OK, TE_WHY = te_status()
@@ -249,7 +249,7 @@ def test_ao_block_records_the_experts_config(ao_artifact, moe_root, tmp_path, mo
 def test_ao_artifact_loads_and_trains_on_cpu_with_high_precision_experts(ao_artifact, caplog):
     from torchao.float8.float8_linear import Float8Linear
 
-    with caplog.at_level(logging.WARNING, logger="converters.backends.torchao_experts"):
+    with caplog.at_level(logging.WARNING, logger="converters.backends.torchao.experts"):
         model = load_torchao(ao_artifact)
     assert model.training and not model.fp8_experts.fp8 and model.fp8_experts.gemms == tuple(GEMMS)
     note = model.fp8_experts.note
@@ -312,7 +312,7 @@ def test_emulated_mxfp8_experts_load_and_train_on_cpu_in_torchao_mxfp8(mx_artifa
 
 def test_mxfp8_experts_for_blackwell_kernels_stay_high_precision_on_cpu_and_say_why(moe_root, tmp_path, caplog):
     artifact = _convert(moe_root, tmp_path / "out", {"backend": "ao", "scaling": "mxfp8_training_op"})
-    with caplog.at_level(logging.WARNING, logger="converters.backends.torchao_experts"):
+    with caplog.at_level(logging.WARNING, logger="converters.backends.torchao.experts"):
         model = load_torchao(artifact)
     assert not model.fp8_experts.fp8
     assert model.fp8_experts.note.startswith("experts run in high precision here: MXFP8TrainingOpConfig needs ")
@@ -355,7 +355,7 @@ def test_float16_experts_are_refused_for_torchao_with_a_fix():
 # --- CUDA + TransformerEngine ------------------------------------------------------------------------------
 
 def _fp8_or_skip():
-    from converters.backends.transformer_engine import require_fp8_execution, te_module
+    from converters.backends.te.runtime import require_fp8_execution, te_module
     from converters.errors import BackendUnavailableError
 
     try:
@@ -368,8 +368,8 @@ def _fp8_or_skip():
 def test_te_grouped_experts_match_eager_and_run_fp8(moe_root):
     import transformer_engine.pytorch as te
 
-    from converters.backends.te_grouped import convert_experts_to_te
-    from converters.backends.transformer_engine import build_te_recipe, te_autocast
+    from converters.backends.te.grouped import convert_experts_to_te
+    from converters.backends.te.runtime import build_te_recipe, te_autocast
     from converters.recipes import TEDelayedScalingRecipe
 
     model = _model(moe_root, "mixtral").to(torch.bfloat16)
@@ -405,8 +405,8 @@ def test_te_grouped_experts_match_eager_and_run_fp8(moe_root):
 def test_load_te_model_puts_the_artifact_state_into_grouped_linear(te_artifact):
     import transformer_engine.pytorch as te
 
-    from converters.backends.te_state import meta_tensor
-    from converters.backends.transformer_engine import te_autocast
+    from converters.backends.te.runtime import te_autocast
+    from converters.backends.te.state import meta_tensor
 
     artifact = read_te_artifact(te_artifact)
     model = load_te_model(te_artifact)

@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
+from service.artifacts.s3 import ObjectArtifacts
 from service.config import SettingsError, load_settings
 from service.jobs import JobStatus
-from service.storage.s3 import ObjectArtifacts
 from service.store import JobStore
 from service.workers.messages import StageStarted, Succeeded
 from service.workers.reaper import sweep_orphans
@@ -281,7 +281,7 @@ def test_the_object_store_needs_a_bucket(monkeypatch: pytest.MonkeyPatch) -> Non
 def slow_worker(moto, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A worker whose every file upload starts late (a slow link; ``worker.upload_began`` lists when), with a
     heartbeat timeout of 1 s and ``sized_child`` as its conversion; ``worker.proxy`` counts the bytes sent."""
-    import service.storage.s3 as s3_module
+    import service.artifacts.s3 as s3_module
 
     monkeypatch.setattr("service.workers.runner.child_main", sized_child)
     proxy = CuttingProxy(moto.port)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from service.api.app import create_app
 from service.config import Settings
+from service.main import create_app
 
 SPEC = Path(__file__).parents[1] / "openapi" / "openapi.json"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-from converters.model_sources import ModelSourceOptions
-from converters.pipeline import ConversionRequest, run_conversion
-from converters.requests import CalibrationSettings
+from converters.model.sources import ModelSourceOptions
+from converters.pipeline.driver import ConversionRequest, run_conversion
+from converters.pipeline.request import CalibrationSettings
 from tests.service_helpers import fp8forge_command
 
 BLOCK = {"backend": "te", "scaling": "float8_block"}

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from converters.backends.torchao.config import float8_config_dict, float8_linear_config, float8_linear_config_from_dict
 from converters.errors import RecipeError
-from converters.float8_config import float8_linear_config_from_dict
 from converters.recipes import (
     AmaxComputeAlgo,
     AORecipeName,
@@ -304,7 +304,7 @@ def test_torchao_config_is_built_from_the_recipe_name(name):
     from torchao.float8 import Float8LinearConfig
 
     recipe = TorchAORecipe(recipe_name=name, pad_inner_dim=True, emulate=True)
-    config = recipe.to_float8_linear_config()
+    config = float8_linear_config(recipe)
     base = Float8LinearConfig.from_recipe_name(name)
     assert config.pad_inner_dim and config.emulate and not config.enable_fsdp_float8_all_gather
     assert config.cast_config_weight == base.cast_config_weight
@@ -314,14 +314,14 @@ def test_torchao_config_is_built_from_the_recipe_name(name):
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_float8_config_dict_replays_exactly(name):
     recipe = TorchAORecipe(recipe_name=name, emulate=True, enable_fsdp_float8_all_gather=name == "tensorwise")
-    data = json.loads(json.dumps(recipe.float8_config_dict()))
+    data = json.loads(json.dumps(float8_config_dict(recipe)))
     assert data["cast_config_grad_output"]["target_dtype"] in ("float8_e5m2", "float8_e4m3fn")
     assert data["cast_config_input"]["scaling_granularity"] in ("tensorwise", "axiswise")
-    assert float8_linear_config_from_dict(data) == recipe.to_float8_linear_config()
+    assert float8_linear_config_from_dict(data) == float8_linear_config(recipe)
 
 
 def test_float8_config_dict_rejects_unknown_and_bad_values():
-    good = TorchAORecipe().float8_config_dict()
+    good = float8_config_dict(TorchAORecipe())
     with pytest.raises(RecipeError) as info:
         float8_linear_config_from_dict(good | {"delayed": True})
     assert info.value.field == "delayed"

@@ -15,16 +15,16 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from converters.analysis import AnalysisOptions, analyze_model
-from converters.artifact_loaders import load_torchao
-from converters.backends.te_loader import read_te_artifact
-from converters.backends.torchao import training_op_unavailable
-from converters.backends.transformer_engine import build_te_recipe, te_align_size, te_recipe_spec, te_status
+from converters.analysis.eligibility import AnalysisOptions, analyze_model
+from converters.backends.base import check_shape_rule
+from converters.backends.loaders import load_torchao
+from converters.backends.te.backend import TE
+from converters.backends.te.loader import read_te_artifact
+from converters.backends.te.runtime import build_te_recipe, te_align_size, te_recipe_spec, te_status
+from converters.backends.torchao.backend import TORCHAO
+from converters.backends.torchao.swap import training_op_unavailable
 from converters.errors import ArtifactError, BackendUnavailableError, ConversionError, RecipeError
-from converters.formats.te_training import TE
-from converters.formats.torchao_training import TORCHAO
-from converters.formats.training import check_shape_rule
-from converters.recipe_requirements import CAST_FORMATS, requirements
+from converters.pipeline.request import ConversionRequest
 from converters.recipes import (
     AOFloat8TrainingOpRecipe,
     AOMXFP8TrainingOpRecipe,
@@ -44,7 +44,7 @@ from converters.recipes import (
     recipe_from_accelerate_yaml,
     recipe_from_dict,
 )
-from converters.requests import ConversionRequest
+from converters.recipes.requirements import CAST_FORMATS, requirements
 from service.cli.main import main
 
 TE_OK, TE_WHY = te_status()
@@ -432,7 +432,7 @@ def test_block_scaling_qparams_follow_use_f32_scales_not_the_environment():
 
 @pytest.fixture(scope="module")
 def llama_root(tmp_path_factory):
-    from converters.demo import build_tiny_llama
+    from converters.model.demo import build_tiny_llama
 
     root = tmp_path_factory.mktemp("recipes")
     build_tiny_llama(root / "llama")  # dims 128, 256, 64: multiples of 32

@@ -1,4 +1,4 @@
-"""TE delayed scaling reproduced in converters.scaling, checked against hand-computed states.
+"""TE delayed scaling reproduced in converters.calibration.scaling, checked against hand-computed states.
 
 Every expected history below was worked out by hand from TE's fused update (delayed_scaling.cu):
 write the step's amax to row 0; if it is non-zero take the max over all rows, roll by -1 and zero
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
+from converters.calibration.scaling import FLT_MAX, FP8_MAX, delayed_scaling_state, fp8_max_for
 from converters.errors import RecipeError
-from converters.scaling import FLT_MAX, FP8_MAX, delayed_scaling_state, fp8_max_for
 
 
 def _col(values: list[float]) -> torch.Tensor:

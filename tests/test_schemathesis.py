@@ -53,7 +53,7 @@ def _settings(data_dir: Path) -> Settings:
 
 
 def _load_schema():
-    from service.api.app import create_app
+    from service.main import create_app
 
     config = SchemathesisConfig.from_dict({
         "seed": 20261130,

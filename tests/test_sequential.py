@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from converters.artifact_io import sha256_file
-from converters.backends.transformer_engine import te_status
-from converters.calibration import calibration_batches, record_amax
-from converters.checkpoint import Checkpoint
+from converters.artifact.layout import sha256_file, staging_dir_for
+from converters.backends.te.runtime import te_status
+from converters.calibration.amax import calibration_batches, record_amax
+from converters.calibration.sequential import LAYER_SEQUENTIAL, calibrate_layer_by_layer, find_layer_stack
 from converters.errors import ConversionCancelled
-from converters.model_sources import (
+from converters.model.checkpoint import Checkpoint
+from converters.model.sources import (
     ModelSourceOptions,
     build_meta_model,
     load_config,
@@ -22,10 +23,9 @@ from converters.model_sources import (
     model_class,
     model_dtype,
 )
-from converters.pipeline import NullSink, run_conversion, staging_dir_for
-from converters.requests import CalibrationSettings, ConversionRequest
-from converters.sequential import LAYER_SEQUENTIAL, calibrate_layer_by_layer, find_layer_stack
-from converters.stages import model_inputs
+from converters.pipeline.driver import NullSink, run_conversion
+from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.pipeline.stages import model_inputs
 from tests.models import MORE_CONFIGS, minilm_dir, save_tiny_model
 
 TE_OK, TE_WHY = te_status()
@@ -84,7 +84,7 @@ def test_layer_by_layer_amax_equals_whole_model_bitwise(name, models_root, more_
 
 def test_bf16_checkpoint_gives_the_same_amax_too(tmp_path):
     """bf16 on CPU: the same kernels in the same order, so equality is bitwise here as well."""
-    from converters.demo import build_tiny_llama
+    from converters.model.demo import build_tiny_llama
 
     expected, got, _ = both_modes(build_tiny_llama(tmp_path / "llama"))
     assert all(torch.equal(got[path].forward, expected[path].forward) for path in expected)
@@ -201,7 +201,7 @@ def test_checkpoint_names_are_kept_and_renames_recorded(more_root, models_root, 
 @pytest.mark.skipif(not TE_OK, reason=f"needs CUDA and TransformerEngine: {TE_WHY}")
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_te_checks_every_converted_layer_on_its_cached_inputs(name, models_root, tmp_path):
-    from converters.artifact_loaders import load_te
+    from converters.backends.loaders import load_te
 
     out = tmp_path / "out"
     # BERT with the first/last rule off puts its pooler ([batch, hidden], 2 rows) in FP8: rows are padded.

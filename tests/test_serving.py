@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 
 from converters.errors import ConversionError, Fp8ForgeError
-from converters.formats import SERVING_FORMATS
-from converters.model_sources import ModelSourceOptions, load_model
-from converters.pipeline import NullSink, run_conversion
-from converters.requests import CalibrationSettings, ConversionRequest
-from converters.safetensors_stream import read_tensor_index
+from converters.model.safetensors_stream import read_tensor_index
+from converters.model.sources import ModelSourceOptions, load_model
+from converters.pipeline.driver import NullSink, run_conversion
+from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.serving import SERVING_FORMATS
 from service.cli.main import main
 from tests.models import minilm_dir
 
@@ -23,7 +23,7 @@ CALIBRATION = CalibrationSettings(steps=3, seq_len=32)
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from converters.demo import build_tiny_llama
+    from converters.model.demo import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("serving") / "llama")  # bf16, with a tokenizer
 

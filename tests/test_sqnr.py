@@ -10,8 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from converters.errors import RecipeError
-from converters.quant_emulation import (
+from converters.calibration.emulation import (
     E2M1_GRID,
     SQNR_CAP_DB,
     ScaleRule,
@@ -22,9 +21,11 @@ from converters.quant_emulation import (
     nvfp4_global_scale,
     round_to_e2m1,
 )
+from converters.calibration.sensitivity import meter_for, recipe_casts
+from converters.errors import RecipeError, RequestError
+from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe, TorchAORecipe
-from converters.requests import CalibrationSettings, ConversionRequest, RequestError
-from converters.sensitivity import meter_for, parse_compare_recipe, recipe_casts
+from converters.recipes.presets import parse_compare_recipe
 
 
 def sqnr(x: torch.Tensor, q: torch.Tensor) -> float:
@@ -306,7 +307,7 @@ def test_request_bounds_of_the_new_fields():
 @pytest.fixture(scope="module")
 def llama_sqnr(models_root, sources):
     """The tiny Llama's per-layer output SQNR under TE delayed scaling, from a calibrated analysis."""
-    from converters.sync_analysis import calibrated_analysis
+    from converters.pipeline.sync_analysis import calibrated_analysis
 
     report = calibrated_analysis(_request(models_root, None), sources)
     return {layer["path"]: layer["sqnr_db"]["output"] for layer in report["layers"] if "sqnr_db" in layer}
@@ -318,7 +319,7 @@ def _request(models_root, threshold, **fields) -> ConversionRequest:
 
 
 def test_layers_below_min_sqnr_db_stay_in_high_precision(models_root, sources, llama_sqnr, tmp_path):
-    from converters.pipeline import run_conversion
+    from converters.pipeline.driver import run_conversion
 
     ordered = sorted(llama_sqnr.values())
     threshold = (ordered[2] + ordered[3]) / 2  # the three worst layers fall below it
@@ -347,7 +348,7 @@ def test_layers_below_min_sqnr_db_stay_in_high_precision(models_root, sources, l
 
 
 def test_a_threshold_above_every_layer_fails_the_conversion(models_root, sources, llama_sqnr, tmp_path):
-    from converters.pipeline import run_conversion
+    from converters.pipeline.driver import run_conversion
 
     with pytest.raises(RequestError) as error:
         run_conversion(_request(models_root, max(llama_sqnr.values()) + 1), tmp_path / "out", sources)
@@ -355,8 +356,8 @@ def test_a_threshold_above_every_layer_fails_the_conversion(models_root, sources
 
 
 def test_expert_gemms_are_measured_on_routed_tokens_and_excluded_as_a_group(tmp_path):
-    from converters.model_sources import ModelSourceOptions
-    from converters.sync_analysis import calibrated_analysis
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.sync_analysis import calibrated_analysis
     from tests.models import save_tiny_moe
 
     save_tiny_moe("mixtral", tmp_path / "mixtral")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from converters.errors import Fp8ForgeError
-from converters.requests import ConversionRequest, RequestError
+from converters.errors import Fp8ForgeError, RequestError
+from converters.pipeline.request import ConversionRequest
 from service.config import Settings
 from service.errors import ERROR_CODES, ServiceError, error_response
 from service.store import JobStore
@@ -184,8 +184,7 @@ def test_bad_values_get_documented_codes_never_the_generic_one(client) -> None:
 
 
 def test_every_error_class_has_a_documented_code() -> None:
-    import converters.patterns  # noqa: F401 - defines PatternError
-    import converters.requests  # noqa: F401 - defines RequestError
+    import converters.analysis.patterns  # noqa: F401 - defines PatternError
 
     def descendants(cls):
         for sub in cls.__subclasses__():

@@ -12,19 +12,19 @@ import torch
 from torch import nn
 
 from converters.backends import te_loader
-from converters.backends.te_check_step import fp8_check_step
-from converters.backends.te_loader import load_te_model, read_te_artifact
-from converters.backends.te_state import (
+from converters.backends.te.check_step import fp8_check_step
+from converters.backends.te.layout import state_key
+from converters.backends.te.loader import load_te_model, read_te_artifact
+from converters.backends.te.runtime import build_te_recipe, require_te, te_status
+from converters.backends.te.state import (
     apply_scaling_state,
     check_state_tensors,
     read_scaling_state,
     te_extra_state_tensor,
 )
-from converters.backends.te_swap import convert_to_te
-from converters.backends.transformer_engine import build_te_recipe, require_te, te_status
+from converters.backends.te.swap import convert_to_te
 from converters.errors import BackendUnavailableError, ConversionError, Fp8ForgeError, ModelNotFoundError, RecipeError
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe
-from converters.te_layout import state_key
 from tests.models import tiny_config
 
 TE_OK, TE_WHY = te_status()

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.api.app import create_app
 from service.api.auth import hash_token
 from service.config import Settings, load_settings
+from service.main import create_app
 from service.ui.routes import STATIC_DIR
 
 UI_DIR = STATIC_DIR.parent

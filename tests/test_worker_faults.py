@@ -268,7 +268,7 @@ def test_removing_tolerates_a_concurrent_remover(tmp_path: Path, monkeypatch: py
         shutil.rmtree(src, ignore_errors=True)  # a reaper or a DELETE got there first
         real_replace(src, dst)
 
-    monkeypatch.setattr("service.storage.local.os.replace", replace_after_someone_else)
+    monkeypatch.setattr("service.artifacts.local.os.replace", replace_after_someone_else)
     dirs.remove(job_id)
     dirs.remove_attempt(job_id, 1)
     assert leftovers(dirs.root) == [] and not dirs.final_dir(job_id).exists()

@@ -10,10 +10,10 @@ from fastapi import Depends, Path, Request
 from fastapi.concurrency import run_in_threadpool
 
 from service.api.auth import CallerDep
+from service.artifacts import ArtifactStorage
 from service.config import Settings
 from service.errors import JobNotFound
 from service.jobs import Job
-from service.storage import ArtifactStorage
 from service.store import JobStore
 
 __all__ = ["SettingsDep", "StoreDep", "StorageDep", "DirsDep", "JobDep", "read_store"]

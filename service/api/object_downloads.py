@@ -22,9 +22,9 @@ from starlette.responses import RedirectResponse, Response
 
 from service.api.downloads import _disposition, parse_range
 from service.api.streaming import ReadAheadResponse
+from service.artifacts.base import listed_entry
+from service.artifacts.s3 import ObjectArtifacts
 from service.jobs import Job
-from service.storage.base import listed_entry
-from service.storage.s3 import ObjectArtifacts
 
 __all__ = ["object_response", "ObjectResponse"]
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from service.api.auth import Caller
 from service.api.schemas import AnalyzeCreate, JobCreate
+from service.artifacts import ArtifactStorage
 from service.config import Settings
 from service.errors import InvalidRequest, InvalidTransition
 from service.jobs import Job, JobStatus
-from service.storage import ArtifactStorage
 from service.store import JobStore
 
 __all__ = ["check_request", "submit_job", "cancel_job", "delete_job", "analyze"]
@@ -28,7 +28,9 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
     Raises:
         converters.errors.Fp8ForgeError: with ``field`` naming the culprit (HTTP 422).
     """
-    from converters import errors, model_sources, pipeline
+    from converters import errors
+    from converters.model import sources as model_sources
+    from converters.pipeline import request as pipeline
 
     _check_reference(request["model"], model_sources.ModelSourceOptions(**settings.model_sources()))
     try:
@@ -42,7 +44,8 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
 
 
 def _check_reference(ref: str, sources: Any) -> None:
-    from converters import errors, model_sources
+    from converters import errors
+    from converters.model import sources as model_sources
 
     try:
         model_sources.validate_model_reference(ref, sources)
@@ -110,13 +113,14 @@ def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
     """The eligibility report of a model reference, built on the meta device (no weights are read).
 
     With a calibration (``body.calibrates()``) the weights are loaded layer by layer and a short calibration
-    measures each eligible layer's SQNR (``converters.sync_analysis.calibrated_analysis``), one request at a time.
+    measures each eligible layer's SQNR (``converters.pipeline.sync_analysis.calibrated_analysis``), one request at a time.
 
     Raises:
         Fp8ForgeError: bad reference (422), model not found (422), bad calibration or recipe names (422),
             a model too large to calibrate synchronously (422), backend problems (503).
     """
-    from converters import analysis, model_sources
+    from converters.analysis import eligibility as analysis
+    from converters.model import sources as model_sources
 
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
     _check_reference(body.model, sources)
@@ -129,8 +133,8 @@ def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
 
 
 def _calibrated_analysis(sources: Any, body: AnalyzeCreate) -> dict[str, Any]:
-    from converters import sync_analysis
-    from converters.requests import CalibrationSettings, ConversionRequest
+    from converters.pipeline import sync_analysis
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
 
     given = body.calibration.model_dump(exclude_none=True) if body.calibration is not None else {}
     if "texts" in given:

@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from converters.patterns import MAX_PATTERN_CHARS, PATTERN_REGEX
-from converters.requests import (
+from converters.analysis.patterns import MAX_PATTERN_CHARS, MAX_PATTERNS, PATTERN_REGEX
+from converters.pipeline.request import (
     LIMITS,
     MAX_CALIBRATION_TOKENS,
-    MAX_PATTERNS,
     MAX_TEXT_CHARS,
     MAX_TEXTS_CHARS,
     MAX_TOKENS_PER_STEP,
@@ -21,8 +20,8 @@ from converters.requests import (
     SHARD_BYTES,
     CalibrationSettings,
 )
-from converters.sensitivity import RECIPE_NAMES
-from converters.sync_analysis import SYNC_DEFAULTS, SYNC_LIMITS, SYNC_MAX_PARAMETERS, SYNC_MAX_TEXTS_CHARS
+from converters.pipeline.sync_analysis import SYNC_DEFAULTS, SYNC_LIMITS, SYNC_MAX_PARAMETERS, SYNC_MAX_TEXTS_CHARS
+from converters.recipes.presets import RECIPE_NAMES
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode
 from service.jobs import Job, JobStatus, Stage, public_worker_name

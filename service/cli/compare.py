@@ -1,7 +1,7 @@
 """`fp8forge compare` and `fp8forge analyze --calibrate`: per-layer quantization error (SQNR) under recipes.
 
 One calibration feeds every recipe: the table shows, per eligible layer, the SQNR each recipe's casts leave
-(``converters.sensitivity``), so a recipe can be picked before training. Only argparse is imported at start-up.
+(``converters.calibration.sensitivity``), so a recipe can be picked before training. Only argparse is imported at start-up.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def add_calibration_arguments(parser: argparse.ArgumentParser, *, backward: bool
 
 
 def _sqnr_threshold(text: str) -> float:
-    from converters.requests import MIN_SQNR_DB_RANGE
+    from converters.pipeline.request import MIN_SQNR_DB_RANGE
 
     low, high = MIN_SQNR_DB_RANGE
     try:
@@ -65,7 +65,7 @@ def _read_texts(path: Path) -> list[str]:
 
 def calibration_from_args(args: argparse.Namespace):
     """``CalibrationSettings`` from the ``--calib-*`` flags (library defaults for those not given)."""
-    from converters.requests import CalibrationSettings
+    from converters.pipeline.request import CalibrationSettings
 
     defaults = CalibrationSettings()
     return CalibrationSettings(
@@ -111,7 +111,7 @@ def _compare_entries(args: argparse.Namespace) -> tuple[list[Any], list[str | No
     """The recipes to compare as request entries (names or recipe dicts) and their labels."""
     from converters.errors import RecipeError
     from converters.recipes import load_recipe_file
-    from converters.sensitivity import RECIPE_NAMES
+    from converters.recipes.presets import RECIPE_NAMES
 
     entries: list[Any] = []
     labels: list[str | None] = []
@@ -133,7 +133,7 @@ def _compare_entries(args: argparse.Namespace) -> tuple[list[Any], list[str | No
 
 
 def _request(args: argparse.Namespace, recipe: dict[str, Any], compare: list[Any] = ()):
-    from converters.requests import ConversionRequest
+    from converters.pipeline.request import ConversionRequest
 
     return ConversionRequest(model=args.model, recipe=recipe, calibration=calibration_from_args(args),
                              include=tuple(args.include), exclude=tuple(args.exclude),
@@ -143,7 +143,7 @@ def _request(args: argparse.Namespace, recipe: dict[str, Any], compare: list[Any
 
 
 def _analysis_with_bars(request, sources, enabled: bool) -> dict[str, Any]:
-    from converters.sync_analysis import calibrated_analysis
+    from converters.pipeline.sync_analysis import calibrated_analysis
     from service.cli.convert import BarSink
 
     sink = BarSink(enabled=enabled)
@@ -156,7 +156,7 @@ def _analysis_with_bars(request, sources, enabled: bool) -> dict[str, Any]:
 def run_compare_command(args: argparse.Namespace, sources) -> int:
     import json
 
-    from converters.sensitivity import relabel_comparison
+    from converters.calibration.sensitivity import relabel_comparison
 
     entries, labels = _compare_entries(args)
     report = _analysis_with_bars(_request(args, {"backend": args.backend or "te"}, entries), sources,
@@ -174,8 +174,8 @@ def run_calibrated_analyze(args: argparse.Namespace, sources) -> int:
     """``fp8forge analyze --calibrate``: the analysis table, then each calibrated layer's SQNR under the recipe."""
     import json
 
+    from converters.analysis.render import format_analysis
     from converters.recipes import load_recipe_file
-    from converters.report_format import format_analysis
 
     recipe = load_recipe_file(args.recipe).to_dict() if args.recipe else {"backend": args.backend or "te"}
     report = _analysis_with_bars(_request(args, recipe), sources, not args.no_progress)

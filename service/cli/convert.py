@@ -56,8 +56,8 @@ class BarSink:
 def request_from_args(args: argparse.Namespace):
     """Build the ConversionRequest from CLI flags (recipe file, backend, calibration, selection)."""
     from converters.errors import RecipeError
+    from converters.pipeline.request import ConversionRequest
     from converters.recipes import load_recipe_file
-    from converters.requests import ConversionRequest
     from service.cli.compare import calibration_from_args
 
     recipe: dict[str, Any] = {"backend": args.backend or "te"}
@@ -85,8 +85,8 @@ def request_from_args(args: argparse.Namespace):
 def run_convert_command(args: argparse.Namespace, sources) -> int:
     import json
 
-    from converters.pipeline import run_conversion
-    from converters.report_format import human_bytes
+    from converters.analysis.render import human_bytes
+    from converters.pipeline.driver import run_conversion
     from service.cli.compare import format_worst_layers
 
     request = request_from_args(args)

@@ -50,7 +50,7 @@ def _add_selection_arguments(parser: argparse.ArgumentParser) -> None:
 
 def source_options_from_args(args: argparse.Namespace):
     """Build ``ModelSourceOptions`` from CLI flags, falling back to FP8FORGE_* / HF_* variables."""
-    from converters.model_sources import ModelSourceOptions
+    from converters.model.sources import ModelSourceOptions
 
     roots = args.allow_root
     if roots is None:
@@ -116,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
-    from converters.analysis import analyze_model_reference
+    from converters.analysis.eligibility import analyze_model_reference
+    from converters.analysis.render import format_analysis
     from converters.recipes import load_recipe_file
-    from converters.report_format import format_analysis
 
     if args.calibrate:
         from service.cli.compare import run_calibrated_analyze
@@ -129,7 +129,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
              "--calib-texts": args.calib_texts}
     given = [flag for flag, value in flags.items() if value is not None]
     if given:
-        from converters.requests import RequestError
+        from converters.errors import RequestError
 
         raise RequestError(f"{given[0]} applies to a calibrated analysis: add --calibrate", field="calibrate")
 

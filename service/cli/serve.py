@@ -59,7 +59,7 @@ def _storage_reachable(settings: Settings) -> bool:
     """Check an object store at start-up, so a wrong bucket or credentials stop the process with a message."""
     if settings.artifact_store == "local":
         return True
-    from service.storage import ArtifactStoreUnavailable, open_storage
+    from service.artifacts import ArtifactStoreUnavailable, open_storage
 
     try:
         open_storage(settings).check()
@@ -83,8 +83,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from service.api.app import create_app
     from service.config import SettingsError
+    from service.main import create_app
     from service.store import JobStore
     from service.workers.pool import WorkerPool, default_worker_count
     from service.workers.procs import configure_logging

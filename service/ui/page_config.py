@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from converters.analysis.patterns import MAX_PATTERNS
+from converters.pipeline.request import LIMITS, SERVING_FORMAT_NAMES, CalibrationSettings
 from converters.recipes import (
     MAX_AMAX_HISTORY_LEN,
     MAX_MARGIN,
@@ -18,7 +20,6 @@ from converters.recipes import (
     TEDelayedScalingRecipe,
     TorchAORecipe,
 )
-from converters.requests import LIMITS, MAX_PATTERNS, SERVING_FORMAT_NAMES, CalibrationSettings
 from service.jobs import STAGES, JobStatus
 from service.ui.recipe_variants import recipe_variants
 

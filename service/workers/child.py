@@ -96,7 +96,7 @@ def limit_threads(configured: int | None) -> int:
 
 
 class PipeSink:
-    """``converters.pipeline.ProgressSink`` that forwards everything to the worker."""
+    """``converters.pipeline.driver.ProgressSink`` that forwards everything to the worker."""
 
     def __init__(self, conn: Connection, stop: Event) -> None:
         self._conn = conn
@@ -119,7 +119,7 @@ def child_main(
     request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Connection, stop: Event,
     parent_pid: int, threads: int | None = None, log_level: str = "info",
 ) -> None:
-    """Run ``converters.pipeline.run_conversion`` for one job with ``threads`` CPU threads; never raises.
+    """Run ``converters.pipeline.driver.run_conversion`` for one job with ``threads`` CPU threads; never raises.
 
     ``threads`` None: every CPU this process may use but one (see :func:`thread_budget`). fp8forge's own loggers
     log from ``log_level`` up. A full disk is reported as ``disk_full``, which the worker retries elsewhere.
@@ -133,8 +133,8 @@ def child_main(
     silence_third_party_noise()  # a spawned process starts without the filters its worker set; before torch loads
     try:
         logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
-        from converters.model_sources import ModelSourceOptions
-        from converters.pipeline import ConversionRequest, run_conversion
+        from converters.model.sources import ModelSourceOptions
+        from converters.pipeline.driver import ConversionRequest, run_conversion
 
         result = run_conversion(
             ConversionRequest.from_dict(request), Path(out_dir), ModelSourceOptions(**sources), PipeSink(conn, stop),

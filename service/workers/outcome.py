@@ -20,9 +20,9 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from service.artifacts import ArtifactStorage, ArtifactUploadFailed
 from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus
-from service.storage import ArtifactStorage, ArtifactUploadFailed
 from service.store import JobLost, JobStore
 from service.store.schema import brief
 from service.workers.messages import DISK_FULL, Succeeded

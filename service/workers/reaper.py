@@ -13,9 +13,9 @@ import logging
 import threading
 import time
 
+from service.artifacts import ArtifactStorage, Leftover
 from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus
-from service.storage import ArtifactStorage, Leftover
 from service.store import JobBusy, JobLost, JobStore
 
 __all__ = ["reap_stale", "sweep_orphans", "Reaper"]

@@ -24,9 +24,9 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from service.artifacts import ArtifactStorage
 from service.config import Settings
 from service.jobs import Job, JobStatus, Stage
-from service.storage import ArtifactStorage
 from service.store import JobStore
 from service.store.schema import brief, lock_refused
 from service.workers.child import child_main

@@ -16,8 +16,8 @@ import time
 
 from sqlalchemy.exc import DBAPIError
 
+from service.artifacts import ArtifactStorage, open_storage
 from service.config import Settings
-from service.storage import ArtifactStorage, open_storage
 from service.store import JobStore
 from service.store.schema import brief, lock_refused
 from service.store.workers import WorkerRegistry

@@ -17,9 +17,9 @@ from service.api.deps import JobDep, SettingsDep, StorageDep
 from service.api.downloads import artifact_response
 from service.api.routes import error_responses
 from service.api.schemas import ArtifactPublic, ArtifactsPublic, ErrorBody
+from service.artifacts import ArtifactStorage
 from service.config import Settings
 from service.jobs import Job
-from service.storage import ArtifactStorage
 
 __all__ = ["router"]
 

@@ -1,0 +1,495 @@
+"""Layer eligibility analysis: a pure function of (model, options) -> report.
+
+Every ``nn.Linear`` is listed with ``eligible`` or the reasons it is skipped; transformers ``Conv1D``
+layers are listed as not-a-Linear; parameters that hold matmul weights outside any Linear (fused MoE
+experts, router weights) are listed with their parameter counts, so the report shows how much of the
+model stays in high precision. Nothing in the model is touched.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from converters.analysis.patterns import PatternError, matches
+from converters.model.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
+from converters.recipes.requirements import ShapeRule, requirements
+
+__all__ = [
+    "AnalysisOptions",
+    "Reason",
+    "analyze_model",
+    "analyze_model_reference",
+    "check_include_patterns",
+    "converted_expert_gemms",
+    "eligible_expert_units",
+    "eligible_paths",
+    "refresh_totals",
+    "options_recipe",
+    "REPORT_VERSION",
+]
+
+logger = logging.getLogger(__name__)
+
+REPORT_VERSION = 1
+FP8_DIM_MULTIPLE = 16
+
+
+class Reason(str, enum.Enum):
+    """Reason codes a layer carries when it is not eligible (stable strings, documented in README)."""
+
+    DIM_NOT_DIVISIBLE = "dim_not_divisible_by_16"
+    # Each recipe's own shape rule (converters.recipes.requirements: TE's block sizes and alignments)
+    DIM_NOT_DIVISIBLE_MXFP8 = "dim_not_divisible_by_32_for_mxfp8"  #: MXFP8 (TE MXFP8BlockScaling, torchao MXFP8)
+    DIM_NOT_DIVISIBLE_FP8_BLOCK = "dim_not_divisible_by_128_for_fp8_block"  #: TE Float8BlockScaling
+    DIM_NOT_DIVISIBLE_NVFP4 = "dim_not_divisible_by_128_for_nvfp4"  #: TE NVFP4BlockScaling
+    FIRST_LINEAR = "first_linear"
+    LAST_LINEAR = "last_linear"
+    EXCLUDED = "excluded_by_pattern"
+    NOT_INCLUDED = "not_matched_by_include"
+    ROUTER_GATE = "moe_router_gate"
+    TIED_HEAD = "tied_to_input_embedding"
+    NOT_LINEAR = "not_nn_linear"
+    FUSED_EXPERTS = "fused_expert_parameter"
+    ROUTER_WEIGHT = "router_parameter"
+    OTHER_MATMUL = "matmul_weight_outside_linear"
+    EXPERT_LAYOUT = "expert_layout_unsupported"
+    LOW_SQNR = "low_sqnr"  #: output SQNR under the recipe below min_sqnr_db (converters.calibration.sensitivity)
+
+
+# Sibling projections that inference engines and TE fuse into one GEMM: a group must agree.
+FUSED_GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "gate_up": ("gate_proj", "up_proj"),
+    "bert_qkv": ("query", "key", "value"),
+    "w1_w3": ("w1", "w3"),
+}
+_ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+_BACKENDS = ("te", "ao")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnalysisOptions:
+    """What decides eligibility besides the shapes.
+
+    Attributes:
+        backend: ``te`` or ``ao``; recorded, and used where the backends differ (the recipe's, when given).
+        recipe: the recipe (object or its JSON) whose shape rule applies (``recipe.shape_rule()``: 16, or 32
+            for MXFP8, 128 for FP8 block scaling and NVFP4) and whose requirements the report lists; by default
+            the backend's default recipe. Stored as its ``to_dict()``.
+        include: if given, only Linears matched by one of these patterns are eligible.
+        exclude: Linears matched by any of these patterns are skipped.
+        skip_first_last: skip the first and last ``nn.Linear`` (Accelerate's torchao rule, the seed's).
+        convert_router_gates: also convert MoE router gates (skipped by default: routing is precision-
+            sensitive and the gate is tiny).
+    """
+
+    backend: str = "te"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    skip_first_last: bool = True
+    convert_router_gates: bool = False
+    recipe: Any = None
+
+    def __post_init__(self) -> None:
+        from converters.analysis.patterns import check_patterns
+        from converters.errors import RequestError
+
+        if self.recipe is not None:
+            recipe = _parsed_recipe(self.recipe)
+            object.__setattr__(self, "recipe", recipe.to_dict())
+            object.__setattr__(self, "backend", recipe.backend.value)
+        backend = str(self.backend).lower()
+        if backend not in _BACKENDS:
+            raise RequestError(f"backend must be one of {_BACKENDS}, got {self.backend!r}", field="backend")
+        object.__setattr__(self, "backend", backend)
+        for name in ("include", "exclude"):
+            object.__setattr__(self, name, check_patterns(tuple(getattr(self, name)), name))
+
+
+def _parsed_recipe(recipe: Any) -> Any:
+    """A recipe object from a recipe object or its JSON; RecipeError naming ``recipe.<field>``."""
+    from converters.errors import RecipeError
+    from converters.recipes import recipe_from_dict
+
+    try:
+        return recipe_from_dict(recipe.to_dict() if hasattr(recipe, "to_dict") else recipe)
+    except RecipeError as exc:
+        raise RecipeError(exc.message, field="recipe" if exc.field in (None, "recipe") else f"recipe.{exc.field}"
+                          ) from exc
+
+
+def options_recipe(options: AnalysisOptions) -> Any:
+    """The recipe whose rules an analysis applies: ``options.recipe``, else the backend's default recipe."""
+    from converters.recipes import default_recipe
+
+    return _parsed_recipe(options.recipe) if options.recipe is not None else default_recipe(options.backend)
+
+
+def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> dict[str, Any]:
+    """Build the eligibility report of ``model`` (weights may live on the meta device).
+
+    Returns a JSON-able dict: ``layers``, ``other_weights``, ``fused_groups``, ``totals``, ``options``.
+    """
+    options = options or AnalysisOptions()
+    recipe = options_recipe(options)
+    rule = recipe.shape_rule()
+    # One walk over the module tree serves every rule: on a 70B config the walk dominates the cost.
+    named = list(model.named_modules())
+    modules = dict(named)
+    linear_paths = [path for path, module in named if isinstance(module, nn.Linear)]
+    first = linear_paths[0] if linear_paths else None
+    last = linear_paths[-1] if linear_paths else None
+    tied = _tied_head_paths(model, named)
+    experts = {block.path: block for block in find_experts(named)}
+
+    layers: list[dict[str, Any]] = []
+    for path, module in named:
+        if path in experts:
+            layers += _expert_entries(experts[path], module, options, rule)
+        elif isinstance(module, nn.Linear):
+            entry = _layer_entry(path, module, module.in_features, module.out_features)
+            entry["reasons"] = _linear_reasons(path, modules, options, rule, first=first, last=last, tied=tied)
+            entry["eligible"] = not entry["reasons"]
+            layers.append(entry)
+        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+            in_features, out_features = module.weight.shape
+            entry = _layer_entry(path, module, int(in_features), int(out_features))
+            entry["reasons"] = [Reason.NOT_LINEAR.value]
+            layers.append(entry)
+
+    report = {
+        "version": REPORT_VERSION,
+        "model_class": type(model).__name__,
+        "options": asdict(options),
+        "rule": rule.describe() + ("; first and last nn.Linear skipped" if options.skip_first_last else ""),
+        "recipe_requirements": requirements(recipe),
+        "layers": layers,
+        "other_weights": _other_matmul_weights(named, set(experts)),
+        "fused_groups": _fused_groups(layers) + _expert_groups(layers, experts.values()),
+        "moe": [_moe_entry(block) for block in experts.values()],
+    }
+    report["totals"] = _totals(_count_parameters(named), report)
+    return report
+
+
+def eligible_paths(report: dict[str, Any]) -> list[str]:
+    """Linear module paths the report calls eligible, in model order (what conversion must swap)."""
+    return [layer["path"] for layer in report["layers"] if layer["eligible"] and "expert" not in layer]
+
+
+def eligible_expert_units(report: dict[str, Any]) -> list[str]:
+    """Expert GEMM units (``<experts>.<e>.<gemm>``, see ``converters.model.experts``) the report calls eligible."""
+    return [layer["path"] for layer in report["layers"] if layer["eligible"] and "expert" in layer]
+
+
+def _expert_entries(block: ExpertsModule, module: nn.Module, options: AnalysisOptions,
+                    rule: ShapeRule) -> list[dict[str, Any]]:
+    """One entry per expert GEMM, with the Linear rules that apply to a GEMM (shape, include, exclude)."""
+    dtype = _dtype_name(module.gate_up_proj.dtype)
+    entries = []
+    for e in range(block.num_experts):
+        for gemm in EXPERT_GEMMS:
+            in_features, out_features = block.features(gemm)
+            path = unit_path(block.path, e, gemm)
+            reasons = []
+            if not block.supported:
+                reasons.append(Reason.EXPERT_LAYOUT.value)
+            if rule.fails(in_features, out_features):
+                reasons.append(rule.reason)
+            if options.include and not any(matches(pattern, path) for pattern in options.include):
+                reasons.append(Reason.NOT_INCLUDED.value)
+            if any(matches(pattern, path) for pattern in options.exclude):
+                reasons.append(Reason.EXCLUDED.value)
+            entries.append({
+                "path": path, "class": block.cls, "in_features": in_features, "out_features": out_features,
+                "parameters": in_features * out_features, "dtype": dtype, "eligible": not reasons,
+                "reasons": reasons, "group": None, "expert": {"module": block.path, "index": e, "gemm": gemm},
+            })
+    return entries
+
+
+def _expert_groups(layers: list[dict[str, Any]], blocks: Any) -> list[dict[str, Any]]:
+    """One group per experts module and GEMM kind: TE and serving engines run it as one grouped GEMM."""
+    by_path = {layer["path"]: layer for layer in layers}
+    groups = []
+    for block in blocks:
+        for gemm in EXPERT_GEMMS:
+            name = f"{block.path}.{gemm}"
+            members = [unit_path(block.path, e, gemm) for e in range(block.num_experts)]
+            for member in members:
+                by_path[member]["group"] = name
+            eligible = [member for member in members if by_path[member]["eligible"]]
+            groups.append({"name": name, "members": members, "eligible_members": eligible,
+                           "partly_eligible": 0 < len(eligible) < len(members)})
+    return groups
+
+
+def converted_expert_gemms(report: dict[str, Any]) -> list[str]:
+    """``<experts>.<gemm>`` of every expert GEMM kind whose experts are all eligible (they convert together)."""
+    groups = {group["name"]: group for group in report["fused_groups"]}
+    names = [f"{block['module']}.{gemm}" for block in report.get("moe", []) for gemm in EXPERT_GEMMS]
+    return [name for name in names if len(groups[name]["eligible_members"]) == len(groups[name]["members"])]
+
+
+def _moe_entry(block: ExpertsModule) -> dict[str, Any]:
+    entry = {"module": block.path, "class": block.cls, "experts": block.num_experts, "hidden": block.hidden,
+             "intermediate": block.intermediate, "supported": block.supported}
+    if not block.supported:
+        entry["why_not"] = block.why_not
+    return entry
+
+
+def check_include_patterns(report: dict[str, Any]) -> None:
+    """Refuse an include pattern that selects no Linear layer of the analysed model: it is a typo or
+    belongs to another model, and would leave the layers it meant to select unconverted without a word.
+
+    Raises:
+        PatternError: naming ``include[i]`` and the pattern, with a path of this model as an example.
+    """
+    paths = [layer["path"] for layer in report["layers"] if Reason.NOT_LINEAR.value not in layer["reasons"]]
+    for index, pattern in enumerate(report["options"]["include"]):
+        if any(matches(pattern, path) for path in paths):
+            continue
+        example = f"its Linear layers have paths like {paths[len(paths) // 2]!r}" if paths else "it has no nn.Linear"
+        raise PatternError(
+            f"include[{index}]: pattern {pattern!r} matches no Linear layer of this model ({example}); "
+            "patterns match whole dotted path segments",
+            field=f"include[{index}]",
+        )
+
+
+def _layer_entry(path: str, module: nn.Module, in_features: int, out_features: int) -> dict[str, Any]:
+    bias = getattr(module, "bias", None)
+    return {
+        "path": path,
+        "class": type(module).__name__,
+        "in_features": in_features,
+        "out_features": out_features,
+        "parameters": module.weight.numel() + (bias.numel() if bias is not None else 0),
+        "dtype": _dtype_name(module.weight.dtype),
+        "eligible": False,
+        "reasons": [],
+        "group": None,
+    }
+
+
+def _linear_reasons(
+    path: str, modules: dict[str, nn.Module], options: AnalysisOptions, rule: ShapeRule, *, first: str, last: str,
+    tied: set[str]
+) -> list[str]:
+    module = modules[path]
+    reasons = []
+    if rule.fails(module.in_features, module.out_features):
+        reasons.append(rule.reason)
+    if options.skip_first_last and path == first:
+        reasons.append(Reason.FIRST_LINEAR.value)
+    if options.skip_first_last and path == last:
+        reasons.append(Reason.LAST_LINEAR.value)
+    if path in tied:
+        reasons.append(Reason.TIED_HEAD.value)
+    if not options.convert_router_gates and _is_router_gate(path, modules):
+        reasons.append(Reason.ROUTER_GATE.value)
+    if options.include and not any(matches(pattern, path) for pattern in options.include):
+        reasons.append(Reason.NOT_INCLUDED.value)
+    if any(matches(pattern, path) for pattern in options.exclude):
+        reasons.append(Reason.EXCLUDED.value)
+    return reasons
+
+
+def _is_router_gate(path: str, modules: dict[str, nn.Module]) -> bool:
+    parent_path, _, name = path.rpartition(".")
+    parent = modules.get(parent_path)
+    if parent is None or not hasattr(parent, "experts"):
+        return False
+    return name in _ROUTER_NAMES or "router" in name
+
+
+def _tied_head_paths(model: nn.Module, named: list[tuple[str, nn.Module]]) -> set[str]:
+    """Linears whose weight is the input embedding's (one tensor, stored and used twice)."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return set()
+    if embedding is None or not hasattr(embedding, "weight"):
+        return set()
+    return {path for path, module in named if isinstance(module, nn.Linear) and module.weight is embedding.weight}
+
+
+def _fused_groups(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_path = {layer["path"]: layer for layer in layers}
+    groups = []
+    for layer in layers:
+        parent, _, name = layer["path"].rpartition(".")
+        for kind, members in FUSED_GROUPS.items():
+            if name != members[0]:
+                continue
+            paths = [f"{parent}.{member}" if parent else member for member in members]
+            if not all(path in by_path for path in paths):
+                continue
+            group_name = f"{parent}.{kind}" if parent else kind
+            for path in paths:
+                by_path[path]["group"] = group_name
+            eligible = [path for path in paths if by_path[path]["eligible"]]
+            groups.append(
+                {
+                    "name": group_name,
+                    "members": paths,
+                    "eligible_members": eligible,
+                    "partly_eligible": 0 < len(eligible) < len(paths),
+                }
+            )
+    return groups
+
+
+def _other_matmul_weights(named: list[tuple[str, nn.Module]], experts: set[str]) -> list[dict[str, Any]]:
+    """Parameters of 2+ dims outside Linear/Conv1D/embedding/norm and experts modules: routers, the rest."""
+    skipped_types = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.modules.conv._ConvNd)
+    entries = []
+    for path, module in named:
+        if isinstance(module, skipped_types) or type(module).__name__ in ("Conv1D",) or "Norm" in type(module).__name__:
+            continue
+        if path in experts:  # listed per expert GEMM among the layers (biases are not matmul weights)
+            continue
+        # The module's own parameter dict: named_parameters() would start a module walk per module.
+        for name, parameter in module._parameters.items():
+            if parameter is None:
+                continue
+            # Learned tokens and position tables are lookups, not matmul weights.
+            if parameter.dim() < 2 or any(word in name for word in ("embed", "token", "position")):
+                continue
+            full = f"{path}.{name}" if path else name
+            entries.append(
+                {
+                    "path": full,
+                    "module": path,
+                    "cls": type(module).__name__,
+                    "shape": list(parameter.shape),
+                    "parameters": parameter.numel(),
+                    "dtype": _dtype_name(parameter.dtype),
+                    "reason": _other_reason(module, name, parameter),
+                }
+            )
+    return entries
+
+
+def _other_reason(module: nn.Module, name: str, parameter: torch.Tensor) -> str:
+    class_name = type(module).__name__.lower()
+    if parameter.dim() == 3 and ("expert" in class_name or "expert" in name or "proj" in name):
+        return Reason.FUSED_EXPERTS.value
+    if "router" in class_name or "gate" in class_name:
+        return Reason.ROUTER_WEIGHT.value
+    return Reason.OTHER_MATMUL.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Parameters:
+    """The model's parameters, each tensor once (a tied head shares the embedding's)."""
+
+    count: int
+    bytes: int
+    dtypes: tuple[str, ...]  # most bytes first
+
+
+def _count_parameters(named: list[tuple[str, nn.Module]]) -> _Parameters:
+    seen: set[int] = set()
+    count = 0
+    bytes_by_dtype: dict[str, int] = {}
+    for _, module in named:
+        for parameter in module._parameters.values():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                count += parameter.numel()
+                dtype = _dtype_name(parameter.dtype)
+                bytes_by_dtype[dtype] = bytes_by_dtype.get(dtype, 0) + parameter.numel() * parameter.element_size()
+    dtypes = tuple(sorted(bytes_by_dtype, key=lambda name: -bytes_by_dtype[name]))
+    return _Parameters(count=count, bytes=sum(bytes_by_dtype.values()), dtypes=dtypes)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def refresh_totals(report: dict[str, Any]) -> None:
+    """Recount ``report["totals"]`` after layers changed eligibility (the model's size is in the totals already)."""
+    totals = report["totals"]
+    dtypes = tuple(name for name in totals["weight_dtype"].split("+") if name != "none")
+    report["totals"] = _totals(_Parameters(count=totals["model_parameters"], bytes=totals["weight_bytes"],
+                                           dtypes=dtypes), report)
+
+
+def _totals(parameters: _Parameters, report: dict[str, Any]) -> dict[str, Any]:
+    units = [layer for layer in report["layers"] if "expert" in layer]
+    linear_layers = [layer for layer in report["layers"] if layer["class"] != "Conv1D" and "expert" not in layer]
+    eligible = [layer for layer in linear_layers if layer["eligible"]]
+    eligible_units = [unit for unit in units if unit["eligible"]]
+    linear_params = sum(layer["parameters"] for layer in linear_layers)
+    expert_params = sum(unit["parameters"] for unit in units)
+    fp8_linear_params = sum(layer["in_features"] * layer["out_features"] for layer in eligible)
+    fp8_weight_params = fp8_linear_params + sum(unit["parameters"] for unit in eligible_units)
+    outside = sum(entry["parameters"] for entry in report["other_weights"])
+    conv1d = sum(layer["parameters"] for layer in report["layers"] if layer["class"] == "Conv1D")
+    # One byte per FP8 weight element, in place of the layer's own element size.
+    fp8_saving = sum(layer["in_features"] * layer["out_features"] * (getattr(torch, layer["dtype"]).itemsize - 1)
+                     for layer in eligible + eligible_units)
+    bytes_before = parameters.count * 2
+    return {
+        "linear_layers": len(linear_layers),
+        "eligible_layers": len(eligible),
+        "skipped_layers": len(linear_layers) - len(eligible),
+        "conv1d_layers": len(report["layers"]) - len(linear_layers) - len(units),
+        "expert_units": len(units),
+        "eligible_expert_units": len(eligible_units),
+        "linear_parameters": linear_params,
+        "expert_parameters": expert_params,
+        "fp8_parameters": fp8_weight_params,
+        "fp8_share_of_linear_parameters": _ratio(fp8_linear_params, linear_params),
+        "fp8_share_of_expert_parameters": _ratio(fp8_weight_params - fp8_linear_params, expert_params),
+        "matmul_parameters_outside_linear": outside + conv1d + expert_params,
+        "fp8_share_of_all_matmul_parameters": _ratio(fp8_weight_params,
+                                                     linear_params + expert_params + outside + conv1d),
+        "model_parameters": parameters.count,
+        "partly_eligible_groups": sum(1 for group in report["fused_groups"] if group["partly_eligible"]),
+        "weight_dtype": "+".join(parameters.dtypes) or "none",
+        "weight_bytes": parameters.bytes,
+        "weight_bytes_with_fp8": parameters.bytes - fp8_saving,
+        # The same two figures as if every parameter were bf16 (report version 1 had only these).
+        "weight_bytes_bf16": bytes_before,
+        "weight_bytes_fp8": bytes_before - fp8_weight_params,
+    }
+
+
+def _ratio(part: int, whole: int) -> float:
+    return round(part / whole, 6) if whole else 0.0
+
+
+def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", include=(), exclude=(),
+                            skip_first_last: bool = True, convert_router_gates: bool = False,
+                            recipe: Any = None) -> dict[str, Any]:
+    """Resolve ``ref`` (config only), build it on the meta device and analyze it (``recipe``: see AnalysisOptions).
+
+    Raises:
+        Fp8ForgeError subclasses: bad reference, missing model or config, bad options.
+    """
+    from converters.model.sources import build_meta_model, load_config, resolve_model_dir
+
+    options = AnalysisOptions(
+        backend=backend,
+        include=tuple(include),
+        exclude=tuple(exclude),
+        skip_first_last=skip_first_last,
+        convert_router_gates=convert_router_gates,
+        recipe=recipe,
+    )
+    directory = resolve_model_dir(ref, sources, with_weights=False)
+    config = load_config(directory, sources)
+    model = build_meta_model(config, sources)
+    report = analyze_model(model, options)
+    check_include_patterns(report)
+    report["model"] = {"reference": ref, "model_type": getattr(config, "model_type", None)}
+    return report

@@ -1,0 +1,133 @@
+"""Artifact files: weight files copied from the source, safetensors, JSON, and a checksummed manifest.
+
+Every file is written to a temporary name and moved into place with ``os.replace``; the pipeline also
+stages the whole directory and renames it only on success, so a reader never sees half an artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from converters.artifact.layout import MANIFEST_NAME, sha256_file
+from converters.errors import ArtifactError
+from converters.model.files import INDEX_NAME, FileConfinement, copy_model_file
+
+__all__ = [
+    "copy_weight_files",
+    "copy_side_files",
+    "save_tensors",
+    "write_json",
+    "write_manifest",
+    "verify_manifest",
+]
+
+logger = logging.getLogger(__name__)
+
+
+
+def copy_weight_files(files: Iterable[Path], directory: Path, confinement: FileConfinement) -> list[str]:
+    """Copy a checkpoint's weight files (and its index, if any) into ``directory`` byte for byte.
+
+    TE and torchao artifacts hold the source's weights unchanged, so they are never decoded: the files
+    keep the source's tensor names, dtypes and sharding. Each copy goes through a temporary name, and
+    reads nothing outside ``confinement`` (the hub cache's links to its blobs are followed, others refused).
+    Returns the names of the files written.
+    """
+    files = list(files)
+    names = []
+    index = files[0].parent / INDEX_NAME if files else None
+    for source in [*files, *([index] if index is not None and index.is_file() else [])]:
+        copy_model_file(source, directory / source.name, confinement)
+        names.append(source.name)
+    return names
+
+
+def copy_side_files(source: Path, directory: Path, confinement: FileConfinement) -> list[str]:
+    """Copy the source model's tokenizer files and generation config into ``directory``; return their names.
+
+    Nothing outside ``confinement`` is read (see :func:`converters.model.files.copy_model_file`).
+    """
+    from converters.model.sources import TOKENIZER_FILES
+
+    copied = []
+    for name in [*TOKENIZER_FILES, "generation_config.json"]:
+        if (source / name).is_file():
+            copy_model_file(source / name, directory / name, confinement)
+            copied.append(name)
+    return copied
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str]) -> None:
+    """``safetensors`` ``save_file`` through a temporary name; metadata values must be strings."""
+    bad = [key for key, value in metadata.items() if not isinstance(value, str)]
+    if bad:
+        raise TypeError(f"safetensors metadata must be strings; not strings: {bad}")
+    temporary = path.with_name(f".{path.name}.tmp")
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, metadata=dict(metadata))
+    os.chmod(temporary, new_file_mode())  # safetensors creates 0600 files; an artifact's files share one mode
+    os.replace(temporary, path)
+
+
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file here: 0666 less the process umask (read without changing it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):  # not Linux: the usual umask
+        umask = 0o022
+    return 0o666 & ~umask
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as indented JSON through a temporary file and ``os.replace``."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=False)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def write_manifest(directory: Path) -> list[dict[str, Any]]:
+    """Checksum every file below ``directory`` (written last, so it covers all of them) into manifest.json.
+
+    Names are relative POSIX paths (``serving/<format>/config.json`` for a serving export's files).
+    """
+    files = (path for path in sorted(directory.rglob("*")) if path.is_file())
+    entries = [
+        {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        for path, name in ((path, path.relative_to(directory).as_posix()) for path in files)
+        if name != MANIFEST_NAME and not any(part.startswith(".") for part in name.split("/"))
+    ]
+    write_json(directory / MANIFEST_NAME, {"version": 1, "files": entries})
+    return entries
+
+
+def verify_manifest(directory: Path) -> list[dict[str, Any]]:
+    """Check every file listed in manifest.json (size and sha256). Raises ArtifactError on any mismatch."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{directory} has no {MANIFEST_NAME}: not an fp8forge artifact (or a partial one)")
+    try:
+        entries = json.loads(manifest_path.read_text())["files"]
+        names = [entry["name"] for entry in entries]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArtifactError(f"{manifest_path} is malformed ({exc}); re-download the artifact") from exc
+    for entry, name in zip(entries, names, strict=True):
+        parts = name.split("/") if isinstance(name, str) else [""]
+        if any(not part or part.startswith(".") or "\\" in part for part in parts):
+            raise ArtifactError(f"{manifest_path} lists {name!r}, which is not a file name inside the artifact")
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            raise ArtifactError(f"{path} is missing or differs from manifest.json; re-download the artifact")
+    return entries

@@ -1,0 +1,303 @@
+"""FP8 and FP4 casts emulated on the CPU with the rounding and scale rules of the hardware recipes.
+
+Each cast takes a tensor as a GEMM consumes it, ``[rows, K]`` with the reduction dim ``K`` last (a Linear's
+input ``[tokens, in]`` and its weight ``[out, in]`` both are), and returns the dequantized values in fp32: what
+the FP8/FP4 GEMM multiplies, so that ``x - fake_quantize(x)`` is the quantization noise. Element casts are the
+hardware's: round-to-nearest-even with saturation (PyTorch's casts to ``float8_e4m3fn`` / ``float8_e5m2``
+round to nearest even; values are clamped to the format's maximum first, as TE's ``satfinite`` conversions
+and torchao's ``to_fp8_saturated`` do), and for FP4 E2M1 round-to-nearest-even onto {0, 0.5, 1, 1.5, 2, 3, 4,
+6} (:func:`round_to_e2m1`, the ``cvt.rn.satfinite.e2m1x2`` rule).
+
+Scales, per block of ``CastSpec.block`` (a partial edge block is padded with zeros, as TE's reference
+quantizers pad; zeros change no amax):
+
+* ``fp32``: ``scale = fp8_max / amax``; ``q = cast(x * scale)``; amax 0 keeps scale 1.
+  TransformerEngine (``compute_scale_from_amax``, current and delayed scaling; the delayed scale comes from
+  the amax history, :mod:`converters.calibration.scaling`) divides in fp32 and dequantizes with ``q * (1 / scale)``;
+  torchao (``float8_utils.amax_to_scale``) divides in fp64 with amax clamped to 1e-12 and dequantizes with
+  ``q / scale``.
+* ``pow2``: the same scale rounded down to a power of two: TE ``Float8BlockScaling`` (``power_2_scale``,
+  its default; ``tests/pytorch/references/quantize_scale_calc.py``) and torchao's rowwise recipes
+  (``round_scales_to_power_of_2=True`` in ``Float8LinearConfig.from_recipe_name``).
+* ``e8m0_rceil``: MXFP8, one E8M0 (power-of-two) scale per 32 elements along K. Both TE
+  (``ptx::float_to_e8m0(amax * Quantized_Limits<OType>::max_norm_rcp)``, rounding *up*, the
+  ``cvt.rp.satfinite.ue8m0x2.f32`` instruction; ``common/util/ptx.cuh``) and torchao's MXFP8 training
+  (``MXFP8TrainingOpConfig.scale_calculation_mode = RCEIL``, ``mx_tensor._to_mx_rceil``) use this: the
+  dequantization scale is ``2**ceil(log2(amax / 448))``, so no element saturates. TE multiplies by the fp32
+  reciprocal of 448, torchao divides by 448.
+* ``e8m0_floor``: the OCP MX v1.0 rule (torchao ``to_mx`` default ``ScaleCalculationMode.FLOOR``): shared
+  exponent ``floor(log2(amax)) - emax_elem`` (``emax_elem`` = 8 for E4M3); the block's largest values may
+  saturate at 448. Kept for comparison; no training recipe uses it.
+* ``nvfp4``: NVFP4, two levels (TE ``core_nvfp4.cuh``): a global fp32 encode scale
+  ``S_enc = 448 * 6 / amax(tensor)`` (1 for amax 0), per 16 elements along K an E4M3 decode scale
+  ``S_dec_b = cast_e4m3(amax(block) * (S_enc * (1/6)))``, elements ``q = e2m1(x / (S_dec_b / S_enc))``,
+  dequantized ``q * S_dec_b * amax / (6 * 448)`` (``dequantize_nvfp4.cuh``). torchao's ``nvfp4_quantize``
+  (two-level) computes the same scales from ``amax / (448 * 6)`` and differs from TE in the last bit of a
+  scale at most. TE's recipe casts weights in 16x16 blocks (``nvfp4_block16x16``) unless
+  ``disable_2d_quantization``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "E2M1_MAX",
+    "E2M1_GRID",
+    "SPEC_NAMES",
+    "ScaleRule",
+    "CastSpec",
+    "cast_spec",
+    "fake_quantize",
+    "cast_fp8",
+    "round_to_e2m1",
+    "tensor_scale",
+    "e8m0_exponent",
+    "nvfp4_global_scale",
+    "db",
+    "SQNR_CAP_DB",
+]
+
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+E2M1_MAX = 6.0
+#: The non-negative values of FP4 E2M1, in code order (code 0..7).
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: The SQNR reported for an exact cast (no noise), and the most any SQNR reports.
+SQNR_CAP_DB = 300.0
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+_FP8 = {"e4m3": (torch.float8_e4m3fn, E4M3_MAX), "e5m2": (torch.float8_e5m2, E5M2_MAX)}
+_E4M3_EMAX = 8  # exponent of E4M3's largest power of two (256): OCP MX's emax_elem
+_TORCHAO_EPS = 1e-12  # torchao.float8.float8_utils.EPS
+
+
+class ScaleRule(str, enum.Enum):
+    """How a block's scale follows from its amax (see the module docstring)."""
+
+    FP32 = "fp32"
+    POW2 = "pow2"
+    E8M0_RCEIL = "e8m0_rceil"
+    E8M0_FLOOR = "e8m0_floor"
+    NVFP4 = "nvfp4"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CastSpec:
+    """One cast: element format, scale block (rows x cols, None = the whole dim) and scale rule."""
+
+    name: str
+    element: str  #: e4m3, e5m2 or e2m1
+    block: tuple[int | None, int | None]
+    scale: ScaleRule
+    library: str = "te"  #: te or torchao: whose fp32 arithmetic the scale follows
+
+    def __post_init__(self) -> None:
+        if self.library not in ("te", "torchao"):
+            raise ValueError(f"library must be te or torchao, got {self.library!r}")
+        if (self.element == "e2m1") != (self.scale is ScaleRule.NVFP4):
+            raise ValueError("e2m1 elements go with the nvfp4 scale rule and only with it")
+
+    @property
+    def per_tensor(self) -> bool:
+        return self.block == (None, None)
+
+
+# spec name -> (element, block, default scale rule); the names the recipes' cast_formats() return
+_SPECS = {
+    "e4m3_tensor": ("e4m3", (None, None), ScaleRule.FP32),
+    "e5m2_tensor": ("e5m2", (None, None), ScaleRule.FP32),
+    "e4m3_row": ("e4m3", (1, None), ScaleRule.FP32),
+    "e4m3_block_1x128": ("e4m3", (1, 128), ScaleRule.POW2),
+    "e4m3_block_128x128": ("e4m3", (128, 128), ScaleRule.POW2),
+    "mxfp8_e4m3_block32": ("e4m3", (1, 32), ScaleRule.E8M0_RCEIL),
+    "mxfp8_e4m3_block32x32": ("e4m3", (32, 32), ScaleRule.E8M0_RCEIL),  # TE MXFP8 enable_2d_quantization weights
+    "nvfp4_block16": ("e2m1", (1, 16), ScaleRule.NVFP4),
+    "nvfp4_block16x16": ("e2m1", (16, 16), ScaleRule.NVFP4),  # TE NVFP4 weights unless disable_2d_quantization
+}
+SPEC_NAMES = tuple(_SPECS)
+
+
+def cast_spec(name: str, *, library: str = "te", pow2_scales: bool | None = None,
+              mx_rounding: str = "rceil") -> CastSpec:
+    """The :class:`CastSpec` of a spec name (``SPEC_NAMES``).
+
+    ``pow2_scales`` overrides the default of the fp8 specs (power-of-two scales for the TE block specs, fp32
+    otherwise); ``mx_rounding`` is ``rceil`` (TE, torchao training) or ``floor`` (OCP MX) for MXFP8.
+    Raises ValueError for an unknown name or option.
+    """
+    if name not in _SPECS:
+        raise ValueError(f"unknown cast spec {name!r}; known: {', '.join(SPEC_NAMES)}")
+    element, block, rule = _SPECS[name]
+    if rule in (ScaleRule.FP32, ScaleRule.POW2) and pow2_scales is not None:
+        rule = ScaleRule.POW2 if pow2_scales else ScaleRule.FP32
+    if rule is ScaleRule.E8M0_RCEIL:
+        if mx_rounding not in ("rceil", "floor"):
+            raise ValueError(f"mx_rounding must be rceil or floor, got {mx_rounding!r}")
+        rule = ScaleRule.E8M0_RCEIL if mx_rounding == "rceil" else ScaleRule.E8M0_FLOOR
+    return CastSpec(name=name, element=element, block=block, scale=rule, library=library)
+
+
+def cast_fp8(x: torch.Tensor, element: str) -> torch.Tensor:
+    """``x`` (already scaled) cast to FP8 with saturation and round-to-nearest-even, back in fp32."""
+    dtype, top = _FP8[element]
+    return x.clamp(-top, top).to(dtype).float()
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to nearest even onto the FP4 E2M1 values, saturating at +-6 (fp32 result).
+
+    E2M1 steps by 0.5 below 2, by 1 below 4 and by 2 up to 6, and an even multiple of the step is an even code,
+    so rounding ``|x| / step`` half to even (``torch.round``) is the format's round-to-nearest-even: a tie
+    goes to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
+    """
+    magnitude = x.abs().clamp(max=E2M1_MAX)
+    step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(magnitude / step) * step, x)
+
+
+def tensor_scale(amax: torch.Tensor, fp8_max: float, *, library: str = "te", pow2: bool = False) -> torch.Tensor:
+    """``fp8_max / amax`` per element of ``amax`` as TE or torchao computes it (fp32; 1 where amax is 0)."""
+    amax = amax.float()
+    if library == "torchao":
+        scale = (fp8_max / amax.double().clamp(min=_TORCHAO_EPS)).float()
+        return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+    scale = torch.tensor(fp8_max, dtype=torch.float32, device=amax.device) / amax
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FLT_MAX), scale)
+    scale = torch.where((amax == 0) | torch.isinf(amax) | torch.isnan(scale), torch.ones_like(scale), scale)
+    if pow2:  # TE clears the mantissa bits: the largest power of two <= scale
+        scale = (scale.view(torch.int32) & ~0x7FFFFF).view(torch.float32)
+    return scale
+
+
+def e8m0_exponent(amax: torch.Tensor, *, rule: ScaleRule = ScaleRule.E8M0_RCEIL, library: str = "te"
+                  ) -> torch.Tensor:
+    """The biased E8M0 exponent (int32, 0..255) of an MXFP8 E4M3 block with this amax.
+
+    ``2**(e - 127)`` is the block's dequantization scale. RCEIL: TE's ``float_to_e8m0(amax * fp32(1/448))``
+    (round the exponent up unless the mantissa is 0; 0 stays 0) or torchao's ``ceil(log2(amax / 448))``;
+    FLOOR: ``floor(log2(amax)) - 8`` clamped to [-127, 128], as torchao's ``to_mx``.
+    """
+    amax = amax.float()
+    if rule is ScaleRule.E8M0_FLOOR:
+        extracted = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
+        return (extracted - _E4M3_EMAX).clamp(-127, 128) + 127
+    if library == "torchao":
+        descale = amax / E4M3_MAX
+        exponent = (torch.ceil(torch.log2(descale)).clamp(-127, 127) + 127).to(torch.int32)
+        return torch.where(torch.isinf(descale), 254, torch.where(torch.isnan(descale), 255, exponent))
+    value = amax * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32, device=amax.device)
+    bits = value.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    exponent = exponent + round_up.int()
+    return torch.where(torch.isinf(value), 0xFE, torch.where(torch.isnan(value), 0xFF, exponent))
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """TE's ``compute_global_encode_scaling_factor_FP4``: ``448 * 6 / amax`` in fp32, FLT_MAX-capped, 1 for 0."""
+    amax = amax.float()
+    scale = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=amax.device) / amax
+    scale = scale.clamp(max=_FLT_MAX)
+    return torch.where((amax == 0) | (scale == 0), torch.ones_like(scale), scale)
+
+
+def fake_quantize(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | float | None = None,
+                  tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (``[rows, K]``) cast with ``spec`` and dequantized, in fp32, same shape.
+
+    ``scale`` replaces the computed scale of a per-tensor spec (TE delayed scaling casts with the scale its
+    amax history gave, not the tensor's own). ``tensor_amax`` is the amax of the whole tensor when ``x`` is a
+    slice of rows of it (whole blocks): the per-tensor scale and NVFP4's global scale come from it.
+    Raises ValueError for a tensor that is not 2-D, or a ``scale`` with a spec that is not per tensor.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"fake_quantize takes [rows, K], got shape {tuple(x.shape)}")
+    if scale is not None and not spec.per_tensor:
+        raise ValueError(f"{spec.name} has a scale per block; only a per-tensor cast takes a given scale")
+    x = x.float()
+    if x.numel() == 0:
+        return x.clone()
+    if scale is None and tensor_amax is not None and spec.per_tensor:
+        scale = tensor_scale(tensor_amax, _FP8[spec.element][1], library=spec.library,
+                             pow2=spec.scale is ScaleRule.POW2)
+    blocks, shape = _to_blocks(x, spec.block)
+    if spec.scale is ScaleRule.NVFP4:
+        out = _nvfp4(blocks, blocks.abs().amax() if tensor_amax is None else tensor_amax.float())
+    elif spec.scale in (ScaleRule.E8M0_RCEIL, ScaleRule.E8M0_FLOOR):
+        out = _mxfp8(blocks, spec)
+    else:
+        out = _scaled_fp8(blocks, spec, scale)
+    return _from_blocks(out, shape)
+
+
+def _to_blocks(x: torch.Tensor, block: tuple[int | None, int | None]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """``[R, K]`` -> ``[R/br, br, K/bc, bc]``, zero-padded to whole blocks."""
+    rows, cols = x.shape
+    block_rows = rows if block[0] is None else block[0]
+    block_cols = cols if block[1] is None else block[1]
+    pad_rows, pad_cols = -rows % block_rows, -cols % block_cols
+    if pad_rows or pad_cols:
+        x = torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows))
+    padded_rows, padded_cols = x.shape
+    return x.reshape(padded_rows // block_rows, block_rows, padded_cols // block_cols, block_cols), (rows, cols)
+
+
+def _from_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    rows = blocks.shape[0] * blocks.shape[1]
+    return blocks.reshape(rows, -1)[: shape[0], : shape[1]]
+
+
+def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.abs().amax(dim=(1, 3), keepdim=True)
+
+
+def _scaled_fp8(blocks: torch.Tensor, spec: CastSpec, given: torch.Tensor | float | None) -> torch.Tensor:
+    _, top = _FP8[spec.element]
+    if given is None:
+        scale = tensor_scale(_block_amax(blocks), top, library=spec.library, pow2=spec.scale is ScaleRule.POW2)
+    else:
+        scale = torch.as_tensor(given, dtype=torch.float32, device=blocks.device)
+    q = cast_fp8(blocks * scale, spec.element)
+    if spec.library == "torchao":
+        return q / scale
+    return q * (1.0 / scale)
+
+
+def _mxfp8(blocks: torch.Tensor, spec: CastSpec) -> torch.Tensor:
+    exponent = e8m0_exponent(_block_amax(blocks), rule=spec.scale, library=spec.library)
+    dequant = torch.exp2(exponent.float() - 127)
+    if spec.scale is ScaleRule.E8M0_FLOOR:  # torchao divides by the scale, kept at least the smallest normal
+        q = cast_fp8(blocks / dequant.clamp(min=torch.finfo(torch.float32).tiny), spec.element)
+    else:  # TE's exp2f_rcp: 2**(127 - e), and 1 for e == 0
+        reciprocal = torch.where(exponent == 0, torch.ones_like(dequant), torch.exp2(127 - exponent.float()))
+        q = cast_fp8(blocks * reciprocal, spec.element)
+    return q * dequant
+
+
+def _nvfp4(blocks: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    encode = nvfp4_global_scale(amax)
+    block_scale = cast_fp8(_block_amax(blocks) * (encode * (1.0 / E2M1_MAX)), "e4m3")  # S_dec_b, E4M3
+    coefficient = (1.0 / (block_scale * (1.0 / encode))).clamp(max=_FLT_MAX)  # TE compute_scaling_coefficient
+    q = round_to_e2m1(blocks * coefficient)
+    # TE's dequantize_fp4_kernel: q * (S_dec_b * amax * fp32(1 / (6 * 448)))
+    return q * (block_scale * amax * torch.tensor(1.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32))
+
+
+def db(signal: float, noise: float) -> float | None:
+    """``10 log10(signal / noise)``, at most :data:`SQNR_CAP_DB` (what an exact cast, noise 0, reports).
+
+    None without signal (an all-zero tensor, or a layer that saw no token). JSON has no infinity, and a cap
+    keeps the numbers sortable; fp32 arithmetic itself leaves noise near 150 dB below the signal.
+    """
+    if signal <= 0:
+        return None
+    if noise <= 0:
+        return SQNR_CAP_DB
+    return min(10.0 * math.log10(signal / noise), SQNR_CAP_DB)

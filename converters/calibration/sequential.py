@@ -1,0 +1,341 @@
+"""Layer-sequential calibration: one decoder layer in memory at a time, whatever the model's size.
+
+The model is built on the meta device. Three passes then run the calibration batches:
+
+1. **Around the layers.** The modules outside the layer list (embeddings, rotary buffers, norms; not the
+   output head) are loaded and every batch runs through the model with each layer replaced by a stand-in
+   that records what the model hands it (hidden states, position embeddings, masks; per layer, since
+   models with sliding-window layers pass each layer its own mask) and passes the hidden states on. The
+   last stand-in stops the forward, so the head never runs here.
+2. **Layer by layer.** Each layer is loaded, all cached batches go through it with the amax hooks on its
+   eligible Linears, its outputs become the next layer's inputs, and it is released.
+3. **The head**, only when an eligible Linear lies outside the layer list (``lm_head`` when the first/last
+   rule is off): the model runs once more with the input embedding replaying its pass-1 outputs and the
+   last layer returning its real outputs, so the final norm and head see exactly what the whole model
+   would give them.
+
+The computations are the ones the whole model performs, in the same order and dtype, so the amax per layer
+and step equals whole-model calibration (bitwise on CPU in fp32).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from converters.calibration.amax import AmaxRecorder, LayerAmax, amax_recorder
+from converters.errors import ConversionCancelled
+from converters.model.checkpoint import Checkpoint, release, unit_keys
+from converters.model.experts import parse_unit_path
+
+__all__ = [
+    "LAYER_SEQUENTIAL",
+    "WHOLE_MODEL",
+    "LayerStack",
+    "find_layer_stack",
+    "choose_mode",
+    "SequentialUnsupported",
+    "LayerPass",
+    "calibrate_layer_by_layer",
+]
+
+logger = logging.getLogger(__name__)
+
+
+LAYER_SEQUENTIAL = "layer_sequential"
+WHOLE_MODEL = "whole_model"
+
+
+class SequentialUnsupported(Exception):
+    """The model does not fit the layer-sequential shape; the pipeline falls back to the whole model."""
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """The module list that holds a model's decoder (or encoder) layers."""
+
+    path: str  #: e.g. ``model.layers``
+    count: int
+    layer_class: str
+
+    def index_of(self, name: str) -> int | None:
+        """The layer a module or tensor path belongs to, or None when it lies outside the list."""
+        prefix = f"{self.path}."
+        if not name.startswith(prefix):
+            return None
+        head = name[len(prefix):].partition(".")[0]
+        return int(head) if head.isdigit() else None
+
+
+def find_layer_stack(model: nn.Module) -> tuple[LayerStack | None, str]:
+    """The model's one list of repeated layers (classes named by ``_no_split_modules``), or None and why not."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    if not classes:
+        return None, f"{type(model).__name__} declares no _no_split_modules layer classes"
+    stacks = [
+        (path, module) for path, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) and all(type(m).__name__ in classes for m in module)
+    ]
+    if not stacks:
+        return None, f"no module list of {sorted(classes)} layers in {type(model).__name__}"
+    if len(stacks) > 1:
+        return None, f"several layer lists ({', '.join(path for path, _ in stacks)}): encoder-decoder or multimodal"
+    path, layers = stacks[0]
+    return LayerStack(path=path, count=len(layers), layer_class=type(layers[0]).__name__), "ok"
+
+
+def choose_mode(model: nn.Module, config: Any, *, backward: bool, te_extra_state: bool) -> tuple[
+        LayerStack | None, str, str]:
+    """``(stack, mode, reason)``: layer-sequential where the model's shape allows it, else the whole model."""
+    if backward:
+        return None, WHOLE_MODEL, "backward calibration back-propagates through the whole model"
+    if te_extra_state:
+        return None, WHOLE_MODEL, "te_extra_state asks TransformerEngine to serialize modules of the whole model"
+    if getattr(config, "is_encoder_decoder", False):
+        return None, WHOLE_MODEL, "encoder-decoder models run two layer lists"
+    stack, why = find_layer_stack(model)
+    if stack is None:
+        return None, WHOLE_MODEL, why
+    reason = f"{stack.count} {stack.layer_class} layers under {stack.path}, one in memory at a time"
+    return stack, LAYER_SEQUENTIAL, reason
+
+
+@dataclass
+class LayerPass:
+    """One calibrated layer, handed to ``after_layer`` before it is released."""
+
+    index: int
+    path: str
+    layer: nn.Module
+    linear_paths: list[str]  #: the eligible Linears inside it (model paths)
+    amax: dict[str, LayerAmax] = field(repr=False)
+    outputs: list[torch.Tensor] = field(repr=False)  #: its high-precision output per step
+    call: Callable[[nn.Module, int], Any] = field(repr=False)  #: ``call(module, step)`` runs step's inputs
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _LayerStandIn(nn.Module):
+    """Takes a layer's place while the model runs around its layers; see the module docstring."""
+
+    def __init__(self, index: int, real: nn.Module, passes: _Passes) -> None:
+        super().__init__()
+        # Plain attributes, not submodules: the stand-in must not expose the real layer's tensors.
+        self.__dict__["_real"] = real
+        self.__dict__["_passes"] = passes
+        self.__dict__["_index"] = index
+
+    def __getattr__(self, name: str) -> Any:
+        # Models read layer attributes in their loop (e.g. ``decoder_layer.attention_type``).
+        return getattr(self.__dict__["_real"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._passes.layer_called(self._index, args, kwargs)
+
+
+class _Replay(nn.Module):
+    """Returns the recorded output of a module for the current step, without its weights."""
+
+    def __init__(self, outputs: list[Any], passes: _Passes) -> None:
+        super().__init__()
+        self.__dict__["_outputs"] = outputs
+        self.__dict__["_passes"] = passes
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._outputs[self._passes.step]
+
+
+class _Passes:
+    """What the stand-ins record (pass 1) or return (pass 3)."""
+
+    def __init__(self, count: int, steps: int) -> None:
+        self.count = count
+        self.step = 0
+        self.replaying = False
+        self.calls: list[list[tuple[tuple, dict] | None]] = [[None] * steps for _ in range(count)]
+        self.hidden_in: list[torch.Tensor | None] = [None] * steps
+        self.hidden_key: str | None = None
+        self.final: list[torch.Tensor] = []
+        self.recorders: list[AmaxRecorder] = []
+
+    def layer_called(self, index: int, args: tuple, kwargs: dict) -> Any:
+        if args:
+            hidden, rest = args[0], args[1:]
+        else:
+            self.hidden_key = "hidden_states"
+            kwargs = dict(kwargs)
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        if self.replaying:
+            return self.final[self.step] if index == self.count - 1 else hidden
+        self.calls[index][self.step] = (rest, kwargs)
+        if index == 0:
+            self.hidden_in[self.step] = hidden
+        if index == self.count - 1:
+            raise _StopForward
+        return hidden
+
+    def call(self, layer: nn.Module, index: int, step: int, hidden: torch.Tensor) -> Any:
+        rest, kwargs = self.calls[index][step]
+        if self.hidden_key is None:
+            return layer(hidden, *rest, **kwargs)
+        return layer(*rest, **{self.hidden_key: hidden}, **kwargs)
+
+
+def calibrate_layer_by_layer(
+    model: nn.Module,
+    stack: LayerStack,
+    checkpoint: Checkpoint,
+    batches: Sequence[dict[str, torch.Tensor]],
+    layer_paths: Sequence[str],
+    *,
+    on_layer: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    after_layer: Callable[[LayerPass], None] | None = None,
+) -> dict[str, LayerAmax]:
+    """Record the amax of ``layer_paths`` over ``batches`` with one layer of ``model`` in memory at a time.
+
+    ``model`` is the meta-device model ``checkpoint`` loads into; every tensor is back on the meta device
+    when this returns. ``on_layer(done, total)`` reports progress after each layer (and the head pass);
+    ``should_stop()`` is checked before each layer and raises ConversionCancelled. ``after_layer`` sees each
+    layer with its cached inputs and outputs before release (the TE check step uses it).
+
+    Raises SequentialUnsupported when a layer returns something other than its hidden states (the caller
+    falls back to whole-model calibration), and the load errors of :class:`Checkpoint`.
+    """
+    model.eval()
+    layers: nn.ModuleList = model.get_submodule(stack.path)
+    real = list(layers)
+    head_path = _module_path(model, model.get_output_embeddings())
+    embed_path = _module_path(model, model.get_input_embeddings())
+    by_layer: dict[int | None, list[str]] = {}
+    for path in layer_paths:
+        by_layer.setdefault(stack.index_of(path), []).append(path)
+    total = stack.count + (1 if None in by_layer else 0)
+    passes = _Passes(stack.count, len(batches))
+    inputs = [_to(batch, checkpoint.device) for batch in batches]
+    try:
+        embedded = _run_around_layers(model, stack, checkpoint, inputs, passes, head_path, embed_path,
+                                      keep_embeddings=None in by_layer)
+        for index in range(stack.count):
+            if should_stop is not None and should_stop():
+                raise ConversionCancelled(f"the conversion was cancelled before layer {index} of {stack.count}")
+            _calibrate_layer(model, stack, checkpoint, passes, index, real[index], by_layer.get(index, []),
+                             after_layer)
+            if on_layer is not None:
+                on_layer(index + 1, total)
+        if None in by_layer:
+            _run_head(model, stack, checkpoint, inputs, passes, by_layer[None], head_path, embed_path, embedded)
+            if on_layer is not None:
+                on_layer(total, total)
+    finally:
+        for index, layer in enumerate(real):
+            layers[index] = layer
+        release(model)
+    return {path: amax for recorder in passes.recorders for path, amax in recorder.results().items()}
+
+
+def _run_around_layers(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, inputs: list[dict],
+                       passes: _Passes, head_path: str | None, embed_path: str | None,
+                       keep_embeddings: bool) -> list[torch.Tensor]:
+    """Pass 1: load what lies outside the layers (not the head), record each layer's call, release the embedding."""
+    checkpoint.load(unit_keys(model, lambda name: stack.index_of(name) is None and not _under(name, head_path)))
+    layers: nn.ModuleList = model.get_submodule(stack.path)
+    for index, layer in enumerate(list(layers)):
+        layers[index] = _LayerStandIn(index, layer, passes)
+    embedded: list[torch.Tensor] = []
+    embedding = model.get_submodule(embed_path) if embed_path else None
+    hook = embedding.register_forward_hook(lambda _m, _a, out: embedded.append(out)) \
+        if keep_embeddings and embedding is not None else None
+    try:
+        with torch.no_grad():
+            for step, batch in enumerate(inputs):
+                passes.step = step
+                try:
+                    model(**batch)
+                except _StopForward:
+                    pass
+                if passes.calls[-1][step] is None:
+                    raise SequentialUnsupported(f"{type(model).__name__}'s forward did not call every layer")
+    finally:
+        if hook is not None:
+            hook.remove()
+    for path in (embed_path, head_path):
+        if path:
+            release(model.get_submodule(path))
+    return embedded
+
+
+def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: _Passes, index: int,
+                     layer: nn.Module, paths: list[str], after_layer: Callable[[LayerPass], None] | None) -> None:
+    """Pass 2 for one layer: load it, run every cached batch through it with the hooks on, release it."""
+    layer_path = f"{stack.path}.{index}"
+    layers: nn.ModuleList = model.get_submodule(stack.path)
+    layers[index] = layer  # the real layer, so that its tensors load under their own names
+    checkpoint.load(unit_keys(model, lambda name: _under(name, layer_path)))
+    recorder = amax_recorder(model, paths, len(passes.hidden_in)) if paths else AmaxRecorder({}, 0)
+    passes.recorders.append(recorder)
+    outputs = []
+    with torch.no_grad(), recorder.attached():
+        for step, hidden in enumerate(passes.hidden_in):
+            recorder.step = step
+            output = passes.call(layer, index, step, hidden)
+            if not isinstance(output, torch.Tensor):
+                raise SequentialUnsupported(
+                    f"{stack.layer_class} returns a {type(output).__name__}, not its hidden states")
+            outputs.append(output)
+    if after_layer is not None:
+        inputs = passes.hidden_in
+        linear_paths = [path for path in paths if parse_unit_path(path) is None]  # experts are not swapped there
+        after_layer(LayerPass(index=index, path=layer_path, layer=layer, linear_paths=linear_paths,
+                              amax=recorder.results(), outputs=outputs,
+                              call=lambda module, step: passes.call(module, index, step, inputs[step])))
+    release(layer)
+    passes.hidden_in = outputs
+
+
+def _run_head(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, inputs: list[dict], passes: _Passes,
+              paths: list[str], head_path: str | None, embed_path: str | None, embedded: list[torch.Tensor]) -> None:
+    """Pass 3: the modules after the layers see the last layer's real outputs; hooks on the outer Linears."""
+    layers: nn.ModuleList = model.get_submodule(stack.path)
+    keys = unit_keys(model, lambda name: _under(name, head_path)) if head_path else set()
+    checkpoint.load(keys)
+    passes.final, passes.replaying = passes.hidden_in, True
+    for index in range(stack.count):
+        layers[index] = _LayerStandIn(index, layers[index], passes)
+    recorder = AmaxRecorder({path: model.get_submodule(path) for path in paths}, len(inputs))
+    passes.recorders.append(recorder)
+    parent, _, leaf = (embed_path or "").rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    original = getattr(owner, leaf) if embed_path else None
+    if embed_path:
+        setattr(owner, leaf, _Replay(embedded, passes))
+    try:
+        with torch.no_grad(), recorder.attached():
+            for step, batch in enumerate(inputs):
+                passes.step = recorder.step = step
+                model(**batch)
+    finally:
+        if embed_path:
+            setattr(owner, leaf, original)
+
+
+def _module_path(model: nn.Module, module: nn.Module | None) -> str | None:
+    if module is None:
+        return None
+    return next((path for path, candidate in model.named_modules() if candidate is module), None)
+
+
+def _under(name: str, path: str | None) -> bool:
+    return path is not None and (name == path or name.startswith(f"{path}."))
+
+
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+

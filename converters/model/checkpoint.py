@@ -1,0 +1,229 @@
+"""A safetensors checkpoint loaded into a meta-device model one group of tensors at a time.
+
+The layer-sequential pipeline keeps only one decoder layer in memory, so it never calls
+``from_pretrained`` on the whole model. It still loads through transformers' own machinery:
+``convert_and_load_state_dict_in_model`` with the model's own conversion mapping
+(``get_model_conversion_mapping``), so renamed heads and per-expert MoE tensors fused into 3-D parameters
+arrive exactly as ``from_pretrained`` would produce them, and no second copy of that mapping lives here.
+
+Tensors are read one by one through ``safe_open`` slices; files are opened for one load and closed after
+it, so the pages read stay out of the process once a group is released.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from converters.errors import ModelNotFoundError
+from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME
+from converters.model.safetensors_stream import read_tensor_index
+from converters.model.sources import transformers_progress_off
+
+__all__ = ["weight_files", "Checkpoint", "release", "unit_keys"]
+
+logger = logging.getLogger(__name__)
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files that hold a checkpoint's weights: the shards its index names, else the single file.
+
+    Other ``*.safetensors`` files in the directory (consolidated originals, adapters) are not weights of
+    this checkpoint and are ignored. Raises ModelNotFoundError for a missing file or a malformed index.
+    """
+    directory = Path(directory)
+    index = directory / INDEX_NAME
+    if not index.is_file():
+        if (directory / SINGLE_FILE_NAME).is_file():
+            return [directory / SINGLE_FILE_NAME]
+        raise ModelNotFoundError(
+            f"{directory} has neither {SINGLE_FILE_NAME} nor {INDEX_NAME}; fp8forge reads safetensors checkpoints "
+            "written by save_pretrained"
+        )
+    try:
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelNotFoundError(f"{index}: not a safetensors index (needs a weight_map object): {exc}") from exc
+    for name in names:
+        # The index names files next to it; anything else would read outside the checkpoint.
+        if not isinstance(name, str) or Path(name).name != name or not (directory / name).is_file():
+            raise ModelNotFoundError(f"{index}: shard {name!r} is not a file in {directory}")
+    return [directory / name for name in names]
+
+
+class Checkpoint:
+    """The on-disk tensors of a checkpoint, mapped onto the in-memory names of ``model`` (a meta model).
+
+    Args:
+        directory: the model directory (config.json + safetensors).
+        model: the model built from the config on the meta device; loads replace its meta tensors.
+        dtype: the dtype weights are loaded in (the checkpoint's own, as ``from_pretrained`` uses).
+        device: where loaded tensors are placed.
+    """
+
+    def __init__(self, directory: Path, model: nn.Module, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        from safetensors import safe_open
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        self.directory = Path(directory)
+        self.model = model
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.mapping = get_model_conversion_mapping(model)
+        renamings = [entry for entry in self.mapping if isinstance(entry, WeightRenaming)]
+        converters = [entry for entry in self.mapping if isinstance(entry, WeightConverter)]
+        meta_state = model.state_dict()
+        prefix = model.base_model_prefix
+        self.file_of: dict[str, Path] = {}
+        self.target_of: dict[str, str] = {}
+        for path in weight_files(self.directory):
+            read_tensor_index(path)  # a corrupt header is refused with its reason before the Rust reader maps it
+            with safe_open(path, framework="pt") as handle:
+                keys = list(handle.keys())
+            for key in keys:
+                self.file_of[key] = path
+                # The same two-step rename transformers' loader applies (convert_and_load_state_dict_in_model).
+                target, _ = rename_source_key(key, renamings, converters, prefix, meta_state)
+                if target not in meta_state and key in meta_state:
+                    target, _ = rename_source_key(key, [], [], prefix, meta_state)
+                self.target_of[key] = target
+        self.tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+    @property
+    def on_disk_targets(self) -> set[str]:
+        return set(self.target_of.values())
+
+    def on_disk_name(self, target: str) -> str | None:
+        """The on-disk key stored for the in-memory tensor ``target`` when it is a plain rename, else None."""
+        keys = [key for key, mapped in self.target_of.items() if mapped == target]
+        return keys[0] if len(keys) == 1 else None
+
+    def disk_keys_for(self, targets: Iterable[str]) -> list[str]:
+        """On-disk keys whose in-memory target is one of ``targets``, in file order."""
+        wanted = set(targets)
+        return [key for key, target in self.target_of.items() if target in wanted]
+
+    def load(self, keys: Iterable[str]) -> None:
+        """Materialize the model's tensors named ``keys`` (in-memory state-dict names) from the checkpoint.
+
+        Tied parameters are loaded from whichever twin the checkpoint holds and shared; buffers the checkpoint
+        does not hold (rotary frequencies, position ids) are computed by the model's own ``_init_weights``.
+        Raises ModelNotFoundError when the checkpoint lacks a parameter or holds a tensor of another shape.
+        """
+        wanted = set(keys)
+        ties = {target: source for target, source in self.tied.items() if target in wanted or source in wanted}
+        present = self.on_disk_targets
+        for target, source in ties.items():
+            wanted.discard(target)
+            wanted.discard(source)
+            wanted.add(source if source in present or target not in present else target)
+        info = self._convert_and_load(self.disk_keys_for(wanted))
+        if info.mismatched_keys or info.conversion_errors:
+            raise ModelNotFoundError(
+                f"{self.directory}: checkpoint tensors do not fit the architecture built from config.json "
+                f"(shape mismatches: {sorted(info.mismatched_keys)[:3]}, conversion errors: "
+                f"{list(info.conversion_errors)[:3]})"
+            )
+        for target, source in ties.items():
+            loaded, other = (source, target) if _is_real(self.model, source) else (target, source)
+            _set_tensor(self.model, other, self.model.get_parameter(loaded))
+        self._initialize_missing(set(keys) | set(ties) | set(ties.values()))
+
+    def _convert_and_load(self, disk_keys: list[str]) -> Any:
+        from safetensors import safe_open
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        config = LoadStateDictConfig(
+            pretrained_model_name_or_path=str(self.directory),
+            device_map={"": self.device},
+            dtype=self.dtype,
+            dtype_plan=self.model._get_dtype_plan(self.dtype),
+            weight_mapping=self.mapping,
+        )
+        by_file: dict[Path, list[str]] = {}
+        for key in disk_keys:
+            by_file.setdefault(self.file_of[key], []).append(key)
+        handles = [safe_open(path, framework="pt") for path in by_file]
+        try:
+            slices = {key: handle.get_slice(key)
+                      for handle, keys in zip(handles, by_file.values(), strict=True) for key in keys}
+            with transformers_progress_off():
+                info, _ = convert_and_load_state_dict_in_model(self.model, slices, config)
+        finally:
+            del handles  # unmaps the files: the pages read do not stay in this process
+        return info
+
+    def _initialize_missing(self, keys: set[str]) -> None:
+        """Compute meta buffers with the model's own init; refuse a parameter the checkpoint lacks."""
+        missing_params = []
+        owners: dict[int, nn.Module] = {}
+        for name, tensor, module, is_buffer in _named_tensors(self.model):
+            if name not in keys or tensor.device.type != "meta":
+                continue
+            if not is_buffer:
+                missing_params.append(name)
+                continue
+            leaf = name.rpartition(".")[2]
+            module._buffers[leaf] = torch.empty_like(tensor, device=self.device)
+            owners[id(module)] = module
+        if missing_params:
+            raise ModelNotFoundError(
+                f"{self.directory}: the checkpoint lacks {len(missing_params)} weight(s) the architecture needs, "
+                f"e.g. {sorted(missing_params)[:3]}"
+            )
+        if owners:
+            from transformers import initialization
+
+            with torch.no_grad(), initialization.guard_torch_init_functions():
+                for module in owners.values():
+                    self.model._init_weights(module)
+
+
+def release(module: nn.Module) -> None:
+    """Put every parameter and buffer of ``module`` back on the meta device, freeing its memory.
+
+    New meta tensors are set in place of the old ones (no ``.data`` swap), so a tensor shared with a
+    module outside ``module`` (a tied embedding) is left untouched there.
+    """
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                sub._parameters[name] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                     requires_grad=param.requires_grad)
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                sub._buffers[name] = torch.empty_like(buffer, device="meta")
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module, bool]]:
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield prefix + name, param, module, False
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                yield prefix + name, buffer, module, True
+
+
+def _is_real(model: nn.Module, name: str) -> bool:
+    return model.get_parameter(name).device.type != "meta"
+
+
+def _set_tensor(model: nn.Module, name: str, value: nn.Parameter) -> None:
+    module_path, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(module_path) if module_path else model, leaf, value)
+
+
+def unit_keys(model: nn.Module, belongs: Callable[[str], bool]) -> set[str]:
+    """The state-dict names (parameters and buffers, persistent or not) for which ``belongs(name)`` is true."""
+    return {name for name, *_ in _named_tensors(model) if belongs(name)}
+

@@ -1,0 +1,151 @@
+"""The export stage's writers: the files of one artifact (names and layout in :mod:`converters.artifact.layout`)."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from converters.analysis.eligibility import converted_expert_gemms
+from converters.artifact.files import copy_weight_files, save_tensors, write_json
+from converters.artifact.layout import CALIBRATION_FILE, FP8_BLOCK_VERSION, REPORT_FILE, STATE_FILE
+from converters.backends import backend_for, backend_named
+from converters.calibration.amax import BACKWARD_SLOTS, FORWARD_SLOTS
+from converters.recipes.requirements import requirements
+
+if TYPE_CHECKING:
+    from converters.pipeline.driver import _Run
+
+__all__ = [
+    "write_weight_files",
+    "write_state_file",
+    "write_calibration_file",
+    "write_json_files",
+    "versions",
+]
+
+def versions(backend: str) -> dict[str, str]:
+    import safetensors
+    import transformers
+
+    from converters import __version__
+
+    return {
+        "fp8forge": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+        **backend_named(backend).library_versions(),
+    }
+
+
+def write_weight_files(run: _Run, staging: Path) -> list[str]:
+    """Copy the source's weight files: the weights do not change, so they are never decoded."""
+    from converters.model.checkpoint import weight_files
+    from converters.model.sources import confinement_for
+
+    return copy_weight_files(weight_files(run.model_dir), staging, confinement_for(run.sources))
+
+
+def write_state_file(run: _Run, staging: Path) -> list[str]:
+    """``fp8_state.safetensors`` for recipes that carry state (TE delayed scaling); nothing otherwise."""
+
+    tensors = backend_for(run.recipe).state_tensors(run)
+    if not tensors:
+        return []
+    metadata = {
+        "format": "pt",
+        "fp8_backend": run.recipe.backend.value,
+        "fp8_recipe": json.dumps(run.recipe.to_dict(), sort_keys=True),
+        "te_state_key_scheme": "converters.te_layout v1: <layer>.fp8_{scale,amax_history}_{fwd,bwd}",
+        **{f"version_{name}": value for name, value in versions(run.recipe.backend.value).items()},
+    }
+    save_tensors(tensors, staging / STATE_FILE, metadata)
+    return [STATE_FILE]
+
+
+
+def write_calibration_file(run: _Run, staging: Path) -> list[str]:
+    tensors = {}
+    for path, layer in run.calibration.amax.items():
+        tensors[f"{path}.amax_forward"] = layer.forward.float()
+        if layer.backward is not None:
+            tensors[f"{path}.amax_backward"] = layer.backward.float()
+        per_step = run.calibration.states.get(path, {}).get("scale_fwd_per_step")
+        if per_step is not None and not run.recipe.block_scaled():
+            tensors[f"{path}.scale_fwd_per_step"] = per_step.float()
+    save_tensors(tensors, staging / CALIBRATION_FILE, {"format": "pt", "fp8_calibration": "amax per step"})
+    return [CALIBRATION_FILE]
+
+
+def fp8_block(run: _Run) -> dict[str, Any]:
+    """The ``fp8`` block of config.json: enough to replay or load the conversion."""
+    block = {
+        "version": FP8_BLOCK_VERSION,
+        "backend": run.recipe.backend.value,
+        "recipe": run.recipe.to_dict(),
+        "converted_modules": list(run.converted),
+        # <experts module>.<gate_up_proj|down_proj>: expert GEMMs converted together (converters.model.experts)
+        "converted_experts": converted_expert_gemms(run.report),
+        # Readers of the files see the checkpoint's own names; where one differs from the module path, it is here.
+        "converted_weights_on_disk": run.weights_on_disk,
+        "tied_weights": run.tied_weights,
+    }
+    block.update(backend_named(block["backend"]).block_fields(run))
+    return block
+
+
+def _calibration_report(run: _Run) -> dict[str, Any]:
+    settings = run.request.calibration
+    block = run.recipe.block_scaled()
+    layers = {}
+    for path, layer in run.calibration.amax.items():
+        entry = {"amax_forward": layer.forward.tolist()}
+        if layer.backward is not None:
+            entry["amax_backward"] = layer.backward.tolist()
+        entry.update({name: value.tolist() for name, value in run.calibration.states[path].items()
+                      if not name.startswith("amax_history") and not (name == "scale_fwd_per_step" and block)})
+        layers[path] = entry
+    return {
+        # what the artifact seeds: "none: <recipe> computes scales from each tensor as it is cast" when stateless
+        "state": run.recipe.state_note(),
+        "steps": settings.steps,
+        "batch_size": settings.batch_size,
+        "seq_len": settings.seq_len,
+        "backward": settings.backward,
+        "data_source": run.calibration.data_source,
+        "slots_forward": list(FORWARD_SLOTS),
+        "slots_backward": list(BACKWARD_SLOTS),
+        "layers": layers,
+        "te_check": run.calibration.te_check,
+    }
+
+
+def write_json_files(run: _Run, staging: Path, written: list[str]) -> list[str]:
+    with open(run.model_dir / "config.json", encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["fp8"] = fp8_block(run)
+    write_json(staging / "config.json", config)
+    report = {
+        "version": FP8_BLOCK_VERSION,
+        "model": run.request.model,
+        "backend": run.recipe.backend.value,
+        "recipe": run.recipe.to_dict(),
+        "request": run.request.to_dict(),
+        "versions": versions(run.recipe.backend.value),
+        "warnings": run.warnings,
+        "stage_seconds": run.stage_seconds,
+        "pipeline": run.pipeline,
+        "converted_modules": list(run.converted),
+        "analysis": run.report,
+        "recipe_requirements": requirements(run.recipe),
+        "calibration": _calibration_report(run),
+        "serving": {name: plan.report() for name, plan in run.serving.items()},
+        "files": sorted(written),
+    }
+    write_json(staging / REPORT_FILE, report)
+    return ["config.json", REPORT_FILE]

@@ -1,0 +1,279 @@
+"""A conversion request: what the CLI and the service hand to the pipeline, validated up front.
+
+Everything that can be checked without loading the model is checked here, so a bad job is refused
+before it is queued; each error names the field as a dotted path (``recipe.margin``, ``calibration.steps``,
+``include[2]``). Every number has an upper bound that keeps one job within a worker's memory; the service
+states the same bounds in its OpenAPI schema, read from here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from converters.analysis.patterns import check_patterns
+from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
+from converters.errors import CalibrationDataError, RecipeError, RequestError
+
+__all__ = [
+    "CalibrationSettings",
+    "ConversionRequest",
+    "LIMITS",
+    "MAX_TOKENS_PER_STEP",
+    "MAX_CALIBRATION_TOKENS",
+    "MAX_TEXT_CHARS",
+    "MAX_TEXTS_CHARS",
+    "SHARD_BYTES",
+    "SERVING_FORMAT_NAMES",
+    "NOT_BLANK",
+    "MIN_SQNR_DB_RANGE",
+]
+
+#: Inclusive ranges of the calibration numbers. Layer-sequential calibration caches every step's hidden
+#: states, so besides each number the tokens of one step and of the whole run are bounded (below).
+LIMITS = {"steps": (1, 1024), "batch_size": (1, 256), "seq_len": (1, 8192), "texts": (1, 10_000)}
+#: batch_size x seq_len. A step's logits are tokens x vocabulary x 4 bytes: 4 GiB at Llama-3's 128k vocabulary;
+#: the old per-number limits allowed 8M tokens (10 GB of logits even on the 320-token demo vocabulary).
+MAX_TOKENS_PER_STEP = 8192
+#: steps x batch_size x seq_len. The cached hidden states of a run are tokens x hidden x 2 bytes: 4 GiB for an
+#: 8B model (hidden 4096), twice for 70B. The default run is 4096 tokens.
+MAX_CALIBRATION_TOKENS = 2**19
+#: One calibration text, and all of them together (about 1M tokens: twice what the largest run reads).
+MAX_TEXT_CHARS = 1_000_000
+MAX_TEXTS_CHARS = 4_000_000
+#: Patterns in ``include`` and in ``exclude`` each (every one is matched against every Linear of the model).
+#: ``max_shard_bytes`` range; the value has no effect on today's artifacts (their weight files are the
+#: source's) and the top, 1 TiB, only keeps it an exact integer in every JSON reader.
+SHARD_BYTES = (65536, 2**40)
+#: Names in ``converters.serving.SERVING_FORMATS`` (that registry imports torch; tests keep the two equal).
+SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block")
+#: A calibration text must contain a character this regex finds: anything but what ``str.isspace`` calls
+#: whitespace (so "\u00a0\u3000" is blank too). Written with escapes only, which Python, pydantic's Rust regex and
+#: the OpenAPI schema's ECMAScript readers all read alike.
+NOT_BLANK = r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+_NOT_BLANK = re.compile(NOT_BLANK)
+#: ``min_sqnr_db`` range (dB): 300 is what an exact cast reports (converters.calibration.emulation.SQNR_CAP_DB).
+MIN_SQNR_DB_RANGE = (0.0, 300.0)
+
+_REQUEST_KEYS = (
+    "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
+    "max_shard_bytes", "te_extra_state", "serving_formats", "min_sqnr_db", "compare_recipes",
+)
+_CALIBRATION_KEYS = ("steps", "batch_size", "seq_len", "texts", "backward")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # `true` is a mistake, not 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationSettings:
+    """Calibration: ``steps`` batches of ``batch_size`` x ``seq_len`` tokens; ``texts`` replaces the corpus."""
+
+    steps: int = 16
+    batch_size: int = 2
+    seq_len: int = 128
+    texts: tuple[str, ...] | None = None
+    backward: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len"):
+            value = getattr(self, name)
+            low, high = LIMITS[name]
+            if not _is_int(value) or not low <= value <= high:
+                raise CalibrationDataError(
+                    f"calibration.{name} must be an integer from {low} to {high}, got {value!r}",
+                    field=f"calibration.{name}",
+                )
+        self._check_tokens()
+        if not isinstance(self.backward, bool):
+            raise CalibrationDataError("calibration.backward must be true or false", field="calibration.backward")
+        if self.texts is not None:
+            object.__setattr__(self, "texts", _checked_texts(self.texts))
+
+    def _check_tokens(self) -> None:
+        per_step = self.batch_size * self.seq_len
+        if per_step > MAX_TOKENS_PER_STEP:
+            raise CalibrationDataError(
+                f"calibration.batch_size x calibration.seq_len is {per_step} tokens per step; at most "
+                f"{MAX_TOKENS_PER_STEP} fit a worker (e.g. 4 x 2048): lower one of them",
+                field="calibration",
+            )
+        if self.steps * per_step > MAX_CALIBRATION_TOKENS:
+            raise CalibrationDataError(
+                f"calibration.steps x batch_size x seq_len is {self.steps * per_step} tokens; at most "
+                f"{MAX_CALIBRATION_TOKENS} fit a worker: lower steps, batch_size or seq_len",
+                field="calibration",
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> CalibrationSettings:
+        data = dict(data or {})
+        unknown = sorted(set(data) - set(_CALIBRATION_KEYS), key=str)
+        if unknown:
+            raise CalibrationDataError(
+                f"unknown calibration field {unknown[0]!r}; allowed: {', '.join(_CALIBRATION_KEYS)}",
+                field=f"calibration.{unknown[0]}",
+            )
+        if data.get("texts") is None:
+            data.pop("texts", None)
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "texts": None if self.texts is None else f"{len(self.texts)} user text(s)",
+            "backward": self.backward,
+        }
+
+
+def _checked_texts(texts: Any) -> tuple[str, ...]:
+    low, high = LIMITS["texts"]
+    if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+        raise CalibrationDataError("calibration.texts must be a list of strings", field="calibration.texts")
+    if not low <= len(texts) <= high:
+        raise CalibrationDataError(
+            f"calibration.texts must hold {low} to {high} texts, got {len(texts)}; omit it to use the built-in corpus",
+            field="calibration.texts",
+        )
+    for index, text in enumerate(texts):
+        where = f"calibration.texts[{index}]"
+        if not isinstance(text, str):
+            raise CalibrationDataError(f"{where} must be a string, got {type(text).__name__}", field=where)
+        if len(text) > MAX_TEXT_CHARS:
+            raise CalibrationDataError(f"{where} has {len(text)} characters; at most {MAX_TEXT_CHARS}", field=where)
+        if not _NOT_BLANK.search(text):
+            raise CalibrationDataError(f"{where} is empty or blank; remove it", field=where)
+    total = sum(len(text) for text in texts)
+    if total > MAX_TEXTS_CHARS:
+        raise CalibrationDataError(
+            f"calibration.texts hold {total} characters together; at most {MAX_TEXTS_CHARS}",
+            field="calibration.texts",
+        )
+    return tuple(texts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConversionRequest:
+    """One conversion: model reference, recipe JSON, calibration and layer selection."""
+
+    model: str
+    recipe: Mapping[str, Any] = field(default_factory=lambda: {"backend": "te"})
+    calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    skip_first_last: bool = True
+    convert_router_gates: bool = False
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    te_extra_state: bool = False
+    serving_formats: tuple[str, ...] = ()  #: names in converters.serving.SERVING_FORMATS, each its own subdirectory
+    #: keep layers whose output SQNR under the recipe is below this many dB in high precision (converters.calibration.sensitivity)
+    min_sqnr_db: float | None = None
+    #: more recipes to measure the SQNR of, side by side (names of sensitivity.RECIPE_NAMES or recipe objects)
+    compare_recipes: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise RequestError("model must be a non-empty string like 'org/name[@revision]'", field="model")
+        for name in ("include", "exclude"):
+            object.__setattr__(self, name, check_patterns(getattr(self, name), name))
+        for name in ("skip_first_last", "convert_router_gates", "te_extra_state"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false", field=name)
+        low, high = SHARD_BYTES
+        if not _is_int(self.max_shard_bytes) or not low <= self.max_shard_bytes <= high:
+            raise RequestError(f"max_shard_bytes must be an integer from {low} to {high}", field="max_shard_bytes")
+        self._check_serving_formats()
+        self._check_sensitivity()
+        self.parsed_recipe()  # raises RecipeError naming the field
+
+    def _check_serving_formats(self) -> None:
+        names = self.serving_formats
+        if isinstance(names, str) or not isinstance(names, (list, tuple)):
+            raise RequestError("serving_formats must be a list of format names", field="serving_formats")
+        for index, name in enumerate(names):
+            if name not in SERVING_FORMAT_NAMES:
+                raise RequestError(f"unknown serving format {name!r}; known: {', '.join(SERVING_FORMAT_NAMES)}",
+                                   field=f"serving_formats[{index}]")
+        if len(set(names)) != len(names):
+            raise RequestError("serving_formats lists a format twice", field="serving_formats")
+        object.__setattr__(self, "serving_formats", tuple(names))
+
+    def _check_sensitivity(self) -> None:
+        from converters.recipes.presets import MAX_COMPARE_RECIPES, parse_compare_recipe
+
+        low, high = MIN_SQNR_DB_RANGE
+        value = self.min_sqnr_db
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not low <= value <= high):  # NaN fails the range too
+            raise RequestError(f"min_sqnr_db must be a number of dB from {low:g} to {high:g}, or null",
+                               field="min_sqnr_db")
+        entries = self.compare_recipes
+        if isinstance(entries, (str, Mapping)) or not isinstance(entries, (list, tuple)):
+            raise RequestError("compare_recipes must be a list of recipe names or recipe objects",
+                               field="compare_recipes")
+        if len(entries) > MAX_COMPARE_RECIPES:
+            raise RequestError(f"compare_recipes may hold at most {MAX_COMPARE_RECIPES} recipes, got {len(entries)}",
+                               field="compare_recipes")
+        parsed = [parse_compare_recipe(entry, f"compare_recipes[{index}]").to_dict()
+                  for index, entry in enumerate(entries)]
+        for index, data in enumerate(parsed):
+            if data in parsed[:index]:
+                raise RequestError(f"compare_recipes[{index}] repeats an earlier recipe; list each once",
+                                   field=f"compare_recipes[{index}]")
+        object.__setattr__(self, "compare_recipes", tuple(entries))
+
+    def parsed_recipe(self):
+        """The recipe dataclass (``TEDelayedScalingRecipe``, ``TECurrentScalingRecipe`` or ``TorchAORecipe``)."""
+        from converters.recipes import recipe_from_dict
+
+        if not isinstance(self.recipe, Mapping):
+            raise RecipeError('recipe must be a JSON object like {"backend": "te"}', field="recipe")
+        try:
+            return recipe_from_dict(self.recipe)
+        except RecipeError as exc:
+            # recipe_from_dict names fields inside the recipe; the request names them from its root
+            dotted = "recipe" if exc.field in (None, "recipe") else f"recipe.{exc.field}"
+            raise RecipeError(exc.message, field=dotted) from exc
+
+    @classmethod
+    def from_dict(cls, body: Mapping[str, Any]) -> ConversionRequest:
+        """Build from a JSON body; raises Fp8ForgeError subclasses with ``field`` set to a dotted path."""
+        if not isinstance(body, Mapping):
+            raise RequestError("the request body must be a JSON object", field="body")
+        unknown = sorted(set(body) - set(_REQUEST_KEYS), key=str)
+        if unknown:
+            raise RequestError(f"unknown field {unknown[0]!r}; allowed: {', '.join(_REQUEST_KEYS)}", field=unknown[0])
+        data = dict(body)
+        if "model" not in data:
+            raise RequestError("model is required, e.g. 'org/name[@revision]'", field="model")
+        calibration = data.get("calibration")
+        if calibration is not None and not isinstance(calibration, Mapping):
+            raise CalibrationDataError("calibration must be a JSON object", field="calibration")
+        data["calibration"] = CalibrationSettings.from_dict(calibration)
+        for name in ("include", "exclude", "serving_formats", "compare_recipes"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        if data.get("recipe") is None:
+            data.pop("recipe", None)
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "recipe": dict(self.recipe),
+            "calibration": self.calibration.to_dict(),
+            "include": list(self.include),
+            "exclude": list(self.exclude),
+            "skip_first_last": self.skip_first_last,
+            "convert_router_gates": self.convert_router_gates,
+            "max_shard_bytes": self.max_shard_bytes,
+            "te_extra_state": self.te_extra_state,
+            "serving_formats": list(self.serving_formats),
+            "min_sqnr_db": self.min_sqnr_db,
+            "compare_recipes": [entry if isinstance(entry, str) else dict(entry) for entry in self.compare_recipes],
+        }

@@ -1,0 +1,364 @@
+"""The five pipeline stages. Each takes the run state, reports progress, and returns nothing but export."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
+from converters.errors import CalibrationDataError, ConversionError
+
+if TYPE_CHECKING:
+    from converters.pipeline.driver import _Run
+
+__all__ = ["resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve(run: _Run) -> None:
+    """Parse the recipe, find the model's files, read its config and choose the mode.
+
+    The model is built on the meta device and its checkpoint indexed (headers only). Only the whole-model
+    mode loads weights here, onto the GPU if there is one; the layer-sequential mode loads them layer by
+    layer during calibration.
+    """
+    from converters.backends import backend_for
+    from converters.calibration.sequential import WHOLE_MODEL, choose_mode
+    from converters.model.checkpoint import Checkpoint
+    from converters.model.sources import build_meta_model, load_config, model_dtype, resolve_model_dir
+
+    run.recipe = run.request.parsed_recipe()
+    for message in run.recipe.warnings():
+        run.warn(message)
+    # a GPU that cannot run the recipe fails the job now, before any model is read
+    backend_for(run.recipe).preflight(run)
+    if run.request.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES:
+        run.warn("max_shard_bytes has no effect: the artifact keeps the source's weight files as they are")
+    run.model_dir = resolve_model_dir(run.request.model, run.sources, with_weights=True)
+    run.config = load_config(run.model_dir, run.sources)
+    max_positions = getattr(_text_config(run.config), "max_position_embeddings", None)
+    if max_positions and run.request.calibration.seq_len > max_positions:
+        raise CalibrationDataError(
+            f"calibration.seq_len {run.request.calibration.seq_len} exceeds the model's "
+            f"max_position_embeddings {max_positions}",
+            field="calibration.seq_len",
+        )
+    run.meta_model = build_meta_model(run.config, run.sources)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    run.checkpoint = Checkpoint(run.model_dir, run.meta_model, dtype=model_dtype(run.config), device=device)
+    run.tied_weights = dict(run.checkpoint.tied)
+    run.stack, mode, reason = choose_mode(run.meta_model, run.config, backward=run.request.calibration.backward,
+                                          te_extra_state=run.request.te_extra_state)
+    run.pipeline = {"mode": mode, "reason": reason, "device": device}
+    run.sink.progress(1, 2)
+    if mode == WHOLE_MODEL:
+        _load_whole_model(run)
+    run.sink.progress(2, 2)
+
+
+def _load_whole_model(run: _Run) -> None:
+    from converters.model.sources import load_model
+
+    run.model = load_model(run.model_dir, run.sources)
+    run.model.to(run.pipeline["device"])
+
+
+def analyze(run: _Run) -> None:
+    """The eligibility report on the meta device; it alone decides what is converted."""
+    from converters.analysis.eligibility import AnalysisOptions, analyze_model, check_include_patterns
+
+    options = AnalysisOptions(
+        recipe=run.recipe,  # its own shape rule: 16, or 32 for MXFP8, 128 for block scaling and NVFP4
+        include=run.request.include,
+        exclude=run.request.exclude,
+        skip_first_last=run.request.skip_first_last,
+        convert_router_gates=run.request.convert_router_gates,
+    )
+    run.report = analyze_model(run.meta_model, options)
+    run.report["model"] = {"reference": run.request.model, "model_type": getattr(run.config, "model_type", None)}
+    check_include_patterns(run.report)
+    if run.report["totals"]["eligible_layers"] + run.report["totals"]["expert_units"] == 0:
+        raise ConversionError(
+            "no layer is eligible for FP8 (see `fp8forge analyze`): nothing to convert; "
+            "adjust include/exclude or choose a model with nn.Linear layers whose dims are multiples of 16"
+        )
+    for group in run.report["fused_groups"]:
+        if group["partly_eligible"]:
+            run.warn(f"fused group {group['name']} is only partly FP8; serving engines may refuse it")
+    _plan_serving(run)
+    run.sink.progress(1, 1)
+
+
+def _plan_serving(run: _Run) -> None:
+    """What each requested serving format quantizes; a format with nothing to quantize is bad input."""
+    from converters.serving import serving_format
+    from converters.serving.plan import expert_disk_keys, plan_serving
+
+    if not run.request.serving_formats:
+        return
+    expert_keys = expert_disk_keys(run.checkpoint.mapping, run.checkpoint.target_of, run.report)
+    for index, name in enumerate(run.request.serving_formats):
+        plan = plan_serving(serving_format(name), run.report, run.checkpoint.on_disk_name, expert_keys)
+        if not plan.quantized and not plan.experts:
+            raise ConversionError(
+                f"serving format {name} would quantize no layer (fused groups must be eligible as a whole; see the "
+                "analysis): adjust include/exclude or skip_first_last, or drop the format",
+                field=f"serving_formats[{index}]")
+        run.serving[name] = plan
+
+
+def convert(run: _Run) -> None:
+    """Swap the eligible layers and seed their state (TE modules only where CUDA and TE are present).
+
+    In layer-sequential mode the torchao swap runs on the meta-device model: it checks that every eligible
+    layer converts, without holding the weights (the artifact replays the swap on load).
+    """
+    from converters.analysis.eligibility import eligible_expert_units, eligible_paths
+    from converters.backends import backend_for
+    from converters.errors import RequestError
+
+    eligible = eligible_paths(run.report)
+    if run.request.min_sqnr_db is not None and not eligible and not eligible_expert_units(run.report):
+        raise RequestError(f"every eligible layer's output SQNR is below min_sqnr_db {run.request.min_sqnr_db:g} dB "
+                           "(see the report's sensitivity block): nothing is left to convert; lower min_sqnr_db",
+                           field="min_sqnr_db")
+    run.weights_on_disk = _renamed_weights(run, eligible)
+    backend_for(run.recipe).convert(run, eligible)
+    run.sink.progress(1, 1)
+
+
+def _renamed_weights(run: _Run, eligible: list[str]) -> dict[str, str]:
+    """Converted layers whose weight the checkpoint stores under another name: module path -> on-disk key."""
+    renamed = {}
+    for path in eligible:
+        on_disk = run.checkpoint.on_disk_name(f"{path}.weight")
+        if on_disk is not None and on_disk != f"{path}.weight":
+            renamed[path] = on_disk
+    return renamed
+
+
+def calibrate(run: _Run) -> None:
+    """Record amax per eligible layer over the calibration batches and derive the scaling state.
+
+    This runs on the high-precision model, before the swap: the amax seeds describe the tensors FP8
+    will have to represent (TE's own calibration mode also runs in high precision), and on a CPU an
+    emulated FP8 matmul costs twenty times a bf16 one. Layer by layer where the mode allows it; a model
+    that turns out not to fit that shape falls back to the whole model, and the report says why.
+    """
+    from converters.analysis.eligibility import eligible_expert_units, eligible_paths
+    from converters.calibration.amax import measuring_sqnr
+    from converters.calibration.sensitivity import meter_for
+    from converters.calibration.sequential import LAYER_SEQUENTIAL, WHOLE_MODEL, SequentialUnsupported
+
+    batches, source = _calibration_batches(run)
+    paths = eligible_paths(run.report) + eligible_expert_units(run.report)
+    amax = None
+    meter, label = meter_for(run.recipe, run.request.compare_recipes)
+    with measuring_sqnr(meter):  # the hooks also measure each layer's error under the recipe(s)
+        if run.pipeline["mode"] == LAYER_SEQUENTIAL:
+            try:
+                amax = _calibrate_layer_by_layer(run, batches, paths)
+            except SequentialUnsupported as exc:
+                run.pipeline.update(mode=WHOLE_MODEL, reason=f"layer-sequential calibration stopped: {exc}")
+                run.warn(f"calibrated the whole model at once: {exc}")
+                meter.reset()
+                _load_whole_model(run)
+        if amax is None:
+            amax = _calibrate_whole_model(run, batches, paths)
+    amax = _apply_sensitivity(run, meter, label, amax)
+    run.calibration.data_source, run.calibration.amax = source, amax
+    run.calibration.states, run.calibration.check_batch = _scaling_states(run, amax), batches[0]
+    _report_experts(run, amax)
+
+
+def _apply_sensitivity(run: _Run, meter: Any, label: str, amax: dict[str, Any]) -> dict[str, Any]:
+    """Put each layer's SQNR in the report; with min_sqnr_db, keep the layers below it out of the conversion.
+
+    An excluded layer leaves the report's eligible set here, after calibration and before convert, so the swap,
+    the state and calibration files and the serving plans (planned again) all leave it in high precision.
+    """
+    from converters.calibration.sensitivity import report_sqnr
+
+    threshold = run.request.min_sqnr_db
+    excluded = report_sqnr(run.report, meter, label, min_sqnr_db=threshold)
+    if not excluded:
+        return amax
+    shown = ", ".join(excluded[:5]) + (f" and {len(excluded) - 5} more" if len(excluded) > 5 else "")
+    run.warn(f"{len(excluded)} layer(s) stay in high precision (low_sqnr): output SQNR under {label} below "
+             f"min_sqnr_db {threshold:g} dB: {shown}")
+    for group in run.report["fused_groups"]:
+        if group["partly_eligible"] and set(group["members"]) & set(excluded):
+            run.warn(f"fused group {group['name']} is only partly FP8 after low_sqnr; serving engines may refuse it")
+    if run.serving:
+        _plan_serving(run)
+    dropped = set(excluded)
+    return {path: layer for path, layer in amax.items() if path not in dropped}
+
+
+def _report_experts(run: _Run, amax: dict[str, Any]) -> None:
+    """Per MoE block: the experts converted, the tokens each received, and a warning for any that got none."""
+    from converters.model.experts import parse_unit_path
+
+    tokens: dict[str, dict[int, int]] = {}
+    for path, layer in amax.items():
+        unit = parse_unit_path(path)
+        if unit is not None and layer.tokens is not None:
+            tokens.setdefault(unit.module, {})[unit.index] = int(layer.tokens.sum())
+    for block in run.report["moe"]:
+        seen = tokens.get(block["module"], {})
+        block["converted_experts"] = sorted(seen)
+        block["tokens_per_expert"] = [seen.get(e) for e in range(block["experts"])]
+        block["experts_without_tokens"] = [e for e in sorted(seen) if seen[e] == 0]
+        if block["experts_without_tokens"]:
+            run.warn(f"{block['module']}: expert(s) {block['experts_without_tokens']} received no calibration token; "
+                     "they keep the weight-only state (input scale 1): give more or more varied calibration data")
+
+
+def _calibration_batches(run: _Run) -> tuple[list[dict[str, Any]], str]:
+    from converters.calibration.amax import calibration_batches
+    from converters.model.sources import load_tokenizer
+
+    settings = run.request.calibration
+    tokenizer = load_tokenizer(run.model_dir, run.sources)
+    vocab_size = getattr(_text_config(run.config), "vocab_size", None)
+    if not vocab_size:
+        raise CalibrationDataError(
+            f"{type(run.config).__name__} declares no vocab_size: fp8forge calibrates text models only",
+            field="model",
+        )
+    batches, source = calibration_batches(
+        tokenizer,
+        vocab_size=vocab_size,
+        texts=list(settings.texts) if settings.texts is not None else None,
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        seq_len=settings.seq_len,
+    )
+    if tokenizer is None:
+        run.warn("the model ships no tokenizer: calibration used random token ids, not text")
+    else:
+        _warn_if_shorter_than_a_window(run, batches[0]["attention_mask"])
+    return [model_inputs(run.meta_model, run.config, batch) for batch in batches], source
+
+
+def _warn_if_shorter_than_a_window(run: _Run, first_mask: torch.Tensor) -> None:
+    # Only a token stream shorter than one window is padded, and then every window is that one sequence.
+    tokens, seq_len = int(first_mask[0].sum()), run.request.calibration.seq_len
+    if tokens < seq_len:
+        run.warn(f"the calibration text holds {tokens} tokens, fewer than one window of calibration.seq_len "
+                 f"{seq_len}: every step sees the same padded sequence; give more calibration.texts or a smaller "
+                 "calibration.seq_len")
+
+
+def _calibrate_whole_model(run: _Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
+    from converters.calibration.amax import record_amax
+
+    try:
+        return record_amax(run.model, paths, batches, backward=run.request.calibration.backward,
+                           on_step=run.sink.progress, should_stop=run.sink.should_stop)
+    except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
+        raise CalibrationDataError(
+            f"{type(run.model).__name__} cannot be calibrated from token batches: {exc}", field="model"
+        ) from exc
+
+
+def _calibrate_layer_by_layer(run: _Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
+    from converters.backends import backend_for
+    from converters.calibration.sequential import calibrate_layer_by_layer
+
+    after_layer = backend_for(run.recipe).layer_check(run)
+    try:
+        amax = calibrate_layer_by_layer(
+            run.meta_model, run.stack, run.checkpoint, batches, paths,
+            on_layer=run.sink.progress, should_stop=run.sink.should_stop, after_layer=after_layer,
+        )
+    except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
+        raise CalibrationDataError(
+            f"{type(run.meta_model).__name__} cannot be calibrated from token batches: {exc}", field="model"
+        ) from exc
+    if after_layer is not None:
+        run.calibration.te_check = after_layer.summary()
+        if not run.calibration.te_check["ran"]:
+            run.warn(f"the FP8 check step did not run: {run.calibration.te_check['reason']}")
+    return amax
+
+
+def _text_config(config: Any) -> Any:
+    """The text part of a config (multimodal configs keep vocab_size and positions in ``text_config``)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def model_inputs(model: Any, config: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep the inputs the model's forward accepts; an encoder-decoder gets the tokens as decoder input too."""
+    import inspect
+
+    accepted = inspect.signature(model.forward).parameters
+    inputs = {key: value for key, value in batch.items() if key in accepted}
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in accepted:
+        inputs["decoder_input_ids"] = batch["input_ids"]
+    if "use_cache" in accepted:  # a KV cache would keep every layer's keys and values for nothing
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _scaling_states(run: _Run, amax: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """TE delayed scaling: the state TE would hold. Other recipes scale dynamically: per-step scales."""
+    from converters.calibration.amax import te_scaling_state
+    from converters.recipes import TEDelayedScalingRecipe
+
+    if isinstance(run.recipe, TEDelayedScalingRecipe):
+        return {path: te_scaling_state(layer, run.recipe) for path, layer in amax.items()}
+    fp8_max = 448.0  # e4m3 for inputs and weights in every torchao recipe and in TE current scaling
+    return {
+        path: {"scale_fwd_per_step": torch.where(layer.forward > 0, fp8_max / layer.forward, torch.ones(()))}
+        for path, layer in amax.items()
+    }
+
+
+def export(run: _Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """Write weights (copied), FP8 state, calibration, config, report and manifest into ``staging``."""
+    from converters.pipeline import export as writers
+
+    written = writers.write_weight_files(run, staging)
+    run.sink.progress(1, 3)
+    run.check_stop()
+    written += writers.write_state_file(run, staging)
+    written += writers.write_calibration_file(run, staging)
+    from converters.artifact.files import copy_side_files
+    from converters.model.sources import confinement_for
+
+    written += copy_side_files(run.model_dir, staging, confinement_for(run.sources))
+    written += _write_serving(run, staging)
+    written += writers.write_json_files(run, staging, written)
+    run.sink.progress(2, 3)
+    from converters.artifact.files import write_manifest
+
+    manifest = write_manifest(staging)
+    run.sink.progress(3, 3)
+    return sorted({*written, "manifest.json"}), manifest
+
+
+def _write_serving(run: _Run, staging: Path) -> list[str]:
+    """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran."""
+    from converters.model.checkpoint import weight_files
+    from converters.model.sources import confinement_for, model_dtype
+    from converters.serving import serving_format
+    from converters.serving.plan import set_input_amax, write_serving_checkpoint
+
+    written = []
+    for name, plan in run.serving.items():
+        starved = set_input_amax(plan, run.report, run.calibration.amax)
+        if starved:
+            run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
+                     "is the largest of the same GEMM's other experts in that layer")
+        directory = staging / "serving" / name
+        files = write_serving_checkpoint(serving_format(name), plan, run.model_dir, weight_files(run.model_dir),
+                                         directory, model_dtype(run.config), confinement_for(run.sources),
+                                         check_stop=run.check_stop)
+        written += [f"serving/{name}/{file}" for file in files]
+    return written

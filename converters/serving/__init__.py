@@ -1,0 +1,27 @@
+"""Serving exports: checkpoints for inference engines, each format a module behind one protocol
+(:class:`~converters.serving.plan.ServingFormat`), written to ``serving/<name>/`` of the artifact.
+
+Public surface: ``SERVING_FORMATS``, ``serving_format``, ``ServingFormat``, ``ServingPlan``, ``plan_serving``,
+``write_serving_checkpoint``. A new format is one module plus one entry in ``SERVING_FORMATS``.
+"""
+
+from __future__ import annotations
+
+from converters.errors import Fp8ForgeError
+from converters.serving.compressed_tensors import DYNAMIC, STATIC
+from converters.serving.fp8_block import FP8_BLOCK
+from converters.serving.plan import ServingFormat, ServingPlan, plan_serving, write_serving_checkpoint
+
+__all__ = ["SERVING_FORMATS", "ServingFormat", "ServingPlan", "plan_serving", "serving_format",
+           "write_serving_checkpoint"]
+
+SERVING_FORMATS: dict[str, ServingFormat] = {fmt.name: fmt for fmt in (STATIC, DYNAMIC, FP8_BLOCK)}
+
+
+def serving_format(name: str, *, field: str = "serving_formats") -> ServingFormat:
+    """The format called ``name``; Fp8ForgeError naming ``field`` and the known names otherwise."""
+    try:
+        return SERVING_FORMATS[name]
+    except (KeyError, TypeError):
+        raise Fp8ForgeError(f"unknown serving format {name!r}; known: {', '.join(SERVING_FORMATS)}",
+                            field=field) from None

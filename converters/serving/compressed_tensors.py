@@ -1,0 +1,118 @@
+"""compressed-tensors ``float-quantized`` FP8: the checkpoint format vLLM and SGLang load (and llm-compressor writes).
+
+Two schemes, named as llm-compressor names them:
+
+- ``FP8`` (static): per-tensor weight scale, static per-tensor ``input_scale`` from the calibrated input
+  amax. Per quantized Linear: ``weight`` F8_E4M3 ``[out, in]``, ``weight_scale`` ``[1]``, ``input_scale`` ``[1]``.
+- ``FP8_DYNAMIC``: per-channel weight scale ``[out, 1]``, activations scaled per token at run time (no
+  calibration needed, no ``input_scale``).
+
+Scales are ``amax / 448`` computed and stored in the model's dtype (a zero scale becomes that dtype's eps);
+weights are ``clamp(w / scale, -448, 448)`` in the model's dtype, cast to ``float8_e4m3fn`` (round to nearest
+even). This is compressed-tensors' own arithmetic (``calculate_qparams`` / ``quantize``, 0.19 and 0.20.1), so
+the weights and scales are bit-identical to what llm-compressor 0.14 writes for the same model; the config
+carries the same fields. vLLM's ``CompressedTensorsW8A8Fp8`` scheme reads it.
+
+MoE experts: each on-disk expert matrix (``experts.<e>.w1``/``w3``/``w2``, or ``gate_proj``/``up_proj``/
+``down_proj``) is quantized as a Linear weight of its own under its own name, with the same scheme: per
+tensor with a static ``input_scale`` (w1 and w3 of one expert share their unit's), or per channel with
+dynamic per-token activations, the two combinations vLLM's ``CompressedTensorsW8A8Fp8MoEMethod`` accepts.
+transformers reports the experts' ``input_scale`` as unexpected keys and drops them (it dequantizes
+experts); vLLM reads them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.serving.plan import FP8_E4M3_MAX, ServingPlan
+
+__all__ = ["CompressedTensorsFP8", "STATIC", "DYNAMIC"]
+
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` in amax's dtype; a zero scale becomes that dtype's eps (compressed-tensors' rule)."""
+    scale = amax / FP8_E4M3_MAX
+    return torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
+
+
+def _quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (weight / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+class CompressedTensorsFP8:
+    """One compressed-tensors FP8 scheme (see the module docstring)."""
+
+    def __init__(self, *, name: str, static: bool) -> None:
+        self.name = name
+        self.static = static
+        self.needs_calibration = static
+
+    def layer_rule(self, in_features: int, out_features: int) -> str | None:
+        return None  # the analysis' own rule (both dims multiples of 16) is the one vLLM's FP8 GEMMs need
+
+    def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
+        prefix = weight_key.removesuffix("weight")
+        out_features = weight.shape[0]
+        entries = {
+            weight_key: StreamingWriter.entry(torch.float8_e4m3fn, weight.shape),
+            f"{prefix}weight_scale": StreamingWriter.entry(scale_dtype, (1,) if self.static else (out_features, 1)),
+        }
+        if self.static:
+            entries[f"{prefix}input_scale"] = StreamingWriter.entry(scale_dtype, (1,))
+        return entries
+
+    def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
+                 ) -> list[torch.Tensor]:
+        # The math runs in the model's dtype, as compressed-tensors runs it, so the bytes match llm-compressor's.
+        weight = weight.to(scale_dtype)
+        amax = weight.abs().amax().reshape(1) if self.static else weight.abs().amax(dim=1, keepdim=True)
+        scale = _scale(amax)
+        tensors = [_quantize(weight, scale), scale]
+        if self.static:
+            tensors.append(_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
+        return tensors
+
+    def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
+        def args(strategy: str, *, dynamic: bool, observer: str | None) -> dict[str, Any]:
+            return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
+                    "block_structure": None, "dynamic": dynamic, "actorder": None, "scale_dtype": None,
+                    "zp_dtype": None, "observer": observer, "observer_kwargs": {}}
+
+        weights = args("tensor" if self.static else "channel", dynamic=False, observer="memoryless_minmax")
+        inputs = args("tensor", dynamic=False, observer="static_minmax") if self.static \
+            else args("token", dynamic=True, observer=None)
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                                          "output_activations": None, "format": "float-quantized"}},
+            "ignore": _ignore(plan),
+            "kv_cache_scheme": None,
+            "global_compression_ratio": None,
+            "sparsity_config": {},
+            "transform_config": {},
+        }
+
+
+def _ignore(plan: ServingPlan) -> list[str]:
+    """Linears kept in high precision, MoE routers, and one ``re:`` entry per experts module kept in high precision.
+
+    The one config group targets ``Linear``: vLLM and SGLang map that target onto their fused MoE layers
+    too, and transformers' ``get_experts_scheme`` takes the first class-name group for the experts. vLLM
+    asks about an experts module through names of its first expert (``<prefix>.0.gate_proj``, also for
+    Mixtral's ``w1``), so a module kept in high precision is ignored by a regex on its on-disk prefix.
+    """
+    linears = [path for path in plan.linear_paths if path not in plan.quantized]
+    experts = [f"re:{re.escape(prefix)}\\." for prefix in plan.unquantized_experts.values()]
+    return linears + [gate for gate in plan.router_gates if gate not in linears] + experts
+
+
+STATIC = CompressedTensorsFP8(name="compressed-tensors-fp8", static=True)
+DYNAMIC = CompressedTensorsFP8(name="compressed-tensors-fp8-dynamic", static=False)

@@ -1,0 +1,301 @@
+"""Serving exports: FP8 weights (and static input scales) from the job's own calibration, streamed shard by shard.
+
+An inference engine loads a serving checkpoint as a whole directory: the source's weight files with the
+quantized Linears' ``weight`` replaced by FP8 and their scales added beside it, under the checkpoint's own
+tensor names, plus ``config.json`` with the format's ``quantization_config``. Every other tensor is copied
+as bytes (:mod:`converters.model.safetensors_stream`), and only one weight is ever decoded at a time, so the
+export's memory is that of the largest weight, whatever the model's size.
+
+Which Linears are quantized (:func:`plan_serving`): the report's eligible layers, minus layers whose
+weight the checkpoint does not store under one plain name, minus every member of a fused group (q/k/v,
+gate/up) that is not eligible as a whole: engines fuse those projections and refuse a partly quantized
+group. One shared ``input_scale`` per fused group (their input is the same tensor; the group's max).
+
+Mixture-of-experts: the checkpoint stores each expert's matrices separately (Mixtral ``experts.<e>.w1/w3/w2``,
+Qwen/DeepSeek ``experts.<e>.gate_proj/up_proj/down_proj``) and transformers fuses them into 3-D parameters
+on load. :func:`expert_disk_keys` reads that fusion back from the checkpoint's own conversion mapping, so
+each on-disk matrix is quantized as a weight of its own, under its own name: the gate and up matrices
+belong to unit ``<experts>.<e>.gate_up_proj`` (and share its input scale, as vLLM requires of w1 and w3),
+the down matrix to ``<experts>.<e>.down_proj``. An experts module is quantized whole or not at all (an
+engine runs it as one fused MoE layer of one scheme); an expert that received no calibration token gets
+the largest input amax of the other experts of its GEMM (vLLM takes the max over experts anyway).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from converters.artifact.files import copy_side_files, write_json
+from converters.model.experts import EXPERT_GEMMS, parse_unit_path, unit_path
+from converters.model.files import INDEX_NAME, FileConfinement
+from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "ServingFormat",
+    "ServingPlan",
+    "expert_disk_keys",
+    "plan_serving",
+    "set_input_amax",
+    "write_serving_checkpoint",
+]
+
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+class ServingFormat(Protocol):
+    """One serving checkpoint layout (see :mod:`converters.serving`)."""
+
+    name: str
+    needs_calibration: bool
+
+    def layer_rule(self, in_features: int, out_features: int) -> str | None:
+        """The reason code that keeps a Linear of this shape in high precision in this format, or None."""
+
+    def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
+        """The tensors replacing ``weight_key`` (itself first), as StreamingWriter plan entries."""
+
+    def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
+                 ) -> list[torch.Tensor]:
+        """The tensors of :meth:`planned_tensors`, in the same order."""
+
+    def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
+        """The ``quantization_config`` block of config.json."""
+
+
+@dataclass
+class ServingPlan:
+    """Which Linears and expert GEMMs a serving format quantizes, and why the others stay in high precision."""
+
+    format: str
+    static_inputs: bool = False  #: the format stores static input scales (it needs calibrated input amax)
+    quantized: dict[str, str] = field(default_factory=dict)  #: Linear module path -> on-disk weight key
+    experts: dict[str, str] = field(default_factory=dict)  #: on-disk expert matrix key -> its unit path
+    input_amax: dict[str, float] = field(default_factory=dict)  #: module path or unit -> calibrated input amax
+    input_amax_fallback: dict[str, float] = field(default_factory=dict)  #: unit without tokens -> amax it was given
+    skipped: dict[str, str] = field(default_factory=dict)  #: module path or unit -> reason
+    linear_paths: list[str] = field(default_factory=list)  #: every Linear of the model, in module order
+    router_gates: list[str] = field(default_factory=list)  #: on-disk module names of MoE routers (never quantized)
+    #: experts module path -> the on-disk prefix of its per-expert tensors, for experts kept in high precision
+    unquantized_experts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def expert_units(self) -> list[str]:
+        """The quantized expert GEMM units, sorted."""
+        return sorted(set(self.experts.values()))
+
+    def report(self) -> dict[str, Any]:
+        return {"format": self.format, "quantized": sorted([*self.quantized, *self.expert_units]),
+                "skipped": dict(sorted(self.skipped.items())),
+                "input_amax": {path: self.input_amax[path] for path in sorted(self.input_amax)},
+                "input_amax_fallback": dict(sorted(self.input_amax_fallback.items()))}
+
+
+def plan_serving(fmt: ServingFormat, report: Mapping[str, Any], on_disk_name: Callable[[str], str | None],
+                 expert_keys: Mapping[str, tuple[str, ...]] | None = None) -> ServingPlan:
+    """Decide what ``fmt`` quantizes from the analysis report and the checkpoint's names (before calibration).
+
+    ``expert_keys`` maps each expert unit to its on-disk matrices (:func:`expert_disk_keys`); experts
+    without an entry stay in high precision.
+    """
+    plan = ServingPlan(format=fmt.name, static_inputs=fmt.needs_calibration,
+                       linear_paths=[layer["path"] for layer in report["layers"]
+                                     if layer["class"] != "Conv1D" and "expert" not in layer])
+    candidates = {}
+    for layer in report["layers"]:
+        path = layer["path"]
+        if "expert" in layer:
+            continue
+        if not layer["eligible"]:
+            plan.skipped[path] = ",".join(layer["reasons"]) or "not_eligible"
+            continue
+        rule = fmt.layer_rule(layer["in_features"], layer["out_features"])
+        if rule is not None:
+            plan.skipped[path] = rule
+            continue
+        weight_key = on_disk_name(f"{path}.weight")
+        if weight_key is None:
+            plan.skipped[path] = "weight_not_stored_under_one_name"
+            continue
+        candidates[path] = weight_key
+    for group in report["fused_groups"]:
+        if any(member not in candidates for member in group["members"]):
+            for member in group["members"]:
+                if member in candidates:
+                    del candidates[member]
+                    plan.skipped[member] = f"fused_group_not_fully_eligible:{group['name']}"
+    plan.quantized = candidates
+    _plan_experts(plan, fmt, report, expert_keys or {})
+    plan.router_gates = _router_gates(report, on_disk_name)
+    return plan
+
+
+def _plan_experts(plan: ServingPlan, fmt: ServingFormat, report: Mapping[str, Any],
+                  expert_keys: Mapping[str, tuple[str, ...]]) -> None:
+    """Each experts module whole: every unit quantizable, or all of them skipped with the first failure named."""
+    units = {layer["path"]: layer for layer in report["layers"] if "expert" in layer}
+    for block in report.get("moe", []):
+        module = block["module"]
+        paths = [unit_path(module, e, gemm) for gemm in EXPERT_GEMMS for e in range(block["experts"])]
+        reasons = {path: _expert_reason(fmt, units[path], expert_keys.get(path)) for path in paths}
+        failed = next((path for path in paths if reasons[path] is not None), None)
+        if failed is None:
+            plan.experts.update({key: path for path in paths for key in expert_keys[path]})
+            continue
+        group = f"{module}.{parse_unit_path(failed).gemm}"
+        for path in paths:
+            plan.skipped[path] = reasons[path] or f"fused_group_not_fully_eligible:{group}"
+        plan.unquantized_experts[module] = _disk_prefix(expert_keys.get(paths[0]), module)
+
+
+def _expert_reason(fmt: ServingFormat, unit: Mapping[str, Any], keys: tuple[str, ...] | None) -> str | None:
+    if not unit["eligible"]:
+        return ",".join(unit["reasons"]) or "not_eligible"
+    if not keys:
+        return "experts_not_stored_per_expert"
+    # The format's shape rule applies to each stored matrix: gate and up are [I, H] each, not [2I, H].
+    return fmt.layer_rule(unit["in_features"], unit["out_features"] // len(keys))
+
+
+def _disk_prefix(keys: tuple[str, ...] | None, module: str) -> str:
+    """``model.layers.1.block_sparse_moe.experts`` from ``...experts.0.w1.weight``; the module path otherwise."""
+    if not keys:
+        return module
+    prefix, _, index = keys[0].removesuffix(".weight").rpartition(".")[0].rpartition(".")
+    return prefix if index.isdigit() else module
+
+
+def _router_gates(report: Mapping[str, Any], on_disk_name: Callable[[str], str | None]) -> list[str]:
+    """On-disk module names of the MoE routers that are not Linears (engines build them as Linears)."""
+    gates = []
+    for entry in report.get("other_weights", []):
+        if entry["reason"] == "router_parameter" and entry["path"].endswith(".weight"):
+            key = on_disk_name(entry["path"]) or entry["path"]
+            gates.append(key.removesuffix(".weight"))
+    return gates
+
+
+def expert_disk_keys(mapping: list[Any], target_of: Mapping[str, str], report: Mapping[str, Any]
+                     ) -> dict[str, tuple[str, ...]]:
+    """Each expert unit's on-disk weight keys, in the order of the rows of its GEMM.
+
+    Read from the checkpoint's own conversion mapping (``Checkpoint.mapping``, ``Checkpoint.target_of``),
+    as transformers' loader applies it: a WeightConverter stacks the keys of each source pattern over the
+    experts in natural key order (``MergeModulelist``) and, for gate_up, concatenates the patterns in their
+    listed order (``Concatenate(dim=1)``: gate rows, then up rows). An experts module whose tensors are not
+    fused by exactly those operations (stored fused, or another layout) gets no entry.
+    """
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    blocks = {block["module"]: block["experts"] for block in report.get("moe", [])}
+    by_target: dict[str, dict[str, list[str]]] = {}
+    for key, target in target_of.items():
+        module, _, gemm = target.rpartition(".")
+        if module not in blocks or gemm not in EXPERT_GEMMS:
+            continue
+        _, pattern = rename_source_key(key, renamings, converters)
+        by_target.setdefault(target, {}).setdefault(pattern, []).append(key)
+    converter_of = {pattern: entry for entry in converters for pattern in entry.source_patterns}
+    keys: dict[str, tuple[str, ...]] = {}
+    for target, by_pattern in by_target.items():
+        module, _, gemm = target.rpartition(".")
+        converter = converter_of.get(next(iter(by_pattern)))
+        if converter is None or set(converter.source_patterns) != set(by_pattern) \
+                or not _stacks_experts(converter, gemm):
+            continue
+        ordered = [sorted(by_pattern[pattern], key=dot_natural_key) for pattern in converter.source_patterns]
+        if any(len(pattern_keys) != blocks[module] for pattern_keys in ordered):
+            continue
+        for e in range(blocks[module]):
+            keys[unit_path(module, e, gemm)] = tuple(pattern_keys[e] for pattern_keys in ordered)
+    return keys
+
+
+def _stacks_experts(converter: Any, gemm: str) -> bool:
+    """Whether ``converter`` stacks per-expert 2-D matrices (and concatenates gate|up on their rows)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    operations = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+    if gemm == "gate_up_proj":
+        return len(converter.source_patterns) == 2 and operations == [(MergeModulelist, 0), (Concatenate, 1)]
+    return len(converter.source_patterns) == 1 and operations == [(MergeModulelist, 0)]
+
+
+def set_input_amax(plan: ServingPlan, report: Mapping[str, Any], amax: Mapping[str, Any]) -> list[str]:
+    """Each quantized Linear's and expert GEMM's input amax over all calibration steps.
+
+    One shared value per fused group of Linears. An expert GEMM that saw no token (amax 0) gets, in a
+    format with static input scales, the largest input amax of the same GEMM of its module's other
+    experts: its scale would otherwise be the dtype's eps, and vLLM takes the max over experts anyway.
+    Returns the units that got that fallback.
+    """
+    paths = [*plan.quantized, *plan.expert_units]
+    plan.input_amax = {path: float(amax[path].forward[:, 0].max()) for path in paths}
+    for group in report["fused_groups"]:
+        members = [member for member in group["members"] if member in plan.quantized]
+        if members:
+            shared = max(plan.input_amax[member] for member in members)
+            plan.input_amax.update({member: shared for member in members})
+    plan.input_amax_fallback = {}
+    if not plan.static_inputs:
+        return []
+    groups: dict[str, list[str]] = {}
+    for unit in plan.expert_units:
+        parsed = parse_unit_path(unit)
+        groups.setdefault(f"{parsed.module}.{parsed.gemm}", []).append(unit)
+    for units in groups.values():
+        fallback = max(plan.input_amax[unit] for unit in units)
+        for unit in units:
+            if plan.input_amax[unit] == 0:
+                plan.input_amax[unit] = plan.input_amax_fallback[unit] = fallback
+    return sorted(plan.input_amax_fallback)
+
+
+def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: Path, weight_files: list[Path],
+                             directory: Path, scale_dtype: torch.dtype, confinement: FileConfinement,
+                             check_stop: Callable[[], None] | None = None) -> list[str]:
+    """Write ``fmt``'s checkpoint of the source into ``directory``: weight files, index, config, side files.
+
+    Side files are copied without reading outside ``confinement``.
+
+    Returns the file names written (relative to ``directory``).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path_of = {key: path for path, key in plan.quantized.items()} | plan.experts
+    weight_map: dict[str, str] = {}
+    total = 0
+    for source in weight_files:
+        tensors, metadata = read_tensor_index(source)
+        entries: dict[str, Any] = {}
+        for name, tensor in tensors.items():
+            entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in path_of else {name: tensor})
+        with StreamingWriter(directory / source.name, entries, metadata) as writer:
+            for name, tensor in tensors.items():
+                if check_stop is not None:
+                    check_stop()
+                if name not in path_of:
+                    writer.write(name, tensor)
+                    continue
+                # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
+                replacement = fmt.quantize(read_tensor(tensor), plan.input_amax.get(path_of[name]), scale_dtype)
+                for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
+                    writer.write(key, value)
+        weight_map.update({name: source.name for name in entries})
+        total += sum(writer.planned[name].nbytes for name in entries)
+    written = [source.name for source in weight_files]
+    if (source_dir / INDEX_NAME).is_file():
+        write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        written.append(INDEX_NAME)
+    config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    config["quantization_config"] = fmt.quantization_config(plan)
+    write_json(directory / "config.json", config)
+    written.append("config.json")
+    return written + copy_side_files(source_dir, directory, confinement)
