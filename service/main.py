@@ -42,19 +42,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             API keys are malformed or missing while authentication is on.
     """
     settings = settings or load_settings()
-    dirs = open_storage(settings)
+    storage = open_storage(settings)
     keys = KeyRing.from_settings(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        dirs.ensure()
+        storage.ensure()
         store = JobStore.from_settings(settings)
-        reaper = Reaper(store, dirs, settings.heartbeat_timeout_s, settings.heartbeat_interval_s,
+        reaper = Reaper(store, storage, settings.heartbeat_timeout_s, settings.heartbeat_interval_s,
                         sweep_every_s=settings.artifact_sweep_interval_s)
         app.state.store = store
         reaper.start()
         logger.info("fp8forge API ready (store %s, artifacts %s)", store.engine.url.render_as_string(),
-                    dirs if dirs.remote else settings.jobs_dir)
+                    storage if storage.remote else settings.jobs_dir)
         try:
             yield
         finally:
@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     "download the artifacts.",
     )
     app.state.settings = settings
-    app.state.dirs = dirs
+    app.state.storage = storage
     app.state.keys = keys
     install_error_handler(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

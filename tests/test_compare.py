@@ -11,8 +11,8 @@ import pytest
 
 from converters.pipeline.sync_analysis import SYNC_LIMITS
 from converters.recipes.presets import RECIPE_NAMES
-from service.cli.compare import format_comparison
 from service.cli.main import main
+from service.cli.render import format_comparison
 from tests.models import minilm_dir
 
 FP8 = [name for name in RECIPE_NAMES if name != "te-nvfp4"]

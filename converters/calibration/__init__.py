@@ -1,1 +1,26 @@
-"""."""
+"""Calibration: batches from a corpus, amax recording per layer and step (whole model or layer by layer, MoE
+experts on their routed tokens), TE's delayed-scaling state, cast emulation and per-layer SQNR.
+"""
+
+from converters._lazy import lazy_exports
+
+#: public name -> the module that defines it (loaded on first use: see converters._lazy)
+_EXPORTS = {
+    "calibration_batches": "converters.calibration.amax",
+    "record_amax": "converters.calibration.amax",
+    "LayerAmax": "converters.calibration.amax",
+    "FORWARD_SLOTS": "converters.calibration.amax",
+    "BACKWARD_SLOTS": "converters.calibration.amax",
+    "te_scaling_state": "converters.calibration.amax",
+    "calibrate_layer_by_layer": "converters.calibration.sequential",
+    "choose_mode": "converters.calibration.sequential",
+    "LAYER_SEQUENTIAL": "converters.calibration.sequential",
+    "WHOLE_MODEL": "converters.calibration.sequential",
+    "delayed_scaling_state": "converters.calibration.scaling",
+    "E4M3_MAX": "converters.calibration.emulation",
+    "SqnrMeter": "converters.calibration.sensitivity",
+    "meter_for": "converters.calibration.sensitivity",
+    "report_sqnr": "converters.calibration.sensitivity",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

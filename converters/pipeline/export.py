@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from converters._version import __version__
 from converters.analysis.eligibility import converted_expert_gemms
 from converters.artifact.files import copy_weight_files, save_tensors, write_json
 from converters.artifact.layout import CALIBRATION_FILE, FP8_BLOCK_VERSION, REPORT_FILE, STATE_FILE
@@ -31,7 +32,6 @@ def versions(backend: str) -> dict[str, str]:
     import safetensors
     import transformers
 
-    from converters import __version__
 
     return {
         "fp8forge": __version__,

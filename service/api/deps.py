@@ -16,7 +16,7 @@ from service.errors import JobNotFound
 from service.jobs import Job
 from service.store import JobStore
 
-__all__ = ["SettingsDep", "StoreDep", "StorageDep", "DirsDep", "JobDep", "read_store"]
+__all__ = ["SettingsDep", "StoreDep", "StorageDep", "JobDep", "read_store"]
 
 T = TypeVar("T")
 
@@ -32,13 +32,12 @@ async def get_store(request: Request) -> JobStore:
 
 
 async def get_storage(request: Request) -> ArtifactStorage:
-    return request.app.state.dirs
+    return request.app.state.storage
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[JobStore, Depends(get_store)]
 StorageDep = Annotated[ArtifactStorage, Depends(get_storage)]
-DirsDep = StorageDep  # the name routes used before the storage had two implementations
 
 
 async def read_store(store: JobStore, read: Callable[[], T]) -> T:

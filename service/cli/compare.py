@@ -7,77 +7,28 @@ One calibration feeds every recipe: the table shows, per eligible layer, the SQN
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 from typing import Any
 
+from service.cli.args import (
+    add_calibration_arguments,
+    add_min_sqnr_argument,
+    add_selection_arguments,
+    add_source_arguments,
+    calibration_from_args,
+    source_options_from_args,
+)
+from service.cli.render import METRICS, BarSink, format_comparison, format_sqnr_layers
+
 __all__ = [
     "register",
-    "add_calibration_arguments",
-    "add_min_sqnr_argument",
-    "calibration_from_args",
     "run_compare_command",
     "run_calibrated_analyze",
-    "format_comparison",
-    "format_sqnr_layers",
-    "format_worst_layers",
 ]
 
-_METRICS = ("output", "input", "weight")
 
 
-def add_calibration_arguments(parser: argparse.ArgumentParser, *, backward: bool = True) -> None:
-    parser.add_argument("--calib-steps", type=int, default=None, help="calibration steps (default 16)")
-    parser.add_argument("--calib-batch-size", type=int, default=None, help="sequences per step (default 2)")
-    parser.add_argument("--calib-seq-len", type=int, default=None, help="tokens per sequence (default 128)")
-    parser.add_argument("--calib-texts", type=Path, help="text file, one calibration sample per paragraph")
-    if backward:
-        parser.add_argument("--calib-backward", action="store_true", help="also record gradient amax")
-
-
-def _sqnr_threshold(text: str) -> float:
-    from converters.pipeline.request import MIN_SQNR_DB_RANGE
-
-    low, high = MIN_SQNR_DB_RANGE
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of dB: {text!r}") from None
-    if not low <= value <= high:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be from {low:g} to {high:g} dB, got {text}")
-    return value
-
-
-def add_min_sqnr_argument(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--min-sqnr-db", type=_sqnr_threshold, default=None, metavar="DB",
-                        help=f"{what} every layer whose output SQNR under the recipe is below DB (reason low_sqnr)")
-
-
-def _read_texts(path: Path) -> list[str]:
-    from converters.errors import CalibrationDataError
-
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CalibrationDataError(f"cannot read --calib-texts {path}: {exc}", field="calib_texts") from exc
-    return [paragraph.strip() for paragraph in text.split("\n\n") if paragraph.strip()]
-
-
-def calibration_from_args(args: argparse.Namespace):
-    """``CalibrationSettings`` from the ``--calib-*`` flags (library defaults for those not given)."""
-    from converters.pipeline.request import CalibrationSettings
-
-    defaults = CalibrationSettings()
-    return CalibrationSettings(
-        steps=args.calib_steps if args.calib_steps is not None else defaults.steps,
-        batch_size=args.calib_batch_size if args.calib_batch_size is not None else defaults.batch_size,
-        seq_len=args.calib_seq_len if args.calib_seq_len is not None else defaults.seq_len,
-        texts=tuple(_read_texts(args.calib_texts)) if args.calib_texts else None,
-        backward=getattr(args, "calib_backward", False),
-    )
-
-
-def register(subparsers: argparse._SubParsersAction, add_selection, add_sources) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``compare`` to the ``fp8forge`` parser (selection and source flags as ``analyze`` has them)."""
     compare = subparsers.add_parser(
         "compare", help="per-layer SQNR of several recipes side by side, from one calibration",
@@ -90,20 +41,18 @@ def register(subparsers: argparse._SubParsersAction, add_selection, add_sources)
                               "ao-rowwise, ao-rowwise-gw-hp, ao-float8-op, ao-mxfp8-op")
     compare.add_argument("--recipe", action="append", type=Path, default=[], metavar="FILE",
                          help="a recipe file (JSON or Accelerate YAML) to compare too; repeatable")
-    compare.add_argument("--metric", choices=(*_METRICS, "all"), default="output",
+    compare.add_argument("--metric", choices=(*METRICS, "all"), default="output",
                          help="which SQNR to tabulate (default output)")
-    add_selection(compare)
+    add_selection_arguments(compare)
     add_calibration_arguments(compare, backward=False)
     add_min_sqnr_argument(compare, "flag")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
     compare.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_sources(compare)
+    add_source_arguments(compare)
     compare.set_defaults(func=_run_compare)
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from service.cli.main import source_options_from_args
-
     return run_compare_command(args, source_options_from_args(args))
 
 
@@ -144,7 +93,6 @@ def _request(args: argparse.Namespace, recipe: dict[str, Any], compare: list[Any
 
 def _analysis_with_bars(request, sources, enabled: bool) -> dict[str, Any]:
     from converters.pipeline.sync_analysis import calibrated_analysis
-    from service.cli.convert import BarSink
 
     sink = BarSink(enabled=enabled)
     try:
@@ -165,7 +113,7 @@ def run_compare_command(args: argparse.Namespace, sources) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    metrics = _METRICS if args.metric == "all" else (args.metric,)
+    metrics = METRICS if args.metric == "all" else (args.metric,)
     print("\n\n".join(format_comparison(report, metric) for metric in metrics))
     return 0
 
@@ -187,97 +135,4 @@ def run_calibrated_analyze(args: argparse.Namespace, sources) -> int:
         print(format_sqnr_layers(report))
     return 0
 
-
-def _cell(value: float | None, threshold: float | None = None) -> str:
-    if value is None:
-        return "-"
-    mark = "!" if threshold is not None and value < threshold else ""
-    return f"{value:.1f}{mark}"
-
-
-def _table(rows: list[list[str]], right_from: int = 1) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(width) if i >= right_from else cell.ljust(width)
-                       for i, (cell, width) in enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return lines
-
-
-def format_comparison(report: dict[str, Any], metric: str = "output") -> str:
-    """The comparison table: one row per measured layer, one column per recipe, ``metric`` SQNR in dB.
-
-    Values below the report's ``min_sqnr_db`` carry ``!``; the last rows give each recipe's minimum and median.
-    """
-    comparison = report["comparison"]
-    labels = [recipe["label"] for recipe in comparison["recipes"]]
-    threshold = report["sensitivity"]["min_sqnr_db"]
-    rows = [["layer", *labels]]
-    columns: dict[str, list[float]] = {label: [] for label in labels}
-    for row in comparison["layers"]:
-        values = [row["sqnr_db"][label][metric] for label in labels]
-        rows.append([row["path"], *(_cell(value, threshold) for value in values)])
-        for label, value in zip(labels, values, strict=True):
-            if value is not None:
-                columns[label].append(value)
-    lines = [f"{metric} SQNR (dB) per layer, one calibration "
-             f"({_calibration_words(report)}); higher is better", ""]
-    summary = [["min", *(_cell(min(columns[label]) if columns[label] else None) for label in labels)],
-               ["median", *(_cell(statistics.median(columns[label]) if columns[label] else None) for label in labels)]]
-    if threshold is not None:
-        summary.append([f"below {threshold:g}", *(str(sum(1 for v in columns[label] if v < threshold))
-                                                  for label in labels)])
-    table = _table(rows + summary)
-    lines += table[: len(rows) + 1] + ["  ".join("-" * len(part) for part in table[1].split("  "))] + \
-        table[len(rows) + 1:]
-    lines.append("")
-    for recipe in comparison["recipes"]:
-        note = f"; not emulated: {'; '.join(recipe['not_emulated'])}" if recipe["not_emulated"] else ""
-        lines.append(f"  {recipe['label']}: weight {recipe['weight_format']}, input {recipe['input_format']}"
-                     f"{', delayed scaling' if recipe['delayed'] else ''}{note}")
-    return "\n".join(lines)
-
-
-def _calibration_words(report: dict[str, Any]) -> str:
-    calibration = report.get("calibration", {})
-    if not calibration:
-        return "calibration"
-    return f"{calibration['steps']} steps of {calibration['batch_size']} x {calibration['seq_len']} tokens"
-
-
-def format_sqnr_layers(report: dict[str, Any]) -> str:
-    """Each measured layer's weight / input / output SQNR under the report's recipe, and whether it stays FP8."""
-    sensitivity = report["sensitivity"]
-    recipe = sensitivity["recipe"]
-    threshold = sensitivity["min_sqnr_db"]
-    rows = [["layer", "weight", "input", "output", "fp8"]]
-    for layer in report["layers"]:
-        if "sqnr_db" in layer:
-            sqnr = layer["sqnr_db"]
-            rows.append([layer["path"], _cell(sqnr["weight"]), _cell(sqnr["input"]),
-                         _cell(sqnr["output"], threshold), "yes" if layer["eligible"] else "no (low_sqnr)"])
-    lines = [f"SQNR (dB) under {recipe['label']} (weight {recipe['weight_format']}, input {recipe['input_format']}; "
-             f"{_calibration_words(report)}):", *_table(rows)]
-    if threshold is not None:
-        lines.append(f"min_sqnr_db {threshold:g}: {len(sensitivity['excluded'])} layer(s) would stay in high precision")
-    return "\n".join(lines)
-
-
-def format_worst_layers(report: dict[str, Any], count: int = 5) -> str:
-    """The ``count`` layers with the lowest output SQNR under the recipe (what ``fp8forge convert`` prints)."""
-    sensitivity = report.get("sensitivity")
-    measured = [layer for layer in report["layers"]
-                if (layer.get("sqnr_db") or {}).get("output") is not None]
-    if not sensitivity or not measured:
-        return "no layer's SQNR was measured"
-    measured.sort(key=lambda layer: layer["sqnr_db"]["output"])
-    rows = [["layer", "weight", "input", "output"]]
-    rows += [[layer["path"], _cell(layer["sqnr_db"]["weight"]), _cell(layer["sqnr_db"]["input"]),
-              _cell(layer["sqnr_db"]["output"])] for layer in measured[:count]]
-    head = f"lowest output SQNR under {sensitivity['recipe']['label']} (dB):"
-    lines = [head, *("  " + line for line in _table(rows))]
-    if sensitivity["min_sqnr_db"] is not None:
-        lines.append(f"kept in high precision (output SQNR below {sensitivity['min_sqnr_db']:g} dB): "
-                     f"{len(sensitivity['excluded'])} layer(s)" + (
-                         f": {', '.join(sensitivity['excluded'])}" if sensitivity["excluded"] else ""))
-    return "\n".join(lines)
 

@@ -3,54 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
+from service.cli.args import calibration_from_args
+from service.cli.render import BarSink, format_worst_layers
+
 __all__ = ["run_convert_command", "request_from_args"]
-
-
-class BarSink:
-    """Draws one tqdm bar per pipeline stage on stderr; warnings are printed as they come."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar = None
-        self.warnings: list[str] = []
-
-    def stage(self, name: str) -> None:
-        self._close()
-        if self.enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=1, desc=f"{name:<9}", unit="step", file=sys.stderr, leave=True)
-
-    def progress(self, done: int, total: int) -> None:
-        if self.bar is not None:
-            self.bar.total = total
-            self.bar.n = done
-            self.bar.refresh()
-
-    def warning(self, message: str) -> None:
-        from service.cli.wording import in_cli_words
-
-        self.warnings.append(message)
-        line = f"warning: {in_cli_words(message)}"
-        if self.bar is not None:
-            from tqdm import tqdm
-
-            tqdm.write(line, file=sys.stderr)  # above the open bar, not through it
-        else:
-            print(line, file=sys.stderr)
-
-    def should_stop(self) -> bool:
-        return False
-
-    def _close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    close = _close
 
 
 def request_from_args(args: argparse.Namespace):
@@ -58,7 +16,6 @@ def request_from_args(args: argparse.Namespace):
     from converters.errors import RecipeError
     from converters.pipeline.request import ConversionRequest
     from converters.recipes import load_recipe_file
-    from service.cli.compare import calibration_from_args
 
     recipe: dict[str, Any] = {"backend": args.backend or "te"}
     if args.recipe is not None:
@@ -87,7 +44,6 @@ def run_convert_command(args: argparse.Namespace, sources) -> int:
 
     from converters.analysis.render import human_bytes
     from converters.pipeline.driver import run_conversion
-    from service.cli.compare import format_worst_layers
 
     request = request_from_args(args)
     sink = BarSink(enabled=not args.no_progress)

@@ -8,77 +8,34 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "build_parser", "source_options_from_args"]
+from service.cli import compare, convert, keys, serve
+from service.cli.args import (
+    add_calibration_arguments,
+    add_min_sqnr_argument,
+    add_selection_arguments,
+    add_source_arguments,
+    source_options_from_args,
+)
+from service.config import SettingsError
+
+__all__ = ["main", "build_parser"]
 
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model sources")
-    group.add_argument(
-        "--allow-root",
-        action="append",
-        default=None,
-        metavar="DIR",
-        help="directory below which local models are accepted (repeatable; default: "
-        "$FP8FORGE_ALLOWED_MODEL_ROOTS, else the current directory)",
-    )
-    group.add_argument("--cache-dir", default=None, help="Hugging Face cache (default: $FP8FORGE_HF_CACHE or HF's)")
-    group.add_argument("--offline", action="store_true", help="use only the HF cache, never the network")
-    group.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped with checkpoints")
-
-
-def _add_selection_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default=None, type=str.lower, choices=("te", "ao"), help="FP8 backend")
-    parser.add_argument("--include", action="append", default=[], metavar="PAT", help="only convert matching layers")
-    parser.add_argument("--exclude", action="append", default=[], metavar="PAT", help="never convert matching layers")
-    parser.add_argument(
-        "--no-skip-first-last", action="store_true", help="also convert the first and last nn.Linear"
-    )
-    parser.add_argument("--convert-router-gates", action="store_true", help="also convert MoE router gates")
-
-
-def source_options_from_args(args: argparse.Namespace):
-    """Build ``ModelSourceOptions`` from CLI flags, falling back to FP8FORGE_* / HF_* variables."""
-    from converters.model.sources import ModelSourceOptions
-
-    roots = args.allow_root
-    if roots is None:
-        env_roots = os.environ.get("FP8FORGE_ALLOWED_MODEL_ROOTS", "")
-        roots = [root for root in env_roots.split(os.pathsep) if root] or [os.getcwd()]
-    cache_dir = args.cache_dir or os.environ.get("FP8FORGE_HF_CACHE") or None
-    offline = args.offline or _env_flag("FP8FORGE_HF_OFFLINE") or _env_flag("HF_HUB_OFFLINE")
-    # The built-in demo model works in the CLI as in the service, built once into the user's cache.
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return ModelSourceOptions(
-        allowed_roots=tuple(Path(root) for root in roots),
-        cache_dir=Path(cache_dir) if cache_dir else None,
-        offline=offline,
-        trust_remote_code=args.trust_remote_code,
-        demo_dir=cache_home / "fp8forge" / "demo-models",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from service.cli import compare
-
     parser = argparse.ArgumentParser(prog="fp8forge", description="Turn Hugging Face models into FP8 checkpoints.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     commands = parser.add_subparsers(dest="command", required=True)
 
     analyze = commands.add_parser("analyze", help="report which layers FP8 conversion would touch, and why not")
     analyze.add_argument("model", help="org/name[@revision] or a local model directory")
-    _add_selection_arguments(analyze)
+    add_selection_arguments(analyze)
     analyze.add_argument("--json", action="store_true", help="print the report as JSON")
     sensitivity = analyze.add_argument_group(
         "quantization error", "with --calibrate the model's weights are loaded and a calibration runs: each eligible "
@@ -87,28 +44,27 @@ def build_parser() -> argparse.ArgumentParser:
     sensitivity.add_argument("--recipe", type=Path,
                              help="recipe file (JSON or Accelerate YAML): its shape rule decides eligibility; "
                                   "with --calibrate its casts are measured")
-    compare.add_calibration_arguments(sensitivity, backward=False)
-    compare.add_min_sqnr_argument(sensitivity, "with --calibrate, mark")
+    add_calibration_arguments(sensitivity, backward=False)
+    add_min_sqnr_argument(sensitivity, "with --calibrate, mark")
     sensitivity.add_argument("--no-progress", action="store_true", help="no progress bars")
-    _add_source_arguments(analyze)
+    add_source_arguments(analyze)
     analyze.set_defaults(func=_run_analyze)
 
     convert = commands.add_parser("convert", help="convert a model to FP8 and write safetensors artifacts")
     convert.add_argument("model", help="org/name[@revision] or a local model directory")
     convert.add_argument("--out", required=True, type=Path, help="output directory (must not exist)")
     convert.add_argument("--recipe", type=Path, help="recipe file: JSON, or an Accelerate config.yaml")
-    _add_selection_arguments(convert)
-    compare.add_calibration_arguments(convert)
-    compare.add_min_sqnr_argument(convert, "keep in high precision")
+    add_selection_arguments(convert)
+    add_calibration_arguments(convert)
+    add_min_sqnr_argument(convert, "keep in high precision")
     convert.add_argument("--serving", action="append", default=[], metavar="FORMAT",
                          help="also write a serving checkpoint in serving/FORMAT/: compressed-tensors-fp8 (static), "
                               "compressed-tensors-fp8-dynamic or fp8-block; repeatable")
     convert.add_argument("--no-progress", action="store_true", help="no progress bars")
-    _add_source_arguments(convert)
+    add_source_arguments(convert)
     convert.set_defaults(func=_run_convert)
 
-    compare.register(commands, _add_selection_arguments, _add_source_arguments)
-    from service.cli import keys, serve
+    compare.register(commands)
 
     serve.register(commands)
     keys.register(commands)
@@ -121,9 +77,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
     from converters.recipes import load_recipe_file
 
     if args.calibrate:
-        from service.cli.compare import run_calibrated_analyze
-
-        return run_calibrated_analyze(args, source_options_from_args(args))
+        return compare.run_calibrated_analyze(args, source_options_from_args(args))
     flags = {"--min-sqnr-db": args.min_sqnr_db, "--calib-steps": args.calib_steps,
              "--calib-batch-size": args.calib_batch_size, "--calib-seq-len": args.calib_seq_len,
              "--calib-texts": args.calib_texts}
@@ -162,9 +116,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from service.cli.convert import run_convert_command
-
-    return run_convert_command(args, source_options_from_args(args))
+    return convert.run_convert_command(args, source_options_from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"fp8forge {args.command}: error: {error_in_cli_words(exc.message, exc.field)}", file=sys.stderr)
         return EXIT_BAD_INPUT if exc.is_bad_input else EXIT_FAILED
+    except SettingsError as exc:
+        print(f"fp8forge {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"fp8forge {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from service.api import operations
 from service.api.auth import CallerDep
-from service.api.deps import DirsDep, JobDep, SettingsDep, StoreDep, read_store
+from service.api.deps import JobDep, SettingsDep, StorageDep, StoreDep, read_store
 from service.api.events import LastEventIdHeader, job_event_stream
 from service.api.routes import error_responses
 from service.api.schemas import JobCreate, JobPublic, JobsPublic
@@ -64,9 +64,9 @@ def cancel_job(job: JobDep, store: StoreDep, caller: CallerDep) -> JobPublic:
 
 
 @router.delete("/{job_id}", status_code=204, operation_id="deleteJob", responses=error_responses(404, 409, 422))
-def delete_job(job: JobDep, store: StoreDep, dirs: DirsDep) -> Response:
+def delete_job(job: JobDep, store: StoreDep, storage: StorageDep) -> Response:
     """Delete a finished job and its artifacts (409 while it is queued or running)."""
-    operations.delete_job(store, dirs, job.id)
+    operations.delete_job(store, storage, job.id)
     return Response(status_code=204)
 
 

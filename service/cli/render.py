@@ -1,0 +1,149 @@
+"""What the ``fp8forge`` commands print: progress bars per pipeline stage, SQNR tables."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Any
+
+from service.cli.wording import in_cli_words
+
+__all__ = ["BarSink", "METRICS", "format_comparison", "format_sqnr_layers", "format_worst_layers"]
+
+METRICS = ("output", "input", "weight")
+
+
+class BarSink:
+    """Draws one tqdm bar per pipeline stage on stderr; warnings are printed as they come."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.warnings: list[str] = []
+
+    def stage(self, name: str) -> None:
+        self._close()
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=1, desc=f"{name:<9}", unit="step", file=sys.stderr, leave=True)
+
+    def progress(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.n = done
+            self.bar.refresh()
+
+    def warning(self, message: str) -> None:
+        self.warnings.append(message)
+        line = f"warning: {in_cli_words(message)}"
+        if self.bar is not None:
+            from tqdm import tqdm
+
+            tqdm.write(line, file=sys.stderr)  # above the open bar, not through it
+        else:
+            print(line, file=sys.stderr)
+
+    def should_stop(self) -> bool:
+        return False
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    close = _close
+
+
+def _cell(value: float | None, threshold: float | None = None) -> str:
+    if value is None:
+        return "-"
+    mark = "!" if threshold is not None and value < threshold else ""
+    return f"{value:.1f}{mark}"
+
+
+def _table(rows: list[list[str]], right_from: int = 1) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(width) if i >= right_from else cell.ljust(width)
+                       for i, (cell, width) in enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return lines
+
+
+def format_comparison(report: dict[str, Any], metric: str = "output") -> str:
+    """The comparison table: one row per measured layer, one column per recipe, ``metric`` SQNR in dB.
+
+    Values below the report's ``min_sqnr_db`` carry ``!``; the last rows give each recipe's minimum and median.
+    """
+    comparison = report["comparison"]
+    labels = [recipe["label"] for recipe in comparison["recipes"]]
+    threshold = report["sensitivity"]["min_sqnr_db"]
+    rows = [["layer", *labels]]
+    columns: dict[str, list[float]] = {label: [] for label in labels}
+    for row in comparison["layers"]:
+        values = [row["sqnr_db"][label][metric] for label in labels]
+        rows.append([row["path"], *(_cell(value, threshold) for value in values)])
+        for label, value in zip(labels, values, strict=True):
+            if value is not None:
+                columns[label].append(value)
+    lines = [f"{metric} SQNR (dB) per layer, one calibration "
+             f"({_calibration_words(report)}); higher is better", ""]
+    summary = [["min", *(_cell(min(columns[label]) if columns[label] else None) for label in labels)],
+               ["median", *(_cell(statistics.median(columns[label]) if columns[label] else None) for label in labels)]]
+    if threshold is not None:
+        summary.append([f"below {threshold:g}", *(str(sum(1 for v in columns[label] if v < threshold))
+                                                  for label in labels)])
+    table = _table(rows + summary)
+    lines += table[: len(rows) + 1] + ["  ".join("-" * len(part) for part in table[1].split("  "))] + \
+        table[len(rows) + 1:]
+    lines.append("")
+    for recipe in comparison["recipes"]:
+        note = f"; not emulated: {'; '.join(recipe['not_emulated'])}" if recipe["not_emulated"] else ""
+        lines.append(f"  {recipe['label']}: weight {recipe['weight_format']}, input {recipe['input_format']}"
+                     f"{', delayed scaling' if recipe['delayed'] else ''}{note}")
+    return "\n".join(lines)
+
+
+def _calibration_words(report: dict[str, Any]) -> str:
+    calibration = report.get("calibration", {})
+    if not calibration:
+        return "calibration"
+    return f"{calibration['steps']} steps of {calibration['batch_size']} x {calibration['seq_len']} tokens"
+
+
+def format_sqnr_layers(report: dict[str, Any]) -> str:
+    """Each measured layer's weight / input / output SQNR under the report's recipe, and whether it stays FP8."""
+    sensitivity = report["sensitivity"]
+    recipe = sensitivity["recipe"]
+    threshold = sensitivity["min_sqnr_db"]
+    rows = [["layer", "weight", "input", "output", "fp8"]]
+    for layer in report["layers"]:
+        if "sqnr_db" in layer:
+            sqnr = layer["sqnr_db"]
+            rows.append([layer["path"], _cell(sqnr["weight"]), _cell(sqnr["input"]),
+                         _cell(sqnr["output"], threshold), "yes" if layer["eligible"] else "no (low_sqnr)"])
+    lines = [f"SQNR (dB) under {recipe['label']} (weight {recipe['weight_format']}, input {recipe['input_format']}; "
+             f"{_calibration_words(report)}):", *_table(rows)]
+    if threshold is not None:
+        lines.append(f"min_sqnr_db {threshold:g}: {len(sensitivity['excluded'])} layer(s) would stay in high precision")
+    return "\n".join(lines)
+
+
+def format_worst_layers(report: dict[str, Any], count: int = 5) -> str:
+    """The ``count`` layers with the lowest output SQNR under the recipe (what ``fp8forge convert`` prints)."""
+    sensitivity = report.get("sensitivity")
+    measured = [layer for layer in report["layers"]
+                if (layer.get("sqnr_db") or {}).get("output") is not None]
+    if not sensitivity or not measured:
+        return "no layer's SQNR was measured"
+    measured.sort(key=lambda layer: layer["sqnr_db"]["output"])
+    rows = [["layer", "weight", "input", "output"]]
+    rows += [[layer["path"], _cell(layer["sqnr_db"]["weight"]), _cell(layer["sqnr_db"]["input"]),
+              _cell(layer["sqnr_db"]["output"])] for layer in measured[:count]]
+    head = f"lowest output SQNR under {sensitivity['recipe']['label']} (dB):"
+    lines = [head, *("  " + line for line in _table(rows))]
+    if sensitivity["min_sqnr_db"] is not None:
+        lines.append(f"kept in high precision (output SQNR below {sensitivity['min_sqnr_db']:g} dB): "
+                     f"{len(sensitivity['excluded'])} layer(s)" + (
+                         f": {', '.join(sensitivity['excluded'])}" if sensitivity["excluded"] else ""))
+    return "\n".join(lines)
