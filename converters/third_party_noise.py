@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["silence_third_party_noise", "KNOWN_NOISE"]
+__all__ = ["silence_third_party_noise", "KNOWN_NOISE", "transformers_progress_off"]
 
 #: (logger name, message pattern): what each library logs on every run that says nothing to a user.
 KNOWN_NOISE = (
@@ -48,3 +50,18 @@ def silence_third_party_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) and f.pattern.pattern == pattern for f in logger.filters):
             logger.addFilter(_DropMessage(pattern))
+
+
+@contextmanager
+def transformers_progress_off() -> Iterator[None]:
+    """No transformers progress bars ("Loading weights", "Writing model shards") inside the block: the
+    pipeline reports its own progress, and a CLI user sees only fp8forge's lines."""
+    from transformers.utils import logging as hf_logging  # transformers: imported only where a model loads
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from converters.pipeline.state import STAGES, Stage  # the pipeline's own stage list
 from service.errors import InvalidTransition
 
 __all__ = ["JobStatus", "Stage", "STAGES", "TRANSITIONS", "transition", "Job", "JobEvent", "public_worker_name"]
@@ -34,17 +35,6 @@ class JobStatus(str, enum.Enum):
         return not TRANSITIONS[self]
 
 
-class Stage(str, enum.Enum):
-    """Pipeline stages, in the order they run."""
-
-    RESOLVE = "resolve"
-    ANALYZE = "analyze"
-    CALIBRATE = "calibrate"  # in high precision, before the swap
-    CONVERT = "convert"
-    EXPORT = "export"
-
-
-STAGES: tuple[Stage, ...] = tuple(Stage)
 
 _S = JobStatus
 #: The one table of allowed status changes. A status with no way out is a finished one.

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from converters.pipeline.sync_analysis import SYNC_LIMITS
+from converters.pipeline.request import SYNC_LIMITS
 from converters.recipes.presets import RECIPE_NAMES
 from service.cli.main import main
 from service.cli.render import format_comparison

@@ -8,15 +8,13 @@ te_status() gives); on CPU the tests check the data the loader hands TE (te_reci
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from converters.analysis.eligibility import AnalysisOptions, analyze_model
-from converters.backends.base import check_shape_rule
+from converters.analysis.eligibility import AnalysisOptions, analyze_model, check_report_rule
 from converters.backends.loaders import load_torchao
 from converters.backends.te.backend import TE
 from converters.backends.te.loader import read_te_artifact
@@ -261,18 +259,12 @@ def test_analysis_options_refuse_a_bad_recipe_naming_the_field():
     assert default["recipe_requirements"]["recipe"] == "ao/tensorwise" and default["options"]["recipe"] is None
 
 
-def _run(recipe, report=None):
-    run = SimpleNamespace(recipe=recipe, report=report, warnings=[], request=SimpleNamespace(te_extra_state=False))
-    run.warn = run.warnings.append
-    return run
-
-
 def test_conversion_refuses_a_report_built_without_the_recipe():
     report = analyze_model(_two_linears(48), AnalysisOptions(backend="te", skip_first_last=False))  # the 16 rule
     with pytest.raises(ConversionError) as info:
-        check_shape_rule(_run(TEMXFP8BlockScalingRecipe(), report))
+        check_report_rule(report, TEMXFP8BlockScalingRecipe())
     assert "both Linear dims divisible by 32" in info.value.message and "AnalysisOptions(recipe=" in info.value.message
-    check_shape_rule(_run(TEDelayedScalingRecipe(), report))
+    check_report_rule(report, TEDelayedScalingRecipe())
 
 
 # --- hardware -----------------------------------------------------------------------------------
@@ -342,33 +334,32 @@ def cuda_gpu(monkeypatch):
 def test_a_gpu_worker_that_cannot_run_the_recipe_fails_before_any_work(cuda_gpu):
     cuda_gpu((9, 0))
     with pytest.raises(BackendUnavailableError) as info:
-        TE.preflight(_run(TEMXFP8BlockScalingRecipe()))
+        TE.preflight(TEMXFP8BlockScalingRecipe())
     message = info.value.message
     assert info.value.code == "backend_unavailable" and info.value.field == "recipe"
     assert "NVIDIA H100 (compute capability 9.0)" in message and "MXFP8BlockScaling" in message
     assert "10.x or 11.x" in message
     with pytest.raises(BackendUnavailableError, match="NVFP4BlockScaling"):
-        TE.preflight(_run(TENVFP4BlockScalingRecipe()))
+        TE.preflight(TENVFP4BlockScalingRecipe())
     with pytest.raises(BackendUnavailableError, match="MXFP8TrainingOpConfig"):
-        TORCHAO.preflight(_run(AOMXFP8TrainingOpRecipe()))
+        TORCHAO.preflight(AOMXFP8TrainingOpRecipe())
     for fine in (TEDelayedScalingRecipe(), TEFloat8BlockScalingRecipe(), TorchAORecipe()):
-        (TE if fine.backend.value == "te" else TORCHAO).preflight(_run(fine))
+        (TE if fine.backend.value == "te" else TORCHAO).preflight(fine)
     cuda_gpu((9, 0), cuda="12.8")
     with pytest.raises(BackendUnavailableError, match="CUDA 12.9"):
-        TE.preflight(_run(TEFloat8BlockScalingRecipe()))
+        TE.preflight(TEFloat8BlockScalingRecipe())
     cuda_gpu((8, 0), name="NVIDIA A100")
     with pytest.raises(BackendUnavailableError, match="A100"):
-        TORCHAO.preflight(_run(TorchAORecipe()))
-    TORCHAO.preflight(_run(TorchAORecipe(emulate=True)))
-    TORCHAO.preflight(_run(AOMXFP8TrainingOpRecipe(kernel_preference="emulated")))
+        TORCHAO.preflight(TorchAORecipe())
+    TORCHAO.preflight(TorchAORecipe(emulate=True))
+    TORCHAO.preflight(AOMXFP8TrainingOpRecipe(kernel_preference="emulated"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only worker")
 def test_a_cpu_worker_runs_the_preflight_with_at_most_a_warning():
-    TE.preflight(_run(TENVFP4BlockScalingRecipe()))
-    run = _run(AOMXFP8TrainingOpRecipe())
-    TORCHAO.preflight(run)
-    assert len(run.warnings) == 1 and "does not run on this CPU-only worker" in run.warnings[0]
+    TE.preflight(TENVFP4BlockScalingRecipe())
+    warnings = TORCHAO.preflight(AOMXFP8TrainingOpRecipe())
+    assert len(warnings) == 1 and "does not run on this CPU-only worker" in warnings[0]
     assert training_op_unavailable(AOMXFP8TrainingOpRecipe(), "cpu") == "the model is on cpu"
     assert training_op_unavailable(AOFloat8TrainingOpRecipe(), "cpu") is None  # torch 2.13 _scaled_mm on CPU
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from converters.backends import te_loader
+from converters.backends.te import loader as te_loader
 from converters.backends.te.check_step import fp8_check_step
 from converters.backends.te.layout import state_key
 from converters.backends.te.loader import load_te_model, read_te_artifact

@@ -16,8 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.analysis.patterns import PatternError, matches
+from converters.analysis.patterns import PatternError, check_patterns, matches
+from converters.errors import ConversionError, RecipeError, RequestError
 from converters.model.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
+from converters.model.sources import build_meta_model, load_config, resolve_model_dir
+from converters.recipes import default_recipe, recipe_from_dict
 from converters.recipes.requirements import ShapeRule, requirements
 
 __all__ = [
@@ -97,9 +100,6 @@ class AnalysisOptions:
     recipe: Any = None
 
     def __post_init__(self) -> None:
-        from converters.analysis.patterns import check_patterns
-        from converters.errors import RequestError
-
         if self.recipe is not None:
             recipe = _parsed_recipe(self.recipe)
             object.__setattr__(self, "recipe", recipe.to_dict())
@@ -114,9 +114,6 @@ class AnalysisOptions:
 
 def _parsed_recipe(recipe: Any) -> Any:
     """A recipe object from a recipe object or its JSON; RecipeError naming ``recipe.<field>``."""
-    from converters.errors import RecipeError
-    from converters.recipes import recipe_from_dict
-
     try:
         return recipe_from_dict(recipe.to_dict() if hasattr(recipe, "to_dict") else recipe)
     except RecipeError as exc:
@@ -126,8 +123,6 @@ def _parsed_recipe(recipe: Any) -> Any:
 
 def options_recipe(options: AnalysisOptions) -> Any:
     """The recipe whose rules an analysis applies: ``options.recipe``, else the backend's default recipe."""
-    from converters.recipes import default_recipe
-
     return _parsed_recipe(options.recipe) if options.recipe is not None else default_recipe(options.backend)
 
 
@@ -476,8 +471,6 @@ def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", incl
     Raises:
         Fp8ForgeError subclasses: bad reference, missing model or config, bad options.
     """
-    from converters.model.sources import build_meta_model, load_config, resolve_model_dir
-
     options = AnalysisOptions(
         backend=backend,
         include=tuple(include),
@@ -493,3 +486,18 @@ def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", incl
     check_include_patterns(report)
     report["model"] = {"reference": ref, "model_type": getattr(config, "model_type", None)}
     return report
+
+
+def check_report_rule(report: dict[str, Any], recipe: Any) -> None:
+    """Refuse a report whose eligible layers break the recipe's shape rule (an analysis run without the recipe).
+
+    Conversion follows the report and never filters again; this only makes sure the report was built for this
+    recipe. Raises ConversionError naming a layer, the rule and the fix.
+    """
+    rule = recipe.shape_rule()
+    bad = [layer["path"] for layer in report["layers"]
+           if layer["eligible"] and rule.fails(layer["in_features"], layer["out_features"])]
+    if bad:
+        raise ConversionError(f"{len(bad)} layers the analysis called eligible break {recipe.library_class}'s "
+                              f"shape rule ({rule.describe()}), e.g. {bad[0]}: the analysis ran without the recipe; "
+                              "analyze with AnalysisOptions(recipe=...)")

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from converters.artifact.layout import MANIFEST_NAME, sha256_file
 from converters.errors import ArtifactError
 from converters.model.files import INDEX_NAME, FileConfinement, copy_model_file
+from converters.model.sources import TOKENIZER_FILES
 
 __all__ = [
     "copy_weight_files",
@@ -55,8 +56,6 @@ def copy_side_files(source: Path, directory: Path, confinement: FileConfinement)
 
     Nothing outside ``confinement`` is read (see :func:`converters.model.files.copy_model_file`).
     """
-    from converters.model.sources import TOKENIZER_FILES
-
     copied = []
     for name in [*TOKENIZER_FILES, "generation_config.json"]:
         if (source / name).is_file():

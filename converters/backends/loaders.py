@@ -11,6 +11,8 @@ from typing import Any
 
 from converters.artifact.files import verify_manifest
 from converters.artifact.layout import read_fp8_block
+from converters.backends import backend_named
+from converters.backends.te.runtime import require_te
 
 __all__ = ["load_torchao", "load_te"]
 
@@ -40,15 +42,11 @@ def load_te(directory: str | Path, *, verify: bool = True, device: str = "cuda")
     Raises BackendUnavailableError (before reading any weight) where CUDA or TransformerEngine is
     missing, and ArtifactError for a missing/altered file or an artifact of another backend.
     """
-    from converters.backends.te.runtime import require_te
-
     require_te()
     return _load(directory, "te", verify=verify, device=device)
 
 
 def _load(directory: str | Path, backend: str, *, verify: bool, device: str) -> Any:
-    from converters.backends import backend_named
-
     directory = Path(directory).resolve()
     if verify:
         verify_manifest(directory)

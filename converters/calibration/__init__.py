@@ -17,7 +17,7 @@ _EXPORTS = {
     "LAYER_SEQUENTIAL": "converters.calibration.sequential",
     "WHOLE_MODEL": "converters.calibration.sequential",
     "delayed_scaling_state": "converters.calibration.scaling",
-    "E4M3_MAX": "converters.calibration.emulation",
+    "E4M3_MAX": "converters.calibration.scaling",
     "SqnrMeter": "converters.calibration.sensitivity",
     "meter_for": "converters.calibration.sensitivity",
     "report_sqnr": "converters.calibration.sensitivity",

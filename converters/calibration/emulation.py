@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from converters.calibration.scaling import E4M3_MAX, E5M2_MAX
+
 __all__ = [
     "E4M3_MAX",
     "E5M2_MAX",
@@ -64,8 +66,6 @@ __all__ = [
     "SQNR_CAP_DB",
 ]
 
-E4M3_MAX = 448.0
-E5M2_MAX = 57344.0
 E2M1_MAX = 6.0
 #: The non-negative values of FP4 E2M1, in code order (code 0..7).
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -22,6 +22,8 @@ import torch
 from converters.errors import RecipeError
 
 __all__ = [
+    "E4M3_MAX",
+    "E5M2_MAX",
     "FP8_MAX",
     "FLT_MAX",
     "fp8_max_for",
@@ -30,8 +32,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Largest finite value of each FP8 format (TE ``Format`` / ``fp8_dtype_max`` in delayed_scaling.cu).
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+#: Largest finite value of each FP8 format (448 and 57344: TE ``Format`` / ``fp8_dtype_max`` in delayed_scaling.cu).
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)
+FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
 #: The scale TE writes when ``fp8_max / amax`` overflows fp32.
 FLT_MAX = float(torch.finfo(torch.float32).max)
 

@@ -28,7 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from converters.calibration.emulation import cast_spec
+from converters.analysis.eligibility import Reason, refresh_totals
+from converters.calibration.emulation import E4M3_MAX, cast_spec, db, fake_quantize, tensor_scale
 from converters.recipes.presets import _value, parse_compare_recipe, recipe_label
 
 if TYPE_CHECKING:
@@ -169,8 +170,6 @@ class _Sums:
         self.noise += float(noise)
 
     def db(self) -> float | None:
-        from converters.calibration.emulation import db
-
         value = db(self.signal, self.noise)
         return None if value is None else round(value, 2)
 
@@ -308,8 +307,6 @@ class SqnrMeter:
     @staticmethod
     def _cast_weight(casts: RecipeCasts, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         """Rows of a weight cast under ``casts``; ``amax`` is the whole weight's (per-tensor and NVFP4 scales)."""
-        from converters.calibration.emulation import E4M3_MAX, fake_quantize, tensor_scale
-
         if casts.delayed is None:
             return fake_quantize(w, casts.weight, tensor_amax=amax)
         return fake_quantize(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
@@ -318,7 +315,6 @@ class SqnrMeter:
     def _cast_input(casts: RecipeCasts, x: torch.Tensor, history: _History) -> torch.Tensor:
         import torch
 
-        from converters.calibration.emulation import E4M3_MAX, fake_quantize, tensor_scale
 
         if casts.delayed is None:
             return fake_quantize(x, casts.input)
@@ -373,8 +369,6 @@ def exclude_low_sqnr(report: dict[str, Any], min_sqnr_db: float) -> list[str]:
     An expert GEMM kind (``<experts>.<gemm>`` over all experts) is decided by its lowest member and excluded
     whole. Fused groups and totals are brought up to date. Returns the excluded paths in report order.
     """
-    from converters.analysis.eligibility import Reason
-
     by_path = {layer["path"]: layer for layer in report["layers"]}
 
     def low(path: str) -> bool:
@@ -397,8 +391,6 @@ def exclude_low_sqnr(report: dict[str, Any], min_sqnr_db: float) -> list[str]:
 
 
 def _refresh(report: dict[str, Any], by_path: dict[str, dict[str, Any]]) -> None:
-    from converters.analysis.eligibility import refresh_totals
-
     for group in report["fused_groups"]:
         group["eligible_members"] = [m for m in group["members"] if by_path[m]["eligible"]]
         group["partly_eligible"] = 0 < len(group["eligible_members"]) < len(group["members"])

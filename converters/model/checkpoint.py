@@ -24,7 +24,7 @@ from torch import nn
 from converters.errors import ModelNotFoundError
 from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME
 from converters.model.safetensors_stream import read_tensor_index
-from converters.model.sources import transformers_progress_off
+from converters.third_party_noise import transformers_progress_off
 
 __all__ = ["weight_files", "Checkpoint", "release", "unit_keys"]
 

@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from converters.third_party_noise import transformers_progress_off
+
 __all__ = ["DEMO_MODEL_REF", "ensure_demo_model", "build_tiny_llama", "build_demo_tokenizer"]
 
 logger = logging.getLogger(__name__)
@@ -51,8 +53,6 @@ def build_tiny_llama(directory: Path, *, hidden_size: int = 128, layers: int = 2
     """Write a tiny bf16 Llama (config, safetensors, tokenizer) to ``directory`` with save_pretrained."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from converters.model.sources import transformers_progress_off
 
     tokenizer = build_demo_tokenizer()
     config = LlamaConfig(

@@ -14,15 +14,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from converters.errors import ModelNotFoundError, ModelReferenceError
+from converters.model.demo import DEMO_MODEL_REF, ensure_demo_model
 from converters.model.files import FileConfinement, check_model_directory
 from converters.model.limits import load_checked_config
+from converters.third_party_noise import transformers_progress_off
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,6 @@ __all__ = [
     "CONFIG_FILES",
     "WEIGHT_FILES",
     "TOKENIZER_FILES",
-    "transformers_progress_off",
 ]
 
 logger = logging.getLogger(__name__)
@@ -130,8 +129,6 @@ def parse_model_reference(ref: str, sources: ModelSourceOptions) -> ModelReferen
         ModelReferenceError: URL schemes, ``..`` segments, local paths outside the allowed roots,
             and anything that is neither a hub id nor a local path.
     """
-    from converters.model.demo import DEMO_MODEL_REF
-
     text = ref.strip() if isinstance(ref, str) else ""
     if not text:
         raise ModelReferenceError("model reference is empty: give 'org/name[@revision]' or a local path")
@@ -231,8 +228,6 @@ def resolve_model_dir(ref: str, sources: ModelSourceOptions, *, with_weights: bo
     """
     reference = parse_model_reference(ref, sources)
     if reference.kind == "demo":
-        from converters.model.demo import ensure_demo_model
-
         directory = ensure_demo_model(reference.path)
     elif reference.kind == "local":
         directory = reference.path
@@ -415,18 +410,3 @@ def load_tokenizer(directory: Path, sources: ModelSourceOptions) -> Any | None:
     except (OSError, ValueError) as exc:
         logger.warning("tokenizer in %s could not be loaded (%s); calibration will sample token ids", directory, exc)
         return None
-
-
-@contextmanager
-def transformers_progress_off() -> Iterator[None]:
-    """No transformers progress bars ("Loading weights", "Writing model shards") inside the block: the
-    pipeline reports its own progress, and a CLI user sees only fp8forge's lines."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -13,12 +13,12 @@ from converters._version import __version__
 from converters.analysis.eligibility import converted_expert_gemms
 from converters.artifact.files import copy_weight_files, save_tensors, write_json
 from converters.artifact.layout import CALIBRATION_FILE, FP8_BLOCK_VERSION, REPORT_FILE, STATE_FILE
-from converters.backends import backend_for, backend_named
+from converters.backends import backend_named
 from converters.calibration.amax import BACKWARD_SLOTS, FORWARD_SLOTS
+from converters.model.checkpoint import weight_files
+from converters.model.sources import confinement_for
+from converters.pipeline.state import Run
 from converters.recipes.requirements import requirements
-
-if TYPE_CHECKING:
-    from converters.pipeline.driver import _Run
 
 __all__ = [
     "write_weight_files",
@@ -43,18 +43,15 @@ def versions(backend: str) -> dict[str, str]:
     }
 
 
-def write_weight_files(run: _Run, staging: Path) -> list[str]:
+def write_weight_files(run: Run, staging: Path) -> list[str]:
     """Copy the source's weight files: the weights do not change, so they are never decoded."""
-    from converters.model.checkpoint import weight_files
-    from converters.model.sources import confinement_for
-
     return copy_weight_files(weight_files(run.model_dir), staging, confinement_for(run.sources))
 
 
-def write_state_file(run: _Run, staging: Path) -> list[str]:
+def write_state_file(run: Run, staging: Path) -> list[str]:
     """``fp8_state.safetensors`` for recipes that carry state (TE delayed scaling); nothing otherwise."""
 
-    tensors = backend_for(run.recipe).state_tensors(run)
+    tensors = run.backend.state_tensors(run.plan, run.conversion, run.calibration)
     if not tensors:
         return []
     metadata = {
@@ -69,7 +66,7 @@ def write_state_file(run: _Run, staging: Path) -> list[str]:
 
 
 
-def write_calibration_file(run: _Run, staging: Path) -> list[str]:
+def write_calibration_file(run: Run, staging: Path) -> list[str]:
     tensors = {}
     for path, layer in run.calibration.amax.items():
         tensors[f"{path}.amax_forward"] = layer.forward.float()
@@ -82,24 +79,24 @@ def write_calibration_file(run: _Run, staging: Path) -> list[str]:
     return [CALIBRATION_FILE]
 
 
-def fp8_block(run: _Run) -> dict[str, Any]:
+def fp8_block(run: Run) -> dict[str, Any]:
     """The ``fp8`` block of config.json: enough to replay or load the conversion."""
     block = {
         "version": FP8_BLOCK_VERSION,
         "backend": run.recipe.backend.value,
         "recipe": run.recipe.to_dict(),
-        "converted_modules": list(run.converted),
+        "converted_modules": list(run.conversion.modules),
         # <experts module>.<gate_up_proj|down_proj>: expert GEMMs converted together (converters.model.experts)
         "converted_experts": converted_expert_gemms(run.report),
         # Readers of the files see the checkpoint's own names; where one differs from the module path, it is here.
         "converted_weights_on_disk": run.weights_on_disk,
         "tied_weights": run.tied_weights,
     }
-    block.update(backend_named(block["backend"]).block_fields(run))
+    block.update(run.backend.block_fields(run.plan, run.conversion))
     return block
 
 
-def _calibration_report(run: _Run) -> dict[str, Any]:
+def _calibration_report(run: Run) -> dict[str, Any]:
     settings = run.request.calibration
     block = run.recipe.block_scaled()
     layers = {}
@@ -125,7 +122,7 @@ def _calibration_report(run: _Run) -> dict[str, Any]:
     }
 
 
-def write_json_files(run: _Run, staging: Path, written: list[str]) -> list[str]:
+def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
     with open(run.model_dir / "config.json", encoding="utf-8") as handle:
         config = json.load(handle)
     config["fp8"] = fp8_block(run)
@@ -140,7 +137,7 @@ def write_json_files(run: _Run, staging: Path, written: list[str]) -> list[str]:
         "warnings": run.warnings,
         "stage_seconds": run.stage_seconds,
         "pipeline": run.pipeline,
-        "converted_modules": list(run.converted),
+        "converted_modules": list(run.conversion.modules),
         "analysis": run.report,
         "recipe_requirements": requirements(run.recipe),
         "calibration": _calibration_report(run),

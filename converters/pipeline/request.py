@@ -16,8 +16,15 @@ from typing import Any
 from converters.analysis.patterns import check_patterns
 from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.errors import CalibrationDataError, RecipeError, RequestError
+from converters.recipes import recipe_from_dict
+from converters.recipes.presets import MAX_COMPARE_RECIPES, parse_compare_recipe
 
 __all__ = [
+    "SYNC_LIMITS",
+    "SYNC_DEFAULTS",
+    "SYNC_MAX_TEXTS_CHARS",
+    "SYNC_MAX_PARAMETERS",
+    "check_sync_calibration",
     "CalibrationSettings",
     "ConversionRequest",
     "LIMITS",
@@ -204,8 +211,6 @@ class ConversionRequest:
         object.__setattr__(self, "serving_formats", tuple(names))
 
     def _check_sensitivity(self) -> None:
-        from converters.recipes.presets import MAX_COMPARE_RECIPES, parse_compare_recipe
-
         low, high = MIN_SQNR_DB_RANGE
         value = self.min_sqnr_db
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -229,8 +234,6 @@ class ConversionRequest:
 
     def parsed_recipe(self):
         """The recipe dataclass (``TEDelayedScalingRecipe``, ``TECurrentScalingRecipe`` or ``TorchAORecipe``)."""
-        from converters.recipes import recipe_from_dict
-
         if not isinstance(self.recipe, Mapping):
             raise RecipeError('recipe must be a JSON object like {"backend": "te"}', field="recipe")
         try:
@@ -277,3 +280,31 @@ class ConversionRequest:
             "min_sqnr_db": self.min_sqnr_db,
             "compare_recipes": [entry if isinstance(entry, str) else dict(entry) for entry in self.compare_recipes],
         }
+
+
+#: Bounds of the calibration /v1/analyze runs synchronously, inside the request (inclusive ranges), and its
+#: defaults: at most 4096 tokens, so that the answer comes in seconds for a small model.
+SYNC_LIMITS = {"steps": (1, 8), "batch_size": (1, 4), "seq_len": (1, 128), "texts": (1, 64)}
+SYNC_DEFAULTS = {"steps": 2, "batch_size": 2, "seq_len": 64}
+SYNC_MAX_TEXTS_CHARS = 65_536
+#: Largest model /v1/analyze calibrates synchronously; larger ones: ``fp8forge compare`` or a conversion job.
+SYNC_MAX_PARAMETERS = 1_000_000_000
+
+
+def check_sync_calibration(settings: Any) -> None:
+    """Refuse calibration settings beyond :data:`SYNC_LIMITS` (the synchronous /v1/analyze path).
+
+    Raises CalibrationDataError naming ``calibration.<field>``.
+    """
+    for name in ("steps", "batch_size", "seq_len"):
+        low, high = SYNC_LIMITS[name]
+        if not low <= getattr(settings, name) <= high:
+            raise CalibrationDataError(
+                f"calibration.{name} must be from {low} to {high} for a synchronous analysis; run `fp8forge compare` "
+                "or a conversion job for more", field=f"calibration.{name}")
+    if settings.backward:
+        raise CalibrationDataError("a synchronous analysis runs no backward pass", field="calibration.backward")
+    texts = settings.texts or ()
+    if len(texts) > SYNC_LIMITS["texts"][1] or sum(len(text) for text in texts) > SYNC_MAX_TEXTS_CHARS:
+        raise CalibrationDataError(f"a synchronous analysis takes at most {SYNC_LIMITS['texts'][1]} texts of "
+                                   f"{SYNC_MAX_TEXTS_CHARS} characters in all", field="calibration.texts")

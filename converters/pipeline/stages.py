@@ -4,38 +4,68 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+import converters.pipeline.export as writers
+from converters.analysis.eligibility import (
+    AnalysisOptions,
+    analyze_model,
+    check_include_patterns,
+    check_report_rule,
+    eligible_expert_units,
+    eligible_paths,
+)
+from converters.artifact.files import copy_side_files, write_manifest
 from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
-from converters.errors import CalibrationDataError, ConversionError
+from converters.backends import backend_for
+from converters.backends.base import ConversionPlan
+from converters.calibration.amax import calibration_batches, measuring_sqnr, record_amax, te_scaling_state
+from converters.calibration.scaling import E4M3_MAX
+from converters.calibration.sensitivity import meter_for, report_sqnr
+from converters.calibration.sequential import (
+    LAYER_SEQUENTIAL,
+    WHOLE_MODEL,
+    SequentialUnsupported,
+    calibrate_layer_by_layer,
+    choose_mode,
+)
+from converters.errors import CalibrationDataError, ConversionError, RequestError
+from converters.model.checkpoint import Checkpoint, weight_files
+from converters.model.experts import parse_unit_path
+from converters.model.sources import (
+    build_meta_model,
+    confinement_for,
+    load_config,
+    load_model,
+    load_tokenizer,
+    model_dtype,
+    resolve_model_dir,
+)
+from converters.pipeline.state import Run, Stage
+from converters.serving import serving_format
+from converters.serving.plan import expert_disk_keys, plan_serving, set_input_amax, write_serving_checkpoint
 
-if TYPE_CHECKING:
-    from converters.pipeline.driver import _Run
-
-__all__ = ["resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
+__all__ = ["STAGE_FUNCTIONS", "resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
 
 logger = logging.getLogger(__name__)
 
 
-def resolve(run: _Run) -> None:
+def resolve(run: Run) -> None:
     """Parse the recipe, find the model's files, read its config and choose the mode.
 
     The model is built on the meta device and its checkpoint indexed (headers only). Only the whole-model
     mode loads weights here, onto the GPU if there is one; the layer-sequential mode loads them layer by
     layer during calibration.
     """
-    from converters.backends import backend_for
-    from converters.calibration.sequential import WHOLE_MODEL, choose_mode
-    from converters.model.checkpoint import Checkpoint
-    from converters.model.sources import build_meta_model, load_config, model_dtype, resolve_model_dir
-
     run.recipe = run.request.parsed_recipe()
     for message in run.recipe.warnings():
         run.warn(message)
+    run.backend = backend_for(run.recipe)
     # a GPU that cannot run the recipe fails the job now, before any model is read
-    backend_for(run.recipe).preflight(run)
+    for message in run.backend.preflight(run.recipe):
+        run.warn(message)
     if run.request.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES:
         run.warn("max_shard_bytes has no effect: the artifact keeps the source's weight files as they are")
     run.model_dir = resolve_model_dir(run.request.model, run.sources, with_weights=True)
@@ -60,17 +90,14 @@ def resolve(run: _Run) -> None:
     run.sink.progress(2, 2)
 
 
-def _load_whole_model(run: _Run) -> None:
-    from converters.model.sources import load_model
+def _load_whole_model(run: Run) -> None:
 
     run.model = load_model(run.model_dir, run.sources)
     run.model.to(run.pipeline["device"])
 
 
-def analyze(run: _Run) -> None:
+def analyze(run: Run) -> None:
     """The eligibility report on the meta device; it alone decides what is converted."""
-    from converters.analysis.eligibility import AnalysisOptions, analyze_model, check_include_patterns
-
     options = AnalysisOptions(
         recipe=run.recipe,  # its own shape rule: 16, or 32 for MXFP8, 128 for block scaling and NVFP4
         include=run.request.include,
@@ -81,6 +108,7 @@ def analyze(run: _Run) -> None:
     run.report = analyze_model(run.meta_model, options)
     run.report["model"] = {"reference": run.request.model, "model_type": getattr(run.config, "model_type", None)}
     check_include_patterns(run.report)
+    check_report_rule(run.report, run.recipe)
     if run.report["totals"]["eligible_layers"] + run.report["totals"]["expert_units"] == 0:
         raise ConversionError(
             "no layer is eligible for FP8 (see `fp8forge analyze`): nothing to convert; "
@@ -93,11 +121,8 @@ def analyze(run: _Run) -> None:
     run.sink.progress(1, 1)
 
 
-def _plan_serving(run: _Run) -> None:
+def _plan_serving(run: Run) -> None:
     """What each requested serving format quantizes; a format with nothing to quantize is bad input."""
-    from converters.serving import serving_format
-    from converters.serving.plan import expert_disk_keys, plan_serving
-
     if not run.request.serving_formats:
         return
     expert_keys = expert_disk_keys(run.checkpoint.mapping, run.checkpoint.target_of, run.report)
@@ -111,27 +136,30 @@ def _plan_serving(run: _Run) -> None:
         run.serving[name] = plan
 
 
-def convert(run: _Run) -> None:
+def convert(run: Run) -> None:
     """Swap the eligible layers and seed their state (TE modules only where CUDA and TE are present).
 
     In layer-sequential mode the torchao swap runs on the meta-device model: it checks that every eligible
     layer converts, without holding the weights (the artifact replays the swap on load).
     """
-    from converters.analysis.eligibility import eligible_expert_units, eligible_paths
-    from converters.backends import backend_for
-    from converters.errors import RequestError
-
     eligible = eligible_paths(run.report)
     if run.request.min_sqnr_db is not None and not eligible and not eligible_expert_units(run.report):
         raise RequestError(f"every eligible layer's output SQNR is below min_sqnr_db {run.request.min_sqnr_db:g} dB "
                            "(see the report's sensitivity block): nothing is left to convert; lower min_sqnr_db",
                            field="min_sqnr_db")
     run.weights_on_disk = _renamed_weights(run, eligible)
-    backend_for(run.recipe).convert(run, eligible)
+    run.plan = ConversionPlan(recipe=run.recipe, model=run.model if run.model is not None else run.meta_model,
+                              whole_model=run.model is not None, eligible=tuple(eligible), report=run.report,
+                              te_extra_state=run.request.te_extra_state)
+    run.conversion = run.backend.convert(run.plan, run.calibration)
+    if run.conversion.te_check is not None:
+        run.calibration.te_check = run.conversion.te_check
+    for message in run.conversion.warnings:
+        run.warn(message)
     run.sink.progress(1, 1)
 
 
-def _renamed_weights(run: _Run, eligible: list[str]) -> dict[str, str]:
+def _renamed_weights(run: Run, eligible: list[str]) -> dict[str, str]:
     """Converted layers whose weight the checkpoint stores under another name: module path -> on-disk key."""
     renamed = {}
     for path in eligible:
@@ -141,7 +169,7 @@ def _renamed_weights(run: _Run, eligible: list[str]) -> dict[str, str]:
     return renamed
 
 
-def calibrate(run: _Run) -> None:
+def calibrate(run: Run) -> None:
     """Record amax per eligible layer over the calibration batches and derive the scaling state.
 
     This runs on the high-precision model, before the swap: the amax seeds describe the tensors FP8
@@ -149,11 +177,6 @@ def calibrate(run: _Run) -> None:
     emulated FP8 matmul costs twenty times a bf16 one. Layer by layer where the mode allows it; a model
     that turns out not to fit that shape falls back to the whole model, and the report says why.
     """
-    from converters.analysis.eligibility import eligible_expert_units, eligible_paths
-    from converters.calibration.amax import measuring_sqnr
-    from converters.calibration.sensitivity import meter_for
-    from converters.calibration.sequential import LAYER_SEQUENTIAL, WHOLE_MODEL, SequentialUnsupported
-
     batches, source = _calibration_batches(run)
     paths = eligible_paths(run.report) + eligible_expert_units(run.report)
     amax = None
@@ -175,14 +198,12 @@ def calibrate(run: _Run) -> None:
     _report_experts(run, amax)
 
 
-def _apply_sensitivity(run: _Run, meter: Any, label: str, amax: dict[str, Any]) -> dict[str, Any]:
+def _apply_sensitivity(run: Run, meter: Any, label: str, amax: dict[str, Any]) -> dict[str, Any]:
     """Put each layer's SQNR in the report; with min_sqnr_db, keep the layers below it out of the conversion.
 
     An excluded layer leaves the report's eligible set here, after calibration and before convert, so the swap,
     the state and calibration files and the serving plans (planned again) all leave it in high precision.
     """
-    from converters.calibration.sensitivity import report_sqnr
-
     threshold = run.request.min_sqnr_db
     excluded = report_sqnr(run.report, meter, label, min_sqnr_db=threshold)
     if not excluded:
@@ -199,10 +220,8 @@ def _apply_sensitivity(run: _Run, meter: Any, label: str, amax: dict[str, Any]) 
     return {path: layer for path, layer in amax.items() if path not in dropped}
 
 
-def _report_experts(run: _Run, amax: dict[str, Any]) -> None:
+def _report_experts(run: Run, amax: dict[str, Any]) -> None:
     """Per MoE block: the experts converted, the tokens each received, and a warning for any that got none."""
-    from converters.model.experts import parse_unit_path
-
     tokens: dict[str, dict[int, int]] = {}
     for path, layer in amax.items():
         unit = parse_unit_path(path)
@@ -218,9 +237,7 @@ def _report_experts(run: _Run, amax: dict[str, Any]) -> None:
                      "they keep the weight-only state (input scale 1): give more or more varied calibration data")
 
 
-def _calibration_batches(run: _Run) -> tuple[list[dict[str, Any]], str]:
-    from converters.calibration.amax import calibration_batches
-    from converters.model.sources import load_tokenizer
+def _calibration_batches(run: Run) -> tuple[list[dict[str, Any]], str]:
 
     settings = run.request.calibration
     tokenizer = load_tokenizer(run.model_dir, run.sources)
@@ -245,7 +262,7 @@ def _calibration_batches(run: _Run) -> tuple[list[dict[str, Any]], str]:
     return [model_inputs(run.meta_model, run.config, batch) for batch in batches], source
 
 
-def _warn_if_shorter_than_a_window(run: _Run, first_mask: torch.Tensor) -> None:
+def _warn_if_shorter_than_a_window(run: Run, first_mask: torch.Tensor) -> None:
     # Only a token stream shorter than one window is padded, and then every window is that one sequence.
     tokens, seq_len = int(first_mask[0].sum()), run.request.calibration.seq_len
     if tokens < seq_len:
@@ -254,8 +271,7 @@ def _warn_if_shorter_than_a_window(run: _Run, first_mask: torch.Tensor) -> None:
                  "calibration.seq_len")
 
 
-def _calibrate_whole_model(run: _Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
-    from converters.calibration.amax import record_amax
+def _calibrate_whole_model(run: Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
 
     try:
         return record_amax(run.model, paths, batches, backward=run.request.calibration.backward,
@@ -266,11 +282,11 @@ def _calibrate_whole_model(run: _Run, batches: list[dict[str, Any]], paths: list
         ) from exc
 
 
-def _calibrate_layer_by_layer(run: _Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
-    from converters.backends import backend_for
-    from converters.calibration.sequential import calibrate_layer_by_layer
+def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
 
-    after_layer = backend_for(run.recipe).layer_check(run)
+    after_layer, te_check = run.backend.layer_check(run.recipe)
+    if te_check is not None:
+        run.calibration.te_check = te_check
     try:
         amax = calibrate_layer_by_layer(
             run.meta_model, run.stack, run.checkpoint, batches, paths,
@@ -306,50 +322,37 @@ def model_inputs(model: Any, config: Any, batch: dict[str, torch.Tensor]) -> dic
     return inputs
 
 
-def _scaling_states(run: _Run, amax: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+def _scaling_states(run: Run, amax: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     """TE delayed scaling: the state TE would hold. Other recipes scale dynamically: per-step scales."""
-    from converters.calibration.amax import te_scaling_state
-    from converters.recipes import TEDelayedScalingRecipe
-
-    if isinstance(run.recipe, TEDelayedScalingRecipe):
+    if run.recipe.stateful:
         return {path: te_scaling_state(layer, run.recipe) for path, layer in amax.items()}
-    fp8_max = 448.0  # e4m3 for inputs and weights in every torchao recipe and in TE current scaling
+    # e4m3 for inputs and weights in every torchao recipe and in TE current scaling
     return {
-        path: {"scale_fwd_per_step": torch.where(layer.forward > 0, fp8_max / layer.forward, torch.ones(()))}
+        path: {"scale_fwd_per_step": torch.where(layer.forward > 0, E4M3_MAX / layer.forward, torch.ones(()))}
         for path, layer in amax.items()
     }
 
 
-def export(run: _Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
+def export(run: Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """Write weights (copied), FP8 state, calibration, config, report and manifest into ``staging``."""
-    from converters.pipeline import export as writers
-
     written = writers.write_weight_files(run, staging)
     run.sink.progress(1, 3)
     run.check_stop()
     written += writers.write_state_file(run, staging)
     written += writers.write_calibration_file(run, staging)
-    from converters.artifact.files import copy_side_files
-    from converters.model.sources import confinement_for
 
     written += copy_side_files(run.model_dir, staging, confinement_for(run.sources))
     written += _write_serving(run, staging)
     written += writers.write_json_files(run, staging, written)
     run.sink.progress(2, 3)
-    from converters.artifact.files import write_manifest
 
     manifest = write_manifest(staging)
     run.sink.progress(3, 3)
     return sorted({*written, "manifest.json"}), manifest
 
 
-def _write_serving(run: _Run, staging: Path) -> list[str]:
+def _write_serving(run: Run, staging: Path) -> list[str]:
     """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran."""
-    from converters.model.checkpoint import weight_files
-    from converters.model.sources import confinement_for, model_dtype
-    from converters.serving import serving_format
-    from converters.serving.plan import set_input_amax, write_serving_checkpoint
-
     written = []
     for name, plan in run.serving.items():
         starved = set_input_amax(plan, run.report, run.calibration.amax)
@@ -362,3 +365,9 @@ def _write_serving(run: _Run, staging: Path) -> list[str]:
                                          check_stop=run.check_stop)
         written += [f"serving/{name}/{file}" for file in files]
     return written
+
+
+#: The stages before export, in order, each with the function that runs it (export needs a directory: the driver
+#: calls it itself).
+STAGE_FUNCTIONS = ((Stage.RESOLVE, resolve), (Stage.ANALYZE, analyze), (Stage.CALIBRATE, calibrate),
+                   (Stage.CONVERT, convert))

@@ -7,38 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SYNC_LIMITS", "SYNC_DEFAULTS", "SYNC_MAX_TEXTS_CHARS", "SYNC_MAX_PARAMETERS", "check_sync_calibration",
-           "calibrated_analysis"]
+from converters.analysis.eligibility import analyze_model_reference
+from converters.errors import RequestError
+from converters.pipeline.driver import run_stages
+from converters.pipeline.state import NullSink, Run, Stage
 
-#: Bounds of the calibration /v1/analyze runs synchronously, inside the request (inclusive ranges), and its
-#: defaults: at most 4096 tokens, so that the answer comes in seconds for a small model.
-SYNC_LIMITS = {"steps": (1, 8), "batch_size": (1, 4), "seq_len": (1, 128), "texts": (1, 64)}
-SYNC_DEFAULTS = {"steps": 2, "batch_size": 2, "seq_len": 64}
-SYNC_MAX_TEXTS_CHARS = 65_536
-#: Largest model /v1/analyze calibrates synchronously; larger ones: ``fp8forge compare`` or a conversion job.
-SYNC_MAX_PARAMETERS = 1_000_000_000
-
-
-def check_sync_calibration(settings: Any) -> None:
-    """Refuse calibration settings beyond :data:`SYNC_LIMITS` (the synchronous /v1/analyze path).
-
-    Raises CalibrationDataError naming ``calibration.<field>``.
-    """
-    from converters.errors import CalibrationDataError
-
-    for name in ("steps", "batch_size", "seq_len"):
-        low, high = SYNC_LIMITS[name]
-        if not low <= getattr(settings, name) <= high:
-            raise CalibrationDataError(
-                f"calibration.{name} must be from {low} to {high} for a synchronous analysis; run `fp8forge compare` "
-                "or a conversion job for more", field=f"calibration.{name}")
-    if settings.backward:
-        raise CalibrationDataError("a synchronous analysis runs no backward pass", field="calibration.backward")
-    texts = settings.texts or ()
-    if len(texts) > SYNC_LIMITS["texts"][1] or sum(len(text) for text in texts) > SYNC_MAX_TEXTS_CHARS:
-        raise CalibrationDataError(f"a synchronous analysis takes at most {SYNC_LIMITS['texts'][1]} texts of "
-                                   f"{SYNC_MAX_TEXTS_CHARS} characters in all", field="calibration.texts")
-
+__all__ = ["calibrated_analysis"]
 
 def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_parameters: int | None = None
                         ) -> dict[str, Any]:
@@ -52,10 +26,6 @@ def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_par
     Raises the pipeline's Fp8ForgeError subclasses, and RequestError (field ``model``) for a model of more
     than ``max_parameters`` parameters.
     """
-    from converters.analysis.eligibility import analyze_model_reference
-    from converters.errors import RequestError
-    from converters.pipeline import stages
-    from converters.pipeline.driver import NullSink, _Run
 
     plain = analyze_model_reference(request.model, sources, backend=request.parsed_recipe().backend.value,
                                     include=request.include, exclude=request.exclude,
@@ -69,11 +39,8 @@ def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_par
     if plain["totals"]["eligible_layers"] + plain["totals"]["eligible_expert_units"] == 0:
         plain["warnings"] = ["no layer is eligible for FP8: nothing was calibrated"]
         return plain
-    run = _Run(request=request, sources=sources, sink=sink or NullSink())
-    for stage in (stages.resolve, stages.analyze, stages.calibrate):
-        run.check_stop()
-        run.sink.stage(stage.__name__)
-        stage(run)
+    run = Run(request=request, sources=sources, sink=sink or NullSink())
+    run_stages(run, stop_after=Stage.CALIBRATE)
     settings = request.calibration
     run.report["calibration"] = {"steps": settings.steps, "batch_size": settings.batch_size,
                                  "seq_len": settings.seq_len, "data_source": run.calibration.data_source,

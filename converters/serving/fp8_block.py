@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
-from converters.serving.plan import FP8_E4M3_MAX, ServingPlan
+from converters.serving.plan import ServingPlan
 
 __all__ = ["BLOCK", "FP8Block", "FP8_BLOCK"]
 

@@ -37,7 +37,6 @@ from converters.model.files import INDEX_NAME, FileConfinement
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
 
 __all__ = [
-    "FP8_E4M3_MAX",
     "ServingFormat",
     "ServingPlan",
     "expert_disk_keys",
@@ -46,7 +45,6 @@ __all__ = [
     "write_serving_checkpoint",
 ]
 
-FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 class ServingFormat(Protocol):

@@ -11,6 +11,15 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from converters import errors
+from converters.model import sources as model_sources
+from converters.pipeline.request import (
+    SYNC_DEFAULTS,
+    SYNC_MAX_PARAMETERS,
+    CalibrationSettings,
+    ConversionRequest,
+    check_sync_calibration,
+)
 from service.api.auth import Caller
 from service.api.schemas import AnalyzeCreate, JobCreate
 from service.artifacts import ArtifactStorage
@@ -28,13 +37,9 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
     Raises:
         converters.errors.Fp8ForgeError: with ``field`` naming the culprit (HTTP 422).
     """
-    from converters import errors
-    from converters.model import sources as model_sources
-    from converters.pipeline import request as pipeline
-
     _check_reference(request["model"], model_sources.ModelSourceOptions(**settings.model_sources()))
     try:
-        pipeline.ConversionRequest.from_dict(request)
+        ConversionRequest.from_dict(request)
     except (errors.RecipeError, errors.CalibrationDataError) as exc:
         # name the field by its full path in the request body
         section = "recipe" if isinstance(exc, errors.RecipeError) else "calibration"
@@ -44,9 +49,6 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
 
 
 def _check_reference(ref: str, sources: Any) -> None:
-    from converters import errors
-    from converters.model import sources as model_sources
-
     try:
         model_sources.validate_model_reference(ref, sources)
     except errors.ModelReferenceError as exc:
@@ -119,8 +121,7 @@ def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
         Fp8ForgeError: bad reference (422), model not found (422), bad calibration or recipe names (422),
             a model too large to calibrate synchronously (422), backend problems (503).
     """
-    from converters.analysis import eligibility as analysis
-    from converters.model import sources as model_sources
+    from converters.analysis import eligibility as analysis  # imports torch: never at the API's start-up
 
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
     _check_reference(body.model, sources)
@@ -133,18 +134,17 @@ def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
 
 
 def _calibrated_analysis(sources: Any, body: AnalyzeCreate) -> dict[str, Any]:
-    from converters.pipeline import sync_analysis
-    from converters.pipeline.request import CalibrationSettings, ConversionRequest
+    from converters.pipeline import sync_analysis  # imports torch: never at the API's start-up
 
     given = body.calibration.model_dump(exclude_none=True) if body.calibration is not None else {}
     if "texts" in given:
         given["texts"] = tuple(given["texts"])
-    calibration = CalibrationSettings(**{**sync_analysis.SYNC_DEFAULTS, **given})
-    sync_analysis.check_sync_calibration(calibration)
+    calibration = CalibrationSettings(**{**SYNC_DEFAULTS, **given})
+    check_sync_calibration(calibration)
     request = ConversionRequest(
         model=body.model, recipe={"backend": body.backend}, calibration=calibration, include=tuple(body.include),
         exclude=tuple(body.exclude), skip_first_last=body.skip_first_last,
         convert_router_gates=body.convert_router_gates, min_sqnr_db=body.min_sqnr_db,
         compare_recipes=tuple(body.compare_recipes or ()))
     with _CALIBRATING:
-        return sync_analysis.calibrated_analysis(request, sources, max_parameters=sync_analysis.SYNC_MAX_PARAMETERS)
+        return sync_analysis.calibrated_analysis(request, sources, max_parameters=SYNC_MAX_PARAMETERS)

@@ -18,9 +18,12 @@ from converters.pipeline.request import (
     NOT_BLANK,
     SERVING_FORMAT_NAMES,
     SHARD_BYTES,
+    SYNC_DEFAULTS,
+    SYNC_LIMITS,
+    SYNC_MAX_PARAMETERS,
+    SYNC_MAX_TEXTS_CHARS,
     CalibrationSettings,
 )
-from converters.pipeline.sync_analysis import SYNC_DEFAULTS, SYNC_LIMITS, SYNC_MAX_PARAMETERS, SYNC_MAX_TEXTS_CHARS
 from converters.recipes.presets import RECIPE_NAMES
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode

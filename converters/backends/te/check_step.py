@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from converters.backends.te.layer_check import rows_padded
 from converters.backends.te.layout import TE_STATE_NAMES
 from converters.backends.te.runtime import build_te_recipe, require_fp8_execution, te_autocast, te_module
 from converters.backends.te.state import check_state_tensors, meta_tensor, read_scaling_state, write_state
@@ -46,7 +47,6 @@ def fp8_check_step(model: nn.Module, batch: Mapping[str, torch.Tensor],
     device = next(model.parameters()).device
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     grads = {p: p.grad for p in model.parameters()}
-    from converters.backends.te.layer_check import rows_padded
 
     try:
         with torch.enable_grad(), rows_padded(te, model):

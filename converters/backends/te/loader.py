@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.artifact.layout import read_fp8_block
+from converters.artifact.layout import FP8_BLOCK_VERSION, STATE_FILE, read_fp8_block
 from converters.backends.te.grouped import (
     GroupedExperts,
     apply_grouped_state,
@@ -77,8 +77,6 @@ def read_te_artifact(directory: str | Path) -> TEArtifact:
     for an invalid recipe; ModelNotFoundError for a missing or unreadable state file; ConversionError when
     the state keys do not match ``converted_modules``, ``converted_experts`` and the recipe.
     """
-    from converters.artifact.layout import FP8_BLOCK_VERSION, STATE_FILE
-
     directory = Path(directory)
     fp8 = read_fp8_block(directory, "te")
     if fp8.get("version") != FP8_BLOCK_VERSION:
@@ -120,7 +118,6 @@ def _read_state_file(directory: Path, fp8: dict[str, Any]) -> dict[str, torch.Te
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from converters.artifact.layout import STATE_FILE
 
     name = fp8.get("state_file")
     if name is None:

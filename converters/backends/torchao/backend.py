@@ -18,20 +18,41 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from converters.analysis.eligibility import converted_expert_gemms
 from converters.artifact.layout import read_fp8_block
+from converters.backends.base import ConversionPlan, Converted, LayerCheck
 from converters.backends.torchao.config import (
     float8_config_dict,
     float8_linear_config,
+    float8_linear_config_from_dict,
     training_op_config,
     training_op_config_from_dict,
 )
-from converters.recipes import TorchAORecipe
+from converters.backends.torchao.experts import (
+    convert_experts_to_torchao,
+    experts_config_fields,
+    experts_config_from_dict,
+    load_experts,
+)
+from converters.backends.torchao.swap import (
+    convert_to_torchao,
+    convert_to_training_op,
+    load_training_op,
+    torchao_version,
+)
+from converters.errors import ArtifactError, RecipeError
+from converters.model.sources import ModelSourceOptions, load_model
+from converters.recipes import TorchAORecipe, recipe_from_dict
+from converters.recipes.requirements import require_recipe_hardware
 from converters.recipes.torchao_training import AOFloat8TrainingOpRecipe, AOMXFP8TrainingOpRecipe
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from converters.pipeline.driver import _Run
+    from converters.calibration.result import CalibrationResult
+    from converters.recipes import Recipe
 
 __all__ = ["TorchAOBackend", "TORCHAO"]
 
@@ -40,73 +61,53 @@ class TorchAOBackend:
     name = "ao"
     recipe_types = (TorchAORecipe, AOFloat8TrainingOpRecipe, AOMXFP8TrainingOpRecipe)
 
-    def preflight(self, run: _Run) -> None:
+    def preflight(self, recipe: Recipe) -> list[str]:
         """Fail before any work when this CUDA GPU cannot run the recipe; on a CPU worker, warn when the recipe
         does not run on the CPU either (the artifact is written all the same).
 
         Raises BackendUnavailableError naming the GPU, what it lacks and the GPUs that run the recipe.
         """
-        import torch
-
-        from converters.backends.base import check_shape_rule
-        from converters.recipes.requirements import require_recipe_hardware
-
-        check_shape_rule(run)
-        require_recipe_hardware(run.recipe)
-        hardware = run.recipe.hardware()
+        require_recipe_hardware(recipe)
+        hardware = recipe.hardware()
         if not torch.cuda.is_available() and hardware.min_capability is not None and not hardware.runs_on_cpu:
-            message = (f"{run.recipe.library_class} does not run on this CPU-only worker; the artifact is complete: "
-                       f"its layers train with it on {hardware.needs}, and load in high precision elsewhere")
-            if message not in run.warnings:
-                run.warn(message)
+            return [f"{recipe.library_class} does not run on this CPU-only worker; the artifact is complete: "
+                    f"its layers train with it on {hardware.needs}, and load in high precision elsewhere"]
+        return []
 
-    def layer_check(self, run: _Run) -> None:
-        self.preflight(run)
-        return None
+    def layer_check(self, recipe: Recipe) -> LayerCheck:
+        return LayerCheck(None)
 
-    def convert(self, run: _Run, eligible: list[str]) -> None:
-        from converters.analysis.eligibility import converted_expert_gemms
-        from converters.backends.torchao.experts import convert_experts_to_torchao, experts_config_from_dict
-        from converters.backends.torchao.swap import convert_to_torchao, convert_to_training_op
-
-        self.preflight(run)
-        model = run.model if run.model is not None else run.meta_model
-        gemms = converted_expert_gemms(run.report)
+    def convert(self, plan: ConversionPlan, calibration: CalibrationResult) -> Converted:
+        gemms = converted_expert_gemms(plan.report)
         if gemms:  # a check that the recorded experts config applies to exactly these weights (before any Linear
             # weight is wrapped by a training config: the experts check counts every wrapped parameter)
-            convert_experts_to_torchao(model, gemms, experts_config_from_dict(_experts_fields(run, model, gemms)))
-        if run.recipe.training_op:
-            run.converted = convert_to_training_op(model, eligible, training_op_config(run.recipe))
+            convert_experts_to_torchao(plan.model, gemms,
+                                       experts_config_from_dict(_experts_fields(plan.recipe, plan.model, gemms)))
+        if plan.recipe.training_op:
+            modules = convert_to_training_op(plan.model, list(plan.eligible), training_op_config(plan.recipe))
         else:
-            run.converted = convert_to_torchao(model, eligible, float8_linear_config(run.recipe))
+            modules = convert_to_torchao(plan.model, list(plan.eligible), float8_linear_config(plan.recipe))
+        return Converted(modules=modules)
 
-    def state_tensors(self, run: _Run) -> dict[str, Any]:
+    def state_tensors(self, plan: ConversionPlan, converted: Converted,
+                      calibration: CalibrationResult) -> dict[str, Any]:
         return {}
 
-    def block_fields(self, run: _Run) -> dict[str, Any]:
-        from converters.analysis.eligibility import converted_expert_gemms
-
-        fields: dict[str, Any] = {"state": run.recipe.state_note()}
-        if run.recipe.training_op:
-            fields["training_op_config"] = run.recipe.config_fields()
+    def block_fields(self, plan: ConversionPlan, converted: Converted) -> dict[str, Any]:
+        fields: dict[str, Any] = {"state": plan.recipe.state_note()}
+        if plan.recipe.training_op:
+            fields["training_op_config"] = plan.recipe.config_fields()
         else:
-            fields["float8_linear_config"] = float8_config_dict(run.recipe)
-        gemms = converted_expert_gemms(run.report)
+            fields["float8_linear_config"] = float8_config_dict(plan.recipe)
+        gemms = converted_expert_gemms(plan.report)
         if gemms:
-            fields["experts_config"] = _experts_fields(run, run.model if run.model is not None else run.meta_model,
-                                                       gemms)
+            fields["experts_config"] = _experts_fields(plan.recipe, plan.model, gemms)
         return fields
 
     def library_versions(self) -> dict[str, str]:
-        from converters.backends.torchao.swap import torchao_version
-
         return {"torchao": torchao_version()}
 
     def load(self, directory: Path, *, device: str) -> Any:
-        from converters.backends.torchao.config import float8_linear_config_from_dict
-        from converters.backends.torchao.experts import load_experts
-        from converters.backends.torchao.swap import convert_to_torchao, load_training_op
-        from converters.model.sources import ModelSourceOptions, load_model
 
         block = read_fp8_block(directory, self.name)
         experts = block.get("converted_experts", [])
@@ -131,8 +132,6 @@ class TorchAOBackend:
 
 def _recorded_training_op(directory: Path, block: dict[str, Any]) -> tuple[Any, Any]:
     """The artifact's training-op recipe and torchao config; they must agree (ArtifactError otherwise)."""
-    from converters.errors import ArtifactError, RecipeError
-    from converters.recipes import recipe_from_dict
 
     try:
         recipe = recipe_from_dict(block.get("recipe"))
@@ -144,11 +143,9 @@ def _recorded_training_op(directory: Path, block: dict[str, Any]) -> tuple[Any, 
     return recipe, training_op_config_from_dict(block["training_op_config"])
 
 
-def _experts_fields(run: _Run, model: nn.Module, gemms: list[str]) -> dict[str, Any]:
-    from converters.backends.torchao.experts import experts_config_fields
-
+def _experts_fields(recipe: Recipe, model: nn.Module, gemms: list[str]) -> dict[str, Any]:
     param = model.get_parameter(gemms[0])
-    return experts_config_fields(getattr(param, "dtype", None), run.recipe)
+    return experts_config_fields(getattr(param, "dtype", None), recipe)
 
 
 TORCHAO = TorchAOBackend()

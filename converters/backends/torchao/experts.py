@@ -31,8 +31,10 @@ import torch
 from torch import nn
 
 from converters.backends.torchao.config import training_op_config
-from converters.errors import ConversionError
+from converters.backends.torchao.swap import training_op_unavailable
+from converters.errors import ConversionError, RecipeError
 from converters.model.experts import EXPERT_GEMMS
+from converters.recipes import recipe_from_dict
 
 __all__ = ["EXPERTS_CONFIG", "MX_EXPERTS_CONFIG", "ExpertsPrecision", "experts_config_fields",
            "experts_config_from_dict", "fp8_grouped_gemm_unavailable", "grouped_gemm_unavailable",
@@ -94,9 +96,6 @@ def experts_config_from_dict(fields: Mapping[str, Any]) -> Any:
 
 def _mx_recipe(fields: Mapping[str, Any]) -> Any:
     """The ``mxfp8_training_op`` recipe whose config an MXFP8 ``experts_config`` records (ConversionError if none)."""
-    from converters.errors import RecipeError
-    from converters.recipes import recipe_from_dict
-
     options = {k: v for k, v in fields.items() if k not in ("config", "out_dtype", "experts_implementation")}
     try:
         recipe = recipe_from_dict({"backend": "ao", "scaling": "mxfp8_training_op", **options})
@@ -115,8 +114,6 @@ def grouped_gemm_unavailable(fields: Mapping[str, Any], device: str | torch.devi
     Raises ConversionError for a config this fp8forge does not write.
     """
     if fields.get("config") == MX_EXPERTS_CONFIG:
-        from converters.backends.torchao.swap import training_op_unavailable
-
         recipe = _mx_recipe(fields)
         why = training_op_unavailable(recipe, device)
         return None if why is None else f"{MX_EXPERTS_CONFIG} needs {recipe.hardware().needs}, and {why}"

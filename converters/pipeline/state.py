@@ -1,0 +1,112 @@
+"""The run state the pipeline stages hand to each other, the stage list, and where progress goes.
+
+Torch-free: the service imports :class:`Stage` from here.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from converters.calibration.result import CalibrationResult
+from converters.errors import ConversionCancelled
+from converters.model.sources import ModelSourceOptions
+from converters.pipeline.request import ConversionRequest
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from converters.backends.base import Backend, ConversionPlan, Converted
+    from converters.calibration.sequential import LayerStack
+    from converters.model.checkpoint import Checkpoint
+    from converters.recipes import Recipe
+    from converters.serving.plan import ServingPlan
+
+__all__ = ["Stage", "STAGES", "ProgressSink", "NullSink", "Run"]
+
+logger = logging.getLogger(__name__)
+
+
+class Stage(str, enum.Enum):
+    """Pipeline stages, in the order they run."""
+
+    RESOLVE = "resolve"
+    ANALYZE = "analyze"
+    CALIBRATE = "calibrate"  # in high precision, before the swap
+    CONVERT = "convert"
+    EXPORT = "export"
+
+
+STAGES: tuple[Stage, ...] = tuple(Stage)
+
+
+class ProgressSink(Protocol):
+    """Where the pipeline reports; the CLI draws progress bars, the worker stores events."""
+
+    def stage(self, name: str) -> None: ...
+
+    def progress(self, done: int, total: int) -> None: ...
+
+    def warning(self, message: str) -> None: ...
+
+    def should_stop(self) -> bool: ...
+
+
+class NullSink:
+    """A sink that records warnings and never asks to stop."""
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def stage(self, name: str) -> None:
+        logger.info("stage %s", name)
+
+    def progress(self, done: int, total: int) -> None:
+        pass
+
+    def warning(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def should_stop(self) -> bool:
+        return False
+
+
+@dataclass
+class Run:
+    """What the stages hand to each other: the request, then what each stage made (set by that stage)."""
+
+    request: ConversionRequest
+    sources: ModelSourceOptions
+    sink: ProgressSink
+    backend: Backend | None = None  #: chosen by the recipe's type in resolve (backend_for), once
+    recipe: Recipe | None = None
+    model_dir: Path | None = None
+    config: PretrainedConfig | None = None
+    report: dict[str, Any] | None = None
+    meta_model: nn.Module | None = None  #: built on the meta device; the layer-sequential mode loads into it
+    checkpoint: Checkpoint | None = None  #: the source's weight files, indexed
+    stack: LayerStack | None = None  #: None in whole-model mode
+    pipeline: dict[str, Any] = field(default_factory=dict)  #: mode, reason, device (for the report)
+    model: nn.Module | None = None  #: the loaded model, whole-model mode only
+    plan: ConversionPlan | None = None  #: set by convert: what the backend converts
+    conversion: Converted | None = None  #: set by convert: what the backend did
+    weights_on_disk: dict[str, str] = field(default_factory=dict)
+    serving: dict[str, ServingPlan] = field(default_factory=dict)  #: format name -> its plan
+    calibration: CalibrationResult = field(default_factory=lambda: CalibrationResult())
+    tied_weights: dict[str, str] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        if message in self.warnings:  # a check that runs at several stages says its piece once
+            return
+        self.warnings.append(message)
+        self.sink.warning(message)
+
+    def check_stop(self) -> None:
+        if self.sink.should_stop():
+            raise ConversionCancelled("the conversion was cancelled")
