@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from converters.model.limits import ConfigLimits
+
 __all__ = ["Settings", "SettingsError", "load_settings"]
 
 ENV_PREFIX = "FP8FORGE_"
@@ -192,8 +194,6 @@ class Settings(BaseSettings):
 
     def config_limits(self) -> Any:
         """``converters.model.limits.ConfigLimits`` from the ``max_model_*`` settings."""
-        from converters.model.limits import ConfigLimits
-
         return ConfigLimits(max_layers=self.max_model_layers, max_dim=self.max_model_dim,
                             max_experts=self.max_model_experts, max_vocab=self.max_model_vocab,
                             max_parameters=self.max_model_parameters)

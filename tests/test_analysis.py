@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from converters.analysis.eligibility import AnalysisOptions, Reason, analyze_model, eligible_paths
+from converters.analysis.eligibility import AnalysisOptions, analyze_model, eligible_paths
 from converters.analysis.patterns import matches
+from converters.analysis.reasons import Reason
 from converters.errors import Fp8ForgeError
 from tests.models import tiny_config
 

@@ -6,6 +6,7 @@ import pytest
 
 from converters.backends import BACKENDS, backend_for, backend_named
 from converters.backends.base import Backend as BackendProtocol
+from converters.pipeline.request import SERVING_FORMAT_NAMES
 from converters.recipes import RECIPE_CLASSES, Backend
 from converters.serving import SERVING_FORMATS, serving_format
 from converters.serving.plan import ServingFormat
@@ -40,3 +41,7 @@ def test_serving_format_lookup_names_the_field():
     with pytest.raises(Exception, match="known: compressed-tensors-fp8") as info:
         serving_format("gguf", field="serving_formats[3]")
     assert info.value.field == "serving_formats[3]"
+
+
+def test_the_torch_free_list_of_serving_format_names_is_the_registry():
+    assert tuple(SERVING_FORMATS) == SERVING_FORMAT_NAMES

@@ -114,7 +114,8 @@ def _deferred_project_imports() -> list[tuple[Path, int, str]]:
                     continue
                 for node in ast.walk(function):
                     if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
-                        found.append((path.relative_to(ROOT), node.lineno, lines[node.end_lineno - 1]))
+                        text = "\n".join(lines[node.lineno - 1:node.end_lineno])
+                        found.append((path.relative_to(ROOT), node.lineno, text))
     return found
 
 

@@ -8,8 +8,6 @@ model stays in high precision. Nothing in the model is touched.
 
 from __future__ import annotations
 
-import enum
-import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,6 +15,8 @@ import torch
 from torch import nn
 
 from converters.analysis.patterns import PatternError, check_patterns, matches
+from converters.analysis.reasons import Reason
+from converters.analysis.totals import count_parameters, dtype_name, totals
 from converters.errors import ConversionError, RecipeError, RequestError
 from converters.model.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
 from converters.model.sources import build_meta_model, load_config, resolve_model_dir
@@ -25,44 +25,19 @@ from converters.recipes.requirements import ShapeRule, requirements
 
 __all__ = [
     "AnalysisOptions",
-    "Reason",
     "analyze_model",
     "analyze_model_reference",
     "check_include_patterns",
+    "check_report_rule",
     "converted_expert_gemms",
     "eligible_expert_units",
     "eligible_paths",
-    "refresh_totals",
     "options_recipe",
     "REPORT_VERSION",
 ]
 
-logger = logging.getLogger(__name__)
 
 REPORT_VERSION = 1
-FP8_DIM_MULTIPLE = 16
-
-
-class Reason(str, enum.Enum):
-    """Reason codes a layer carries when it is not eligible (stable strings, documented in README)."""
-
-    DIM_NOT_DIVISIBLE = "dim_not_divisible_by_16"
-    # Each recipe's own shape rule (converters.recipes.requirements: TE's block sizes and alignments)
-    DIM_NOT_DIVISIBLE_MXFP8 = "dim_not_divisible_by_32_for_mxfp8"  #: MXFP8 (TE MXFP8BlockScaling, torchao MXFP8)
-    DIM_NOT_DIVISIBLE_FP8_BLOCK = "dim_not_divisible_by_128_for_fp8_block"  #: TE Float8BlockScaling
-    DIM_NOT_DIVISIBLE_NVFP4 = "dim_not_divisible_by_128_for_nvfp4"  #: TE NVFP4BlockScaling
-    FIRST_LINEAR = "first_linear"
-    LAST_LINEAR = "last_linear"
-    EXCLUDED = "excluded_by_pattern"
-    NOT_INCLUDED = "not_matched_by_include"
-    ROUTER_GATE = "moe_router_gate"
-    TIED_HEAD = "tied_to_input_embedding"
-    NOT_LINEAR = "not_nn_linear"
-    FUSED_EXPERTS = "fused_expert_parameter"
-    ROUTER_WEIGHT = "router_parameter"
-    OTHER_MATMUL = "matmul_weight_outside_linear"
-    EXPERT_LAYOUT = "expert_layout_unsupported"
-    LOW_SQNR = "low_sqnr"  #: output SQNR under the recipe below min_sqnr_db (converters.calibration.sensitivity)
 
 
 # Sibling projections that inference engines and TE fuse into one GEMM: a group must agree.
@@ -169,7 +144,7 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
         "fused_groups": _fused_groups(layers) + _expert_groups(layers, experts.values()),
         "moe": [_moe_entry(block) for block in experts.values()],
     }
-    report["totals"] = _totals(_count_parameters(named), report)
+    report["totals"] = totals(count_parameters(named), report)
     return report
 
 
@@ -186,7 +161,7 @@ def eligible_expert_units(report: dict[str, Any]) -> list[str]:
 def _expert_entries(block: ExpertsModule, module: nn.Module, options: AnalysisOptions,
                     rule: ShapeRule) -> list[dict[str, Any]]:
     """One entry per expert GEMM, with the Linear rules that apply to a GEMM (shape, include, exclude)."""
-    dtype = _dtype_name(module.gate_up_proj.dtype)
+    dtype = dtype_name(module.gate_up_proj.dtype)
     entries = []
     for e in range(block.num_experts):
         for gemm in EXPERT_GEMMS:
@@ -267,7 +242,7 @@ def _layer_entry(path: str, module: nn.Module, in_features: int, out_features: i
         "in_features": in_features,
         "out_features": out_features,
         "parameters": module.weight.numel() + (bias.numel() if bias is not None else 0),
-        "dtype": _dtype_name(module.weight.dtype),
+        "dtype": dtype_name(module.weight.dtype),
         "eligible": False,
         "reasons": [],
         "group": None,
@@ -366,7 +341,7 @@ def _other_matmul_weights(named: list[tuple[str, nn.Module]], experts: set[str])
                     "cls": type(module).__name__,
                     "shape": list(parameter.shape),
                     "parameters": parameter.numel(),
-                    "dtype": _dtype_name(parameter.dtype),
+                    "dtype": dtype_name(parameter.dtype),
                     "reason": _other_reason(module, name, parameter),
                 }
             )
@@ -380,87 +355,6 @@ def _other_reason(module: nn.Module, name: str, parameter: torch.Tensor) -> str:
     if "router" in class_name or "gate" in class_name:
         return Reason.ROUTER_WEIGHT.value
     return Reason.OTHER_MATMUL.value
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Parameters:
-    """The model's parameters, each tensor once (a tied head shares the embedding's)."""
-
-    count: int
-    bytes: int
-    dtypes: tuple[str, ...]  # most bytes first
-
-
-def _count_parameters(named: list[tuple[str, nn.Module]]) -> _Parameters:
-    seen: set[int] = set()
-    count = 0
-    bytes_by_dtype: dict[str, int] = {}
-    for _, module in named:
-        for parameter in module._parameters.values():
-            if parameter is not None and id(parameter) not in seen:
-                seen.add(id(parameter))
-                count += parameter.numel()
-                dtype = _dtype_name(parameter.dtype)
-                bytes_by_dtype[dtype] = bytes_by_dtype.get(dtype, 0) + parameter.numel() * parameter.element_size()
-    dtypes = tuple(sorted(bytes_by_dtype, key=lambda name: -bytes_by_dtype[name]))
-    return _Parameters(count=count, bytes=sum(bytes_by_dtype.values()), dtypes=dtypes)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def refresh_totals(report: dict[str, Any]) -> None:
-    """Recount ``report["totals"]`` after layers changed eligibility (the model's size is in the totals already)."""
-    totals = report["totals"]
-    dtypes = tuple(name for name in totals["weight_dtype"].split("+") if name != "none")
-    report["totals"] = _totals(_Parameters(count=totals["model_parameters"], bytes=totals["weight_bytes"],
-                                           dtypes=dtypes), report)
-
-
-def _totals(parameters: _Parameters, report: dict[str, Any]) -> dict[str, Any]:
-    units = [layer for layer in report["layers"] if "expert" in layer]
-    linear_layers = [layer for layer in report["layers"] if layer["class"] != "Conv1D" and "expert" not in layer]
-    eligible = [layer for layer in linear_layers if layer["eligible"]]
-    eligible_units = [unit for unit in units if unit["eligible"]]
-    linear_params = sum(layer["parameters"] for layer in linear_layers)
-    expert_params = sum(unit["parameters"] for unit in units)
-    fp8_linear_params = sum(layer["in_features"] * layer["out_features"] for layer in eligible)
-    fp8_weight_params = fp8_linear_params + sum(unit["parameters"] for unit in eligible_units)
-    outside = sum(entry["parameters"] for entry in report["other_weights"])
-    conv1d = sum(layer["parameters"] for layer in report["layers"] if layer["class"] == "Conv1D")
-    # One byte per FP8 weight element, in place of the layer's own element size.
-    fp8_saving = sum(layer["in_features"] * layer["out_features"] * (getattr(torch, layer["dtype"]).itemsize - 1)
-                     for layer in eligible + eligible_units)
-    bytes_before = parameters.count * 2
-    return {
-        "linear_layers": len(linear_layers),
-        "eligible_layers": len(eligible),
-        "skipped_layers": len(linear_layers) - len(eligible),
-        "conv1d_layers": len(report["layers"]) - len(linear_layers) - len(units),
-        "expert_units": len(units),
-        "eligible_expert_units": len(eligible_units),
-        "linear_parameters": linear_params,
-        "expert_parameters": expert_params,
-        "fp8_parameters": fp8_weight_params,
-        "fp8_share_of_linear_parameters": _ratio(fp8_linear_params, linear_params),
-        "fp8_share_of_expert_parameters": _ratio(fp8_weight_params - fp8_linear_params, expert_params),
-        "matmul_parameters_outside_linear": outside + conv1d + expert_params,
-        "fp8_share_of_all_matmul_parameters": _ratio(fp8_weight_params,
-                                                     linear_params + expert_params + outside + conv1d),
-        "model_parameters": parameters.count,
-        "partly_eligible_groups": sum(1 for group in report["fused_groups"] if group["partly_eligible"]),
-        "weight_dtype": "+".join(parameters.dtypes) or "none",
-        "weight_bytes": parameters.bytes,
-        "weight_bytes_with_fp8": parameters.bytes - fp8_saving,
-        # The same two figures as if every parameter were bf16 (report version 1 had only these).
-        "weight_bytes_bf16": bytes_before,
-        "weight_bytes_fp8": bytes_before - fp8_weight_params,
-    }
-
-
-def _ratio(part: int, whole: int) -> float:
-    return round(part / whole, 6) if whole else 0.0
 
 
 def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", include=(), exclude=(),

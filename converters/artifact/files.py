@@ -7,7 +7,6 @@ stages the whole directory and renames it only on success, so a reader never see
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,7 +29,6 @@ __all__ = [
     "verify_manifest",
 ]
 
-logger = logging.getLogger(__name__)
 
 
 

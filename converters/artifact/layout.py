@@ -5,7 +5,8 @@ Layout (all in one directory, listed with checksums in manifest.json):
   ``model.safetensors.index.json``): TE and torchao keep high-precision weights, so the files keep the
   source's own tensor names, and a plain ``from_pretrained`` loads them as it loads the source.
 - ``fp8_state.safetensors`` (TE delayed scaling, the one recipe with state): each converted layer's scaling state
-  under the keys of :mod:`converters.backends.te.layout`, keyed by the layer's module path in the loaded model. Stateless
+  under the keys of :mod:`converters.backends.te.layout`, keyed by the layer's module path in the loaded model.
+  Stateless
   recipes (current scaling, block scaling, MXFP8, NVFP4, every torchao recipe) have none.
 - ``fp8_calibration.safetensors``: per layer ``<path>.amax_forward [steps, 3]`` (input, weight, output),
   ``<path>.amax_backward [steps, 2]`` when gradients were recorded, and for per-tensor and rowwise dynamic

@@ -5,7 +5,6 @@ Both verify the manifest's checksums first, so a truncated or altered file is re
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ from converters.backends.te.runtime import require_te
 
 __all__ = ["load_torchao", "load_te"]
 
-logger = logging.getLogger(__name__)
 
 
 def load_torchao(directory: str | Path, *, verify: bool = True, device: str = "cpu") -> Any:

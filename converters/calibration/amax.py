@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,7 +43,6 @@ __all__ = [
     "te_scaling_state",
 ]
 
-logger = logging.getLogger(__name__)
 
 CORPUS_PATH = Path(__file__).parent / "data" / "calibration_corpus.txt"
 # The SQNR meter the recorders built inside measuring_sqnr() feed; a context, not an argument, because the
@@ -192,7 +190,8 @@ def calibration_batches(
 @contextmanager
 def measuring_sqnr(meter: SqnrMeter | None) -> Iterator[SqnrMeter | None]:
     """Inside the block, every recorder built (:func:`amax_recorder`, :class:`AmaxRecorder`) also feeds each
-    hooked call to ``meter`` (``converters.calibration.sensitivity``), which accumulates the layer's quantization error."""
+    hooked call to ``meter`` (``converters.calibration.sensitivity``), which accumulates the layer's quantization
+    error."""
     token = _SQNR_METER.set(meter)
     try:
         yield meter

@@ -1,40 +1,6 @@
 """FP8 and FP4 casts emulated on the CPU with the rounding and scale rules of the hardware recipes.
 
-Each cast takes a tensor as a GEMM consumes it, ``[rows, K]`` with the reduction dim ``K`` last (a Linear's
-input ``[tokens, in]`` and its weight ``[out, in]`` both are), and returns the dequantized values in fp32: what
-the FP8/FP4 GEMM multiplies, so that ``x - fake_quantize(x)`` is the quantization noise. Element casts are the
-hardware's: round-to-nearest-even with saturation (PyTorch's casts to ``float8_e4m3fn`` / ``float8_e5m2``
-round to nearest even; values are clamped to the format's maximum first, as TE's ``satfinite`` conversions
-and torchao's ``to_fp8_saturated`` do), and for FP4 E2M1 round-to-nearest-even onto {0, 0.5, 1, 1.5, 2, 3, 4,
-6} (:func:`round_to_e2m1`, the ``cvt.rn.satfinite.e2m1x2`` rule).
-
-Scales, per block of ``CastSpec.block`` (a partial edge block is padded with zeros, as TE's reference
-quantizers pad; zeros change no amax):
-
-* ``fp32``: ``scale = fp8_max / amax``; ``q = cast(x * scale)``; amax 0 keeps scale 1.
-  TransformerEngine (``compute_scale_from_amax``, current and delayed scaling; the delayed scale comes from
-  the amax history, :mod:`converters.calibration.scaling`) divides in fp32 and dequantizes with ``q * (1 / scale)``;
-  torchao (``float8_utils.amax_to_scale``) divides in fp64 with amax clamped to 1e-12 and dequantizes with
-  ``q / scale``.
-* ``pow2``: the same scale rounded down to a power of two: TE ``Float8BlockScaling`` (``power_2_scale``,
-  its default; ``tests/pytorch/references/quantize_scale_calc.py``) and torchao's rowwise recipes
-  (``round_scales_to_power_of_2=True`` in ``Float8LinearConfig.from_recipe_name``).
-* ``e8m0_rceil``: MXFP8, one E8M0 (power-of-two) scale per 32 elements along K. Both TE
-  (``ptx::float_to_e8m0(amax * Quantized_Limits<OType>::max_norm_rcp)``, rounding *up*, the
-  ``cvt.rp.satfinite.ue8m0x2.f32`` instruction; ``common/util/ptx.cuh``) and torchao's MXFP8 training
-  (``MXFP8TrainingOpConfig.scale_calculation_mode = RCEIL``, ``mx_tensor._to_mx_rceil``) use this: the
-  dequantization scale is ``2**ceil(log2(amax / 448))``, so no element saturates. TE multiplies by the fp32
-  reciprocal of 448, torchao divides by 448.
-* ``e8m0_floor``: the OCP MX v1.0 rule (torchao ``to_mx`` default ``ScaleCalculationMode.FLOOR``): shared
-  exponent ``floor(log2(amax)) - emax_elem`` (``emax_elem`` = 8 for E4M3); the block's largest values may
-  saturate at 448. Kept for comparison; no training recipe uses it.
-* ``nvfp4``: NVFP4, two levels (TE ``core_nvfp4.cuh``): a global fp32 encode scale
-  ``S_enc = 448 * 6 / amax(tensor)`` (1 for amax 0), per 16 elements along K an E4M3 decode scale
-  ``S_dec_b = cast_e4m3(amax(block) * (S_enc * (1/6)))``, elements ``q = e2m1(x / (S_dec_b / S_enc))``,
-  dequantized ``q * S_dec_b * amax / (6 * 448)`` (``dequantize_nvfp4.cuh``). torchao's ``nvfp4_quantize``
-  (two-level) computes the same scales from ``amax / (448 * 6)`` and differs from TE in the last bit of a
-  scale at most. TE's recipe casts weights in 16x16 blocks (``nvfp4_block16x16``) unless
-  ``disable_2d_quantization``.
+Details, and the library sources they follow: README.md beside this file.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ calibration, and the model's own forward is left untouched.
 An expert that receives no token in a step records input and output amax 0 for that step, as TE's grouped
 GEMM leaves the slots of an empty split (its delayed-scaling update then skips the roll and keeps the scale);
 the weight amax is recorded every step, as TE casts every expert's weight. With an SQNR meter
-(``converters.calibration.sensitivity``), each expert's GEMMs are measured on the same routed tokens, and each unit's weight
+(``converters.calibration.sensitivity``), each expert's GEMMs are measured on the same routed tokens, and each unit's
+weight
 once.
 
 With ``backward``, a hook on the experts module's output receives the gradient of the module's output ``G``

@@ -14,7 +14,6 @@ Nothing here imports TransformerEngine; the functions take plain tensors and ret
 
 from __future__ import annotations
 
-import logging
 from enum import Enum
 
 import torch
@@ -30,7 +29,6 @@ __all__ = [
     "delayed_scaling_state",
 ]
 
-logger = logging.getLogger(__name__)
 
 #: Largest finite value of each FP8 format (448 and 57344: TE ``Format`` / ``fp8_dtype_max`` in delayed_scaling.cu).
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)

@@ -23,12 +23,12 @@ by its lowest member. This module imports torch only inside the meter.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from converters.analysis.eligibility import Reason, refresh_totals
+from converters.analysis.reasons import Reason
+from converters.analysis.totals import refresh_totals
 from converters.calibration.emulation import E4M3_MAX, cast_spec, db, fake_quantize, tensor_scale
 from converters.recipes.presets import _value, parse_compare_recipe, recipe_label
 
@@ -49,7 +49,6 @@ __all__ = [
     "exclude_low_sqnr",
 ]
 
-logger = logging.getLogger(__name__)
 
 SQNR_DEFINITION = ("10*log10(sum(x^2)/sum((x-q(x))^2)) dB; weight: the weight cast once; input: the calibration "
                    "inputs, all steps pooled; output: the output from the cast input and weight against fp32 from "

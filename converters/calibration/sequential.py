@@ -20,7 +20,6 @@ and step equals whole-model calibration (bitwise on CPU in fp32).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +43,6 @@ __all__ = [
     "calibrate_layer_by_layer",
 ]
 
-logger = logging.getLogger(__name__)
 
 
 LAYER_SEQUENTIAL = "layer_sequential"

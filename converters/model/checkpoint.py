@@ -13,7 +13,6 @@ it, so the pages read stay out of the process once a group is released.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ from converters.third_party_noise import transformers_progress_off
 
 __all__ = ["weight_files", "Checkpoint", "release", "unit_keys"]
 
-logger = logging.getLogger(__name__)
 
 
 def weight_files(directory: Path) -> list[Path]:

@@ -5,7 +5,8 @@ Calibration comes before the swap because it measures the high-precision tensors
 time (``converters.calibration.sequential``); otherwise ``resolve`` loads the whole model. The weights themselves
 are copied, never decoded (``converters.artifact.layout``).
 
-Each stage is a small function over one :class:`~converters.pipeline.state.Run`, reports its progress to a :class:`ProgressSink`,
+Each stage is a small function over one :class:`~converters.pipeline.state.Run`, reports its progress to a
+:class:`ProgressSink`,
 and checks for cancellation between steps. The output is staged in a hidden sibling directory and
 renamed into place only when every file is written, so a failed or cancelled run leaves nothing behind.
 """

@@ -41,8 +41,7 @@ __all__ = [
 #: Inclusive ranges of the calibration numbers. Layer-sequential calibration caches every step's hidden
 #: states, so besides each number the tokens of one step and of the whole run are bounded (below).
 LIMITS = {"steps": (1, 1024), "batch_size": (1, 256), "seq_len": (1, 8192), "texts": (1, 10_000)}
-#: batch_size x seq_len. A step's logits are tokens x vocabulary x 4 bytes: 4 GiB at Llama-3's 128k vocabulary;
-#: the old per-number limits allowed 8M tokens (10 GB of logits even on the 320-token demo vocabulary).
+#: batch_size x seq_len. A step's logits are tokens x vocabulary x 4 bytes: 4 GiB at Llama-3's 128k vocabulary.
 MAX_TOKENS_PER_STEP = 8192
 #: steps x batch_size x seq_len. The cached hidden states of a run are tokens x hidden x 2 bytes: 4 GiB for an
 #: 8B model (hidden 4096), twice for 70B. The default run is 4096 tokens.
@@ -178,7 +177,8 @@ class ConversionRequest:
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     te_extra_state: bool = False
     serving_formats: tuple[str, ...] = ()  #: names in converters.serving.SERVING_FORMATS, each its own subdirectory
-    #: keep layers whose output SQNR under the recipe is below this many dB in high precision (converters.calibration.sensitivity)
+    #: keep layers whose output SQNR under the recipe is below this many dB in high precision
+    #: (converters.calibration.sensitivity)
     min_sqnr_db: float | None = None
     #: more recipes to measure the SQNR of, side by side (names of sensitivity.RECIPE_NAMES or recipe objects)
     compare_recipes: tuple[Any, ...] = ()

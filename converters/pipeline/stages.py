@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,6 @@ from converters.serving.plan import expert_disk_keys, plan_serving, set_input_am
 
 __all__ = ["STAGE_FUNCTIONS", "resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
 
-logger = logging.getLogger(__name__)
 
 
 def resolve(run: Run) -> None:
@@ -91,7 +89,6 @@ def resolve(run: Run) -> None:
 
 
 def _load_whole_model(run: Run) -> None:
-
     run.model = load_model(run.model_dir, run.sources)
     run.model.to(run.pipeline["device"])
 
@@ -238,7 +235,6 @@ def _report_experts(run: Run, amax: dict[str, Any]) -> None:
 
 
 def _calibration_batches(run: Run) -> tuple[list[dict[str, Any]], str]:
-
     settings = run.request.calibration
     tokenizer = load_tokenizer(run.model_dir, run.sources)
     vocab_size = getattr(_text_config(run.config), "vocab_size", None)
@@ -272,7 +268,6 @@ def _warn_if_shorter_than_a_window(run: Run, first_mask: torch.Tensor) -> None:
 
 
 def _calibrate_whole_model(run: Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
-
     try:
         return record_amax(run.model, paths, batches, backward=run.request.calibration.backward,
                            on_step=run.sink.progress, should_stop=run.sink.should_stop)
@@ -283,7 +278,6 @@ def _calibrate_whole_model(run: Run, batches: list[dict[str, Any]], paths: list[
 
 
 def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
-
     after_layer, te_check = run.backend.layer_check(run.recipe)
     if te_check is not None:
         run.calibration.te_check = te_check

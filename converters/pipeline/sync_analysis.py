@@ -1,5 +1,6 @@
 """The synchronous analysis of ``POST /v1/analyze`` (and ``fp8forge analyze --calibrate``): a short calibration
-inside the request that reports each eligible layer's SQNR (:mod:`converters.calibration.sensitivity`), within bounds that keep
+inside the request that reports each eligible layer's SQNR (:mod:`converters.calibration.sensitivity`), within bounds
+that keep
 the answer to seconds for a small model.
 """
 

@@ -40,7 +40,8 @@ from converters.recipes.base import (
 if TYPE_CHECKING:
     from converters.recipes.requirements import Hardware, ShapeRule
 
-__all__ = ["RECIPES", "Recipe", "register_recipe", "recipe_from_dict", "typed_from_dict", "default_recipe"]
+__all__ = ["RECIPES", "Recipe", "register_recipe", "recipes_of", "recipe_from_dict", "typed_from_dict",
+           "default_recipe"]
 
 _R = TypeVar("_R", bound=type)
 
@@ -89,6 +90,11 @@ def register_recipe(backend: Backend, scaling: TEScaling | AOTrainingOp | None) 
         RECIPES[backend, scaling] = cls
         return cls
     return register
+
+
+def recipes_of(backend: Backend) -> tuple[type, ...]:
+    """The recipe classes registered for ``backend`` (what that backend runs)."""
+    return tuple(cls for (owner, _), cls in RECIPES.items() if owner is backend)
 
 
 def typed_from_dict(cls: type, data: Mapping[str, Any]) -> Any:

@@ -1,34 +1,6 @@
 """What a recipe asks of a model and of a GPU: its Linear shape rule, the compute capability it runs on, its casts.
 
-Each recipe class answers ``shape_rule()``, ``hardware()`` and ``cast_formats()`` with the constants here. The
-facts are read from the libraries' source (TransformerEngine at 2.20.0.dev0 and tags v2.0..v2.18, torchao 0.18,
-PyTorch's ``aten/src/ATen/native/cuda``); each constant names where.
-
-Shape rules (both ``in_features`` and ``out_features`` of a Linear must be multiples; the token dimension is
-the trainer's to pad):
-
-* FP8 per-tensor / rowwise, 16: TE ``pytorch/utils.py`` ``assert_dim_for_fp8_exec`` (last dim % 16, leading
-  dims % 8, asserted by ``te.Linear`` for every recipe); cuBLASLt FP8 GEMMs need leading dimensions % 16
-  (``common/gemm/cublaslt_gemm.cu``, "Caller must pad"); ``get_align_size_for_quantization`` returns 16 for
-  every recipe but MXFP8 and NVFP4.
-* MXFP8, 32: ``MXFP8_BLOCK_SCALING_SIZE = 32`` (``pytorch/constants.py``); ``MXFP8Quantizer.is_quantizable``
-  (``pytorch/tensor/mxfp8_tensor.py``) needs ``shape[-1] % 32`` and ``prod(shape[:-1]) % 32``;
-  ``get_align_size_for_quantization`` (``pytorch/quantization.py``) returns 32 for MXFP8.
-* FP8 block scaling, 128: ``Float8BlockQuantizer.block_len = 128`` and its ``is_quantizable``
-  (``pytorch/tensor/float8_blockwise_tensor.py``) needs both dims % 128; TE's own tests skip
-  ``fp8_block_scaling`` unless dims are divisible by 128 (``tests/pytorch/test_fusible_ops.py``). TE's
-  ``get_align_size_for_quantization`` says 16 here (it pads grouped-GEMM token splits, and the GEMM itself
-  checks only ``k % 16``, ``m % 8``): 128 is the quantizer's rule, the stricter one, so no layer is converted
-  that TE calls unquantizable.
-* NVFP4, 128: ``get_align_size_for_quantization`` returns 128 for NVFP4; the transposing NVFP4 cast needs rows
-  and cols % 32 (``common/cast/nvfp4/quantize_transpose_nvfp4.cuh``, "16B alignment for TMA") and % 128 for
-  GEMM-swizzled scales; ``NVFP4_BLOCK_SCALING_SIZE = 16``.
-
-Hardware (``pytorch/quantization.py`` ``_compute_*_support``, behind ``check_*_support`` /
-``is_*_available``): FP8 per-tensor 8.9+; MXFP8 10.0+ but not 12.0+ ("not supported on 12.0+ architectures
-yet"); FP8 block scaling 9.0+ with CUDA >= 12.9 (TE 2.5-2.8: 9.x only; on 10.0+ it is emulated with MXFP8,
-which needs power-of-two scales: ``common/transpose/quantize_transpose_*_blockwise.cu``); NVFP4 10.0+.
-torch ``_scaled_mm`` FP8 needs 8.9+ (rowwise kernels for 8.9, 9.x and 10.x: ``RowwiseScaledMM.cu``).
+Details, and the library sources they follow: README.md beside this file.
 """
 
 from __future__ import annotations
@@ -36,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from converters.analysis.reasons import Reason
 from converters.errors import BackendUnavailableError
 
 __all__ = [
@@ -95,21 +68,21 @@ class ShapeRule:
         return {"multiple": self.multiple, "reason": self.reason, "rule": self.describe(), "source": self.source}
 
 
-FP8_RULE = ShapeRule(multiple=16, reason="dim_not_divisible_by_16",
+FP8_RULE = ShapeRule(multiple=16, reason=Reason.DIM_NOT_DIVISIBLE.value,
                      source="TE pytorch/utils.py assert_dim_for_fp8_exec (last dim % 16); cuBLASLt FP8 GEMM "
                             "leading dims % 16 (common/gemm/cublaslt_gemm.cu); torch._scaled_mm dims % 16")
-MXFP8_RULE = ShapeRule(multiple=32, reason="dim_not_divisible_by_32_for_mxfp8",
+MXFP8_RULE = ShapeRule(multiple=32, reason=Reason.DIM_NOT_DIVISIBLE_MXFP8.value,
                        source="TE MXFP8_BLOCK_SCALING_SIZE = 32 (pytorch/constants.py), MXFP8Quantizer.is_quantizable "
                               "(pytorch/tensor/mxfp8_tensor.py), get_align_size_for_quantization -> 32")
-TORCHAO_MXFP8_RULE = ShapeRule(multiple=32, reason="dim_not_divisible_by_32_for_mxfp8",
+TORCHAO_MXFP8_RULE = ShapeRule(multiple=32, reason=Reason.DIM_NOT_DIVISIBLE_MXFP8.value,
                                source="torchao prototype/moe_training/mxfp8_linear.py block_size = 32 (MXFP8 scales "
                                       "per 32 values along K for input, weight and grad_output)")
-FP8_BLOCK_RULE = ShapeRule(multiple=128, reason="dim_not_divisible_by_128_for_fp8_block",
+FP8_BLOCK_RULE = ShapeRule(multiple=128, reason=Reason.DIM_NOT_DIVISIBLE_FP8_BLOCK.value,
                            source="TE Float8BlockQuantizer.block_len = 128 and is_quantizable "
                                   "(pytorch/tensor/float8_blockwise_tensor.py); tests/pytorch/test_fusible_ops.py "
                                   "skips fp8_block_scaling below 128 (get_align_size_for_quantization says 16: "
                                   "grouped token padding only)")
-NVFP4_RULE = ShapeRule(multiple=128, reason="dim_not_divisible_by_128_for_nvfp4",
+NVFP4_RULE = ShapeRule(multiple=128, reason=Reason.DIM_NOT_DIVISIBLE_NVFP4.value,
                        source="TE get_align_size_for_quantization -> 128 for NVFP4 (pytorch/quantization.py); "
                               "NVFP4 transposing cast needs % 32, GEMM-swizzled scales % 128 "
                               "(common/cast/nvfp4/quantize_transpose_nvfp4.cuh)")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from converters.analysis.reasons import Reason
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.plan import ServingPlan
@@ -40,7 +41,7 @@ class FP8Block:
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         """The reason a Linear of this shape stays in high precision, or None."""
-        return None if in_features % BLOCK == 0 and out_features % BLOCK == 0 else "dim_not_divisible_by_128"
+        return None if in_features % BLOCK == 0 and out_features % BLOCK == 0 else Reason.SERVING_BLOCK.value
 
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
         rows, columns = weight.shape

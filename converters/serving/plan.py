@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from converters.analysis.reasons import Reason
 from converters.artifact.files import copy_side_files, write_json
 from converters.model.experts import EXPERT_GEMMS, parse_unit_path, unit_path
 from converters.model.files import INDEX_NAME, FileConfinement
@@ -173,7 +174,7 @@ def _router_gates(report: Mapping[str, Any], on_disk_name: Callable[[str], str |
     """On-disk module names of the MoE routers that are not Linears (engines build them as Linears)."""
     gates = []
     for entry in report.get("other_weights", []):
-        if entry["reason"] == "router_parameter" and entry["path"].endswith(".weight"):
+        if entry["reason"] == Reason.ROUTER_WEIGHT and entry["path"].endswith(".weight"):
             key = on_disk_name(entry["path"]) or entry["path"]
             gates.append(key.removesuffix(".weight"))
     return gates

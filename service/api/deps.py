@@ -51,8 +51,8 @@ async def get_job(job_id: Annotated[str, Path(max_length=64)], request: Request,
 
     Someone else's job answers exactly like a missing one, so job ids cannot be probed. The store is read from
     the app directly rather than through StoreDep: on a status poll every resolved dependency costs. A SQLite
-    store is read on the event loop (``JobStore.reads_inline``): with the threadpool hop a status poll at 64
-    connections served 0.6 of /healthz, without it 1.05 (benchmarks/bench_api.py --parts idle).
+    store is read on the event loop (``JobStore.reads_inline``): a threadpool hop per poll costs more than the
+    read (measured by benchmarks/bench_api.py --parts idle).
     """
     store: JobStore = request.app.state.store
     job = await read_store(store, partial(store.get_job, job_id))

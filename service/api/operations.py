@@ -115,7 +115,8 @@ def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
     """The eligibility report of a model reference, built on the meta device (no weights are read).
 
     With a calibration (``body.calibrates()``) the weights are loaded layer by layer and a short calibration
-    measures each eligible layer's SQNR (``converters.pipeline.sync_analysis.calibrated_analysis``), one request at a time.
+    measures each eligible layer's SQNR (``converters.pipeline.sync_analysis.calibrated_analysis``), one request at
+    a time.
 
     Raises:
         Fp8ForgeError: bad reference (422), model not found (422), bad calibration or recipe names (422),

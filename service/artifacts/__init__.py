@@ -28,7 +28,7 @@ __all__ = [
 def open_storage(settings: Settings) -> ArtifactStorage:
     """The artifact storage the settings name (boto3 is imported only for ``s3``)."""
     if settings.artifact_store == "s3":
-        from service.artifacts.s3 import ObjectArtifacts
+        from service.artifacts.s3 import ObjectArtifacts  # imports boto3: only where the S3 store is configured
 
         return ObjectArtifacts.from_settings(settings)
     return ArtifactDirs(settings.jobs_dir)

@@ -11,7 +11,6 @@ The object store (``service.artifacts.s3``) keeps one of these as the workers' s
 """
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -27,7 +26,6 @@ from service.jobs import Job
 
 __all__ = ["ArtifactDirs"]
 
-logger = logging.getLogger(__name__)
 
 # attempt directories and their staging siblings: .<id>.a<n> and ..<id>.a<n>.partial
 _ATTEMPT = re.compile(r"\.\.?([0-9a-f]{32})\.a([0-9]+)(?:\.partial)?")

@@ -1,7 +1,7 @@
 """`fp8forge compare` and `fp8forge analyze --calibrate`: per-layer quantization error (SQNR) under recipes.
 
 One calibration feeds every recipe: the table shows, per eligible layer, the SQNR each recipe's casts leave
-(``converters.calibration.sensitivity``), so a recipe can be picked before training. Only argparse is imported at start-up.
+(``converters.calibration.sensitivity``), so a recipe can be picked before training.
 """
 
 from __future__ import annotations
@@ -10,6 +10,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from converters.analysis.render import format_analysis
+from converters.errors import RecipeError
+from converters.pipeline.request import ConversionRequest
+from converters.recipes import load_recipe_file
+from converters.recipes.presets import RECIPE_NAMES
 from service.cli.args import (
     add_calibration_arguments,
     add_min_sqnr_argument,
@@ -58,10 +63,6 @@ def _run_compare(args: argparse.Namespace) -> int:
 
 def _compare_entries(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]:
     """The recipes to compare as request entries (names or recipe dicts) and their labels."""
-    from converters.errors import RecipeError
-    from converters.recipes import load_recipe_file
-    from converters.recipes.presets import RECIPE_NAMES
-
     entries: list[Any] = []
     labels: list[str | None] = []
     names = args.recipes if args.recipes is not None else ("all" if not args.recipe else "")
@@ -82,8 +83,6 @@ def _compare_entries(args: argparse.Namespace) -> tuple[list[Any], list[str | No
 
 
 def _request(args: argparse.Namespace, recipe: dict[str, Any], compare: list[Any] = ()):
-    from converters.pipeline.request import ConversionRequest
-
     return ConversionRequest(model=args.model, recipe=recipe, calibration=calibration_from_args(args),
                              include=tuple(args.include), exclude=tuple(args.exclude),
                              skip_first_last=not args.no_skip_first_last,
@@ -92,7 +91,7 @@ def _request(args: argparse.Namespace, recipe: dict[str, Any], compare: list[Any
 
 
 def _analysis_with_bars(request, sources, enabled: bool) -> dict[str, Any]:
-    from converters.pipeline.sync_analysis import calibrated_analysis
+    from converters.pipeline.sync_analysis import calibrated_analysis  # imports torch: only when a calibration runs
 
     sink = BarSink(enabled=enabled)
     try:
@@ -104,7 +103,7 @@ def _analysis_with_bars(request, sources, enabled: bool) -> dict[str, Any]:
 def run_compare_command(args: argparse.Namespace, sources) -> int:
     import json
 
-    from converters.calibration.sensitivity import relabel_comparison
+    from converters.calibration.sensitivity import relabel_comparison  # imports torch: only when a calibration runs
 
     entries, labels = _compare_entries(args)
     report = _analysis_with_bars(_request(args, {"backend": args.backend or "te"}, entries), sources,
@@ -122,8 +121,6 @@ def run_calibrated_analyze(args: argparse.Namespace, sources) -> int:
     """``fp8forge analyze --calibrate``: the analysis table, then each calibrated layer's SQNR under the recipe."""
     import json
 
-    from converters.analysis.render import format_analysis
-    from converters.recipes import load_recipe_file
 
     recipe = load_recipe_file(args.recipe).to_dict() if args.recipe else {"backend": args.backend or "te"}
     report = _analysis_with_bars(_request(args, recipe), sources, not args.no_progress)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from converters.analysis.render import human_bytes
+from converters.errors import RecipeError
+from converters.pipeline.request import ConversionRequest
+from converters.recipes import load_recipe_file
 from service.cli.args import calibration_from_args
 from service.cli.render import BarSink, format_worst_layers
 
@@ -13,10 +17,6 @@ __all__ = ["run_convert_command", "request_from_args"]
 
 def request_from_args(args: argparse.Namespace):
     """Build the ConversionRequest from CLI flags (recipe file, backend, calibration, selection)."""
-    from converters.errors import RecipeError
-    from converters.pipeline.request import ConversionRequest
-    from converters.recipes import load_recipe_file
-
     recipe: dict[str, Any] = {"backend": args.backend or "te"}
     if args.recipe is not None:
         recipe = load_recipe_file(args.recipe).to_dict()
@@ -42,8 +42,7 @@ def request_from_args(args: argparse.Namespace):
 def run_convert_command(args: argparse.Namespace, sources) -> int:
     import json
 
-    from converters.analysis.render import human_bytes
-    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.driver import run_conversion  # imports torch: only in the process that converts
 
     request = request_from_args(args)
     sink = BarSink(enabled=not args.no_progress)

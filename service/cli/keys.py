@@ -9,6 +9,8 @@ import argparse
 import os
 import sys
 
+from service.config import SettingsError, load_settings
+
 __all__ = ["register"]
 
 
@@ -34,8 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _key_file(args: argparse.Namespace):
     from pathlib import Path
 
-    from service.api.auth import default_keys_file
-    from service.config import SettingsError, load_settings
+    from service.api.auth import default_keys_file  # the API stack (fastapi): not at the CLI's start-up
 
     if args.file:
         return Path(args.file)
@@ -47,8 +48,7 @@ def _key_file(args: argparse.Namespace):
 
 
 def _create(args: argparse.Namespace) -> int:
-    from service.api.auth import key_entry, new_token
-    from service.config import SettingsError
+    from service.api.auth import key_entry, new_token  # the API stack (fastapi): not at the CLI's start-up
 
     path = _key_file(args)
     if path is None:

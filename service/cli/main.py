@@ -1,7 +1,7 @@
 """The ``fp8forge`` command: analyze, convert, compare, serve, worker, keys.
 
-Only argparse is imported at start-up; each command imports what it needs, so ``fp8forge analyze``
-pays neither for torchao nor for the service stack.
+At start-up only the torch-free parts of converters and the settings load; each command imports its heavy
+libraries itself, so ``fp8forge analyze`` pays neither for torchao nor for the service stack.
 """
 
 from __future__ import annotations
@@ -11,6 +11,10 @@ import logging
 import sys
 from pathlib import Path
 
+from converters.analysis.render import format_analysis
+from converters.errors import Fp8ForgeError, RequestError
+from converters.recipes import load_recipe_file
+from converters.third_party_noise import silence_third_party_noise
 from service.cli import compare, convert, keys, serve
 from service.cli.args import (
     add_calibration_arguments,
@@ -19,11 +23,11 @@ from service.cli.args import (
     add_source_arguments,
     source_options_from_args,
 )
+from service.cli.wording import error_in_cli_words
 from service.config import SettingsError
 
 __all__ = ["main", "build_parser"]
 
-logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -72,9 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
-    from converters.analysis.eligibility import analyze_model_reference
-    from converters.analysis.render import format_analysis
-    from converters.recipes import load_recipe_file
+    from converters.analysis.eligibility import analyze_model_reference  # imports torch: only when a model is analysed
 
     if args.calibrate:
         return compare.run_calibrated_analyze(args, source_options_from_args(args))
@@ -83,8 +85,6 @@ def _run_analyze(args: argparse.Namespace) -> int:
              "--calib-texts": args.calib_texts}
     given = [flag for flag, value in flags.items() if value is not None]
     if given:
-        from converters.errors import RequestError
-
         raise RequestError(f"{given[0]} applies to a calibrated analysis: add --calibrate", field="calibrate")
 
     # transformers imports torchao whenever it is installed; analysis never needs it, so hide it while
@@ -124,16 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    from converters.errors import Fp8ForgeError
-    from converters.third_party_noise import silence_third_party_noise
 
     silence_third_party_noise()  # before any command imports torch, torchao or transformers
 
     try:
         return args.func(args)
     except Fp8ForgeError as exc:
-        from service.cli.wording import error_in_cli_words
-
         print(f"fp8forge {args.command}: error: {error_in_cli_words(exc.message, exc.field)}", file=sys.stderr)
         return EXIT_BAD_INPUT if exc.is_bad_input else EXIT_FAILED
     except SettingsError as exc:

@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from service.config import SettingsError, load_settings
+
 if TYPE_CHECKING:
     from service.config import Settings
 
@@ -46,8 +48,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _settings(**overrides: object) -> Settings | None:
-    from service.config import SettingsError, load_settings
-
     try:
         return load_settings(**{k: v for k, v in overrides.items() if v is not None})
     except SettingsError as exc:
@@ -59,7 +59,10 @@ def _storage_reachable(settings: Settings) -> bool:
     """Check an object store at start-up, so a wrong bucket or credentials stop the process with a message."""
     if settings.artifact_store == "local":
         return True
-    from service.artifacts import ArtifactStoreUnavailable, open_storage
+    from service.artifacts import (  # the service stack (fastapi): not at the CLI's start-up
+        ArtifactStoreUnavailable,
+        open_storage,
+    )
 
     try:
         open_storage(settings).check()
@@ -83,11 +86,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from service.config import SettingsError
-    from service.main import create_app
-    from service.store import JobStore
-    from service.workers.pool import WorkerPool, default_worker_count
-    from service.workers.procs import configure_logging
+    from service.main import create_app  # the service stack (fastapi, sqlalchemy): not at the CLI's start-up
+    from service.store import JobStore  # the service stack (sqlalchemy): not at the CLI's start-up
+    from service.workers.pool import WorkerPool, default_worker_count  # the service stack: not at the CLI's start-up
+    from service.workers.procs import configure_logging  # the service stack: not at the CLI's start-up
 
     configure_logging(args.log_level, "api")
     try:
@@ -133,7 +135,7 @@ def run_worker(args: argparse.Namespace) -> int:
     settings = _settings()
     if settings is None or not _storage_reachable(settings):
         return 2
-    from service.workers.worker import worker_process_main
+    from service.workers.worker import worker_process_main  # the service stack: not at the CLI's start-up
 
     worker_process_main(settings, gpu=args.gpu, log_level=args.log_level)
     return 0

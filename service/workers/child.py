@@ -7,8 +7,8 @@ The messages it sends are the typed ones of ``service.workers.messages``.
 
 Before anything imports torch the child limits the CPU threads its math libraries use to a budget
 (``conversion_threads``; by default every CPU it may use but one), so a conversion leaves the API process a
-core: with torch's OpenMP pool on every core, 64 clients polling the API cut calibration from about 95 to 5
-steps per second, the threads of both fighting over the same cores.
+core: with torch's OpenMP pool on every core, clients polling the API slow calibration many times over, the
+threads of both fighting over the same cores (benchmarks/ measure it).
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
+from converters.errors import Fp8ForgeError
+from converters.model.sources import ModelSourceOptions
+from converters.pipeline.request import ConversionRequest
+from converters.third_party_noise import silence_third_party_noise
 from service.errors import disk_full
 from service.workers.messages import DISK_FULL, Failed, Progress, StageStarted, Succeeded, Warned
 from service.workers.procs import configure_logging, die_with_parent
@@ -128,13 +132,11 @@ def child_main(
     # Ctrl-C reaches the whole process group; the worker decides how this run stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level, "conversion")
-    from converters.third_party_noise import silence_third_party_noise
 
     silence_third_party_noise()  # a spawned process starts without the filters its worker set; before torch loads
     try:
         logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
-        from converters.model.sources import ModelSourceOptions
-        from converters.pipeline.driver import ConversionRequest, run_conversion
+        from converters.pipeline.driver import run_conversion  # imports torch: only in the process that converts
 
         result = run_conversion(
             ConversionRequest.from_dict(request), Path(out_dir), ModelSourceOptions(**sources), PipeSink(conn, stop),
@@ -149,8 +151,6 @@ def child_main(
 def _failure(exc: BaseException) -> Failed:
     """Why the run failed, for the worker: a full disk (whoever raised it, a library or fp8forge wrapping an
     ``OSError``), a conversion error, or a crash (whose text stays in this log)."""
-    from converters.errors import Fp8ForgeError
-
     if disk_full(exc):  # not the job's fault: this host has no room, another may
         logger.warning("the disk is full: %s: %s", type(exc).__name__, exc)
         return Failed(DISK_FULL, "the worker's disk filled up while the conversion wrote its files")

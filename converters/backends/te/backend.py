@@ -25,7 +25,7 @@ from converters.artifact.layout import STATE_FILE
 from converters.backends.base import ConversionPlan, Converted, LayerCheck
 from converters.backends.te.check_step import fp8_check_step
 from converters.backends.te.layer_check import (
-    LayerChecks,  # imports TransformerEngine
+    LayerChecks,
     reset_te_global_state,
 )
 from converters.backends.te.layout import grouped_state, state_key
@@ -39,14 +39,14 @@ from converters.backends.te.runtime import (
 )
 from converters.backends.te.state import (
     apply_scaling_state,
-    te_extra_state_tensor,  # imports TransformerEngine
+    te_extra_state_tensor,
 )
 from converters.backends.te.swap import convert_to_te
 from converters.errors import BackendUnavailableError, ConversionError
 from converters.model.experts import parse_unit_path
-from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe
+from converters.recipes import Backend
+from converters.recipes.registry import recipes_of
 from converters.recipes.requirements import require_recipe_hardware
-from converters.recipes.te_block import TEFloat8BlockScalingRecipe, TEMXFP8BlockScalingRecipe, TENVFP4BlockScalingRecipe
 
 if TYPE_CHECKING:
     from converters.calibration.result import CalibrationResult
@@ -57,8 +57,7 @@ __all__ = ["TEBackend", "TE"]
 
 class TEBackend:
     name = "te"
-    recipe_types = (TEDelayedScalingRecipe, TECurrentScalingRecipe, TEMXFP8BlockScalingRecipe,
-                    TEFloat8BlockScalingRecipe, TENVFP4BlockScalingRecipe)
+    recipe_types = recipes_of(Backend.TE)
 
     def preflight(self, recipe: Recipe) -> list[str]:
         """Fail before any TE work when this CUDA GPU cannot run the recipe (nothing to check on a CPU worker).
@@ -78,7 +77,6 @@ class TEBackend:
             return LayerCheck(None)
         if not recipe.per_tensor_te:  # fp8forge's FP8 check (layer_check / check_step) runs per-tensor scaling only
             return LayerCheck(None, {"ran": False, "reason": _unchecked_reason(recipe)})
-
         return LayerCheck(LayerChecks(recipe))
 
     def convert(self, plan: ConversionPlan, calibration: CalibrationResult) -> Converted:
@@ -106,8 +104,6 @@ class TEBackend:
             f"{recipe.te_class_name} where TE runs it (CUDA, {recipe.hardware().needs})"])
 
     def _convert_whole_model(self, plan: ConversionPlan, calibration: CalibrationResult) -> Converted:
-        # these import TransformerEngine, which is present here (te_status said so)
-
         recipe = plan.recipe
         modules = convert_to_te(plan.model, list(plan.eligible))
         if not recipe.per_tensor_te:

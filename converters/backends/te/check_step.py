@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -18,7 +17,6 @@ from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe
 
 __all__ = ["fp8_check_step"]
 
-logger = logging.getLogger(__name__)
 
 
 def fp8_check_step(model: nn.Module, batch: Mapping[str, torch.Tensor],

@@ -13,7 +13,6 @@ is padded with zero rows for the check and its output cut back. Zero rows leave 
 from __future__ import annotations
 
 import importlib
-import logging
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LayerChecks", "check_layer", "rows_padded", "reset_te_global_state"]
 
-logger = logging.getLogger(__name__)
 
 _ROWS = 8
 

@@ -1,29 +1,6 @@
 """TransformerEngine runtime: is TE usable here, its autocast across versions, and our recipes as TE recipes.
 
-TransformerEngine (TE) needs CUDA; it cannot be installed or imported on a machine without it. This module
-therefore imports only torch and our own modules at module level: every function that needs TE calls
-:func:`require_te` first (so a CPU machine gets a :class:`BackendUnavailableError` before any work) and
-imports TE inside the function.
-
-Written against TE 2.x source (checked at the 2.20 development head and tags v2.0, v2.5, v2.8, v2.10,
-v2.14, v2.18). The module swap (``te_swap``), the scaling state (``te_state``), the whole-model check step
-(``te_check_step``) and the per-layer check (``te_layer_check``) live in their own files. The TE attributes
-used, all in ``transformer_engine/pytorch``:
-
-* ``module/base.py`` ``TransformerEngineBaseModule``: ``fp8_meta["scaling_fwd"]`` /
-  ``fp8_meta["scaling_bwd"]`` hold a ``DelayedScalingRecipeState`` (``quantization.py``; ``fp8.py``
-  before 2.10) whose ``.scale`` is fp32 ``[num_gemms*3]`` (fwd) / ``[num_gemms*2]`` (bwd) and
-  ``.amax_history`` fp32 ``[amax_history_len, n]``. Its ``Float8Quantizer`` objects hold *views* of those
-  tensors, and ``FP8GlobalStateManager`` keeps references to them in its reduction buffers, so state is
-  written with in-place ``copy_`` (as TE's own ``set_extra_state`` does), never by rebinding.
-* ``init_fp8_metadata(num_gemms=1)`` run inside ``autocast(enabled=False, calibrating=True, recipe=r)``
-  sets ``fp8_meta["recipe"] = r``, ``num_gemms``, ``fp8_max_fwd/bwd`` and allocates the state through
-  ``init_fp8_meta_tensors`` -> ``set_meta_tensor``; with ``enabled=False`` no FP8-capable GPU is needed
-  and the autocast exit runs no amax/scale update. If the module already holds delayed-scaling state,
-  ``set_meta_tensor`` keeps it and only resizes the history (``adjust_amax_history_length``).
-* ``get_extra_state()``: TE's pickled ``_extra_state`` (``{"recipe", "scale_fwd", "amax_history_fwd",
-  "scale_bwd", "amax_history_bwd", "extra_fp8_variables"}``), written only when
-  ``fp8_meta["fp8_checkpoint"]`` (or ``module.fp8`` / ``module.fp8_calibration``) is true.
+Details, and the library sources they follow: README.md beside this file.
 """
 
 from __future__ import annotations
@@ -31,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import logging
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -56,7 +32,6 @@ __all__ = [
     "te_align_size",
 ]
 
-logger = logging.getLogger(__name__)
 
 TE_INSTALL_HINT = (
     "Run this job on a GPU worker (CUDA; FP8 execution needs compute capability 8.9 or newer), or install "

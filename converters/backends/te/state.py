@@ -1,4 +1,5 @@
-"""Delayed-scaling state in and out of ``te.Linear`` modules, as the plain tensors of :mod:`converters.backends.te.layout`.
+"""Delayed-scaling state in and out of ``te.Linear`` modules, as the plain tensors of
+:mod:`converters.backends.te.layout`.
 
 TE's quantizers and global amax buffers hold *views* of ``fp8_meta["scaling_fwd"|"scaling_bwd"].scale`` and
 ``.amax_history``, so state is written with in-place ``copy_`` (as TE's own ``set_extra_state`` does).
@@ -6,7 +7,6 @@ TE's quantizers and global amax buffers hold *views* of ``fp8_meta["scaling_fwd"
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +21,6 @@ from converters.recipes import TEDelayedScalingRecipe
 __all__ = ["check_state_tensors", "apply_scaling_state", "read_scaling_state", "has_delayed_state", "meta_tensor",
            "write_state", "te_extra_state_tensor"]
 
-logger = logging.getLogger(__name__)
 
 # Slots per te.Linear (one GEMM): forward input, weight, output; backward grad_output, grad_input.
 _N_FWD, _N_BWD = 3, 2

@@ -44,9 +44,9 @@ from converters.backends.torchao.swap import (
 )
 from converters.errors import ArtifactError, RecipeError
 from converters.model.sources import ModelSourceOptions, load_model
-from converters.recipes import TorchAORecipe, recipe_from_dict
+from converters.recipes import Backend, recipe_from_dict
+from converters.recipes.registry import recipes_of
 from converters.recipes.requirements import require_recipe_hardware
-from converters.recipes.torchao_training import AOFloat8TrainingOpRecipe, AOMXFP8TrainingOpRecipe
 
 if TYPE_CHECKING:
     from torch import nn
@@ -59,7 +59,7 @@ __all__ = ["TorchAOBackend", "TORCHAO"]
 
 class TorchAOBackend:
     name = "ao"
-    recipe_types = (TorchAORecipe, AOFloat8TrainingOpRecipe, AOMXFP8TrainingOpRecipe)
+    recipe_types = recipes_of(Backend.AO)
 
     def preflight(self, recipe: Recipe) -> list[str]:
         """Fail before any work when this CUDA GPU cannot run the recipe; on a CPU worker, warn when the recipe
@@ -108,7 +108,6 @@ class TorchAOBackend:
         return {"torchao": torchao_version()}
 
     def load(self, directory: Path, *, device: str) -> Any:
-
         block = read_fp8_block(directory, self.name)
         experts = block.get("converted_experts", [])
         if "training_op_config" in block:

@@ -1,0 +1,32 @@
+"""The reason codes of the analysis report, defined once: the rules, the recipes' shape rules and the serving
+formats all use these members."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Reason"]
+
+
+class Reason(str, enum.Enum):
+    """Reason codes a layer carries when it is not eligible (stable strings, documented in README)."""
+
+    DIM_NOT_DIVISIBLE = "dim_not_divisible_by_16"
+    # Each recipe's own shape rule (converters.recipes.requirements: TE's block sizes and alignments)
+    DIM_NOT_DIVISIBLE_MXFP8 = "dim_not_divisible_by_32_for_mxfp8"  #: MXFP8 (TE MXFP8BlockScaling, torchao MXFP8)
+    DIM_NOT_DIVISIBLE_FP8_BLOCK = "dim_not_divisible_by_128_for_fp8_block"  #: TE Float8BlockScaling
+    DIM_NOT_DIVISIBLE_NVFP4 = "dim_not_divisible_by_128_for_nvfp4"  #: TE NVFP4BlockScaling
+    FIRST_LINEAR = "first_linear"
+    LAST_LINEAR = "last_linear"
+    EXCLUDED = "excluded_by_pattern"
+    NOT_INCLUDED = "not_matched_by_include"
+    ROUTER_GATE = "moe_router_gate"
+    TIED_HEAD = "tied_to_input_embedding"
+    NOT_LINEAR = "not_nn_linear"
+    FUSED_EXPERTS = "fused_expert_parameter"
+    ROUTER_WEIGHT = "router_parameter"
+    OTHER_MATMUL = "matmul_weight_outside_linear"
+    EXPERT_LAYOUT = "expert_layout_unsupported"
+    #: serving format fp8-block: a dim not a multiple of its 128x128 blocks (converters.serving.fp8_block)
+    SERVING_BLOCK = "dim_not_divisible_by_128"
+    LOW_SQNR = "low_sqnr"  #: output SQNR under the recipe below min_sqnr_db (converters.calibration.sensitivity)
