@@ -16,7 +16,7 @@ from torch import nn
 
 from converters.analysis.patterns import PatternError, check_patterns, matches
 from converters.analysis.reasons import Reason
-from converters.analysis.totals import count_parameters, dtype_name, totals
+from converters.analysis.totals import compute_totals, count_parameters, dtype_name
 from converters.errors import ConversionError, RecipeError, RequestError
 from converters.model.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
 from converters.model.sources import build_meta_model, load_config, resolve_model_dir
@@ -144,7 +144,7 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
         "fused_groups": _fused_groups(layers) + _expert_groups(layers, experts.values()),
         "moe": [_moe_entry(block) for block in experts.values()],
     }
-    report["totals"] = totals(count_parameters(named), report)
+    report["totals"] = compute_totals(count_parameters(named), report)
     return report
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["count_parameters", "totals", "refresh_totals", "dtype_name"]
+__all__ = ["count_parameters", "compute_totals", "refresh_totals", "dtype_name"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,11 +43,11 @@ def refresh_totals(report: dict[str, Any]) -> None:
     """Recount ``report["totals"]`` after layers changed eligibility (the model's size is in the totals already)."""
     totals = report["totals"]
     dtypes = tuple(name for name in totals["weight_dtype"].split("+") if name != "none")
-    report["totals"] = totals(_Parameters(count=totals["model_parameters"], bytes=totals["weight_bytes"],
+    report["totals"] = compute_totals(_Parameters(count=totals["model_parameters"], bytes=totals["weight_bytes"],
                                            dtypes=dtypes), report)
 
 
-def totals(parameters: _Parameters, report: dict[str, Any]) -> dict[str, Any]:
+def compute_totals(parameters: _Parameters, report: dict[str, Any]) -> dict[str, Any]:
     units = [layer for layer in report["layers"] if "expert" in layer]
     linear_layers = [layer for layer in report["layers"] if layer["class"] != "Conv1D" and "expert" not in layer]
     eligible = [layer for layer in linear_layers if layer["eligible"]]
