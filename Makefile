@@ -18,7 +18,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check service converters tests benchmarks
 
-# tests/test_ui_browser.py drives Debian's Chromium through Playwright (a dev extra). A failed install does not
+# tests/service/ui/test_ui_browser.py drives Debian's Chromium through Playwright (a dev extra). A failed install does not
 # stop the other tests; those browser tests then fail and say what is missing (they never skip).
 CHROMIUM := /usr/bin/chromium
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)

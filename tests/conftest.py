@@ -7,7 +7,7 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-from tests.models import TINY_CONFIGS, save_tiny_model  # noqa: E402
+from tests.models import MOE_CONFIGS, TINY_CONFIGS, save_tiny_model, save_tiny_moe  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +24,24 @@ def sources(models_root):
     from converters.model.sources import ModelSourceOptions
 
     return ModelSourceOptions(allowed_roots=(models_root,), offline=True)
+
+
+@pytest.fixture(scope="module")
+def moe_root(tmp_path_factory) -> Path:
+    """An allowed local root holding every tiny MoE test model (Mixtral, Qwen2-MoE, ...); one per test module, whose
+    tests may write their artifacts beside the models."""
+    root = tmp_path_factory.mktemp("moe")
+    for name in MOE_CONFIGS:
+        save_tiny_moe(name, root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def llama_root(tmp_path_factory) -> Path:
+    """An allowed local root holding the tiny bf16 Llama with a tokenizer (``llama``: dims 128, 256, 64); one per test
+    module, whose tests may write their artifacts beside it."""
+    from converters.model.demo import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("llama")
+    build_tiny_llama(root / "llama")
+    return root

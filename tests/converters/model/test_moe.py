@@ -21,20 +21,12 @@ from converters.pipeline.driver import ConversionRequest, run_conversion
 from converters.pipeline.request import CalibrationSettings
 from converters.pipeline.stages import model_inputs
 from converters.recipes import TEDelayedScalingRecipe
-from tests.models import MOE_CONFIGS, save_tiny_moe
+from tests.models import MOE_CONFIGS
 
 # on-disk names of one expert's three matrices: (gate, up, down)
 ON_DISK = {"mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
                        "block_sparse_moe.experts.{e}.w2"),
            "qwen2_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj")}
-
-
-@pytest.fixture(scope="module")
-def moe_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    for name in MOE_CONFIGS:
-        save_tiny_moe(name, root / name)
-    return root
 
 
 def _load(moe_root, name, implementation="eager"):

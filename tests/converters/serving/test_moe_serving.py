@@ -20,21 +20,13 @@ from converters.pipeline.driver import run_conversion
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.serving import serving_format
 from converters.serving.plan import expert_disk_keys, plan_serving
-from tests.models import MOE_CONFIGS, save_tiny_moe
-from tests.test_moe import ON_DISK, starve_expert_in_calibration
+from tests.converters.model.test_moe import ON_DISK, starve_expert_in_calibration
+from tests.models import MOE_CONFIGS
 
 STATIC, DYNAMIC, BLOCK = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block"
 CALIBRATION = CalibrationSettings(steps=3, seq_len=24)
 GATES = {"mixtral": "model.layers.{i}.block_sparse_moe.gate", "qwen2_moe": "model.layers.{i}.mlp.gate"}
 EXPERTS_ON_DISK = {"mixtral": "model.layers.{i}.block_sparse_moe.experts", "qwen2_moe": "model.layers.{i}.mlp.experts"}
-
-
-@pytest.fixture(scope="module")
-def moe_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_serving")
-    for name in MOE_CONFIGS:
-        save_tiny_moe(name, root / name)
-    return root
 
 
 def convert(root, name, out, formats, **request):

@@ -18,7 +18,7 @@ def _run(command: str, tmp_path: Path, **env: str) -> subprocess.CompletedProces
     args = ["--port", str(free_port()), "--workers", "0"] if command == "serve" else []
     # A process that did start would serve until the timeout: the test then fails instead of hanging.
     return subprocess.run([*fp8forge_command(), command, *args], env=clean, capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parents[1])
+                          timeout=120, cwd=Path(__file__).parents[3])
 
 
 @pytest.mark.parametrize("command", ["serve", "worker"])

@@ -37,7 +37,7 @@ from converters.model.sources import ModelSourceOptions, load_model
 from converters.pipeline.driver import ConversionRequest, run_conversion
 from converters.pipeline.request import CalibrationSettings
 from converters.recipes import recipe_from_dict
-from tests.models import MOE_CONFIGS, save_tiny_moe
+from tests.models import MOE_CONFIGS
 
 TE_OK, TE_WHY = te_status()
 needs_te = pytest.mark.skipif(not TE_OK, reason=f"needs CUDA and TransformerEngine: {TE_WHY}")
@@ -47,14 +47,6 @@ needs_ao_fp8 = pytest.mark.skipif(AO_WHY is not None, reason=f"torchao's FP8 gro
 EXPERTS = 8
 GEMMS = [f"model.layers.{i}.mlp.experts.{gemm}" for i in range(2) for gemm in ("gate_up_proj", "down_proj")]
 HISTORY = 4
-
-
-@pytest.fixture(scope="module")
-def moe_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_training")
-    for name in MOE_CONFIGS:
-        save_tiny_moe(name, root / name)
-    return root
 
 
 def _convert(moe_root, out, recipe, name="mixtral", backward=False):

@@ -8,7 +8,7 @@ from pathlib import Path
 from service.config import Settings
 from service.main import create_app
 
-SPEC = Path(__file__).parents[1] / "openapi" / "openapi.json"
+SPEC = Path(__file__).parents[3] / "openapi" / "openapi.json"
 
 OPERATIONS = {
     ("post", "/v1/jobs"): "createJob",

@@ -7,7 +7,7 @@
   client's cancel, field-level errors from the API (and from an Accelerate YAML), labels and live regions of
   the form, and the analysis of a Llama-3-70B-shaped config (561 Linears) rendered and sorted, with timings.
 
-Screenshots of every page go to tests/screenshots/ (not committed). Without Chromium these tests fail.
+Screenshots of every page go to tests/service/ui/screenshots/ (not committed). Without Chromium these tests fail.
 """
 
 from __future__ import annotations

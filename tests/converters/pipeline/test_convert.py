@@ -20,15 +20,6 @@ from tests.models import minilm_dir, save_tiny_model
 SMALL_CALIBRATION = ["--calib-steps", "3", "--calib-seq-len", "32", "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def llama_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("convert")
-    from converters.model.demo import build_tiny_llama
-
-    build_tiny_llama(root / "llama")  # bf16, with a tokenizer
-    return root
-
-
 def convert(root, model, out, *extra):
     return main(["convert", str(model), "--out", str(out), "--allow-root", str(root), *SMALL_CALIBRATION, *extra])
 

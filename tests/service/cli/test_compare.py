@@ -25,11 +25,6 @@ def run_cli(capsys, *argv):
     return code, captured.out, captured.err
 
 
-@pytest.fixture
-def demo_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "compare-cache"))
-
-
 def _table(report: dict, metric: str) -> dict[str, dict[str, float]]:
     return {row["path"]: {label: value[metric] for label, value in row["sqnr_db"].items()}
             for row in report["comparison"]["layers"]}

@@ -421,15 +421,6 @@ def test_block_scaling_qparams_follow_use_f32_scales_not_the_environment():
 
 # --- artifacts (CPU, end to end through the CLI) ------------------------------------------------
 
-@pytest.fixture(scope="module")
-def llama_root(tmp_path_factory):
-    from converters.model.demo import build_tiny_llama
-
-    root = tmp_path_factory.mktemp("recipes")
-    build_tiny_llama(root / "llama")  # dims 128, 256, 64: multiples of 32
-    return root
-
-
 def _convert(root, tmp_path, recipe_text: str, name: str, suffix: str = ".json"):
     recipe = tmp_path / f"recipe{suffix}"
     recipe.write_text(recipe_text)

@@ -57,7 +57,7 @@ def _load_schema():
 
     config = SchemathesisConfig.from_dict({
         "seed": 20261130,
-        # with-security-parameters off: the app runs with authentication off (tests/test_auth.py tests keys)
+        # with-security-parameters off: the app runs with authentication off (tests/service/api/test_auth.py tests keys)
         "generation": {"mode": "all", "deterministic": True, "max-examples": 150, "with-security-parameters": False},
         "phases": {"stateful": {"enabled": False}},
         # replaced by valid_data_refused_only_for_semantic_reasons; and the two checks that probe

@@ -1,6 +1,6 @@
 """The web UI's server side: pages, their files, the setting that turns them off, the YAML recipe helper.
 
-What the pages do in a browser is tested in tests/test_ui_browser.py.
+What the pages do in a browser is tested in tests/service/ui/test_ui_browser.py.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_every_vendored_file_is_listed_with_its_licence():
 
 def test_package_data_ships_every_ui_file():
     tomllib = pytest.importorskip("tomllib")
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["service.ui"]
     for path in UI_DIR.rglob("*"):
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".py":

@@ -13,18 +13,6 @@ import torch
 from service.cli.main import build_parser, main
 from service.config import ENV_PREFIX, Settings
 
-
-@pytest.fixture
-def demo_cache(tmp_path_factory, monkeypatch):
-    """One user cache per session, so the demo model is built once."""
-    global _DEMO_CACHE
-    if _DEMO_CACHE is None:
-        _DEMO_CACHE = tmp_path_factory.mktemp("user-cache")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(_DEMO_CACHE))
-    return _DEMO_CACHE
-
-
-_DEMO_CACHE = None
 SMALL = ["--no-progress", "--backend", "ao", "--calib-steps", "1", "--calib-batch-size", "1"]
 
 

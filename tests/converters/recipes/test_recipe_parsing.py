@@ -210,7 +210,8 @@ def test_recipe_from_dict_accepts(data, expected):
         ({"backend": "te", "override_linear_precision": [True, False]}, "override_linear_precision", "three"),
         ({"backend": "te", "override_linear_precision": "(yes, no)"}, "override_linear_precision", "three"),
         ({"backend": "te", "use_autocast_during_eval": "no"}, "use_autocast_during_eval", "true or false"),
-        # use_mxfp8_block_scaling: true is MXFP8BlockScaling (tests/test_recipes_more.py); with another scaling, refused
+        # use_mxfp8_block_scaling: true is MXFP8BlockScaling (test_block_and_training_op_recipes.py); with another
+        # scaling, refused
         ({"backend": "te", "scaling": "current", "use_mxfp8_block_scaling": True}, "use_mxfp8_block_scaling",
          "MXFP8"),
         ({"backend": "te", "amax_history_len": 8, "amax_history_length": 8}, "amax_history_length", "either"),

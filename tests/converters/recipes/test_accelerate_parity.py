@@ -7,8 +7,8 @@ from torch import nn
 
 from converters.analysis.eligibility import analyze_model, eligible_paths
 from converters.model.sources import build_meta_model, load_config
+from tests.converters.analysis.test_eligibility import MoeBlock, meta_model
 from tests.models import minilm_dir
-from tests.test_analysis import MoeBlock, meta_model
 
 
 def accelerate_selection(model: nn.Module) -> list[str]:
