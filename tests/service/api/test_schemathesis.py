@@ -20,6 +20,8 @@ from service.config import Settings
 from service.store import JobStore
 from tests.service_helpers import live_app, publish_job
 
+pytestmark = pytest.mark.slow  # spawns processes or servers: seconds each
+
 # A schema-valid request may still be refused for what no JSON Schema can say: whether the model exists,
 # and the rules that tie two fields together. These, and only these, may answer 422 to valid data.
 SEMANTIC_REFUSALS = {

@@ -37,6 +37,8 @@ from tests.object_store_server import (
 )
 from tests.service_helpers import leftovers, live_app
 
+pytestmark = pytest.mark.slow  # spawns processes or servers: seconds each
+
 BIG = 12 << 20  # three 5 MiB-or-less parts
 
 

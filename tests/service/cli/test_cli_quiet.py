@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # spawns processes or servers: seconds each
+
 FP8FORGE = Path(sys.executable).with_name("fp8forge")
 
 

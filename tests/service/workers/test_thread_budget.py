@@ -20,6 +20,8 @@ from service.workers.child import cpu_quota, thread_budget, usable_cpus
 from service.workers.worker import Worker
 from tests.models import save_tiny_model
 
+pytestmark = pytest.mark.slow  # spawns processes or servers: seconds each
+
 
 def report_after_child(request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Any, stop: Any,
                        parent_pid: int, **kwargs: Any) -> None:
