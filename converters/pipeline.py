@@ -129,6 +129,7 @@ class _Run:
     calibration: CalibrationResult = field(default_factory=lambda: CalibrationResult())
     tied_weights: dict[str, str] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    export_started: float = 0.0  #: time.perf_counter() when the export stage began
     warnings: list[str] = field(default_factory=list)
 
     def warn(self, message: str) -> None:
@@ -148,9 +149,13 @@ def staging_dir_for(out_dir: Path) -> Path:
 
 
 def run_conversion(
-    request: ConversionRequest, out_dir: Path, sources: ModelSourceOptions, sink: ProgressSink | None = None
+    request: ConversionRequest, out_dir: Path, sources: ModelSourceOptions, sink: ProgressSink | None = None,
+    *, notes: tuple[str, ...] | list[str] = (),
 ) -> ConversionResult:
     """Convert ``request.model`` and write its artifacts to ``out_dir`` (which must not exist).
+
+    ``notes`` are warnings the caller found before the run (a recipe file's keys that the request's recipe
+    object no longer holds); they are reported first, and kept in the report with the pipeline's own.
 
     Raises:
         Fp8ForgeError subclasses: bad input (``is_bad_input``), backend unavailable, inconsistent
@@ -164,6 +169,8 @@ def run_conversion(
     if not out_dir.parent.is_dir():
         raise Fp8ForgeError(f"the parent of {out_dir} does not exist; create {out_dir.parent} first", field="out")
     run = _Run(request=request, sources=sources, sink=sink or NullSink())
+    for note in notes:
+        run.warn(note)
     staging = staging_dir_for(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -176,6 +183,7 @@ def run_conversion(
             run.stage_seconds[stage.__name__] = round(time.perf_counter() - started, 3)
         run.check_stop()
         run.sink.stage("export")
+        run.export_started = time.perf_counter()  # export records its own time in the report it writes
         files, manifest = stages.export(run, staging)
         run.check_stop()
         os.replace(staging, out_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ __all__ = [
 ]
 
 _METRICS = ("output", "input", "weight")
+#: what the comparison tables fit into unless --width says otherwise (a terminal's 80 leaves too few recipes)
+DEFAULT_WIDTH = 100
 
 
 def add_calibration_arguments(parser: argparse.ArgumentParser, *, backward: bool = True) -> None:
@@ -95,6 +98,9 @@ def register(subparsers: argparse._SubParsersAction, add_selection, add_sources)
     add_selection(compare)
     add_calibration_arguments(compare, backward=False)
     add_min_sqnr_argument(compare, "flag")
+    compare.add_argument("--width", type=int, default=DEFAULT_WIDTH, metavar="COLUMNS",
+                         help="fit the tables into COLUMNS characters, continuing with the recipes that do not fit in "
+                              "a further table (default %(default)s; 0: one table however wide)")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
     compare.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_sources(compare)
@@ -110,8 +116,8 @@ def _run_compare(args: argparse.Namespace) -> int:
 def _compare_entries(args: argparse.Namespace) -> tuple[list[Any], list[str | None]]:
     """The recipes to compare as request entries (names or recipe dicts) and their labels."""
     from converters.errors import RecipeError
-    from converters.recipes import load_recipe_file
     from converters.sensitivity import RECIPE_NAMES
+    from service.cli.convert import recipe_file_warned
 
     entries: list[Any] = []
     labels: list[str | None] = []
@@ -125,7 +131,7 @@ def _compare_entries(args: argparse.Namespace) -> tuple[list[Any], list[str | No
             entries.append(item)
             labels.append(None)
     for path in args.recipe:
-        entries.append(load_recipe_file(path).to_dict())
+        entries.append(recipe_file_warned(path))
         labels.append(path.stem)
     if not entries:
         raise RecipeError("--recipes names no recipe; give names, all, or --recipe FILE", field="recipes")
@@ -166,7 +172,7 @@ def run_compare_command(args: argparse.Namespace, sources) -> int:
         print(json.dumps(report, indent=2))
         return 0
     metrics = _METRICS if args.metric == "all" else (args.metric,)
-    print("\n\n".join(format_comparison(report, metric) for metric in metrics))
+    print("\n\n".join(format_comparison(report, metric, max(args.width, 0)) for metric in metrics))
     return 0
 
 
@@ -174,10 +180,10 @@ def run_calibrated_analyze(args: argparse.Namespace, sources) -> int:
     """``fp8forge analyze --calibrate``: the analysis table, then each calibrated layer's SQNR under the recipe."""
     import json
 
-    from converters.recipes import load_recipe_file
     from converters.report_format import format_analysis
+    from service.cli.convert import recipe_file_warned
 
-    recipe = load_recipe_file(args.recipe).to_dict() if args.recipe else {"backend": args.backend or "te"}
+    recipe = recipe_file_warned(args.recipe) if args.recipe else {"backend": args.backend or "te"}
     report = _analysis_with_bars(_request(args, recipe), sources, not args.no_progress)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -203,10 +209,24 @@ def _table(rows: list[list[str]], right_from: int = 1) -> list[str]:
     return lines
 
 
-def format_comparison(report: dict[str, Any], metric: str = "output") -> str:
+def _chunks(widths: list[int], width: int) -> list[list[int]]:
+    """Value columns (indices 1..) grouped so that each group beside column 0 fits ``width`` (0: one group)."""
+    groups: list[list[int]] = [[]]
+    used = widths[0]
+    for index in range(1, len(widths)):
+        if width and groups[-1] and used + 2 + widths[index] > width:
+            groups.append([])
+            used = widths[0]
+        groups[-1].append(index)
+        used += 2 + widths[index]
+    return groups
+
+
+def format_comparison(report: dict[str, Any], metric: str = "output", width: int = DEFAULT_WIDTH) -> str:
     """The comparison table: one row per measured layer, one column per recipe, ``metric`` SQNR in dB.
 
     Values below the report's ``min_sqnr_db`` carry ``!``; the last rows give each recipe's minimum and median.
+    Recipes that do not fit ``width`` columns beside the layer paths go to a further table below (0: one table).
     """
     comparison = report["comparison"]
     labels = [recipe["label"] for recipe in comparison["recipes"]]
@@ -226,14 +246,17 @@ def format_comparison(report: dict[str, Any], metric: str = "output") -> str:
     if threshold is not None:
         summary.append([f"below {threshold:g}", *(str(sum(1 for v in columns[label] if v < threshold))
                                                   for label in labels)])
-    table = _table(rows + summary)
-    lines += table[: len(rows) + 1] + ["  ".join("-" * len(part) for part in table[1].split("  "))] + \
-        table[len(rows) + 1:]
+    everything = rows + summary
+    for number, group in enumerate(_chunks([max(len(row[i]) for row in everything) for i in range(len(rows[0]))],
+                                           width)):
+        table = _table([[row[0], *(row[i] for i in group)] for row in everything])
+        lines += [""] * (number > 0) + table[: len(rows) + 1] + [table[1]] + table[len(rows) + 1:]
     lines.append("")
     for recipe in comparison["recipes"]:
         note = f"; not emulated: {'; '.join(recipe['not_emulated'])}" if recipe["not_emulated"] else ""
-        lines.append(f"  {recipe['label']}: weight {recipe['weight_format']}, input {recipe['input_format']}"
-                     f"{', delayed scaling' if recipe['delayed'] else ''}{note}")
+        text = (f"{recipe['label']}: weight {recipe['weight_format']}, input {recipe['input_format']}"
+                f"{', delayed scaling' if recipe['delayed'] else ''}{note}")
+        lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ") if width else ["  " + text]
     return "\n".join(lines)
 
 

@@ -69,11 +69,21 @@ def source_options_from_args(args: argparse.Namespace):
     )
 
 
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fp8forge")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from service.cli import compare
 
     parser = argparse.ArgumentParser(prog="fp8forge", description="Turn Hugging Face models into FP8 checkpoints.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     analyze = commands.add_parser("analyze", help="report which layers FP8 conversion would touch, and why not")
@@ -117,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_analyze(args: argparse.Namespace) -> int:
     from converters.analysis import analyze_model_reference
-    from converters.recipes import load_recipe_file
     from converters.report_format import format_analysis
+    from service.cli.convert import recipe_file_warned
 
     if args.calibrate:
         from service.cli.compare import run_calibrated_analyze
@@ -147,7 +157,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
             exclude=args.exclude,
             skip_first_last=not args.no_skip_first_last,
             convert_router_gates=args.convert_router_gates,
-            recipe=load_recipe_file(args.recipe) if args.recipe is not None else None,  # its own shape rule
+            recipe=recipe_file_warned(args.recipe) if args.recipe is not None else None,  # its own shape rule
         )
     finally:
         if hidden and sys.modules.get("torchao", 0) is None:
@@ -180,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Fp8ForgeError as exc:
-        from service.cli.wording import error_in_cli_words
+        from converters.errors import ModelNotFoundError, ModelReferenceError
+        from service.cli.wording import error_in_cli_words, local_directory_hint
 
-        print(f"fp8forge {args.command}: error: {error_in_cli_words(exc.message, exc.field)}", file=sys.stderr)
+        message = error_in_cli_words(exc.message, exc.field)
+        hint = local_directory_hint(getattr(args, "model", None))  # `models/x` read as a hub id, ./models/x there
+        if hint and isinstance(exc, (ModelReferenceError, ModelNotFoundError)):
+            message = f"{hint}. {message}"  # the fix first: the library's message is about the hub
+        print(f"fp8forge {args.command}: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT if exc.is_bad_input else EXIT_FAILED
     except KeyboardInterrupt:
         print(f"fp8forge {args.command}: interrupted", file=sys.stderr)

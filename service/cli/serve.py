@@ -30,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "else one per GPU, or one)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="level of fp8forge's own log lines, the workers' included (default: %(default)s)")
+    serve.add_argument("--first-key", default=None, metavar="NAME",
+                       help="with API keys on and none configured yet (a fresh data directory), create an admin key "
+                            "NAME and print it once instead of refusing to start (the Docker image's default)")
     serve.set_defaults(func=run_serve)
 
     worker = subparsers.add_parser(
@@ -91,6 +94,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, "api")
     try:
+        if args.first_key:
+            from service.cli.keys import create_first_key
+
+            create_first_key(settings, args.first_key)
         app = create_app(settings)  # reads the API keys: refuse to start without any, rather than refuse everyone
     except SettingsError as exc:
         print(f"fp8forge: {exc}", file=sys.stderr)
