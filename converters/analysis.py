@@ -475,7 +475,7 @@ def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", incl
     Raises:
         Fp8ForgeError subclasses: bad reference, missing model or config, bad options.
     """
-    from converters.model_sources import build_meta_model, load_config, resolve_model_dir
+    from converters.model_sources import load_config, resolve_model_dir
 
     options = AnalysisOptions(
         backend=backend,
@@ -486,9 +486,24 @@ def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", incl
         recipe=recipe,
     )
     directory = resolve_model_dir(ref, sources, with_weights=False)
-    config = load_config(directory, sources)
-    model = build_meta_model(config, sources)
+    config = load_config(directory, sources)  # within sources.config_limits (converters.model_limits)
+    model = _build_meta_model(config, sources)
     report = analyze_model(model, options)
     check_include_patterns(report)
     report["model"] = {"reference": ref, "model_type": getattr(config, "model_type", None)}
     return report
+
+
+def _build_meta_model(config: Any, sources: Any) -> nn.Module:
+    """The model on the meta device; what transformers trips on while building a client's config (a head count
+    that does not divide the width, a field the architecture reads with the wrong type) is the config's fault."""
+    from converters.errors import Fp8ForgeError, ModelConfigError
+    from converters.model_sources import build_meta_model
+
+    try:
+        return build_meta_model(config, sources)
+    except Fp8ForgeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        raise ModelConfigError(f"no model can be built from config.json: {type(exc).__name__}: {exc}",
+                               field="model") from exc

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["SYNC_LIMITS", "SYNC_DEFAULTS", "SYNC_MAX_TEXTS_CHARS", "SYNC_MAX_PARAMETERS", "check_sync_calibration",
-           "calibrated_analysis"]
+           "calibrated_analysis", "analysis_report"]
 
 #: Bounds of the calibration /v1/analyze runs synchronously, inside the request (inclusive ranges), and its
 #: defaults: at most 4096 tokens, so that the answer comes in seconds for a small model.
@@ -80,3 +80,18 @@ def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_par
                                  "pipeline": run.pipeline}
     run.report["warnings"] = run.warnings
     return run.report
+
+
+def analysis_report(sources: Any, options: dict[str, Any], request: Any = None) -> dict[str, Any]:
+    """The report of ``POST /v1/analyze``, as its analysis process computes it: with a conversion ``request``, the
+    calibrated analysis of :func:`calibrated_analysis` (at most :data:`SYNC_MAX_PARAMETERS`); otherwise the plain
+    report of ``converters.analysis.analyze_model_reference(**options)`` (``options`` holds ``ref`` and its
+    keyword arguments).
+
+    Raises the analysis's Fp8ForgeError subclasses (see those functions).
+    """
+    from converters.analysis import analyze_model_reference
+
+    if request is not None:
+        return calibrated_analysis(request, sources, max_parameters=SYNC_MAX_PARAMETERS)
+    return analyze_model_reference(sources=sources, **options)

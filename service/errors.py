@@ -26,6 +26,9 @@ __all__ = [
     "ServiceError",
     "Unauthorized",
     "TooManyJobs",
+    "TooManyStreams",
+    "AnalyzeBusy",
+    "AnalysisAborted",
     "JobNotFound",
     "ArtifactNotFound",
     "InvalidTransition",
@@ -57,17 +60,25 @@ ERROR_CODES: dict[str, tuple[str, str]] = {
     "invalid_request": ("422", "a field is missing, unknown, of the wrong type or out of its bounds; `field` names it"),
     "invalid_model_reference": ("422", "`model` is malformed or points outside the allowed roots"),
     "model_not_found": ("422", "`model` is well formed but names no model this server can read"),
+    "invalid_model_config": ("422", "the model's config.json declares more than FP8FORGE_MAX_MODEL_* allow, or "
+                                    "something no model can be built from; the message names the config field"),
     "invalid_artifact": ("422", "a directory is not a complete fp8forge artifact"),
     "invalid_recipe": ("422", "a recipe field is unknown or out of range; `field` is `recipe.<name>`"),
     "invalid_calibration": ("422", "calibration settings or texts are unusable; `field` is `calibration[.<name>]`"),
     "invalid_pattern": ("422", "an include/exclude pattern is malformed or matches no Linear layer"),
     "too_many_jobs": ("429", "the API key has as many queued jobs as it may; see Retry-After"),
+    "too_many_streams": ("429", "the API key has as many open event streams as FP8FORGE_MAX_EVENT_STREAMS_PER_KEY "
+                                "allows; close one, or see Retry-After"),
     "http_error": ("4xx", "another refusal of the HTTP layer; the status says which"),
     "internal_error": ("500", "a bug; the server log has the traceback"),
     "conversion_failed": ("500", "the conversion ran but its result was inconsistent"),
     "cancelled": ("500", "the run was cancelled"),
     "artifact_upload_failed": ("500", "a job's worker could not upload its artifacts to the object store (job error)"),
     "backend_unavailable": ("503", "the backend needs a library or device this server lacks"),
+    "analyze_busy": ("503", "every analysis process is busy and FP8FORGE_ANALYZE_QUEUE_DEPTH requests wait; see "
+                            "Retry-After"),
+    "analysis_aborted": ("503", "the analysis process died (e.g. out of memory) or ran past "
+                                "FP8FORGE_ANALYZE_TIMEOUT_S"),
     "artifact_store_unavailable": ("503", "the object store holding the artifacts did not answer; see Retry-After"),
     "disk_full": ("503", "a disk of the server is full: the job store could not record the request (see Retry-After); "
                          "as a job's error, its worker ran out of disk space on the last attempt"),
@@ -107,6 +118,29 @@ class TooManyJobs(ServiceError):
 
     code = "too_many_jobs"
     status_code = 429
+
+
+class TooManyStreams(ServiceError):
+    """The caller's key has as many open event streams as it may (429 with ``Retry-After``)."""
+
+    code = "too_many_streams"
+    status_code = 429
+
+
+class AnalyzeBusy(ServiceError):
+    """Every analysis process is busy and the queue before them is full (503 with ``Retry-After``)."""
+
+    code = "analyze_busy"
+    status_code = 503
+    #: a refusal under load, not a failure: a traceback logged for each would only add to the load
+    logged = False
+
+
+class AnalysisAborted(ServiceError):
+    """The analysis process died or ran past its time bound; it was replaced (503)."""
+
+    code = "analysis_aborted"
+    status_code = 503
 
 
 class JobNotFound(ServiceError):
@@ -267,7 +301,7 @@ def error_response(exc: Exception) -> JSONResponse:
                         headers={"Retry-After": "60"})
         full.__cause__, exc = exc, full
     status, code, message, field = _describe(exc)
-    if status >= 500:
+    if status >= 500 and getattr(exc, "logged", True):
         logger.error("request failed: %s", message, exc_info=exc)
     headers = getattr(exc, "headers", None)  # e.g. Content-Range on a 416, Allow on a 405
     return JSONResponse(_body(code, message, field), status_code=status, headers=headers)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections.abc import Mapping
 from typing import Any
 
+from service.api.analyze_pool import AnalysisPool, as_json
 from service.api.auth import Caller
 from service.api.schemas import AnalyzeCreate, JobCreate
 from service.config import Settings
@@ -30,7 +30,9 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
     """
     from converters import errors, model_sources, pipeline
 
-    _check_reference(request["model"], model_sources.ModelSourceOptions(**settings.model_sources()))
+    sources = model_sources.ModelSourceOptions(**settings.model_sources())
+    _check_reference(request["model"], sources)
+    _check_local_config(request["model"], sources)
     try:
         pipeline.ConversionRequest.from_dict(request)
     except (errors.RecipeError, errors.CalibrationDataError) as exc:
@@ -49,6 +51,20 @@ def _check_reference(ref: str, sources: Any) -> None:
     except errors.ModelReferenceError as exc:
         exc.field = exc.field or "model"
         raise
+
+
+def _check_local_config(ref: str, sources: Any) -> None:
+    """A local model's config.json against ``sources.config_limits``, read now (a JSON walk, no transformers), so
+    a config of 10,000 layers is refused in milliseconds instead of being built by a worker or analysis process.
+
+    Raises:
+        ModelConfigError (422): the message names the config field, its value, the limit and the setting.
+    """
+    from converters import model_limits, model_sources
+
+    reference = model_sources.parse_model_reference(ref, sources)
+    if reference.kind == "local" and reference.path is not None and (reference.path / "config.json").is_file():
+        model_limits.read_config_file(reference.path / "config.json", sources.config_limits)
 
 
 def submit_job(
@@ -102,33 +118,42 @@ def delete_job(store: JobStore, dirs: ArtifactStorage, job_id: str) -> None:
     dirs.remove(job_id)
 
 
-# One synchronous calibration at a time: each loads a model and uses every core.
-_CALIBRATING = threading.Lock()
-
-
-def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
-    """The eligibility report of a model reference, built on the meta device (no weights are read).
+async def analyze(settings: Settings, body: AnalyzeCreate, pool: AnalysisPool) -> bytes:
+    """The eligibility report of a model reference (as JSON), built on the meta device (no weights are read).
 
     With a calibration (``body.calibrates()``) the weights are loaded layer by layer and a short calibration
-    measures each eligible layer's SQNR (``converters.sync_analysis.calibrated_analysis``), one request at a time.
+    measures each eligible layer's SQNR (``converters.sync_analysis.calibrated_analysis``). The reference, a local
+    model's config and the calibration bounds are checked here; the model is built in one of ``pool``'s processes
+    (``converters.sync_analysis.analysis_report``), never in the API's.
 
     Raises:
-        Fp8ForgeError: bad reference (422), model not found (422), bad calibration or recipe names (422),
-            a model too large to calibrate synchronously (422), backend problems (503).
+        Fp8ForgeError: bad reference (422), model not found (422), a config out of bounds (422), bad calibration
+            or recipe names (422), a model too large to calibrate synchronously (422), backend problems (503).
+        AnalyzeBusy (503): every analysis process is busy and the queue is full.
+        AnalysisAborted (503): the analysis process died or ran past ``analyze_timeout_s``.
     """
-    from converters import analysis, model_sources
+    from anyio import to_thread
+
+    from converters import model_sources, sync_analysis
 
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
+    # the checks read the model directory: a thread's work, though short, not the event loop's
+    request = await to_thread.run_sync(_check_analysis, body, sources)
+    options = {"ref": body.model, "backend": body.backend, "include": tuple(body.include),
+               "exclude": tuple(body.exclude), "skip_first_last": body.skip_first_last,
+               "convert_router_gates": body.convert_router_gates}
+    return await pool.run(as_json, sync_analysis.analysis_report, sources, options, request)
+
+
+def _check_analysis(body: AnalyzeCreate, sources: Any) -> Any:
+    """Check what can be checked without building the model; returns the calibrated analysis's request, if any."""
     _check_reference(body.model, sources)
-    if body.calibrates():
-        return _calibrated_analysis(sources, body)
-    return analysis.analyze_model_reference(
-        body.model, sources, backend=body.backend, include=tuple(body.include), exclude=tuple(body.exclude),
-        skip_first_last=body.skip_first_last, convert_router_gates=body.convert_router_gates,
-    )
+    _check_local_config(body.model, sources)
+    return _calibration_request(body) if body.calibrates() else None
 
 
-def _calibrated_analysis(sources: Any, body: AnalyzeCreate) -> dict[str, Any]:
+def _calibration_request(body: AnalyzeCreate) -> Any:
+    """The conversion request a calibrated analysis runs, its calibration checked against the synchronous bounds."""
     from converters import sync_analysis
     from converters.requests import CalibrationSettings, ConversionRequest
 
@@ -137,10 +162,8 @@ def _calibrated_analysis(sources: Any, body: AnalyzeCreate) -> dict[str, Any]:
         given["texts"] = tuple(given["texts"])
     calibration = CalibrationSettings(**{**sync_analysis.SYNC_DEFAULTS, **given})
     sync_analysis.check_sync_calibration(calibration)
-    request = ConversionRequest(
+    return ConversionRequest(
         model=body.model, recipe={"backend": body.backend}, calibration=calibration, include=tuple(body.include),
         exclude=tuple(body.exclude), skip_first_last=body.skip_first_last,
         convert_router_gates=body.convert_router_gates, min_sqnr_db=body.min_sqnr_db,
         compare_recipes=tuple(body.compare_recipes or ()))
-    with _CALIBRATING:
-        return sync_analysis.calibrated_analysis(request, sources, max_parameters=sync_analysis.SYNC_MAX_PARAMETERS)
