@@ -28,7 +28,7 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
     Raises:
         converters.errors.Fp8ForgeError: with ``field`` naming the culprit (HTTP 422).
     """
-    from converters import errors, model_sources, pipeline
+    from converters import errors, include_check, model_sources, pipeline
 
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
     _check_reference(request["model"], sources)
@@ -41,6 +41,9 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
         if exc.field and not exc.field.startswith((section, "model", "include", "exclude")):
             exc.field = f"{section}.{exc.field}"
         raise
+    # an include pattern that selects nothing, refused now rather than by the worker (from the files' headers)
+    include_check.check_include_on_disk(include_check.local_checkpoint_dir(request["model"], sources),
+                                        request.get("include") or ())
 
 
 def _check_reference(ref: str, sources: Any) -> None:
