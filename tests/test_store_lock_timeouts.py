@@ -95,6 +95,40 @@ def test_sessions_carry_the_timeouts(store: JobStore) -> None:
         assert time.monotonic() - started < 10
 
 
+def test_the_settings_defaults_are_the_stores_and_url_options_win(store: JobStore) -> None:
+    fields = Settings.model_fields
+    assert StoreTimeouts() == StoreTimeouts(
+        lock_s=fields["store_lock_timeout_s"].default, statement_s=fields["store_statement_timeout_s"].default,
+        idle_in_transaction_s=fields["store_idle_in_transaction_timeout_s"].default)
+    url = store.engine.url.render_as_string(hide_password=False)
+    own = JobStore(f"{url}?options=-c%20lock_timeout%3D7000", table_prefix=store.tables.jobs.name[:-4],
+                   timeouts=TIMEOUTS)
+    try:
+        with own.engine.connect() as conn:
+            assert conn.execute(sa.text("SHOW lock_timeout")).scalar() == "7s"
+            assert conn.execute(sa.text("SHOW statement_timeout")).scalar() == "1s"
+    finally:
+        own.close()
+
+
+def test_a_claimer_stopped_inside_its_claim_holds_up_other_claims_for_the_lock_timeout_at_most(
+        store: JobStore) -> None:
+    job, _ = store.create_job({"model": "fake"}, request_hash="a", owner="alice")
+    turn = sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"fp8forge-claim:{store.tables.jobs.name}"))
+    with store.engine.connect() as stopped_claimer:
+        stopped_claimer.begin()
+        stopped_claimer.execute(sa.select(turn))  # holds the claims' turn, as inside its claim
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            claim = pool.submit(store.claim_next, "w", max_running_per_owner=2)
+            try:
+                assert claim.result(timeout=10) is None  # not now
+                assert time.monotonic() - started < LOCK_S + 1
+            finally:
+                stopped_claimer.rollback()  # lets a claim that waits for good finish, so the test can end
+    assert store.claim_next("w", max_running_per_owner=2).id == job.id
+
+
 def test_a_stopped_worker_holding_its_row_stalls_neither_the_reaper_nor_other_keys_jobs(
         store: JobStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("service.workers.runner.child_main", fake_child)
