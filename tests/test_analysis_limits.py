@@ -249,7 +249,7 @@ def test_malformed_configs_get_4xx_over_http_and_the_connection_survives(served)
     answers = _keepalive(port, [*requests, ("GET", "/healthz", None)])
     assert answers[-1][0] == 200
     expected = [*(words for _, words in BAD_CONFIGS.values()), "nests JSON more than 32 levels"]
-    for index, ((status, body), (_, path, request)) in enumerate(zip(answers[:-1], requests)):
+    for index, ((status, body), (_, path, request)) in enumerate(zip(answers[:-1], requests, strict=True)):
         words = expected[index // 2]
         if path == "/v1/jobs" and ("model class" in words or "transformers" in words):
             # only transformers tells a model class from another, and the API does not import it: the job is
