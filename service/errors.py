@@ -38,6 +38,8 @@ __all__ = [
     "RangeNotSatisfiable",
     "DiskFull",
     "disk_full",
+    "StoreBusy",
+    "store_busy",
     "error_response",
     "install_error_handler",
 ]
@@ -80,6 +82,9 @@ ERROR_CODES: dict[str, tuple[str, str]] = {
     "analysis_aborted": ("503", "the analysis process died (e.g. out of memory) or ran past "
                                 "FP8FORGE_ANALYZE_TIMEOUT_S"),
     "artifact_store_unavailable": ("503", "the object store holding the artifacts did not answer; see Retry-After"),
+    "store_busy": ("503", "the job store did not answer within FP8FORGE_STORE_LOCK_TIMEOUT_S / "
+                          "FP8FORGE_STORE_STATEMENT_TIMEOUT_S (e.g. the job's row is held by a stalled worker); see "
+                          "Retry-After"),
     "disk_full": ("503", "a disk of the server is full: the job store could not record the request (see Retry-After); "
                          "as a job's error, its worker ran out of disk space on the last attempt"),
 }
@@ -189,8 +194,35 @@ class DiskFull(ServiceError):
     status_code = 503
 
 
+class StoreBusy(ServiceError):
+    """The job store gave up waiting for a lock or a statement (503 with ``Retry-After``)."""
+
+    code = "store_busy"
+    status_code = 503
+
+
 _SQLITE_FULL = 13
 _PG_DISK_FULL = "53100"
+_SQLITE_BUSY, _SQLITE_LOCKED = 5, 6
+#: lock_not_available (lock_timeout, NOWAIT) and query_canceled (statement_timeout)
+_PG_GAVE_UP = {"55P03", "57014"}
+
+
+def store_busy(exc: BaseException) -> bool:
+    """True when ``exc``, or an exception that caused it, is the store giving up on a lock or a statement:
+    SQLite's busy/locked, PostgreSQL's lock_not_available or query_canceled. Such a request may succeed later."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for candidate in (current, getattr(current, "orig", None)):
+            code = getattr(candidate, "sqlite_errorcode", None)
+            if code is not None and code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
+                return True
+            if getattr(candidate, "sqlstate", None) in _PG_GAVE_UP:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def disk_full(exc: BaseException) -> bool:
@@ -300,6 +332,12 @@ def error_response(exc: Exception) -> JSONResponse:
         full = DiskFull("a disk of the server is full, so the request could not be recorded; try again later",
                         headers={"Retry-After": "60"})
         full.__cause__, exc = exc, full
+    elif not isinstance(exc, ServiceError) and store_busy(exc):  # a stalled holder of a row, not a bug of ours
+        busy = StoreBusy("the job store is busy (a lock or statement timed out); try again shortly",
+                         headers={"Retry-After": "5"})
+        busy.__cause__, exc = exc, busy
+        busy.logged = False  # one warning line below, not an error with a traceback
+        logger.warning("request gave up on the store: %s", str(busy.__cause__).splitlines()[0][:300])
     status, code, message, field = _describe(exc)
     if status >= 500 and getattr(exc, "logged", True):
         logger.error("request failed: %s", message, exc_info=exc)
@@ -316,6 +354,15 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handler(app: FastAPI) -> None:
-    """Register the one handler for every error family the app can raise."""
-    for family in (ServiceError, Fp8ForgeError, RequestValidationError, StarletteHTTPException, Exception):
+    """Register the one handler for every error family the app can raise.
+
+    Database and OS errors get their own entries: Starlette hands a bare ``Exception`` handler to its outermost
+    middleware, which answers and then re-raises, so the server drops the connection; a store that is busy or a
+    disk that is full is an answer (503), not a crash.
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    families = (ServiceError, Fp8ForgeError, RequestValidationError, StarletteHTTPException, DBAPIError, OSError,
+                Exception)
+    for family in families:
         app.add_exception_handler(family, _handle)
