@@ -5,6 +5,7 @@ Every error response has the shape ``{"error": {"code", "message", "field"?}}``.
 
 from __future__ import annotations
 
+import copy
 import enum
 import errno
 import logging
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from converters.errors import BackendUnavailableError, Fp8ForgeError
+from service.redaction import server_directories, without_server_paths
 
 __all__ = [
     "ERROR_CODES",
@@ -345,12 +347,28 @@ def error_response(exc: Exception) -> JSONResponse:
     return JSONResponse(_body(code, message, field), status_code=status, headers=headers)
 
 
+def _redacted(request: Request, exc: Exception) -> Exception:
+    """A library error whose message names a server directory, with the directory replaced (see service.redaction);
+    the log keeps the original."""
+    settings = getattr(request.app.state, "settings", None)
+    if not isinstance(exc, Fp8ForgeError) or settings is None:
+        return exc
+    directories = server_directories(data_dir=settings.data_dir, cache_dir=settings.hf_cache,
+                                     key_file=settings.api_keys_file)
+    message = without_server_paths(exc.message, directories)
+    if message != exc.message:
+        redacted = copy.copy(exc)
+        redacted.message = message
+        return redacted
+    return exc
+
+
 async def _handle(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, StarletteHTTPException) and exc.status_code == 405:
         allow = _allowed_methods(request)
         message = f"{request.method} is not served at {request.url.path}; it serves {allow}"
         return JSONResponse(_body("method_not_allowed", message, None), status_code=405, headers={"Allow": allow})
-    return error_response(exc)
+    return error_response(_redacted(request, exc))
 
 
 def install_error_handler(app: FastAPI) -> None:
