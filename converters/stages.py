@@ -109,13 +109,19 @@ def _nothing_eligible(run: _Run) -> None:
 
 
 def _warn_partly_fp8_groups(run: _Run, after: str = "", touching: set[str] | None = None) -> None:
-    """Say what a fused group that is only partly FP8 means, where it means something: only a serving export
-    fuses q/k/v or gate/up into one GEMM, and it keeps such a group in high precision whole. TE and torchao
-    artifacts convert each Linear on its own, so for them it means nothing and no warning is given."""
+    """Say what a group that is only partly FP8 means, where it means something. An experts GEMM runs as one
+    grouped GEMM everywhere (TE's GroupedLinear, the engines), so the whole group stays in high precision in every
+    artifact. A fused q/k/v or gate/up group is one GEMM only in a serving export, which keeps it in high precision
+    whole; TE and torchao artifacts convert each such Linear on its own, so for them it means nothing."""
+    expert_units = {layer["path"] for layer in run.report["layers"] if "expert" in layer}
     for group in run.report["fused_groups"]:
-        if group["partly_eligible"] and run.request.serving_formats and (
-                touching is None or touching & set(group["members"])):
-            left = sorted(set(group["members"]) - set(group["eligible_members"]))
+        if not group["partly_eligible"] or (touching is not None and not touching & set(group["members"])):
+            continue
+        left = sorted(set(group["members"]) - set(group["eligible_members"]))
+        if group["members"][0] in expert_units:
+            run.warn(f"experts GEMM {group['name']} is only partly FP8{after} ({', '.join(left)} not eligible): it "
+                     "runs as one grouped GEMM, so the artifact keeps the whole group in high precision")
+        elif run.request.serving_formats:
             run.warn(f"fused group {group['name']} is only partly FP8{after} ({', '.join(left)} not eligible): the "
                      "serving exports keep the whole group in high precision, since engines run it as one GEMM "
                      "(their report's skipped list says so); the training artifact converts its eligible members")
