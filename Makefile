@@ -3,6 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# torchao's wheel carries CUDA kernels built for CPython 3.10; a CPU torch cannot load them and every import of
+# torchao (transformers imports it) would print one failure per file: tools/prune_torchao_kernels.py removes them.
+PRUNED := $(VENV)/.torchao-pruned
 
 .PHONY: install test lint serve clean
 
@@ -11,11 +14,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	rm -f $(VENV)/.installed-* && touch $@
+	rm -f $(VENV)/.installed-* $(PRUNED) && touch $@
 
-install: $(STAMP)
+$(PRUNED): $(STAMP) tools/prune_torchao_kernels.py
+	$(PY) tools/prune_torchao_kernels.py
+	touch $@
 
-lint: $(STAMP)
+install: $(PRUNED)
+
+lint: $(PRUNED)
 	$(VENV)/bin/ruff check service converters tests benchmarks
 
 # tests/service/ui/test_ui_browser.py drives Debian's Chromium through Playwright (a dev extra). A failed install does not
@@ -30,7 +37,7 @@ test: lint $(CHROMIUM)
 	TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
 
 # Local use: no API keys, and the server refuses to listen on anything but loopback that way.
-serve: $(STAMP)
+serve: $(PRUNED)
 	FP8FORGE_AUTH_DISABLED=1 $(VENV)/bin/fp8forge serve
 
 clean:

@@ -28,9 +28,10 @@ and the conversion, which matters on a small machine.
 Targets (printed beside the measured ratios; a missed target never changes the exit status):
   poll / healthz requests per second at 64 connections       >= 0.8 (idle and during the conversion)
   calibration steps per second under the poll load / alone   >= 0.7
-  download / disk read                                       >= 0.5 (warm and cold; warm, a file read from the
-                                                                     page cache outruns loopback TCP itself, so the
-                                                                     tcp column says what any server could reach)
+  download / bare loopback TCP carrying the same bytes       >= 0.8 (warm: the file in the page cache; TCP is the
+                                                                     ceiling any server has here, and a warm file
+                                                                     read outruns it, so it is the measure, not disk)
+  download / disk read, cold                                 >= 0.5 (the file's pages dropped before each read)
 
 The finished jobs (the listed ones and the one holding the download's artifact) are written through the job
 store before the server starts, so no worker ever sees them queued. About four minutes on 2 cores.
@@ -433,6 +434,12 @@ def print_api(title: str, rows: list[dict]) -> None:
               f"{r['errors']:>8}{mark}")
 
 
+def download_ratios(rates: dict[str, dict[str, float]]) -> list[tuple[str, float, float]]:
+    """(label, measured, target) of the download: against bare loopback TCP (warm) and a cold disk read."""
+    return [("download / bare loopback TCP, same bytes (warm)", rates["warm"]["api"] / rates["warm"]["tcp"], 0.8),
+            ("download / disk read, cold", rates["cold"]["api"] / rates["cold"]["disk"], 0.5)]
+
+
 def poll_ratio(rows: list[dict], connections: int = 64) -> float:
     rate = {r["endpoint"]: r["rps"] for r in rows if r["connections"] == connections}
     return rate["poll"] / rate["healthz"]
@@ -527,8 +534,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         for cache, r in rates.items():  # tcp/disk: the most api/disk any server could reach over loopback here
             print(f"{cache:<6}{r['disk'] / 2**20:>8.0f}{r['api'] / 2**20:>8.0f}{r['tcp'] / 2**20:>8.0f}"
                   f"{r['api'] / r['disk']:>10.2f}{r['api'] / r['tcp']:>9.2f}{r['tcp'] / r['disk']:>10.2f}")
-        ratios.append(("download / disk read, page cache warm", rates["warm"]["api"] / rates["warm"]["disk"], 0.5))
-        ratios.append(("download / disk read, cold", rates["cold"]["api"] / rates["cold"]["disk"], 0.5))
+        ratios += download_ratios(rates)
     print(f"\nratios (measured in {results['elapsed']:.0f} s):")
     for label, value, target in ratios:
         print(f"  {label:<54}{value:5.2f}  (target >= {target})")

@@ -5,6 +5,7 @@ Every error response has the shape ``{"error": {"code", "message", "field"?}}``.
 
 from __future__ import annotations
 
+import copy
 import enum
 import errno
 import logging
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from converters.errors import BackendUnavailableError, Fp8ForgeError
+from service.redaction import server_directories, without_server_paths
 
 __all__ = [
     "ERROR_CODES",
@@ -26,6 +28,9 @@ __all__ = [
     "ServiceError",
     "Unauthorized",
     "TooManyJobs",
+    "TooManyStreams",
+    "AnalyzeBusy",
+    "AnalysisAborted",
     "JobNotFound",
     "ArtifactNotFound",
     "InvalidTransition",
@@ -35,6 +40,8 @@ __all__ = [
     "RangeNotSatisfiable",
     "DiskFull",
     "disk_full",
+    "StoreBusy",
+    "store_busy",
     "error_response",
     "install_error_handler",
 ]
@@ -57,18 +64,29 @@ ERROR_CODES: dict[str, tuple[str, str]] = {
     "invalid_request": ("422", "a field is missing, unknown, of the wrong type or out of its bounds; `field` names it"),
     "invalid_model_reference": ("422", "`model` is malformed or points outside the allowed roots"),
     "model_not_found": ("422", "`model` is well formed but names no model this server can read"),
+    "invalid_model_config": ("422", "the model's config.json declares more than FP8FORGE_MAX_MODEL_* allow, or "
+                                    "something no model can be built from; the message names the config field"),
     "invalid_artifact": ("422", "a directory is not a complete fp8forge artifact"),
     "invalid_recipe": ("422", "a recipe field is unknown or out of range; `field` is `recipe.<name>`"),
     "invalid_calibration": ("422", "calibration settings or texts are unusable; `field` is `calibration[.<name>]`"),
     "invalid_pattern": ("422", "an include/exclude pattern is malformed or matches no Linear layer"),
     "too_many_jobs": ("429", "the API key has as many queued jobs as it may; see Retry-After"),
+    "too_many_streams": ("429", "the API key has as many open event streams as FP8FORGE_MAX_EVENT_STREAMS_PER_KEY "
+                                "allows; close one, or see Retry-After"),
     "http_error": ("4xx", "another refusal of the HTTP layer; the status says which"),
     "internal_error": ("500", "a bug; the server log has the traceback"),
     "conversion_failed": ("500", "the conversion ran but its result was inconsistent"),
     "cancelled": ("500", "the run was cancelled"),
     "artifact_upload_failed": ("500", "a job's worker could not upload its artifacts to the object store (job error)"),
     "backend_unavailable": ("503", "the backend needs a library or device this server lacks"),
+    "analyze_busy": ("503", "every analysis process is busy and FP8FORGE_ANALYZE_QUEUE_DEPTH requests wait; see "
+                            "Retry-After"),
+    "analysis_aborted": ("503", "the analysis process died (e.g. out of memory) or ran past "
+                                "FP8FORGE_ANALYZE_TIMEOUT_S"),
     "artifact_store_unavailable": ("503", "the object store holding the artifacts did not answer; see Retry-After"),
+    "store_busy": ("503", "the job store did not answer within FP8FORGE_STORE_LOCK_TIMEOUT_S / "
+                          "FP8FORGE_STORE_STATEMENT_TIMEOUT_S (e.g. the job's row is held by a stalled worker); see "
+                          "Retry-After"),
     "disk_full": ("503", "a disk of the server is full: the job store could not record the request (see Retry-After); "
                          "as a job's error, its worker ran out of disk space on the last attempt"),
 }
@@ -107,6 +125,29 @@ class TooManyJobs(ServiceError):
 
     code = "too_many_jobs"
     status_code = 429
+
+
+class TooManyStreams(ServiceError):
+    """The caller's key has as many open event streams as it may (429 with ``Retry-After``)."""
+
+    code = "too_many_streams"
+    status_code = 429
+
+
+class AnalyzeBusy(ServiceError):
+    """Every analysis process is busy and the queue before them is full (503 with ``Retry-After``)."""
+
+    code = "analyze_busy"
+    status_code = 503
+    #: a refusal under load, not a failure: a traceback logged for each would only add to the load
+    logged = False
+
+
+class AnalysisAborted(ServiceError):
+    """The analysis process died or ran past its time bound; it was replaced (503)."""
+
+    code = "analysis_aborted"
+    status_code = 503
 
 
 class JobNotFound(ServiceError):
@@ -155,8 +196,35 @@ class DiskFull(ServiceError):
     status_code = 503
 
 
+class StoreBusy(ServiceError):
+    """The job store gave up waiting for a lock or a statement (503 with ``Retry-After``)."""
+
+    code = "store_busy"
+    status_code = 503
+
+
 _SQLITE_FULL = 13
 _PG_DISK_FULL = "53100"
+_SQLITE_BUSY, _SQLITE_LOCKED = 5, 6
+#: lock_not_available (lock_timeout, NOWAIT) and query_canceled (statement_timeout)
+_PG_GAVE_UP = {"55P03", "57014"}
+
+
+def store_busy(exc: BaseException) -> bool:
+    """True when ``exc``, or an exception that caused it, is the store giving up on a lock or a statement:
+    SQLite's busy/locked, PostgreSQL's lock_not_available or query_canceled. Such a request may succeed later."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for candidate in (current, getattr(current, "orig", None)):
+            code = getattr(candidate, "sqlite_errorcode", None)
+            if code is not None and code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
+                return True
+            if getattr(candidate, "sqlstate", None) in _PG_GAVE_UP:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def disk_full(exc: BaseException) -> bool:
@@ -266,11 +334,33 @@ def error_response(exc: Exception) -> JSONResponse:
         full = DiskFull("a disk of the server is full, so the request could not be recorded; try again later",
                         headers={"Retry-After": "60"})
         full.__cause__, exc = exc, full
+    elif not isinstance(exc, ServiceError) and store_busy(exc):  # a stalled holder of a row, not a bug of ours
+        busy = StoreBusy("the job store is busy (a lock or statement timed out); try again shortly",
+                         headers={"Retry-After": "5"})
+        busy.__cause__, exc = exc, busy
+        busy.logged = False  # one warning line below, not an error with a traceback
+        logger.warning("request gave up on the store: %s", str(busy.__cause__).splitlines()[0][:300])
     status, code, message, field = _describe(exc)
-    if status >= 500:
+    if status >= 500 and getattr(exc, "logged", True):
         logger.error("request failed: %s", message, exc_info=exc)
     headers = getattr(exc, "headers", None)  # e.g. Content-Range on a 416, Allow on a 405
     return JSONResponse(_body(code, message, field), status_code=status, headers=headers)
+
+
+def _redacted(request: Request, exc: Exception) -> Exception:
+    """A library error whose message names a server directory, with the directory replaced (see service.redaction);
+    the log keeps the original."""
+    settings = getattr(request.app.state, "settings", None)
+    if not isinstance(exc, Fp8ForgeError) or settings is None:
+        return exc
+    directories = server_directories(data_dir=settings.data_dir, cache_dir=settings.hf_cache,
+                                     key_file=settings.api_keys_file)
+    message = without_server_paths(exc.message, directories)
+    if message != exc.message:
+        redacted = copy.copy(exc)
+        redacted.message = message
+        return redacted
+    return exc
 
 
 async def _handle(request: Request, exc: Exception) -> JSONResponse:
@@ -278,10 +368,19 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
         allow = _allowed_methods(request)
         message = f"{request.method} is not served at {request.url.path}; it serves {allow}"
         return JSONResponse(_body("method_not_allowed", message, None), status_code=405, headers={"Allow": allow})
-    return error_response(exc)
+    return error_response(_redacted(request, exc))
 
 
 def install_error_handler(app: FastAPI) -> None:
-    """Register the one handler for every error family the app can raise."""
-    for family in (ServiceError, Fp8ForgeError, RequestValidationError, StarletteHTTPException, Exception):
+    """Register the one handler for every error family the app can raise.
+
+    Database and OS errors get their own entries: Starlette hands a bare ``Exception`` handler to its outermost
+    middleware, which answers and then re-raises, so the server drops the connection; a store that is busy or a
+    disk that is full is an answer (503), not a crash.
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    families = (ServiceError, Fp8ForgeError, RequestValidationError, StarletteHTTPException, DBAPIError, OSError,
+                Exception)
+    for family in families:
         app.add_exception_handler(family, _handle)

@@ -17,7 +17,7 @@ from torch import nn
 from converters.analysis.patterns import PatternError, check_patterns, matches
 from converters.analysis.reasons import Reason
 from converters.analysis.totals import compute_totals, count_parameters, dtype_name
-from converters.errors import ConversionError, RecipeError, RequestError
+from converters.errors import ConversionError, Fp8ForgeError, ModelConfigError, RecipeError, RequestError
 from converters.model.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
 from converters.model.sources import build_meta_model, load_config, resolve_model_dir
 from converters.recipes import default_recipe, recipe_from_dict
@@ -374,8 +374,8 @@ def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", incl
         recipe=recipe,
     )
     directory = resolve_model_dir(ref, sources, with_weights=False)
-    config = load_config(directory, sources)
-    model = build_meta_model(config, sources)
+    config = load_config(directory, sources)  # within sources.config_limits (converters.model.limits)
+    model = _build_meta_model(config, sources)
     report = analyze_model(model, options)
     check_include_patterns(report)
     report["model"] = {"reference": ref, "model_type": getattr(config, "model_type", None)}
@@ -395,3 +395,15 @@ def check_report_rule(report: dict[str, Any], recipe: Any) -> None:
         raise ConversionError(f"{len(bad)} layers the analysis called eligible break {recipe.library_class}'s "
                               f"shape rule ({rule.describe()}), e.g. {bad[0]}: the analysis ran without the recipe; "
                               "analyze with AnalysisOptions(recipe=...)")
+
+
+def _build_meta_model(config: Any, sources: Any) -> nn.Module:
+    """The model on the meta device; what transformers trips on while building a client's config (a head count
+    that does not divide the width, a field the architecture reads with the wrong type) is the config's fault."""
+    try:
+        return build_meta_model(config, sources)
+    except Fp8ForgeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        raise ModelConfigError(f"no model can be built from config.json: {type(exc).__name__}: {exc}",
+                               field="model") from exc

@@ -45,7 +45,8 @@ def format_analysis(report: dict[str, Any]) -> str:
     partly = [group for group in report["fused_groups"] if group["partly_eligible"]]
     if partly:
         lines.append("")
-        lines.append("fused groups only partly eligible (serving engines want the whole group in one precision):")
+        lines.append("fused groups only partly eligible (serving exports keep such a group in high precision whole, "
+                     "as engines run it as one GEMM; TE and torchao artifacts convert its eligible members):")
         for group in partly:
             lines.append(f"  {group['name']}: {len(group['eligible_members'])}/{len(group['members'])} eligible")
 

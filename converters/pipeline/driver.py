@@ -57,9 +57,13 @@ def run_stages(run: Run, *, stop_after: Stage) -> None:
 
 
 def run_conversion(
-    request: ConversionRequest, out_dir: Path, sources: ModelSourceOptions, sink: ProgressSink | None = None
+    request: ConversionRequest, out_dir: Path, sources: ModelSourceOptions, sink: ProgressSink | None = None,
+    *, notes: tuple[str, ...] | list[str] = (),
 ) -> ConversionResult:
     """Convert ``request.model`` and write its artifacts to ``out_dir`` (which must not exist).
+
+    ``notes`` are warnings the caller found before the run (a recipe file's keys that the request's recipe
+    object no longer holds); they are reported first, and kept in the report with the pipeline's own.
 
     Raises:
         Fp8ForgeError subclasses: bad input (``is_bad_input``), backend unavailable, inconsistent
@@ -71,6 +75,8 @@ def run_conversion(
     if not out_dir.parent.is_dir():
         raise Fp8ForgeError(f"the parent of {out_dir} does not exist; create {out_dir.parent} first", field="out")
     run = Run(request=request, sources=sources, sink=sink or NullSink())
+    for note in notes:
+        run.warn(note)
     staging = staging_dir_for(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -78,6 +84,7 @@ def run_conversion(
         run_stages(run, stop_after=Stage.CONVERT)
         run.check_stop()
         run.sink.stage(Stage.EXPORT.value)
+        run.export_started = time.perf_counter()  # export records its own time in the report it writes
         files, manifest = export(run, staging)
         run.check_stop()
         os.replace(staging, out_dir)

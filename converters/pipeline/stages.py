@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,15 +108,46 @@ def analyze(run: Run) -> None:
     check_include_patterns(run.report)
     check_report_rule(run.report, run.recipe)
     if run.report["totals"]["eligible_layers"] + run.report["totals"]["expert_units"] == 0:
-        raise ConversionError(
-            "no layer is eligible for FP8 (see `fp8forge analyze`): nothing to convert; "
-            "adjust include/exclude or choose a model with nn.Linear layers whose dims are multiples of 16"
-        )
-    for group in run.report["fused_groups"]:
-        if group["partly_eligible"]:
-            run.warn(f"fused group {group['name']} is only partly FP8; serving engines may refuse it")
+        _nothing_eligible(run)
+    _warn_partly_fp8_groups(run)
     _plan_serving(run)
     run.sink.progress(1, 1)
+
+
+def _nothing_eligible(run: Run) -> None:
+    """Refuse a job that would convert nothing, naming the rule that left each layer out (bad input: the model,
+    the recipe or the patterns do not fit together).
+
+    Raises:
+        RequestError: ``recipe`` when the recipe's shape rule left some layer out, else ``include/exclude``.
+    """
+    rule = run.recipe.shape_rule()
+    reasons = sorted({reason for layer in run.report["layers"] for reason in layer["reasons"]})
+    shape = rule.reason in reasons
+    fix = (f"the recipe ({run.recipe.library_class}) needs {rule.describe()}: choose a recipe whose rule this "
+           "model's dims meet (TE delayed or current scaling: 16) or another model"
+           if shape else "adjust include/exclude, skip_first_last or convert_router_gates")
+    raise RequestError(f"no layer is eligible for FP8 (reasons: {', '.join(reasons) or 'none'}; see `fp8forge "
+                       f"analyze`): nothing to convert; {fix}", field="recipe" if shape else "include/exclude")
+
+
+def _warn_partly_fp8_groups(run: Run, after: str = "", touching: set[str] | None = None) -> None:
+    """Say what a group that is only partly FP8 means, where it means something. An experts GEMM runs as one
+    grouped GEMM everywhere (TE's GroupedLinear, the engines), so the whole group stays in high precision in every
+    artifact. A fused q/k/v or gate/up group is one GEMM only in a serving export, which keeps it in high precision
+    whole; TE and torchao artifacts convert each such Linear on its own, so for them it means nothing."""
+    expert_units = {layer["path"] for layer in run.report["layers"] if "expert" in layer}
+    for group in run.report["fused_groups"]:
+        if not group["partly_eligible"] or (touching is not None and not touching & set(group["members"])):
+            continue
+        left = sorted(set(group["members"]) - set(group["eligible_members"]))
+        if group["members"][0] in expert_units:
+            run.warn(f"experts GEMM {group['name']} is only partly FP8{after} ({', '.join(left)} not eligible): it "
+                     "runs as one grouped GEMM, so the artifact keeps the whole group in high precision")
+        elif run.request.serving_formats:
+            run.warn(f"fused group {group['name']} is only partly FP8{after} ({', '.join(left)} not eligible): the "
+                     "serving exports keep the whole group in high precision, since engines run it as one GEMM "
+                     "(their report's skipped list says so); the training artifact converts its eligible members")
 
 
 def _plan_serving(run: Run) -> None:
@@ -208,9 +240,7 @@ def _apply_sensitivity(run: Run, meter: Any, label: str, amax: dict[str, Any]) -
     shown = ", ".join(excluded[:5]) + (f" and {len(excluded) - 5} more" if len(excluded) > 5 else "")
     run.warn(f"{len(excluded)} layer(s) stay in high precision (low_sqnr): output SQNR under {label} below "
              f"min_sqnr_db {threshold:g} dB: {shown}")
-    for group in run.report["fused_groups"]:
-        if group["partly_eligible"] and set(group["members"]) & set(excluded):
-            run.warn(f"fused group {group['name']} is only partly FP8 after low_sqnr; serving engines may refuse it")
+    _warn_partly_fp8_groups(run, after=" after low_sqnr", touching=set(excluded))
     if run.serving:
         _plan_serving(run)
     dropped = set(excluded)
@@ -334,9 +364,11 @@ def export(run: Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     run.check_stop()
     written += writers.write_state_file(run, staging)
     written += writers.write_calibration_file(run, staging)
-
     written += copy_side_files(run.model_dir, staging, confinement_for(run.sources))
     written += _write_serving(run, staging)
+    # the report is written here, so export's time stops before it: every weight, state and serving file is in
+    # it; the two JSON files and the manifest's checksums (read back from disk) come after
+    run.stage_seconds["export"] = round(time.perf_counter() - run.export_started, 3)
     written += writers.write_json_files(run, staging, written)
     run.sink.progress(2, 3)
 

@@ -99,6 +99,7 @@ class Run:
     calibration: CalibrationResult = field(default_factory=lambda: CalibrationResult())
     tied_weights: dict[str, str] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    export_started: float = 0.0  #: time.perf_counter() when the export stage began
     warnings: list[str] = field(default_factory=list)
 
     def warn(self, message: str) -> None:

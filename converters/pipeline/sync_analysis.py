@@ -1,7 +1,6 @@
 """The synchronous analysis of ``POST /v1/analyze`` (and ``fp8forge analyze --calibrate``): a short calibration
 inside the request that reports each eligible layer's SQNR (:mod:`converters.calibration.sensitivity`), within bounds
-that keep
-the answer to seconds for a small model.
+that keep the answer to seconds for a small model.
 """
 
 from __future__ import annotations
@@ -11,9 +10,11 @@ from typing import Any
 from converters.analysis.eligibility import analyze_model_reference
 from converters.errors import RequestError
 from converters.pipeline.driver import run_stages
+from converters.pipeline.request import SYNC_MAX_PARAMETERS
 from converters.pipeline.state import NullSink, Run, Stage
 
-__all__ = ["calibrated_analysis"]
+__all__ = ["calibrated_analysis", "analysis_report"]
+
 
 def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_parameters: int | None = None
                         ) -> dict[str, Any]:
@@ -48,3 +49,16 @@ def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_par
                                  "pipeline": run.pipeline}
     run.report["warnings"] = run.warnings
     return run.report
+
+
+def analysis_report(sources: Any, options: dict[str, Any], request: Any = None) -> dict[str, Any]:
+    """The report of ``POST /v1/analyze``, as its analysis process computes it: with a conversion ``request``, the
+    calibrated analysis of :func:`calibrated_analysis` (at most :data:`SYNC_MAX_PARAMETERS`); otherwise the plain
+    report of ``converters.analysis.eligibility.analyze_model_reference(**options)`` (``options`` holds ``ref`` and its
+    keyword arguments).
+
+    Raises the analysis's Fp8ForgeError subclasses (see those functions).
+    """
+    if request is not None:
+        return calibrated_analysis(request, sources, max_parameters=SYNC_MAX_PARAMETERS)
+    return analyze_model_reference(sources=sources, **options)

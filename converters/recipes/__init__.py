@@ -24,7 +24,7 @@ from converters.recipes.base import (
     TEScaling,
     check_bool,
 )
-from converters.recipes.parse import load_recipe_file, recipe_from_accelerate_yaml
+from converters.recipes.parse import check_canonical_spelling, load_recipe_file, recipe_from_accelerate_yaml
 from converters.recipes.registry import (
     RECIPES,
     Recipe,
@@ -73,6 +73,7 @@ __all__ = [
     "recipe_from_dict",
     "recipe_from_accelerate_yaml",
     "load_recipe_file",
+    "check_canonical_spelling",
     "default_recipe",
     "typed_from_dict",
 ]

@@ -111,8 +111,8 @@ def typed_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
 # --- parsing -------------------------------------------------------------------------------------
 
 _COMMON_KEYS = ("version", "backend")
-# `accelerate config` writes these spellings into fp8_config (TERecipeKwargs itself uses ours).
-_TE_ALIASES = {"amax_history_length": "amax_history_len", "amax_compute_algorithm": "amax_compute_algo"}
+#: `accelerate config` writes these spellings into fp8_config (TERecipeKwargs itself uses ours).
+TE_ALIASES = {"amax_history_length": "amax_history_len", "amax_compute_algorithm": "amax_compute_algo"}
 # What `accelerate config` writes for any TE recipe and Accelerate drops when it builds MXFP8BlockScaling
 # (apply_fp8_autowrap passes only margin and fp8_format on; the rest reaches it as environment defaults).
 _ACCELERATE_DELAYED_ONLY = ("amax_history_len", "amax_history_length", "amax_compute_algo", "amax_compute_algorithm",
@@ -205,13 +205,13 @@ def _te_recipe(data: dict[str, Any]) -> Recipe:
     if scaling is not TEScaling.DELAYED:
         _reject_unknown(data, _COMMON_KEYS + ("scaling",) + _fields_of(cls), f"te {scaling.value}")
         return cls(**data)
-    for alias, name in _TE_ALIASES.items():
+    for alias, name in TE_ALIASES.items():
         if alias in data:
             if name in data:
                 raise RecipeError(f"Give either {name} or {alias}, not both.", field=alias)
             data[name] = data.pop(alias)
     allowed_keys = (_COMMON_KEYS + ("scaling", "use_mxfp8_block_scaling") + _all_fields_of(cls)
-                    + tuple(_TE_ALIASES))
+                    + tuple(TE_ALIASES))
     _reject_unknown(data, allowed_keys, "te delayed-scaling")
     if "override_linear_precision" in data:
         data["override_linear_precision"] = _parse_bool_triple(data["override_linear_precision"])

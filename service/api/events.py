@@ -1,21 +1,23 @@
-"""A job's event log as server-sent events; the stream ends once the job has finished."""
+"""A job's event log as server-sent events; the stream ends once the job has finished (or its client goes)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
 from typing import Annotated
 
 import anyio
 from anyio import to_thread
 from fastapi import Header
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from service.errors import JobNotFound
 from service.jobs import JobEvent
 from service.store import JobStore
 
-__all__ = ["MAX_EVENT_ID", "LastEventIdHeader", "format_event", "job_event_stream"]
+__all__ = ["MAX_EVENT_ID", "LastEventIdHeader", "format_event", "job_event_stream", "event_stream_response"]
 
 _BATCH = 500
 #: The largest event id a store can issue (SQLite's 64-bit rowid); a larger Last-Event-ID was never sent by us,
@@ -62,3 +64,27 @@ async def job_event_stream(
             yield ": keep-alive\n\n"
         await anyio.sleep(poll_s)
         quiet += poll_s
+
+
+class _ReleasingStream(StreamingResponse):
+    """A stream that calls ``release`` once it is over, however it ends: the job finished, the client went away,
+    or sending failed."""
+
+    def __init__(self, *args: object, release: Callable[[], None], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def event_stream_response(store: JobStore, job_id: str, after_seq: int, release: Callable[[], None]
+                          ) -> StreamingResponse:
+    """The SSE response of :func:`job_event_stream`; ``release`` (the caller's stream slot) is called when it ends."""
+    return _ReleasingStream(
+        job_event_stream(store, job_id, after_seq), media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, release=release,
+    )

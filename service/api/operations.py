@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from converters import errors
+from converters.analysis import include_check
+from converters.model import limits as model_limits
 from converters.model import sources as model_sources
-from converters.pipeline.request import (
-    SYNC_DEFAULTS,
-    SYNC_MAX_PARAMETERS,
-    CalibrationSettings,
-    ConversionRequest,
-    check_sync_calibration,
-)
+from converters.pipeline.request import SYNC_DEFAULTS, CalibrationSettings, ConversionRequest, check_sync_calibration
+from service.api.analyze_pool import AnalysisPool, as_json
 from service.api.auth import Caller
 from service.api.schemas import AnalyzeCreate, JobCreate
 from service.artifacts import ArtifactStorage
@@ -37,7 +33,9 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
     Raises:
         converters.errors.Fp8ForgeError: with ``field`` naming the culprit (HTTP 422).
     """
-    _check_reference(request["model"], model_sources.ModelSourceOptions(**settings.model_sources()))
+    sources = model_sources.ModelSourceOptions(**settings.model_sources())
+    _check_reference(request["model"], sources)
+    _check_local_config(request["model"], sources)
     try:
         ConversionRequest.from_dict(request)
     except (errors.RecipeError, errors.CalibrationDataError) as exc:
@@ -46,6 +44,9 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
         if exc.field and not exc.field.startswith((section, "model", "include", "exclude")):
             exc.field = f"{section}.{exc.field}"
         raise
+    # an include pattern that selects nothing, refused now rather than by the worker (from the files' headers)
+    include_check.check_include_on_disk(include_check.local_checkpoint_dir(request["model"], sources),
+                                        request.get("include") or ())
 
 
 def _check_reference(ref: str, sources: Any) -> None:
@@ -54,6 +55,18 @@ def _check_reference(ref: str, sources: Any) -> None:
     except errors.ModelReferenceError as exc:
         exc.field = exc.field or "model"
         raise
+
+
+def _check_local_config(ref: str, sources: Any) -> None:
+    """A local model's config.json against ``sources.config_limits``, read now (a JSON walk, no transformers), so
+    a config of 10,000 layers is refused in milliseconds instead of being built by a worker or analysis process.
+
+    Raises:
+        ModelConfigError (422): the message names the config field, its value, the limit and the setting.
+    """
+    reference = model_sources.parse_model_reference(ref, sources)
+    if reference.kind == "local" and reference.path is not None and (reference.path / "config.json").is_file():
+        model_limits.read_config_file(reference.path / "config.json", sources.config_limits)
 
 
 def submit_job(
@@ -94,7 +107,7 @@ def cancel_job(store: JobStore, job_id: str) -> Job:
     raise InvalidTransition(f"job {job_id} kept changing; try again")
 
 
-def delete_job(store: JobStore, dirs: ArtifactStorage, job_id: str) -> None:
+def delete_job(store: JobStore, storage: ArtifactStorage, job_id: str) -> None:
     """Delete a finished job and its artifacts (files on disk, or every object of the job in the store).
 
     The row goes first, so no reader resolves a name to the files being removed; files a store could not
@@ -104,48 +117,58 @@ def delete_job(store: JobStore, dirs: ArtifactStorage, job_id: str) -> None:
         JobNotFound (404); InvalidTransition (409) while the job is queued or running.
     """
     store.delete_job(job_id)
-    dirs.remove(job_id)
+    storage.remove(job_id)
 
 
-# One synchronous calibration at a time: each loads a model and uses every core.
-_CALIBRATING = threading.Lock()
-
-
-def analyze(settings: Settings, body: AnalyzeCreate) -> dict[str, Any]:
-    """The eligibility report of a model reference, built on the meta device (no weights are read).
+async def analyze(settings: Settings, body: AnalyzeCreate, pool: AnalysisPool) -> bytes:
+    """The eligibility report of a model reference (as JSON), built on the meta device (no weights are read).
 
     With a calibration (``body.calibrates()``) the weights are loaded layer by layer and a short calibration
-    measures each eligible layer's SQNR (``converters.pipeline.sync_analysis.calibrated_analysis``), one request at
-    a time.
+    measures each eligible layer's SQNR (``converters.pipeline.sync_analysis.calibrated_analysis``). The reference,
+    a local model's config and the calibration bounds are checked here; the model is built in one of ``pool``'s
+    processes (``converters.pipeline.sync_analysis.analysis_report``), never in the API's.
 
     Raises:
-        Fp8ForgeError: bad reference (422), model not found (422), bad calibration or recipe names (422),
-            a model too large to calibrate synchronously (422), backend problems (503).
+        Fp8ForgeError: bad reference (422), model not found (422), a config out of bounds (422), bad calibration
+            or recipe names (422), a model too large to calibrate synchronously (422), backend problems (503).
+        AnalyzeBusy (503): every analysis process is busy and the queue is full.
+        AnalysisAborted (503): the analysis process died or ran past ``analyze_timeout_s``.
     """
-    from converters.analysis import eligibility as analysis  # imports torch: never at the API's start-up
+    from anyio import to_thread
+
 
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
+    # the checks read the model directory: a thread's work, though short, not the event loop's
+    request = await to_thread.run_sync(_check_analysis, body, sources)
+    options = {"ref": body.model, "backend": body.backend, "include": tuple(body.include),
+               "exclude": tuple(body.exclude), "skip_first_last": body.skip_first_last,
+               "convert_router_gates": body.convert_router_gates}
+    return await pool.run(as_json, _analysis_report, sources, options, request)
+
+
+def _check_analysis(body: AnalyzeCreate, sources: Any) -> Any:
+    """Check what can be checked without building the model; returns the calibrated analysis's request, if any."""
     _check_reference(body.model, sources)
-    if body.calibrates():
-        return _calibrated_analysis(sources, body)
-    return analysis.analyze_model_reference(
-        body.model, sources, backend=body.backend, include=tuple(body.include), exclude=tuple(body.exclude),
-        skip_first_last=body.skip_first_last, convert_router_gates=body.convert_router_gates,
-    )
+    _check_local_config(body.model, sources)
+    return _calibration_request(body) if body.calibrates() else None
 
 
-def _calibrated_analysis(sources: Any, body: AnalyzeCreate) -> dict[str, Any]:
-    from converters.pipeline import sync_analysis  # imports torch: never at the API's start-up
-
+def _calibration_request(body: AnalyzeCreate) -> Any:
+    """The conversion request a calibrated analysis runs, its calibration checked against the synchronous bounds."""
     given = body.calibration.model_dump(exclude_none=True) if body.calibration is not None else {}
     if "texts" in given:
         given["texts"] = tuple(given["texts"])
     calibration = CalibrationSettings(**{**SYNC_DEFAULTS, **given})
     check_sync_calibration(calibration)
-    request = ConversionRequest(
+    return ConversionRequest(
         model=body.model, recipe={"backend": body.backend}, calibration=calibration, include=tuple(body.include),
         exclude=tuple(body.exclude), skip_first_last=body.skip_first_last,
         convert_router_gates=body.convert_router_gates, min_sqnr_db=body.min_sqnr_db,
         compare_recipes=tuple(body.compare_recipes or ()))
-    with _CALIBRATING:
-        return sync_analysis.calibrated_analysis(request, sources, max_parameters=SYNC_MAX_PARAMETERS)
+
+
+def _analysis_report(sources: Any, options: dict[str, Any], request: Any) -> dict[str, Any]:
+    """``converters.pipeline.sync_analysis.analysis_report``, run in an analysis process (see :func:`analyze`)."""
+    from converters.pipeline.sync_analysis import analysis_report  # imports torch: only in an analysis process
+
+    return analysis_report(sources, options, request)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 from converters.errors import CalibrationDataError
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.request import MIN_SQNR_DB_RANGE, CalibrationSettings
+from converters.recipes import load_recipe_file, recipe_from_dict
 from service.config import load_settings
 
 __all__ = ["add_source_arguments", "add_selection_arguments", "add_calibration_arguments", "add_min_sqnr_argument",
-           "calibration_from_args", "source_options_from_args"]
+           "calibration_from_args", "source_options_from_args", "recipe_file", "recipe_file_warned"]
 
 
 def _env_flag(name: str) -> bool:
@@ -110,3 +113,27 @@ def calibration_from_args(args: argparse.Namespace):
         texts=tuple(_read_texts(args.calib_texts)) if args.calib_texts else None,
         backward=getattr(args, "calib_backward", False),
     )
+
+
+def recipe_file(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """A recipe file as the request's recipe object, and the warnings only the file can give.
+
+    An Accelerate config's keys that do not apply (the delayed-scaling keys beside ``use_mxfp8_block_scaling``)
+    are dropped from the recorded recipe, so the pipeline, which sees only that object, cannot name them.
+    """
+    parsed = load_recipe_file(path)
+    recipe = parsed.to_dict()
+    recorded = set(recipe_from_dict(recipe).warnings())
+    dropped = getattr(parsed, "accelerate_ignored", ())
+    if dropped:  # one line for the lot, rather than one per key
+        return recipe, [f"{path}: use_mxfp8_block_scaling drops {', '.join(dropped)}: delayed-scaling keys that "
+                        f"{parsed.library_class} has no use for (Accelerate drops them too); they are not recorded"]
+    return recipe, [f"{path}: {note}" for note in parsed.warnings() if note not in recorded]
+
+
+def recipe_file_warned(path: Path) -> dict[str, Any]:
+    """:func:`recipe_file` for the commands that write no report: its warnings go to stderr now."""
+    recipe, notes = recipe_file(path)
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
+    return recipe

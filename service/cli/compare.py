@@ -13,7 +13,6 @@ from typing import Any
 from converters.analysis.render import format_analysis
 from converters.errors import RecipeError
 from converters.pipeline.request import ConversionRequest
-from converters.recipes import load_recipe_file
 from converters.recipes.presets import RECIPE_NAMES
 from service.cli.args import (
     add_calibration_arguments,
@@ -21,9 +20,10 @@ from service.cli.args import (
     add_selection_arguments,
     add_source_arguments,
     calibration_from_args,
+    recipe_file_warned,
     source_options_from_args,
 )
-from service.cli.render import METRICS, BarSink, format_comparison, format_sqnr_layers
+from service.cli.render import DEFAULT_WIDTH, METRICS, BarSink, format_comparison, format_sqnr_layers
 
 __all__ = [
     "register",
@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_selection_arguments(compare)
     add_calibration_arguments(compare, backward=False)
     add_min_sqnr_argument(compare, "flag")
+    compare.add_argument("--width", type=int, default=DEFAULT_WIDTH, metavar="COLUMNS",
+                         help="fit the tables into COLUMNS characters, continuing with the recipes that do not fit in "
+                              "a further table (default %(default)s; 0: one table however wide)")
     compare.add_argument("--json", action="store_true", help="print the report as JSON")
     compare.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_source_arguments(compare)
@@ -75,7 +78,7 @@ def _compare_entries(args: argparse.Namespace) -> tuple[list[Any], list[str | No
             entries.append(item)
             labels.append(None)
     for path in args.recipe:
-        entries.append(load_recipe_file(path).to_dict())
+        entries.append(recipe_file_warned(path))
         labels.append(path.stem)
     if not entries:
         raise RecipeError("--recipes names no recipe; give names, all, or --recipe FILE", field="recipes")
@@ -113,7 +116,7 @@ def run_compare_command(args: argparse.Namespace, sources) -> int:
         print(json.dumps(report, indent=2))
         return 0
     metrics = METRICS if args.metric == "all" else (args.metric,)
-    print("\n\n".join(format_comparison(report, metric) for metric in metrics))
+    print("\n\n".join(format_comparison(report, metric, max(args.width, 0)) for metric in metrics))
     return 0
 
 
@@ -122,7 +125,7 @@ def run_calibrated_analyze(args: argparse.Namespace, sources) -> int:
     import json
 
 
-    recipe = load_recipe_file(args.recipe).to_dict() if args.recipe else {"backend": args.backend or "te"}
+    recipe = recipe_file_warned(args.recipe) if args.recipe else {"backend": args.backend or "te"}
     report = _analysis_with_bars(_request(args, recipe), sources, not args.no_progress)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+from pathlib import Path
 from typing import Any
 
 from converters.analysis.render import human_bytes
-from converters.errors import RecipeError
+from converters.errors import Fp8ForgeError, RecipeError
 from converters.pipeline.request import ConversionRequest
-from converters.recipes import load_recipe_file
-from service.cli.args import calibration_from_args
+from service.cli.args import calibration_from_args, recipe_file
 from service.cli.render import BarSink, format_worst_layers
 
 __all__ = ["run_convert_command", "request_from_args"]
 
 
 def request_from_args(args: argparse.Namespace):
-    """Build the ConversionRequest from CLI flags (recipe file, backend, calibration, selection)."""
+    """Build the ConversionRequest from CLI flags (recipe file, backend, calibration, selection), and the recipe
+    file's own warnings (see :func:`service.cli.args.recipe_file`)."""
     recipe: dict[str, Any] = {"backend": args.backend or "te"}
+    notes: list[str] = []
     if args.recipe is not None:
-        recipe = load_recipe_file(args.recipe).to_dict()
+        recipe, notes = recipe_file(args.recipe)
         if args.backend and args.backend != recipe["backend"]:
             raise RecipeError(
                 f"--backend {args.backend} contradicts the recipe file's backend {recipe['backend']}; drop one",
@@ -36,7 +39,24 @@ def request_from_args(args: argparse.Namespace):
         convert_router_gates=args.convert_router_gates,
         serving_formats=tuple(args.serving),
         min_sqnr_db=args.min_sqnr_db,
-    )
+    ), notes
+
+
+def _make_parents(out: Path) -> list[Path]:
+    """Create the missing parents of ``out``, outermost first; returns the ones created.
+
+    Raises:
+        Fp8ForgeError (bad input, ``--out``): a parent cannot be created (a file in the way, no permission).
+    """
+    missing = [parent for parent in reversed(out.absolute().parents) if not parent.exists()]
+    for index, parent in enumerate(missing):
+        try:
+            parent.mkdir()
+        except OSError as exc:
+            for made in reversed(missing[:index]):
+                made.rmdir()
+            raise Fp8ForgeError(f"--out {out}: cannot create {parent}: {exc.strerror}", field="out") from exc
+    return missing
 
 
 def run_convert_command(args: argparse.Namespace, sources) -> int:
@@ -44,10 +64,16 @@ def run_convert_command(args: argparse.Namespace, sources) -> int:
 
     from converters.pipeline.driver import run_conversion  # imports torch: only in the process that converts
 
-    request = request_from_args(args)
+    request, notes = request_from_args(args)
     sink = BarSink(enabled=not args.no_progress)
+    created = [] if args.out.exists() else _make_parents(args.out)
     try:
-        result = run_conversion(request, args.out, sources, sink)
+        result = run_conversion(request, args.out, sources, sink, notes=notes)
+    except BaseException:
+        for parent in reversed(created):  # a failed convert leaves no directory behind, parents included
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
     finally:
         sink.close()
     total = sum(entry["bytes"] for entry in result.manifest)

@@ -11,7 +11,7 @@ import sys
 
 from service.config import SettingsError, load_settings
 
-__all__ = ["register"]
+__all__ = ["register", "create_first_key"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,27 +47,60 @@ def _key_file(args: argparse.Namespace):
         return None
 
 
-def _create(args: argparse.Namespace) -> int:
+def _append_key(path, name: str, role: str) -> str:
+    """Create a key, append its entry to the key file at ``path``; returns the token. Raises SettingsError."""
     from service.api.auth import key_entry, new_token  # the API stack (fastapi): not at the CLI's start-up
 
-    path = _key_file(args)
-    if path is None:
-        return 2
     token = new_token()
-    try:
-        entry = key_entry(args.name, args.role, token)
-    except SettingsError as exc:
-        print(f"fp8forge: {exc}", file=sys.stderr)
-        return 2
+    entry = key_entry(name, role, token)
     path.parent.mkdir(parents=True, exist_ok=True)
     # the file holds hashes only, yet nobody else needs to read it
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a", encoding="utf-8") as fh:
         fh.write(entry + "\n")
+    return token
+
+
+def _create(args: argparse.Namespace) -> int:
+    path = _key_file(args)
+    if path is None:
+        return 2
+    try:
+        token = _append_key(path, args.name, args.role)
+    except SettingsError as exc:
+        print(f"fp8forge: {exc}", file=sys.stderr)
+        return 2
     print(f"fp8forge: added {args.role} key for {args.name!r} to {path}; a running server reads keys at start-up, "
           "so restart it. The key (shown only now):", file=sys.stderr)
     print(token)
     return 0
+
+
+def create_first_key(settings, name: str) -> None:
+    """``fp8forge serve --first-key NAME``: with authentication on and no key configured anywhere (a fresh data
+    volume), create an admin key NAME in the key file and print it once, so that a server started with nothing
+    prepared (the Docker image) comes up usable instead of refusing to start. Does nothing otherwise.
+
+    Raises:
+        SettingsError: NAME is not a valid key name, or the key file is malformed.
+    """
+    from service.api.auth import KeyRing, default_keys_file  # the API stack (fastapi): not at the CLI's start-up
+
+    if settings.auth_disabled:
+        return
+    try:
+        KeyRing.from_settings(settings)
+        return  # some key is configured already
+    except SettingsError:
+        path = default_keys_file(settings)
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        if settings.api_keys or any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines()):
+            raise  # keys that do not parse: say so, never add to them
+    token = _append_key(path, name, "admin")
+    print(f"fp8forge: no API key was configured, so an admin key {name!r} was created in {path} (only its SHA-256 "
+          f"is stored). Send it as `Authorization: Bearer <key>`; it is shown only now:\n{token}\n"
+          "More keys: `fp8forge keys create NAME` with the same data directory (docs/security.md).",
+          file=sys.stderr, flush=True)
 
 
 def _list(args: argparse.Namespace) -> int:

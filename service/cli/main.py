@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 from converters.analysis.render import format_analysis
-from converters.errors import Fp8ForgeError, RequestError
-from converters.recipes import load_recipe_file
+from converters.errors import Fp8ForgeError, ModelNotFoundError, ModelReferenceError, RequestError
 from converters.third_party_noise import silence_third_party_noise
 from service.cli import compare, convert, keys, serve
 from service.cli.args import (
@@ -21,9 +20,10 @@ from service.cli.args import (
     add_min_sqnr_argument,
     add_selection_arguments,
     add_source_arguments,
+    recipe_file_warned,
     source_options_from_args,
 )
-from service.cli.wording import error_in_cli_words
+from service.cli.wording import error_in_cli_words, local_directory_hint
 from service.config import SettingsError
 
 __all__ = ["main", "build_parser"]
@@ -32,9 +32,19 @@ __all__ = ["main", "build_parser"]
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fp8forge")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8forge", description="Turn Hugging Face models into FP8 checkpoints.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     analyze = commands.add_parser("analyze", help="report which layers FP8 conversion would touch, and why not")
@@ -101,7 +111,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
             exclude=args.exclude,
             skip_first_last=not args.no_skip_first_last,
             convert_router_gates=args.convert_router_gates,
-            recipe=load_recipe_file(args.recipe) if args.recipe is not None else None,  # its own shape rule
+            recipe=recipe_file_warned(args.recipe) if args.recipe is not None else None,  # its own shape rule
         )
     finally:
         if hidden and sys.modules.get("torchao", 0) is None:
@@ -130,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Fp8ForgeError as exc:
-        print(f"fp8forge {args.command}: error: {error_in_cli_words(exc.message, exc.field)}", file=sys.stderr)
+        message = error_in_cli_words(exc.message, exc.field)
+        hint = local_directory_hint(getattr(args, "model", None))  # `models/x` read as a hub id, ./models/x there
+        if hint and isinstance(exc, (ModelReferenceError, ModelNotFoundError)):
+            message = f"{hint}. {message}"  # the fix first: the library's message is about the hub
+        print(f"fp8forge {args.command}: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT if exc.is_bad_input else EXIT_FAILED
     except SettingsError as exc:
         print(f"fp8forge {args.command}: error: {exc}", file=sys.stderr)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import statistics
 import sys
+import textwrap
 from typing import Any
 
 from service.cli.wording import in_cli_words
 
-__all__ = ["BarSink", "METRICS", "format_comparison", "format_sqnr_layers", "format_worst_layers"]
+__all__ = ["BarSink", "METRICS", "DEFAULT_WIDTH", "format_comparison", "format_sqnr_layers", "format_worst_layers"]
 
 METRICS = ("output", "input", "weight")
+#: what the comparison tables fit into unless --width says otherwise (a terminal's 80 leaves too few recipes)
+DEFAULT_WIDTH = 100
 
 
 class BarSink:
@@ -70,10 +73,24 @@ def _table(rows: list[list[str]], right_from: int = 1) -> list[str]:
     return lines
 
 
-def format_comparison(report: dict[str, Any], metric: str = "output") -> str:
+def _chunks(widths: list[int], width: int) -> list[list[int]]:
+    """Value columns (indices 1..) grouped so that each group beside column 0 fits ``width`` (0: one group)."""
+    groups: list[list[int]] = [[]]
+    used = widths[0]
+    for index in range(1, len(widths)):
+        if width and groups[-1] and used + 2 + widths[index] > width:
+            groups.append([])
+            used = widths[0]
+        groups[-1].append(index)
+        used += 2 + widths[index]
+    return groups
+
+
+def format_comparison(report: dict[str, Any], metric: str = "output", width: int = DEFAULT_WIDTH) -> str:
     """The comparison table: one row per measured layer, one column per recipe, ``metric`` SQNR in dB.
 
     Values below the report's ``min_sqnr_db`` carry ``!``; the last rows give each recipe's minimum and median.
+    Recipes that do not fit ``width`` columns beside the layer paths go to a further table below (0: one table).
     """
     comparison = report["comparison"]
     labels = [recipe["label"] for recipe in comparison["recipes"]]
@@ -93,14 +110,17 @@ def format_comparison(report: dict[str, Any], metric: str = "output") -> str:
     if threshold is not None:
         summary.append([f"below {threshold:g}", *(str(sum(1 for v in columns[label] if v < threshold))
                                                   for label in labels)])
-    table = _table(rows + summary)
-    lines += table[: len(rows) + 1] + ["  ".join("-" * len(part) for part in table[1].split("  "))] + \
-        table[len(rows) + 1:]
+    everything = rows + summary
+    for number, group in enumerate(_chunks([max(len(row[i]) for row in everything) for i in range(len(rows[0]))],
+                                           width)):
+        table = _table([[row[0], *(row[i] for i in group)] for row in everything])
+        lines += [""] * (number > 0) + table[: len(rows) + 1] + [table[1]] + table[len(rows) + 1:]
     lines.append("")
     for recipe in comparison["recipes"]:
         note = f"; not emulated: {'; '.join(recipe['not_emulated'])}" if recipe["not_emulated"] else ""
-        lines.append(f"  {recipe['label']}: weight {recipe['weight_format']}, input {recipe['input_format']}"
-                     f"{', delayed scaling' if recipe['delayed'] else ''}{note}")
+        text = (f"{recipe['label']}: weight {recipe['weight_format']}, input {recipe['input_format']}"
+                f"{', delayed scaling' if recipe['delayed'] else ''}{note}")
+        lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ") if width else ["  " + text]
     return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from service.cli.keys import create_first_key
 from service.config import SettingsError, load_settings
+from service.workers.procs import configure_logging  # the service stack: not at the CLI's start-up
 
 if TYPE_CHECKING:
     from service.config import Settings
@@ -32,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "else one per GPU, or one)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="level of fp8forge's own log lines, the workers' included (default: %(default)s)")
+    serve.add_argument("--first-key", default=None, metavar="NAME",
+                       help="with API keys on and none configured yet (a fresh data directory), create an admin key "
+                            "NAME and print it once instead of refusing to start (the Docker image's default)")
     serve.set_defaults(func=run_serve)
 
     worker = subparsers.add_parser(
@@ -62,7 +67,7 @@ def _storage_reachable(settings: Settings) -> bool:
     from service.artifacts import (  # the service stack (fastapi): not at the CLI's start-up
         ArtifactStoreUnavailable,
         open_storage,
-    )
+    )  # the service stack (fastapi): not at the CLI's start-up
 
     try:
         open_storage(settings).check()
@@ -89,10 +94,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from service.main import create_app  # the service stack (fastapi, sqlalchemy): not at the CLI's start-up
     from service.store import JobStore  # the service stack (sqlalchemy): not at the CLI's start-up
     from service.workers.pool import WorkerPool, default_worker_count  # the service stack: not at the CLI's start-up
-    from service.workers.procs import configure_logging  # the service stack: not at the CLI's start-up
 
     configure_logging(args.log_level, "api")
     try:
+        if args.first_key:
+            create_first_key(settings, args.first_key)
         app = create_app(settings)  # reads the API keys: refuse to start without any, rather than refuse everyone
     except SettingsError as exc:
         print(f"fp8forge: {exc}", file=sys.stderr)

@@ -7,8 +7,9 @@ caller sent; a CLI user typed a flag, so the CLI rewrites each field name it has
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
-__all__ = ["FIELD_FLAGS", "in_cli_words", "error_in_cli_words"]
+__all__ = ["FIELD_FLAGS", "in_cli_words", "error_in_cli_words", "local_directory_hint"]
 
 #: Request field (as the library's messages write it) -> the flag that sets it.
 FIELD_FLAGS = {
@@ -42,3 +43,18 @@ def error_in_cli_words(message: str, field: str | None) -> str:
     text = in_cli_words(message)
     flag = FIELD_FLAGS.get(re.sub(r"\[\d+\]$", "", field or ""))
     return text if flag is None or flag in text else f"{flag}: {text}"
+
+
+def local_directory_hint(reference: str | None) -> str | None:
+    """How to write ``reference`` when the library read it as a hub id (or refused it) but it names a directory
+    below the current one: ``models/llama`` is a hub id to the library, ``./models/llama`` a local path.
+
+    None when the reference is already written as a local path or names no directory here.
+    """
+    if not isinstance(reference, str) or not reference.strip() or reference.startswith(("/", "./", "~")):
+        return None
+    for candidate in dict.fromkeys((reference, reference.partition("@")[0])):  # "@" may be part of the name
+        if candidate and Path(candidate).is_dir():
+            return (f"./{candidate} is a directory here: write ./{candidate} to use it (a reference that is not "
+                    "absolute and does not start with ./ is read as a hub id)")
+    return None

@@ -111,7 +111,9 @@ def recipe_from_yaml(body: RecipeYamlCreate) -> dict[str, Any]:
 
 
 def install_ui(app: FastAPI) -> None:
-    """Serve the pages under ``/ui`` and their files under ``/ui/static``."""
+    """Serve the pages under ``/ui`` and their files under ``/ui/static``; ``/`` leads to them."""
     app.include_router(router)
+    # what a browser pointed at the server's address should see (no part of the API, nor of its schema)
+    app.add_api_route("/", lambda: RedirectResponse("/ui", status_code=307), include_in_schema=False)
     app.mount("/ui/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
     logger.debug("web UI under /ui")

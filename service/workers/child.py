@@ -13,6 +13,7 @@ threads of both fighting over the same cores (benchmarks/ measure it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from converters.model.sources import ModelSourceOptions
 from converters.pipeline.request import ConversionRequest
 from converters.third_party_noise import silence_third_party_noise
 from service.errors import disk_full
+from service.redaction import server_directories, without_server_paths
 from service.workers.messages import DISK_FULL, Failed, Progress, StageStarted, Succeeded, Warned
 from service.workers.procs import configure_logging, die_with_parent
 
@@ -102,9 +104,10 @@ def limit_threads(configured: int | None) -> int:
 class PipeSink:
     """``converters.pipeline.driver.ProgressSink`` that forwards everything to the worker."""
 
-    def __init__(self, conn: Connection, stop: Event) -> None:
+    def __init__(self, conn: Connection, stop: Event, directories: list[tuple[str, str]] | None = None) -> None:
         self._conn = conn
         self._stop = stop
+        self._directories = directories or []  # server paths kept out of what reaches clients
 
     def stage(self, name: str) -> None:
         self._conn.send(StageStarted(str(name)))
@@ -113,7 +116,7 @@ class PipeSink:
         self._conn.send(Progress(int(done), int(total)))
 
     def warning(self, message: str) -> None:
-        self._conn.send(Warned(str(message)))
+        self._conn.send(Warned(without_server_paths(str(message), self._directories)))
 
     def should_stop(self) -> bool:
         return self._stop.is_set()
@@ -134,18 +137,32 @@ def child_main(
     configure_logging(log_level, "conversion")
 
     silence_third_party_noise()  # a spawned process starts without the filters its worker set; before torch loads
+    directories = _server_directories(out_dir, sources)
     try:
         logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
         from converters.pipeline.driver import run_conversion  # imports torch: only in the process that converts
 
         result = run_conversion(
-            ConversionRequest.from_dict(request), Path(out_dir), ModelSourceOptions(**sources), PipeSink(conn, stop),
+            ConversionRequest.from_dict(request), Path(out_dir), ModelSourceOptions(**sources),
+            PipeSink(conn, stop, directories),
         )
         conn.send(Succeeded([dict(m) for m in result.manifest]))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
-        conn.send(_failure(exc))
+        failure = _failure(exc)
+        conn.send(dataclasses.replace(failure, message=without_server_paths(failure.message, directories)))
     finally:
         conn.close()
+
+
+def _server_directories(out_dir: str, sources: dict[str, Any]) -> list[tuple[str, str]]:
+    """The server's directories a client message must not name: the job's output, the data directory and key
+    file (the sources' private paths) and the hub cache."""
+    private = [Path(path) for path in sources.get("private_paths", ())]
+    named = server_directories(data_dir=Path(out_dir), cache_dir=sources.get("cache_dir"))
+    named = [(path, "<artifact dir>" if placeholder == "<data dir>" else placeholder) for path, placeholder in named]
+    for path in private:
+        named += server_directories(data_dir=path, cache_dir=sources.get("cache_dir"))
+    return sorted(set(named), key=lambda pair: -len(pair[0]))
 
 
 def _failure(exc: BaseException) -> Failed:

@@ -17,8 +17,11 @@ _MEANINGS = {
     413: "The body exceeds FP8FORGE_MAX_BODY_BYTES (body_too_large).",
     416: "A Range header that is malformed, lists several ranges or lies outside the file.",
     422: "A field, header or parameter is missing, unknown, of the wrong type or out of bounds; error.field names it.",
-    429: "The API key has as many queued jobs as it may (too_many_jobs); see Retry-After.",
-    503: "The backend needs a library or device this server lacks (backend_unavailable).",
+    429: "The API key has as many queued jobs (too_many_jobs) or open event streams (too_many_streams) as it may; "
+         "see Retry-After.",
+    503: "The backend needs a library or device this server lacks (backend_unavailable), or (analyze) every "
+         "analysis process is busy (analyze_busy, see Retry-After) or the analysis died or ran too long "
+         "(analysis_aborted).",
 }
 
 

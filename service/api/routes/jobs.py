@@ -5,13 +5,14 @@ from __future__ import annotations
 from functools import partial
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from service.api import operations
 from service.api.auth import CallerDep
 from service.api.deps import JobDep, SettingsDep, StorageDep, StoreDep, read_store
-from service.api.events import LastEventIdHeader, job_event_stream
+from service.api.events import LastEventIdHeader, event_stream_response
+from service.api.limits import stream_slots
 from service.api.routes import error_responses
 from service.api.schemas import JobCreate, JobPublic, JobsPublic
 from service.jobs import JobStatus
@@ -73,14 +74,15 @@ def delete_job(job: JobDep, store: StoreDep, storage: StorageDep) -> Response:
 @router.get(
     "/{job_id}/events", operation_id="streamJobEvents", response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {}}, "description": "Server-sent events."},
-               **error_responses(404, 422)},
+               **error_responses(404, 422, 429)},
 )
-def stream_job_events(
-    job: JobDep, store: StoreDep,
+async def stream_job_events(
+    job: JobDep, store: StoreDep, caller: CallerDep, request: Request,
     last_event_id: LastEventIdHeader = None,
 ) -> StreamingResponse:
-    """The job's event log (status, stage, progress, warning) as SSE; ends when the job has finished."""
-    return StreamingResponse(
-        job_event_stream(store, job.id, last_event_id or 0), media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    """The job's event log (status, stage, progress, warning) as SSE; ends when the job has finished.
+
+    A key with as many streams open as it may gets 429 with ``Retry-After``; a stream counts until it ends.
+    """
+    release = stream_slots(request.app).acquire(caller.name)
+    return event_stream_response(store, job.id, last_event_id or 0, release)

@@ -76,6 +76,26 @@ def test_every_recipe_side_by_side_on_the_real_minilm(capsys):
     assert abs(median["te-current"] - median["te-mxfp8"]) < 1.0
 
 
+def _columns(out: str) -> dict[str, dict[str, str]]:
+    """Every table of a comparison's output read back: recipe label -> first cell (layer path, min, ...) -> cell."""
+    columns: dict[str, dict[str, str]] = {}
+    lines = out.splitlines()
+    for index, line in enumerate(lines):
+        if not line.startswith("layer "):
+            continue
+        labels = line.split()[1:]
+        for row in lines[index + 2:]:
+            if not row.strip():
+                break
+            if row.startswith("-"):
+                continue
+            cells = row.rsplit(None, len(labels))
+            first = cells[0].strip()
+            for label, cell in zip(labels, cells[1:], strict=True):
+                columns.setdefault(label, {})[first] = cell
+    return columns
+
+
 def test_compare_table_on_the_tiny_llama_demo_with_a_recipe_file(demo_cache, tmp_path, capsys):
     recipe = tmp_path / "margin2.json"
     recipe.write_text(json.dumps({"backend": "te", "margin": 2}))
@@ -84,20 +104,21 @@ def test_compare_table_on_the_tiny_llama_demo_with_a_recipe_file(demo_cache, tmp
     assert code == 0, err
     with capsys.disabled():
         print("\n" + out)
-    lines = out.splitlines()
-    header = lines[2].split()
-    assert header == ["layer", *RECIPE_NAMES, "margin2"]
-    rows = [line.split() for line in lines[4:] if line.startswith("model.layers.")]
-    assert len(rows) == 13
-    for row in rows:
-        values = [float(cell.rstrip("!")) for cell in row[1:]]
-        assert len(values) == len(RECIPE_NAMES) + 1 and all(math.isfinite(v) for v in values)
-        assert row[1 + list(RECIPE_NAMES).index("te-nvfp4")].endswith("!")  # FP4 falls below 25 dB
-    summary = {line.split()[0]: line.split()[-len(header) + 1:] for line in lines
-               if line.startswith(("min ", "median ", "below 25 "))}
-    assert set(summary) == {"min", "median", "below"}
-    assert summary["below"][list(RECIPE_NAMES).index("te-nvfp4")] == "13"
+    assert max(len(line) for line in out.splitlines()) <= 100  # eleven recipes, in tables that fit 100 columns
+    columns = _columns(out)
+    assert list(columns) == [*RECIPE_NAMES, "margin2"]
+    for label, cells in columns.items():
+        values = {path: float(cell.rstrip("!")) for path, cell in cells.items() if path.startswith("model.layers.")}
+        assert len(values) == 13 and all(math.isfinite(v) for v in values.values())
+        if label == "te-nvfp4":  # FP4 falls below 25 dB
+            assert all(cell.endswith("!") for path, cell in cells.items() if path.startswith("model.layers."))
+        assert {"min", "median", "below 25"} <= set(cells)
+    assert columns["te-nvfp4"]["below 25"] == "13"
     assert "margin2: weight e4m3_tensor, input e4m3_tensor, delayed scaling" in out
+
+    code, wide, err = run_cli(capsys, "compare", "demo/tiny-llama", "--recipes", "all", "--width", "0", *SMALL)
+    assert code == 0, err
+    assert wide.splitlines()[2].split() == ["layer", *RECIPE_NAMES]  # one table, as wide as it takes
 
 
 def test_compare_refuses_an_unknown_recipe_name(demo_cache, capsys):

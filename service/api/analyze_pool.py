@@ -1,0 +1,188 @@
+"""The processes that run ``/v1/analyze``: building a model from a client's config costs seconds and hundreds of
+megabytes (a calibrated analysis loads weights and uses every core it gets), so it never runs in the API process.
+
+A few spawned children each run one analysis at a time; a bounded number of requests wait for one, on the event
+loop (no thread is held while they wait); the rest are refused at once with 503 and ``Retry-After``. A child that
+dies (out of memory) or runs past the time bound is killed and replaced, and its request gets 503, never a hung
+connection. Forty calibrated analyses in parallel used to hold the API's threads and stalled ``/healthz`` for 44 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from anyio import to_thread
+
+from converters.errors import Fp8ForgeError
+from service.errors import AnalysisAborted, AnalyzeBusy
+from service.workers.child import limit_threads, thread_budget
+from service.workers.procs import die_with_parent
+
+__all__ = ["AnalysisPool", "as_json"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a new child may take to start (import torch and transformers) before its request gets 503.
+STARTUP_S = 120.0
+#: What a refused client is told to wait: an analysis on the meta device takes about a second.
+RETRY_AFTER_S = 5
+
+
+class AnalysisPool:
+    """Runs ``fn(*args)`` in one of ``workers`` spawned children, ``queue_depth`` requests waiting at most.
+
+    Use it from the event loop only (``await pool.run(...)``); children start on first use.
+    """
+
+    def __init__(self, *, workers: int, queue_depth: int, timeout_s: float, threads: int | None = None) -> None:
+        self._workers = workers
+        self._capacity = workers + queue_depth
+        self._timeout_s = timeout_s
+        self._threads = threads
+        self._pending = 0
+        self._idle: list[_Child] = []
+        self._free: asyncio.Semaphore | None = None
+        self._closed = False
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a child (``fn`` a module-level function; its result and exceptions are pickled).
+
+        Raises:
+            AnalyzeBusy: every child is busy and ``queue_depth`` requests already wait (503, Retry-After).
+            AnalysisAborted: the child died or ran past ``timeout_s``; it was replaced (503).
+            whatever ``fn`` raised.
+        """
+        if self._closed or self._pending >= self._capacity:
+            raise AnalyzeBusy(
+                f"all {self._workers} analysis processes are busy and {self._capacity - self._workers} requests "
+                "wait already; retry after a few seconds (the operator can raise FP8FORGE_ANALYZE_WORKERS or "
+                "FP8FORGE_ANALYZE_QUEUE_DEPTH)", headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self._free is None:
+            self._free = asyncio.Semaphore(self._workers)
+        self._pending += 1
+        try:
+            async with self._free:
+                child = self._idle.pop() if self._idle else _Child(self._threads)
+                answered = False
+                try:
+                    status, value = await child.call(fn, args, self._timeout_s)
+                    answered = True
+                finally:
+                    if answered and not self._closed:
+                        self._idle.append(child)
+                    else:  # dead, late, or abandoned while it ran (cancelled): never hand a busy child out again
+                        child.kill()
+        finally:
+            self._pending -= 1
+        if status == "error":
+            raise value
+        if status == "crash":
+            raise RuntimeError(f"the analysis failed in its process: {value}")
+        return value
+
+    def close(self) -> None:
+        """Stop every idle child; busy ones are stopped as their requests end."""
+        self._closed = True
+        while self._idle:
+            self._idle.pop().kill()
+
+
+def as_json(fn: Callable[..., Any], *args: Any) -> bytes:
+    """``fn(*args)`` as the JSON body the API sends (Starlette's JSONResponse encoding), made in the child: a large
+    report encoded on the API's event loop would hold every other request for as long."""
+    return json.dumps(fn(*args), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+class _Child:
+    """One spawned process and the pipe to it; it reports ``ready`` once its imports are done."""
+
+    def __init__(self, threads: int | None) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, theirs = context.Pipe()
+        self.process = context.Process(target=_child_main, args=(theirs, os.getpid(), threads),
+                                       name="fp8forge-analyze", daemon=True)
+        self.process.start()
+        theirs.close()
+        self.ready = False
+
+    async def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> tuple[str, Any]:
+        """The child's answer to ``fn(*args)``: ``("ok", result)``, ``("error", exception)`` or ``("crash", text)``.
+
+        Raises:
+            AnalysisAborted: the child died, or did not start or answer in time.
+        """
+        if not self.ready:
+            await self._receive(STARTUP_S, f"the analysis process did not start within {STARTUP_S:g} s; retry")
+            self.ready = True
+        await to_thread.run_sync(self.conn.send, (fn, args))
+        return await self._receive(
+            timeout_s, f"the analysis did not finish within {timeout_s:g} s and was stopped; analyze a model this "
+            "large with a conversion job or `fp8forge analyze` (the operator can raise FP8FORGE_ANALYZE_TIMEOUT_S)")
+
+    async def _receive(self, timeout_s: float, late: str) -> Any:
+        """The child's next message, waited for on the event loop (no thread is held while the child works);
+        AnalysisAborted with ``late`` after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(self.conn.fileno(), readable.set)
+        try:
+            await asyncio.wait_for(readable.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise AnalysisAborted(late) from None
+        finally:
+            loop.remove_reader(self.conn.fileno())
+        try:
+            return await to_thread.run_sync(self.conn.recv)
+        except (EOFError, OSError):
+            self.process.join(1)
+            raise AnalysisAborted(
+                f"the analysis process ended (exit code {self.process.exitcode}) before it answered, e.g. out of "
+                "memory; retry, or analyze a smaller model", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+
+def _child_main(conn: Connection, parent_pid: int, threads: int | None) -> None:
+    """Answer ``(fn, args)`` messages with ``("ok", result)``, ``("error", exception)`` or ``("crash", text)``
+    until the pipe closes."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `fp8forge serve` is the API's to handle
+    limit_threads(thread_budget(threads))
+    # torch and transformers' model code load now, not in the first request (whose time bound they would use up)
+    import transformers.modeling_utils  # noqa: F401
+
+    import converters.analysis.eligibility  # noqa: F401
+
+    conn.send("ready")
+    while True:
+        try:
+            fn, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        answer = _answer(fn, args)
+        try:
+            conn.send(answer)  # pickled whole before anything is written
+        except Exception as exc:  # noqa: BLE001 - a result or exception that cannot cross the pipe
+            conn.send(("crash", f"cannot send {type(answer[1]).__name__} back: {exc}"))
+
+
+def _answer(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
+    try:
+        return "ok", fn(*args)
+    except Fp8ForgeError as exc:
+        return "error", exc
+    except Exception as exc:  # noqa: BLE001 - the API answers 500 and logs it as a bug; the child lives on
+        logger.exception("analysis failed")
+        return "crash", f"{type(exc).__name__}: {exc}"
