@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from converters.analysis.patterns import MAX_PATTERN_CHARS, MAX_PATTERNS, PATTERN_REGEX
+from converters.artifact.layout import REPORT_FILE
 from converters.pipeline.request import (
     LIMITS,
     MAX_CALIBRATION_TOKENS,
@@ -214,7 +215,7 @@ class JobPublic(BaseModel):
     @classmethod
     def from_job(cls, job: Job, caller: Caller) -> JobPublic:
         base = f"/v1/jobs/{job.id}"
-        report = next((a["name"] for a in job.artifacts if a["name"].endswith("fp8_report.json")), None)
+        report = next((a["name"] for a in job.artifacts if a["name"].endswith(REPORT_FILE)), None)
         return cls(
             id=job.id, status=job.status, stage=job.stage,
             progress=ProgressPublic(fraction=job.progress, stage_done=job.stage_done, stage_total=job.stage_total),

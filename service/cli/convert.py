@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.analysis.render import human_bytes
+from converters.artifact.layout import REPORT_FILE
 from converters.errors import Fp8ForgeError, RecipeError
 from converters.pipeline.request import ConversionRequest
 from service.cli.args import calibration_from_args, recipe_file
@@ -84,5 +85,5 @@ def run_convert_command(args: argparse.Namespace, sources) -> int:
     print(f"report: {result.report_path}")
     print(format_worst_layers(json.loads(result.report_path.read_text(encoding="utf-8"))["analysis"]))
     if sink.warnings:
-        print(f"{len(sink.warnings)} warning(s); see fp8_report.json")
+        print(f"{len(sink.warnings)} warning(s); see {REPORT_FILE}")
     return 0
