@@ -8,7 +8,7 @@ model stays in high precision. Nothing in the model is touched.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from converters.errors import ConversionError, Fp8ForgeError, ModelConfigError, 
 from converters.model.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
 from converters.model.sources import build_meta_model, load_config, resolve_model_dir
 from converters.recipes import default_recipe, recipe_from_dict
+from converters.recipes.registry import is_recipe
 from converters.recipes.requirements import ShapeRule, requirements
 
 __all__ = [
@@ -73,12 +74,14 @@ class AnalysisOptions:
     skip_first_last: bool = True
     convert_router_gates: bool = False
     recipe: Any = None
+    _recipe: Any = field(default=None, init=False, repr=False, compare=False)  #: ``recipe`` parsed, once
 
     def __post_init__(self) -> None:
         if self.recipe is not None:
             recipe = _parsed_recipe(self.recipe)
             object.__setattr__(self, "recipe", recipe.to_dict())
             object.__setattr__(self, "backend", recipe.backend.value)
+            object.__setattr__(self, "_recipe", recipe)
         backend = str(self.backend).lower()
         if backend not in _BACKENDS:
             raise RequestError(f"backend must be one of {_BACKENDS}, got {self.backend!r}", field="backend")
@@ -88,9 +91,12 @@ class AnalysisOptions:
 
 
 def _parsed_recipe(recipe: Any) -> Any:
-    """A recipe object from a recipe object or its JSON; RecipeError naming ``recipe.<field>``."""
+    """A recipe object from a recipe object (validated when it was built) or its JSON; RecipeError naming
+    ``recipe.<field>``."""
+    if is_recipe(recipe):
+        return recipe
     try:
-        return recipe_from_dict(recipe.to_dict() if hasattr(recipe, "to_dict") else recipe)
+        return recipe_from_dict(recipe)
     except RecipeError as exc:
         raise RecipeError(exc.message, field="recipe" if exc.field in (None, "recipe") else f"recipe.{exc.field}"
                           ) from exc
@@ -98,7 +104,7 @@ def _parsed_recipe(recipe: Any) -> Any:
 
 def options_recipe(options: AnalysisOptions) -> Any:
     """The recipe whose rules an analysis applies: ``options.recipe``, else the backend's default recipe."""
-    return _parsed_recipe(options.recipe) if options.recipe is not None else default_recipe(options.backend)
+    return options._recipe if options.recipe is not None else default_recipe(options.backend)
 
 
 def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> dict[str, Any]:
@@ -136,7 +142,7 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
     report = {
         "version": REPORT_VERSION,
         "model_class": type(model).__name__,
-        "options": asdict(options),
+        "options": {name: value for name, value in asdict(options).items() if not name.startswith("_")},
         "rule": rule.describe() + ("; first and last nn.Linear skipped" if options.skip_first_last else ""),
         "recipe_requirements": requirements(recipe),
         "layers": layers,

@@ -16,7 +16,7 @@ from typing import Any
 from converters.analysis.patterns import check_patterns
 from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.errors import CalibrationDataError, RecipeError, RequestError
-from converters.recipes import recipe_from_dict
+from converters.recipes import Recipe, recipe_from_dict
 from converters.recipes.presets import MAX_COMPARE_RECIPES, parse_compare_recipe
 
 __all__ = [
@@ -182,6 +182,7 @@ class ConversionRequest:
     min_sqnr_db: float | None = None
     #: more recipes to measure the SQNR of, side by side (names of sensitivity.RECIPE_NAMES or recipe objects)
     compare_recipes: tuple[Any, ...] = ()
+    _recipe: Recipe = field(init=False, repr=False, compare=False)  #: ``recipe`` parsed, by __post_init__
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -196,7 +197,8 @@ class ConversionRequest:
             raise RequestError(f"max_shard_bytes must be an integer from {low} to {high}", field="max_shard_bytes")
         self._check_serving_formats()
         self._check_sensitivity()
-        self.parsed_recipe()  # raises RecipeError naming the field
+        # parsed once, here: every stage, the CLI and the synchronous analysis read this object
+        object.__setattr__(self, "_recipe", self._parse_recipe())
 
     def _check_serving_formats(self) -> None:
         names = self.serving_formats
@@ -232,8 +234,12 @@ class ConversionRequest:
                                    field=f"compare_recipes[{index}]")
         object.__setattr__(self, "compare_recipes", tuple(entries))
 
-    def parsed_recipe(self):
-        """The recipe dataclass (``TEDelayedScalingRecipe``, ``TECurrentScalingRecipe`` or ``TorchAORecipe``)."""
+    def parsed_recipe(self) -> Recipe:
+        """The recipe object (one of the registered recipe classes), parsed when the request was built."""
+        return self._recipe
+
+    def _parse_recipe(self) -> Recipe:
+        """Raises RecipeError naming ``recipe.<field>``."""
         if not isinstance(self.recipe, Mapping):
             raise RecipeError('recipe must be a JSON object like {"backend": "te"}', field="recipe")
         try:

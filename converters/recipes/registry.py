@@ -40,7 +40,7 @@ from converters.recipes.base import (
 if TYPE_CHECKING:
     from converters.recipes.requirements import Hardware, ShapeRule
 
-__all__ = ["RECIPES", "Recipe", "register_recipe", "recipes_of", "recipe_from_dict", "typed_from_dict",
+__all__ = ["RECIPES", "Recipe", "register_recipe", "is_recipe", "recipes_of", "recipe_from_dict", "typed_from_dict",
            "default_recipe"]
 
 _R = TypeVar("_R", bound=type)
@@ -90,6 +90,11 @@ def register_recipe(backend: Backend, scaling: TEScaling | AOTrainingOp | None) 
         RECIPES[backend, scaling] = cls
         return cls
     return register
+
+
+def is_recipe(value: Any) -> bool:
+    """Whether ``value`` is an instance of a registered recipe class (already parsed and validated)."""
+    return type(value) in RECIPES.values()
 
 
 def recipes_of(backend: Backend) -> tuple[type, ...]:

@@ -39,3 +39,14 @@ def test_cli_analyze_applies_the_recipe_file_shape_rule(tmp_path):
     skipped = [layer["path"] for layer in report["layers"]
                if "dim_not_divisible_by_128_for_fp8_block" in layer["reasons"]]
     assert "model.layers.0.self_attn.v_proj" in skipped and report["options"]["recipe"]["scaling"] == "float8_block"
+
+
+def test_the_recipe_is_parsed_once_per_request() -> None:
+    from converters.analysis.eligibility import AnalysisOptions, options_recipe
+    from converters.pipeline.request import ConversionRequest
+
+    request = ConversionRequest(model="demo/tiny-llama", recipe={"backend": "te", "scaling": "current"})
+    recipe = request.parsed_recipe()
+    assert request.parsed_recipe() is recipe  # every stage reads the object __post_init__ parsed
+    options = AnalysisOptions(recipe=recipe)
+    assert options_recipe(options) is recipe and options.recipe == recipe.to_dict()
