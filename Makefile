@@ -34,7 +34,7 @@ $(CHROMIUM):
 	-$(SUDO) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium'
 
 test: lint $(CHROMIUM)
-	TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
+	TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q -n 3
 
 # Local use: no API keys, and the server refuses to listen on anything but loopback that way.
 serve: $(PRUNED)

@@ -9,7 +9,7 @@ import enum
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from converters.calibration.result import CalibrationResult
 from converters.errors import ConversionCancelled
@@ -101,6 +101,16 @@ class Run:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     export_started: float = 0.0  #: time.perf_counter() when the export stage began
     warnings: list[str] = field(default_factory=list)
+
+    #: what one stage makes and the later stages only read: set once (a second assignment is a bug, raised)
+    SET_ONCE: ClassVar[frozenset[str]] = frozenset({
+        "backend", "recipe", "model_dir", "config", "meta_model", "checkpoint", "stack", "model", "report", "plan",
+        "conversion"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.SET_ONCE and getattr(self, name, None) is not None:
+            raise AttributeError(f"Run.{name} is set once, by the stage that makes it; it was set already")
+        super().__setattr__(name, value)
 
     def warn(self, message: str) -> None:
         if message in self.warnings:  # a check that runs at several stages says its piece once

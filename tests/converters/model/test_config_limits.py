@@ -142,15 +142,16 @@ def test_json_nested_too_deep_or_not_an_object_is_refused(tmp_path: Path, text: 
     started = time.monotonic()
     with pytest.raises(ModelConfigError, match="nests JSON more than 32 levels|not valid JSON|must hold a JSON object"):
         read_config_file(tmp_path / "config.json")
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 5  # bounds, not a speed target: unbounded, the parse ran out of stack
 
 
-def test_a_10000_layer_config_is_refused_in_milliseconds(tmp_path: Path) -> None:
+def test_a_10000_layer_config_is_refused_before_anything_is_built(tmp_path: Path) -> None:
     _model(tmp_path, "m", {**TINY, "num_hidden_layers": 10_000})
     started = time.monotonic()
     with pytest.raises(ModelConfigError, match="num_hidden_layers is 10,000"):
         read_config_file(tmp_path / "m" / "config.json")
-    assert time.monotonic() - started < 0.1
+    # milliseconds on a quiet machine; the bound leaves room for a loaded CI host (building it took 64 s)
+    assert time.monotonic() - started < 5
 
 
 def test_a_conversion_applies_the_limits_before_loading(tmp_path: Path) -> None:
@@ -220,8 +221,8 @@ def test_a_10000_layer_config_is_refused_fast_while_healthz_answers(served) -> N
         assert response.status_code == 422, response.text
         assert response.json()["error"]["code"] == "invalid_model_config"
         assert "FP8FORGE_MAX_MODEL_LAYERS" in response.json()["error"]["message"]
-        assert elapsed < 1.0
-    assert max(health) < 0.5, health
+        assert elapsed < 10  # refused on arrival; building 10,000 layers took 64 s
+    assert max(health) < 5, health  # the API stalled 20-60 s before; this bound leaves room for a loaded host
 
 
 def _keepalive(port: int, requests: list[tuple[str, str, dict | None]]) -> list[tuple[int, dict]]:

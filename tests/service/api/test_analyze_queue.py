@@ -58,10 +58,10 @@ def test_a_full_queue_is_refused_at_once_and_healthz_answers(tmp_path: Path) -> 
             assert response.json()["error"]["code"] == "analyze_busy"
             assert int(response.headers["Retry-After"]) > 0
             assert "FP8FORGE_ANALYZE_QUEUE_DEPTH" in response.json()["error"]["message"]
-            assert elapsed < 1.0  # refused, not queued
+            assert elapsed < 10  # refused, not queued (a queued one waits for whole analyses)
         else:
             assert response.json()["totals"]["linear_layers"] == 300 * 7 + 1
-    assert len(health) >= 3 and max(health) < 0.5, health
+    assert len(health) >= 3 and max(health) < 5, health  # stalled 44 s before; room for a loaded host
 
 
 def test_an_analysis_that_dies_or_runs_too_long_is_503_and_its_process_replaced(tmp_path: Path) -> None:
