@@ -45,7 +45,7 @@ def versions(backend: str) -> dict[str, str]:
 
 def write_weight_files(run: Run, staging: Path) -> list[str]:
     """Copy the source's weight files: the weights do not change, so they are never decoded."""
-    return copy_weight_files(weight_files(run.model_dir), staging, confinement_for(run.sources))
+    return copy_weight_files(weight_files(run.resolved.directory), staging, confinement_for(run.sources))
 
 
 def write_state_file(run: Run, staging: Path) -> list[str]:
@@ -90,7 +90,7 @@ def fp8_block(run: Run) -> dict[str, Any]:
         "converted_experts": converted_expert_gemms(run.report),
         # Readers of the files see the checkpoint's own names; where one differs from the module path, it is here.
         "converted_weights_on_disk": run.weights_on_disk,
-        "tied_weights": run.tied_weights,
+        "tied_weights": run.resolved.tied_weights,
     }
     block.update(run.backend.block_fields(run.plan, run.conversion))
     return block
@@ -123,7 +123,7 @@ def _calibration_report(run: Run) -> dict[str, Any]:
 
 
 def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
-    with open(run.model_dir / "config.json", encoding="utf-8") as handle:
+    with open(run.resolved.directory / "config.json", encoding="utf-8") as handle:
         config = json.load(handle)
     config["fp8"] = fp8_block(run)
     write_json(staging / "config.json", config)

@@ -43,7 +43,7 @@ from converters.model.sources import (
     model_dtype,
     resolve_model_dir,
 )
-from converters.pipeline.state import Run, Stage
+from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.serving import serving_format
 from converters.serving.plan import expert_disk_keys, plan_serving, set_input_amax, write_serving_checkpoint
 
@@ -67,21 +67,22 @@ def resolve(run: Run) -> None:
         run.warn(message)
     if run.request.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES:
         run.warn("max_shard_bytes has no effect: the artifact keeps the source's weight files as they are")
-    run.model_dir = resolve_model_dir(run.request.model, run.sources, with_weights=True)
-    run.config = load_config(run.model_dir, run.sources)
-    max_positions = getattr(_text_config(run.config), "max_position_embeddings", None)
+    directory = resolve_model_dir(run.request.model, run.sources, with_weights=True)
+    config = load_config(directory, run.sources)
+    max_positions = getattr(_text_config(config), "max_position_embeddings", None)
     if max_positions and run.request.calibration.seq_len > max_positions:
         raise CalibrationDataError(
             f"calibration.seq_len {run.request.calibration.seq_len} exceeds the model's "
             f"max_position_embeddings {max_positions}",
             field="calibration.seq_len",
         )
-    run.meta_model = build_meta_model(run.config, run.sources)
+    meta_model = build_meta_model(config, run.sources)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    run.checkpoint = Checkpoint(run.model_dir, run.meta_model, dtype=model_dtype(run.config), device=device)
-    run.tied_weights = dict(run.checkpoint.tied)
-    run.stack, mode, reason = choose_mode(run.meta_model, run.config, backward=run.request.calibration.backward,
+    checkpoint = Checkpoint(directory, meta_model, dtype=model_dtype(config), device=device)
+    stack, mode, reason = choose_mode(meta_model, config, backward=run.request.calibration.backward,
                                           te_extra_state=run.request.te_extra_state)
+    run.resolved = ResolvedModel(directory=directory, config=config, meta_model=meta_model, checkpoint=checkpoint,
+                                 stack=stack, tied_weights=dict(checkpoint.tied))
     run.pipeline = {"mode": mode, "reason": reason, "device": device}
     run.sink.progress(1, 2)
     if mode == WHOLE_MODEL:
@@ -90,7 +91,7 @@ def resolve(run: Run) -> None:
 
 
 def _load_whole_model(run: Run) -> None:
-    run.model = load_model(run.model_dir, run.sources)
+    run.model = load_model(run.resolved.directory, run.sources)
     run.model.to(run.pipeline["device"])
 
 
@@ -103,8 +104,9 @@ def analyze(run: Run) -> None:
         skip_first_last=run.request.skip_first_last,
         convert_router_gates=run.request.convert_router_gates,
     )
-    run.report = analyze_model(run.meta_model, options)
-    run.report["model"] = {"reference": run.request.model, "model_type": getattr(run.config, "model_type", None)}
+    run.report = analyze_model(run.resolved.meta_model, options)
+    model_type = getattr(run.resolved.config, "model_type", None)
+    run.report["model"] = {"reference": run.request.model, "model_type": model_type}
     check_include_patterns(run.report)
     check_report_rule(run.report, run.recipe)
     if run.report["totals"]["eligible_layers"] + run.report["totals"]["expert_units"] == 0:
@@ -154,9 +156,9 @@ def _plan_serving(run: Run) -> None:
     """What each requested serving format quantizes; a format with nothing to quantize is bad input."""
     if not run.request.serving_formats:
         return
-    expert_keys = expert_disk_keys(run.checkpoint.mapping, run.checkpoint.target_of, run.report)
+    expert_keys = expert_disk_keys(run.resolved.checkpoint.mapping, run.resolved.checkpoint.target_of, run.report)
     for index, name in enumerate(run.request.serving_formats):
-        plan = plan_serving(serving_format(name), run.report, run.checkpoint.on_disk_name, expert_keys)
+        plan = plan_serving(serving_format(name), run.report, run.resolved.checkpoint.on_disk_name, expert_keys)
         if not plan.quantized and not plan.experts:
             raise ConversionError(
                 f"serving format {name} would quantize no layer (fused groups must be eligible as a whole; see the "
@@ -177,7 +179,7 @@ def convert(run: Run) -> None:
                            "(see the report's sensitivity block): nothing is left to convert; lower min_sqnr_db",
                            field="min_sqnr_db")
     run.weights_on_disk = _renamed_weights(run, eligible)
-    run.plan = ConversionPlan(recipe=run.recipe, model=run.model if run.model is not None else run.meta_model,
+    run.plan = ConversionPlan(recipe=run.recipe, model=run.model if run.model is not None else run.resolved.meta_model,
                               whole_model=run.model is not None, eligible=tuple(eligible), report=run.report,
                               te_extra_state=run.request.te_extra_state)
     run.conversion = run.backend.convert(run.plan, run.calibration)
@@ -192,7 +194,7 @@ def _renamed_weights(run: Run, eligible: list[str]) -> dict[str, str]:
     """Converted layers whose weight the checkpoint stores under another name: module path -> on-disk key."""
     renamed = {}
     for path in eligible:
-        on_disk = run.checkpoint.on_disk_name(f"{path}.weight")
+        on_disk = run.resolved.checkpoint.on_disk_name(f"{path}.weight")
         if on_disk is not None and on_disk != f"{path}.weight":
             renamed[path] = on_disk
     return renamed
@@ -266,11 +268,11 @@ def _report_experts(run: Run, amax: dict[str, Any]) -> None:
 
 def _calibration_batches(run: Run) -> tuple[list[dict[str, Any]], str]:
     settings = run.request.calibration
-    tokenizer = load_tokenizer(run.model_dir, run.sources)
-    vocab_size = getattr(_text_config(run.config), "vocab_size", None)
+    tokenizer = load_tokenizer(run.resolved.directory, run.sources)
+    vocab_size = getattr(_text_config(run.resolved.config), "vocab_size", None)
     if not vocab_size:
         raise CalibrationDataError(
-            f"{type(run.config).__name__} declares no vocab_size: fp8forge calibrates text models only",
+            f"{type(run.resolved.config).__name__} declares no vocab_size: fp8forge calibrates text models only",
             field="model",
         )
     batches, source = calibration_batches(
@@ -285,7 +287,7 @@ def _calibration_batches(run: Run) -> tuple[list[dict[str, Any]], str]:
         run.warn("the model ships no tokenizer: calibration used random token ids, not text")
     else:
         _warn_if_shorter_than_a_window(run, batches[0]["attention_mask"])
-    return [model_inputs(run.meta_model, run.config, batch) for batch in batches], source
+    return [model_inputs(run.resolved.meta_model, run.resolved.config, batch) for batch in batches], source
 
 
 def _warn_if_shorter_than_a_window(run: Run, first_mask: torch.Tensor) -> None:
@@ -313,12 +315,12 @@ def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: li
         run.calibration.te_check = te_check
     try:
         amax = calibrate_layer_by_layer(
-            run.meta_model, run.stack, run.checkpoint, batches, paths,
+            run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, paths,
             on_layer=run.sink.progress, should_stop=run.sink.should_stop, after_layer=after_layer,
         )
     except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
         raise CalibrationDataError(
-            f"{type(run.meta_model).__name__} cannot be calibrated from token batches: {exc}", field="model"
+            f"{type(run.resolved.meta_model).__name__} cannot be calibrated from token batches: {exc}", field="model"
         ) from exc
     if after_layer is not None:
         run.calibration.te_check = after_layer.summary()
@@ -364,7 +366,7 @@ def export(run: Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     run.check_stop()
     written += writers.write_state_file(run, staging)
     written += writers.write_calibration_file(run, staging)
-    written += copy_side_files(run.model_dir, staging, confinement_for(run.sources))
+    written += copy_side_files(run.resolved.directory, staging, confinement_for(run.sources))
     written += _write_serving(run, staging)
     # the report is written here, so export's time stops before it: every weight, state and serving file is in
     # it; the two JSON files and the manifest's checksums (read back from disk) come after
@@ -386,8 +388,9 @@ def _write_serving(run: Run, staging: Path) -> list[str]:
             run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
                      "is the largest of the same GEMM's other experts in that layer")
         directory = staging / "serving" / name
-        files = write_serving_checkpoint(serving_format(name), plan, run.model_dir, weight_files(run.model_dir),
-                                         directory, model_dtype(run.config), confinement_for(run.sources),
+        source = run.resolved.directory
+        files = write_serving_checkpoint(serving_format(name), plan, source, weight_files(source), directory,
+                                         model_dtype(run.resolved.config), confinement_for(run.sources),
                                          check_stop=run.check_stop)
         written += [f"serving/{name}/{file}" for file in files]
     return written

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from converters.recipes import Recipe
     from converters.serving.plan import ServingPlan
 
-__all__ = ["Stage", "STAGES", "ProgressSink", "NullSink", "Run"]
+__all__ = ["Stage", "STAGES", "ProgressSink", "NullSink", "ResolvedModel", "Run"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,18 @@ class NullSink:
         return False
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What the resolve stage found: the model's files, its config, its shape and how it will be calibrated."""
+
+    directory: Path  #: the local directory holding config.json, the weights and the tokenizer
+    config: PretrainedConfig
+    meta_model: nn.Module  #: built on the meta device; the layer-sequential mode loads into it
+    checkpoint: Checkpoint  #: the source's weight files, indexed (headers only)
+    stack: LayerStack | None  #: the decoder layers, for layer-by-layer calibration; None in whole-model mode
+    tied_weights: dict[str, str]  #: tied parameter -> the parameter it shares storage with
+
+
 @dataclass
 class Run:
     """What the stages hand to each other: the request, then what each stage made (set by that stage)."""
@@ -84,12 +96,8 @@ class Run:
     sink: ProgressSink
     backend: Backend | None = None  #: chosen by the recipe's type in resolve (backend_for), once
     recipe: Recipe | None = None
-    model_dir: Path | None = None
-    config: PretrainedConfig | None = None
+    resolved: ResolvedModel | None = None  #: set by resolve
     report: dict[str, Any] | None = None
-    meta_model: nn.Module | None = None  #: built on the meta device; the layer-sequential mode loads into it
-    checkpoint: Checkpoint | None = None  #: the source's weight files, indexed
-    stack: LayerStack | None = None  #: None in whole-model mode
     pipeline: dict[str, Any] = field(default_factory=dict)  #: mode, reason, device (for the report)
     model: nn.Module | None = None  #: the loaded model, whole-model mode only
     plan: ConversionPlan | None = None  #: set by convert: what the backend converts
@@ -97,15 +105,13 @@ class Run:
     weights_on_disk: dict[str, str] = field(default_factory=dict)
     serving: dict[str, ServingPlan] = field(default_factory=dict)  #: format name -> its plan
     calibration: CalibrationResult = field(default_factory=lambda: CalibrationResult())
-    tied_weights: dict[str, str] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     export_started: float = 0.0  #: time.perf_counter() when the export stage began
     warnings: list[str] = field(default_factory=list)
 
     #: what one stage makes and the later stages only read: set once (a second assignment is a bug, raised)
     SET_ONCE: ClassVar[frozenset[str]] = frozenset({
-        "backend", "recipe", "model_dir", "config", "meta_model", "checkpoint", "stack", "model", "report", "plan",
-        "conversion"})
+        "backend", "recipe", "resolved", "model", "report", "plan", "conversion"})
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self.SET_ONCE and getattr(self, name, None) is not None:
