@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -264,3 +265,21 @@ def pid_alive(pid: int) -> bool:
 def leftovers(jobs_dir: Path) -> list[str]:
     """Staging or half-deleted directories under the jobs dir (there must be none once jobs settle)."""
     return sorted(p.name for p in jobs_dir.iterdir() if p.name.startswith(".")) if jobs_dir.exists() else []
+
+
+def keepalive_requests(port: int, requests: list[tuple[str, str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """Send ``(method, path, JSON body or None)`` requests over ONE connection to 127.0.0.1:``port`` and return
+    ``(status, body)`` pairs; fails if the server closed the connection in between."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    answers = []
+    try:
+        for method, path, body in requests:
+            connection.request(method, path, body=json.dumps(body).encode() if body is not None else None,
+                               headers={"Content-Type": "application/json"})
+            socket_before = connection.sock
+            response = connection.getresponse()
+            answers.append((response.status, json.loads(response.read() or b"{}")))
+            assert not response.will_close and connection.sock is socket_before, "the server closed the connection"
+    finally:
+        connection.close()
+    return answers

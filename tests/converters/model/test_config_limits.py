@@ -4,7 +4,6 @@ real HTTP API (a 4xx on a keep-alive connection that survives, never internal_er
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 import time
@@ -16,7 +15,7 @@ import pytest
 from converters.errors import ModelConfigError
 from converters.model.limits import ConfigLimits, check_config, estimate_parameters, read_config_file
 from service.config import Settings
-from tests.service_helpers import live_app
+from tests.service_helpers import keepalive_requests, live_app
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
@@ -225,29 +224,12 @@ def test_a_10000_layer_config_is_refused_fast_while_healthz_answers(served) -> N
     assert max(health) < 5, health  # the API stalled 20-60 s before; this bound leaves room for a loaded host
 
 
-def _keepalive(port: int, requests: list[tuple[str, str, dict | None]]) -> list[tuple[int, dict]]:
-    """Send ``requests`` over ONE connection; fails if the server closed it in between."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    answers = []
-    try:
-        for method, path, body in requests:
-            connection.request(method, path, body=json.dumps(body).encode() if body is not None else None,
-                               headers={"Content-Type": "application/json"})
-            socket_before = connection.sock
-            response = connection.getresponse()
-            answers.append((response.status, json.loads(response.read() or b"{}")))
-            assert not response.will_close and connection.sock is socket_before, "the server closed the connection"
-    finally:
-        connection.close()
-    return answers
-
-
 def test_malformed_configs_get_4xx_over_http_and_the_connection_survives(served) -> None:
     client, models = served
     port = int(str(client.base_url).rsplit(":", 1)[1])
     names = [f"bad{index}" for index in range(len(BAD_CONFIGS))] + ["deep"]
     requests = [("POST", path, {"model": str(models / name)}) for name in names for path in ("/v1/analyze", "/v1/jobs")]
-    answers = _keepalive(port, [*requests, ("GET", "/healthz", None)])
+    answers = keepalive_requests(port, [*requests, ("GET", "/healthz", None)])
     assert answers[-1][0] == 200
     expected = [*(words for _, words in BAD_CONFIGS.values()), "nests JSON more than 32 levels"]
     for index, ((status, body), (_, path, request)) in enumerate(zip(answers[:-1], requests, strict=True)):

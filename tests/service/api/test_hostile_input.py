@@ -4,7 +4,6 @@ connection that carried it still serves the next request."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import struct
 import tracemalloc
@@ -17,7 +16,7 @@ from converters.model.safetensors_stream import read_tensor_index
 from converters.recipes import load_recipe_file, recipe_from_accelerate_yaml, recipe_from_dict
 from service.config import Settings
 from tests.models import save_tiny_model
-from tests.service_helpers import live_app
+from tests.service_helpers import keepalive_requests, live_app
 
 
 def _alias_bomb(levels: int = 9) -> str:
@@ -127,37 +126,21 @@ def test_a_job_on_a_corrupt_checkpoint_fails_with_a_model_error(corrupt_model: P
     assert not (tmp_path / "out").exists()
 
 
-def _keepalive_requests(port: int, requests: list[tuple[str, str, bytes]]) -> list[tuple[int, dict]]:
-    """Send ``requests`` over ONE connection; fails if the server closed it in between."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    answers = []
-    try:
-        for method, path, body in requests:
-            connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
-            socket_before = connection.sock
-            response = connection.getresponse()
-            answers.append((response.status, json.loads(response.read() or b"{}")))
-            assert not response.will_close and connection.sock is socket_before, "the server closed the connection"
-    finally:
-        connection.close()
-    return answers
-
-
 def test_hostile_requests_get_4xx_on_a_connection_that_survives(tmp_path: Path, corrupt_model: Path) -> None:
     models = corrupt_model.parent
     settings = Settings(data_dir=tmp_path / "data", auth_disabled=True, allowed_model_roots=(models,), workers=0)
     calibrated = {"model": str(corrupt_model), "calibration": {"steps": 1, "batch_size": 1, "seq_len": 8}}
     requests = [
-        ("POST", "/v1/jobs", json.dumps({"model": f"{models}/corrupt\0/x"}).encode()),
-        ("POST", "/v1/analyze", json.dumps({"model": "org/na\0me"}).encode()),
-        ("POST", "/ui/api/recipe-from-yaml", json.dumps({"yaml": _alias_bomb()}).encode()),
-        ("POST", "/ui/api/recipe-from-yaml", json.dumps({"yaml": "a:\n" + " [" * 5000}).encode()),
-        ("POST", "/v1/analyze", json.dumps(calibrated).encode()),
-        ("GET", "/healthz", b""),
+        ("POST", "/v1/jobs", {"model": f"{models}/corrupt\0/x"}),
+        ("POST", "/v1/analyze", {"model": "org/na\0me"}),
+        ("POST", "/ui/api/recipe-from-yaml", {"yaml": _alias_bomb()}),
+        ("POST", "/ui/api/recipe-from-yaml", {"yaml": "a:\n" + " [" * 5000}),
+        ("POST", "/v1/analyze", calibrated),
+        ("GET", "/healthz", None),
     ]
     with live_app(settings) as client:
         port = int(str(client.base_url).rsplit(":", 1)[1])
-        answers = _keepalive_requests(port, requests)
+        answers = keepalive_requests(port, requests)
     statuses = [status for status, _ in answers]
     assert statuses == [422, 422, 422, 422, 422, 200], answers
     codes = [body["error"]["code"] for _, body in answers[:-1]]
