@@ -83,6 +83,10 @@ class ServingPlan:
     router_gates: list[str] = field(default_factory=list)  #: on-disk module names of MoE routers (never quantized)
     #: experts module path -> the on-disk prefix of its per-expert tensors, for experts kept in high precision
     unquantized_experts: dict[str, str] = field(default_factory=dict)
+    #: tensors the format adds that replace no source tensor (KV-cache scales): name -> (the source tensor it is
+    #: written right after, in that tensor's file; the tensor)
+    extra_tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    kv_cache: str | None = None  #: "fp8" when the export carries KV-cache scales (in ``extra_tensors``)
 
     @property
     def expert_units(self) -> list[str]:
@@ -269,6 +273,9 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
     """
     directory.mkdir(parents=True, exist_ok=True)
     path_of = {key: path for path, key in plan.quantized.items()} | plan.experts
+    added_after: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (anchor, value) in plan.extra_tensors.items():
+        added_after.setdefault(anchor, {})[name] = value
     weight_map: dict[str, str] = {}
     total = 0
     for source in weight_files:
@@ -276,17 +283,21 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
         entries: dict[str, Any] = {}
         for name, tensor in tensors.items():
             entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in path_of else {name: tensor})
+            for extra, value in added_after.get(name, {}).items():
+                entries[extra] = StreamingWriter.entry(value.dtype, tuple(value.shape))
         with StreamingWriter(directory / source.name, entries, metadata) as writer:
             for name, tensor in tensors.items():
                 if check_stop is not None:
                     check_stop()
                 if name not in path_of:
                     writer.write(name, tensor)
-                    continue
-                # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
-                replacement = fmt.quantize(read_tensor(tensor), plan.input_amax.get(path_of[name]), scale_dtype)
-                for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
-                    writer.write(key, value)
+                else:
+                    # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
+                    replacement = fmt.quantize(read_tensor(tensor), plan.input_amax.get(path_of[name]), scale_dtype)
+                    for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
+                        writer.write(key, value)
+                for extra, value in added_after.get(name, {}).items():
+                    writer.write(extra, value)
         weight_map.update({name: source.name for name in entries})
         total += sum(writer.planned[name].nbytes for name in entries)
     written = [source.name for source in weight_files]
