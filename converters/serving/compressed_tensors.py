@@ -19,6 +19,11 @@ tensor with a static ``input_scale`` (w1 and w3 of one expert share their unit's
 dynamic per-token activations, the two combinations vLLM's ``CompressedTensorsW8A8Fp8MoEMethod`` accepts.
 transformers reports the experts' ``input_scale`` as unexpected keys and drops them (it dequantizes
 experts); vLLM reads them.
+
+FP8 KV cache (``plan.kv_cache == "fp8"``): ``kv_cache_scheme`` is static per-tensor FP8, the fields llm-compressor
+writes for a ``kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}``
+recipe (its observer ``static_minmax``), and every attention module carries ``k_scale``/``v_scale``
+(:mod:`converters.serving.kv_scales`); vLLM then runs ``--kv-cache-dtype fp8`` with the calibrated scales.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class CompressedTensorsFP8:
         self.name = name
         self.static = static
         self.needs_calibration = static
+        self.supports_kv_cache = True  #: writes ``kv_cache_scheme`` and the scales of ``plan.extra_tensors``
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         return None  # the analysis' own rule (both dims multiples of 16) is the one vLLM's FP8 GEMMs need
@@ -95,7 +101,7 @@ class CompressedTensorsFP8:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                           "output_activations": None, "format": "float-quantized"}},
             "ignore": _ignore(plan),
-            "kv_cache_scheme": None,
+            "kv_cache_scheme": args("tensor", dynamic=False, observer="static_minmax") if plan.kv_cache else None,
             "global_compression_ratio": None,
             "sparsity_config": {},
             "transform_config": {},

@@ -1,0 +1,182 @@
+"""KV-cache amax: the keys and values each attention layer hands its attention kernel, recorded during calibration.
+
+Where the engines quantize the KV cache, and so what the amax must describe:
+
+- vLLM: the model computes ``q, k = self.rotary_emb(positions, q, k)`` and calls its ``Attention`` layer with the
+  rotated keys (``vllm/model_executor/models/llama.py``, ``LlamaAttention.forward``); ``Attention.forward(query,
+  key, value)`` stores them in the cache, which the backend quantizes with ``layer._k_scale``/``_v_scale``
+  (``vllm/attention/layer.py`` @ 5d4420da433893084e40e5ec8ead7ea37a9dfcc9: "1. Store the input key and value
+  tensors in the KV cache"). Keys are quantized **after RoPE** (and after any q/k norm), per KV head before any
+  GQA repetition; values as the v projection gives them. The scales are per tensor: ``BaseKVCacheMethod.
+  process_weights_after_loading`` raises "Only support per-tensor scaling factor for fp8 KV cache" for anything
+  else (``vllm/model_executor/layers/quantization/kv_cache.py`` @ 190900b94284ee14676b875615eebe967fd76b66).
+- compressed-tensors 0.20.1 (what llm-compressor calibrates with): ``QuantizedKVCache.forward`` observes the
+  ``key_states``/``value_states`` the attention module passes to ``cache.update`` (``compressed_tensors/modeling/
+  kvcache.py``), which transformers calls right after ``apply_rotary_pos_emb``: the same post-RoPE keys.
+
+How: transformers 5.24 attention modules call their kernel through ``ALL_ATTENTION_FUNCTIONS.get_interface(
+config._attn_implementation, eager_attention_forward)(module, query, key, value, ...)`` with ``key``/``value``
+``[batch, kv_heads, seq, head_dim]`` after RoPE and the cache update, before ``repeat_kv`` (sdpa and eager both
+repeat inside the kernel: ``integrations/sdpa_attention.py``, ``models/llama/modeling_llama.py``). Inside
+:func:`recording_kv_amax` the active implementation's entry is wrapped by one that records the amax of ``key`` and
+``value`` for the attention modules of the recorded model, keyed by module path, then calls the kernel unchanged.
+Calibration runs one prefill per batch, so the cache holds exactly the batch's own tokens. Because the key is the
+module object, the recording works whether the whole model runs (``record_amax``) or one decoder layer at a time
+(``calibrate_layer_by_layer``, which runs the same attention modules); the amax is the running max over all
+steps, as compressed-tensors' static observer keeps it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from converters.errors import CalibrationDataError
+
+__all__ = ["KvAmax", "KvCacheRecorder", "recording_kv_amax"]
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+#: attention module -> (the recorder it feeds, its path in the recorded model); read without the lock by the kernel
+_ACTIVE: dict[nn.Module, tuple[KvCacheRecorder, str]] = {}
+#: attention implementation name -> (the function the wrapper replaced, or None for eager; recorders using it)
+_INSTALLED: dict[str, tuple[Callable | None, int]] = {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvAmax:
+    """The keys' and values' amax of one attention layer over every calibration step (fp32, CPU)."""
+
+    key: torch.Tensor  #: ``[kv_heads]``: each KV head's amax of the post-RoPE keys
+    value: torch.Tensor  #: ``[kv_heads]``: each KV head's amax of the values
+    dtype: torch.dtype  #: the dtype the keys and values had (the KV-cache scales are computed in it)
+
+    @property
+    def key_amax(self) -> float:
+        return float(self.key.max())
+
+    @property
+    def value_amax(self) -> float:
+        return float(self.value.max())
+
+
+class KvCacheRecorder:
+    """Running per-head amax of keys and values, per attention module path (see the module docstring)."""
+
+    def __init__(self, expected: list[str]) -> None:
+        self.expected = expected  #: attention module paths that must be recorded (``*Attention`` classes)
+        self._key: dict[str, torch.Tensor] = {}
+        self._value: dict[str, torch.Tensor] = {}
+        self._dtype: dict[str, torch.dtype] = {}
+
+    def observe(self, path: str, key: torch.Tensor, value: torch.Tensor) -> None:
+        if key.dim() != 4 or value.dim() != 4:
+            raise CalibrationDataError(
+                f"{path}: the attention kernel received keys of shape {tuple(key.shape)}, not [batch, kv_heads, "
+                "seq, head_dim]; KV-cache scales cannot be recorded for this model", field="kv_cache")
+        for store, tensor in ((self._key, key), (self._value, value)):
+            amax = tensor.detach().abs().amax(dim=(0, 2, 3)).float().cpu()
+            store[path] = amax if path not in store else torch.fmax(store[path], amax)
+        self._dtype[path] = key.dtype
+
+    def results(self) -> dict[str, KvAmax]:
+        """Each recorded attention module's amax; raises CalibrationDataError when an expected one never ran."""
+        missing = [path for path in self.expected if path not in self._key]
+        if missing or not self._key:
+            raise CalibrationDataError(
+                f"no keys or values were recorded for {', '.join(missing) or 'any attention layer'}: its attention "
+                "does not call transformers' ALL_ATTENTION_FUNCTIONS, so fp8forge cannot compute KV-cache scales "
+                "for this model; convert without kv_cache", field="kv_cache")
+        return {path: KvAmax(key=self._key[path], value=self._value[path], dtype=self._dtype[path])
+                for path in sorted(self._key, key=_natural)}
+
+
+def _natural(path: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in path.split(".")]
+
+
+def _eager_of(module: nn.Module) -> Callable:
+    """The model file's own ``eager_attention_forward`` (what the module passes as get_interface's default)."""
+    function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if function is None:
+        raise CalibrationDataError(
+            f"{type(module).__name__} runs eager attention but its module defines no eager_attention_forward; "
+            "load the model with attn_implementation='sdpa' to record KV-cache scales", field="kv_cache")
+    return function
+
+
+def _recording(original: Callable | None) -> Callable:
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  *args: Any, **kwargs: Any) -> Any:
+        entry = _ACTIVE.get(module)
+        if entry is not None:
+            entry[0].observe(entry[1], key, value)
+        return (original or _eager_of(module))(module, query, key, value, *args, **kwargs)
+
+    return attention
+
+
+def _implementations(model: nn.Module) -> set[str]:
+    """The attention implementations the model's modules dispatch to (composite models may mix them)."""
+    names = {getattr(getattr(module, "config", None), "_attn_implementation", None) for module in model.modules()}
+    return {name for name in names if isinstance(name, str)}
+
+
+def _install(names: set[str]) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name in names:
+        original, users = _INSTALLED.get(name, (ALL_ATTENTION_FUNCTIONS.get(name), 0))
+        if users == 0:
+            # a local override of the shared interface; the module's own default is used for "eager"
+            ALL_ATTENTION_FUNCTIONS[name] = _recording(original)
+        _INSTALLED[name] = (original, users + 1)
+
+
+def _uninstall(names: set[str]) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name in names:
+        original, users = _INSTALLED[name]
+        if users > 1:
+            _INSTALLED[name] = (original, users - 1)
+            continue
+        del _INSTALLED[name]
+        del ALL_ATTENTION_FUNCTIONS[name]
+        if ALL_ATTENTION_FUNCTIONS.get(name) is not original:  # it was a local override itself: put it back
+            ALL_ATTENTION_FUNCTIONS[name] = original
+
+
+@contextmanager
+def recording_kv_amax(model: nn.Module) -> Iterator[KvCacheRecorder]:
+    """Record every attention layer's key and value amax while the block runs ``model`` (or its layers).
+
+    ``model`` may be the meta-device model that layer-sequential calibration loads layer by layer: its
+    modules are registered on entry and recorded whenever they run. Several recorders (threads, nested
+    blocks) may be active at once; each sees only its own model's modules. Read :meth:`KvCacheRecorder.
+    results` after the block.
+    """
+    modules = {module: path for path, module in model.named_modules() if path}
+    expected = [path for module, path in modules.items() if type(module).__name__.endswith("Attention")]
+    recorder = KvCacheRecorder(expected)
+    names = _implementations(model)
+    with _LOCK:
+        _install(names)
+        _ACTIVE.update({module: (recorder, path) for module, path in modules.items()})
+    try:
+        yield recorder
+    finally:
+        with _LOCK:
+            for module in modules:
+                if _ACTIVE.get(module, (None,))[0] is recorder:
+                    del _ACTIVE[module]
+            _uninstall(names)
