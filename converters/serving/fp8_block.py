@@ -12,6 +12,18 @@ but transformers 5.24's CPU dequantization derives the block size from the shape
 high precision with reason ``dim_not_divisible_by_128`` and are listed in ``modules_to_not_convert``.
 Written from transformers 5.24 (``integrations/finegrained_fp8.py``) and vLLM's ``fp8`` block path.
 
+UE8M0 scales (``fp8-block-ue8m0``, Blackwell): the same layout with every ``weight_scale_inv`` a power of two,
+still F32, and ``"scale_fmt": "ue8m0"`` in the config, as DeepSeek-V3.1 ships it. DeepGEMM on SM100 takes only
+power-of-two block scales; an engine that rounds fp32 scales at load without requantizing the weight loses
+accuracy (vLLM PR #38083), so the weight is quantized with the rounded scale. The scale is rounded up to the next
+power of two, so nothing clips: the rule of transformers 5.24 (``Fp8Quantize`` with ``scale_fmt="ue8m0"``:
+``2**ceil(log2(amax / 448))``), of DeepSeek-V3's ``inference/kernel.py`` ``act_quant`` (``scale_fmt``) and of
+TE's ``force_pow_2_scales`` (the quantization scale ``448 / amax`` rounded down). Here the exponent is exact:
+the smallest ``e`` with ``448 * 2**e >= amax``, read from ``frexp(amax)`` instead of a rounded ``amax / 448``.
+:meth:`FP8Block.layer_stats` gives each layer's weight SQNR with these scales and with fp32 ones.
+transformers 5.24 documents ``ue8m0`` as 1-byte ``float8_e8m0fnu`` scales (DeepSeek-V4); on the CPU it
+dequantizes F32 ones all the same (tested).
+
 MoE experts: each on-disk expert matrix gets its own blocks and ``weight_scale_inv`` under its own name
 (``experts.<e>.w1.weight_scale_inv``), as DeepSeek-V3's and Qwen3-MoE's FP8 checkpoints store them; the
 128 rule applies to each matrix (``[I, H]`` for gate and up, ``[H, I]`` for down).
@@ -19,25 +31,51 @@ MoE experts: each on-disk expert matrix gets its own blocks and ``weight_scale_i
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
 
 from converters.analysis.reasons import Reason
+from converters.calibration.emulation import db
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.plan import ServingPlan
 
-__all__ = ["BLOCK", "FP8Block", "FP8_BLOCK"]
+__all__ = ["BLOCK", "FP8Block", "FP8_BLOCK", "FP8_BLOCK_UE8M0", "ScaleFormat", "pow2_scale_inv"]
 
 BLOCK = 128
+_E4M3_MANTISSA_OF_MAX = 0.875  # 448 = 0.875 * 2**9, as frexp writes it
+_MIN_NORMAL_EXPONENT = -126  # fp32's smallest normal power of two: a smaller scale would be subnormal
+
+
+class ScaleFormat(str, enum.Enum):
+    """How ``weight_scale_inv`` is stored: any fp32 value, or a power of two (transformers' ``scale_fmt``)."""
+
+    FLOAT = "float"
+    UE8M0 = "ue8m0"
+
+
+def pow2_scale_inv(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ``s`` with ``448 * s >= amax`` per element (fp32; 1 where amax is 0).
+
+    ``amax = m * 2**p`` with ``m`` in [0.5, 1) and ``448 = 0.875 * 2**9``, so ``s = 2**(p - 9)`` when
+    ``m <= 0.875`` and ``2**(p - 8)`` otherwise: exact, where ``ceil(log2(amax / 448))`` rounds twice.
+    """
+    mantissa, exponent = torch.frexp(amax.float())
+    exponent = exponent - 9 + (mantissa > _E4M3_MANTISSA_OF_MAX).to(exponent.dtype)
+    scale = torch.ldexp(torch.ones_like(mantissa), exponent.clamp(min=_MIN_NORMAL_EXPONENT))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
 class FP8Block:
-    """transformers' fine-grained FP8: 128x128 weight blocks, dynamic activations."""
+    """transformers' fine-grained FP8: 128x128 weight blocks, dynamic activations, fp32 or power-of-two scales."""
 
-    name = "fp8-block"
     needs_calibration = False
+
+    def __init__(self, *, name: str, scale_fmt: ScaleFormat = ScaleFormat.FLOAT) -> None:
+        self.name = name
+        self.scale_fmt = ScaleFormat(scale_fmt)
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         """The reason a Linear of this shape stays in high precision, or None."""
@@ -52,20 +90,56 @@ class FP8Block:
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
                  ) -> list[torch.Tensor]:
-        rows, columns = weight.shape
-        blocks = weight.float().reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK)
-        amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-        quantized = (blocks / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-        return [quantized.reshape(rows, columns), scale.reshape(rows // BLOCK, columns // BLOCK)]
+        return _quantize_blocks(weight, self.scale_fmt)
+
+    def layer_stats(self, weight: torch.Tensor, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """Weight SQNR (dB) of the written tensors, and for ue8m0 also of fp32 scales, against ``weight``.
+
+        ``tensors`` is what :meth:`quantize` returned for ``weight``. Keys: ``weight_sqnr_db``; with ue8m0
+        scales also ``weight_sqnr_db_fp32_scales`` and ``ue8m0_cost_db`` (fp32 minus ue8m0, >= 0 up to rounding).
+        """
+        stats = {"weight_sqnr_db": _weight_sqnr(weight, tensors)}
+        if self.scale_fmt is ScaleFormat.UE8M0:
+            fp32 = _weight_sqnr(weight, _quantize_blocks(weight, ScaleFormat.FLOAT))
+            stats["weight_sqnr_db_fp32_scales"] = fp32
+            if fp32 is not None and stats["weight_sqnr_db"] is not None:
+                stats["ue8m0_cost_db"] = fp32 - stats["weight_sqnr_db"]
+        return stats
 
     def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
-        return {
+        config = {
             "quant_method": "fp8",
             "activation_scheme": "dynamic",
             "weight_block_size": [BLOCK, BLOCK],
             "modules_to_not_convert": _not_converted(plan),
         }
+        if self.scale_fmt is ScaleFormat.UE8M0:
+            config["scale_fmt"] = self.scale_fmt.value
+        return config
+
+
+def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat) -> list[torch.Tensor]:
+    """``[weight e4m3, weight_scale_inv fp32 [rows/128, cols/128]]``; the scale is 1 for an all-zero block."""
+    rows, columns = weight.shape
+    blocks = weight.float().reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    if scale_fmt is ScaleFormat.UE8M0:
+        scale = pow2_scale_inv(amax)
+    else:
+        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    quantized = (blocks / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return [quantized.reshape(rows, columns), scale.reshape(rows // BLOCK, columns // BLOCK)]
+
+
+def _weight_sqnr(weight: torch.Tensor, tensors: list[torch.Tensor]) -> float | None:
+    """SQNR in dB of ``weight * weight_scale_inv`` (block-wise) against ``weight``; None for an all-zero weight."""
+    quantized, scale = tensors
+    rows, columns = weight.shape
+    dequantized = quantized.float().reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK) \
+        * scale.reshape(rows // BLOCK, 1, columns // BLOCK, 1)
+    source = weight.double()
+    noise = (dequantized.reshape(rows, columns).double() - source).square().sum()
+    return db(float(source.square().sum()), float(noise))
 
 
 def _not_converted(plan: ServingPlan) -> list[str]:
@@ -81,4 +155,5 @@ def _not_converted(plan: ServingPlan) -> list[str]:
     return names
 
 
-FP8_BLOCK = FP8Block()
+FP8_BLOCK = FP8Block(name="fp8-block")
+FP8_BLOCK_UE8M0 = FP8Block(name="fp8-block-ue8m0", scale_fmt=ScaleFormat.UE8M0)
