@@ -34,6 +34,8 @@ __all__ = [
     "MAX_TEXTS_CHARS",
     "SHARD_BYTES",
     "SERVING_FORMAT_NAMES",
+    "KV_CACHE_DTYPES",
+    "KV_CACHE_FORMAT_NAMES",
     "NOT_BLANK",
     "MIN_SQNR_DB_RANGE",
 ]
@@ -53,6 +55,10 @@ MAX_TEXTS_CHARS = 4_000_000
 #: ``max_shard_bytes`` range; the value has no effect on today's artifacts (their weight files are the
 #: source's) and the top, 1 TiB, only keeps it an exact integer in every JSON reader.
 SHARD_BYTES = (65536, 2**40)
+#: ``kv_cache`` values: the KV-cache dtype whose scales a serving export carries (converters.serving.kv_scales).
+KV_CACHE_DTYPES = ("fp8",)
+#: The serving formats that write KV-cache scales (``supports_kv_cache`` in the registry; tests keep the two equal).
+KV_CACHE_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic")
 #: Names in ``converters.serving.SERVING_FORMATS`` (that registry imports torch; tests keep the two equal).
 SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block")
 #: A calibration text must contain a character this regex finds: anything but what ``str.isspace`` calls
@@ -66,6 +72,7 @@ MIN_SQNR_DB_RANGE = (0.0, 300.0)
 _REQUEST_KEYS = (
     "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
     "max_shard_bytes", "te_extra_state", "serving_formats", "min_sqnr_db", "compare_recipes",
+    "kv_cache",
 )
 _CALIBRATION_KEYS = ("steps", "batch_size", "seq_len", "texts", "backward")
 
@@ -182,6 +189,8 @@ class ConversionRequest:
     min_sqnr_db: float | None = None
     #: more recipes to measure the SQNR of, side by side (names of sensitivity.RECIPE_NAMES or recipe objects)
     compare_recipes: tuple[Any, ...] = ()
+    #: "fp8": the serving exports carry FP8 KV-cache scales from this job's calibration; None: they carry none
+    kv_cache: str | None = None
     _recipe: Recipe = field(init=False, repr=False, compare=False)  #: ``recipe`` parsed, by __post_init__
 
     def __post_init__(self) -> None:
@@ -197,6 +206,7 @@ class ConversionRequest:
             raise RequestError(f"max_shard_bytes must be an integer from {low} to {high}", field="max_shard_bytes")
         self._check_serving_formats()
         self._check_sensitivity()
+        self._check_kv_cache()
         # parsed once, here: every stage, the CLI and the synchronous analysis read this object
         object.__setattr__(self, "_recipe", self._parse_recipe())
 
@@ -211,6 +221,17 @@ class ConversionRequest:
         if len(set(names)) != len(names):
             raise RequestError("serving_formats lists a format twice", field="serving_formats")
         object.__setattr__(self, "serving_formats", tuple(names))
+
+    def _check_kv_cache(self) -> None:
+        if self.kv_cache is None:
+            return
+        if self.kv_cache not in KV_CACHE_DTYPES:
+            raise RequestError(f"kv_cache must be one of {', '.join(KV_CACHE_DTYPES)} or null, got {self.kv_cache!r}",
+                               field="kv_cache")
+        if not any(name in KV_CACHE_FORMAT_NAMES for name in self.serving_formats):
+            raise RequestError(
+                "kv_cache writes its scales into a serving export: add one of "
+                f"{', '.join(KV_CACHE_FORMAT_NAMES)} to serving_formats, or omit kv_cache", field="kv_cache")
 
     def _check_sensitivity(self) -> None:
         low, high = MIN_SQNR_DB_RANGE
@@ -285,6 +306,7 @@ class ConversionRequest:
             "serving_formats": list(self.serving_formats),
             "min_sqnr_db": self.min_sqnr_db,
             "compare_recipes": [entry if isinstance(entry, str) else dict(entry) for entry in self.compare_recipes],
+            "kv_cache": self.kv_cache,
         }
 
 

@@ -10,6 +10,8 @@ from pydantic import BaseModel, Field
 from converters.analysis.patterns import MAX_PATTERN_CHARS, MAX_PATTERNS, PATTERN_REGEX
 from converters.artifact.layout import REPORT_FILE
 from converters.pipeline.request import (
+    KV_CACHE_DTYPES,
+    KV_CACHE_FORMAT_NAMES,
     LIMITS,
     MAX_CALIBRATION_TOKENS,
     MAX_TEXT_CHARS,
@@ -111,6 +113,11 @@ class JobCreate(BaseModel):
     serving_formats: ServingFormats | None = Field(
         None, description="Serving checkpoints to write as well, each in serving/<name>/, each at most once: "
                     "compressed-tensors-fp8 (static), compressed-tensors-fp8-dynamic, fp8-block.")
+    kv_cache: Literal[KV_CACHE_DTYPES] | None = Field(  # type: ignore[valid-type]
+        None, description="`fp8`: the serving checkpoints also carry FP8 KV-cache scales (k_scale/v_scale per "
+                    "attention layer, from this job's calibration) and declare them, so vLLM and SGLang run "
+                    "`--kv-cache-dtype fp8` with calibrated scales. Needs one of these in serving_formats: "
+                    + ", ".join(KV_CACHE_FORMAT_NAMES) + ".")
     min_sqnr_db: MinSqnrDb | None = None
 
     def to_request(self) -> dict[str, Any]:

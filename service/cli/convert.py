@@ -40,6 +40,7 @@ def request_from_args(args: argparse.Namespace):
         convert_router_gates=args.convert_router_gates,
         serving_formats=tuple(args.serving),
         min_sqnr_db=args.min_sqnr_db,
+        kv_cache=getattr(args, "kv_cache", None),
     ), notes
 
 

@@ -22,6 +22,7 @@ FIELD_FLAGS = {
     "include": "--include",
     "exclude": "--exclude",
     "serving_formats": "--serving",
+    "kv_cache": "--kv-cache",
     "skip_first_last": "--no-skip-first-last",
     "convert_router_gates": "--convert-router-gates",
     "trust_remote_code": "--trust-remote-code",

@@ -9,7 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from converters.analysis.patterns import MAX_PATTERNS
-from converters.pipeline.request import LIMITS, SERVING_FORMAT_NAMES, CalibrationSettings
+from converters.pipeline.request import (
+    KV_CACHE_DTYPES,
+    KV_CACHE_FORMAT_NAMES,
+    LIMITS,
+    SERVING_FORMAT_NAMES,
+    CalibrationSettings,
+)
 from converters.recipes import (
     MAX_AMAX_HISTORY_LEN,
     MAX_MARGIN,
@@ -43,6 +49,8 @@ def form_defaults() -> dict[str, Any]:
         "limits": {name: {"min": low, "max": high} for name, (low, high) in LIMITS.items()},
         "max_patterns": MAX_PATTERNS,
         "serving_formats": list(SERVING_FORMAT_NAMES),
+        "kv_cache_choices": ["none", *KV_CACHE_DTYPES],  #: "none" sends no kv_cache
+        "kv_cache_formats": list(KV_CACHE_FORMAT_NAMES),
         "recipe_variants": variants,
         "te_scaling_choices": [("delayed", "delayed (amax history)"), ("current", "current (per cast)"),
                                *((v["scaling"], v["scaling"]) for v in variants if v["backend"] == "te")],

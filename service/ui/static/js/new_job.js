@@ -111,6 +111,8 @@
           const serving = Array.from(this.form().querySelectorAll('input[name="serving_formats"]:checked'),
             function (box) { return box.value; });
           if (serving.length) body.serving_formats = serving;
+          const kvCache = this.value('kv_cache');
+          if (kvCache && kvCache !== 'none') body.kv_cache = kvCache;
           if (body.recipe.backend === 'te' && this.checked('te_extra_state')) body.te_extra_state = true;
           return JSON.parse(JSON.stringify(body)); // drops the numbers left empty (undefined)
         },
