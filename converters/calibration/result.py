@@ -10,16 +10,20 @@ if TYPE_CHECKING:
 
     from converters.calibration.amax import LayerAmax
 
-__all__ = ["CalibrationResult"]
+__all__ = ["CalibrationResult", "NO_TE_CHECK"]
 
 
-@dataclass
+#: the TE check block of a job where no TE check ran during calibration
+NO_TE_CHECK: dict[str, Any] = {"ran": False, "reason": "TransformerEngine not used here"}
+
+
+@dataclass(frozen=True)
 class CalibrationResult:
-    """What the calibrate stage produced (and the TE check added), for the convert and export stages."""
+    """What the calibrate stage produced, for the convert and export stages (made once, by that stage)."""
 
     data_source: str = ""
     amax: dict[str, LayerAmax] = field(default_factory=dict)  #: layer path -> amax per step
     states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  #: layer path -> scaling state
     check_batch: dict[str, Any] | None = None  #: the first calibration batch, for the whole-model TE check
-    te_check: dict[str, Any] = field(
-        default_factory=lambda: {"ran": False, "reason": "TransformerEngine not used here"})
+    #: the per-layer TE check of layer-sequential calibration; the conversion's own check replaces it (Converted)
+    te_check: dict[str, Any] = field(default_factory=lambda: dict(NO_TE_CHECK))

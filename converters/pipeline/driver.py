@@ -5,10 +5,10 @@ Calibration comes before the swap because it measures the high-precision tensors
 time (``converters.calibration.sequential``); otherwise ``resolve`` loads the whole model. The weights themselves
 are copied, never decoded (``converters.artifact.layout``).
 
-Each stage is a small function over one :class:`~converters.pipeline.state.Run`, reports its progress to a
-:class:`ProgressSink`,
-and checks for cancellation between steps. The output is staged in a hidden sibling directory and
-renamed into place only when every file is written, so a failed or cancelled run leaves nothing behind.
+Each stage is a small function over one :class:`~converters.pipeline.state.Run` that returns its record (stored
+in the run once) and reports its progress to a :class:`ProgressSink`; the driver checks for cancellation between
+stages. The output is staged in a hidden sibling directory and renamed into place only when every file
+is written, so a failed or cancelled run leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from converters.artifact.layout import REPORT_FILE, staging_dir_for
 from converters.errors import Fp8ForgeError
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.request import ConversionRequest
-from converters.pipeline.stages import STAGE_FUNCTIONS, export
+from converters.pipeline.stages import STAGE_FUNCTIONS, export, start
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
 
 __all__ = ["ConversionResult", "run_stages", "run_conversion"]
@@ -45,12 +45,13 @@ class ConversionResult:
 def run_stages(run: Run, *, stop_after: Stage) -> None:
     """Run the stages from resolve through ``stop_after`` (not export, which needs a directory), in order, with
     progress, cancellation checks and timings. The conversion stops after convert, the synchronous analysis after
-    calibrate."""
-    for stage, function in STAGE_FUNCTIONS:
+    calibrate. Each stage's record is stored in the run under the stage's field, once."""
+    start(run)
+    for stage, function, record_field in STAGE_FUNCTIONS:
         run.check_stop()
         run.sink.stage(stage.value)
         started = time.perf_counter()
-        function(run)
+        setattr(run, record_field, function(run))
         run.stage_seconds[stage.value] = round(time.perf_counter() - started, 3)
         if stage is stop_after:
             return

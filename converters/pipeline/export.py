@@ -118,7 +118,7 @@ def _calibration_report(run: Run) -> dict[str, Any]:
         "slots_forward": list(FORWARD_SLOTS),
         "slots_backward": list(BACKWARD_SLOTS),
         "layers": layers,
-        "te_check": run.calibration.te_check,
+        "te_check": run.te_check,
     }
 
 

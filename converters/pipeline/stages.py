@@ -1,4 +1,5 @@
-"""The five pipeline stages. Each takes the run state, reports progress, and returns nothing but export."""
+"""The five pipeline stages. Each takes the run state, reports progress, and returns its record; the driver stores
+it in the run (``STAGE_FUNCTIONS`` names the field), and export returns the files it wrote."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from converters.analysis.eligibility import (
 from converters.artifact.files import copy_side_files, write_manifest
 from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.backends import backend_for
-from converters.backends.base import ConversionPlan
+from converters.backends.base import ConversionPlan, Converted
 from converters.calibration.amax import calibration_batches, measuring_sqnr, record_amax, te_scaling_state
+from converters.calibration.result import NO_TE_CHECK, CalibrationResult
 from converters.calibration.scaling import E4M3_MAX
 from converters.calibration.sensitivity import meter_for, report_sqnr
 from converters.calibration.sequential import (
@@ -45,26 +47,34 @@ from converters.model.sources import (
 )
 from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.serving import serving_format
-from converters.serving.plan import expert_disk_keys, plan_serving, set_input_amax, write_serving_checkpoint
+from converters.serving.plan import (
+    ServingPlan,
+    expert_disk_keys,
+    plan_serving,
+    set_input_amax,
+    write_serving_checkpoint,
+)
 
-__all__ = ["STAGE_FUNCTIONS", "resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
+__all__ = ["STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
 
 
-
-def resolve(run: Run) -> None:
-    """Parse the recipe, find the model's files, read its config and choose the mode.
-
-    The model is built on the meta device and its checkpoint indexed (headers only). Only the whole-model
-    mode loads weights here, onto the GPU if there is one; the layer-sequential mode loads them layer by
-    layer during calibration.
-    """
+def start(run: Run) -> None:
+    """Parse the recipe once and choose its backend once; a GPU that cannot run the recipe fails the job now,
+    before any model is read."""
     run.recipe = run.request.parsed_recipe()
     for message in run.recipe.warnings():
         run.warn(message)
     run.backend = backend_for(run.recipe)
-    # a GPU that cannot run the recipe fails the job now, before any model is read
     for message in run.backend.preflight(run.recipe):
         run.warn(message)
+
+def resolve(run: Run) -> ResolvedModel:
+    """Find the model's files, read its config and choose the mode.
+
+    The model is built on the meta device and its checkpoint indexed (headers only). Only the whole-model
+    mode loads weights here, onto the GPU if there is one (``run.model``); the layer-sequential mode loads them
+    layer by layer during calibration.
+    """
     if run.request.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES:
         run.warn("max_shard_bytes has no effect: the artifact keeps the source's weight files as they are")
     directory = resolve_model_dir(run.request.model, run.sources, with_weights=True)
@@ -81,21 +91,22 @@ def resolve(run: Run) -> None:
     checkpoint = Checkpoint(directory, meta_model, dtype=model_dtype(config), device=device)
     stack, mode, reason = choose_mode(meta_model, config, backward=run.request.calibration.backward,
                                           te_extra_state=run.request.te_extra_state)
-    run.resolved = ResolvedModel(directory=directory, config=config, meta_model=meta_model, checkpoint=checkpoint,
-                                 stack=stack, tied_weights=dict(checkpoint.tied))
-    run.pipeline = {"mode": mode, "reason": reason, "device": device}
+    resolved = ResolvedModel(directory=directory, config=config, meta_model=meta_model, checkpoint=checkpoint,
+                             stack=stack, tied_weights=dict(checkpoint.tied), mode=mode, mode_reason=reason,
+                             device=device)
     run.sink.progress(1, 2)
     if mode == WHOLE_MODEL:
-        _load_whole_model(run)
+        _load_whole_model(run, resolved)
     run.sink.progress(2, 2)
+    return resolved
 
 
-def _load_whole_model(run: Run) -> None:
-    run.model = load_model(run.resolved.directory, run.sources)
-    run.model.to(run.pipeline["device"])
+def _load_whole_model(run: Run, resolved: ResolvedModel) -> None:
+    run.model = load_model(resolved.directory, run.sources)
+    run.model.to(resolved.device)
 
 
-def analyze(run: Run) -> None:
+def analyze(run: Run) -> dict[str, Any]:
     """The eligibility report on the meta device; it alone decides what is converted."""
     options = AnalysisOptions(
         recipe=run.recipe,  # its own shape rule: 16, or 32 for MXFP8, 128 for block scaling and NVFP4
@@ -104,19 +115,20 @@ def analyze(run: Run) -> None:
         skip_first_last=run.request.skip_first_last,
         convert_router_gates=run.request.convert_router_gates,
     )
-    run.report = analyze_model(run.resolved.meta_model, options)
+    report = analyze_model(run.resolved.meta_model, options)
     model_type = getattr(run.resolved.config, "model_type", None)
-    run.report["model"] = {"reference": run.request.model, "model_type": model_type}
-    check_include_patterns(run.report)
-    check_report_rule(run.report, run.recipe)
-    if run.report["totals"]["eligible_layers"] + run.report["totals"]["expert_units"] == 0:
-        _nothing_eligible(run)
-    _warn_partly_fp8_groups(run)
-    _plan_serving(run)
+    report["model"] = {"reference": run.request.model, "model_type": model_type}
+    check_include_patterns(report)
+    check_report_rule(report, run.recipe)
+    if report["totals"]["eligible_layers"] + report["totals"]["expert_units"] == 0:
+        _nothing_eligible(run, report)
+    _warn_partly_fp8_groups(run, report)
+    run.serving = _plan_serving(run, report)
     run.sink.progress(1, 1)
+    return report
 
 
-def _nothing_eligible(run: Run) -> None:
+def _nothing_eligible(run: Run, report: dict[str, Any]) -> None:
     """Refuse a job that would convert nothing, naming the rule that left each layer out (bad input: the model,
     the recipe or the patterns do not fit together).
 
@@ -124,7 +136,7 @@ def _nothing_eligible(run: Run) -> None:
         RequestError: ``recipe`` when the recipe's shape rule left some layer out, else ``include/exclude``.
     """
     rule = run.recipe.shape_rule()
-    reasons = sorted({reason for layer in run.report["layers"] for reason in layer["reasons"]})
+    reasons = sorted({reason for layer in report["layers"] for reason in layer["reasons"]})
     shape = rule.reason in reasons
     fix = (f"the recipe ({run.recipe.library_class}) needs {rule.describe()}: choose a recipe whose rule this "
            "model's dims meet (TE delayed or current scaling: 16) or another model"
@@ -133,13 +145,14 @@ def _nothing_eligible(run: Run) -> None:
                        f"analyze`): nothing to convert; {fix}", field="recipe" if shape else "include/exclude")
 
 
-def _warn_partly_fp8_groups(run: Run, after: str = "", touching: set[str] | None = None) -> None:
+def _warn_partly_fp8_groups(run: Run, report: dict[str, Any], after: str = "", touching: set[str] | None = None
+                            ) -> None:
     """Say what a group that is only partly FP8 means, where it means something. An experts GEMM runs as one
     grouped GEMM everywhere (TE's GroupedLinear, the engines), so the whole group stays in high precision in every
     artifact. A fused q/k/v or gate/up group is one GEMM only in a serving export, which keeps it in high precision
     whole; TE and torchao artifacts convert each such Linear on its own, so for them it means nothing."""
-    expert_units = {layer["path"] for layer in run.report["layers"] if "expert" in layer}
-    for group in run.report["fused_groups"]:
+    expert_units = {layer["path"] for layer in report["layers"] if "expert" in layer}
+    for group in report["fused_groups"]:
         if not group["partly_eligible"] or (touching is not None and not touching & set(group["members"])):
             continue
         left = sorted(set(group["members"]) - set(group["eligible_members"]))
@@ -152,22 +165,24 @@ def _warn_partly_fp8_groups(run: Run, after: str = "", touching: set[str] | None
                      "(their report's skipped list says so); the training artifact converts its eligible members")
 
 
-def _plan_serving(run: Run) -> None:
+def _plan_serving(run: Run, report: dict[str, Any]) -> dict[str, ServingPlan]:
     """What each requested serving format quantizes; a format with nothing to quantize is bad input."""
+    plans: dict[str, ServingPlan] = {}
     if not run.request.serving_formats:
-        return
-    expert_keys = expert_disk_keys(run.resolved.checkpoint.mapping, run.resolved.checkpoint.target_of, run.report)
+        return plans
+    expert_keys = expert_disk_keys(run.resolved.checkpoint.mapping, run.resolved.checkpoint.target_of, report)
     for index, name in enumerate(run.request.serving_formats):
-        plan = plan_serving(serving_format(name), run.report, run.resolved.checkpoint.on_disk_name, expert_keys)
+        plan = plan_serving(serving_format(name), report, run.resolved.checkpoint.on_disk_name, expert_keys)
         if not plan.quantized and not plan.experts:
             raise ConversionError(
                 f"serving format {name} would quantize no layer (fused groups must be eligible as a whole; see the "
                 "analysis): adjust include/exclude or skip_first_last, or drop the format",
                 field=f"serving_formats[{index}]")
-        run.serving[name] = plan
+        plans[name] = plan
+    return plans
 
 
-def convert(run: Run) -> None:
+def convert(run: Run) -> Converted:
     """Swap the eligible layers and seed their state (TE modules only where CUDA and TE are present).
 
     In layer-sequential mode the torchao swap runs on the meta-device model: it checks that every eligible
@@ -182,12 +197,11 @@ def convert(run: Run) -> None:
     run.plan = ConversionPlan(recipe=run.recipe, model=run.model if run.model is not None else run.resolved.meta_model,
                               whole_model=run.model is not None, eligible=tuple(eligible), report=run.report,
                               te_extra_state=run.request.te_extra_state)
-    run.conversion = run.backend.convert(run.plan, run.calibration)
-    if run.conversion.te_check is not None:
-        run.calibration.te_check = run.conversion.te_check
-    for message in run.conversion.warnings:
+    conversion = run.backend.convert(run.plan, run.calibration)
+    for message in conversion.warnings:
         run.warn(message)
     run.sink.progress(1, 1)
+    return conversion
 
 
 def _renamed_weights(run: Run, eligible: list[str]) -> dict[str, str]:
@@ -200,7 +214,7 @@ def _renamed_weights(run: Run, eligible: list[str]) -> dict[str, str]:
     return renamed
 
 
-def calibrate(run: Run) -> None:
+def calibrate(run: Run) -> CalibrationResult:
     """Record amax per eligible layer over the calibration batches and derive the scaling state.
 
     This runs on the high-precision model, before the swap: the amax seeds describe the tensors FP8
@@ -210,23 +224,23 @@ def calibrate(run: Run) -> None:
     """
     batches, source = _calibration_batches(run)
     paths = eligible_paths(run.report) + eligible_expert_units(run.report)
-    amax = None
+    amax, te_check = None, dict(NO_TE_CHECK)
     meter, label = meter_for(run.recipe, run.request.compare_recipes)
     with measuring_sqnr(meter):  # the hooks also measure each layer's error under the recipe(s)
-        if run.pipeline["mode"] == LAYER_SEQUENTIAL:
+        if run.resolved.mode == LAYER_SEQUENTIAL:
             try:
-                amax = _calibrate_layer_by_layer(run, batches, paths)
+                amax, te_check = _calibrate_layer_by_layer(run, batches, paths)
             except SequentialUnsupported as exc:
-                run.pipeline.update(mode=WHOLE_MODEL, reason=f"layer-sequential calibration stopped: {exc}")
+                run.mode_fallback = f"layer-sequential calibration stopped: {exc}"
                 run.warn(f"calibrated the whole model at once: {exc}")
                 meter.reset()
-                _load_whole_model(run)
+                _load_whole_model(run, run.resolved)
         if amax is None:
             amax = _calibrate_whole_model(run, batches, paths)
     amax = _apply_sensitivity(run, meter, label, amax)
-    run.calibration.data_source, run.calibration.amax = source, amax
-    run.calibration.states, run.calibration.check_batch = _scaling_states(run, amax), batches[0]
     _report_experts(run, amax)
+    return CalibrationResult(data_source=source, amax=amax, states=_scaling_states(run, amax),
+                             check_batch=batches[0], te_check=te_check)
 
 
 def _apply_sensitivity(run: Run, meter: Any, label: str, amax: dict[str, Any]) -> dict[str, Any]:
@@ -242,9 +256,9 @@ def _apply_sensitivity(run: Run, meter: Any, label: str, amax: dict[str, Any]) -
     shown = ", ".join(excluded[:5]) + (f" and {len(excluded) - 5} more" if len(excluded) > 5 else "")
     run.warn(f"{len(excluded)} layer(s) stay in high precision (low_sqnr): output SQNR under {label} below "
              f"min_sqnr_db {threshold:g} dB: {shown}")
-    _warn_partly_fp8_groups(run, after=" after low_sqnr", touching=set(excluded))
+    _warn_partly_fp8_groups(run, run.report, after=" after low_sqnr", touching=set(excluded))
     if run.serving:
-        _plan_serving(run)
+        run.serving = _plan_serving(run, run.report)
     dropped = set(excluded)
     return {path: layer for path, layer in amax.items() if path not in dropped}
 
@@ -309,10 +323,11 @@ def _calibrate_whole_model(run: Run, batches: list[dict[str, Any]], paths: list[
         ) from exc
 
 
-def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
+def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: list[str]
+                              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each eligible layer's amax, and the TE check block of the per-layer check (where the backend has one)."""
     after_layer, te_check = run.backend.layer_check(run.recipe)
-    if te_check is not None:
-        run.calibration.te_check = te_check
+    te_check = te_check if te_check is not None else dict(NO_TE_CHECK)
     try:
         amax = calibrate_layer_by_layer(
             run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, paths,
@@ -323,10 +338,10 @@ def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: li
             f"{type(run.resolved.meta_model).__name__} cannot be calibrated from token batches: {exc}", field="model"
         ) from exc
     if after_layer is not None:
-        run.calibration.te_check = after_layer.summary()
-        if not run.calibration.te_check["ran"]:
-            run.warn(f"the FP8 check step did not run: {run.calibration.te_check['reason']}")
-    return amax
+        te_check = after_layer.summary()
+        if not te_check["ran"]:
+            run.warn(f"the FP8 check step did not run: {te_check['reason']}")
+    return amax, te_check
 
 
 def _text_config(config: Any) -> Any:
@@ -396,7 +411,7 @@ def _write_serving(run: Run, staging: Path) -> list[str]:
     return written
 
 
-#: The stages before export, in order, each with the function that runs it (export needs a directory: the driver
-#: calls it itself).
-STAGE_FUNCTIONS = ((Stage.RESOLVE, resolve), (Stage.ANALYZE, analyze), (Stage.CALIBRATE, calibrate),
-                   (Stage.CONVERT, convert))
+#: The stages before export, in order, each with the function that runs it and the Run field its record goes to
+#: (export needs a directory: the driver calls it itself).
+STAGE_FUNCTIONS = ((Stage.RESOLVE, resolve, "resolved"), (Stage.ANALYZE, analyze, "report"),
+                   (Stage.CALIBRATE, calibrate, "calibration"), (Stage.CONVERT, convert, "conversion"))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from converters.calibration.result import CalibrationResult
+from converters.calibration.result import NO_TE_CHECK, CalibrationResult
 from converters.errors import ConversionCancelled
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.request import ConversionRequest
@@ -85,33 +85,58 @@ class ResolvedModel:
     checkpoint: Checkpoint  #: the source's weight files, indexed (headers only)
     stack: LayerStack | None  #: the decoder layers, for layer-by-layer calibration; None in whole-model mode
     tied_weights: dict[str, str]  #: tied parameter -> the parameter it shares storage with
+    mode: str  #: ``layer_sequential`` or ``whole_model``, as resolve chose it
+    mode_reason: str  #: why that mode
+    device: str  #: ``cuda`` or ``cpu``
 
 
 @dataclass
 class Run:
-    """What the stages hand to each other: the request, then what each stage made (set by that stage)."""
+    """What the stages hand to each other: the request, the recipe and its backend, then each stage's record.
+
+    Each stage function returns its record and the driver stores it under the stage's field
+    (``STAGE_RECORDS``); the records are set once. The few things a stage leaves beside its record are named
+    below with the stage that sets them.
+    """
 
     request: ConversionRequest
     sources: ModelSourceOptions
     sink: ProgressSink
-    backend: Backend | None = None  #: chosen by the recipe's type in resolve (backend_for), once
-    recipe: Recipe | None = None
-    resolved: ResolvedModel | None = None  #: set by resolve
-    report: dict[str, Any] | None = None
-    pipeline: dict[str, Any] = field(default_factory=dict)  #: mode, reason, device (for the report)
-    model: nn.Module | None = None  #: the loaded model, whole-model mode only
-    plan: ConversionPlan | None = None  #: set by convert: what the backend converts
-    conversion: Converted | None = None  #: set by convert: what the backend did
-    weights_on_disk: dict[str, str] = field(default_factory=dict)
-    serving: dict[str, ServingPlan] = field(default_factory=dict)  #: format name -> its plan
-    calibration: CalibrationResult = field(default_factory=lambda: CalibrationResult())
+    recipe: Recipe | None = None  #: parsed once, when the run starts
+    backend: Backend | None = None  #: chosen by the recipe's type when the run starts (backend_for), once
+    resolved: ResolvedModel | None = None  #: resolve's record
+    report: dict[str, Any] | None = None  #: analyze's record (calibrate adds the SQNR and experts blocks to it)
+    calibration: CalibrationResult | None = None  #: calibrate's record
+    conversion: Converted | None = None  #: convert's record: what the backend did
+    plan: ConversionPlan | None = None  #: set by convert: what the backend was asked to convert
+    model: nn.Module | None = None  #: the loaded model, whole-model mode only (resolve, or calibrate's fallback)
+    mode_fallback: str | None = None  #: set by calibrate: why layer-sequential calibration gave way to whole-model
+    weights_on_disk: dict[str, str] = field(default_factory=dict)  #: set by convert
+    #: format name -> its plan; set by analyze, planned again by calibrate when min_sqnr_db drops layers
+    serving: dict[str, ServingPlan] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     export_started: float = 0.0  #: time.perf_counter() when the export stage began
     warnings: list[str] = field(default_factory=list)
 
     #: what one stage makes and the later stages only read: set once (a second assignment is a bug, raised)
     SET_ONCE: ClassVar[frozenset[str]] = frozenset({
-        "backend", "recipe", "resolved", "model", "report", "plan", "conversion"})
+        "backend", "recipe", "resolved", "model", "report", "calibration", "plan", "conversion", "mode_fallback"})
+
+    @property
+    def pipeline(self) -> dict[str, Any]:
+        """The report's ``pipeline`` block: mode, why, device."""
+        if self.resolved is None:
+            return {}
+        if self.mode_fallback is not None:
+            return {"mode": "whole_model", "reason": self.mode_fallback, "device": self.resolved.device}
+        return {"mode": self.resolved.mode, "reason": self.resolved.mode_reason, "device": self.resolved.device}
+
+    @property
+    def te_check(self) -> dict[str, Any]:
+        """The report's TE check: the conversion's own, or else the one calibration ran layer by layer."""
+        if self.conversion is not None and self.conversion.te_check is not None:
+            return self.conversion.te_check
+        return self.calibration.te_check if self.calibration is not None else dict(NO_TE_CHECK)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self.SET_ONCE and getattr(self, name, None) is not None:
