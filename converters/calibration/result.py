@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     import torch
 
     from converters.calibration.amax import LayerAmax
+    from converters.calibration.kv_cache import KvAmax
 
 __all__ = ["CalibrationResult", "NO_TE_CHECK"]
 
@@ -27,3 +28,5 @@ class CalibrationResult:
     check_batch: dict[str, Any] | None = None  #: the first calibration batch, for the whole-model TE check
     #: the per-layer TE check of layer-sequential calibration; the conversion's own check replaces it (Converted)
     te_check: dict[str, Any] = field(default_factory=lambda: dict(NO_TE_CHECK))
+    #: attention module path -> its keys' and values' amax, recorded in the same pass when the request asks kv_cache
+    kv_amax: dict[str, KvAmax] = field(default_factory=dict)

@@ -4,6 +4,7 @@ it in the run (``STAGE_FUNCTIONS`` names the field), and export returns the file
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.backends import backend_for
 from converters.backends.base import ConversionPlan, Converted
 from converters.calibration.amax import calibration_batches, measuring_sqnr, record_amax, te_scaling_state
+from converters.calibration.kv_cache import recording_kv_amax
 from converters.calibration.result import NO_TE_CHECK, CalibrationResult
 from converters.calibration.scaling import E4M3_MAX
 from converters.calibration.sensitivity import meter_for, report_sqnr
@@ -47,6 +49,7 @@ from converters.model.sources import (
 )
 from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.serving import serving_format
+from converters.serving.kv_scales import attach_kv_scales
 from converters.serving.plan import (
     ServingPlan,
     expert_disk_keys,
@@ -229,18 +232,25 @@ def calibrate(run: Run) -> CalibrationResult:
     with measuring_sqnr(meter):  # the hooks also measure each layer's error under the recipe(s)
         if run.resolved.mode == LAYER_SEQUENTIAL:
             try:
-                amax, te_check = _calibrate_layer_by_layer(run, batches, paths)
+                with _kv_recording(run, run.resolved.meta_model) as kv:
+                    amax, te_check = _calibrate_layer_by_layer(run, batches, paths)
             except SequentialUnsupported as exc:
                 run.mode_fallback = f"layer-sequential calibration stopped: {exc}"
                 run.warn(f"calibrated the whole model at once: {exc}")
                 meter.reset()
                 _load_whole_model(run, run.resolved)
         if amax is None:
-            amax = _calibrate_whole_model(run, batches, paths)
+            with _kv_recording(run, run.model) as kv:
+                amax = _calibrate_whole_model(run, batches, paths)
     amax = _apply_sensitivity(run, meter, label, amax)
     _report_experts(run, amax)
     return CalibrationResult(data_source=source, amax=amax, states=_scaling_states(run, amax),
-                             check_batch=batches[0], te_check=te_check)
+                             check_batch=batches[0], te_check=te_check, kv_amax=kv.results() if kv else {})
+
+
+def _kv_recording(run: Run, model: Any) -> Any:
+    """With ``kv_cache``: a recorder of every attention layer's key and value amax, in the calibration's own pass."""
+    return recording_kv_amax(model) if run.request.kv_cache else nullcontext(None)
 
 
 def _apply_sensitivity(run: Run, meter: Any, label: str, amax: dict[str, Any]) -> dict[str, Any]:
@@ -402,6 +412,7 @@ def _write_serving(run: Run, staging: Path) -> list[str]:
         if starved:
             run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
                      "is the largest of the same GEMM's other experts in that layer")
+        _attach_kv_cache(run, name, plan)
         directory = staging / "serving" / name
         source = run.resolved.directory
         files = write_serving_checkpoint(serving_format(name), plan, source, weight_files(source), directory,
@@ -409,6 +420,17 @@ def _write_serving(run: Run, staging: Path) -> list[str]:
                                          check_stop=run.check_stop)
         written += [f"serving/{name}/{file}" for file in files]
     return written
+
+
+def _attach_kv_cache(run: Run, name: str, plan: ServingPlan) -> None:
+    """With ``kv_cache``: each attention layer's k_scale/v_scale into the plan of a format that writes them."""
+    if not run.request.kv_cache or plan.kv_cache:
+        return
+    if not getattr(serving_format(name), "supports_kv_cache", False):
+        run.warn(f"{name} carries no KV-cache scales (kv_cache applies to the formats that declare them)")
+        return
+    attach_kv_scales(plan, run.calibration.kv_amax, run.resolved.checkpoint.target_of,
+                     model_dtype(run.resolved.config))
 
 
 #: The stages before export, in order, each with the function that runs it and the Run field its record goes to
