@@ -422,7 +422,7 @@ class _Audit:
                 self.problem(Rule.SCALE_DROPPED, key,
                              f"{key} maps to {layer}.{prefix}{suffix}, which vLLM does not create for {kind}: the "
                              f"loader rejects it ('no module or parameter named'); were it skipped, the layer would "
-                             f"run with scale 1.0. Write it as one of {sorted(params)}.")
+                             f"run with scale 1.0. Write it as one of {sorted(prefix + p for p in params)}.")
         config_scheme = scheme or self._scheme_for(layer)
         if is_fp8 and config_scheme is not None:
             self._check_scales(member, config_scheme)
@@ -468,7 +468,7 @@ class _Audit:
                          "experts or none.")
         scheme = None if ignored else self._scheme_for(prefix)
         for matrix, weight in matrices.items():
-            self._check_member(matrix, f"{prefix}.{weight}", scheme, quantized[matrix], bool(ignored), f"{weight}_")
+            self._check_member(matrix, prefix, scheme, quantized[matrix], bool(ignored), f"{weight}_")
 
     def _check_kv_scales(self, attention: set[str]) -> None:
         self.result.kv_scales_found = len(self.kv_keys)
