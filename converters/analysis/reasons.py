@@ -29,4 +29,7 @@ class Reason(str, enum.Enum):
     EXPERT_LAYOUT = "expert_layout_unsupported"
     #: serving format fp8-block: a dim not a multiple of its 128x128 blocks (converters.serving.fp8_block)
     SERVING_BLOCK = "dim_not_divisible_by_128"
+    #: serving formats nvfp4, nvfp4-a16, modelopt-nvfp4: in_features not a whole number of 16-element FP4 blocks
+    #: (converters.serving.nvfp4)
+    SERVING_NVFP4 = "in_features_not_divisible_by_16_for_nvfp4"
     LOW_SQNR = "low_sqnr"  #: output SQNR under the recipe below min_sqnr_db (converters.calibration.sensitivity)

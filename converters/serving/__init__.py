@@ -10,14 +10,17 @@ from __future__ import annotations
 from converters.errors import Fp8ForgeError
 from converters.serving.compressed_tensors import DYNAMIC, STATIC
 from converters.serving.fp8_block import FP8_BLOCK, FP8_BLOCK_UE8M0
+from converters.serving.modelopt import MODELOPT_FP8, MODELOPT_NVFP4
 from converters.serving.mxfp8 import MXFP8
+from converters.serving.nvfp4 import NVFP4, NVFP4_A16
 from converters.serving.plan import ServingFormat, ServingPlan, plan_serving, write_serving_checkpoint
 
 __all__ = ["SERVING_FORMATS", "ServingFormat", "ServingPlan", "plan_serving", "serving_format",
            "write_serving_checkpoint"]
 
 SERVING_FORMATS: dict[str, ServingFormat] = {fmt.name: fmt for fmt in (STATIC, DYNAMIC, FP8_BLOCK, FP8_BLOCK_UE8M0,
-                                                                       MXFP8)}
+                                                                       MXFP8, NVFP4, NVFP4_A16, MODELOPT_FP8,
+                                                                       MODELOPT_NVFP4)}
 
 
 def serving_format(name: str, *, field: str = "serving_formats") -> ServingFormat:

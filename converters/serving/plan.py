@@ -11,6 +11,12 @@ weight the checkpoint does not store under one plain name, minus every member of
 gate/up) that is not eligible as a whole: engines fuse those projections and refuse a partly quantized
 group. One shared ``input_scale`` per fused group (their input is the same tensor; the group's max).
 
+Formats with a per-tensor weight scale that engines require equal across a fused group (NVFP4's global
+scale) set ``needs_weight_amax``: before writing, :func:`set_weight_amax` reads each quantized weight once
+(one tensor at a time) and records the group's largest ``|w|``, which ``quantize`` then receives as
+``weight_amax``. Formats that need files beside config.json (ModelOpt's ``hf_quant_config.json``) define
+``side_files``.
+
 Mixture-of-experts: the checkpoint stores each expert's matrices separately (Mixtral ``experts.<e>.w1/w3/w2``,
 Qwen/DeepSeek ``experts.<e>.gate_proj/up_proj/down_proj``) and transformers fuses them into 3-D parameters
 on load. :func:`expert_disk_keys` reads that fusion back from the checkpoint's own conversion mapping, so
@@ -43,13 +49,19 @@ __all__ = [
     "expert_disk_keys",
     "plan_serving",
     "set_input_amax",
+    "set_weight_amax",
     "write_serving_checkpoint",
 ]
 
 
 
 class ServingFormat(Protocol):
-    """One serving checkpoint layout (see :mod:`converters.serving`)."""
+    """One serving checkpoint layout (see :mod:`converters.serving`).
+
+    Optional members, read with ``getattr``: ``needs_weight_amax`` (bool, default False: ``quantize`` then
+    gets the keyword ``weight_amax``, the largest ``|w|`` of the weight's fused group or expert unit) and
+    ``side_files(plan) -> {file name: JSON value}`` (files written beside config.json).
+    """
 
     name: str
     needs_calibration: bool
@@ -58,7 +70,7 @@ class ServingFormat(Protocol):
         """The reason code that keeps a Linear of this shape in high precision in this format, or None."""
 
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
-        """The tensors replacing ``weight_key`` (itself first), as StreamingWriter plan entries."""
+        """The tensors replacing ``weight_key`` (itself, or its packed form, first), as StreamingWriter plan entries."""
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
                  ) -> list[torch.Tensor]:
@@ -87,6 +99,10 @@ class ServingPlan:
     #: written right after, in that tensor's file; the tensor)
     extra_tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
     kv_cache: str | None = None  #: "fp8" when the export carries KV-cache scales (in ``extra_tensors``)
+    #: the quantized members of each fused group (q/k/v, gate/up): they share input and weight-amax scales
+    fused_groups: list[list[str]] = field(default_factory=list)
+    #: module path or expert unit -> the largest |w| of its fused group or unit (formats with needs_weight_amax)
+    weight_amax: dict[str, float] = field(default_factory=dict)
 
     @property
     def expert_units(self) -> list[str]:
@@ -134,6 +150,8 @@ def plan_serving(fmt: ServingFormat, report: Mapping[str, Any], on_disk_name: Ca
                     del candidates[member]
                     plan.skipped[member] = f"fused_group_not_fully_eligible:{group['name']}"
     plan.quantized = candidates
+    plan.fused_groups = [list(group["members"]) for group in report["fused_groups"]
+                         if all(member in candidates for member in group["members"])]
     _plan_experts(plan, fmt, report, expert_keys or {})
     plan.router_gates = _router_gates(report, on_disk_name)
     return plan
@@ -262,6 +280,27 @@ def set_input_amax(plan: ServingPlan, report: Mapping[str, Any], amax: Mapping[s
     return sorted(plan.input_amax_fallback)
 
 
+def set_weight_amax(plan: ServingPlan, weight_files: list[Path]) -> None:
+    """Each quantized Linear's and expert unit's weight amax, shared by its fused group (a streaming pre-pass).
+
+    Reads one weight at a time (pread, not a mapped file), so memory stays that of the largest weight. The
+    amax is exact in float32 (the largest magnitude of the stored values); an expert unit's gate and up
+    matrices share one value, as do the members of each fused group.
+    """
+    path_of = {key: path for path, key in plan.quantized.items()} | plan.experts
+    amax: dict[str, float] = {}
+    for source in weight_files:
+        tensors, _ = read_tensor_index(source)
+        for name, tensor in tensors.items():
+            if name in path_of:
+                value = float(read_tensor(tensor).float().abs().amax())
+                amax[path_of[name]] = max(amax.get(path_of[name], 0.0), value)
+    for members in plan.fused_groups:
+        shared = max(amax[member] for member in members)
+        amax.update({member: shared for member in members})
+    plan.weight_amax = amax
+
+
 def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: Path, weight_files: list[Path],
                              directory: Path, scale_dtype: torch.dtype, confinement: FileConfinement,
                              check_stop: Callable[[], None] | None = None) -> list[str]:
@@ -272,6 +311,9 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
     Returns the file names written (relative to ``directory``).
     """
     directory.mkdir(parents=True, exist_ok=True)
+    needs_weight_amax = getattr(fmt, "needs_weight_amax", False)
+    if needs_weight_amax:
+        set_weight_amax(plan, weight_files)
     path_of = {key: path for path, key in plan.quantized.items()} | plan.experts
     added_after: dict[str, dict[str, torch.Tensor]] = {}
     for name, (anchor, value) in plan.extra_tensors.items():
@@ -293,7 +335,9 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
                     writer.write(name, tensor)
                 else:
                     # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
-                    replacement = fmt.quantize(read_tensor(tensor), plan.input_amax.get(path_of[name]), scale_dtype)
+                    extra = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
+                    replacement = fmt.quantize(read_tensor(tensor), plan.input_amax.get(path_of[name]), scale_dtype,
+                                               **extra)
                     for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
                         writer.write(key, value)
                 for extra, value in added_after.get(name, {}).items():
@@ -308,4 +352,9 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
     config["quantization_config"] = fmt.quantization_config(plan)
     write_json(directory / "config.json", config)
     written.append("config.json")
-    return written + copy_side_files(source_dir, directory, confinement)
+    written += copy_side_files(source_dir, directory, confinement)
+    side_files = getattr(fmt, "side_files", None)
+    for name, content in (side_files(plan) if side_files is not None else {}).items():
+        write_json(directory / name, content)
+        written.append(name)
+    return written
