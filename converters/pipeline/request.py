@@ -60,7 +60,8 @@ KV_CACHE_DTYPES = ("fp8",)
 #: The serving formats that write KV-cache scales (``supports_kv_cache`` in the registry; tests keep the two equal).
 KV_CACHE_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic")
 #: Names in ``converters.serving.SERVING_FORMATS`` (that registry imports torch; tests keep the two equal).
-SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block")
+SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0",
+                        "mxfp8", "nvfp4", "nvfp4-a16", "modelopt-fp8", "modelopt-nvfp4")
 #: A calibration text must contain a character this regex finds: anything but what ``str.isspace`` calls
 #: whitespace (so "\u00a0\u3000" is blank too). Written with escapes only, which Python, pydantic's Rust regex and
 #: the OpenAPI schema's ECMAScript readers all read alike.
