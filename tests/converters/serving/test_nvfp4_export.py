@@ -126,8 +126,9 @@ def test_transformers_with_compressed_tensors_loads_the_export(llama_dir, llama_
     with torch.no_grad():
         reference = load_model(llama_dir, ModelSourceOptions())(input_ids=ids).logits
         served = model.eval()(input_ids=ids).logits
-    # transformers decompresses the FP4 weights on CPU (activations stay bf16); measured 0.97 on this model
-    assert cosine(served, reference) >= 0.95
+    # compressed-tensors runs the packed weights (and, for W4A4, FP4 activations with input_global_scale) on CPU;
+    # measured 0.985 (nvfp4) and 0.991 (nvfp4-a16) on this model
+    assert cosine(served, reference) >= 0.97
 
 
 def test_a_layer_nvfp4_cannot_store_is_refused_with_its_fused_group(llama_out):
