@@ -15,11 +15,13 @@ from safetensors.torch import load_file, save_file
 
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.driver import run_conversion
-from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.pipeline.request import SERVING_FORMAT_NAMES, CalibrationSettings, ConversionRequest
 from converters.serving.audit import Rule, audit_export
 from tests.models import MOE_CONFIGS
 
 STATIC, DYNAMIC, BLOCK = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block"
+AUDITED = (STATIC, DYNAMIC, BLOCK, "fp8-block-ue8m0")
+NOT_AUDITED = tuple(name for name in SERVING_FORMAT_NAMES if name not in AUDITED)  # nvfp4, mxfp8, ModelOpt
 CALIBRATION = CalibrationSettings(steps=2, seq_len=16)
 LAYER0_QKV = [f"model.layers.0.self_attn.{name}_proj" for name in "qkv"]
 
@@ -28,7 +30,7 @@ LAYER0_QKV = [f"model.layers.0.self_attn.{name}_proj" for name in "qkv"]
 def llama_out(llama_root):
     out = llama_root / "audit-out"
     request = ConversionRequest(model=str(llama_root / "llama"), recipe={"backend": "te"}, calibration=CALIBRATION,
-                                serving_formats=(STATIC, DYNAMIC, BLOCK))
+                                serving_formats=SERVING_FORMAT_NAMES, kv_cache="fp8")
     run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_root,)))
     return out / "serving"
 
@@ -63,11 +65,19 @@ def fired(result):
     return {(problem.rule, problem.name) for problem in result.problems}
 
 
-@pytest.mark.parametrize("fmt", [STATIC, DYNAMIC, BLOCK])
+@pytest.mark.parametrize("fmt", AUDITED)
 def test_llama_exports_pass(llama_out, fmt):
     result = audit_export(llama_out / fmt)
     assert result.ok, result.problems
-    assert result.tensors_checked > 20 and result.scales_checked > 0 and result.kv_scales_found == 0
+    # The compressed-tensors formats carry the KV-cache scales of both layers (k and v), mapped onto attn.
+    assert result.tensors_checked > 20 and result.scales_checked > 0
+    assert result.kv_scales_found == (4 if fmt in (STATIC, DYNAMIC) else 0)
+
+
+@pytest.mark.parametrize("fmt", NOT_AUDITED)
+def test_exports_without_rules_are_reported_not_audited(llama_out, fmt):
+    result = audit_export(llama_out / fmt)
+    assert not result.audited and not result.ok and result.notes[0].startswith("not audited")
 
 
 @pytest.mark.parametrize("fmt", [STATIC, DYNAMIC])
@@ -117,14 +127,21 @@ def test_input_scale_in_a_dynamic_moe_export_maps_to_no_expert_parameter(moe_out
     assert "experts.w13_input_scale" in result.problems[0].message
 
 
-def test_kv_scales_are_mapped_onto_the_attention_layer(llama_out, tmp_path):
+def test_kv_scale_outside_attention_is_dropped(llama_out, tmp_path):
     directory = copy(llama_out / STATIC, tmp_path)
+    rewrite_tensors(directory, lambda t: t.__setitem__("model.layers.1.mlp.k_scale", t.pop(
+        "model.layers.1.self_attn.k_scale")))
+    result = audit_export(directory)
+    assert fired(result) == {(Rule.SCALE_DROPPED, "model.layers.1.mlp.k_scale")}
+    assert "model.layers.1.mlp.attn.k_scale" in result.problems[0].message
+
+
+def test_kv_scales_without_a_kv_cache_scheme_get_a_note(llama_out, tmp_path):
+    directory = copy(llama_out / BLOCK, tmp_path)
     rewrite_tensors(directory, lambda t: t.update({f"model.layers.{i}.self_attn.{kv}_scale": torch.ones(1)
                                                    for i in range(2) for kv in "kv"}))
     result = audit_export(directory)
-    assert result.ok and result.kv_scales_found == 4 and "kv_cache_scheme" in result.notes[0]
-    rewrite_tensors(directory, lambda t: t.__setitem__("model.layers.1.mlp.k_scale", torch.ones(1)))
-    assert fired(audit_export(directory)) == {(Rule.SCALE_DROPPED, "model.layers.1.mlp.k_scale")}
+    assert result.ok and result.kv_scales_found == 4 and "--kv-cache-dtype fp8" in result.notes[0]
 
 
 @pytest.mark.parametrize("fmt, scale", [(STATIC, "weight_scale"), (STATIC, "input_scale"),
