@@ -24,6 +24,9 @@ rounds the ties as ``cast_to_fp4`` does); ``pack_fp4_to_uint8``: the sign bit se
 Fused groups (q/k/v, gate/up) and an expert's gate and up matrices share one ``weight_global_scale`` (from the
 group's largest ``|w|``: vLLM requires it, and llm-compressor's ``update_fused_layer_weight_global_scales``
 does the same), hence ``needs_weight_amax``; they share ``input_global_scale`` through the shared input amax.
+MoE experts: each on-disk expert matrix is quantized under its own name, as in
+:mod:`converters.serving.compressed_tensors` (w1 and w3 of one expert share their unit's global scales);
+transformers reports the experts' ``input_global_scale`` as unexpected keys and drops them, vLLM reads them.
 
 Eligibility: ``in_features`` must be a multiple of 16 (whole blocks; vLLM's NVFP4 linear methods refuse other
 shapes). The analysis rule already requires both dims to be multiples of 16, so this rule only refuses what
