@@ -198,7 +198,8 @@ class StreamingWriter:
             if (dtype_name(value.dtype), tuple(value.shape)) != (entry.dtype, entry.shape):
                 raise ValueError(f"{name}: {value.dtype} {tuple(value.shape)} does not match the plan "
                                  f"({entry.dtype} {entry.shape})")
-            data = value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+            # flattened first: a 0-dim tensor (a scalar scale, shape []) cannot be viewed as bytes
+            data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             self.handle.write(data)
         self.next += 1
 
