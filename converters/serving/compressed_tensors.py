@@ -58,6 +58,8 @@ class CompressedTensorsFP8:
         self.name = name
         self.static = static
         self.needs_calibration = static
+        #: the emulated cast the report's weight SQNR uses (converters.serving.plan.layer_stats)
+        self.weight_cast = "e4m3_tensor" if static else "e4m3_row"
         self.supports_kv_cache = True  #: writes ``kv_cache_scheme`` and the scales of ``plan.extra_tensors``
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:

@@ -39,6 +39,7 @@ import torch
 
 from converters.analysis.reasons import Reason
 from converters.artifact.files import copy_side_files, write_json
+from converters.calibration.emulation import cast_spec, db, fake_quantize
 from converters.model.experts import EXPERT_GEMMS, parse_unit_path, unit_path
 from converters.model.files import INDEX_NAME, FileConfinement
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
@@ -103,6 +104,10 @@ class ServingPlan:
     fused_groups: list[list[str]] = field(default_factory=list)
     #: module path or expert unit -> the largest |w| of its fused group or unit (formats with needs_weight_amax)
     weight_amax: dict[str, float] = field(default_factory=dict)
+    #: quantized Linear path (or expert matrix name) -> its weight SQNR under this format, from the writer
+    layer_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kv_cache_report: dict[str, Any] | None = None  #: per attention layer: k/v amax and the scales written
+    load_audit: dict[str, Any] | None = None  #: the load audit of the written export (converters.serving.audit)
 
     @property
     def expert_units(self) -> list[str]:
@@ -113,7 +118,9 @@ class ServingPlan:
         return {"format": self.format, "quantized": sorted([*self.quantized, *self.expert_units]),
                 "skipped": dict(sorted(self.skipped.items())),
                 "input_amax": {path: self.input_amax[path] for path in sorted(self.input_amax)},
-                "input_amax_fallback": dict(sorted(self.input_amax_fallback.items()))}
+                "input_amax_fallback": dict(sorted(self.input_amax_fallback.items())),
+                "layer_stats": dict(sorted(self.layer_stats.items())), "kv_cache": self.kv_cache_report,
+                "load_audit": self.load_audit}
 
 
 def plan_serving(fmt: ServingFormat, report: Mapping[str, Any], on_disk_name: Callable[[str], str | None],
@@ -301,6 +308,25 @@ def set_weight_amax(plan: ServingPlan, weight_files: list[Path]) -> None:
     plan.weight_amax = amax
 
 
+def layer_stats(fmt: ServingFormat, weight: torch.Tensor, tensors: list[torch.Tensor],
+                weight_amax: float | None = None) -> dict[str, Any]:
+    """One quantized weight's figures for the report: the format's own ``layer_stats(weight, tensors)`` where it
+    has one, else the weight SQNR (dB) under the emulated cast its ``weight_cast`` names (a spec of
+    :mod:`converters.calibration.emulation`; the per-tensor and NVFP4 global scales from ``weight_amax`` where the
+    format shares it across a fused group), else nothing."""
+    own = getattr(fmt, "layer_stats", None)
+    if own is not None:
+        return own(weight, tensors)
+    spec = getattr(fmt, "weight_cast", None)
+    if spec is None:
+        return {}
+    w = weight.float().reshape(weight.shape[0], -1)
+    amax = torch.tensor(weight_amax, dtype=torch.float32) if weight_amax is not None else w.abs().amax()
+    noise = (w - fake_quantize(w, cast_spec(spec), tensor_amax=amax)).square().sum()
+    value = db(float(w.square().sum()), float(noise))
+    return {"weight_sqnr_db": None if value is None else round(value, 2), "emulated_cast": spec}
+
+
 def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: Path, weight_files: list[Path],
                              directory: Path, scale_dtype: torch.dtype, confinement: FileConfinement,
                              check_stop: Callable[[], None] | None = None) -> list[str]:
@@ -335,13 +361,15 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
                     writer.write(name, tensor)
                 else:
                     # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
-                    extra = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
-                    replacement = fmt.quantize(read_tensor(tensor), plan.input_amax.get(path_of[name]), scale_dtype,
-                                               **extra)
+                    weight = read_tensor(tensor)
+                    options = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
+                    replacement = fmt.quantize(weight, plan.input_amax.get(path_of[name]), scale_dtype, **options)
                     for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
                         writer.write(key, value)
-                for extra, value in added_after.get(name, {}).items():
-                    writer.write(extra, value)
+                    label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
+                    plan.layer_stats[label] = layer_stats(fmt, weight, replacement, options.get("weight_amax"))
+                for added, value in added_after.get(name, {}).items():
+                    writer.write(added, value)
         weight_map.update({name: source.name for name in entries})
         total += sum(writer.planned[name].nbytes for name in entries)
     written = [source.name for source in weight_files]

@@ -201,7 +201,7 @@ def test_unknown_or_repeated_formats_name_the_field():
     assert info.value.field == "serving_formats[1]"
     with pytest.raises(Fp8ForgeError, match="twice"):
         ConversionRequest(model="org/name", serving_formats=(STATIC, STATIC))
-    assert sorted(SERVING_FORMATS) == [STATIC, DYNAMIC, BLOCK]
+    assert {STATIC, DYNAMIC, BLOCK} <= set(SERVING_FORMATS)
 
 
 def test_a_format_with_nothing_to_quantize_fails_before_calibration(llama_dir, tmp_path, capsys):
