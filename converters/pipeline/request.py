@@ -58,7 +58,7 @@ SHARD_BYTES = (65536, 2**40)
 #: ``kv_cache`` values: the KV-cache dtype whose scales a serving export carries (converters.serving.kv_scales).
 KV_CACHE_DTYPES = ("fp8",)
 #: The serving formats that write KV-cache scales (``supports_kv_cache`` in the registry; tests keep the two equal).
-KV_CACHE_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic")
+KV_CACHE_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8", "modelopt-nvfp4")
 #: Names in ``converters.serving.SERVING_FORMATS`` (that registry imports torch; tests keep the two equal).
 SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0",
                         "mxfp8", "nvfp4", "nvfp4-a16", "modelopt-fp8", "modelopt-nvfp4")

@@ -1,18 +1,33 @@
 """FP8 KV-cache scales in a serving checkpoint, from the amax the job's calibration recorded.
 
-Names: ``<attention module's on-disk prefix>.k_scale`` and ``.v_scale`` (``model.layers.0.self_attn.k_scale``),
-the names compressed-tensors gives the parameters it registers on the attention module
-(``initialize_attn_qparams``, 0.20.1) and so the names llm-compressor saves. vLLM maps them onto its
-``Attention`` layer (``maybe_remap_kv_scale_name``: ``.k_scale`` -> ``.attn.k_scale``,
+Two conventions (:class:`KvScaleConvention`), chosen by the serving format (its ``kv_scale_convention``):
+
+``COMPRESSED_TENSORS_KV`` (the default): ``<attention module's on-disk prefix>.k_scale`` and ``.v_scale``
+(``model.layers.0.self_attn.k_scale``), the names compressed-tensors gives the parameters it registers on the
+attention module (``initialize_attn_qparams``, 0.20.1) and so the names llm-compressor saves. Values
+``amax / 448`` per tensor, shape ``[1]``, in the model's dtype, computed in that dtype (a zero scale becomes the
+dtype's eps): compressed-tensors' ``strategy: "tensor"`` arithmetic, as for the weight and input scales of
+:mod:`converters.serving.compressed_tensors`.
+
+``MODELOPT_KV``: ``<prefix>.k_proj.k_scale`` and ``<prefix>.v_proj.v_scale``, float32, shape ``[]``, value
+``float32(amax) / 448`` with no clamp: what ``export_hf_checkpoint`` of nvidia-modelopt 0.47.0 writes
+(``modelopt/torch/export/quant_utils.py`` ``_KV_CACHE_REPLACEMENTS`` / ``postprocess_state_dict``: the
+``k_bmm_quantizer._amax`` buffer, a 0-dim float32, ``.float() / 448``; run on a tiny Llama with
+``FP8_KV_CFG``: ``k_scale`` = ``k_bmm_quantizer.amax / 448`` exactly, shape ``[]``). Older releases clamped FP8 KV
+scales to at least 1.0 in this path (``value.clamp_(min=1.0)`` at TensorRT-Model-Optimizer 5a4242f); ModelOpt
+PR #1012 removed that clamp from the HF export (it remains in the Megatron and TensorRT-LLM exporters,
+``get_kv_cache_scaling_factor``), so it is not applied here. A zero amax gives 1 (the rule of
+:mod:`converters.serving.modelopt`'s other scales) where ModelOpt would write 0.
+
+vLLM maps both naming schemes onto its ``Attention`` layer (``maybe_remap_kv_scale_name``: ``.k_scale`` ->
+``.attn.k_scale``; its ``modelopt_scale_names`` ``.self_attn.k_proj.k_scale`` -> ``.self_attn.attn.k_scale``;
 ``vllm/model_executor/model_loader/weight_utils.py`` @ 0a1ee72ed53f07ca8e57e5e82fdbd89734b39026); SGLang's
 loaders use the same remapping.
 
-Values: ``amax / 448`` per tensor, shape ``[1]``, in the model's dtype, computed in that dtype (a zero scale
-becomes the dtype's eps): compressed-tensors' ``strategy: "tensor"`` arithmetic, as for the weight and input scales
-of :mod:`converters.serving.compressed_tensors`. Per KV head (compressed-tensors' ``attn_head``, shape
-``[kv_heads, 1, 1]``) is not written: vLLM's ``BaseKVCacheMethod`` refuses any scale that is not one number
-("Only support per-tensor scaling factor for fp8 KV cache"), so such a checkpoint would not load there. The
-per-head amax is in the report, for a reader who wants to see how uneven the heads are.
+Per KV head (compressed-tensors' ``attn_head``, shape ``[kv_heads, 1, 1]``) is not written: vLLM's
+``BaseKVCacheMethod`` refuses any scale that is not one number ("Only support per-tensor scaling factor for fp8
+KV cache"), so such a checkpoint would not load there. The per-head amax is in the report, for a reader who wants
+to see how uneven the heads are.
 
 Each pair is written right after the last tensor of its attention module in that tensor's file
 (``ServingPlan.extra_tensors``), so the index stays consistent whatever the sharding.
@@ -21,6 +36,7 @@ Each pair is written right after the last tensor of its attention module in that
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,9 +46,34 @@ from converters.calibration.scaling import E4M3_MAX
 from converters.errors import ConversionError
 from converters.serving.plan import ServingPlan
 
-__all__ = ["KV_CACHE_FP8", "kv_scale", "attach_kv_scales"]
+__all__ = ["COMPRESSED_TENSORS_KV", "KV_CACHE_FP8", "MODELOPT_KV", "KvScaleConvention", "attach_kv_scales",
+           "kv_scale"]
 
 KV_CACHE_FP8 = "fp8"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvScaleConvention:
+    """How one checkpoint family names, shapes and computes its per-tensor FP8 KV-cache scales."""
+
+    name: str
+    key_suffix: str  #: appended to the attention module's on-disk prefix for the key scale
+    value_suffix: str  #: the same for the value scale
+    shape: tuple[int, ...]  #: ``(1,)`` or ``()``
+    float32: bool  #: computed and stored in float32; False: in the model's dtype
+
+    def scale(self, amax: float, dtype: torch.dtype) -> torch.Tensor:
+        """``amax / 448`` by this convention's arithmetic (see the module docstring)."""
+        if not self.float32:
+            return kv_scale(amax, dtype).reshape(self.shape)
+        scale = torch.tensor(amax, dtype=torch.float32) / E4M3_MAX
+        return torch.where(scale == 0, torch.ones(()), scale).reshape(self.shape)
+
+
+COMPRESSED_TENSORS_KV = KvScaleConvention(name="compressed-tensors", key_suffix=".k_scale", value_suffix=".v_scale",
+                                          shape=(1,), float32=False)
+MODELOPT_KV = KvScaleConvention(name="modelopt", key_suffix=".k_proj.k_scale", value_suffix=".v_proj.v_scale",
+                                shape=(), float32=True)
 
 
 def kv_scale(amax: float, dtype: torch.dtype) -> torch.Tensor:
@@ -62,23 +103,34 @@ def _disk_prefix(path: str, target_of: Mapping[str, str]) -> tuple[str, str]:
     return prefix, anchor
 
 
-def attach_kv_scales(plan: ServingPlan, amax: Mapping[str, KvAmax], target_of: Mapping[str, str],
-                     dtype: torch.dtype) -> dict[str, Any]:
-    """Add every attention layer's ``k_scale``/``v_scale`` to ``plan.extra_tensors`` and set ``plan.kv_cache``.
+def _convention_of(format_name: str) -> KvScaleConvention:
+    # imported here: the format modules import this one, and the registry imports them
+    from converters.serving import SERVING_FORMATS
 
-    ``amax`` is :meth:`KvCacheRecorder.results` (attention module path -> amax); ``dtype`` the model's.
-    Returns the report block: the scheme, and per on-disk attention prefix its module path, the key and value
-    amax (per tensor and per KV head) and the scales written. Raises ConversionError (see :func:`_disk_prefix`).
+    return getattr(SERVING_FORMATS.get(format_name), "kv_scale_convention", COMPRESSED_TENSORS_KV)
+
+
+def attach_kv_scales(plan: ServingPlan, amax: Mapping[str, KvAmax], target_of: Mapping[str, str],
+                     dtype: torch.dtype, *, convention: KvScaleConvention | None = None) -> dict[str, Any]:
+    """Add every attention layer's key and value scale to ``plan.extra_tensors`` and set ``plan.kv_cache``.
+
+    ``amax`` is :meth:`KvCacheRecorder.results` (attention module path -> amax); ``dtype`` the model's;
+    ``convention`` the names and arithmetic (default: the ``kv_scale_convention`` of the format ``plan.format``
+    names, else :data:`COMPRESSED_TENSORS_KV`). Returns the report block: the scheme, and per on-disk attention
+    prefix its module path, the key and value amax (per tensor and per KV head) and the scales written.
+    Raises ConversionError (see :func:`_disk_prefix`).
     """
+    convention = convention or _convention_of(plan.format)
     layers: dict[str, Any] = {}
     for path, layer in amax.items():
         prefix, anchor = _disk_prefix(path, target_of)
-        k_scale, v_scale = kv_scale(layer.key_amax, dtype), kv_scale(layer.value_amax, dtype)
-        plan.extra_tensors[f"{prefix}.k_scale"] = (anchor, k_scale)
-        plan.extra_tensors[f"{prefix}.v_scale"] = (anchor, v_scale)
+        k_scale, v_scale = convention.scale(layer.key_amax, dtype), convention.scale(layer.value_amax, dtype)
+        plan.extra_tensors[f"{prefix}{convention.key_suffix}"] = (anchor, k_scale)
+        plan.extra_tensors[f"{prefix}{convention.value_suffix}"] = (anchor, v_scale)
         layers[prefix] = {"module": path, "k_amax": layer.key_amax, "v_amax": layer.value_amax,
                           "k_scale": float(k_scale), "v_scale": float(v_scale),
                           "k_amax_per_head": layer.key.tolist(), "v_amax_per_head": layer.value.tolist()}
     plan.kv_cache = KV_CACHE_FP8
-    return {"dtype": "float8_e4m3fn", "strategy": "tensor", "scale_dtype": str(dtype).removeprefix("torch."),
-            "layers": layers}
+    scale_dtype = torch.float32 if convention.float32 else dtype
+    return {"dtype": "float8_e4m3fn", "strategy": "tensor", "scale_dtype": str(scale_dtype).removeprefix("torch."),
+            "convention": convention.name, "layers": layers}

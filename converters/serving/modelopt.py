@@ -8,16 +8,18 @@ Read from TensorRT-Model-Optimizer at commit 5a4242faf4147fb0688bb73e10ca30b8ad3
 ``ModelOptFp8LinearMethod``, ``ModelOptNvFp4LinearMethod``, ``is_layer_excluded``).
 
 Files: ``hf_quant_config.json`` ``{"producer": {"name": "modelopt", "version": ...}, "quantization":
-{"quant_algo": "FP8"|"NVFP4", "kv_cache_quant_algo": null, ["group_size": 16,] "exclude_modules": [...]}}``
+{"quant_algo": "FP8"|"NVFP4", "kv_cache_quant_algo": null|"FP8", ["group_size": 16,] "exclude_modules": [...]}}``
 (the file vLLM's ``get_config_filenames`` names), and config.json's ``quantization_config`` as
 ``convert_hf_quant_config_format`` derives it (``quant_method: "modelopt"``, ``config_groups``, ``ignore``,
-``quant_algo``, ``producer``). ``exclude_modules`` lists the Linears kept in high precision, the MoE routers and
-``<prefix>*`` for each experts module kept in high precision (vLLM matches exact names, substrings and
-``fnmatch`` wildcards).
+``quant_algo``, ``producer``; with an FP8 KV cache ``kv_cache_scheme: {"dynamic": false, "num_bits": 8, "type":
+"float"}`` after ``quant_algo``, and no ``kv_cache_quant_algo`` key). ``exclude_modules`` lists the Linears kept
+in high precision, the MoE routers and ``<prefix>*`` for each experts module kept in high precision (vLLM matches
+exact names, substrings and ``fnmatch`` wildcards).
 
-Per quantized Linear (per-tensor scales float32 of shape ``[1]``: ModelOpt writes them ``squeeze()``-d, shape
-``[]``, which this project's streaming writer cannot write yet; vLLM's ``PerTensorScaleParameter`` loader takes
-either, as it does for compressed-tensors' ``[1]`` scales):
+Per quantized Linear (per-tensor scales float32 of shape ``[]``, as ModelOpt writes them (``squeeze()``-d;
+read back from nvidia-modelopt 0.47.0's own export of a tiny Llama: ``weight_scale`` (FP8), ``weight_scale_2``,
+``input_scale``, ``k_scale``, ``v_scale`` all ``[]``); vLLM's ``PerTensorScaleParameter`` loader takes ``[]`` or
+``[1]``):
 
 - ``modelopt-fp8``: ``weight`` F8_E4M3 ``[out, in]``, ``weight_scale = amax(|w|) / 448`` (ModelOpt divides
   the Python float), ``input_scale = input_amax / 448``; the weight is ``(w / weight_scale)`` in the model's
@@ -32,6 +34,11 @@ either, as it does for compressed-tensors' ``[1]`` scales):
 Eligibility: per-tensor FP8 takes every shape the analysis passes; NVFP4 needs ``in_features % 16 == 0``
 (vLLM's ``ModelOptNvFp4LinearMethod`` refuses other shapes), reason ``in_features_not_divisible_by_16_for_nvfp4``.
 A zero amax (an all-zero weight, a layer that saw no token) gives scale 1 rather than ModelOpt's assertion.
+
+FP8 KV cache (``plan.kv_cache == "fp8"``, both algorithms): ``kv_cache_quant_algo: "FP8"`` and per attention
+layer ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale`` = ``amax / 448`` in float32, shape ``[]``, unclamped
+(:data:`converters.serving.kv_scales.MODELOPT_KV`, whose docstring gives the sources). ModelOpt writes the same
+KV scales for NVFP4 weights (its KV bound is 448 for every KV format since PR #790).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch
 
 from converters.calibration.emulation import E2M1_MAX, E4M3_MAX, round_to_e2m1
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.serving.kv_scales import MODELOPT_KV
 from converters.serving.nvfp4 import GROUP, nvfp4_rule, pack_e2m1
 from converters.serving.plan import ServingPlan
 
@@ -50,12 +58,16 @@ __all__ = ["MODELOPT_FP8", "MODELOPT_NVFP4", "MODELOPT_VERSION", "ModelOpt", "hf
 #: The ModelOpt release whose export layout this follows (and whose reader was run against it).
 MODELOPT_VERSION = "0.47.0"
 HF_QUANT_CONFIG = "hf_quant_config.json"
+#: ``plan.kv_cache`` -> ModelOpt's ``kv_cache_quant_algo`` (``KV_CACHE_FP8`` in modelopt/torch/export/model_config.py)
+KV_CACHE_QUANT_ALGO = {"fp8": "FP8"}
+#: convert_hf_quant_config_format's ``kv_cache_scheme`` for ``kv_cache_quant_algo: "FP8"``
+FP8_KV_CACHE_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 
 
 def _scalar(value: torch.Tensor) -> torch.Tensor:
-    """A float32 per-tensor scale of shape ``[1]``; a zero scale (zero amax) becomes 1."""
-    value = value.to(torch.float32).reshape(1)
-    return torch.where(value == 0, torch.ones(1), value)
+    """A float32 per-tensor scale of shape ``[]``; a zero scale (zero amax) becomes 1."""
+    value = value.to(torch.float32).reshape(())
+    return torch.where(value == 0, torch.ones(()), value)
 
 
 def _exclude_modules(plan: ServingPlan) -> list[str]:
@@ -67,7 +79,8 @@ def _exclude_modules(plan: ServingPlan) -> list[str]:
 
 def hf_quant_config(quant_algo: str, plan: ServingPlan) -> dict[str, Any]:
     """The content of ``hf_quant_config.json`` (ModelOpt's ``get_quant_config`` key order)."""
-    quantization: dict[str, Any] = {"quant_algo": quant_algo, "kv_cache_quant_algo": None}
+    kv_cache_quant_algo = KV_CACHE_QUANT_ALGO[plan.kv_cache] if plan.kv_cache else None
+    quantization: dict[str, Any] = {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo}
     if quant_algo == "NVFP4":
         quantization["group_size"] = GROUP
     quantization["exclude_modules"] = _exclude_modules(plan)
@@ -78,6 +91,8 @@ class ModelOpt:
     """One ModelOpt unified-checkpoint algorithm (see the module docstring)."""
 
     needs_calibration = True
+    supports_kv_cache = True  #: writes ``kv_cache_quant_algo`` and the scales of ``plan.extra_tensors``
+    kv_scale_convention = MODELOPT_KV
 
     def __init__(self, *, name: str, quant_algo: str) -> None:
         self.name = name
@@ -93,12 +108,12 @@ class ModelOpt:
         rows, columns = weight.shape
         if not self.nvfp4:
             return {weight_key: StreamingWriter.entry(torch.float8_e4m3fn, weight.shape),
-                    f"{prefix}weight_scale": StreamingWriter.entry(torch.float32, (1,)),
-                    f"{prefix}input_scale": StreamingWriter.entry(torch.float32, (1,))}
+                    f"{prefix}weight_scale": StreamingWriter.entry(torch.float32, ()),
+                    f"{prefix}input_scale": StreamingWriter.entry(torch.float32, ())}
         return {weight_key: StreamingWriter.entry(torch.uint8, (rows, columns // 2)),
                 f"{prefix}weight_scale": StreamingWriter.entry(torch.float8_e4m3fn, (rows, columns // GROUP)),
-                f"{prefix}weight_scale_2": StreamingWriter.entry(torch.float32, (1,)),
-                f"{prefix}input_scale": StreamingWriter.entry(torch.float32, (1,))}
+                f"{prefix}weight_scale_2": StreamingWriter.entry(torch.float32, ()),
+                f"{prefix}input_scale": StreamingWriter.entry(torch.float32, ())}
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype,
                  weight_amax: float | None = None) -> list[torch.Tensor]:
@@ -106,8 +121,8 @@ class ModelOpt:
         input_amax_t = torch.tensor(float(input_amax or 0.0), dtype=torch.float32)
         if not self.nvfp4:
             scale = _scalar(torch.tensor(float(weight.float().abs().amax()) / E4M3_MAX))
-            # a 0-dim scale, as ModelOpt divides: the quotient stays in the model's dtype before the E4M3 cast
-            quantized = (weight / scale.reshape(())).to(torch.float8_e4m3fn)
+            # a 0-dim fp32 scale, as ModelOpt divides: the quotient stays in the model's dtype before the E4M3 cast
+            quantized = (weight / scale).to(torch.float8_e4m3fn)
             return [quantized, scale, _scalar(input_amax_t / E4M3_MAX)]
         if weight_amax is None:
             raise ValueError(f"{self.name} quantizes with the fused group's weight amax; none was given")
@@ -120,9 +135,11 @@ class ModelOpt:
         args: dict[str, Any] = {"dynamic": False, "num_bits": 4 if self.nvfp4 else 8, "type": "float"}
         if self.nvfp4:
             args["group_size"] = GROUP
+        kv_cache = {"kv_cache_scheme": dict(FP8_KV_CACHE_SCHEME)} if config["quantization"]["kv_cache_quant_algo"] \
+            else {}
         return {"config_groups": {"group_0": {"input_activations": dict(args), "weights": dict(args),
                                               "targets": ["Linear"]}},
-                "ignore": config["quantization"]["exclude_modules"], "quant_algo": self.quant_algo,
+                "ignore": config["quantization"]["exclude_modules"], "quant_algo": self.quant_algo, **kv_cache,
                 "producer": config["producer"], "quant_method": "modelopt"}
 
     def side_files(self, plan: ServingPlan) -> dict[str, Any]:
@@ -136,7 +153,7 @@ def _quantize_nvfp4(weight: torch.Tensor, weight_amax: float) -> tuple[torch.Ten
     blocks = weight.unflatten(-1, (columns // GROUP, GROUP))
     block_scale = blocks.abs().amax(dim=-1).float() / (E2M1_MAX * scale_2)
     block_scale = torch.where(block_scale == 0, torch.ones(()), block_scale).to(torch.float8_e4m3fn)
-    scaled = (blocks / (block_scale.float() * scale_2.reshape(())).unsqueeze(-1)).reshape(rows, columns)
+    scaled = (blocks / (block_scale.float() * scale_2).unsqueeze(-1)).reshape(rows, columns)
     return pack_e2m1(round_to_e2m1(scaled), scaled < 0), block_scale, scale_2
 
 

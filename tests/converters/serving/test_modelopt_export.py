@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +18,20 @@ from converters.pipeline.driver import run_conversion
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.serving import plan_serving
 from converters.serving.modelopt import MODELOPT_FP8, MODELOPT_NVFP4
+from tests.converters.calibration.test_kv_cache_scales import CALIBRATION as KV_CALIBRATION
+from tests.converters.calibration.test_kv_cache_scales import _batches, independent_amax
+from tests.models import save_tiny_model
 
 FP8, NVFP4 = "modelopt-fp8", "modelopt-nvfp4"
 CALIBRATION = CalibrationSettings(steps=3, seq_len=32)
 QKV = [f"model.layers.1.self_attn.{name}_proj" for name in "qkv"]
 GATE_UP = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+#: the names vLLM's maybe_remap_kv_scale_name lists as ModelOpt's (``modelopt_scale_names``)
+MODELOPT_KV_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_proj\.([kv])_scale$")
+#: nvidia-modelopt 0.47.0 in a separate environment (its torch differs from this project's); tests that run
+#: ModelOpt's own code skip without it
+MODELOPT_PYTHON = Path("/tmp/modelopt-venv/bin/python")
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +106,12 @@ def test_tensor_names_dtypes_and_shapes_are_what_vllm_creates(llama_dir, llama_o
         for path in report["quantized"]:
             rows, columns = source.get_tensor(f"{path}.weight").shape
             # ModelOptFp8LinearMethod / ModelOptNvFp4LinearMethod.create_weights; per-tensor scales take [] or [1]
-            expected = {"weight": (torch.float8_e4m3fn, (rows, columns)), "weight_scale": (torch.float32, (1,)),
-                        "input_scale": (torch.float32, (1,))} if name == FP8 else \
+            # per-tensor scales [] as ModelOpt 0.47.0's export writes them (vLLM also takes [1])
+            expected = {"weight": (torch.float8_e4m3fn, (rows, columns)), "weight_scale": (torch.float32, ()),
+                        "input_scale": (torch.float32, ())} if name == FP8 else \
                 {"weight": (torch.uint8, (rows, columns // 2)),
                  "weight_scale": (torch.float8_e4m3fn, (rows, columns // 16)),
-                 "weight_scale_2": (torch.float32, (1,)), "input_scale": (torch.float32, (1,))}
+                 "weight_scale_2": (torch.float32, ()), "input_scale": (torch.float32, ())}
             for suffix, (dtype, shape) in expected.items():
                 tensor = served.get_tensor(f"{path}.{suffix}")
                 assert (tensor.dtype, tuple(tensor.shape)) == (dtype, shape), f"{path}.{suffix}"
@@ -149,3 +161,86 @@ def test_a_layer_nvfp4_cannot_store_is_refused_with_its_reason(llama_out):
     assert nvfp4.skipped["model.layers.1.mlp.gate_proj"] == "in_features_not_divisible_by_16_for_nvfp4"
     assert nvfp4.skipped["model.layers.1.mlp.up_proj"] == "fused_group_not_fully_eligible:model.layers.1.mlp.gate_up"
     assert "model.layers.1.mlp.gate_proj" in plan_serving(MODELOPT_FP8, report, lambda name: name).quantized
+
+
+@pytest.fixture(scope="module")
+def kv_root(tmp_path_factory):
+    """A tiny GQA llama (4 query heads, 2 KV heads) converted once to both ModelOpt formats with kv_cache fp8."""
+    root = tmp_path_factory.mktemp("modelopt-kv")
+    save_tiny_model("llama", root / "llama")
+    request = ConversionRequest(model=str(root / "llama"), recipe={"backend": "ao"}, calibration=KV_CALIBRATION,
+                                serving_formats=(FP8, NVFP4), kv_cache="fp8")
+    run_conversion(request, root / "out", ModelSourceOptions(allowed_roots=(root,)))
+    return root
+
+
+def _tensors(directory):
+    tensors = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
+    return tensors
+
+
+@pytest.mark.parametrize("name", [FP8, NVFP4])
+def test_kv_scales_have_modelopt_names_and_amax_over_448_in_float32(kv_root, name):
+    sources = ModelSourceOptions(allowed_roots=(kv_root,))
+    model = load_model(kv_root / "llama", sources)
+    expected = independent_amax(model, _batches(kv_root / "llama", model))  # hooks and RoPE written out, no recorder
+    layers = model.config.num_hidden_layers
+    assert sorted(expected) == [f"model.layers.{i}.self_attn" for i in range(layers)]
+
+    tensors = _tensors(kv_root / "out" / "serving" / name)
+    scales = {key: value for key, value in tensors.items() if key.endswith(("k_scale", "v_scale"))}
+    assert sorted(scales) == sorted(f"model.layers.{i}.self_attn.{kv}_proj.{kv}_scale"
+                                    for i in range(layers) for kv in "kv")
+    for key, value in scales.items():
+        index, kv, same = MODELOPT_KV_NAME.match(key).groups()
+        assert kv == same
+        amax = expected[f"model.layers.{index}.self_attn"][0 if kv == "k" else 1].max()
+        # ModelOpt 0.47.0 postprocess_state_dict: k_bmm_quantizer._amax (fp32, 0-dim) .float() / 448, no clamp
+        want = amax.float().reshape(()) / 448
+        assert (value.dtype, tuple(value.shape)) == (torch.float32, ())
+        assert torch.equal(value, want), (key, value, want)  # bit for bit
+        assert 0 < value.item() < 1  # unclamped: this model's amax is far below 448
+    assert not any(key.endswith(("self_attn.k_scale", "self_attn.v_scale")) for key in tensors)
+
+    report = json.loads((kv_root / "out" / "fp8_report.json").read_text())["serving"][name]["kv_cache"]
+    assert report["convention"] == "modelopt" and report["scale_dtype"] == "float32"
+
+
+@pytest.mark.parametrize(("name", "algo"), [(FP8, "FP8"), (NVFP4, "NVFP4")])
+def test_kv_cache_quant_algo_is_declared_as_modelopt_writes_it(kv_root, name, algo):
+    directory = kv_root / "out" / "serving" / name
+    hf = json.loads((directory / "hf_quant_config.json").read_text())["quantization"]
+    assert hf["quant_algo"] == algo and hf["kv_cache_quant_algo"] == "FP8"
+    assert list(hf)[:2] == ["quant_algo", "kv_cache_quant_algo"]
+    config = json.loads((directory / "config.json").read_text())["quantization_config"]
+    # convert_hf_quant_config_format turns kv_cache_quant_algo "FP8" into kv_cache_scheme, right after quant_algo
+    assert config["kv_cache_scheme"] == {"dynamic": False, "num_bits": 8, "type": "float"}
+    assert list(config) == ["config_groups", "ignore", "quant_algo", "kv_cache_scheme", "producer", "quant_method"]
+    assert "kv_cache_quant_algo" not in config
+    # every per-tensor scale is 0-dim, as ModelOpt writes it
+    for key, value in _tensors(directory).items():
+        if key.endswith(("input_scale", "weight_scale_2", "k_scale", "v_scale")) or (
+                key.endswith("weight_scale") and name == FP8):
+            assert tuple(value.shape) == () and value.dtype == torch.float32, key
+
+
+@pytest.mark.skipif(not MODELOPT_PYTHON.exists(), reason=f"nvidia-modelopt 0.47.0 not installed at {MODELOPT_PYTHON}")
+@pytest.mark.parametrize("name", [FP8, NVFP4])
+def test_modelopt_derives_our_config_json_from_our_hf_quant_config(kv_root, llama_out, name):
+    """ModelOpt's own convert_hf_quant_config_format, run on our hf_quant_config.json, gives our config.json block."""
+    script = ("import json, sys\n"
+              "from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format\n"
+              "for directory in sys.argv[1:]:\n"
+              "    with open(directory + '/hf_quant_config.json') as f:\n"
+              "        print(json.dumps(convert_hf_quant_config_format(json.load(f))))\n")
+    directories = [kv_root / "out" / "serving" / name, llama_out / "serving" / name]  # with and without KV
+    done = subprocess.run([str(MODELOPT_PYTHON), "-c", script, *map(str, directories)], capture_output=True,
+                          text=True, timeout=600, check=True)
+    converted = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(converted) == 2
+    for directory, theirs in zip(directories, converted, strict=True):
+        ours = json.loads((directory / "config.json").read_text())["quantization_config"]
+        assert ours == theirs and list(ours) == list(theirs), directory
