@@ -35,8 +35,8 @@ from converters.calibration.sequential import (
     calibrate_layer_by_layer,
     choose_mode,
 )
-from converters.errors import CalibrationDataError, ConversionError, RequestError
-from converters.model.checkpoint import Checkpoint, weight_files
+from converters.errors import CalibrationDataError, RequestError
+from converters.model.checkpoint import Checkpoint
 from converters.model.experts import parse_unit_path
 from converters.model.sources import (
     build_meta_model,
@@ -47,16 +47,8 @@ from converters.model.sources import (
     model_dtype,
     resolve_model_dir,
 )
+from converters.pipeline.serving_export import plan_serving_formats, write_serving_exports
 from converters.pipeline.state import ResolvedModel, Run, Stage
-from converters.serving import serving_format
-from converters.serving.kv_scales import attach_kv_scales
-from converters.serving.plan import (
-    ServingPlan,
-    expert_disk_keys,
-    plan_serving,
-    set_input_amax,
-    write_serving_checkpoint,
-)
 
 __all__ = ["STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
 
@@ -126,7 +118,7 @@ def analyze(run: Run) -> dict[str, Any]:
     if report["totals"]["eligible_layers"] + report["totals"]["expert_units"] == 0:
         _nothing_eligible(run, report)
     _warn_partly_fp8_groups(run, report)
-    run.serving = _plan_serving(run, report)
+    run.serving = plan_serving_formats(run, report)
     run.sink.progress(1, 1)
     return report
 
@@ -166,23 +158,6 @@ def _warn_partly_fp8_groups(run: Run, report: dict[str, Any], after: str = "", t
             run.warn(f"fused group {group['name']} is only partly FP8{after} ({', '.join(left)} not eligible): the "
                      "serving exports keep the whole group in high precision, since engines run it as one GEMM "
                      "(their report's skipped list says so); the training artifact converts its eligible members")
-
-
-def _plan_serving(run: Run, report: dict[str, Any]) -> dict[str, ServingPlan]:
-    """What each requested serving format quantizes; a format with nothing to quantize is bad input."""
-    plans: dict[str, ServingPlan] = {}
-    if not run.request.serving_formats:
-        return plans
-    expert_keys = expert_disk_keys(run.resolved.checkpoint.mapping, run.resolved.checkpoint.target_of, report)
-    for index, name in enumerate(run.request.serving_formats):
-        plan = plan_serving(serving_format(name), report, run.resolved.checkpoint.on_disk_name, expert_keys)
-        if not plan.quantized and not plan.experts:
-            raise ConversionError(
-                f"serving format {name} would quantize no layer (fused groups must be eligible as a whole; see the "
-                "analysis): adjust include/exclude or skip_first_last, or drop the format",
-                field=f"serving_formats[{index}]")
-        plans[name] = plan
-    return plans
 
 
 def convert(run: Run) -> Converted:
@@ -268,7 +243,7 @@ def _apply_sensitivity(run: Run, meter: Any, label: str, amax: dict[str, Any]) -
              f"min_sqnr_db {threshold:g} dB: {shown}")
     _warn_partly_fp8_groups(run, run.report, after=" after low_sqnr", touching=set(excluded))
     if run.serving:
-        run.serving = _plan_serving(run, run.report)
+        run.serving = plan_serving_formats(run, run.report)
     dropped = set(excluded)
     return {path: layer for path, layer in amax.items() if path not in dropped}
 
@@ -392,7 +367,7 @@ def export(run: Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     written += writers.write_state_file(run, staging)
     written += writers.write_calibration_file(run, staging)
     written += copy_side_files(run.resolved.directory, staging, confinement_for(run.sources))
-    written += _write_serving(run, staging)
+    written += write_serving_exports(run, staging)
     # the report is written here, so export's time stops before it: every weight, state and serving file is in
     # it; the two JSON files and the manifest's checksums (read back from disk) come after
     run.stage_seconds["export"] = round(time.perf_counter() - run.export_started, 3)
@@ -402,35 +377,6 @@ def export(run: Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     manifest = write_manifest(staging)
     run.sink.progress(3, 3)
     return sorted({*written, "manifest.json"}), manifest
-
-
-def _write_serving(run: Run, staging: Path) -> list[str]:
-    """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran."""
-    written = []
-    for name, plan in run.serving.items():
-        starved = set_input_amax(plan, run.report, run.calibration.amax)
-        if starved:
-            run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
-                     "is the largest of the same GEMM's other experts in that layer")
-        _attach_kv_cache(run, name, plan)
-        directory = staging / "serving" / name
-        source = run.resolved.directory
-        files = write_serving_checkpoint(serving_format(name), plan, source, weight_files(source), directory,
-                                         model_dtype(run.resolved.config), confinement_for(run.sources),
-                                         check_stop=run.check_stop)
-        written += [f"serving/{name}/{file}" for file in files]
-    return written
-
-
-def _attach_kv_cache(run: Run, name: str, plan: ServingPlan) -> None:
-    """With ``kv_cache``: each attention layer's k_scale/v_scale into the plan of a format that writes them."""
-    if not run.request.kv_cache or plan.kv_cache:
-        return
-    if not getattr(serving_format(name), "supports_kv_cache", False):
-        run.warn(f"{name} carries no KV-cache scales (kv_cache applies to the formats that declare them)")
-        return
-    attach_kv_scales(plan, run.calibration.kv_amax, run.resolved.checkpoint.target_of,
-                     model_dtype(run.resolved.config))
 
 
 #: The stages before export, in order, each with the function that runs it and the Run field its record goes to

@@ -12,7 +12,7 @@ from converters.artifact.layout import REPORT_FILE
 from converters.errors import Fp8ForgeError, RecipeError
 from converters.pipeline.request import ConversionRequest
 from service.cli.args import calibration_from_args, recipe_file
-from service.cli.render import BarSink, format_worst_layers
+from service.cli.render import BarSink, format_serving_exports, format_worst_layers
 
 __all__ = ["run_convert_command", "request_from_args"]
 
@@ -84,7 +84,10 @@ def run_convert_command(args: argparse.Namespace, sources) -> int:
     print(f"mode: {result.pipeline['mode'].replace('_', '-')} ({result.pipeline['reason']})")
     print(f"wrote {len(result.manifest) + 1} files ({human_bytes(total)}) to {result.out_dir}")
     print(f"report: {result.report_path}")
-    print(format_worst_layers(json.loads(result.report_path.read_text(encoding="utf-8"))["analysis"]))
+    report = json.loads(result.report_path.read_text(encoding="utf-8"))
+    print(format_worst_layers(report["analysis"]))
+    if report.get("serving"):
+        print(format_serving_exports(report))
     if sink.warnings:
         print(f"{len(sink.warnings)} warning(s); see {REPORT_FILE}")
     return 0

@@ -9,7 +9,8 @@ from typing import Any
 
 from service.cli.wording import in_cli_words
 
-__all__ = ["BarSink", "METRICS", "DEFAULT_WIDTH", "format_comparison", "format_sqnr_layers", "format_worst_layers"]
+__all__ = ["BarSink", "METRICS", "DEFAULT_WIDTH", "format_comparison", "format_serving_exports", "format_sqnr_layers",
+           "format_worst_layers"]
 
 METRICS = ("output", "input", "weight")
 #: what the comparison tables fit into unless --width says otherwise (a terminal's 80 leaves too few recipes)
@@ -166,4 +167,22 @@ def format_worst_layers(report: dict[str, Any], count: int = 5) -> str:
         lines.append(f"kept in high precision (output SQNR below {sensitivity['min_sqnr_db']:g} dB): "
                      f"{len(sensitivity['excluded'])} layer(s)" + (
                          f": {', '.join(sensitivity['excluded'])}" if sensitivity["excluded"] else ""))
+    return "\n".join(lines)
+
+
+def format_serving_exports(report: dict[str, Any]) -> str:
+    """One line per serving export: layers quantized, lowest weight SQNR, KV-cache scales, load audit."""
+    lines = []
+    for name, block in (report.get("serving") or {}).items():
+        sqnr = [stats["weight_sqnr_db"] for stats in (block.get("layer_stats") or {}).values()
+                if stats.get("weight_sqnr_db") is not None]
+        audit = block.get("load_audit") or {}
+        verdict = "not audited"
+        if audit.get("audited"):
+            verdict = "ok" if audit.get("ok") else f"{len(audit.get('problems', []))} problem(s)"
+        kv = block.get("kv_cache")
+        lines.append(f"serving/{name}: {len(block['quantized'])} layers quantized"
+                     + (f", lowest weight SQNR {min(sqnr):.1f} dB" if sqnr else "")
+                     + (f", KV-cache scales for {len(kv['layers'])} attention layers" if kv else "")
+                     + f", load audit {verdict}")
     return "\n".join(lines)

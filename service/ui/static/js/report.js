@@ -121,9 +121,24 @@
         this.serving = Object.keys(serving).map(function (name) {
           const plan = serving[name];
           const skipped = Object.keys(plan.skipped || {});
+          const stats = plan.layer_stats || {};
+          const sqnr = Object.keys(stats).map(function (path) {
+            return { path: path, db: stats[path].weight_sqnr_db, cost: stats[path].ue8m0_cost_db };
+          }).filter(function (row) { return row.db !== null && row.db !== undefined; })
+            .sort(function (a, b) { return a.db - b.db; });
+          const audit = plan.load_audit;
+          const kv = plan.kv_cache;
           return {
             format: name, quantized: (plan.quantized || []).length,
             skipped: skipped.map(function (path) { return path + ' (' + plan.skipped[path] + ')'; }).join('; ') || '—',
+            sqnr: sqnr.length ? sqnr[0].db.toFixed(1) + ' / ' + sqnr[Math.floor(sqnr.length / 2)].db.toFixed(1) : '—',
+            layers: sqnr.map(function (row) {
+              return row.path + ': ' + row.db.toFixed(2) + ' dB' +
+                (row.cost !== undefined ? ' (UE8M0 costs ' + row.cost.toFixed(2) + ' dB)' : '');
+            }),
+            kv: kv ? Object.keys(kv.layers || {}).length + ' layers' : '—',
+            audit: !audit ? '—' : (!audit.audited ? 'not audited' :
+              (audit.ok ? 'ok (' + audit.tensors_checked + ' tensors)' : audit.problems.length + ' problem(s)')),
           };
         });
         this.layerPaths = rows.map(function (row) { return row.path; });

@@ -1,0 +1,93 @@
+"""The serving exports of a job: planned in analyze (and again when min_sqnr_db drops layers), written in export
+from the calibration the job already ran, each with its KV-cache scales where asked, and each audited against the
+engine's loading rules before the job may succeed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from converters.errors import ConversionError
+from converters.model.checkpoint import weight_files
+from converters.model.sources import confinement_for, model_dtype
+from converters.pipeline.state import Run
+from converters.serving import serving_format
+from converters.serving.audit import audit_export
+from converters.serving.kv_scales import attach_kv_scales
+from converters.serving.plan import (
+    ServingPlan,
+    expert_disk_keys,
+    plan_serving,
+    set_input_amax,
+    write_serving_checkpoint,
+)
+
+__all__ = ["plan_serving_formats", "write_serving_exports"]
+
+
+def plan_serving_formats(run: Run, report: dict[str, Any]) -> dict[str, ServingPlan]:
+    """What each requested serving format quantizes; a format with nothing to quantize is bad input."""
+    plans: dict[str, ServingPlan] = {}
+    if not run.request.serving_formats:
+        return plans
+    expert_keys = expert_disk_keys(run.resolved.checkpoint.mapping, run.resolved.checkpoint.target_of, report)
+    for index, name in enumerate(run.request.serving_formats):
+        plan = plan_serving(serving_format(name), report, run.resolved.checkpoint.on_disk_name, expert_keys)
+        if not plan.quantized and not plan.experts:
+            raise ConversionError(
+                f"serving format {name} would quantize no layer (fused groups must be eligible as a whole; see the "
+                "analysis): adjust include/exclude or skip_first_last, or drop the format",
+                field=f"serving_formats[{index}]")
+        plans[name] = plan
+    return plans
+
+
+def write_serving_exports(run: Run, staging: Path) -> list[str]:
+    """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran."""
+    written = []
+    for name, plan in run.serving.items():
+        starved = set_input_amax(plan, run.report, run.calibration.amax)
+        if starved:
+            run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
+                     "is the largest of the same GEMM's other experts in that layer")
+        _attach_kv_cache(run, name, plan)
+        directory = staging / "serving" / name
+        source = run.resolved.directory
+        files = write_serving_checkpoint(serving_format(name), plan, source, weight_files(source), directory,
+                                         model_dtype(run.resolved.config), confinement_for(run.sources),
+                                         check_stop=run.check_stop)
+        _audit(run, name, plan, directory)
+        written += [f"serving/{name}/{file}" for file in files]
+    return written
+
+
+def _audit(run: Run, name: str, plan: ServingPlan, directory: Path) -> None:
+    """Replay the engine's loading rules on the written export (:mod:`converters.serving.audit`).
+
+    A problem fails the job, naming every tensor the engine would drop or misread: such an export would fail to
+    load or run at the wrong scale. A format the audit has no rules for is said in the report and a warning.
+
+    Raises:
+        ConversionError: the audit found problems (field ``serving_formats``).
+    """
+    result = audit_export(directory)
+    plan.load_audit = result.to_dict()
+    if not result.audited:
+        run.warn(f"{name}: the load audit has no rules for this format ({'; '.join(result.notes)})")
+        return
+    if result.problems:
+        shown = "; ".join(f"{problem.rule.value}: {problem.name}: {problem.message}" for problem in result.problems[:5])
+        more = f" (and {len(result.problems) - 5} more)" if len(result.problems) > 5 else ""
+        raise ConversionError(f"serving format {name}: the export would not load as written in vLLM: {shown}{more}",
+                              field="serving_formats")
+
+
+def _attach_kv_cache(run: Run, name: str, plan: ServingPlan) -> None:
+    """With ``kv_cache``: each attention layer's k_scale/v_scale into the plan of a format that writes them."""
+    if not run.request.kv_cache or plan.kv_cache:
+        return
+    if not getattr(serving_format(name), "supports_kv_cache", False):
+        run.warn(f"{name} carries no KV-cache scales (kv_cache applies to the formats that declare them)")
+        return
+    plan.kv_cache_report = attach_kv_scales(plan, run.calibration.kv_amax, run.resolved.checkpoint.target_of,
+                                            model_dtype(run.resolved.config))
