@@ -86,8 +86,9 @@ def _attach_kv_cache(run: Run, name: str, plan: ServingPlan) -> None:
     """With ``kv_cache``: each attention layer's k_scale/v_scale into the plan of a format that writes them."""
     if not run.request.kv_cache or plan.kv_cache:
         return
-    if not getattr(serving_format(name), "supports_kv_cache", False):
+    fmt = serving_format(name)
+    if not getattr(fmt, "supports_kv_cache", False):
         run.warn(f"{name} carries no KV-cache scales (kv_cache applies to the formats that declare them)")
         return
     plan.kv_cache_report = attach_kv_scales(plan, run.calibration.kv_amax, run.resolved.checkpoint.target_of,
-                                            model_dtype(run.resolved.config))
+                                            model_dtype(run.resolved.config), convention=fmt.kv_scale_convention)

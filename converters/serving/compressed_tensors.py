@@ -35,6 +35,7 @@ import torch
 
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.serving.kv_scales import COMPRESSED_TENSORS_KV
 from converters.serving.plan import ServingPlan
 
 __all__ = ["CompressedTensorsFP8", "STATIC", "DYNAMIC"]
@@ -61,6 +62,7 @@ class CompressedTensorsFP8:
         #: the emulated cast the report's weight SQNR uses (converters.serving.plan.layer_stats)
         self.weight_cast = "e4m3_tensor" if static else "e4m3_row"
         self.supports_kv_cache = True  #: writes ``kv_cache_scheme`` and the scales of ``plan.extra_tensors``
+        self.kv_scale_convention = COMPRESSED_TENSORS_KV
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         return None  # the analysis' own rule (both dims multiples of 16) is the one vLLM's FP8 GEMMs need

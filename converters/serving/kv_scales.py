@@ -103,24 +103,16 @@ def _disk_prefix(path: str, target_of: Mapping[str, str]) -> tuple[str, str]:
     return prefix, anchor
 
 
-def _convention_of(format_name: str) -> KvScaleConvention:
-    # imported here: the format modules import this one, and the registry imports them
-    from converters.serving import SERVING_FORMATS
-
-    return getattr(SERVING_FORMATS.get(format_name), "kv_scale_convention", COMPRESSED_TENSORS_KV)
-
-
 def attach_kv_scales(plan: ServingPlan, amax: Mapping[str, KvAmax], target_of: Mapping[str, str],
-                     dtype: torch.dtype, *, convention: KvScaleConvention | None = None) -> dict[str, Any]:
+                     dtype: torch.dtype, *, convention: KvScaleConvention = COMPRESSED_TENSORS_KV) -> dict[str, Any]:
     """Add every attention layer's key and value scale to ``plan.extra_tensors`` and set ``plan.kv_cache``.
 
     ``amax`` is :meth:`KvCacheRecorder.results` (attention module path -> amax); ``dtype`` the model's;
-    ``convention`` the names and arithmetic (default: the ``kv_scale_convention`` of the format ``plan.format``
-    names, else :data:`COMPRESSED_TENSORS_KV`). Returns the report block: the scheme, and per on-disk attention
-    prefix its module path, the key and value amax (per tensor and per KV head) and the scales written.
+    ``convention`` the names and arithmetic (the format's ``kv_scale_convention``). Returns the report block: the
+    scheme, and per on-disk attention prefix its module path, the key and value amax (per tensor and per KV head)
+    and the scales written.
     Raises ConversionError (see :func:`_disk_prefix`).
     """
-    convention = convention or _convention_of(plan.format)
     layers: dict[str, Any] = {}
     for path, layer in amax.items():
         prefix, anchor = _disk_prefix(path, target_of)
