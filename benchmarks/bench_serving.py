@@ -230,12 +230,13 @@ def child_fp8forge_export(params: dict) -> dict:
         def stage(self, name: str) -> None:
             set_phase(name)
 
-    # skip_first_last off and lm_head excluded: the same Linears as the peer's ignore=["lm_head"].
+    # skip_first_last off and lm_head excluded: the same Linears as the peer's ignore=["lm_head"]. The serving
+    # format and kv_cache default to this script's; bench_serving_formats.py asks for others.
     request = ConversionRequest(
         model=params["model_dir"], recipe={"backend": "ao"}, skip_first_last=False, exclude=("lm_head",),
         calibration=CalibrationSettings(steps=params["steps"], batch_size=params["batch_size"],
                                         seq_len=params["seq_len"]),
-        serving_formats=(SERVING_FORMAT,),
+        serving_formats=(params.get("serving_format", SERVING_FORMAT),), kv_cache=params.get("kv_cache"),
     )
     sources = ModelSourceOptions(allowed_roots=(Path(params["root"]),))
     import_fp8forge()
@@ -253,6 +254,9 @@ def child_peer_export(params: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     rows = json.loads(Path(params["tokens"]).read_text())
+    # QuantizationModifier's arguments besides targets and ignore: this script's FP8 unless the caller names
+    # others (bench_serving_formats.py: NVFP4, or FP8 with a kv_cache_scheme).
+    recipe = params.get("recipe", {"scheme": "FP8"})
     start = time.perf_counter()
     set_phase("load")
     model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=torch.bfloat16)
@@ -262,7 +266,7 @@ def child_peer_export(params: dict) -> dict:
     # from the model directory only matters for text datasets.
     dataset = Dataset.from_dict(rows)
     oneshot(model=model, dataset=dataset,
-            recipe=QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"]),
+            recipe=QuantizationModifier(targets="Linear", ignore=["lm_head"], **recipe),
             num_calibration_samples=len(rows["input_ids"]), max_seq_length=params["seq_len"],
             batch_size=params["batch_size"])
     calibrated = time.perf_counter()
@@ -285,16 +289,17 @@ def last_json_line(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.strip()][-1])
 
 
-def run_child(python: Path | str, role: str, **params) -> tuple[float, int, dict]:
-    wall, peak_rss, stdout = child_peak_rss([str(python), __file__, "--child", role, json.dumps(params)])
+def run_child(python: Path | str, role: str, script: str = __file__, **params) -> tuple[float, int, dict]:
+    """Run ``script --child role`` (this file unless another script that shares its roles is named)."""
+    wall, peak_rss, stdout = child_peak_rss([str(python), script, "--child", role, json.dumps(params)])
     os.sync()  # this process's dirty pages must not be written back while the next one is timed
     details = last_json_line(stdout)
     details["load_average"] = os.getloadavg()[0]  # shows when another job slowed a measurement down
     return wall, peak_rss, details
 
 
-def measure_tool(tool: str, python: Path | str, role: str, **params) -> ToolRun:
-    wall, peak_rss, details = run_child(python, role, **params)
+def measure_tool(tool: str, python: Path | str, role: str, script: str = __file__, **params) -> ToolRun:
+    wall, peak_rss, details = run_child(python, role, script, **params)
     return ToolRun(tool=tool, seconds=details.pop("seconds"), wall=wall, peak_rss=peak_rss, details=details)
 
 
@@ -398,7 +403,7 @@ def flatten(value, prefix: str = "") -> dict:
     return {prefix: value}
 
 
-def config_differences(ours: Path, theirs: Path) -> list[str]:
+def config_differences(ours: Path, theirs: Path, peer: str = PEER) -> list[str]:
     """quantization_config keys and values that differ between the two config.json files."""
     first = flatten(json.loads((ours / "config.json").read_text()).get("quantization_config", {}))
     second = flatten(json.loads((theirs / "config.json").read_text()).get("quantization_config", {}))
@@ -409,9 +414,9 @@ def config_differences(ours: Path, theirs: Path) -> list[str]:
             continue
         if isinstance(a, list) and isinstance(b, list):
             lines.append(f"  {key}: only {FP8FORGE} {sorted(set(map(str, a)) - set(map(str, b)))}, "
-                         f"only {PEER} {sorted(set(map(str, b)) - set(map(str, a)))}")
+                         f"only {peer} {sorted(set(map(str, b)) - set(map(str, a)))}")
         else:
-            lines.append(f"  {key}: {FP8FORGE} {json.dumps(a)} | {PEER} {json.dumps(b)}")
+            lines.append(f"  {key}: {FP8FORGE} {json.dumps(a)} | {peer} {json.dumps(b)}")
     return lines or ["  (none)"]
 
 
@@ -431,7 +436,7 @@ def layer_pattern(name: str) -> str:
     return re.sub(r"\.layers\.\d+\.", ".layers.N.", name)
 
 
-def layout_differences(ours: Path, theirs: Path) -> list[str]:
+def layout_differences(ours: Path, theirs: Path, peer: str = PEER) -> list[str]:
     """Tensors present in one export only, or with another dtype/shape, collapsed over the layer index."""
     first, second = tensor_layout(ours), tensor_layout(theirs)
     counts: dict[str, int] = {}
@@ -440,10 +445,10 @@ def layout_differences(ours: Path, theirs: Path) -> list[str]:
         if a == b:
             continue
         describe = lambda entry: "absent" if entry is None else f"{entry[0]} {list(entry[1])}"  # noqa: E731
-        line = f"  {layer_pattern(name)}: {FP8FORGE} {describe(a)} | {PEER} {describe(b)}"
+        line = f"  {layer_pattern(name)}: {FP8FORGE} {describe(a)} | {peer} {describe(b)}"
         counts[line] = counts.get(line, 0) + 1
-    summary = [f"  tensors: {FP8FORGE} {len(first)}, {PEER} {len(second)}; "
-               f"FP8 weights: {sum(dtype == 'F8_E4M3' for dtype, _ in first.values())} / "
+    summary = [f"  tensors: {FP8FORGE} {len(first)}, {peer} {len(second)}; "
+               f"F8_E4M3 tensors: {sum(dtype == 'F8_E4M3' for dtype, _ in first.values())} / "
                f"{sum(dtype == 'F8_E4M3' for dtype, _ in second.values())}"]
     return summary + [f"{line} (x{count})" for line, count in counts.items()]
 
@@ -664,7 +669,7 @@ def fp8forge_source_state() -> str:
 
     def git(*argv: str) -> str:
         result = subprocess.run(["git", "-C", str(repo), *argv], capture_output=True, text=True)
-        return result.stdout.strip() if result.returncode == 0 else ""
+        return result.stdout.rstrip() if result.returncode == 0 else ""  # a porcelain line starts with a space
 
     head = git("rev-parse", "--short", "HEAD") or "unknown commit"
     changed = [line[3:] for line in git("status", "--porcelain", "--", "converters").splitlines()]
