@@ -15,21 +15,37 @@ The model is built on the meta device. Three passes then run the calibration bat
    would give them.
 
 The computations are the ones the whole model performs, in the same order and dtype, so the amax per layer
-and step equals whole-model calibration (bitwise on CPU in fp32).
+and step equals whole-model calibration (bitwise on CPU in fp32, and for a half-precision checkpoint
+computed in its own dtype). Two things make pass 2 fast:
+
+* **Compute dtype.** On a CPU without native bf16 GEMMs a half-precision checkpoint's layers run in fp32,
+  rounding as the half-precision model would (:mod:`converters.calibration.compute`); the job's choice and
+  why are in :class:`SequentialStats`.
+* **Prefetch.** While layer i runs, layer i+1's tensors are read from disk in a background thread
+  (:mod:`converters.calibration.prefetch`), one layer ahead.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from converters.calibration.amax import AmaxRecorder, LayerAmax, amax_recorder
+from converters.calibration.compute import (
+    cast_floats,
+    choose_compute_dtype,
+    emulating,
+    restore_dtypes,
+    tensor_dtypes,
+)
+from converters.calibration.prefetch import LayerPrefetcher
 from converters.errors import ConversionCancelled
-from converters.model.checkpoint import Checkpoint, release, unit_keys
+from converters.model.checkpoint import Checkpoint, module_keys, release, unit_keys
 from converters.model.experts import parse_unit_path
 
 __all__ = [
@@ -40,6 +56,8 @@ __all__ = [
     "choose_mode",
     "SequentialUnsupported",
     "LayerPass",
+    "LayerTiming",
+    "SequentialStats",
     "calibrate_layer_by_layer",
 ]
 
@@ -116,6 +134,36 @@ class LayerPass:
     call: Callable[[nn.Module, int], Any] = field(repr=False)  #: ``call(module, step)`` runs step's inputs
 
 
+@dataclass(frozen=True)
+class LayerTiming:
+    """Wall seconds of one layer in pass 2."""
+
+    index: int
+    wait_s: float  #: blocked on the prefetch thread's read of this layer (0 without prefetch)
+    load_s: float  #: placing the tensors into the model (and reading them, without prefetch)
+    forward_s: float  #: every calibration batch through the layer, amax hooks included
+
+
+@dataclass
+class SequentialStats:
+    """What a layer-sequential calibration ran with; pass one to :func:`calibrate_layer_by_layer` to fill it."""
+
+    compute_dtype: str = ""  #: e.g. ``float32``: the dtype the layer forwards ran in
+    compute_reason: str = ""
+    checkpoint_dtype: str = ""
+    prefetch: bool = False
+    layers: list[LayerTiming] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report block: dtypes, why, prefetch and the per-layer seconds summed."""
+        totals = {key: round(sum(getattr(t, key) for t in self.layers), 3) for key in ("wait_s", "load_s", "forward_s")}
+        return {"compute_dtype": self.compute_dtype, "compute_reason": self.compute_reason,
+                "checkpoint_dtype": self.checkpoint_dtype, "prefetch": self.prefetch, **totals}
+
+    def timeline(self) -> list[dict[str, Any]]:
+        return [asdict(timing) for timing in self.layers]
+
+
 class _StopForward(Exception):
     pass
 
@@ -162,6 +210,7 @@ class _Passes:
         self.hidden_key: str | None = None
         self.final: list[torch.Tensor] = []
         self.recorders: list[AmaxRecorder] = []
+        self.compute: torch.dtype | None = None  #: pass 2 casts each layer's inputs to it when set
 
     def layer_called(self, index: int, args: tuple, kwargs: dict) -> Any:
         if args:
@@ -181,6 +230,9 @@ class _Passes:
 
     def call(self, layer: nn.Module, index: int, step: int, hidden: torch.Tensor) -> Any:
         rest, kwargs = self.calls[index][step]
+        if self.compute is not None and hidden.dtype != self.compute:
+            # Upcasts only (the recorded inputs are in the checkpoint's dtype): exact.
+            hidden, rest, kwargs = (cast_floats(value, self.compute) for value in (hidden, rest, kwargs))
         if self.hidden_key is None:
             return layer(hidden, *rest, **kwargs)
         return layer(*rest, **{self.hidden_key: hidden}, **kwargs)
@@ -196,6 +248,9 @@ def calibrate_layer_by_layer(
     on_layer: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     after_layer: Callable[[LayerPass], None] | None = None,
+    compute_dtype: torch.dtype | None = None,
+    prefetch: bool = True,
+    stats: SequentialStats | None = None,
 ) -> dict[str, LayerAmax]:
     """Record the amax of ``layer_paths`` over ``batches`` with one layer of ``model`` in memory at a time.
 
@@ -203,6 +258,13 @@ def calibrate_layer_by_layer(
     when this returns. ``on_layer(done, total)`` reports progress after each layer (and the head pass);
     ``should_stop()`` is checked before each layer and raises ConversionCancelled. ``after_layer`` sees each
     layer with its cached inputs and outputs before release (the TE check step uses it).
+
+    ``compute_dtype`` is the dtype the layer forwards run in: None chooses (fp32 for a half-precision
+    checkpoint on a CPU where a probe matmul runs clearly faster in fp32, else the checkpoint's dtype);
+    the checkpoint's dtype forces the plain path (bit-identical to whole-model calibration in that dtype);
+    ``torch.float32`` forces the fp32 path. ``prefetch`` reads layer i+1 from disk while layer i runs
+    (the amax are the same either way). ``stats``, when given, receives the dtype chosen, why, and each
+    layer's timing.
 
     Raises SequentialUnsupported when a layer returns something other than its hidden states (the caller
     falls back to whole-model calibration), and the load errors of :class:`Checkpoint`.
@@ -218,14 +280,24 @@ def calibrate_layer_by_layer(
     total = stack.count + (1 if None in by_layer else 0)
     passes = _Passes(stack.count, len(batches))
     inputs = [_to(batch, checkpoint.device) for batch in batches]
+    stats = stats if stats is not None else SequentialStats()
+    stats.prefetch, stats.checkpoint_dtype = prefetch, str(checkpoint.dtype).removeprefix("torch.")
+    prefetcher = LayerPrefetcher(checkpoint) if prefetch else None
     try:
+        if prefetcher is not None:
+            prefetcher.start(0, module_keys(real[0], f"{stack.path}.0"))
         embedded = _run_around_layers(model, stack, checkpoint, inputs, passes, head_path, embed_path,
                                       keep_embeddings=None in by_layer)
+        _choose_compute(passes, checkpoint, compute_dtype, stats)
         for index in range(stack.count):
             if should_stop is not None and should_stop():
                 raise ConversionCancelled(f"the conversion was cancelled before layer {index} of {stack.count}")
-            _calibrate_layer(model, stack, checkpoint, passes, index, real[index], by_layer.get(index, []),
-                             after_layer)
+            if prefetcher is not None and index + 1 < stack.count:
+                # Queued behind layer index's read on the one thread: at most one layer read ahead.
+                prefetcher.start(index + 1, module_keys(real[index + 1], f"{stack.path}.{index + 1}"))
+            take = (lambda i=index: prefetcher.take(i)) if prefetcher is not None else (lambda: None)
+            stats.layers.append(_calibrate_layer(model, stack, checkpoint, passes, index, real[index],
+                                                 by_layer.get(index, []), after_layer, take))
             if on_layer is not None:
                 on_layer(index + 1, total)
         if None in by_layer:
@@ -233,6 +305,8 @@ def calibrate_layer_by_layer(
             if on_layer is not None:
                 on_layer(total, total)
     finally:
+        if prefetcher is not None:
+            prefetcher.close()
         for index, layer in enumerate(real):
             layers[index] = layer
         release(model)
@@ -270,24 +344,49 @@ def _run_around_layers(model: nn.Module, stack: LayerStack, checkpoint: Checkpoi
     return embedded
 
 
+def _choose_compute(passes: _Passes, checkpoint: Checkpoint, requested: torch.dtype | None,
+                    stats: SequentialStats) -> None:
+    """Once per job, after pass 1 (the probe takes the hidden states' width and token count)."""
+    hidden = passes.hidden_in[0]
+    width = int(hidden.shape[-1])
+    compute, why = choose_compute_dtype(requested, checkpoint.dtype, checkpoint.device, width=width,
+                                        tokens=hidden.numel() // max(width, 1))
+    passes.compute = compute if compute != checkpoint.dtype else None
+    stats.compute_dtype, stats.compute_reason = str(compute).removeprefix("torch."), why
+
+
 def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: _Passes, index: int,
-                     layer: nn.Module, paths: list[str], after_layer: Callable[[LayerPass], None] | None) -> None:
-    """Pass 2 for one layer: load it, run every cached batch through it with the hooks on, release it."""
+                     layer: nn.Module, paths: list[str], after_layer: Callable[[LayerPass], None] | None,
+                     take: Callable[[], dict[str, torch.Tensor] | None]) -> LayerTiming:
+    """Pass 2 for one layer: load it, run every cached batch through it with the hooks on, release it.
+
+    ``take()`` waits for the layer's on-disk tensors from the prefetch (None without one; only this frame holds
+    them, so an upcast layer does not keep its half-precision copy alive).
+    """
+    started = time.perf_counter()
+    tensors = take()
+    read = time.perf_counter()
     layer_path = f"{stack.path}.{index}"
     layers: nn.ModuleList = model.get_submodule(stack.path)
     layers[index] = layer  # the real layer, so that its tensors load under their own names
-    checkpoint.load(unit_keys(model, lambda name: _under(name, layer_path)))
+    dtypes = tensor_dtypes(layer)
+    checkpoint.load(unit_keys(model, lambda name: _under(name, layer_path)), tensors=tensors)
+    del tensors  # the layer's parameters hold them now
+    loaded = time.perf_counter()
     recorder = amax_recorder(model, paths, len(passes.hidden_in)) if paths else AmaxRecorder({}, 0)
     passes.recorders.append(recorder)
     outputs = []
-    with torch.no_grad(), recorder.attached():
+    storage, compute = checkpoint.dtype, passes.compute or checkpoint.dtype
+    # emulating() before attached(): its rounding hooks run first, so the recorder sees rounded tensors.
+    with torch.no_grad(), emulating(layer, storage, compute), recorder.attached():
         for step, hidden in enumerate(passes.hidden_in):
             recorder.step = step
             output = passes.call(layer, index, step, hidden)
             if not isinstance(output, torch.Tensor):
                 raise SequentialUnsupported(
                     f"{stack.layer_class} returns a {type(output).__name__}, not its hidden states")
-            outputs.append(output)
+            outputs.append(output.to(storage))  # the hidden states between layers, rounded as the model rounds them
+    forwarded = time.perf_counter()
     if after_layer is not None:
         inputs = passes.hidden_in
         linear_paths = [path for path in paths if parse_unit_path(path) is None]  # experts are not swapped there
@@ -295,7 +394,9 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
                               amax=recorder.results(), outputs=outputs,
                               call=lambda module, step: passes.call(module, index, step, inputs[step])))
     release(layer)
+    restore_dtypes(layer, dtypes)
     passes.hidden_in = outputs
+    return LayerTiming(index=index, wait_s=read - started, load_s=loaded - read, forward_s=forwarded - loaded)
 
 
 def _run_head(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, inputs: list[dict], passes: _Passes,

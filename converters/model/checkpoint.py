@@ -22,10 +22,10 @@ from torch import nn
 
 from converters.errors import ModelNotFoundError
 from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME
-from converters.model.safetensors_stream import read_tensor_index
+from converters.model.safetensors_stream import SourceTensor, read_tensor, read_tensor_index
 from converters.third_party_noise import transformers_progress_off
 
-__all__ = ["weight_files", "Checkpoint", "release", "unit_keys"]
+__all__ = ["weight_files", "Checkpoint", "release", "unit_keys", "module_keys"]
 
 
 
@@ -81,8 +81,11 @@ class Checkpoint:
         prefix = model.base_model_prefix
         self.file_of: dict[str, Path] = {}
         self.target_of: dict[str, str] = {}
+        self.source_of: dict[str, SourceTensor] = {}  #: where each on-disk key's bytes lie (for :meth:`read`)
         for path in weight_files(self.directory):
-            read_tensor_index(path)  # a corrupt header is refused with its reason before the Rust reader maps it
+            # A corrupt header is refused with its reason before the Rust reader maps it.
+            sources, _ = read_tensor_index(path)
+            self.source_of.update(sources)
             with safe_open(path, framework="pt") as handle:
                 keys = list(handle.keys())
             for key in keys:
@@ -108,21 +111,26 @@ class Checkpoint:
         wanted = set(targets)
         return [key for key, target in self.target_of.items() if target in wanted]
 
-    def load(self, keys: Iterable[str]) -> None:
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The on-disk tensors that :meth:`load` of ``keys`` would read, each read with ``pread`` into its own memory.
+
+        Thread-safe and independent of the model (the layer-sequential prefetch calls it in a background thread
+        for the next layer); hand the result to ``load(keys, tensors=...)``. Raises OSError on a short read.
+        """
+        wanted, _ = self._with_ties(keys)
+        return {key: read_tensor(self.source_of[key]) for key in self.disk_keys_for(wanted)}
+
+    def load(self, keys: Iterable[str], *, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Materialize the model's tensors named ``keys`` (in-memory state-dict names) from the checkpoint.
 
-        Tied parameters are loaded from whichever twin the checkpoint holds and shared; buffers the checkpoint
+        ``tensors`` are on-disk tensors already read by :meth:`read`; the keys it lacks are read here. Tied
+        parameters are loaded from whichever twin the checkpoint holds and shared; buffers the checkpoint
         does not hold (rotary frequencies, position ids) are computed by the model's own ``_init_weights``.
         Raises ModelNotFoundError when the checkpoint lacks a parameter or holds a tensor of another shape.
         """
-        wanted = set(keys)
-        ties = {target: source for target, source in self.tied.items() if target in wanted or source in wanted}
-        present = self.on_disk_targets
-        for target, source in ties.items():
-            wanted.discard(target)
-            wanted.discard(source)
-            wanted.add(source if source in present or target not in present else target)
-        info = self._convert_and_load(self.disk_keys_for(wanted))
+        keys = set(keys)
+        wanted, ties = self._with_ties(keys)
+        info = self._convert_and_load(self.disk_keys_for(wanted), tensors or {})
         if info.mismatched_keys or info.conversion_errors:
             raise ModelNotFoundError(
                 f"{self.directory}: checkpoint tensors do not fit the architecture built from config.json "
@@ -132,9 +140,20 @@ class Checkpoint:
         for target, source in ties.items():
             loaded, other = (source, target) if _is_real(self.model, source) else (target, source)
             _set_tensor(self.model, other, self.model.get_parameter(loaded))
-        self._initialize_missing(set(keys) | set(ties) | set(ties.values()))
+        self._initialize_missing(keys | set(ties) | set(ties.values()))
 
-    def _convert_and_load(self, disk_keys: list[str]) -> Any:
+    def _with_ties(self, keys: Iterable[str]) -> tuple[set[str], dict[str, str]]:
+        """``keys`` with each tied pair reduced to the twin the checkpoint holds, and the ties involved."""
+        wanted = set(keys)
+        ties = {target: source for target, source in self.tied.items() if target in wanted or source in wanted}
+        present = self.on_disk_targets
+        for target, source in ties.items():
+            wanted.discard(target)
+            wanted.discard(source)
+            wanted.add(source if source in present or target not in present else target)
+        return wanted, ties
+
+    def _convert_and_load(self, disk_keys: list[str], tensors: dict[str, torch.Tensor]) -> Any:
         from safetensors import safe_open
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
@@ -148,11 +167,13 @@ class Checkpoint:
         )
         by_file: dict[Path, list[str]] = {}
         for key in disk_keys:
-            by_file.setdefault(self.file_of[key], []).append(key)
+            if key not in tensors:
+                by_file.setdefault(self.file_of[key], []).append(key)
         handles = [safe_open(path, framework="pt") for path in by_file]
         try:
-            slices = {key: handle.get_slice(key)
-                      for handle, keys in zip(handles, by_file.values(), strict=True) for key in keys}
+            slices: dict[str, Any] = {key: handle.get_slice(key)
+                                      for handle, keys in zip(handles, by_file.values(), strict=True) for key in keys}
+            slices.update((key, tensors[key]) for key in disk_keys if key in tensors)
             with transformers_progress_off():
                 info, _ = convert_and_load_state_dict_in_model(self.model, slices, config)
         finally:
@@ -224,4 +245,9 @@ def _set_tensor(model: nn.Module, name: str, value: nn.Parameter) -> None:
 def unit_keys(model: nn.Module, belongs: Callable[[str], bool]) -> set[str]:
     """The state-dict names (parameters and buffers, persistent or not) for which ``belongs(name)`` is true."""
     return {name for name, *_ in _named_tensors(model) if belongs(name)}
+
+
+def module_keys(module: nn.Module, path: str) -> set[str]:
+    """The model state-dict names of ``module``'s tensors when it sits at ``path`` (``unit_keys`` of that subtree)."""
+    return {f"{path}.{name}" for name, *_ in _named_tensors(module)}
 

@@ -1,0 +1,165 @@
+"""The dtype a layer-sequential calibration forward computes in, and the bf16 model it then stands in for.
+
+A CPU without native bf16 GEMM kernels (AVX2 only: no avx512_bf16 / AMX) runs a bf16 matmul several times
+slower than an fp32 one, so a half-precision checkpoint may calibrate faster in fp32. The amax recorded must
+still be the half-precision model's, as closely as fp32 arithmetic allows. :func:`emulating` therefore:
+
+* loads the layer's weights in the checkpoint dtype and upcasts them (exact: every weight amax is identical);
+* rounds to the checkpoint dtype the floating-point inputs and outputs of every leaf module of the layer
+  (Linear, norm, activation, ...), where the half-precision model's own kernels round their results, so each
+  Linear sees the rounded input the half-precision model would hand it and its output amax is a
+  half-precision value;
+* and the caller rounds the hidden states between layers, which are kept in the checkpoint dtype.
+
+What still differs: arithmetic done between modules in plain functions (residual adds, rotary embedding,
+attention's score/softmax/value products, the MLP's gate x up product) runs in fp32 with one rounding where
+the half-precision model rounds after every operation; and a kernel's internal accumulation (which a bf16
+GEMM does in fp32 too) may be ordered differently. The differences are a few half-precision ulps.
+
+The choice is made once per job by a timed probe (:func:`choose_compute_dtype`), not from CPU flags: a
+matmul of the layer's width timed in both dtypes says what this machine, with this torch build and its
+thread count, actually does; flags would miss a torch built without the fast kernels or a capability
+override (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["choose_compute_dtype", "emulating", "cast_floats", "tensor_dtypes", "restore_dtypes"]
+
+_HALF = (torch.bfloat16, torch.float16)
+# fp32 must win the probe by this margin: emulating half precision adds two casts per module call.
+_MARGIN = 0.75
+
+
+def choose_compute_dtype(requested: torch.dtype | None, storage: torch.dtype, device: torch.device, *,
+                         width: int, tokens: int) -> tuple[torch.dtype, str]:
+    """``(dtype, why)``: the dtype to run layer forwards in for a checkpoint stored in ``storage``.
+
+    ``requested`` None is automatic: fp32 only for a half-precision checkpoint on a CPU where a probe matmul
+    (``tokens`` x ``width`` by ``width`` x ``2 * width``, capped) runs clearly faster in fp32. Otherwise
+    ``requested`` must be ``storage`` or ``torch.float32``; anything else raises ValueError.
+    """
+    if requested is not None:
+        if requested not in (storage, torch.float32):
+            raise ValueError(f"compute_dtype must be None, the checkpoint's {storage} or torch.float32, "
+                             f"got {requested}")
+        return requested, "requested"
+    if storage not in _HALF:
+        return storage, f"the checkpoint's own {storage}"
+    if device.type != "cpu":
+        return storage, f"the checkpoint's own {storage} on {device.type}"
+    half, single = (_probe_seconds(dtype, width, tokens) for dtype in (storage, torch.float32))
+    if single < _MARGIN * half:
+        return torch.float32, (f"probe: a {_probe_label(width, tokens)} matmul takes {half * 1e3:.1f} ms in {storage}, "
+                               f"{single * 1e3:.1f} ms in float32 on this CPU")
+    return storage, (f"probe: a {_probe_label(width, tokens)} matmul takes {half * 1e3:.1f} ms in {storage}, "
+                     f"{single * 1e3:.1f} ms in float32 on this CPU")
+
+
+def _probe_shape(width: int, tokens: int) -> tuple[int, int, int]:
+    return max(16, min(tokens, 256)), max(16, min(width, 2048)), max(16, min(2 * width, 4096))
+
+
+def _probe_label(width: int, tokens: int) -> str:
+    return "x".join(str(n) for n in _probe_shape(width, tokens))
+
+
+def _probe_seconds(dtype: torch.dtype, width: int, tokens: int) -> float:
+    """The best of three timed matmuls (after a warm-up) of the probe's shape in ``dtype``."""
+    rows, inner, cols = _probe_shape(width, tokens)
+    generator = torch.Generator().manual_seed(0)
+    left = torch.randn(rows, inner, generator=generator).to(dtype)
+    right = torch.randn(cols, inner, generator=generator).to(dtype)
+    best = float("inf")
+    with torch.no_grad():
+        torch.nn.functional.linear(left, right)
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.nn.functional.linear(left, right)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it (nested tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(cast_floats(item, dtype) for item in value)
+    if isinstance(value, list):
+        return [cast_floats(item, dtype) for item in value]
+    if isinstance(value, dict):
+        return {key: cast_floats(item, dtype) for key, item in value.items()}
+    return value
+
+
+@contextmanager
+def emulating(layer: nn.Module, storage: torch.dtype, compute: torch.dtype) -> Iterator[None]:
+    """Run ``layer`` in ``compute`` while rounding at its leaf modules as a ``storage`` model would.
+
+    A no-op when the two dtypes are the same. The rounding hooks are registered before any hook the block
+    adds (the amax recorder's), so those see the rounded tensors. The layer stays in ``compute`` on exit
+    (the caller releases it).
+    """
+    if compute == storage:
+        yield
+        return
+    layer.to(compute)
+    handles = []
+    for module in layer.modules():
+        if next(module.children(), None) is None:
+            handles.append(module.register_forward_pre_hook(_rounding_pre_hook(storage)))
+            handles.append(module.register_forward_hook(_rounding_hook(storage)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _round(value: Any, storage: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != storage:
+        return value.to(storage).to(value.dtype)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_round(item, storage) for item in value)
+    return value
+
+
+def _rounding_pre_hook(storage: torch.dtype) -> Any:
+    def hook(_module: nn.Module, args: tuple) -> tuple:
+        return _round(args, storage)
+    return hook
+
+
+def _rounding_hook(storage: torch.dtype) -> Any:
+    def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
+        return _round(output, storage)
+    return hook
+
+
+def tensor_dtypes(module: nn.Module) -> dict[tuple[int, str], torch.dtype]:
+    """The dtype of each floating-point parameter and buffer of ``module`` (for :func:`restore_dtypes`)."""
+    return {(id(sub), name): tensor.dtype for sub in module.modules()
+            for table in (sub._parameters, sub._buffers) for name, tensor in table.items()
+            if tensor is not None and tensor.is_floating_point()}
+
+
+def restore_dtypes(module: nn.Module, dtypes: dict[tuple[int, str], torch.dtype]) -> None:
+    """Give ``module``'s released (meta) tensors back the dtypes :func:`tensor_dtypes` saw, so that a later load of
+    the meta model (the export) builds them in the checkpoint's dtypes, not the compute dtype."""
+    for sub in module.modules():
+        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+            for name, tensor in list(table.items()):
+                dtype = dtypes.get((id(sub), name))
+                if tensor is None or dtype is None or tensor.dtype == dtype:
+                    continue
+                meta = torch.empty_like(tensor, device="meta", dtype=dtype)
+                table[name] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if is_param else meta
