@@ -8,6 +8,9 @@ arrive exactly as ``from_pretrained`` would produce them, and no second copy of 
 
 Tensors are read one by one through ``safe_open`` slices; files are opened for one load and closed after
 it, so the pages read stay out of the process once a group is released.
+``Checkpoint.read`` instead reads a group's tensors with ``pread``
+into plain memory (no file mapping; thread-safe), for the layer-sequential prefetch; ``load(tensors=...)``
+then places them.
 """
 
 from __future__ import annotations
