@@ -8,6 +8,8 @@ Schemes (``--scheme``), each a pair of exports of every decoder Linear (lm_head 
   nvfp4           fp8forge "nvfp4" (W4A4)            | llm-compressor scheme="NVFP4"
   modelopt-fp8    fp8forge "modelopt-fp8"            | ModelOpt mtq.quantize(FP8_DEFAULT_CFG) + export_hf_checkpoint
   modelopt-nvfp4  fp8forge "modelopt-nvfp4"          | ModelOpt mtq.quantize(NVFP4_DEFAULT_CFG) + export_hf_checkpoint
+  modelopt-fp8-kv, modelopt-nvfp4-kv   the same with kv_cache="fp8" | the config with FP8_KV_CFG's entries appended
+                                       (update_quant_cfg_with_kv_cache_quant, as ModelOpt's hf_ptq.py does)
 fp8forge runs as in bench_serving.py (run_conversion, backend "ao", skip_first_last off, exclude lm_head; its timed
 work also writes the ao artifact). llm-compressor 0.14.0.1 runs in bench_serving.py's peer venv (its `peer-export`
 child: from_pretrained(bf16), oneshot(...), save_pretrained(save_compressed=True); that venv resolves transformers
@@ -52,8 +54,7 @@ fails for another reason, the script prints the child's error and carries on wit
 Run (the smallest configuration that exercises every scheme, a few minutes each on 2 cores):
   .venv/bin/python benchmarks/bench_serving_formats.py --scheme nvfp4 --sizes 0.005 --hidden 256 \\
       --intermediate 1024 --heads 4 --kv-heads 2 --vocab 1024 --steps 2
-  (--scheme fp8 | fp8-kv | fp8-kv-static | nvfp4 | modelopt-fp8 | modelopt-nvfp4; --skip-peer for fp8forge
-  alone; --keep to keep the model and both exports)
+  (--scheme: any name above; --skip-peer for fp8forge alone; --keep to keep the model and both exports)
 The first llm-compressor or ModelOpt scheme creates that tool's venv (minutes, reported apart from the figures).
 """
 
@@ -116,7 +117,7 @@ class Scheme:
     serving_format: str
     layout: str  # a key of format_layouts.LAYOUTS: how both exports store a quantized Linear
     peer: str  # PEER (llm-compressor) or MODELOPT
-    peer_recipe: dict  # QuantizationModifier's keyword arguments, or {"config": <mtq config name>}
+    peer_recipe: dict  # QuantizationModifier's keyword arguments, or {"config": <mtq config>[, "kv_config": ...]}
     kv_cache: str | None = None
 
 
@@ -132,6 +133,10 @@ SCHEMES = {scheme.name: scheme for scheme in (
            peer_recipe={"config": "FP8_DEFAULT_CFG"}),
     Scheme(name="modelopt-nvfp4", serving_format="modelopt-nvfp4", layout="modelopt-nvfp4", peer=MODELOPT,
            peer_recipe={"config": "NVFP4_DEFAULT_CFG"}),
+    Scheme(name="modelopt-fp8-kv", serving_format="modelopt-fp8", layout="modelopt-fp8", peer=MODELOPT,
+           kv_cache="fp8", peer_recipe={"config": "FP8_DEFAULT_CFG", "kv_config": "FP8_KV_CFG"}),
+    Scheme(name="modelopt-nvfp4-kv", serving_format="modelopt-nvfp4", layout="modelopt-nvfp4", peer=MODELOPT,
+           kv_cache="fp8", peer_recipe={"config": "NVFP4_DEFAULT_CFG", "kv_config": "FP8_KV_CFG"}),
 )}
 
 
@@ -212,7 +217,12 @@ def child_modelopt_export(params: dict) -> dict:
 
     bench_serving.set_phase("quantize")
     # The configs already disable "*lm_head*" (their _default_disabled_quantizer_cfg): lm_head stays bf16.
-    mtq.quantize(model, copy.deepcopy(getattr(mtq, params["recipe"]["config"])), forward_loop)
+    config = copy.deepcopy(getattr(mtq, params["recipe"]["config"]))
+    if "kv_config" in params["recipe"]:
+        from modelopt.torch.quantization.utils import update_quant_cfg_with_kv_cache_quant
+
+        config = update_quant_cfg_with_kv_cache_quant(config, getattr(mtq, params["recipe"]["kv_config"])["quant_cfg"])
+    mtq.quantize(model, config, forward_loop)
     calibrated = time.perf_counter()
     bench_serving.set_phase("export")
     export_hf_checkpoint(model, export_dir=params["out_dir"])
@@ -394,6 +404,7 @@ def kv_scales(ours_dir: str, theirs_dir: str) -> dict:
     layers: dict[str, dict] = {}
     for name in sorted(set(found[FP8FORGE]) | set(found["peer"]), key=_natural):
         prefix, kind = name.rsplit(".", 1)
+        prefix = re.sub(r"\.[kv]_proj$", "", prefix)  # ModelOpt's <attn>.k_proj.k_scale: one row per attention
         values = {tool: exports[tool][name] for tool in exports if name in exports[tool]}
         entry = {tool: float(value.float().reshape(-1)[0]) for tool, value in values.items()}
         if len(values) == 2:
