@@ -30,3 +30,8 @@ class CalibrationResult:
     te_check: dict[str, Any] = field(default_factory=lambda: dict(NO_TE_CHECK))
     #: attention module path -> its keys' and values' amax, recorded in the same pass when the request asks kv_cache
     kv_amax: dict[str, KvAmax] = field(default_factory=dict)
+    #: serving format -> layer path -> its weight/input/output SQNR under the format's casts (measured with the
+    #: job's recipe, in the same pass)
+    serving_sqnr: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
+    #: layer-sequential mode: the dtype the forwards ran in and why, prefetch, seconds (SequentialStats.to_dict)
+    forward: dict[str, Any] = field(default_factory=dict)

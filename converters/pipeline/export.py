@@ -110,6 +110,7 @@ def _calibration_report(run: Run) -> dict[str, Any]:
     return {
         # what the artifact seeds: "none: <recipe> computes scales from each tensor as it is cast" when stateless
         "state": run.recipe.state_note(),
+        "forward": run.calibration.forward,
         "steps": settings.steps,
         "batch_size": settings.batch_size,
         "seq_len": settings.seq_len,

@@ -73,7 +73,7 @@ MIN_SQNR_DB_RANGE = (0.0, 300.0)
 _REQUEST_KEYS = (
     "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
     "max_shard_bytes", "te_extra_state", "serving_formats", "min_sqnr_db", "compare_recipes",
-    "kv_cache",
+    "kv_cache", "measure",
 )
 _CALIBRATION_KEYS = ("steps", "batch_size", "seq_len", "texts", "backward")
 
@@ -192,6 +192,9 @@ class ConversionRequest:
     compare_recipes: tuple[Any, ...] = ()
     #: "fp8": the serving exports carry FP8 KV-cache scales from this job's calibration; None: they carry none
     kv_cache: str | None = None
+    #: measure each layer's SQNR during calibration (converters.calibration.sensitivity); False: the report says
+    #: it was off, and nothing that needs it (min_sqnr_db, compare_recipes) may be asked for
+    measure: bool = True
     _recipe: Recipe = field(init=False, repr=False, compare=False)  #: ``recipe`` parsed, by __post_init__
 
     def __post_init__(self) -> None:
@@ -199,7 +202,7 @@ class ConversionRequest:
             raise RequestError("model must be a non-empty string like 'org/name[@revision]'", field="model")
         for name in ("include", "exclude"):
             object.__setattr__(self, name, check_patterns(getattr(self, name), name))
-        for name in ("skip_first_last", "convert_router_gates", "te_extra_state"):
+        for name in ("skip_first_last", "convert_router_gates", "te_extra_state", "measure"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false", field=name)
         low, high = SHARD_BYTES
@@ -208,6 +211,9 @@ class ConversionRequest:
         self._check_serving_formats()
         self._check_sensitivity()
         self._check_kv_cache()
+        if not self.measure and (self.min_sqnr_db is not None or self.compare_recipes):
+            raise RequestError("measure false turns the SQNR measurement off, and min_sqnr_db and compare_recipes "
+                               "need it: drop them or leave measure on", field="measure")
         # parsed once, here: every stage, the CLI and the synchronous analysis read this object
         object.__setattr__(self, "_recipe", self._parse_recipe())
 
@@ -308,6 +314,7 @@ class ConversionRequest:
             "min_sqnr_db": self.min_sqnr_db,
             "compare_recipes": [entry if isinstance(entry, str) else dict(entry) for entry in self.compare_recipes],
             "kv_cache": self.kv_cache,
+            "measure": self.measure,
         }
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from converters.calibration.emulation import cast_spec
+from converters.calibration.sensitivity import RecipeCasts, SqnrMeter
 from converters.errors import ConversionError
 from converters.model.checkpoint import weight_files
 from converters.model.sources import confinement_for, model_dtype
@@ -22,7 +24,10 @@ from converters.serving.plan import (
     write_serving_checkpoint,
 )
 
-__all__ = ["plan_serving_formats", "write_serving_exports"]
+__all__ = ["SERVING_LABEL", "plan_serving_formats", "serving_casts", "serving_sqnr", "write_serving_exports"]
+
+#: the SQNR meter's label for a serving format's casts: this prefix and the format's name
+SERVING_LABEL = "serving:"
 
 
 def plan_serving_formats(run: Run, report: dict[str, Any]) -> dict[str, ServingPlan]:
@@ -42,6 +47,31 @@ def plan_serving_formats(run: Run, report: dict[str, Any]) -> dict[str, ServingP
     return plans
 
 
+def serving_casts(run: Run) -> list[RecipeCasts]:
+    """What each requested serving format does to a Linear's weight and input, for the SQNR meter of calibration
+    (a format's ``weight_cast`` and ``input_cast``: spec names of converters.calibration.emulation)."""
+    casts = []
+    for name in run.request.serving_formats:
+        fmt = serving_format(name)
+        pow2 = getattr(fmt, "pow2_scales", False)
+        input_cast = getattr(fmt, "input_cast", None)
+        notes = ("a static input scale comes from the amax over every calibration step: emulated with each step's "
+                 "own amax",) if fmt.needs_calibration and input_cast is not None else ()
+        casts.append(RecipeCasts(label=f"{SERVING_LABEL}{name}", recipe={"serving_format": name},
+                                 weight=cast_spec(fmt.weight_cast, pow2_scales=pow2),
+                                 input=cast_spec(input_cast, pow2_scales=pow2) if input_cast else None,
+                                 not_emulated=notes))
+    return casts
+
+
+def serving_sqnr(run: Run, meter: SqnrMeter | None) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Each serving format's SQNR per measured layer, from the calibration's meter (empty when it was off)."""
+    if meter is None:
+        return {}
+    return {name: {path: meter.result(path, f"{SERVING_LABEL}{name}") for path in meter.paths()}
+            for name in run.request.serving_formats}
+
+
 def write_serving_exports(run: Run, staging: Path) -> list[str]:
     """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran."""
     written = []
@@ -56,9 +86,17 @@ def write_serving_exports(run: Run, staging: Path) -> list[str]:
         files = write_serving_checkpoint(serving_format(name), plan, source, weight_files(source), directory,
                                          model_dtype(run.resolved.config), confinement_for(run.sources),
                                          check_stop=run.check_stop)
+        _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))
         _audit(run, name, plan, directory)
         written += [f"serving/{name}/{file}" for file in files]
     return written
+
+
+def _add_measured_sqnr(plan: ServingPlan, measured: dict[str, dict[str, float | None]]) -> None:
+    """Each quantized Linear's and expert unit's SQNR under the format, measured during calibration."""
+    for path in [*plan.quantized, *plan.expert_units]:
+        if path in measured:
+            plan.layer_stats.setdefault(path, {})["sqnr_db"] = measured[path]
 
 
 def _audit(run: Run, name: str, plan: ServingPlan, directory: Path) -> None:

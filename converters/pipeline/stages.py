@@ -27,10 +27,11 @@ from converters.calibration.amax import calibration_batches, measuring_sqnr, rec
 from converters.calibration.kv_cache import recording_kv_amax
 from converters.calibration.result import NO_TE_CHECK, CalibrationResult
 from converters.calibration.scaling import E4M3_MAX
-from converters.calibration.sensitivity import meter_for, report_sqnr
+from converters.calibration.sensitivity import SQNR_DEFINITION, meter_for, report_sqnr
 from converters.calibration.sequential import (
     LAYER_SEQUENTIAL,
     WHOLE_MODEL,
+    SequentialStats,
     SequentialUnsupported,
     calibrate_layer_by_layer,
     choose_mode,
@@ -47,7 +48,12 @@ from converters.model.sources import (
     model_dtype,
     resolve_model_dir,
 )
-from converters.pipeline.serving_export import plan_serving_formats, write_serving_exports
+from converters.pipeline.serving_export import (
+    plan_serving_formats,
+    serving_casts,
+    serving_sqnr,
+    write_serving_exports,
+)
 from converters.pipeline.state import ResolvedModel, Run, Stage
 
 __all__ = ["STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
@@ -202,17 +208,19 @@ def calibrate(run: Run) -> CalibrationResult:
     """
     batches, source = _calibration_batches(run)
     paths = eligible_paths(run.report) + eligible_expert_units(run.report)
-    amax, te_check = None, dict(NO_TE_CHECK)
-    meter, label = meter_for(run.recipe, run.request.compare_recipes)
+    amax, te_check, forward = None, dict(NO_TE_CHECK), SequentialStats()
+    meter, label = meter_for(run.recipe, run.request.compare_recipes, serving_casts(run)) if run.request.measure \
+        else (None, "")
     with measuring_sqnr(meter):  # the hooks also measure each layer's error under the recipe(s)
         if run.resolved.mode == LAYER_SEQUENTIAL:
             try:
                 with _kv_recording(run, run.resolved.meta_model) as kv:
-                    amax, te_check = _calibrate_layer_by_layer(run, batches, paths)
+                    amax, te_check = _calibrate_layer_by_layer(run, batches, paths, forward)
             except SequentialUnsupported as exc:
                 run.mode_fallback = f"layer-sequential calibration stopped: {exc}"
                 run.warn(f"calibrated the whole model at once: {exc}")
-                meter.reset()
+                if meter is not None:
+                    meter.reset()
                 _load_whole_model(run, run.resolved)
         if amax is None:
             with _kv_recording(run, run.model) as kv:
@@ -220,7 +228,9 @@ def calibrate(run: Run) -> CalibrationResult:
     amax = _apply_sensitivity(run, meter, label, amax)
     _report_experts(run, amax)
     return CalibrationResult(data_source=source, amax=amax, states=_scaling_states(run, amax),
-                             check_batch=batches[0], te_check=te_check, kv_amax=kv.results() if kv else {})
+                             check_batch=batches[0], te_check=te_check, kv_amax=kv.results() if kv else {},
+                             serving_sqnr=serving_sqnr(run, meter),
+                             forward=forward.to_dict() if forward.compute_dtype else {})
 
 
 def _kv_recording(run: Run, model: Any) -> Any:
@@ -234,6 +244,10 @@ def _apply_sensitivity(run: Run, meter: Any, label: str, amax: dict[str, Any]) -
     An excluded layer leaves the report's eligible set here, after calibration and before convert, so the swap,
     the state and calibration files and the serving plans (planned again) all leave it in high precision.
     """
+    if meter is None:
+        run.report["sensitivity"] = {"measured": False, "reason": "the request turned the measurement off "
+                                     "(measure: false)", "definition": SQNR_DEFINITION}
+        return amax
     threshold = run.request.min_sqnr_db
     excluded = report_sqnr(run.report, meter, label, min_sqnr_db=threshold)
     if not excluded:
@@ -308,15 +322,16 @@ def _calibrate_whole_model(run: Run, batches: list[dict[str, Any]], paths: list[
         ) from exc
 
 
-def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: list[str]
+def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: list[str], stats: SequentialStats
                               ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Each eligible layer's amax, and the TE check block of the per-layer check (where the backend has one)."""
+    """Each eligible layer's amax, and the TE check block of the per-layer check (where the backend has one);
+    ``stats`` receives the compute dtype, prefetch and per-layer seconds."""
     after_layer, te_check = run.backend.layer_check(run.recipe)
     te_check = te_check if te_check is not None else dict(NO_TE_CHECK)
     try:
         amax = calibrate_layer_by_layer(
             run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, paths,
-            on_layer=run.sink.progress, should_stop=run.sink.should_stop, after_layer=after_layer,
+            on_layer=run.sink.progress, should_stop=run.sink.should_stop, after_layer=after_layer, stats=stats,
         )
     except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
         raise CalibrationDataError(

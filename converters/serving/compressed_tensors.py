@@ -61,6 +61,7 @@ class CompressedTensorsFP8:
         self.needs_calibration = static
         #: the emulated cast the report's weight SQNR uses (converters.serving.plan.layer_stats)
         self.weight_cast = "e4m3_tensor" if static else "e4m3_row"
+        self.input_cast = "e4m3_tensor" if static else "e4m3_row"  #: static per tensor, or dynamic per token
         self.supports_kv_cache = True  #: writes ``kv_cache_scheme`` and the scales of ``plan.extra_tensors``
         self.kv_scale_convention = COMPRESSED_TENSORS_KV
 

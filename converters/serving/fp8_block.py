@@ -76,6 +76,9 @@ class FP8Block:
     def __init__(self, *, name: str, scale_fmt: ScaleFormat = ScaleFormat.FLOAT) -> None:
         self.name = name
         self.scale_fmt = ScaleFormat(scale_fmt)
+        # the emulated casts of the calibration's SQNR under this format: 128x128 weight blocks, 1x128 input groups
+        self.weight_cast, self.input_cast = "e4m3_block_128x128", "e4m3_block_1x128"
+        self.pow2_scales = self.scale_fmt is ScaleFormat.UE8M0
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         """The reason a Linear of this shape stays in high precision, or None."""

@@ -102,6 +102,7 @@ class ModelOpt:
         #: the emulated cast of the report's weight SQNR (plan.layer_stats): per-weight E4M3, or NVFP4 blocks of 16
         #: under the fused group's global scale
         self.weight_cast = "nvfp4_block16" if self.nvfp4 else "e4m3_tensor"
+        self.input_cast = self.weight_cast  #: the emulated input cast of the calibration's SQNR under this format
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         return nvfp4_rule(in_features, out_features) if self.nvfp4 else None

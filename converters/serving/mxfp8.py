@@ -78,6 +78,7 @@ class MXFP8Format:
     name = "mxfp8"
     needs_calibration = False
     weight_cast = "mxfp8_e4m3_block32"  #: the emulated cast of the report's weight SQNR (plan.layer_stats)
+    input_cast = "mxfp8_e4m3_block32"  #: and of the input, in the calibration's SQNR under this format
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         """The reason a Linear of this shape stays in high precision, or None."""

@@ -100,6 +100,7 @@ class CompressedTensorsNVFP4:
         self.activations = activations
         self.needs_calibration = activations
         self.weight_cast = "nvfp4_block16"  #: the emulated cast of the report's weight SQNR (plan.layer_stats)
+        self.input_cast = "nvfp4_block16" if activations else None  #: and of the input (None: high precision)
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         return nvfp4_rule(in_features, out_features)

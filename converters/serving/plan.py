@@ -316,7 +316,8 @@ def layer_stats(fmt: ServingFormat, weight: torch.Tensor, tensors: list[torch.Te
     format shares it across a fused group), else nothing."""
     own = getattr(fmt, "layer_stats", None)
     if own is not None:
-        return own(weight, tensors)
+        return {key: round(value, 3) if isinstance(value, float) else value
+                for key, value in own(weight, tensors).items()}
     spec = getattr(fmt, "weight_cast", None)
     if spec is None:
         return {}

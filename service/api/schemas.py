@@ -112,13 +112,17 @@ class JobCreate(BaseModel):
     te_extra_state: bool | None = Field(None, description="Store TE's _extra_state (scaling state) too.")
     serving_formats: ServingFormats | None = Field(
         None, description="Serving checkpoints to write as well, each in serving/<name>/, each at most once: "
-                    "compressed-tensors-fp8 (static), compressed-tensors-fp8-dynamic, fp8-block.")
+                    + ", ".join(SERVING_FORMAT_NAMES) + ".")
     kv_cache: Literal[KV_CACHE_DTYPES] | None = Field(  # type: ignore[valid-type]
         None, description="`fp8`: the serving checkpoints also carry FP8 KV-cache scales (k_scale/v_scale per "
                     "attention layer, from this job's calibration) and declare them, so vLLM and SGLang run "
                     "`--kv-cache-dtype fp8` with calibrated scales. Needs one of these in serving_formats: "
                     + ", ".join(KV_CACHE_FORMAT_NAMES) + ".")
     min_sqnr_db: MinSqnrDb | None = None
+    measure: bool | None = Field(
+        None, description="Measure each eligible layer's SQNR during calibration (default true); false makes the "
+                    "job cost only the calibration forward, and the report says the measurement was off. "
+                    "min_sqnr_db and compare_recipes need it.")
 
     def to_request(self) -> dict[str, Any]:
         """The body as the conversion library reads it (unset optional fields left out; the recipe as sent)."""

@@ -41,6 +41,7 @@ def request_from_args(args: argparse.Namespace):
         serving_formats=tuple(args.serving),
         min_sqnr_db=args.min_sqnr_db,
         kv_cache=getattr(args, "kv_cache", None),
+        measure=not getattr(args, "no_measure", False),
     ), notes
 
 

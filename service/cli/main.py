@@ -13,7 +13,7 @@ from pathlib import Path
 
 from converters.analysis.render import format_analysis
 from converters.errors import Fp8ForgeError, ModelNotFoundError, ModelReferenceError, RequestError
-from converters.pipeline.request import KV_CACHE_DTYPES, KV_CACHE_FORMAT_NAMES
+from converters.pipeline.request import KV_CACHE_DTYPES, KV_CACHE_FORMAT_NAMES, SERVING_FORMAT_NAMES
 from converters.third_party_noise import silence_third_party_noise
 from service.cli import compare, convert, keys, serve
 from service.cli.args import (
@@ -73,12 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibration_arguments(convert)
     add_min_sqnr_argument(convert, "keep in high precision")
     convert.add_argument("--serving", action="append", default=[], metavar="FORMAT",
-                         help="also write a serving checkpoint in serving/FORMAT/: compressed-tensors-fp8 (static), "
-                              "compressed-tensors-fp8-dynamic or fp8-block; repeatable")
+                         help="also write a serving checkpoint in serving/FORMAT/: " + ", ".join(SERVING_FORMAT_NAMES)
+                              + "; repeatable")
     convert.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default=None,
                          help="fp8: the serving checkpoints also carry calibrated FP8 KV-cache scales (k_scale/v_scale "
                               "per attention layer) for vLLM/SGLang --kv-cache-dtype fp8; needs --serving "
                               + " or ".join(KV_CACHE_FORMAT_NAMES))
+    convert.add_argument("--no-measure", action="store_true",
+                         help="do not measure each layer's SQNR during calibration (the job costs the calibration "
+                              "forward alone; the report says the measurement was off)")
     convert.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_source_arguments(convert)
     convert.set_defaults(func=_run_convert)

@@ -43,6 +43,9 @@ def test_the_driver_stores_each_record_once(llama_dir):
     assert isinstance(run.calibration, CalibrationResult) and run.calibration.amax
     assert run.conversion is None  # stopped after calibrate
     assert run.pipeline == {"mode": "layer_sequential", "reason": run.resolved.mode_reason, "device": "cpu"}
+    forward = run.calibration.forward  # what the layer forwards ran in, for the report's calibration block
+    assert forward["compute_dtype"] in ("bfloat16", "float32") and forward["checkpoint_dtype"] == "bfloat16"
+    assert "dot products" in forward["compute_reason"] and forward["prefetch"] is True
     for _, _, record_field in STAGE_FUNCTIONS[:3]:
         with pytest.raises(AttributeError, match=f"Run.{record_field} is set once"):
             setattr(run, record_field, getattr(run, record_field))

@@ -47,6 +47,20 @@ def test_each_export_reports_its_layers_weight_sqnr(report, name):
 
 
 @pytest.mark.parametrize("name", SERVING_FORMAT_NAMES)
+def test_each_export_reports_the_output_sqnr_its_casts_give_measured_during_calibration(report, name):
+    block = report["serving"][name]
+    for path in block["quantized"]:
+        sqnr = block["layer_stats"][path]["sqnr_db"]
+        assert 8 < sqnr["output"] < 45, (path, sqnr)  # NVFP4 W4A4 around 15 dB, FP8 around 25-30
+        if name == "nvfp4-a16":  # weight-only: the input stays in high precision, exactly
+            assert sqnr["input"] == 300.0
+        else:
+            assert sqnr["input"] < 45
+    # the same pass measured the job's own recipe: the serving labels stay out of the comparison table
+    assert "comparison" not in report["analysis"]
+
+
+@pytest.mark.parametrize("name", SERVING_FORMAT_NAMES)
 def test_each_export_carries_its_load_audit(report, name):
     audit = report["serving"][name]["load_audit"]
     assert audit["format"]
@@ -83,3 +97,25 @@ def test_an_export_the_engine_would_misread_fails_the_job_and_leaves_nothing(lla
         run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_dir.parent,)))
     assert info.value.field == "serving_formats"
     assert not out.exists() and not list(tmp_path.iterdir())  # no artifact, no staging directory left
+
+
+def test_measure_false_skips_the_sqnr_meter_and_the_report_says_so(llama_dir, tmp_path):
+    out = tmp_path / "out"
+    request = ConversionRequest(model=str(llama_dir), recipe={"backend": "ao"}, calibration=CALIBRATION,
+                                serving_formats=("nvfp4",), measure=False)
+    run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_dir.parent,)))
+    report = json.loads((out / "fp8_report.json").read_text())
+    assert report["analysis"]["sensitivity"]["measured"] is False
+    assert "measure: false" in report["analysis"]["sensitivity"]["reason"]
+    assert not any("sqnr_db" in layer for layer in report["analysis"]["layers"])
+    stats = report["serving"]["nvfp4"]["layer_stats"]
+    assert stats and all("sqnr_db" not in entry and entry["weight_sqnr_db"] > 15 for entry in stats.values())
+
+
+@pytest.mark.parametrize("asked", [{"min_sqnr_db": 20.0}, {"compare_recipes": ("te-current",)}])
+def test_measure_false_refuses_what_needs_the_measurement(asked):
+    from converters.errors import RequestError
+
+    with pytest.raises(RequestError, match="measure false turns the SQNR measurement off") as info:
+        ConversionRequest(model="org/name", measure=False, **asked)
+    assert info.value.field == "measure"

@@ -113,6 +113,7 @@
           if (serving.length) body.serving_formats = serving;
           const kvCache = this.value('kv_cache');
           if (kvCache && kvCache !== 'none') body.kv_cache = kvCache;
+          if (!this.checked('measure')) body.measure = false;
           if (body.recipe.backend === 'te' && this.checked('te_extra_state')) body.te_extra_state = true;
           return JSON.parse(JSON.stringify(body)); // drops the numbers left empty (undefined)
         },
