@@ -346,11 +346,8 @@ def _run_around_layers(model: nn.Module, stack: LayerStack, checkpoint: Checkpoi
 
 def _choose_compute(passes: _Passes, checkpoint: Checkpoint, requested: torch.dtype | None,
                     stats: SequentialStats) -> None:
-    """Once per job, after pass 1 (the probe takes the hidden states' width and token count)."""
-    hidden = passes.hidden_in[0]
-    width = int(hidden.shape[-1])
-    compute, why = choose_compute_dtype(requested, checkpoint.dtype, checkpoint.device, width=width,
-                                        tokens=hidden.numel() // max(width, 1))
+    """Once per job, after pass 1."""
+    compute, why = choose_compute_dtype(requested, checkpoint.dtype, checkpoint.device)
     passes.compute = compute if compute != checkpoint.dtype else None
     stats.compute_dtype, stats.compute_reason = str(compute).removeprefix("torch."), why
 

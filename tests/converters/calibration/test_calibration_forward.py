@@ -100,8 +100,33 @@ def test_auto_keeps_a_float32_checkpoint_in_float32(models_root):
 def test_auto_says_what_it_chose_and_why(bf16_models):
     _, stats, _ = sequential(bf16_models / "llama")
     assert stats.compute_dtype in ("bfloat16", "float32")
-    assert "probe" in stats.compute_reason and len(stats.layers) == 3
+    assert "dot products" in stats.compute_reason and len(stats.layers) == 3
     assert stats.to_dict()["compute_dtype"] == stats.compute_dtype
+    # the choice is the CPU's, not the machine's load: the same every time
+    assert sequential(bf16_models / "llama")[1].compute_dtype == stats.compute_dtype
+
+
+@pytest.mark.parametrize(("flags", "env", "native"), [
+    ("fpu avx2 avx512f avx512_bf16", {}, True),
+    ("fpu avx2 amx_bf16", {}, True),
+    ("fpu avx2 fma", {}, False),
+    ("fpu avx2 avx512_bf16", {"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),
+    ("fpu avx2 avx512_bf16", {"ATEN_CPU_CAPABILITY": "avx2"}, False),
+])
+def test_native_bf16_follows_the_cpu_flags_and_kernel_caps(tmp_path, monkeypatch, flags, env, native):
+    from converters.calibration.compute import choose_compute_dtype, native_half_kernels
+
+    for variable in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert native_half_kernels(torch.bfloat16, cpuinfo) is native
+    assert native_half_kernels(torch.bfloat16, tmp_path / "missing") is (False if env else None)
+    monkeypatch.setattr("converters.calibration.compute.native_half_kernels", lambda dtype: native)
+    dtype, _ = choose_compute_dtype(None, torch.bfloat16, torch.device("cpu"))
+    assert dtype == (torch.bfloat16 if native else torch.float32)
 
 
 def test_another_compute_dtype_is_refused(bf16_models):

@@ -182,7 +182,7 @@ def test_whole_model_and_layer_by_layer_record_the_same_kv_amax(name, kv_root):
     assert stack is not None, why
     checkpoint = Checkpoint(directory, meta, dtype=model_dtype(config), device="cpu")
     with recording_kv_amax(meta) as recorder:
-        calibrate_layer_by_layer(meta, stack, checkpoint, batches, paths)
+        calibrate_layer_by_layer(meta, stack, checkpoint, batches, paths, compute_dtype=checkpoint.dtype)
     got = recorder.results()
 
     assert sorted(got) == sorted(expected) == [f"model.layers.{i}.self_attn" for i in range(config.num_hidden_layers)]

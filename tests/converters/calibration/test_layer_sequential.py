@@ -69,7 +69,8 @@ def both_modes(directory):
     stack, why = find_layer_stack(meta)
     assert stack is not None, why
     checkpoint = Checkpoint(directory, meta, dtype=model_dtype(config), device="cpu")
-    return expected, calibrate_layer_by_layer(meta, stack, checkpoint, batches, paths), meta
+    return expected, calibrate_layer_by_layer(meta, stack, checkpoint, batches, paths,
+                                                compute_dtype=checkpoint.dtype), meta  # the whole model's dtype
 
 
 @pytest.mark.parametrize("name", [*EQUALITY_MODELS, "minilm"])
