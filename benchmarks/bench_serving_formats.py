@@ -115,7 +115,7 @@ class Scheme:
 
     name: str
     serving_format: str
-    layout: str  # a key of format_layouts.LAYOUTS: how both exports store a quantized Linear
+    layout: str  # a key of LAYOUTS: how both exports store a quantized Linear
     peer: str  # PEER (llm-compressor) or MODELOPT
     peer_recipe: dict  # QuantizationModifier's keyword arguments, or {"config": <mtq config>[, "kv_config": ...]}
     kv_cache: str | None = None
