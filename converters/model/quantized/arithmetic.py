@@ -1,0 +1,98 @@
+"""The dequantization arithmetic of each stored format, one weight at a time (pure tensor functions).
+
+Every function takes the stored tensors of one weight and returns it in ``dtype``. The order of the
+operations and the dtype each runs in are the reference dequantizer's own, so the result is the same bits:
+
+- FP8 with a scale grid (transformers ``Fp8Dequantize._dequantize_one``, DeepSeek-V3 ``weight_dequant``,
+  compressed-tensors ``_dequantize`` with bf16/fp16/fp32 scales): ``fp32(code) * fp32(scale)``, the product
+  rounded to fp32, then rounded to ``dtype`` (round to nearest even). An E4M3 code has 4 significant bits, so
+  the fp32 product is exact for a bf16 or fp16 scale (the only rounding is the last one) and for a power-of-two
+  scale; with an arbitrary fp32 scale it is rounded twice, as transformers rounds it.
+- NVFP4 packed (compressed-tensors ``NVFP4PackedCompressor.decompress``): ``fp32(code) * fp32(e4m3_scale /
+  global_scale)``, then ``dtype``: the division first, in fp32, as compressed-tensors divides.
+- NVFP4 ModelOpt (``NVFP4QTensor.dequantize``): ``fp32(code) * fp32(e4m3_scale * weight_scale_2)``, then ``dtype``.
+
+None of this gives back the weight the writer quantized from: quantization dropped information. Equal means
+the dequantization arithmetic matches the reference library's own dequantizer bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["E2M1_CODES", "dequantize_fp8", "dequantize_nvfp4", "expand_scale", "unpack_e2m1"]
+
+#: The value of each 4-bit E2M1 code (bit 3 the sign; code 8 is -0), as compressed-tensors and ModelOpt map them.
+E2M1_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_E8M0_BIAS = 127
+
+
+def expand_scale(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """``scale`` broadcast to a weight of ``shape`` (``[..., rows, cols]``), as fp32.
+
+    The scale's layout is read from its shape: one element (per tensor), ``[rows]`` or ``[rows, 1]`` (per
+    channel), ``[rows, cols / g]`` (groups of ``g`` along the columns), or, with ``block``, a grid of
+    ``ceil(rows / block[0]) x ceil(cols / block[1])`` blocks whose last row and column may be partial. Leading
+    dims (stacked experts) must match the weight's.
+
+    Raises:
+        ValueError: the scale's shape fits none of these layouts.
+    """
+    scale = scale.float()
+    rows, cols = shape[-2], shape[-1]
+    if scale.numel() == 1:
+        return scale.reshape(())
+    if block is not None:
+        grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+        if tuple(scale.shape[-2:]) == grid:
+            expanded = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+            return expanded[..., :rows, :cols]
+    if scale.ndim == len(shape) - 1 and scale.shape[-1] == rows:
+        scale = scale.unsqueeze(-1)
+    if scale.ndim == len(shape) and scale.shape[-2] == rows and scale.shape[-1] and cols % scale.shape[-1] == 0:
+        return scale.repeat_interleave(cols // scale.shape[-1], dim=-1)
+    raise ValueError(f"a scale of shape {tuple(scale.shape)} fits no layout of a weight of shape {tuple(shape)}"
+                     + (f" with {block[0]}x{block[1]} blocks" if block else ""))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   block: tuple[int, int] | None = None) -> torch.Tensor:
+    """``dtype(fp32(weight) * fp32(scale))`` with ``scale`` broadcast by :func:`expand_scale`.
+
+    ``scale`` may be fp32/bf16/fp16 (a multiplier), ``float8_e8m0fnu`` (a power of two) or uint8 holding a
+    biased E8M0 exponent (MX formats: ``2 ** (byte - 127)``, exact in fp32 down to 2**-127, a subnormal).
+    """
+    if scale.dtype == torch.uint8:
+        scale = torch.ldexp(torch.ones((), dtype=torch.float32), scale.to(torch.int32) - _E8M0_BIAS)
+    return (weight.float() * expand_scale(scale, weight.shape, block)).to(dtype)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Two E2M1 codes a byte (the even column in the low nibble) as fp32 values, the last dim doubled."""
+    codes = packed.contiguous().view(torch.uint8)
+    table = torch.tensor(E2M1_CODES, dtype=torch.float32)
+    values = torch.stack((table[(codes & 0x0F).long()], table[(codes >> 4).long()]), dim=-1)
+    return values.flatten(-2)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, tensor_scale: torch.Tensor,
+                     dtype: torch.dtype, *, divide: bool) -> torch.Tensor:
+    """NVFP4: E2M1 codes times their 16-element block's E4M3 scale, scaled per tensor.
+
+    ``divide``: compressed-tensors' ``weight_global_scale`` (quantization direction: ``block / global``);
+    otherwise ModelOpt's ``weight_scale_2`` (dequantization direction: ``block * weight_scale_2``).
+    """
+    values = unpack_e2m1(packed)
+    rows, cols = values.shape[-2], values.shape[-1]
+    groups = block_scale.shape[-1]
+    if block_scale.shape[-2] != rows or not groups or cols % groups:
+        raise ValueError(f"block scales of shape {tuple(block_scale.shape)} do not fit an NVFP4 weight of "
+                         f"{rows}x{cols}")
+    per_tensor = tensor_scale.float()
+    per_tensor = per_tensor.reshape(()) if per_tensor.numel() == 1 else per_tensor.reshape(
+        *block_scale.shape[:-2], 1, 1)
+    per_block = block_scale.float() / per_tensor if divide else block_scale.float() * per_tensor
+    blocks = values.unflatten(-1, (groups, cols // groups)) * per_block.unsqueeze(-1)
+    return blocks.flatten(-2).to(dtype)

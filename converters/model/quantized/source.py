@@ -1,0 +1,241 @@
+"""What a quantized checkpoint stores per weight, and how to read one weight back in high precision.
+
+A :class:`SourceQuantization` is built from the checkpoint's config (:func:`~converters.model.quantized.detect.
+source_quantization`); which weights are quantized is read from the tensors themselves: a weight is quantized
+when its stored tensor and its scales are there (the config's ignore lists say the same for a well-formed
+checkpoint, and they are reported by :meth:`SourceQuantization.describe`).
+
+Per scheme (``<p>`` is the module path, ``<p>.weight`` the logical weight key):
+
+=========================  =================================  ===============================================
+scheme                     stored weight                      scales (and other tensors of the weight)
+=========================  =================================  ===============================================
+fp8-block, fp8-tensor      ``<p>.weight`` F8_E4M3             ``<p>.weight_scale_inv`` F32 (block grid or one),
+                                                              ``<p>.activation_scale`` (static activations)
+compressed-tensors-fp8     ``<p>.weight`` F8_E4M3             ``<p>.weight_scale`` (tensor/channel/group/block),
+                                                              ``<p>.input_scale``
+compressed-tensors-nvfp4   ``<p>.weight_packed`` U8 [o, i/2]  ``<p>.weight_scale`` F8_E4M3 [o, i/16],
+                                                              ``<p>.weight_global_scale``, ``<p>.input_global_scale``
+compressed-tensors-mxfp8   ``<p>.weight`` F8_E4M3             ``<p>.weight_scale`` U8 E8M0 [o, i/32]
+modelopt-fp8               ``<p>.weight`` F8_E4M3             ``<p>.weight_scale`` F32, ``<p>.input_scale``
+modelopt-nvfp4             ``<p>.weight`` U8 [o, i/2]         ``<p>.weight_scale`` F8_E4M3 [o, i/16],
+                                                              ``<p>.weight_scale_2`` F32, ``<p>.input_scale``
+=========================  =================================  ===============================================
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from converters.errors import ModelConfigError
+from converters.model.quantized.arithmetic import dequantize_fp8, dequantize_nvfp4
+
+__all__ = ["Scheme", "SourceQuantization"]
+
+_FP8 = (torch.float8_e4m3fn,)
+_PACKED = (torch.uint8, torch.int8)
+
+
+class Scheme(str, enum.Enum):
+    """The quantized checkpoint layouts fp8forge reads."""
+
+    #: transformers FineGrainedFP8 (``quant_method: "fp8"``, ``weight_block_size``): DeepSeek-V3, Qwen3-FP8
+    FP8_BLOCK = "fp8-block"
+    #: ``quant_method: "fp8"`` without ``weight_block_size``: one ``weight_scale_inv`` per weight
+    FP8_TENSOR = "fp8-tensor"
+    #: compressed-tensors ``float-quantized`` (or ``naive-quantized``) FP8: per tensor, channel, group or block
+    CT_FP8 = "compressed-tensors-fp8"
+    #: compressed-tensors ``nvfp4-pack-quantized``
+    CT_NVFP4 = "compressed-tensors-nvfp4"
+    #: compressed-tensors ``mxfp8-quantized``
+    CT_MXFP8 = "compressed-tensors-mxfp8"
+    #: compressed-tensors ``mixed-precision``: config groups of several of the three formats above
+    CT_MIXED = "compressed-tensors-mixed"
+    #: NVIDIA ModelOpt ``quant_algo: "FP8"``
+    MODELOPT_FP8 = "modelopt-fp8"
+    #: NVIDIA ModelOpt ``quant_algo: "NVFP4"``
+    MODELOPT_NVFP4 = "modelopt-nvfp4"
+
+
+_COMPRESSED_TENSORS = {Scheme.CT_FP8, Scheme.CT_NVFP4, Scheme.CT_MXFP8, Scheme.CT_MIXED}
+#: the tensors of each scheme beside the stored weight, as suffixes of the module path
+_COMPANIONS: dict[Scheme, tuple[str, ...]] = {
+    Scheme.FP8_BLOCK: ("weight_scale_inv", "activation_scale"),
+    Scheme.FP8_TENSOR: ("weight_scale_inv", "activation_scale"),
+    Scheme.CT_FP8: ("weight_scale", "input_scale"),
+    Scheme.CT_NVFP4: ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+    Scheme.CT_MXFP8: ("weight_scale",),
+    Scheme.CT_MIXED: ("weight_packed", "weight_scale", "weight_global_scale", "input_scale", "input_global_scale"),
+    Scheme.MODELOPT_FP8: ("weight_scale", "input_scale"),
+    Scheme.MODELOPT_NVFP4: ("weight_scale", "weight_scale_2", "input_scale"),
+}
+_KV_CACHE_SCALES = (".k_scale", ".v_scale", ".q_scale")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceQuantization:
+    """The quantization of a checkpoint fp8forge reads from (see the module docstring for each scheme's tensors).
+
+    ``block_size``: the FP8 block (rows, cols) of ``fp8-block`` and of compressed-tensors' block strategy;
+    ``group_size``: the NVFP4/MXFP8 group along the input dim; ``not_converted``: the config's list of modules
+    kept in high precision (``modules_to_not_convert``, ``ignore``, ``exclude_modules``), as written;
+    ``details``: what else the config says (activation scheme, strategies, KV cache), for the report.
+    """
+
+    scheme: Scheme
+    quant_method: str
+    block_size: tuple[int, int] | None = None
+    group_size: int | None = None
+    not_converted: tuple[str, ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scheme", Scheme(self.scheme))
+        if self.block_size is not None and (len(self.block_size) != 2 or min(self.block_size) < 1):
+            raise ValueError(f"block_size: two positive ints expected, got {self.block_size!r}")
+
+    @property
+    def packed(self) -> bool:
+        """Whether the stored weight holds two FP4 codes a byte (the logical input dim is twice the stored one)."""
+        return self.scheme in (Scheme.CT_NVFP4, Scheme.MODELOPT_NVFP4)
+
+    def describe(self, tensor_names: Iterable[str] | None = None) -> dict[str, Any]:
+        """The report's ``source_quantization`` block; with the checkpoint's tensor names, also which Linear
+        weights are stored quantized and which are not (``quantized_modules``, ``unquantized_modules``)."""
+        described: dict[str, Any] = {"scheme": self.scheme.value, "quant_method": self.quant_method,
+                                     "block_size": list(self.block_size) if self.block_size else None,
+                                     "group_size": self.group_size, "not_converted": list(self.not_converted),
+                                     **self.details}
+        if tensor_names is not None:
+            names = set(tensor_names)
+            quantized = self.quantized_weights(names)
+            described["quantized_modules"] = [key.removesuffix(".weight") for key in quantized]
+            kept = sorted(name for name in names if name.endswith(".weight") and name not in set(quantized)
+                          and name.removesuffix(".weight") + ".weight_packed" not in names)
+            described["unquantized_weights"] = kept
+            described["kv_cache_scales"] = self.kv_cache_keys(names)
+        return described
+
+    def _stored_weight(self, weight_key: str) -> str:
+        return f"{_prefix(weight_key)}weight_packed" if self.scheme is Scheme.CT_NVFP4 else weight_key
+
+    def _required(self, weight_key: str, tensor_names: Collection[str]) -> list[str]:
+        """The stored tensors without which ``weight_key`` is not quantized (its stored weight and main scale)."""
+        prefix = _prefix(weight_key)
+        if self.scheme in (Scheme.FP8_BLOCK, Scheme.FP8_TENSOR):
+            return [weight_key, f"{weight_key}_scale_inv"]
+        if self.scheme is Scheme.CT_MIXED and f"{prefix}weight_packed" in tensor_names:
+            return [f"{prefix}weight_packed", f"{prefix}weight_scale", f"{prefix}weight_global_scale"]
+        required = [self._stored_weight(weight_key), f"{prefix}weight_scale"]
+        if self.scheme is Scheme.CT_NVFP4:
+            required.append(f"{prefix}weight_global_scale")
+        elif self.scheme is Scheme.MODELOPT_NVFP4:
+            required.append(f"{prefix}weight_scale_2")
+        return required
+
+    def is_quantized(self, weight_key: str, tensor_names: Collection[str]) -> bool:
+        """Whether ``weight_key`` (``<module>.weight``) is stored quantized: its stored weight and scales are in
+        ``tensor_names`` (the names of the whole checkpoint, or of the shard that holds it)."""
+        if not weight_key.endswith("weight"):
+            return False
+        return all(name in tensor_names for name in self._required(weight_key, tensor_names))
+
+    def quantized_weights(self, tensor_names: Collection[str]) -> list[str]:
+        """The logical weight keys (``<module>.weight``) stored quantized, sorted: for NVFP4 in compressed-tensors
+        the key ``<module>.weight`` itself is not among the tensors (``weight_packed`` is)."""
+        names = tensor_names if isinstance(tensor_names, (set, frozenset, Mapping)) else set(tensor_names)
+        suffix = ".weight_scale_inv" if self.scheme in (Scheme.FP8_BLOCK, Scheme.FP8_TENSOR) else ".weight_scale"
+        keys = (f"{name.removesuffix(suffix)}.weight" for name in names if name.endswith(suffix))
+        return sorted(key for key in keys if self.is_quantized(key, names))
+
+    def companion_keys(self, weight_key: str) -> list[str]:
+        """The stored tensors that belong to the quantized ``weight_key`` besides ``weight_key`` itself: its
+        scales (and ``weight_packed``, which stands for ``weight`` in compressed-tensors NVFP4). Some are optional
+        (``input_scale`` of a dynamic scheme): filter the list by the checkpoint's tensor names."""
+        prefix = _prefix(weight_key)
+        return [f"{prefix}{suffix}" for suffix in _COMPANIONS[self.scheme]]
+
+    def kv_cache_keys(self, tensor_names: Iterable[str]) -> list[str]:
+        """The KV-cache scales among ``tensor_names`` (``k_scale``/``v_scale``/``q_scale`` of attention modules or
+        ModelOpt's ``k_proj.k_scale``): tensors a high-precision model does not have."""
+        return sorted(name for name in tensor_names if name.endswith(_KV_CACHE_SCALES))
+
+    def logical_shape(self, weight_key: str, tensors: Mapping[str, Any]) -> tuple[int, ...]:
+        """The high-precision shape of ``weight_key``; ``tensors`` maps stored names to anything with ``shape``
+        (tensors, ``SourceTensor``). NVFP4 ``[out, in/2]`` -> ``[out, in]``."""
+        shape = tuple(tensors[self._stored_weight(weight_key)].shape)
+        if self.packed or (self.scheme is Scheme.CT_MIXED and self._stored_weight(weight_key) != weight_key):
+            return (*shape[:-1], shape[-1] * 2)
+        return shape
+
+    def dequantize(self, weight_key: str, read: Callable[[str], torch.Tensor],
+                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``weight_key`` in ``dtype``, from its stored weight and scales, each got with ``read(name)``.
+
+        Arithmetic (see :mod:`converters.model.quantized.arithmetic`), the reference each matches bit for bit:
+
+        - fp8-block/-tensor: ``fp8.float() * weight_scale_inv`` broadcast per ``block_size`` block (a partial
+          last block row/column takes its block's scale), in fp32, rounded once to ``dtype`` (nearest even):
+          transformers 5.24 ``Fp8Dequantize._dequantize_one`` (and DeepSeek-V3's ``weight_dequant``).
+        - compressed-tensors FP8 (any strategy): ``fp8.float() * weight_scale`` in fp32, then ``dtype``:
+          ``decompress`` of compressed-tensors 0.20.1, which multiplies in the scale's dtype; the same bits when
+          ``dtype`` is the scale's dtype (its output dtype) or the scale is fp32. A bf16 scale times an E4M3 code
+          is exact in fp32, so the one rounding is to ``dtype``.
+        - compressed-tensors MXFP8: ``fp8.float() * 2**(weight_scale - 127)`` (exact), then ``dtype``.
+        - compressed-tensors NVFP4: ``e2m1 * fp32(weight_scale(e4m3) / weight_global_scale)``, then ``dtype``:
+          ``NVFP4PackedCompressor.decompress`` (which returns bf16).
+        - modelopt-fp8: ``fp8.float() * weight_scale`` in fp32, then ``dtype`` (what vLLM's fp32-scaled GEMM
+          uses); ModelOpt's own ``FP8QTensor.dequantize`` rounds the scale to ``dtype`` first and multiplies in
+          ``dtype``, which can differ by an ulp of ``dtype``.
+        - modelopt-nvfp4: ``e2m1 * fp32(weight_scale(e4m3) * weight_scale_2)``, then ``dtype``: ModelOpt's
+          ``NVFP4QTensor.dequantize``.
+
+        The result is never the weight the writer quantized from: quantization dropped information.
+
+        Raises:
+            ModelConfigError: (field ``model``) ``weight_key`` is not quantized in this layout, or a stored
+                tensor has the wrong dtype or a shape its scale does not fit.
+        """
+        prefix = _prefix(weight_key)
+        try:
+            if self.scheme in (Scheme.FP8_BLOCK, Scheme.FP8_TENSOR):
+                return dequantize_fp8(_expect(read, weight_key, _FP8), read(f"{weight_key}_scale_inv"), dtype,
+                                      self.block_size)
+            if self.scheme is Scheme.MODELOPT_NVFP4:
+                return dequantize_nvfp4(_expect(read, weight_key, _PACKED),
+                                        _expect(read, f"{prefix}weight_scale", _FP8),
+                                        read(f"{prefix}weight_scale_2"), dtype, divide=False)
+            if self.scheme in _COMPRESSED_TENSORS and (self.scheme is Scheme.CT_NVFP4 or self.scheme is
+                                                       Scheme.CT_MIXED and _has(read, f"{prefix}weight_packed")):
+                return dequantize_nvfp4(_expect(read, f"{prefix}weight_packed", _PACKED),
+                                        _expect(read, f"{prefix}weight_scale", _FP8),
+                                        read(f"{prefix}weight_global_scale"), dtype, divide=True)
+            return dequantize_fp8(_expect(read, weight_key, _FP8), read(f"{prefix}weight_scale"), dtype,
+                                  self.block_size)
+        except (ValueError, KeyError) as exc:
+            raise ModelConfigError(f"cannot dequantize {weight_key} ({self.scheme.value}): {exc}",
+                                   field="model") from exc
+
+
+def _prefix(weight_key: str) -> str:
+    return weight_key.removesuffix("weight")
+
+
+def _has(read: Callable[[str], torch.Tensor], name: str) -> bool:
+    try:
+        read(name)
+    except (KeyError, FileNotFoundError, ModelConfigError):
+        return False
+    return True
+
+
+def _expect(read: Callable[[str], torch.Tensor], name: str, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    tensor = read(name)
+    if tensor.dtype not in dtypes:
+        raise ValueError(f"{name} is {tensor.dtype}, expected {' or '.join(str(dtype) for dtype in dtypes)}")
+    return tensor
