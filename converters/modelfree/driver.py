@@ -1,0 +1,195 @@
+"""``convert_model_free``: a checkpoint converted shard by shard from its files and config.json alone.
+
+Phases, each a function of plain data (:mod:`converters.modelfree.tasks`), so a job queue can later run the shard
+tasks on many workers: inventory (map: each shard's header) -> decide (:func:`~converters.modelfree.eligibility.decide`,
+global, headers only) -> weight amax (map, formats with ``needs_weight_amax``) -> shared amax (reduce: a fused
+group's members may lie in different shards) -> write (map: one output shard per task) -> finish (index, config,
+side files, report, manifest). Everything is written into a staging directory renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from converters.artifact.files import copy_side_files, write_json, write_manifest
+from converters.artifact.layout import staging_dir_for
+from converters.errors import ConversionError, Fp8ForgeError
+from converters.model.checkpoint import weight_files
+from converters.model.files import INDEX_NAME, FileConfinement
+from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, decide
+from converters.modelfree.targets import model_free_target, scale_dtype_of
+from converters.modelfree.tasks import (
+    AmaxTask,
+    WriteResult,
+    WriteTask,
+    inventory_shard,
+    reduce_weight_amax,
+    shard_weight_amax,
+    write_shard,
+)
+from converters.serving.plan import ServingPlan
+
+__all__ = ["REPORT_NAME", "convert_model_free", "plan_model_free", "serving_plan"]
+
+logger = logging.getLogger(__name__)
+
+REPORT_NAME = "requantize_report.json"
+REPORT_VERSION = 1
+
+
+def plan_model_free(source_dir: Path, target: str, options: ModelFreeOptions, *, workers: int = 1
+                    ) -> dict[str, Any]:
+    """The report of what a model-free conversion of ``source_dir`` to ``target`` converts (reads headers only).
+
+    Raises:
+        RequestError: unknown target, or one that needs calibration. PatternError: an include matching nothing.
+        ModelNotFoundError: a missing or malformed weight file or index.
+    """
+    source_dir = Path(source_dir)
+    fmt = model_free_target(target)
+    config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    shards = [path.name for path in weight_files(source_dir)]
+    inventories = _map(inventory_shard, [(str(source_dir), shard) for shard in shards], workers, star=True)
+    tensors = [TensorInfo(key=name, shard=shard, dtype=dtype, shape=tuple(shape))
+               for shard, inventory in zip(shards, inventories, strict=True) for name, dtype, shape in inventory]
+    if getattr(fmt, "dequantize_only", False):
+        report = {"options": options.to_dict(), "layers": [], "other": [], "quantized": {}, "fused_groups": []}
+    else:
+        report = decide(tensors, config, options, fmt.layer_rule)
+    report.update({"version": REPORT_VERSION, "format": fmt.name, "scale_dtype": scale_dtype_of(config),
+                   "shards": shards, "model_type": config.get("model_type")})
+    return report
+
+
+def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, include: Iterable[str] = (),
+                       exclude: Iterable[str] = (), skip_first_last: bool = True, workers: int = 1,
+                       confinement: FileConfinement | None = None) -> dict[str, Any]:
+    """Convert ``source_dir`` (safetensors + config.json) to ``format_name`` in ``out_dir``, shard by shard.
+
+    ``workers`` > 1 runs the shard tasks in that many processes; the bytes written do not depend on it. Side files
+    (tokenizer, generation config) are read only inside ``confinement`` (default: ``source_dir``). Returns the
+    report (also written to ``out_dir/requantize_report.json``).
+
+    Raises:
+        Fp8ForgeError: ``out_dir`` exists or its parent does not, bad options or target (see
+            :func:`plan_model_free`), nothing to convert. Any error leaves no ``out_dir`` behind.
+    """
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    if out_dir.exists():
+        raise Fp8ForgeError(f"output directory {out_dir} already exists; choose a new one", field="out")
+    if not out_dir.parent.is_dir():
+        raise Fp8ForgeError(f"the parent of {out_dir} does not exist; create {out_dir.parent} first", field="out")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    options = ModelFreeOptions(include=tuple(include), exclude=tuple(exclude), skip_first_last=skip_first_last)
+    report = plan_model_free(source_dir, format_name, options, workers=workers)
+    if not report["quantized"] and not getattr(model_free_target(format_name), "dequantize_only", False):
+        raise ConversionError(f"{format_name} would quantize no weight of this checkpoint (see the reasons with "
+                              "fp8forge analyze): adjust include/exclude or skip_first_last", field="to")
+    staging = staging_dir_for(out_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        results = _write_shards(source_dir, staging, report, workers)
+        _finish(source_dir, staging, report, results, confinement or FileConfinement(roots=(source_dir.resolve(),)))
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], workers: int) -> list[WriteResult]:
+    """Map the weight amax (where the format needs it), reduce it over fused groups, then map the writes."""
+    fmt = model_free_target(report["format"])
+    by_shard: dict[str, list[str]] = {shard: [] for shard in report["shards"]}
+    shard_of = {layer["key"]: layer["shard"] for layer in report["layers"]}
+    for key in report["quantized"]:
+        by_shard[shard_of[key]].append(key)
+    amax: dict[str, float] = {}
+    if getattr(fmt, "needs_weight_amax", False):
+        tasks = [AmaxTask(source_dir=str(source_dir), shard=shard, keys=keys) for shard, keys in by_shard.items()
+                 if keys]
+        amax = reduce_weight_amax(_map(shard_weight_amax, tasks, workers), report["quantized"])
+    tasks = [WriteTask(source_dir=str(source_dir), shard=shard, out_dir=str(staging), target=fmt.name,
+                       scale_dtype=report["scale_dtype"], convert=keys,
+                       weight_amax={key: amax[key] for key in keys if key in amax}) for shard, keys in by_shard.items()]
+    return _map(write_shard, tasks, workers)
+
+
+def _map(function: Callable[..., Any], tasks: list[Any], workers: int, *, star: bool = False) -> list[Any]:
+    """``function`` over ``tasks`` in order: in this process, or in ``workers`` spawned processes (CUDA-safe)."""
+    if workers == 1 or len(tasks) < 2:
+        return [function(*task) if star else function(task) for task in tasks]
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        if star:
+            return list(pool.map(function, *zip(*tasks, strict=True)))
+        return list(pool.map(function, tasks))
+
+
+def serving_plan(report: dict[str, Any]) -> ServingPlan:
+    """The :class:`ServingPlan` a serving format's ``quantization_config`` reads, from a model-free report."""
+    plan = ServingPlan(format=report["format"])
+    quantized = set(report["quantized"])
+    experts_kept: dict[str, str] = {}
+    for layer in report["layers"]:
+        module = layer["module"]
+        if layer["kind"] == "expert":
+            if layer["key"] in quantized:
+                plan.experts[layer["key"]] = report["quantized"][layer["key"]]
+            else:
+                prefix = module.rpartition(".")[0].rpartition(".")[0]
+                experts_kept[prefix] = prefix
+        elif "moe_router_gate" in layer["reasons"]:
+            plan.router_gates.append(module)
+        elif "not_nn_linear" not in layer["reasons"]:
+            plan.linear_paths.append(module)
+            if layer["key"] in quantized:
+                plan.quantized[module] = layer["key"]
+        if not layer["eligible"]:
+            plan.skipped[module] = ",".join(layer["reasons"])
+    plan.unquantized_experts = experts_kept
+    plan.fused_groups = [group["members"] for group in report["fused_groups"]
+                         if all(f"{member}.weight" in quantized for member in group["members"])]
+    return plan
+
+
+def _finish(source_dir: Path, staging: Path, report: dict[str, Any], results: list[WriteResult],
+            confinement: FileConfinement) -> None:
+    """Index, config.json with the format's quantization_config, side files, the report, and the manifest."""
+    fmt = model_free_target(report["format"])
+    if (source_dir / INDEX_NAME).is_file():
+        weight_map = {name: result.shard for result in results for name in result.tensors}
+        write_json(staging / INDEX_NAME, {"metadata": {"total_size": sum(result.bytes for result in results)},
+                                          "weight_map": weight_map})
+    config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    plan = serving_plan(report)
+    quantization_config = fmt.quantization_config(plan)
+    if quantization_config is None:
+        config.pop("quantization_config", None)
+    else:
+        config["quantization_config"] = quantization_config
+    write_json(staging / "config.json", config)
+    copy_side_files(source_dir, staging, confinement)
+    side_files = getattr(fmt, "side_files", None)
+    for name, content in (side_files(plan) if side_files is not None else {}).items():
+        write_json(staging / name, content)
+    report["per_shard"] = {result.shard: _shard_report(report, result) for result in results}
+    report["layer_stats"] = {name: stats for result in results for name, stats in result.layer_stats.items()}
+    write_json(staging / REPORT_NAME, report)
+    write_manifest(staging)
+
+
+def _shard_report(report: dict[str, Any], result: WriteResult) -> dict[str, Any]:
+    kept = {layer["key"]: ",".join(layer["reasons"]) for layer in report["layers"]
+            if layer["shard"] == result.shard and not layer["eligible"]}
+    return {"converted": result.converted, "kept": kept, "bytes": result.bytes}

@@ -1,0 +1,133 @@
+"""The shard tasks of a model-free conversion: map (inventory, weight amax), reduce, write; all plain data.
+
+Each task takes a frozen dataclass of strings, numbers and lists and returns one, so a job queue can send a
+shard's task to another machine (``to_dict``/``from_dict`` are the wire form). Only the shard named in a task is
+read, one weight at a time, and a write task writes one file. The global decisions (eligibility, the fused
+groups' shared weight amax) are made between the phases from the tasks' results
+(:mod:`converters.modelfree.driver`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
+from converters.modelfree.targets import model_free_target
+from converters.serving.plan import layer_stats
+
+__all__ = ["AmaxResult", "AmaxTask", "WriteResult", "WriteTask", "inventory_shard", "reduce_weight_amax",
+           "shard_weight_amax", "write_shard"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Wire:
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        names = {item.name for item in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AmaxTask(_Wire):
+    """Map: the largest ``|w|`` of each listed weight of one shard."""
+
+    source_dir: str
+    shard: str
+    keys: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AmaxResult(_Wire):
+    shard: str
+    weight_amax: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteTask(_Wire):
+    """Write one output shard: the listed weights converted, ``drop`` left out, every other tensor copied as bytes."""
+
+    source_dir: str
+    shard: str
+    out_dir: str
+    target: str
+    scale_dtype: str
+    convert: list[str]  #: weight keys to convert, in any order
+    weight_amax: dict[str, float] = field(default_factory=dict)  #: per converted key (formats needing it)
+    drop: list[str] = field(default_factory=list)  #: companion tensors of the source's quantized weights
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteResult(_Wire):
+    shard: str
+    tensors: list[str]  #: the names written, in file order
+    bytes: int  #: the tensors' bytes (the index's total_size counts these)
+    converted: list[str]
+    layer_stats: dict[str, dict[str, Any]]
+
+
+def inventory_shard(source_dir: str, shard: str) -> list[list[Any]]:
+    """``[name, dtype, shape]`` of every tensor of one shard, in file order, from its header alone."""
+    tensors, _ = read_tensor_index(Path(source_dir) / shard)
+    return [[name, tensor.dtype, list(tensor.shape)] for name, tensor in tensors.items()]
+
+
+def shard_weight_amax(task: AmaxTask) -> AmaxResult:
+    """Each listed weight's largest magnitude, exact in float32, reading one weight at a time."""
+    tensors, _ = read_tensor_index(Path(task.source_dir) / task.shard)
+    amax = {key: float(read_tensor(tensors[key]).float().abs().amax()) for key in task.keys}
+    return AmaxResult(shard=task.shard, weight_amax=amax)
+
+
+def reduce_weight_amax(results: list[AmaxResult], shared_under: dict[str, str]) -> dict[str, float]:
+    """Each weight's amax, the largest of its group (``shared_under``: weight key -> group), over all shards."""
+    by_key = {key: value for result in results for key, value in result.weight_amax.items()}
+    group_max: dict[str, float] = {}
+    for key, value in by_key.items():
+        group = shared_under[key]
+        group_max[group] = max(group_max.get(group, 0.0), value)
+    return {key: group_max[shared_under[key]] for key in by_key}
+
+
+def write_shard(task: WriteTask) -> WriteResult:
+    """Write ``task.shard`` of the converted checkpoint into ``task.out_dir`` (via a temporary name)."""
+    fmt = model_free_target(task.target)
+    scale_dtype = getattr(torch, task.scale_dtype)
+    tensors, metadata = read_tensor_index(Path(task.source_dir) / task.shard)
+    convert, drop = set(task.convert), set(task.drop)
+    missing = sorted((convert | drop) - set(tensors))
+    if missing:
+        raise ValueError(f"{task.shard}: the task names tensors the shard does not hold: {missing[:3]}")
+    entries: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        if name not in drop:
+            entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in convert else {name: tensor})
+    stats = {}
+    with StreamingWriter(Path(task.out_dir) / task.shard, entries, metadata) as writer:
+        for name, tensor in tensors.items():
+            if name in drop:
+                continue
+            if name not in convert:
+                writer.write(name, tensor)
+                continue
+            weight = read_tensor(tensor)
+            amax = task.weight_amax.get(name)
+            options = {"weight_amax": amax} if getattr(fmt, "needs_weight_amax", False) else {}
+            replacement = fmt.quantize(weight, None, scale_dtype, **options)
+            for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
+                writer.write(key, value)
+            stats[name.removesuffix(".weight")] = layer_stats(fmt, weight, replacement, amax)
+    logger.info("%s: %d weights converted", task.shard, len(convert))
+    return WriteResult(shard=task.shard, tensors=list(entries), bytes=sum(writer.planned[n].nbytes for n in entries),
+                       converted=sorted(convert), layer_stats=stats)

@@ -1,0 +1,71 @@
+"""`fp8forge requantize`: a checkpoint converted shard by shard from its files alone (no model class, no calibration).
+
+The source is resolved through the same source options as ``convert`` (allowed roots, hub cache, offline);
+the conversion is :func:`converters.modelfree.convert_model_free`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+
+from service.cli.args import add_source_arguments, source_options_from_args
+
+__all__ = ["register", "run_requantize_command"]
+
+_TARGETS = ("compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0", "mxfp8", "nvfp4-a16", "bf16")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``requantize`` to the ``fp8forge`` parser."""
+    parser = subparsers.add_parser(
+        "requantize", help="convert a checkpoint shard by shard from its files alone (formats needing no calibration)",
+        description="Convert a safetensors checkpoint to a serving format (or back to bf16) from its files and "
+                    "config.json alone: no model class, no remote code, no calibration; shard by shard, so memory is "
+                    "that of the largest weight.")
+    parser.add_argument("model", help="org/name[@revision] or a local model directory")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (must not exist)")
+    parser.add_argument("--to", required=True, metavar="FORMAT", help="target format: " + ", ".join(_TARGETS))
+    parser.add_argument("--include", action="append", default=[], metavar="PAT", help="only convert matching layers")
+    parser.add_argument("--exclude", action="append", default=[], metavar="PAT", help="never convert matching layers")
+    parser.add_argument("--no-skip-first-last", action="store_true", help="also convert the first and last Linear")
+    parser.add_argument("--workers", type=int, default=1, help="shard tasks run in this many processes (default 1)")
+    add_source_arguments(parser)
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_requantize_command(args, source_options_from_args(args))
+
+
+def run_requantize_command(args: argparse.Namespace, sources) -> int:
+    from converters.errors import RequestError
+    from converters.model.sources import confinement_for, resolve_model_dir  # imports torch: only when it runs
+    from converters.modelfree import REPORT_NAME, convert_model_free
+
+    if args.workers < 1:
+        raise RequestError("--workers must be at least 1", field="workers")
+    directory = resolve_model_dir(args.model, sources, with_weights=True)
+    created = [] if args.out.exists() else _missing_parents(args.out)
+    for parent in reversed(created):
+        parent.mkdir()
+    try:
+        report = convert_model_free(directory, args.out, args.to, include=args.include, exclude=args.exclude,
+                                    skip_first_last=not args.no_skip_first_last, workers=args.workers,
+                                    confinement=confinement_for(sources))
+    except BaseException:
+        for parent in created:  # a failed run leaves no directory behind, parents included
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
+    kept = sum(1 for layer in report["layers"] if not layer["eligible"])
+    print(f"{args.to}: converted {len(report['quantized'])} weights in {len(report['shards'])} shards; "
+          f"{kept} kept in high precision")
+    print(f"wrote {args.out}; report: {args.out / REPORT_NAME}")
+    return 0
+
+
+def _missing_parents(out: Path) -> list[Path]:
+    """The parents of ``out`` that do not exist yet, nearest first."""
+    return [parent for parent in out.parents if not parent.exists()]
