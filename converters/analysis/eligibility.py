@@ -19,6 +19,7 @@ from converters.analysis.reasons import Reason
 from converters.analysis.totals import compute_totals, count_parameters, dtype_name
 from converters.errors import ConversionError, Fp8ForgeError, ModelConfigError, RecipeError, RequestError
 from converters.model.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
+from converters.model.quantized import describe_source_quantization
 from converters.model.sources import build_meta_model, load_config, resolve_model_dir
 from converters.recipes import default_recipe, recipe_from_dict
 from converters.recipes.registry import is_recipe
@@ -385,6 +386,9 @@ def analyze_model_reference(ref: str, sources: Any, *, backend: str = "te", incl
     report = analyze_model(model, options)
     check_include_patterns(report)
     report["model"] = {"reference": ref, "model_type": getattr(config, "model_type", None)}
+    quantization = describe_source_quantization(directory)  # a quantized source: its scheme, or why it is unread
+    if quantization is not None:
+        report["source_quantization"] = quantization
     return report
 
 

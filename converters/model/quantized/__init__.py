@@ -7,8 +7,14 @@ ModelOpt exports). ``converters.model`` must not import ``converters.serving``: 
 """
 
 from converters.model.quantized.arithmetic import dequantize_fp8, dequantize_nvfp4, unpack_e2m1
-from converters.model.quantized.detect import HF_QUANT_CONFIG, checkpoint_tensor_names, source_quantization
+from converters.model.quantized.detect import (
+    HF_QUANT_CONFIG,
+    checkpoint_tensor_names,
+    describe_source_quantization,
+    source_quantization,
+)
 from converters.model.quantized.source import Scheme, SourceQuantization
 
 __all__ = ["HF_QUANT_CONFIG", "Scheme", "SourceQuantization", "checkpoint_tensor_names", "dequantize_fp8",
+           "describe_source_quantization",
            "dequantize_nvfp4", "source_quantization", "unpack_e2m1"]

@@ -65,14 +65,19 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     biased E8M0 exponent (MX formats: ``2 ** (byte - 127)``, exact in fp32 down to 2**-127, a subnormal).
     """
     if scale.dtype == torch.uint8:
-        scale = torch.ldexp(torch.ones((), dtype=torch.float32), scale.to(torch.int32) - _E8M0_BIAS)
+        scale = torch.ldexp(torch.ones(scale.shape, dtype=torch.float32), scale.to(torch.int32) - _E8M0_BIAS)
     return (weight.float() * expand_scale(scale, weight.shape, block)).to(dtype)
 
 
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """Two E2M1 codes a byte (the even column in the low nibble) as fp32 values, the last dim doubled."""
+def unpack_e2m1(packed: torch.Tensor, *, negative_zero: bool = True) -> torch.Tensor:
+    """Two E2M1 codes a byte (the even column in the low nibble) as fp32 values, the last dim doubled.
+
+    ``negative_zero``: code 8 is -0.0 (compressed-tensors' ``unpack_fp4_from_uint8``, transformers); ModelOpt's
+    ``NVFP4QTensor.e2m1_values`` maps it to +0.0.
+    """
     codes = packed.contiguous().view(torch.uint8)
-    table = torch.tensor(E2M1_CODES, dtype=torch.float32)
+    table = torch.tensor(E2M1_CODES if negative_zero else (*E2M1_CODES[:8], 0.0, *E2M1_CODES[9:]),
+                         dtype=torch.float32)
     values = torch.stack((table[(codes & 0x0F).long()], table[(codes >> 4).long()]), dim=-1)
     return values.flatten(-2)
 
@@ -81,10 +86,11 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, tensor_sca
                      dtype: torch.dtype, *, divide: bool) -> torch.Tensor:
     """NVFP4: E2M1 codes times their 16-element block's E4M3 scale, scaled per tensor.
 
-    ``divide``: compressed-tensors' ``weight_global_scale`` (quantization direction: ``block / global``);
-    otherwise ModelOpt's ``weight_scale_2`` (dequantization direction: ``block * weight_scale_2``).
+    ``divide``: compressed-tensors' ``weight_global_scale`` (quantization direction: ``block / global``), code 8
+    is -0.0; otherwise ModelOpt's ``weight_scale_2`` (dequantization direction: ``block * weight_scale_2``),
+    code 8 is +0.0 as ModelOpt's table has it.
     """
-    values = unpack_e2m1(packed)
+    values = unpack_e2m1(packed, negative_zero=divide)
     rows, cols = values.shape[-2], values.shape[-1]
     groups = block_scale.shape[-1]
     if block_scale.shape[-2] != rows or not groups or cols % groups:

@@ -16,7 +16,8 @@ from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME
 from converters.model.quantized.source import Scheme, SourceQuantization
 from converters.model.safetensors_stream import read_tensor_index
 
-__all__ = ["HF_QUANT_CONFIG", "READABLE", "checkpoint_tensor_names", "source_quantization"]
+__all__ = ["HF_QUANT_CONFIG", "READABLE", "checkpoint_tensor_names", "describe_source_quantization",
+           "source_quantization"]
 
 #: ModelOpt's quantization file beside config.json
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -159,3 +160,19 @@ def checkpoint_tensor_names(directory: Path) -> list[str] | None:
     if single.is_file():
         return list(read_tensor_index(single)[0])
     return None
+
+
+def describe_source_quantization(directory: Path) -> dict[str, Any] | None:
+    """The analysis report's ``source_quantization`` block: :meth:`SourceQuantization.describe` with the
+    checkpoint's tensor names when it has weights; None for a high-precision checkpoint. A quantization that
+    is not read is reported (``scheme`` None, ``refused`` the reason) rather than raised: the analysis itself
+    only needs config.json, and a conversion refuses such a source anyway.
+
+    Raises:
+        ModelNotFoundError: config.json is missing or not JSON.
+    """
+    try:
+        quantization = source_quantization(directory)
+    except ModelConfigError as exc:
+        return {"scheme": None, "refused": exc.message}
+    return None if quantization is None else quantization.describe(checkpoint_tensor_names(directory))
