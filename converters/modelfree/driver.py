@@ -19,12 +19,15 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from converters.artifact.files import copy_side_files, write_json, write_manifest
 from converters.artifact.layout import staging_dir_for
 from converters.errors import ConversionError, Fp8ForgeError
 from converters.model.checkpoint import weight_files
 from converters.model.files import INDEX_NAME, FileConfinement
-from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, decide
+from converters.modelfree.eligibility import ModelFreeOptions, decide
+from converters.modelfree.source import SourceView, source_view
 from converters.modelfree.targets import model_free_target, scale_dtype_of
 from converters.modelfree.tasks import (
     AmaxTask,
@@ -51,22 +54,30 @@ def plan_model_free(source_dir: Path, target: str, options: ModelFreeOptions, *,
 
     Raises:
         RequestError: unknown target, or one that needs calibration. PatternError: an include matching nothing.
-        ModelNotFoundError: a missing or malformed weight file or index.
+        ModelNotFoundError: a missing or malformed weight file or index. ModelConfigError: a source quantized in a
+            layout fp8forge does not read.
     """
-    source_dir = Path(source_dir)
+    return _plan(Path(source_dir), target, options, workers)[0]
+
+
+def _plan(source_dir: Path, target: str, options: ModelFreeOptions, workers: int) -> tuple[dict[str, Any], SourceView]:
     fmt = model_free_target(target)
     config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    scale_dtype = scale_dtype_of(config)
     shards = [path.name for path in weight_files(source_dir)]
     inventories = _map(inventory_shard, [(str(source_dir), shard) for shard in shards], workers, star=True)
-    tensors = [TensorInfo(key=name, shard=shard, dtype=dtype, shape=tuple(shape))
-               for shard, inventory in zip(shards, inventories, strict=True) for name, dtype, shape in inventory]
+    view = source_view(source_dir, dict(zip(shards, inventories, strict=True)), getattr(torch, scale_dtype))
     if getattr(fmt, "dequantize_only", False):
-        report = {"options": options.to_dict(), "layers": [], "other": [], "quantized": {}, "fused_groups": []}
+        layers = [{"key": info.key, "module": info.key.removesuffix(".weight"), "shard": info.shard, "kind": "linear",
+                   "eligible": True, "reasons": []} for info in view.tensors if info.key in view.stored]
+        report = {"options": options.to_dict(), "layers": layers, "other": [], "fused_groups": [],
+                  "quantized": {key: key for key in view.stored}}
     else:
-        report = decide(tensors, config, options, fmt.layer_rule)
-    report.update({"version": REPORT_VERSION, "format": fmt.name, "scale_dtype": scale_dtype_of(config),
-                   "shards": shards, "model_type": config.get("model_type")})
-    return report
+        report = decide(view.tensors, config, options, fmt.layer_rule)
+    report.update({"version": REPORT_VERSION, "format": fmt.name, "scale_dtype": scale_dtype, "shards": shards,
+                   "model_type": config.get("model_type"), "source_quantization": view.scheme,
+                   "dequantized": sorted(view.stored), "dropped": sorted(view.drop)})
+    return report, view
 
 
 def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, include: Iterable[str] = (),
@@ -90,15 +101,15 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     options = ModelFreeOptions(include=tuple(include), exclude=tuple(exclude), skip_first_last=skip_first_last)
-    report = plan_model_free(source_dir, format_name, options, workers=workers)
-    if not report["quantized"] and not getattr(model_free_target(format_name), "dequantize_only", False):
+    report, view = _plan(source_dir, format_name, options, workers)
+    if not report["quantized"] and not view.stored:
         raise ConversionError(f"{format_name} would quantize no weight of this checkpoint (see the reasons with "
                               "fp8forge analyze): adjust include/exclude or skip_first_last", field="to")
     staging = staging_dir_for(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        results = _write_shards(source_dir, staging, report, workers)
+        results = _write_shards(source_dir, staging, report, view, workers)
         _finish(source_dir, staging, report, results, confinement or FileConfinement(roots=(source_dir.resolve(),)))
         os.replace(staging, out_dir)
     except BaseException:
@@ -107,7 +118,8 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
     return report
 
 
-def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], workers: int) -> list[WriteResult]:
+def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], view: SourceView, workers: int
+                  ) -> list[WriteResult]:
     """Map the weight amax (where the format needs it), reduce it over fused groups, then map the writes."""
     fmt = model_free_target(report["format"])
     by_shard: dict[str, list[str]] = {shard: [] for shard in report["shards"]}
@@ -116,12 +128,17 @@ def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], worke
         by_shard[shard_of[key]].append(key)
     amax: dict[str, float] = {}
     if getattr(fmt, "needs_weight_amax", False):
-        tasks = [AmaxTask(source_dir=str(source_dir), shard=shard, keys=keys) for shard, keys in by_shard.items()
-                 if keys]
+        tasks = [AmaxTask(source_dir=str(source_dir), shard=shard, keys=keys, scale_dtype=report["scale_dtype"],
+                          **view.task_fields(keys)) for shard, keys in by_shard.items() if keys]
         amax = reduce_weight_amax(_map(shard_weight_amax, tasks, workers), report["quantized"])
+    dequantized: dict[str, list[str]] = {shard: [] for shard in report["shards"]}
+    for key, stored in view.stored.items():
+        dequantized[view.location[stored]].append(key)
     tasks = [WriteTask(source_dir=str(source_dir), shard=shard, out_dir=str(staging), target=fmt.name,
                        scale_dtype=report["scale_dtype"], convert=keys,
-                       weight_amax={key: amax[key] for key in keys if key in amax}) for shard, keys in by_shard.items()]
+                       weight_amax={key: amax[key] for key in keys if key in amax},
+                       drop=sorted(name for name, where in view.drop.items() if where == shard),
+                       **view.task_fields(dequantized[shard])) for shard, keys in by_shard.items()]
     return _map(write_shard, tasks, workers)
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
+from converters.model.safetensors_stream import StreamingWriter, read_tensor_index
+from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
 from converters.serving.plan import layer_stats
 
@@ -46,6 +47,9 @@ class AmaxTask(_Wire):
     source_dir: str
     shard: str
     keys: list[str]
+    scale_dtype: str = "float32"  #: the dtype a quantized source weight is dequantized to
+    stored: dict[str, str] = field(default_factory=dict)  #: key stored quantized in the source -> stored tensor
+    reads: dict[str, str] = field(default_factory=dict)  #: those weights' stored tensors -> their shards
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +69,9 @@ class WriteTask(_Wire):
     scale_dtype: str
     convert: list[str]  #: weight keys to convert, in any order
     weight_amax: dict[str, float] = field(default_factory=dict)  #: per converted key (formats needing it)
-    drop: list[str] = field(default_factory=list)  #: companion tensors of the source's quantized weights
+    stored: dict[str, str] = field(default_factory=dict)  #: weight stored quantized in the source -> stored tensor
+    reads: dict[str, str] = field(default_factory=dict)  #: those weights' stored tensors -> their shards
+    drop: list[str] = field(default_factory=list)  #: this shard's companions and KV-cache scales, not copied
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +91,9 @@ def inventory_shard(source_dir: str, shard: str) -> list[list[Any]]:
 
 def shard_weight_amax(task: AmaxTask) -> AmaxResult:
     """Each listed weight's largest magnitude, exact in float32, reading one weight at a time."""
-    tensors, _ = read_tensor_index(Path(task.source_dir) / task.shard)
-    amax = {key: float(read_tensor(tensors[key]).float().abs().amax()) for key in task.keys}
+    reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
+    dtype = getattr(torch, task.scale_dtype)
+    amax = {key: float(reader.weight(key, task.stored.get(key), dtype).float().abs().amax()) for key in task.keys}
     return AmaxResult(shard=task.shard, weight_amax=amax)
 
 
@@ -101,33 +108,55 @@ def reduce_weight_amax(results: list[AmaxResult], shared_under: dict[str, str]) 
 
 
 def write_shard(task: WriteTask) -> WriteResult:
-    """Write ``task.shard`` of the converted checkpoint into ``task.out_dir`` (via a temporary name)."""
+    """Write ``task.shard`` of the converted checkpoint into ``task.out_dir`` (via a temporary name).
+
+    A weight the source stores quantized is dequantized to ``task.scale_dtype`` first; one that is not converted is
+    written in that dtype (the target keeps it in high precision).
+    """
     fmt = model_free_target(task.target)
     scale_dtype = getattr(torch, task.scale_dtype)
+    reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
     tensors, metadata = read_tensor_index(Path(task.source_dir) / task.shard)
+    key_of = {stored: key for key, stored in task.stored.items()}
     convert, drop = set(task.convert), set(task.drop)
-    missing = sorted((convert | drop) - set(tensors))
+    missing = sorted({*task.stored.values(), *drop, *(set(convert) - set(task.stored))} - set(tensors))
     if missing:
         raise ValueError(f"{task.shard}: the task names tensors the shard does not hold: {missing[:3]}")
     entries: dict[str, Any] = {}
     for name, tensor in tensors.items():
-        if name not in drop:
-            entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in convert else {name: tensor})
+        key = key_of.get(name, name)
+        shape = reader.stored_shape(key, name) if name in key_of else tensor.shape
+        if key in convert:
+            entries.update(fmt.planned_tensors(key, _Shaped(shape), scale_dtype))
+        elif name in key_of:
+            entries[key] = StreamingWriter.entry(scale_dtype, shape)
+        elif name not in drop:
+            entries[name] = tensor
     stats = {}
     with StreamingWriter(Path(task.out_dir) / task.shard, entries, metadata) as writer:
         for name, tensor in tensors.items():
+            key = key_of.get(name, name)
             if name in drop:
                 continue
-            if name not in convert:
-                writer.write(name, tensor)
+            if key not in convert:
+                writer.write(key, reader.weight(key, name, scale_dtype) if name in key_of else tensor)
                 continue
-            weight = read_tensor(tensor)
-            amax = task.weight_amax.get(name)
+            weight = reader.weight(key, task.stored.get(key), scale_dtype)
+            amax = task.weight_amax.get(key)
             options = {"weight_amax": amax} if getattr(fmt, "needs_weight_amax", False) else {}
             replacement = fmt.quantize(weight, None, scale_dtype, **options)
-            for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
-                writer.write(key, value)
-            stats[name.removesuffix(".weight")] = layer_stats(fmt, weight, replacement, amax)
+            for planned, value in zip(fmt.planned_tensors(key, _Shaped(tuple(weight.shape)), scale_dtype), replacement,
+                                      strict=True):
+                writer.write(planned, value)
+            stats[key.removesuffix(".weight")] = layer_stats(fmt, weight, replacement, amax)
     logger.info("%s: %d weights converted", task.shard, len(convert))
     return WriteResult(shard=task.shard, tensors=list(entries), bytes=sum(writer.planned[n].nbytes for n in entries),
                        converted=sorted(convert), layer_stats=stats)
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    """What a format's ``planned_tensors`` reads of a weight: its (high-precision) shape."""
+
+    shape: tuple[int, ...]
+

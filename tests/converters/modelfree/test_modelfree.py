@@ -127,7 +127,7 @@ def test_fused_groups_across_shards_share_the_nvfp4_global_scale(converted):
 
 
 def test_report_lists_every_weight_per_shard(converted):
-    report = json.loads((converted / "llama-fp8-block" / REPORT_NAME).read_text())
+    report = json.loads((converted / "llama-mxfp8" / REPORT_NAME).read_text())
     reasons = {layer["module"]: layer["reasons"] for layer in report["layers"]}
     assert reasons["model.layers.0.self_attn.q_proj"] == ["first_linear"]
     assert reasons["model.layers.0.self_attn.k_proj"] == ["fused_group_not_fully_eligible:model.layers.0.self_attn.qkv"]
@@ -136,7 +136,7 @@ def test_report_lists_every_weight_per_shard(converted):
     converted_keys = {key for shard in report["per_shard"].values() for key in shard["converted"]}
     assert converted_keys == set(report["quantized"]) and not kept & converted_keys
     assert {layer["key"] for layer in report["layers"]} == kept | converted_keys
-    assert "manifest.json" in {path.name for path in (converted / "llama-fp8-block").iterdir()}
+    assert "manifest.json" in {path.name for path in (converted / "llama-mxfp8").iterdir()}
 
 
 def test_workers_give_the_same_bytes(root, converted, tmp_path):
