@@ -123,11 +123,12 @@ def decide(tensors: list[TensorInfo], config: Mapping[str, Any], options: ModelF
         if kind == "other":
             other.append({"key": info.key, "shard": info.shard, "reason": reason})
         elif kind in ("linear", "expert"):
-            layers.append(_entry(info, kind, [reason] if reason else [], options, layer_rule))
+            layers.append(_entry(info, kind, reason, options, layer_rule))
     _check_include(layers, options)
     layers.sort(key=lambda layer: order_key(layer["module"]))
     _first_last(layers, config, options)
     for layer in layers:
+        layer["reasons"] = [reason for reason in layer["reasons"] if reason]
         layer["eligible"] = not layer["reasons"]
     groups = _fused_groups(layers)
     quantized = _resolve_groups(layers, groups)
@@ -135,19 +136,21 @@ def decide(tensors: list[TensorInfo], config: Mapping[str, Any], options: ModelF
             "fused_groups": [{"name": name, "members": members} for name, members in groups.items()]}
 
 
-def _entry(info: TensorInfo, kind: str, reasons: list[str], options: ModelFreeOptions, layer_rule: Any
+def _entry(info: TensorInfo, kind: str, reason: str | None, options: ModelFreeOptions, layer_rule: Any
            ) -> dict[str, Any]:
     module = info.key.removesuffix(".weight")
     out_features, in_features = info.shape
-    if not reasons:
-        if in_features % _DIVISOR or out_features % _DIVISOR:
-            reasons.append(Reason.DIM_NOT_DIVISIBLE.value)
-        if options.include and not any(matches(pattern, module) for pattern in options.include):
-            reasons.append(Reason.NOT_INCLUDED.value)
-        if any(matches(pattern, module) for pattern in options.exclude):
-            reasons.append(Reason.EXCLUDED.value)
+    if reason == Reason.NOT_LINEAR.value:
+        checks = [reason]
+    else:
+        # In the analysis' order of reasons: shape, first, last, tied, router, include, exclude.
+        checks = [Reason.DIM_NOT_DIVISIBLE.value if in_features % _DIVISOR or out_features % _DIVISOR else None,
+                  None, None, None, reason,
+                  Reason.NOT_INCLUDED.value if options.include and not any(
+                      matches(pattern, module) for pattern in options.include) else None,
+                  Reason.EXCLUDED.value if any(matches(pattern, module) for pattern in options.exclude) else None]
     return {**asdict(info), "shape": list(info.shape), "module": module, "kind": kind,
-            "in_features": in_features, "out_features": out_features, "reasons": reasons,
+            "in_features": in_features, "out_features": out_features, "reasons": checks,
             "format_rule": layer_rule(in_features, out_features), "group": None, "eligible": False}
 
 
@@ -159,18 +162,19 @@ def _check_include(layers: list[dict[str, Any]], options: ModelFreeOptions) -> N
 
 
 def _first_last(layers: list[dict[str, Any]], config: Mapping[str, Any], options: ModelFreeOptions) -> None:
-    """The analysis' first/last rule; a tied head is the last Linear even where the files do not store it."""
-    linears = [layer for layer in layers if layer["kind"] == "linear"]
+    """The analysis' first/last rule (slots 1 and 2 of the reasons); a tied head (slot 3) is the last Linear even
+    where the files do not store it."""
+    linears = [layer for layer in layers if layer["kind"] == "linear" and len(layer["reasons"]) > 1]
     tied = bool(config.get("tie_word_embeddings", False))
     for layer in linears:
         if tied and layer["module"].rpartition(".")[2] in _HEADS:
-            layer["reasons"].append(Reason.TIED_HEAD.value)
+            layer["reasons"][3] = Reason.TIED_HEAD.value
     if not options.skip_first_last or not linears:
         return
-    linears[0]["reasons"].append(Reason.FIRST_LINEAR.value)
+    linears[0]["reasons"][1] = Reason.FIRST_LINEAR.value
     head_stored = any(layer["module"].rpartition(".")[2] in _HEADS for layer in linears)
     if head_stored or not _has_head(config):
-        linears[-1]["reasons"].append(Reason.LAST_LINEAR.value)
+        linears[-1]["reasons"][2] = Reason.LAST_LINEAR.value
 
 
 def _has_head(config: Mapping[str, Any]) -> bool:
