@@ -121,9 +121,6 @@ class SourceQuantization:
             described["kv_cache_scales"] = self.kv_cache_keys(names)
         return described
 
-    def _stored_weight(self, weight_key: str) -> str:
-        return f"{_prefix(weight_key)}weight_packed" if self.scheme is Scheme.CT_NVFP4 else weight_key
-
     def _required(self, weight_key: str, tensor_names: Collection[str]) -> list[str]:
         """The stored tensors without which ``weight_key`` is not quantized (its stored weight and main scale)."""
         prefix = _prefix(weight_key)
@@ -131,7 +128,8 @@ class SourceQuantization:
             return [weight_key, f"{weight_key}_scale_inv"]
         if self.scheme is Scheme.CT_MIXED and f"{prefix}weight_packed" in tensor_names:
             return [f"{prefix}weight_packed", f"{prefix}weight_scale", f"{prefix}weight_global_scale"]
-        required = [self._stored_weight(weight_key), f"{prefix}weight_scale"]
+        stored = f"{prefix}weight_packed" if self.scheme is Scheme.CT_NVFP4 else weight_key
+        required = [stored, f"{prefix}weight_scale"]
         if self.scheme is Scheme.CT_NVFP4:
             required.append(f"{prefix}weight_global_scale")
         elif self.scheme is Scheme.MODELOPT_NVFP4:
@@ -168,10 +166,12 @@ class SourceQuantization:
     def logical_shape(self, weight_key: str, tensors: Mapping[str, Any]) -> tuple[int, ...]:
         """The high-precision shape of ``weight_key``; ``tensors`` maps stored names to anything with ``shape``
         (tensors, ``SourceTensor``). NVFP4 ``[out, in/2]`` -> ``[out, in]``."""
-        shape = tuple(tensors[self._stored_weight(weight_key)].shape)
-        if self.packed or (self.scheme is Scheme.CT_MIXED and self._stored_weight(weight_key) != weight_key):
-            return (*shape[:-1], shape[-1] * 2)
-        return shape
+        packed = f"{_prefix(weight_key)}weight_packed"
+        if self.scheme is Scheme.CT_NVFP4 or self.scheme is Scheme.CT_MIXED and packed in tensors:
+            shape = tuple(tensors[packed].shape)
+        else:
+            shape = tuple(tensors[weight_key].shape)
+        return (*shape[:-1], shape[-1] * 2) if self.packed or packed in tensors else shape
 
     def dequantize(self, weight_key: str, read: Callable[[str], torch.Tensor],
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -189,9 +189,10 @@ class SourceQuantization:
         - compressed-tensors MXFP8: ``fp8.float() * 2**(weight_scale - 127)`` (exact), then ``dtype``.
         - compressed-tensors NVFP4: ``e2m1 * fp32(weight_scale(e4m3) / weight_global_scale)``, then ``dtype``:
           ``NVFP4PackedCompressor.decompress`` (which returns bf16).
-        - modelopt-fp8: ``fp8.float() * weight_scale`` in fp32, then ``dtype`` (what vLLM's fp32-scaled GEMM
-          uses); ModelOpt's own ``FP8QTensor.dequantize`` rounds the scale to ``dtype`` first and multiplies in
-          ``dtype``, which can differ by an ulp of ``dtype``.
+        - modelopt-fp8: ``fp8.float() * weight_scale`` in fp32, then ``dtype`` (the fp32 scale as vLLM's GEMM
+          applies it). ModelOpt's own ``FP8QTensor.dequantize(dtype)`` is ``w.to(dtype) * scale.to(dtype)``: the
+          same bits for fp32; for bf16 it rounds the scale first, and the two are one bf16 ulp apart on about a
+          quarter of the elements (tested on the tiny Llama's export: never more than one ulp).
         - modelopt-nvfp4: ``e2m1 * fp32(weight_scale(e4m3) * weight_scale_2)``, then ``dtype``: ModelOpt's
           ``NVFP4QTensor.dequantize``.
 
@@ -210,10 +211,10 @@ class SourceQuantization:
                 return dequantize_nvfp4(_expect(read, weight_key, _PACKED),
                                         _expect(read, f"{prefix}weight_scale", _FP8),
                                         read(f"{prefix}weight_scale_2"), dtype, divide=False)
-            if self.scheme in _COMPRESSED_TENSORS and (self.scheme is Scheme.CT_NVFP4 or self.scheme is
-                                                       Scheme.CT_MIXED and _has(read, f"{prefix}weight_packed")):
-                return dequantize_nvfp4(_expect(read, f"{prefix}weight_packed", _PACKED),
-                                        _expect(read, f"{prefix}weight_scale", _FP8),
+            packed = _read_packed(read, prefix, required=self.scheme is Scheme.CT_NVFP4) \
+                if self.scheme in (Scheme.CT_NVFP4, Scheme.CT_MIXED) else None
+            if packed is not None:
+                return dequantize_nvfp4(packed, _expect(read, f"{prefix}weight_scale", _FP8),
                                         read(f"{prefix}weight_global_scale"), dtype, divide=True)
             return dequantize_fp8(_expect(read, weight_key, _FP8), read(f"{prefix}weight_scale"), dtype,
                                   self.block_size)
@@ -226,12 +227,15 @@ def _prefix(weight_key: str) -> str:
     return weight_key.removesuffix("weight")
 
 
-def _has(read: Callable[[str], torch.Tensor], name: str) -> bool:
+def _read_packed(read: Callable[[str], torch.Tensor], prefix: str, *, required: bool) -> torch.Tensor | None:
+    """``<prefix>weight_packed``; None when it is not stored and not ``required`` (a mixed-precision
+    checkpoint's FP8 module)."""
     try:
-        read(name)
-    except (KeyError, FileNotFoundError, ModelConfigError):
-        return False
-    return True
+        return _expect(read, f"{prefix}weight_packed", _PACKED)
+    except KeyError:
+        if required:
+            raise
+        return None
 
 
 def _expect(read: Callable[[str], torch.Tensor], name: str, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:

@@ -131,6 +131,63 @@ def test_every_quantized_weight_dequantizes_to_the_reference_bits(exports, llama
         assert error < (0.2 if "nvfp4" in name else 0.08), (key, float(error))
 
 
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
+@pytest.mark.parametrize("name", [name for name in FORMATS if not name.startswith("modelopt")])
+def test_transformers_loading_the_export_dequantized_holds_the_same_bits(exports, name):
+    """End to end through transformers 5.24: ``FineGrainedFP8Config(dequantize=True)`` for fp8-block, the
+    compressed-tensors integration with ``dequantize=True`` for the others (transformers has no ModelOpt reader)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+
+    directory = exports / name
+    config = FineGrainedFP8Config(dequantize=True) if name == "fp8-block" else CompressedTensorsConfig(
+        dequantize=True)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, quantization_config=config,
+                                                  dtype=torch.bfloat16).state_dict()
+    quantization = source_quantization(directory)
+    tensors = tensors_of(directory)
+    for key in quantization.quantized_weights(set(tensors)):
+        assert loaded[key].dtype == torch.bfloat16
+        assert torch.equal(bits(quantization.dequantize(key, tensors.__getitem__)), bits(loaded[key])), key
+
+
+def test_modelopt_fp8_differs_from_modelopt_own_bf16_dequantize_by_at_most_one_ulp(exports):
+    """ModelOpt's ``FP8QTensor.dequantize(dtype)`` is ``w.to(dtype) * scale.to(dtype)``: in fp32 it is ours bit for
+    bit; in bf16 it rounds the fp32 scale to bf16 before multiplying. Ours multiplies by the fp32 scale, as vLLM's
+    GEMM applies it, and rounds the product: one bf16 ulp apart where the two roundings differ."""
+    directory = exports / "modelopt-fp8"
+    quantization = source_quantization(directory)
+    tensors = tensors_of(directory)
+    differing = total = 0
+    for key in quantization.quantized_weights(set(tensors)):
+        weight, scale = tensors[key], tensors[key.removesuffix("weight") + "weight_scale"]
+        fp32 = quantization.dequantize(key, tensors.__getitem__, dtype=torch.float32)
+        assert torch.equal(bits(fp32), bits(weight.to(torch.float32) * scale.to(torch.float32))), key
+        ulps = (bits(quantization.dequantize(key, tensors.__getitem__)).int()
+                - bits(weight.to(torch.bfloat16) * scale.to(torch.bfloat16)).int()).abs()
+        assert int(ulps.max()) <= 1, key
+        differing, total = differing + int((ulps > 0).sum()), total + ulps.numel()
+    assert 0 < differing < total / 2
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "nvfp4", "modelopt-nvfp4"])
+def test_fp32_output_is_the_reference_arithmetic_before_its_last_rounding(exports, name):
+    """With ``dtype=torch.float32`` nothing is rounded to bf16: transformers' ``_dequantize_one`` with an fp32
+    output dtype, ModelOpt's fp32 NVFP4 dequantization; compressed-tensors' NVFP4 product before its bf16 cast."""
+    directory = exports / name
+    quantization = source_quantization(directory)
+    tensors = tensors_of(directory)
+    for key in quantization.quantized_weights(set(tensors)):
+        ours = quantization.dequantize(key, tensors.__getitem__, dtype=torch.float32)
+        assert ours.dtype == torch.float32
+        assert torch.equal(bits(ours.to(torch.bfloat16)), bits(reference_dequantize(name, directory, tensors, key)))
+        if name == "fp8-block":
+            from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+            reference = Fp8Dequantize(None)._dequantize_one(tensors[key], tensors[f"{key}_scale_inv"],
+                                                            output_dtype=torch.float32)
+            assert torch.equal(bits(ours), bits(reference)), key
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_unquantized_tensors_are_the_source_tensors_and_not_taken_for_quantized(exports, llama_dir, name):
     quantization = source_quantization(exports / name)
@@ -214,6 +271,43 @@ def test_compressed_tensors_fp8_strategies_match_its_decompressor(tmp_path, stra
                                                         "weight_scale": tensors["a.weight_scale"]}, scheme)["weight"]
     assert reference.dtype == torch.bfloat16
     assert torch.equal(bits(ours), bits(reference))
+
+
+def test_a_mixed_precision_checkpoint_dequantizes_each_module_with_its_own_format(tmp_path):
+    """compressed-tensors ``mixed-precision``: an NVFP4 group and an FP8 group, compressed by compressed-tensors."""
+    from compressed_tensors.compressors import FloatQuantizationCompressor, NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    fp8 = {"targets": ["re:.*fp8$"], "format": "float-quantized",
+           "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}}
+    fp4 = {"targets": ["re:.*fp4$"], "format": "nvfp4-pack-quantized",
+           "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+                       "group_size": 16, "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}}
+    generator = torch.Generator().manual_seed(2)
+    dense = torch.randn(64, 128, generator=generator, dtype=torch.bfloat16)
+    fp8_parts = FloatQuantizationCompressor.compress(
+        {"weight": dense, "weight_scale": dense.abs().amax(1, keepdim=True) / 448}, QuantizationScheme(**fp8))
+    global_scale = torch.tensor([448 * 6 / float(dense.abs().max())])
+    block_scale = (dense.float().unflatten(-1, (8, 16)).abs().amax(-1) / 6 * global_scale).to(
+        torch.float8_e4m3fn).to(torch.bfloat16)  # compressed-tensors takes the scale in float and stores it in E4M3
+    fp4_parts = NVFP4PackedCompressor.compress({"weight": dense, "weight_scale": block_scale,
+                                                "weight_global_scale": global_scale}, QuantizationScheme(**fp4))
+    tensors = {**{f"a.fp8.{key}": value for key, value in fp8_parts.items()},
+               **{f"a.fp4.{key}": value for key, value in fp4_parts.items()}}
+    directory = write_checkpoint(tmp_path / "ckpt", {
+        "quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
+        "config_groups": {"group_0": fp8, "group_1": fp4}}, tensors)
+    quantization = source_quantization(directory)
+    assert quantization.scheme is Scheme.CT_MIXED
+    assert quantization.quantized_weights(set(tensors)) == ["a.fp4.weight", "a.fp8.weight"]
+    assert quantization.logical_shape("a.fp4.weight", tensors) == (64, 128)
+    assert quantization.logical_shape("a.fp8.weight", tensors) == (64, 128)
+    for key, compressor, group in (("a.fp8.weight", FloatQuantizationCompressor, fp8),
+                                   ("a.fp4.weight", NVFP4PackedCompressor, fp4)):
+        local = {name.removeprefix(key.removesuffix("weight")): value for name, value in tensors.items()
+                 if name.startswith(key.removesuffix("weight"))}
+        reference = compressor.decompress(local, QuantizationScheme(**group))["weight"]
+        assert torch.equal(bits(quantization.dequantize(key, tensors.__getitem__)), bits(reference)), key
 
 
 def test_every_mx_exponent_dequantizes_as_compressed_tensors_does():
