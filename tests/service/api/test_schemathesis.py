@@ -33,6 +33,8 @@ SEMANTIC_REFUSALS = {
     ("invalid_recipe", "recipe.w_block_scaling_dim"),  # TE: no GEMM of two 128x128-block operands
     ("invalid_recipe", "recipe.grad_block_scaling_dim"),  # likewise
     ("invalid_recipe", "recipe.nvfp4_4over6"),  # activations/all need disable_rht
+    ("invalid_request", "kv_cache"),  # needs a serving format that writes KV-cache scales
+    ("invalid_request", "measure"),  # false, with min_sqnr_db or compare_recipes (they need the measurement)
 }
 @schemathesis.check
 def valid_data_refused_only_for_semantic_reasons(ctx, response, case) -> None:
