@@ -10,6 +10,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
+from converters.errors import RequestError
 from service.cli.args import add_source_arguments, source_options_from_args
 
 __all__ = ["register", "run_requantize_command"]
@@ -40,9 +41,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def run_requantize_command(args: argparse.Namespace, sources) -> int:
-    from converters.errors import RequestError
     from converters.model.sources import confinement_for, resolve_model_dir  # imports torch: only when it runs
-    from converters.modelfree import REPORT_NAME, convert_model_free
+    from converters.modelfree import REPORT_NAME, convert_model_free  # imports torch: only when it runs
 
     if args.workers < 1:
         raise RequestError("--workers must be at least 1", field="workers")
