@@ -53,7 +53,8 @@ def source_quantization(directory: Path) -> SourceQuantization | None:
     """The quantization ``directory``'s checkpoint is stored in, or None for a high-precision checkpoint.
 
     Reads ``config.json``'s ``quantization_config`` (``compression_config``, its older compressed-tensors
-    name) and, for ModelOpt, ``hf_quant_config.json`` (which wins over config.json when both are there).
+    name) and, for ModelOpt, ``hf_quant_config.json`` (which wins over config.json's ``quant_method: "modelopt"``
+    when both are there, and is read alone when config.json declares no quantization).
 
     Raises:
         ModelNotFoundError: config.json is missing or not JSON.
@@ -62,14 +63,14 @@ def source_quantization(directory: Path) -> SourceQuantization | None:
     """
     config = _json(Path(directory) / "config.json")
     quantization = config.get("quantization_config", config.get("compression_config"))
+    if quantization is not None and not isinstance(quantization, dict):
+        raise ModelConfigError("config.json: quantization_config is not an object", field="model")
+    method = (quantization or {}).get("quant_method")
     modelopt_file = Path(directory) / HF_QUANT_CONFIG
-    if modelopt_file.is_file():
+    if modelopt_file.is_file() and method in (None, "modelopt"):  # vLLM reads it for ModelOpt checkpoints only
         return _modelopt(_json(modelopt_file).get("quantization") or {}, source=HF_QUANT_CONFIG)
     if quantization is None:
         return None
-    if not isinstance(quantization, dict):
-        raise ModelConfigError("config.json: quantization_config is not an object", field="model")
-    method = quantization.get("quant_method")
     if method == "fp8":
         return _fine_grained_fp8(quantization)
     if method == "compressed-tensors":

@@ -180,7 +180,8 @@ class SourceQuantization:
         Arithmetic (see :mod:`converters.model.quantized.arithmetic`), the reference each matches bit for bit:
 
         - fp8-block/-tensor: ``fp8.float() * weight_scale_inv`` broadcast per ``block_size`` block (a partial
-          last block row/column takes its block's scale), in fp32, rounded once to ``dtype`` (nearest even):
+          last block row/column takes its block's scale), in fp32, then rounded to ``dtype`` (nearest even); the
+          fp32 product is itself rounded when the fp32 scale has more than 20 significant bits, as in
           transformers 5.24 ``Fp8Dequantize._dequantize_one`` (and DeepSeek-V3's ``weight_dequant``).
         - compressed-tensors FP8 (any strategy): ``fp8.float() * weight_scale`` in fp32, then ``dtype``:
           ``decompress`` of compressed-tensors 0.20.1, which multiplies in the scale's dtype; the same bits when

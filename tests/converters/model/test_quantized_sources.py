@@ -360,6 +360,17 @@ def test_analyze_reports_the_source_quantization(exports, name):
     assert any(layer["path"] == "model.layers.1.mlp.down_proj" for layer in report["layers"])
 
 
+def test_fp8forge_analyze_json_carries_the_source_quantization(exports, capsys):
+    from service.cli.main import main
+
+    assert main(["analyze", str(exports / "modelopt-fp8"), "--allow-root", str(exports), "--json"]) == 0
+    block = json.loads(capsys.readouterr().out)["source_quantization"]
+    assert block["scheme"] == "modelopt-fp8" and block["quant_algo"] == "FP8"
+    assert block["config_file"] == "hf_quant_config.json"
+    assert "model.layers.0.self_attn.q_proj" in block["not_converted"]
+    assert "model.layers.0.self_attn.q_proj.weight" in block["unquantized_weights"]
+
+
 def test_analyze_of_an_unreadable_quantization_says_why_and_still_analyzes(tmp_path, llama_dir):
     directory = tmp_path / "awq"
     directory.mkdir()
