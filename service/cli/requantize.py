@@ -60,7 +60,7 @@ def run_requantize_command(args: argparse.Namespace, sources) -> int:
                 parent.rmdir()
         raise
     kept = sum(1 for layer in report["layers"] if not layer["eligible"])
-    print(f"{args.to}: converted {len(report['quantized'])} weights in {len(report['shards'])} shards; "
+    print(f"{args.to}: converted {len(report['quantized'])} weights in {len(report['shards'])} shard(s); "
           f"{kept} kept in high precision")
     print(f"wrote {args.out}; report: {args.out / REPORT_NAME}")
     return 0
