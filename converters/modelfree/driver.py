@@ -9,13 +9,14 @@ side files, report, manifest). Everything is written into a staging directory re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
 import os
 import shutil
-from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from converters.artifact.files import copy_side_files, write_json, write_manifest
 from converters.artifact.layout import staging_dir_for
-from converters.errors import ConversionError, Fp8ForgeError
+from converters.errors import ConversionError, Fp8ForgeError, RequestError
 from converters.model.checkpoint import weight_files
 from converters.model.files import INDEX_NAME, FileConfinement
 from converters.modelfree.eligibility import ModelFreeOptions, decide
@@ -57,15 +58,17 @@ def plan_model_free(source_dir: Path, target: str, options: ModelFreeOptions, *,
         ModelNotFoundError: a missing or malformed weight file or index. ModelConfigError: a source quantized in a
             layout fp8forge does not read.
     """
-    return _plan(Path(source_dir), target, options, workers)[0]
+    with _pool(workers) as pool:
+        return _plan(Path(source_dir), target, options, pool)[0]
 
 
-def _plan(source_dir: Path, target: str, options: ModelFreeOptions, workers: int) -> tuple[dict[str, Any], SourceView]:
+def _plan(source_dir: Path, target: str, options: ModelFreeOptions, pool: Executor | None
+          ) -> tuple[dict[str, Any], SourceView]:
     fmt = model_free_target(target)
     config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
     scale_dtype = scale_dtype_of(config)
     shards = [path.name for path in weight_files(source_dir)]
-    inventories = _map(inventory_shard, [(str(source_dir), shard) for shard in shards], workers, star=True)
+    inventories = _map(inventory_shard, [(str(source_dir), shard) for shard in shards], pool, star=True)
     view = source_view(source_dir, dict(zip(shards, inventories, strict=True)), getattr(torch, scale_dtype))
     if getattr(fmt, "dequantize_only", False):
         layers = [{"key": info.key, "module": info.key.removesuffix(".weight"), "shard": info.shard, "kind": "linear",
@@ -99,27 +102,32 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
     if not out_dir.parent.is_dir():
         raise Fp8ForgeError(f"the parent of {out_dir} does not exist; create {out_dir.parent} first", field="out")
     if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+        raise RequestError(f"workers must be a positive integer, got {workers!r}", field="workers")
     options = ModelFreeOptions(include=tuple(include), exclude=tuple(exclude), skip_first_last=skip_first_last)
-    report, view = _plan(source_dir, format_name, options, workers)
-    if not report["quantized"] and not view.stored:
-        raise ConversionError(f"{format_name} would quantize no weight of this checkpoint (see the reasons with "
-                              "fp8forge analyze): adjust include/exclude or skip_first_last", field="to")
-    staging = staging_dir_for(out_dir)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        results = _write_shards(source_dir, staging, report, view, workers)
-        _finish(source_dir, staging, report, results, confinement or FileConfinement(roots=(source_dir.resolve(),)))
-        os.replace(staging, out_dir)
-    except BaseException:
+    with _pool(workers) as pool:
+        report, view = _plan(source_dir, format_name, options, pool)
+        if getattr(model_free_target(format_name), "dequantize_only", False) and not view.stored:
+            raise ConversionError("the source stores no quantized weight: there is nothing to dequantize to bf16",
+                                  field="to")
+        if not report["quantized"]:
+            raise ConversionError(f"{format_name} would quantize no weight of this checkpoint (see the reasons with "
+                                  "fp8forge analyze): adjust include/exclude or skip_first_last", field="to")
+        staging = staging_dir_for(out_dir)
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        staging.mkdir()
+        try:
+            results = _write_shards(source_dir, staging, report, view, pool)
+            _finish(source_dir, staging, report, results,
+                    confinement or FileConfinement(roots=(source_dir.resolve(),)))
+            os.replace(staging, out_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return report
 
 
-def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], view: SourceView, workers: int
-                  ) -> list[WriteResult]:
+def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], view: SourceView,
+                  pool: Executor | None) -> list[WriteResult]:
     """Map the weight amax (where the format needs it), reduce it over fused groups, then map the writes."""
     fmt = model_free_target(report["format"])
     by_shard: dict[str, list[str]] = {shard: [] for shard in report["shards"]}
@@ -130,7 +138,7 @@ def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], view:
     if getattr(fmt, "needs_weight_amax", False):
         tasks = [AmaxTask(source_dir=str(source_dir), shard=shard, keys=keys, scale_dtype=report["scale_dtype"],
                           **view.task_fields(keys)) for shard, keys in by_shard.items() if keys]
-        amax = reduce_weight_amax(_map(shard_weight_amax, tasks, workers), report["quantized"])
+        amax = reduce_weight_amax(_map(shard_weight_amax, tasks, pool), report["quantized"])
     dequantized: dict[str, list[str]] = {shard: [] for shard in report["shards"]}
     for key, stored in view.stored.items():
         dequantized[view.location[stored]].append(key)
@@ -139,18 +147,26 @@ def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], view:
                        weight_amax={key: amax[key] for key in keys if key in amax},
                        drop=sorted(name for name, where in view.drop.items() if where == shard),
                        **view.task_fields(dequantized[shard])) for shard, keys in by_shard.items()]
-    return _map(write_shard, tasks, workers)
+    return _map(write_shard, tasks, pool)
 
 
-def _map(function: Callable[..., Any], tasks: list[Any], workers: int, *, star: bool = False) -> list[Any]:
-    """``function`` over ``tasks`` in order: in this process, or in ``workers`` spawned processes (CUDA-safe)."""
-    if workers == 1 or len(tasks) < 2:
+@contextlib.contextmanager
+def _pool(workers: int) -> Iterator[Executor | None]:
+    """``workers`` spawned processes (CUDA-safe, nothing inherited) for every phase of one job; None for one."""
+    if workers == 1:
+        yield None
+        return
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def _map(function: Callable[..., Any], tasks: list[Any], pool: Executor | None, *, star: bool = False) -> list[Any]:
+    """``function`` over ``tasks``, results in task order: in this process, or in ``pool``."""
+    if pool is None or len(tasks) < 2:
         return [function(*task) if star else function(task) for task in tasks]
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)),
-                             mp_context=multiprocessing.get_context("spawn")) as pool:
-        if star:
-            return list(pool.map(function, *zip(*tasks, strict=True)))
-        return list(pool.map(function, tasks))
+    if star:
+        return list(pool.map(function, *zip(*tasks, strict=True)))
+    return list(pool.map(function, tasks))
 
 
 def serving_plan(report: dict[str, Any]) -> ServingPlan:

@@ -201,6 +201,12 @@ def test_formats_needing_calibration_are_refused(root, tmp_path, fmt):
     assert not (tmp_path / "out").exists()
 
 
+def test_bf16_of_a_source_that_is_not_quantized_is_refused(root, tmp_path):
+    with pytest.raises(Fp8ForgeError, match="nothing to dequantize"):
+        convert_model_free(root / "llama", tmp_path / "out", "bf16")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_existing_output_is_refused(root, tmp_path):
     with pytest.raises(Fp8ForgeError, match="already exists"):
         convert_model_free(root / "llama", tmp_path, "mxfp8")
