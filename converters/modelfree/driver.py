@@ -216,13 +216,13 @@ def _finish(source_dir: Path, staging: Path, report: dict[str, Any], results: li
     side_files = getattr(fmt, "side_files", None)
     for name, content in (side_files(plan) if side_files is not None else {}).items():
         write_json(staging / name, content)
-    report["per_shard"] = {result.shard: _shard_report(report, result) for result in results}
+    kept: dict[str, dict[str, str]] = {}
+    for layer in report["layers"]:
+        if not layer["eligible"]:
+            kept.setdefault(layer["shard"], {})[layer["key"]] = ",".join(layer["reasons"])
+    report["per_shard"] = {result.shard: {"converted": result.converted, "kept": kept.get(result.shard, {}),
+                                          "bytes": result.bytes} for result in results}
     report["layer_stats"] = {name: stats for result in results for name, stats in result.layer_stats.items()}
     write_json(staging / REPORT_NAME, report)
     write_manifest(staging)
 
-
-def _shard_report(report: dict[str, Any], result: WriteResult) -> dict[str, Any]:
-    kept = {layer["key"]: ",".join(layer["reasons"]) for layer in report["layers"]
-            if layer["shard"] == result.shard and not layer["eligible"]}
-    return {"converted": result.converted, "kept": kept, "bytes": result.bytes}

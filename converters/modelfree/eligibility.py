@@ -80,7 +80,7 @@ def order_key(module: str) -> tuple[int, int, int, int, str]:
     return (1, index, block, leaf, module)
 
 
-def _kind(info: TensorInfo, names: set[str], config: Mapping[str, Any]) -> tuple[str, str | None]:
+def _kind(info: TensorInfo, moe_blocks: set[str], config: Mapping[str, Any]) -> tuple[str, str | None]:
     """``("linear" | "expert" | "other" | "ignored", reason)`` of one stored tensor."""
     module, _, leaf = info.key.rpartition(".")
     if leaf != "weight" or info.dtype not in _FLOAT_DTYPES:
@@ -95,7 +95,7 @@ def _kind(info: TensorInfo, names: set[str], config: Mapping[str, Any]) -> tuple
     if "norm" in last.lower() or "ln" in last.split("_"):
         return "other", "norm"
     parent = module.rpartition(".")[0]
-    if (last in _ROUTERS and any(name.startswith(f"{parent}.experts.") for name in names)) or "router" in last:
+    if (last in _ROUTERS and parent in moe_blocks) or "router" in last:
         return "linear", Reason.ROUTER_GATE.value
     if _EXPERT.match(module):
         return "expert", None
@@ -116,10 +116,12 @@ def decide(tensors: list[TensorInfo], config: Mapping[str, Any], options: ModelF
     Raises:
         PatternError: an include pattern matches no Linear weight (``include[i]``).
     """
-    names = {info.key for info in tensors}
+    # the modules holding an ``experts`` list: their ``gate`` is the router
+    moe_blocks = {found["module"].removesuffix(".experts") for found in map(_EXPERT.match, (
+        info.key.rpartition(".")[0] for info in tensors)) if found}
     layers, other = [], []
     for info in tensors:
-        kind, reason = _kind(info, names, config)
+        kind, reason = _kind(info, moe_blocks, config)
         if kind == "other":
             other.append({"key": info.key, "shard": info.shard, "reason": reason})
         elif kind in ("linear", "expert"):
