@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +32,22 @@ __all__ = [
 
 
 
-def copy_weight_files(files: Iterable[Path], directory: Path, confinement: FileConfinement) -> list[str]:
+def copy_weight_files(files: Iterable[Path], directory: Path, confinement: FileConfinement, *,
+                      should_stop: Callable[[], bool] | None = None) -> list[str]:
     """Copy a checkpoint's weight files (and its index, if any) into ``directory`` byte for byte.
 
     TE and torchao artifacts hold the source's weights unchanged, so they are never decoded: the files
     keep the source's tensor names, dtypes and sharding. Each copy goes through a temporary name, and
     reads nothing outside ``confinement`` (the hub cache's links to its blobs are followed, others refused).
+    ``should_stop`` is asked before each file; when it says yes the copy stops there.
     Returns the names of the files written.
     """
     files = list(files)
     names = []
     index = files[0].parent / INDEX_NAME if files else None
     for source in [*files, *([index] if index is not None and index.is_file() else [])]:
+        if should_stop is not None and should_stop():
+            break
         copy_model_file(source, directory / source.name, confinement)
         names.append(source.name)
     return names

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,12 @@ from typing import Any
 from converters.analysis.eligibility import converted_expert_gemms
 from converters.artifact.layout import REPORT_FILE, staging_dir_for
 from converters.errors import Fp8ForgeError
-from converters.model.sources import ModelSourceOptions
+from converters.model.checkpoint import weight_files
+from converters.model.sources import ModelSourceOptions, confinement_for
 from converters.pipeline.request import ConversionRequest
 from converters.pipeline.stages import STAGE_FUNCTIONS, export, start
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
+from converters.pipeline.weight_copy import BackgroundWeightCopy
 
 __all__ = ["ConversionResult", "run_stages", "run_conversion"]
 
@@ -42,7 +45,7 @@ class ConversionResult:
     converted_experts: list[str] = field(default_factory=list)  #: ``<experts>.<gemm>`` converted together
 
 
-def run_stages(run: Run, *, stop_after: Stage) -> None:
+def run_stages(run: Run, *, stop_after: Stage, after_resolve: Callable[[Run], None] | None = None) -> None:
     """Run the stages from resolve through ``stop_after`` (not export, which needs a directory), in order, with
     progress, cancellation checks and timings. The conversion stops after convert, the synchronous analysis after
     calibrate. Each stage's record is stored in the run under the stage's field, once."""
@@ -53,6 +56,8 @@ def run_stages(run: Run, *, stop_after: Stage) -> None:
         started = time.perf_counter()
         setattr(run, record_field, function(run))
         run.stage_seconds[stage.value] = round(time.perf_counter() - started, 3)
+        if stage is Stage.RESOLVE and after_resolve is not None:
+            after_resolve(run)
         if stage is stop_after:
             return
 
@@ -81,8 +86,12 @@ def run_conversion(
     staging = staging_dir_for(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
+    def start_weight_copy(run: Run) -> None:  # the copy needs only the files: it runs beside calibration
+        run.weight_copy = BackgroundWeightCopy(weight_files(run.resolved.directory), staging,
+                                               confinement_for(run.sources))
+
     try:
-        run_stages(run, stop_after=Stage.CONVERT)
+        run_stages(run, stop_after=Stage.CONVERT, after_resolve=start_weight_copy)
         run.check_stop()
         run.sink.stage(Stage.EXPORT.value)
         run.export_started = time.perf_counter()  # export records its own time in the report it writes
@@ -90,6 +99,8 @@ def run_conversion(
         run.check_stop()
         os.replace(staging, out_dir)
     except BaseException:
+        if run.weight_copy is not None:
+            run.weight_copy.abandon()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     report_path = out_dir / REPORT_FILE

@@ -44,7 +44,10 @@ def versions(backend: str) -> dict[str, str]:
 
 
 def write_weight_files(run: Run, staging: Path) -> list[str]:
-    """Copy the source's weight files: the weights do not change, so they are never decoded."""
+    """Copy the source's weight files: the weights do not change, so they are never decoded. The driver started
+    the copy when resolve found them (``run.weight_copy``); this waits for it."""
+    if run.weight_copy is not None:
+        return run.weight_copy.result()
     return copy_weight_files(weight_files(run.resolved.directory), staging, confinement_for(run.sources))
 
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from converters.backends.base import Backend, ConversionPlan, Converted
     from converters.calibration.sequential import LayerStack
     from converters.model.checkpoint import Checkpoint
+    from converters.pipeline.weight_copy import BackgroundWeightCopy
     from converters.recipes import Recipe
     from converters.serving.plan import ServingPlan
 
@@ -112,6 +113,8 @@ class Run:
     model: nn.Module | None = None  #: the loaded model, whole-model mode only (resolve, or calibrate's fallback)
     mode_fallback: str | None = None  #: set by calibrate: why layer-sequential calibration gave way to whole-model
     weights_on_disk: dict[str, str] = field(default_factory=dict)  #: set by convert
+    #: the source's weight files being copied into the artifact during calibration (set by the driver)
+    weight_copy: BackgroundWeightCopy | None = None
     #: format name -> its plan; set by analyze, planned again by calibrate when min_sqnr_db drops layers
     serving: dict[str, ServingPlan] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,48 @@
+"""The source's weight files copied into the artifact while calibration runs.
+
+A TE or torchao artifact holds the source's weight files byte for byte, so their copy needs nothing from
+calibration: it starts as soon as resolve has found the files, in one background thread (the kernel copies,
+``sendfile``), and export only waits for it. The job then costs about the longer of the copy and the
+calibration forward instead of their sum. A failed copy fails the job at export; a job that fails or is
+cancelled first stops the copy between files and waits for it before its staging directory is removed.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from converters.artifact.files import copy_weight_files
+from converters.model.files import FileConfinement
+
+__all__ = ["BackgroundWeightCopy"]
+
+
+class BackgroundWeightCopy:
+    """Copy ``files`` (and their index) into ``directory`` in a background thread; :meth:`result` waits."""
+
+    def __init__(self, files: list[Path], directory: Path, confinement: FileConfinement) -> None:
+        self._stop = threading.Event()
+        self._names: list[str] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._copy, args=(files, directory, confinement),
+                                        name="fp8forge-weight-copy", daemon=True)
+        self._thread.start()
+
+    def _copy(self, files: list[Path], directory: Path, confinement: FileConfinement) -> None:
+        try:
+            self._names = copy_weight_files(files, directory, confinement, should_stop=self._stop.is_set)
+        except BaseException as exc:  # handed to the job's thread by result()
+            self._error = exc
+
+    def result(self) -> list[str]:
+        """The names of the files copied, once the copy is done; its error, raised here, if it failed."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._names
+
+    def abandon(self) -> None:
+        """Stop after the file being copied and wait: the caller is about to remove ``directory``."""
+        self._stop.set()
+        self._thread.join()
