@@ -51,11 +51,11 @@ __all__ = [
 
 
 #: token rows per layer call on which input and output SQNR are measured (see SqnrMeter)
-DEFAULT_MAX_ROWS = 64
+DEFAULT_MAX_ROWS = 32
 
 SQNR_DEFINITION = ("10*log10(sum(x^2)/sum((x-q(x))^2)) dB; weight: the weight cast once; input: the calibration "
                    "inputs, all steps pooled; output: the output from the cast input and weight against fp32 from "
-                   "the originals, all steps pooled; input and output on at most 64 token rows per call (the 16 "
+                   "the originals, all steps pooled; input and output on at most 32 token rows per call (the 8 "
                    "largest and an even spread of the others, weighted; scales from the whole input); 300 means "
                    "exact")
 
