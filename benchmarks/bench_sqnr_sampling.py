@@ -57,7 +57,8 @@ def measure(name: str, directory: Path, max_rows: int, recipes: list[str]) -> No
     batches = [model_inputs(model, model.config, batch) for batch in batches]
     paths = _linears(model)
     casts = [recipe_casts(parse_compare_recipe(short, "bench"), short) for short in recipes]
-    exact, sampled = SqnrMeter(casts, max_rows=None), SqnrMeter(casts, max_rows=max_rows)
+    exact = SqnrMeter(casts, max_rows=None, max_channels=None)
+    sampled = SqnrMeter(casts, max_rows=max_rows)
     _calibrate(model, paths, batches, None)  # warm-up: the first pass pays for allocations and kernel choice
     seconds = {"none": _calibrate(model, paths, batches, None), "exact": _calibrate(model, paths, batches, exact),
                "sampled": _calibrate(model, paths, batches, sampled)}

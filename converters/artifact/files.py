@@ -98,14 +98,16 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(temporary, path)
 
 
-def write_manifest(directory: Path) -> list[dict[str, Any]]:
+def write_manifest(directory: Path, known: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Checksum every file below ``directory`` (written last, so it covers all of them) into manifest.json.
 
-    Names are relative POSIX paths (``serving/<format>/config.json`` for a serving export's files).
+    Names are relative POSIX paths (``serving/<format>/config.json`` for a serving export's files). ``known``
+    holds checksums already computed by whoever wrote a file (the background weight copy), by name.
     """
+    known = known or {}
     files = (path for path in sorted(directory.rglob("*")) if path.is_file())
     entries = [
-        {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        {"name": name, "bytes": path.stat().st_size, "sha256": known.get(name) or sha256_file(path)}
         for path, name in ((path, path.relative_to(directory).as_posix()) for path in files)
         if name != MANIFEST_NAME and not any(part.startswith(".") for part in name.split("/"))
     ]

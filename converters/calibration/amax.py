@@ -249,7 +249,8 @@ def _row_amax(x: torch.Tensor, in_features: int) -> torch.Tensor:
 def _amax(tensor: Any) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32)
-    return tensor.detach().abs().amax().float().cpu()
+    low, high = torch.aminmax(tensor.detach())  # one pass, no |x| copy
+    return torch.maximum(-low, high).float().cpu()
 
 
 def _backward_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -55,6 +55,14 @@ __all__ = [
 
 #: token rows per layer call on which input and output SQNR are measured (see SqnrMeter)
 DEFAULT_MAX_ROWS = 32
+#: output channels (weight rows) per layer on which weight and output SQNR are measured, in blocks of 128
+DEFAULT_MAX_CHANNELS = 512
+_CHANNEL_BLOCK = 128
+
+
+def _rows_in(blocks: Any, out: int) -> float:
+    """How many weight rows the 128-row ``blocks`` hold (the last block of ``out`` rows may be partial)."""
+    return float(sum(min(_CHANNEL_BLOCK, out - int(block) * _CHANNEL_BLOCK) for block in blocks))
 
 SQNR_DEFINITION = ("10*log10(sum(x^2)/sum((x-q(x))^2)) dB; weight: the weight cast once; input: the calibration "
                    "inputs, all steps pooled; output: the output from the cast input and weight against the layer's "
@@ -205,11 +213,24 @@ class _History:
         return max(window) if params.algo == "max" else window[-1]
 
 
-def _weighted(squares: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """The sum of ``squares`` (``[rows, ...]``), each row counted ``weights[row]`` times (once without weights)."""
+def _weighted(squares: torch.Tensor, weights: torch.Tensor | None, columns: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The sum of ``squares`` (``[rows, ...]``), each row counted ``weights[row]`` times and, for a 2-D tensor,
+    each column ``columns[column]`` times (once where a weight vector is None)."""
+    if columns is not None:
+        squares = squares * columns
     if weights is None:
         return squares.sum()
     return (squares.reshape(squares.shape[0], -1).sum(dim=1) * weights).sum()
+
+
+@dataclass(frozen=True)
+class _Channels:
+    """The output channels (weight rows) of a layer that are measured, and what each stands for."""
+
+    rows: torch.Tensor | None  #: sorted row indices, whole 128-row blocks; None: every row
+    weights: torch.Tensor | None  #: per measured row, how many rows it stands for; None: one each
+    amax: torch.Tensor  #: the whole weight's amax (per-tensor and NVFP4 global scales come from it)
 
 
 class SqnrMeter:
@@ -223,16 +244,23 @@ class SqnrMeter:
     Cost: the input and output SQNR of a call are measured on at most ``max_rows`` of its token rows (the
     quarter with the largest ``|x|``, and an even spread of the others weighted to stand for all of them; see
     ``_sampled_rows``), with the per-tensor and NVFP4 global input scales still taken from the whole input, as
-    the recipe takes them. The emulated GEMMs then cost ``max_rows / rows`` of the layer's own forward instead of
-    twice it. ``max_rows=None`` measures every row (the exact figure); ``SAMPLED_SQNR_ACCURACY`` says how far
-    the sampled figure was from it on a real model.
+    the recipe takes them. Likewise the weight and the output are measured on at most ``max_channels`` output
+    channels (weight rows, in whole 128-row blocks so that every block scale is the recipe's own: the blocks
+    with the largest ``|w|`` and an even spread of the others, weighted), so a weight is cast on that share of
+    its rows only: with few calibration tokens, casting every weight costs as much as the forward itself. The
+    emulated GEMMs then cost ``max_rows / rows x max_channels / out`` of the layer's forward. ``None`` for
+    either measures everything (the exact figure); ``benchmarks/bench_sqnr_sampling.py`` measures how far the
+    sampled figure is from it on a real model.
     """
 
     def __init__(self, recipes: Sequence[RecipeCasts], compared: Sequence[str] = (), *,
-                 cache_bytes: int = 256 * 1024**2, slice_elements: int = 8 * 1024**2,
-                 max_rows: int | None = DEFAULT_MAX_ROWS) -> None:
+                 cache_bytes: int = 64 * 1024**2, slice_elements: int = 8 * 1024**2,
+                 max_rows: int | None = DEFAULT_MAX_ROWS, max_channels: int | None = DEFAULT_MAX_CHANNELS) -> None:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be at least 1 or None, got {max_rows}")
+        if max_channels is not None and max_channels < 2 * _CHANNEL_BLOCK:
+            raise ValueError(f"max_channels must be at least {2 * _CHANNEL_BLOCK} or None, got {max_channels}")
+        self.max_channels = max_channels
         self.recipes = list(recipes)
         self.compared = list(compared)
         self.cache_bytes = cache_bytes
@@ -249,12 +277,39 @@ class SqnrMeter:
         self._history: dict[str, _History] = {}
         self._weighed: set[str] = set()  # layers whose weight SQNR is recorded
         self._cache: dict[str, list[list[torch.Tensor]]] = {}  # path -> per group, the cast slices; oldest first
-        self._weight_amax: dict[str, torch.Tensor] = {}  # path -> the weight's amax (it does not change)
+        self._channels: dict[str, _Channels] = {}  # path -> the rows measured (the weight does not change)
 
-    def _amax_of_weight(self, path: str, weight: torch.Tensor) -> torch.Tensor:
-        if path not in self._weight_amax:
-            self._weight_amax[path] = weight.detach().abs().amax().float()
-        return self._weight_amax[path]
+    def _channels_of(self, path: str, weight: torch.Tensor) -> _Channels:
+        """The output channels measured for ``path``, chosen once from the weight's row amax."""
+        import torch
+
+        if path in self._channels:
+            return self._channels[path]
+        row_amax = weight.detach().abs().amax(dim=1).float()
+        out = row_amax.shape[0]
+        chosen = _Channels(rows=None, weights=None, amax=row_amax.max())
+        if self.max_channels is not None and out > self.max_channels:
+            blocks = -(-out // _CHANNEL_BLOCK)
+            block_amax = torch.nn.functional.pad(row_amax, (0, blocks * _CHANNEL_BLOCK - out)).reshape(blocks, -1)
+            budget = self.max_channels // _CHANNEL_BLOCK
+            top = block_amax.amax(dim=1).topk(max(1, budget // 4)).indices
+            others = torch.ones(blocks, dtype=torch.bool)
+            others[top] = False
+            rest = others.nonzero().squeeze(1)
+            spread = rest[::-(-rest.numel() // (budget - top.numel()))]
+            picked = torch.cat([top, spread]).sort().values
+            starts = picked * _CHANNEL_BLOCK
+            rows = torch.cat([torch.arange(int(start), min(int(start) + _CHANNEL_BLOCK, out)) for start in starts])
+            standing = _rows_in(rest, out) / _rows_in(spread, out)  # each spread row stands for this many
+            weights = torch.where(torch.isin(rows // _CHANNEL_BLOCK, top), torch.ones(()), torch.tensor(standing))
+            chosen = _Channels(rows=rows, weights=weights.float(), amax=chosen.amax)
+        self._channels[path] = chosen
+        return chosen
+
+    def _measured_weight(self, path: str, weight: torch.Tensor) -> torch.Tensor:
+        """The weight's measured rows (all of them, or the chosen blocks gathered in order)."""
+        rows = self._channels_of(path, weight).rows
+        return weight.detach() if rows is None else weight.detach().index_select(0, rows)
 
     def paths(self) -> list[str]:
         return list(dict.fromkeys(path for path, _, _ in self._sums))
@@ -273,11 +328,12 @@ class SqnrMeter:
         """Per group, the weight's cast row slices: from the cache, else cast now (and cached if they fit)."""
         if path in self._cache:
             return self._cache[path]
-        size = weight.numel() * 4 * len(self._groups)
+        measured = self._measured_weight(path, weight)
+        size = measured.numel() * 4 * len(self._groups)
         if size > self.cache_bytes:
             return None
-        amax = self._amax_of_weight(path, weight)
-        cast = [[self._cast_weight(group[0], weight[rows].detach().float(), amax) for rows in self._slices(weight)]
+        amax = self._channels_of(path, weight).amax
+        cast = [[self._cast_weight(group[0], measured[rows].float(), amax) for rows in self._slices(measured)]
                 for group in self._groups.values()]
         while self._cache and sum(t.numel() * 4 for v in self._cache.values() for g in v for t in g) + size > \
                 self.cache_bytes:
@@ -293,14 +349,16 @@ class SqnrMeter:
             return
         with torch.no_grad():
             cached = self._cast_weights(path, weight)
-            amax = self._amax_of_weight(path, weight)
+            channels = self._channels_of(path, weight)
+            measured = self._measured_weight(path, weight)
             for index, group in enumerate(self._groups.values()):
                 signal = noise = 0.0
-                for number, rows in enumerate(self._slices(weight)):
-                    w = weight[rows].detach().float()
-                    q = cached[index][number] if cached is not None else self._cast_weight(group[0], w, amax)
-                    signal += float(w.square().sum())
-                    noise += float((w - q).square().sum())
+                for number, rows in enumerate(self._slices(measured)):
+                    w = measured[rows].float()
+                    q = cached[index][number] if cached is not None else self._cast_weight(group[0], w, channels.amax)
+                    stands = None if channels.weights is None else channels.weights[rows]
+                    signal += float(_weighted(w.square(), stands))
+                    noise += float(_weighted((w - q).square(), stands))
                 self._add(path, group, "weight", signal, noise)
         self._weighed.add(path)
 
@@ -322,29 +380,35 @@ class SqnrMeter:
             history = self._history.setdefault(path, _History())
             history.see(step, float(x_amax))
             picked, weights = self._sampled_rows(row_amax, step)
+            channels = self._channels_of(path, weight)
+            measured = self._measured_weight(path, weight)
             own_output = output is not None and output.is_floating_point() \
                 and output.numel() == x.shape[0] * weight.shape[0]
             if own_output:
                 reference = output.detach().reshape(x.shape[0], weight.shape[0])
-                reference = (reference if picked is None else reference[picked]).float()
+                reference = reference if picked is None else reference[picked]
+                reference = (reference if channels.rows is None else reference[:, channels.rows]).float()
             x = (x if picked is None else x[picked]).float()
             b = None if bias is None else bias.detach().float()
-            slices = self._slices(weight)
+            if b is not None and channels.rows is not None:
+                b = b[channels.rows]
+            slices = self._slices(measured)
             if not own_output:
-                reference = torch.cat([linear(x, weight[rows].detach().float(), None if b is None else b[rows])
+                reference = torch.cat([linear(x, measured[rows].float(), None if b is None else b[rows])
                                        for rows in slices], dim=1)
             cached = self._cast_weights(path, weight)
-            amax = self._amax_of_weight(path, weight)
-            x_signal, y_signal = _weighted(x.square(), weights), _weighted(reference.square(), weights)
+            stands = channels.weights
+            x_signal, y_signal = _weighted(x.square(), weights), _weighted(reference.square(), weights, stands)
             for index, group in enumerate(self._groups.values()):
                 qx = self._cast_input(group[0], x, history, x_amax)
                 self._add(path, group, "input", x_signal, _weighted((x - qx).square(), weights))
                 noise = 0.0
                 for number, rows in enumerate(slices):
                     qw = cached[index][number] if cached is not None else \
-                        self._cast_weight(group[0], weight[rows].detach().float(), amax)
+                        self._cast_weight(group[0], measured[rows].float(), channels.amax)
                     y = linear(qx, qw, None if b is None else b[rows])
-                    noise += float(_weighted((reference[:, rows] - y).square(), weights))
+                    noise += float(_weighted((reference[:, rows] - y).square(), weights,
+                                             None if stands is None else stands[rows]))
                 self._add(path, group, "output", y_signal, noise)
 
     @staticmethod

@@ -389,7 +389,7 @@ def export(run: Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     written += writers.write_json_files(run, staging, written)
     run.sink.progress(2, 3)
 
-    manifest = write_manifest(staging)
+    manifest = write_manifest(staging, known=run.weight_copy.digests() if run.weight_copy is not None else None)
     run.sink.progress(3, 3)
     return sorted({*written, "manifest.json"}), manifest
 

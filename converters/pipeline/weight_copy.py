@@ -3,8 +3,9 @@
 A TE or torchao artifact holds the source's weight files byte for byte, so their copy needs nothing from
 calibration: it starts as soon as resolve has found the files, in one background thread (the kernel copies,
 ``sendfile``), and export only waits for it. The job then costs about the longer of the copy and the
-calibration forward instead of their sum. A failed copy fails the job at export; a job that fails or is
-cancelled first stops the copy between files and waits for it before its staging directory is removed.
+calibration forward instead of their sum. The same thread checksums each copied file for the manifest, so
+that pass over the bytes is off the job's path too. A failed copy fails the job at export; a job that fails
+or is cancelled first stops the copy between files and waits for it before its staging directory is removed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 from pathlib import Path
 
 from converters.artifact.files import copy_weight_files
+from converters.artifact.layout import sha256_file
 from converters.model.files import FileConfinement
 
 __all__ = ["BackgroundWeightCopy"]
@@ -24,6 +26,7 @@ class BackgroundWeightCopy:
     def __init__(self, files: list[Path], directory: Path, confinement: FileConfinement) -> None:
         self._stop = threading.Event()
         self._names: list[str] = []
+        self._digests: dict[str, str] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._copy, args=(files, directory, confinement),
                                         name="fp8forge-weight-copy", daemon=True)
@@ -32,6 +35,10 @@ class BackgroundWeightCopy:
     def _copy(self, files: list[Path], directory: Path, confinement: FileConfinement) -> None:
         try:
             self._names = copy_weight_files(files, directory, confinement, should_stop=self._stop.is_set)
+            for name in self._names:
+                if self._stop.is_set():
+                    return
+                self._digests[name] = sha256_file(directory / name)
         except BaseException as exc:  # handed to the job's thread by result()
             self._error = exc
 
@@ -41,6 +48,10 @@ class BackgroundWeightCopy:
         if self._error is not None:
             raise self._error
         return self._names
+
+    def digests(self) -> dict[str, str]:
+        """The sha256 of each copied file, by name (after :meth:`result`)."""
+        return dict(self._digests)
 
     def abandon(self) -> None:
         """Stop after the file being copied and wait: the caller is about to remove ``directory``."""

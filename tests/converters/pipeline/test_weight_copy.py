@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 
@@ -58,6 +60,9 @@ def test_the_copy_starts_before_calibration_and_the_artifact_holds_the_source_by
     assert started and started[0] < sink.began["convert"]  # under way before calibration was over
     assert (out / "model.safetensors").read_bytes() == (llama_dir / "model.safetensors").read_bytes()
     assert not _copy_threads()
+    # the copy thread's checksum is the manifest's, and it is the source file's own
+    manifest = {entry["name"]: entry["sha256"] for entry in json.loads((out / "manifest.json").read_text())["files"]}
+    assert manifest["model.safetensors"] == hashlib.sha256((llama_dir / "model.safetensors").read_bytes()).hexdigest()
 
 
 def test_a_cancelled_job_stops_the_copy_and_leaves_nothing(llama_dir, tmp_path):
