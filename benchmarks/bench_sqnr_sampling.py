@@ -6,10 +6,11 @@ the model's tokenizer), with every recipe short name of converters.recipes.prese
 (the SQNR meter of a `compare_recipes` job; `--recipes te-delayed` measures one, as a plain job does).
 Three calibrations of the same batches, each timed:
   none     the forward with amax recording only (no meter): the baseline
-  exact    the meter on every token row (SqnrMeter(max_rows=None))
-  sampled  the meter as jobs run it (SqnrMeter default: at most DEFAULT_MAX_ROWS rows per call)
+  exact    the meter on every token row and output channel (SqnrMeter(max_rows=None, max_channels=None))
+  sampled  the meter as jobs run it (at most DEFAULT_MAX_ROWS token rows per call and DEFAULT_MAX_CHANNELS
+           output channels per layer)
 Printed: seconds of each and the meter's cost over `none` (ratio), and, per recipe, the largest |sampled -
-exact| over the layers for input and output SQNR (dB) with the layer where it happens. Figures are printed,
+exact| over the layers for weight, input and output SQNR (dB) with the layer where it happens. Figures are printed,
 never asserted.
 
 Run:
@@ -68,10 +69,11 @@ def measure(name: str, directory: Path, max_rows: int, recipes: list[str]) -> No
     print("  seconds: " + ", ".join(f"{key} {value:.2f} ({value / base:.2f}x none)" for key, value in seconds.items()))
     print(f"  meter cost over the forward: exact {(seconds['exact'] - base) / base:.2f}x, "
           f"sampled {(seconds['sampled'] - base) / base:.2f}x")
-    print(f"  {'recipe':<18} {'max |d| input dB':>18} {'max |d| output dB':>18}  worst output layer")
+    print(f"  {'recipe':<18} {'max |d| weight dB':>18} {'max |d| input dB':>18} {'max |d| output dB':>18}  "
+          "worst output layer")
     worst_all = 0.0
     for cast in casts:
-        worst = {"input": (0.0, ""), "output": (0.0, "")}
+        worst = {"weight": (0.0, ""), "input": (0.0, ""), "output": (0.0, "")}
         for path in paths:
             a, b = exact.result(path, cast.label), sampled.result(path, cast.label)
             for what in worst:
@@ -80,8 +82,9 @@ def measure(name: str, directory: Path, max_rows: int, recipes: list[str]) -> No
                 delta = abs(a[what] - b[what])
                 if delta > worst[what][0]:
                     worst[what] = (delta, path)
-        worst_all = max(worst_all, worst["output"][0], worst["input"][0])
-        print(f"  {cast.label:<18} {worst['input'][0]:>18.3f} {worst['output'][0]:>18.3f}  {worst['output'][1]}")
+        worst_all = max(worst_all, *(value for value, _ in worst.values()))
+        print(f"  {cast.label:<18} {worst['weight'][0]:>18.3f} {worst['input'][0]:>18.3f} "
+              f"{worst['output'][0]:>18.3f}  {worst['output'][1]}")
     print(f"  largest |sampled - exact| over every layer and recipe: {worst_all:.3f} dB")
 
 
