@@ -32,6 +32,9 @@ batch), compares their scales and FP8 weight bytes layer by layer, and prints ho
 blocks and tensor layouts differ. The run starts by naming fp8forge's commit and any uncommitted changes under
 converters/, since the numbers are those of the code as it was.
 
+fp8forge's export also runs a second time with `measure: false` (no per-layer SQNR meter), printed as
+"fp8forge measure off", so the meter's cost and both figures against the peer's are in the same run.
+
 Targets (printed with the measured ratios; a missed target never changes the exit status):
   time    fp8forge's in-process seconds < the peer's, at every size
   memory  fp8forge's peak RSS above its baseline grows by at most one decoder layer from the smallest to
@@ -66,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench_scale import (
@@ -90,6 +93,7 @@ PEER_PACKAGE = "llmcompressor==0.14.0.1"
 DEFAULT_PEER_VENV = Path.home() / ".cache" / "fp8forge-bench" / "llmcompressor-venv"
 FLAT_TARGET_LAYERS = 1
 FP8FORGE, PEER = "fp8forge", "llm-compressor"
+UNMEASURED = "fp8forge measure off"  #: the same fp8forge export with measure: false (no per-layer SQNR meter)
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,7 @@ def child_fp8forge_export(params: dict) -> dict:
         calibration=CalibrationSettings(steps=params["steps"], batch_size=params["batch_size"],
                                         seq_len=params["seq_len"]),
         serving_formats=(params.get("serving_format", SERVING_FORMAT),), kv_cache=params.get("kv_cache"),
+        measure=params.get("measure", True),
     )
     sources = ModelSourceOptions(allowed_roots=(Path(params["root"]),))
     import_fp8forge()
@@ -523,6 +528,14 @@ def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, peer_ven
     print(f"[{plan.name}] {FP8FORGE} wrote {ours.details['artifact_bytes'] / GIB:.2f} GiB of ao artifact and "
           f"{ours.details['serving_bytes'] / GIB:.2f} GiB of serving export", flush=True)
     runs = {FP8FORGE: ours}
+    # the same export with measure false: what the per-layer SQNR meter costs
+    off_dir = root / f"{plan.name}-fp8forge-unmeasured"
+    off = measure_tool(FP8FORGE, sys.executable, "fp8forge-export", model_dir=str(model_dir), out_dir=str(off_dir),
+                       root=str(root), measure=False, **sizes)
+    runs[UNMEASURED] = replace(off, tool=UNMEASURED)
+    baselines.setdefault(UNMEASURED, baselines[FP8FORGE])
+    print_run(plan.name, runs[UNMEASURED], baselines[UNMEASURED])
+    shutil.rmtree(off_dir, ignore_errors=True)
 
     theirs_dir = root / f"{plan.name}-peer"
     if peer_venv is not None:
@@ -609,8 +622,14 @@ def print_ratios(results: list[SizeResult], baselines: dict[str, ToolRun]) -> No
         ours, theirs = r.runs[FP8FORGE], r.runs[PEER]
         memory = above(ours, baselines[FP8FORGE]) / max(1, above(theirs, baselines[PEER]))
         time_ratio = ours.seconds / theirs.seconds
-        print(f"  {r.plan.name}: time in process {time_ratio:.2f} (target < 1: {_verdict(time_ratio < 1)}), "
-              f"process wall {ours.wall / theirs.wall:.2f}; peak RSS above baseline {memory:.2f}")
+        print(f"  {r.plan.name}: time in process {time_ratio:.2f} (target < 1: {_verdict(time_ratio < 1)}; "
+              f"<= 0.5: {_verdict(time_ratio <= 0.5)}), process wall {ours.wall / theirs.wall:.2f}; peak RSS above "
+              f"baseline {memory:.2f} (<= 0.5: {_verdict(memory <= 0.5)})")
+        off = r.runs.get(UNMEASURED)
+        if off is not None:
+            print(f"  {r.plan.name}: with measure false: time {off.seconds / theirs.seconds:.2f} of {PEER}'s; "
+                  f"the SQNR meter costs {ours.seconds / off.seconds:.2f}x (target <= 1.15: "
+                  f"{_verdict(ours.seconds / off.seconds <= 1.15)})")
 
 
 def print_growth(results: list[SizeResult], baselines: dict[str, ToolRun]) -> None:
