@@ -254,7 +254,7 @@ class SqnrMeter:
     """
 
     def __init__(self, recipes: Sequence[RecipeCasts], compared: Sequence[str] = (), *,
-                 cache_bytes: int = 64 * 1024**2, slice_elements: int = 2 * 1024**2,
+                 cache_bytes: int = 256 * 1024**2, slice_elements: int = 2 * 1024**2,
                  max_rows: int | None = DEFAULT_MAX_ROWS, max_channels: int | None = DEFAULT_MAX_CHANNELS) -> None:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be at least 1 or None, got {max_rows}")

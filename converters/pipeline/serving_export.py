@@ -49,7 +49,12 @@ def plan_serving_formats(run: Run, report: dict[str, Any]) -> dict[str, ServingP
 
 def serving_casts(run: Run) -> list[RecipeCasts]:
     """What each requested serving format does to a Linear's weight and input, for the SQNR meter of calibration
-    (a format's ``weight_cast`` and ``input_cast``: spec names of converters.calibration.emulation)."""
+    (a format's ``weight_cast`` and ``input_cast``: spec names of converters.calibration.emulation).
+
+    The casts follow the job's library's fp32 scale arithmetic (at most an ulp from the format's own), so a
+    format whose casts are the job recipe's (compressed-tensors FP8 after torchao tensorwise) is measured once.
+    """
+    library = "torchao" if run.recipe.backend.value == "ao" else "te"
     casts = []
     for name in run.request.serving_formats:
         fmt = serving_format(name)
@@ -58,8 +63,8 @@ def serving_casts(run: Run) -> list[RecipeCasts]:
         notes = ("a static input scale comes from the amax over every calibration step: emulated with each step's "
                  "own amax",) if fmt.needs_calibration and input_cast is not None else ()
         casts.append(RecipeCasts(label=f"{SERVING_LABEL}{name}", recipe={"serving_format": name},
-                                 weight=cast_spec(fmt.weight_cast, pow2_scales=pow2),
-                                 input=cast_spec(input_cast, pow2_scales=pow2) if input_cast else None,
+                                 weight=cast_spec(fmt.weight_cast, library=library, pow2_scales=pow2),
+                                 input=cast_spec(input_cast, library=library, pow2_scales=pow2) if input_cast else None,
                                  not_emulated=notes))
     return casts
 
@@ -85,7 +90,7 @@ def write_serving_exports(run: Run, staging: Path) -> list[str]:
         source = run.resolved.directory
         files = write_serving_checkpoint(serving_format(name), plan, source, weight_files(source), directory,
                                          model_dtype(run.resolved.config), confinement_for(run.sources),
-                                         check_stop=run.check_stop)
+                                         check_stop=run.check_stop, emulated_stats=False)
         _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))
         _audit(run, name, plan, directory)
         written += [f"serving/{name}/{file}" for file in files]

@@ -330,8 +330,13 @@ def layer_stats(fmt: ServingFormat, weight: torch.Tensor, tensors: list[torch.Te
 
 def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: Path, weight_files: list[Path],
                              directory: Path, scale_dtype: torch.dtype, confinement: FileConfinement,
-                             check_stop: Callable[[], None] | None = None) -> list[str]:
+                             check_stop: Callable[[], None] | None = None, *, emulated_stats: bool = True
+                             ) -> list[str]:
     """Write ``fmt``'s checkpoint of the source into ``directory``: weight files, index, config, side files.
+
+    Each quantized weight's figures go into ``plan.layer_stats`` (:func:`layer_stats`); ``emulated_stats`` False
+    leaves out the emulated weight SQNR (a second pass over every weight) where the caller has the figure
+    already, from its calibration's meter, or was asked not to measure; a format's own ``layer_stats`` stays.
 
     Side files are copied without reading outside ``confinement``.
 
@@ -368,7 +373,8 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
                     for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
                         writer.write(key, value)
                     label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
-                    plan.layer_stats[label] = layer_stats(fmt, weight, replacement, options.get("weight_amax"))
+                    if emulated_stats or getattr(fmt, "layer_stats", None) is not None:
+                        plan.layer_stats[label] = layer_stats(fmt, weight, replacement, options.get("weight_amax"))
                 for added, value in added_after.get(name, {}).items():
                     writer.write(added, value)
         weight_map.update({name: source.name for name in entries})

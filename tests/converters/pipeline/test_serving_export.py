@@ -43,7 +43,10 @@ def test_each_export_reports_its_layers_weight_sqnr(report, name):
     for path, stats in block["layer_stats"].items():
         # FP8 casts keep about 30 dB of a Gaussian weight, FP4 about 20: a figure far off means a wrong cast
         low = 15 if "nvfp4" in name else 25
-        assert low < stats["weight_sqnr_db"] < 45, (path, stats)
+        assert low < stats["sqnr_db"]["weight"] < 45, (path, stats)
+        # the calibration's meter measured it: the export does not cast every weight a second time for it,
+        # except where the format has figures of its own (fp8-block's cost of UE8M0 scales)
+        assert ("weight_sqnr_db" in stats) == name.startswith("fp8-block"), (path, stats)
 
 
 @pytest.mark.parametrize("name", SERVING_FORMAT_NAMES)
@@ -108,8 +111,7 @@ def test_measure_false_skips_the_sqnr_meter_and_the_report_says_so(llama_dir, tm
     assert report["analysis"]["sensitivity"]["measured"] is False
     assert "measure: false" in report["analysis"]["sensitivity"]["reason"]
     assert not any("sqnr_db" in layer for layer in report["analysis"]["layers"])
-    stats = report["serving"]["nvfp4"]["layer_stats"]
-    assert stats and all("sqnr_db" not in entry and entry["weight_sqnr_db"] > 15 for entry in stats.values())
+    assert report["serving"]["nvfp4"]["layer_stats"] == {}  # nothing measured, at calibration or at export
 
 
 @pytest.mark.parametrize("asked", [{"min_sqnr_db": 20.0}, {"compare_recipes": ("te-current",)}])
