@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from converters.calibration.amax import calibration_batches, measuring_sqnr, record_amax  # noqa: E402
-from converters.calibration.sensitivity import DEFAULT_MAX_ROWS, SqnrMeter, recipe_casts  # noqa: E402
+from converters.calibration.sensitivity import recipe_casts  # noqa: E402
+from converters.calibration.sqnr_meter import DEFAULT_MAX_ROWS, SqnrMeter  # noqa: E402
 from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer  # noqa: E402
 from converters.pipeline.stages import model_inputs  # noqa: E402
 from converters.recipes.presets import RECIPE_NAMES, parse_compare_recipe  # noqa: E402

@@ -18,7 +18,7 @@ _EXPORTS = {
     "WHOLE_MODEL": "converters.calibration.sequential",
     "delayed_scaling_state": "converters.calibration.scaling",
     "E4M3_MAX": "converters.calibration.scaling",
-    "SqnrMeter": "converters.calibration.sensitivity",
+    "SqnrMeter": "converters.calibration.sqnr_meter",
     "meter_for": "converters.calibration.sensitivity",
     "report_sqnr": "converters.calibration.sensitivity",
 }

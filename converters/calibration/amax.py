@@ -27,7 +27,7 @@ from converters.model.experts import parse_unit_path
 from converters.recipes import TEDelayedScalingRecipe
 
 if TYPE_CHECKING:
-    from converters.calibration.sensitivity import SqnrMeter
+    from converters.calibration.sqnr_meter import SqnrMeter
 
 __all__ = [
     "CORPUS_PATH",
@@ -37,6 +37,7 @@ __all__ = [
     "AmaxRecorder",
     "amax_recorder",
     "measuring_sqnr",
+    "layer_done_for_sqnr",
     "load_corpus",
     "calibration_batches",
     "record_amax",
@@ -185,6 +186,14 @@ def calibration_batches(
             ids = torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
             batches.append({"input_ids": ids, "attention_mask": torch.ones(shape, dtype=torch.long)})
     return batches, f"{origin}, {stream.numel()} tokens, tokenized windows of {seq_len}, seed {seed}"
+
+
+def layer_done_for_sqnr() -> None:
+    """Tell the SQNR meter inside :func:`measuring_sqnr`, if any, that the layer-sequential calibration is done
+    with a layer: the meter drops the cast weights it kept for that layer's calls."""
+    meter = _SQNR_METER.get()
+    if meter is not None:
+        meter.drop_cast_weights()
 
 
 @contextmanager

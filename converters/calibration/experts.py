@@ -33,7 +33,7 @@ from torch import nn
 from converters.model.experts import parse_unit_path
 
 if TYPE_CHECKING:
-    from converters.calibration.sensitivity import SqnrMeter
+    from converters.calibration.sqnr_meter import SqnrMeter
 
 __all__ = ["ExpertsRecorder"]
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.calibration.amax import AmaxRecorder, LayerAmax, amax_recorder
+from converters.calibration.amax import AmaxRecorder, LayerAmax, amax_recorder, layer_done_for_sqnr
 from converters.calibration.compute import (
     cast_floats,
     choose_compute_dtype,
@@ -392,6 +392,7 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
                               call=lambda module, step: passes.call(module, index, step, inputs[step])))
     release(layer)
     restore_dtypes(layer, dtypes)
+    layer_done_for_sqnr()  # this layer's Linears are not called again: their cast weights can go
     passes.hidden_in = outputs
     return LayerTiming(index=index, wait_s=read - started, load_s=loaded - read, forward_s=forwarded - loaded)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.calibration.emulation import cast_spec
-from converters.calibration.sensitivity import RecipeCasts, SqnrMeter
+from converters.calibration.sqnr_meter import RecipeCasts, SqnrMeter
 from converters.errors import ConversionError
 from converters.model.checkpoint import weight_files
 from converters.model.sources import confinement_for, model_dtype

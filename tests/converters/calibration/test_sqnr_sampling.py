@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.calibration.sensitivity import SqnrMeter, recipe_casts
+from converters.calibration.sensitivity import recipe_casts
+from converters.calibration.sqnr_meter import SqnrMeter
 from converters.recipes.presets import parse_compare_recipe
 
 

@@ -1,0 +1,348 @@
+"""The SQNR meter: signal and noise sums per layer and recipe, fed by the calibration hooks, sampled so that
+measuring costs a fraction of the forward (see :class:`SqnrMeter`; what is measured and why:
+:mod:`converters.calibration.sensitivity`). Imports torch only inside the meter's methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from converters.calibration.emulation import E4M3_MAX, db, fake_quantize, tensor_scale
+
+if TYPE_CHECKING:
+    import torch
+
+    from converters.calibration.emulation import CastSpec
+
+__all__ = ["DEFAULT_MAX_ROWS", "DEFAULT_MAX_CHANNELS", "DelayedParams", "RecipeCasts", "SqnrMeter"]
+
+
+#: token rows per layer call on which input and output SQNR are measured (see SqnrMeter)
+DEFAULT_MAX_ROWS = 32
+#: output channels (weight rows) per layer on which weight and output SQNR are measured, in blocks of 128
+DEFAULT_MAX_CHANNELS = 512
+_CHANNEL_BLOCK = 128
+
+
+def _rows_in(blocks: Any, out: int) -> float:
+    """How many weight rows the 128-row ``blocks`` hold (the last block of ``out`` rows may be partial)."""
+    return float(sum(min(_CHANNEL_BLOCK, out - int(block) * _CHANNEL_BLOCK) for block in blocks))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayedParams:
+    history_len: int = 1024
+    algo: str = "max"
+    margin: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeCasts:
+    """What one recipe does to a Linear's forward operands."""
+
+    label: str
+    recipe: dict[str, Any]  #: the recipe as data
+    weight: CastSpec
+    input: CastSpec | None  #: None: the input stays in high precision (a weight-only format)
+    delayed: DelayedParams | None = None  #: TE delayed scaling: per-tensor scales from the amax history
+    not_emulated: tuple[str, ...] = ()  #: options of the recipe the emulation leaves out
+
+    @property
+    def casts_key(self) -> tuple[Any, ...]:
+        """Equal for recipes whose forward casts are the same (measured once for all of them)."""
+        return self.weight, self.input, self.delayed
+
+    def describe(self) -> dict[str, Any]:
+        return {"label": self.label, "recipe": self.recipe, "weight_format": self.weight.name,
+                "input_format": self.input.name if self.input else None,
+                "scale_rule": {"weight": self.weight.scale.value,
+                               "input": self.input.scale.value if self.input else None},
+                "delayed": self.delayed is not None, "not_emulated": list(self.not_emulated)}
+
+
+@dataclass
+class _Sums:
+    signal: float = 0.0
+    noise: float = 0.0
+
+    def add(self, signal: Any, noise: Any) -> None:
+        self.signal += float(signal)
+        self.noise += float(noise)
+
+    def db(self) -> float | None:
+        value = db(self.signal, self.noise)
+        return None if value is None else round(value, 2)
+
+
+@dataclass
+class _History:
+    """A layer's input amax by step, for delayed scaling: earlier steps' non-zero amaxes, and the current step's."""
+
+    step: int = -1
+    current: float = 0.0
+    earlier: list[float] = field(default_factory=list)
+
+    def see(self, step: int, amax: float) -> None:
+        if step != self.step:
+            if self.current > 0:
+                self.earlier = (self.earlier + [self.current])[-4096:]
+            self.step, self.current = step, 0.0
+        self.current = max(self.current, amax)
+
+    def amax_for(self, params: DelayedParams) -> float:
+        window = self.earlier[-params.history_len:]
+        if not window:
+            return self.current  # no history yet: what a calibration-seeded state would hold
+        return max(window) if params.algo == "max" else window[-1]
+
+
+def _weighted(squares: torch.Tensor, weights: torch.Tensor | None, columns: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The sum of ``squares`` (``[rows, ...]``), each row counted ``weights[row]`` times and, for a 2-D tensor,
+    each column ``columns[column]`` times (once where a weight vector is None)."""
+    if columns is not None:
+        squares = squares * columns
+    if weights is None:
+        return squares.sum()
+    return (squares.reshape(squares.shape[0], -1).sum(dim=1) * weights).sum()
+
+
+@dataclass(frozen=True)
+class _Channels:
+    """The output channels (weight rows) of a layer that are measured, and what each stands for."""
+
+    rows: torch.Tensor | None  #: sorted row indices, whole 128-row blocks; None: every row
+    weights: torch.Tensor | None  #: per measured row, how many rows it stands for; None: one each
+    amax: torch.Tensor  #: the whole weight's amax (per-tensor and NVFP4 global scales come from it)
+
+
+class SqnrMeter:
+    """Signal and noise sums per layer and recipe, fed by the calibration hooks (:meth:`observe`).
+
+    Memory stays near one weight's size: a weight is cast and multiplied by slices of rows (whole blocks, the
+    per-tensor and NVFP4 global scales taken from the whole weight), and a layer's cast weights are kept between
+    its calls only while all kept ones fit in ``cache_bytes`` (layer-sequential calibration calls one layer's
+    Linears step after step, so there each weight is cast once).
+
+    Cost: the input and output SQNR of a call are measured on at most ``max_rows`` of its token rows (the
+    quarter with the largest ``|x|``, and an even spread of the others weighted to stand for all of them; see
+    ``_sampled_rows``), with the per-tensor and NVFP4 global input scales still taken from the whole input, as
+    the recipe takes them. Likewise the weight and the output are measured on at most ``max_channels`` output
+    channels (weight rows, in whole 128-row blocks so that every block scale is the recipe's own: the blocks
+    with the largest ``|w|`` and an even spread of the others, weighted), so a weight is cast on that share of
+    its rows only: with few calibration tokens, casting every weight costs as much as the forward itself. The
+    emulated GEMMs then cost ``max_rows / rows x max_channels / out`` of the layer's forward. ``None`` for
+    either measures everything (the exact figure); ``benchmarks/bench_sqnr_sampling.py`` measures how far the
+    sampled figure is from it on a real model.
+    """
+
+    def __init__(self, recipes: Sequence[RecipeCasts], compared: Sequence[str] = (), *,
+                 cache_bytes: int = 256 * 1024**2, slice_elements: int = 2 * 1024**2,
+                 max_rows: int | None = DEFAULT_MAX_ROWS, max_channels: int | None = DEFAULT_MAX_CHANNELS) -> None:
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1 or None, got {max_rows}")
+        if max_channels is not None and max_channels < 2 * _CHANNEL_BLOCK:
+            raise ValueError(f"max_channels must be at least {2 * _CHANNEL_BLOCK} or None, got {max_channels}")
+        self.max_channels = max_channels
+        self.recipes = list(recipes)
+        self.compared = list(compared)
+        self.cache_bytes = cache_bytes
+        self.slice_elements = slice_elements
+        self.max_rows = max_rows
+        # recipes with the same forward casts (torchao's three rowwise ones) are computed once
+        self._groups: dict[tuple[Any, ...], list[RecipeCasts]] = {}
+        for casts in self.recipes:
+            self._groups.setdefault(casts.casts_key, []).append(casts)
+        self.reset()
+
+    def reset(self) -> None:
+        self._sums: dict[tuple[str, str, str], _Sums] = {}
+        self._history: dict[str, _History] = {}
+        self._weighed: set[str] = set()  # layers whose weight SQNR is recorded
+        self._cache: dict[str, list[list[torch.Tensor]]] = {}  # path -> per group, the cast slices; oldest first
+        self._channels: dict[str, _Channels] = {}  # path -> the rows measured (the weight does not change)
+
+    def drop_cast_weights(self) -> None:
+        """Forget the cast weights kept between calls (a layer-sequential calibration is done with a layer)."""
+        self._cache.clear()
+
+    def _channels_of(self, path: str, weight: torch.Tensor) -> _Channels:
+        """The output channels measured for ``path``, chosen once from the weight's row amax."""
+        import torch
+
+        if path in self._channels:
+            return self._channels[path]
+        row_amax = weight.detach().abs().amax(dim=1).float()
+        out = row_amax.shape[0]
+        chosen = _Channels(rows=None, weights=None, amax=row_amax.max())
+        if self.max_channels is not None and out > self.max_channels:
+            blocks = -(-out // _CHANNEL_BLOCK)
+            block_amax = torch.nn.functional.pad(row_amax, (0, blocks * _CHANNEL_BLOCK - out)).reshape(blocks, -1)
+            budget = self.max_channels // _CHANNEL_BLOCK
+            top = block_amax.amax(dim=1).topk(max(1, budget // 4)).indices
+            others = torch.ones(blocks, dtype=torch.bool)
+            others[top] = False
+            rest = others.nonzero().squeeze(1)
+            spread = rest[::-(-rest.numel() // (budget - top.numel()))]
+            picked = torch.cat([top, spread]).sort().values
+            starts = picked * _CHANNEL_BLOCK
+            rows = torch.cat([torch.arange(int(start), min(int(start) + _CHANNEL_BLOCK, out)) for start in starts])
+            standing = _rows_in(rest, out) / _rows_in(spread, out)  # each spread row stands for this many
+            weights = torch.where(torch.isin(rows // _CHANNEL_BLOCK, top), torch.ones(()), torch.tensor(standing))
+            chosen = _Channels(rows=rows, weights=weights.float(), amax=chosen.amax)
+        self._channels[path] = chosen
+        return chosen
+
+    def _measured_weight(self, path: str, weight: torch.Tensor) -> torch.Tensor:
+        """The weight's measured rows (all of them, or the chosen blocks gathered in order)."""
+        rows = self._channels_of(path, weight).rows
+        return weight.detach() if rows is None else weight.detach().index_select(0, rows)
+
+    def paths(self) -> list[str]:
+        return list(dict.fromkeys(path for path, _, _ in self._sums))
+
+    def _add(self, path: str, group: list[RecipeCasts], what: str, signal: Any, noise: Any) -> None:
+        signal, noise = float(signal), float(noise)
+        for casts in group:
+            self._sums.setdefault((path, casts.label, what), _Sums()).add(signal, noise)
+
+    def _slices(self, weight: torch.Tensor) -> list[slice]:
+        out_features, in_features = weight.shape
+        rows = max(128, self.slice_elements // max(in_features, 1) // 128 * 128)  # whole 128-row blocks
+        return [slice(start, min(start + rows, out_features)) for start in range(0, out_features, rows)]
+
+    def _cast_weights(self, path: str, weight: torch.Tensor) -> list[list[torch.Tensor]] | None:
+        """Per group, the weight's cast row slices: from the cache, else cast now (and cached if they fit)."""
+        if path in self._cache:
+            return self._cache[path]
+        measured = self._measured_weight(path, weight)
+        size = measured.numel() * 4 * len(self._groups)
+        if size > self.cache_bytes:
+            return None
+        amax = self._channels_of(path, weight).amax
+        cast = [[self._cast_weight(group[0], measured[rows].float(), amax) for rows in self._slices(measured)]
+                for group in self._groups.values()]
+        while self._cache and sum(t.numel() * 4 for v in self._cache.values() for g in v for t in g) + size > \
+                self.cache_bytes:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[path] = cast
+        return cast
+
+    def observe_weight(self, path: str, weight: torch.Tensor) -> None:
+        """The weight's SQNR under every recipe, recorded the first time a layer is seen."""
+        import torch
+
+        if path in self._weighed:
+            return
+        with torch.no_grad():
+            cached = self._cast_weights(path, weight)
+            channels = self._channels_of(path, weight)
+            measured = self._measured_weight(path, weight)
+            for index, group in enumerate(self._groups.values()):
+                signal = noise = 0.0
+                for number, rows in enumerate(self._slices(measured)):
+                    w = measured[rows].float()
+                    q = cached[index][number] if cached is not None else self._cast_weight(group[0], w, channels.amax)
+                    stands = None if channels.weights is None else channels.weights[rows]
+                    signal += float(_weighted(w.square(), stands))
+                    noise += float(_weighted((w - q).square(), stands))
+                self._add(path, group, "weight", signal, noise)
+        self._weighed.add(path)
+
+    def observe(self, path: str, step: int, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None, output: torch.Tensor | None = None, *,
+                row_amax: torch.Tensor | None = None) -> None:
+        """One call of a layer: input ``x`` (``[..., in]``), ``weight [out, in]``, optional bias, and the layer's
+        own output, the reference (computed here in fp32 when the caller has none of the layer's shape).
+        ``row_amax`` is each token row's ``max |x|`` where the caller has it already (the amax recorder)."""
+        import torch
+        from torch.nn.functional import linear
+
+        self.observe_weight(path, weight)
+        with torch.no_grad():
+            x = x.detach().reshape(-1, weight.shape[1])
+            if row_amax is None:
+                row_amax = x.abs().amax(dim=1).float()
+            x_amax = row_amax.max() if row_amax.numel() else torch.zeros((), dtype=torch.float32)
+            history = self._history.setdefault(path, _History())
+            history.see(step, float(x_amax))
+            picked, weights = self._sampled_rows(row_amax, step)
+            channels = self._channels_of(path, weight)
+            measured = self._measured_weight(path, weight)
+            own_output = output is not None and output.is_floating_point() \
+                and output.numel() == x.shape[0] * weight.shape[0]
+            if own_output:
+                reference = output.detach().reshape(x.shape[0], weight.shape[0])
+                reference = reference if picked is None else reference[picked]
+                reference = (reference if channels.rows is None else reference[:, channels.rows]).float()
+            x = (x if picked is None else x[picked]).float()
+            b = None if bias is None else bias.detach().float()
+            if b is not None and channels.rows is not None:
+                b = b[channels.rows]
+            slices = self._slices(measured)
+            if not own_output:
+                reference = torch.cat([linear(x, measured[rows].float(), None if b is None else b[rows])
+                                       for rows in slices], dim=1)
+            cached = self._cast_weights(path, weight)
+            stands = channels.weights
+            x_signal, y_signal = _weighted(x.square(), weights), _weighted(reference.square(), weights, stands)
+            for index, group in enumerate(self._groups.values()):
+                qx = self._cast_input(group[0], x, history, x_amax)
+                self._add(path, group, "input", x_signal, _weighted((x - qx).square(), weights))
+                noise = 0.0
+                for number, rows in enumerate(slices):
+                    qw = cached[index][number] if cached is not None else \
+                        self._cast_weight(group[0], measured[rows].float(), channels.amax)
+                    y = linear(qx, qw, None if b is None else b[rows])
+                    noise += float(_weighted((reference[:, rows] - y).square(), weights,
+                                             None if stands is None else stands[rows]))
+                self._add(path, group, "output", y_signal, noise)
+
+    @staticmethod
+    def _cast_weight(casts: RecipeCasts, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """Rows of a weight cast under ``casts``; ``amax`` is the whole weight's (per-tensor and NVFP4 scales)."""
+        if casts.delayed is None:
+            return fake_quantize(w, casts.weight, tensor_amax=amax)
+        return fake_quantize(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
+
+    def _sampled_rows(self, row_amax: torch.Tensor, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rows of a call that are measured and each one's weight in the sums (None, None: every row, once).
+
+        A quarter of the budget goes to the rows with the largest ``|x|`` (outlier tokens such as a sequence's
+        first one carry much of a layer's signal and noise), each counted once; the rest is spread evenly over
+        the other rows, each standing for ``others / sampled`` rows, so the weighted sums estimate the full ones
+        without bias and with the outliers measured exactly.
+        """
+        import torch
+
+        rows = row_amax.shape[0]
+        if self.max_rows is None or rows <= self.max_rows:
+            return None, None
+        top = max(1, self.max_rows // 4)
+        outliers = row_amax.topk(top).indices
+        others = torch.ones(rows, dtype=torch.bool)
+        others[outliers] = False
+        rest = others.nonzero().squeeze(1)
+        stride = -(-rest.numel() // (self.max_rows - top))
+        spread = rest[step % stride::stride]
+        weights = torch.cat([torch.ones(top), torch.full((spread.numel(),), rest.numel() / max(spread.numel(), 1))])
+        return torch.cat([outliers, spread]), weights
+
+    @staticmethod
+    def _cast_input(casts: RecipeCasts, x: torch.Tensor, history: _History, x_amax: torch.Tensor) -> torch.Tensor:
+        """Rows of an input cast under ``casts``; ``x_amax`` is the whole input's (per-tensor and NVFP4 scales)."""
+        import torch
+
+        if casts.input is None:
+            return x
+        if casts.delayed is None:
+            return fake_quantize(x, casts.input, tensor_amax=x_amax)
+        amax = torch.tensor(history.amax_for(casts.delayed), dtype=torch.float32)
+        return fake_quantize(x, casts.input, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
+
+    def result(self, path: str, label: str) -> dict[str, float | None]:
+        """``{"weight", "input", "output"}`` in dB (None: no signal, e.g. an expert that got no token)."""
+        return {what: (self._sums[(path, label, what)].db() if (path, label, what) in self._sums else None)
+                for what in ("weight", "input", "output")}
