@@ -54,8 +54,17 @@ def test_a_key_holds_at_most_its_streams_and_gets_them_back_when_they_close(tmp_
 
         wait_for(reopened, timeout=10, what="alice's closed streams to be released")
 
+        def open_when_free(stack: contextlib.ExitStack) -> httpx.Response:
+            # The server frees a closed stream's slot when it notices the disconnect: one freed slot (all that
+            # reopened() proves) does not mean both are, so each stream waits for its own.
+            def attempt() -> httpx.Response | None:
+                response = _open(client, stack, jobs["alice"], "alice")
+                return response if response.status_code == 200 else None
+
+            return wait_for(attempt, timeout=10, what="a free event-stream slot")
+
         with contextlib.ExitStack() as streams:  # the streams of a job that ends end, and release their slots
-            opened = [_open(client, streams, jobs["alice"], "alice") for _ in range(2)]
+            opened = [open_when_free(streams) for _ in range(2)]
             store.set_status(jobs["alice"], JobStatus.CANCELLED, event={"reason": "cancel requested"})
             assert all(b"cancelled" in response.read() for response in opened)
             wait_for(reopened, timeout=10, what="the ended streams to be released")
