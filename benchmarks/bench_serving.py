@@ -732,19 +732,22 @@ def run_as_child(role: str, params: dict) -> None:
     print(json.dumps({**result, "rss": sampler.peaks()}))
 
 
-def main() -> None:
+def main(run_benchmark=None, parse=None, prefix: str = "bench_serving-", roles: dict | None = None) -> None:
+    """Run as a child (``--child ROLE JSON``, with ``roles`` added to this script's) or run the benchmark in a
+    fresh temporary directory; bench_serving_formats.py runs through here with its own run, arguments and roles."""
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        CHILD_ROLES.update(roles or {})
         run_as_child(sys.argv[2], json.loads(sys.argv[3]))
         return
-    args = parse_args()
+    args = (parse or parse_args)()
     os.environ["TORCHAO_FORCE_SKIP_LOADING_SO_FILES"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench_serving-", dir=args.workdir)).resolve()
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=args.workdir)).resolve()
     started = time.perf_counter()
     try:
-        run(args, root)
+        (run_benchmark or run)(args, root)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -67,7 +67,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -684,23 +683,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        bench_serving.CHILD_ROLES.update(ROLES)
-        bench_serving.run_as_child(sys.argv[2], json.loads(sys.argv[3]))
-        return
-    args = parse_args()
-    os.environ["TORCHAO_FORCE_SKIP_LOADING_SO_FILES"] = "1"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench_serving_formats-", dir=args.workdir)).resolve()
-    started = time.perf_counter()
-    try:
-        run(args, root)
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    bench_serving.main(run, parse_args, "bench_serving_formats-", ROLES)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def queue_only_settings(root: Path) -> Settings:
+    """A server whose jobs stay queued (no workers), without API keys, with an empty model root under ``root``."""
+    (root / "models").mkdir(exist_ok=True)
+    return Settings(data_dir=root / "data", allowed_model_roots=(root / "models",), workers=0,
+                    auth_disabled=True, hf_offline=True)
+
+
 @contextlib.contextmanager
 def live_app(settings: Settings) -> Iterator[httpx.Client]:
     """Run ``create_app(settings)`` on a real uvicorn server on loopback; yields a client bound to it."""

@@ -26,6 +26,7 @@ from converters.recipes.registry import is_recipe
 from converters.recipes.requirements import ShapeRule, requirements
 
 __all__ = [
+    "FUSED_GROUPS",
     "AnalysisOptions",
     "analyze_model",
     "analyze_model_reference",

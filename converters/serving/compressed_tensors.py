@@ -38,7 +38,7 @@ from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.kv_scales import COMPRESSED_TENSORS_KV
 from converters.serving.plan import ServingPlan
 
-__all__ = ["CompressedTensorsFP8", "STATIC", "DYNAMIC"]
+__all__ = ["CompressedTensorsFP8", "STATIC", "DYNAMIC", "ignore_list"]
 
 
 
@@ -105,7 +105,7 @@ class CompressedTensorsFP8:
             "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                           "output_activations": None, "format": "float-quantized"}},
-            "ignore": _ignore(plan),
+            "ignore": ignore_list(plan),
             "kv_cache_scheme": args("tensor", dynamic=False, observer="static_minmax") if plan.kv_cache else None,
             "global_compression_ratio": None,
             "sparsity_config": {},
@@ -113,7 +113,7 @@ class CompressedTensorsFP8:
         }
 
 
-def _ignore(plan: ServingPlan) -> list[str]:
+def ignore_list(plan: ServingPlan) -> list[str]:
     """Linears kept in high precision, MoE routers, and one ``re:`` entry per experts module kept in high precision.
 
     The one config group targets ``Linear``: vLLM and SGLang map that target onto their fused MoE layers

@@ -38,7 +38,7 @@ import torch
 from converters.analysis.reasons import Reason
 from converters.calibration.emulation import E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
-from converters.serving.compressed_tensors import _ignore
+from converters.serving.compressed_tensors import ignore_list
 from converters.serving.plan import ServingPlan
 
 __all__ = ["GROUP", "MXFP8", "MXFP8Format", "mx_scale"]
@@ -114,7 +114,7 @@ class MXFP8Format:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": args(dynamic=False),
                                           "input_activations": args(dynamic=True), "output_activations": None,
                                           "format": "mxfp8-quantized"}},
-            "ignore": _ignore(plan),
+            "ignore": ignore_list(plan),
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
             "sparsity_config": {},

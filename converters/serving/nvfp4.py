@@ -42,7 +42,7 @@ import torch
 from converters.analysis.reasons import Reason
 from converters.calibration.emulation import E2M1_GRID, E2M1_MAX, E4M3_MAX, round_to_e2m1
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
-from converters.serving.compressed_tensors import _ignore
+from converters.serving.compressed_tensors import ignore_list
 from converters.serving.plan import ServingPlan
 
 __all__ = ["GROUP", "NVFP4", "NVFP4_A16", "CompressedTensorsNVFP4", "nvfp4_rule", "pack_e2m1"]
@@ -140,7 +140,7 @@ class CompressedTensorsNVFP4:
                                           "weights": args(dynamic=False, observer="memoryless_minmax"),
                                           "input_activations": inputs, "output_activations": None,
                                           "format": FORMAT}},
-            "ignore": _ignore(plan),
+            "ignore": ignore_list(plan),
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
             "sparsity_config": {},

@@ -48,6 +48,7 @@ __all__ = [
     "ServingFormat",
     "ServingPlan",
     "expert_disk_keys",
+    "layer_stats",
     "plan_serving",
     "set_input_amax",
     "set_weight_amax",

@@ -535,13 +535,10 @@ def test_build_te_recipe_constructs_the_recorded_class_and_fields(recipe):
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    from service.config import Settings
-    from tests.service_helpers import live_app
+    from tests.service_helpers import live_app, queue_only_settings
 
     root = tmp_path_factory.mktemp("recipes-api")
-    (root / "models").mkdir()
-    settings = Settings(data_dir=root / "data", allowed_model_roots=(root / "models",), workers=0,
-                        auth_disabled=True, hf_offline=True)
+    settings = queue_only_settings(root)
     with live_app(settings) as client:
         yield client
 

@@ -9,27 +9,21 @@ import torch
 from safetensors import safe_open
 
 from converters.model.sources import ModelSourceOptions, load_model
-from converters.pipeline.driver import run_conversion
-from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.pipeline.request import CalibrationSettings
 from converters.serving.fp8_block import FP8_BLOCK, FP8_BLOCK_UE8M0, pow2_scale_inv
+from tests.converters.serving.exports import export, tiny_llama
 
 BLOCK, UE8M0 = "fp8-block", "fp8-block-ue8m0"
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from converters.model.demo import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("ue8m0") / "llama")
+    return tiny_llama(tmp_path_factory, "ue8m0")
 
 
 @pytest.fixture(scope="module")
 def llama_out(llama_dir):
-    out = llama_dir.parent / "out"
-    request = ConversionRequest(model=str(llama_dir), recipe={"backend": "te"},
-                                calibration=CalibrationSettings(steps=2, seq_len=16), serving_formats=(BLOCK, UE8M0))
-    run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_dir.parent,)))
-    return out
+    return export(llama_dir, (BLOCK, UE8M0), calibration=CalibrationSettings(steps=2, seq_len=16))
 
 
 def tensors(directory):

@@ -20,6 +20,7 @@ from converters.serving import plan_serving
 from converters.serving.modelopt import MODELOPT_FP8, MODELOPT_NVFP4
 from tests.converters.calibration.test_kv_cache_scales import CALIBRATION as KV_CALIBRATION
 from tests.converters.calibration.test_kv_cache_scales import _batches, independent_amax
+from tests.converters.serving.exports import cosine, export, tiny_llama
 from tests.models import save_tiny_model
 
 FP8, NVFP4 = "modelopt-fp8", "modelopt-nvfp4"
@@ -36,22 +37,12 @@ MODELOPT_PYTHON = Path("/tmp/modelopt-venv/bin/python")
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from converters.model.demo import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("modelopt") / "llama")  # bf16
+    return tiny_llama(tmp_path_factory, "modelopt")
 
 
 @pytest.fixture(scope="module")
 def llama_out(llama_dir):
-    out = llama_dir.parent / "out"
-    request = ConversionRequest(model=str(llama_dir), recipe={"backend": "te"}, calibration=CALIBRATION,
-                                serving_formats=(FP8, NVFP4))
-    run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_dir.parent,)))
-    return out
-
-
-def cosine(a, b):
-    return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
+    return export(llama_dir, (FP8, NVFP4), calibration=CALIBRATION)
 
 
 def dequantize_nvfp4(packed, scale, scale_2):

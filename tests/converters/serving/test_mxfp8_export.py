@@ -9,27 +9,21 @@ import torch
 from safetensors import safe_open
 
 from converters.model.sources import ModelSourceOptions, load_model
-from converters.pipeline.driver import run_conversion
-from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.pipeline.request import CalibrationSettings
 from converters.serving.mxfp8 import MXFP8
+from tests.converters.serving.exports import export, tiny_llama
 
 NAME = "mxfp8"
 CALIBRATION = CalibrationSettings(steps=2, seq_len=16)
 
 
 def convert(model_dir):
-    out = model_dir.parent / "out"
-    request = ConversionRequest(model=str(model_dir), recipe={"backend": "te"}, calibration=CALIBRATION,
-                                serving_formats=(NAME,))
-    run_conversion(request, out, ModelSourceOptions(allowed_roots=(model_dir.parent,)))
-    return out
+    return export(model_dir, (NAME,), calibration=CALIBRATION)
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from converters.model.demo import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("mxfp8") / "llama")
+    return tiny_llama(tmp_path_factory, "mxfp8")
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 
 from converters.model.sources import ModelSourceOptions, load_model
-from converters.pipeline.driver import run_conversion
-from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.pipeline.request import CalibrationSettings
 from converters.serving import SERVING_FORMATS, plan_serving
 from converters.serving.nvfp4 import NVFP4, global_scale, quantize_nvfp4
+from tests.converters.serving.exports import cosine, export, tiny_llama
 
 W4A4, A16 = "nvfp4", "nvfp4-a16"
 CALIBRATION = CalibrationSettings(steps=3, seq_len=32)
@@ -23,22 +23,12 @@ GATE_UP = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    from converters.model.demo import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("nvfp4") / "llama")  # bf16
+    return tiny_llama(tmp_path_factory, "nvfp4")
 
 
 @pytest.fixture(scope="module")
 def llama_out(llama_dir):
-    out = llama_dir.parent / "out"
-    request = ConversionRequest(model=str(llama_dir), recipe={"backend": "te"}, calibration=CALIBRATION,
-                                serving_formats=(W4A4, A16))
-    run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_dir.parent,)))
-    return out
-
-
-def cosine(a, b):
-    return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
+    return export(llama_dir, (W4A4, A16), calibration=CALIBRATION)
 
 
 def compressed_tensors_reference(weight, amax):

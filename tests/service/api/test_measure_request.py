@@ -7,8 +7,7 @@ import pytest
 from converters.pipeline.request import ConversionRequest
 from service.cli.convert import request_from_args
 from service.cli.main import build_parser
-from service.config import Settings
-from tests.service_helpers import live_app
+from tests.service_helpers import live_app, queue_only_settings
 
 MODEL = "demo/tiny-llama"
 BODY = {"model": MODEL, "recipe": {"backend": "ao"}, "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
@@ -17,9 +16,7 @@ BODY = {"model": MODEL, "recipe": {"backend": "ao"}, "calibration": {"steps": 2,
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("measure_api")
-    (root / "models").mkdir()
-    settings = Settings(data_dir=root / "data", allowed_model_roots=(root / "models",), workers=0,
-                        auth_disabled=True, hf_offline=True)
+    settings = queue_only_settings(root)
     with live_app(settings) as client:
         yield client
 

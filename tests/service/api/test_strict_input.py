@@ -8,10 +8,9 @@ import pytest
 
 from converters.errors import Fp8ForgeError, RequestError
 from converters.pipeline.request import ConversionRequest
-from service.config import Settings
 from service.errors import ERROR_CODES, ServiceError, error_response
 from service.store import JobStore
-from tests.service_helpers import live_app, publish_job
+from tests.service_helpers import live_app, publish_job, queue_only_settings
 
 MODEL = "demo/tiny-llama"
 GOOD = {"model": MODEL, "recipe": {"backend": "ao"}, "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
@@ -20,9 +19,7 @@ GOOD = {"model": MODEL, "recipe": {"backend": "ao"}, "calibration": {"steps": 2,
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("strict")
-    (root / "models").mkdir()
-    settings = Settings(data_dir=root / "data", allowed_model_roots=(root / "models",), workers=0,
-                        auth_disabled=True, hf_offline=True)
+    settings = queue_only_settings(root)
     with live_app(settings) as client:
         store = JobStore(settings.store_url)
         job = publish_job(store, settings.jobs_dir, {"blob.bin": bytes(4096)})  # before any other job queues

@@ -164,13 +164,10 @@ def test_convert_prints_its_worst_layers(demo_cache, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from service.config import Settings
-    from tests.service_helpers import live_app
+    from tests.service_helpers import live_app, queue_only_settings
 
     root = tmp_path_factory.mktemp("analyze-sqnr")
-    (root / "models").mkdir()
-    settings = Settings(data_dir=root / "data", allowed_model_roots=(root / "models",), workers=0,
-                        auth_disabled=True, hf_offline=True)
+    settings = queue_only_settings(root)
     with live_app(settings) as served:
         yield served
 
