@@ -38,6 +38,8 @@ __all__ = [
     "KV_CACHE_FORMAT_NAMES",
     "NOT_BLANK",
     "MIN_SQNR_DB_RANGE",
+    "REQUANTIZE_TARGETS",
+    "check_requantize",
 ]
 
 #: Inclusive ranges of the calibration numbers. Layer-sequential calibration caches every step's hidden
@@ -73,8 +75,13 @@ MIN_SQNR_DB_RANGE = (0.0, 300.0)
 _REQUEST_KEYS = (
     "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
     "max_shard_bytes", "te_extra_state", "serving_formats", "min_sqnr_db", "compare_recipes",
-    "kv_cache", "measure",
+    "kv_cache", "measure", "requantize",
 )
+#: ``requantize.to`` values: the targets of model-free conversion (converters.modelfree.targets; tests keep the
+#: two equal), formats that need no calibration, and bf16.
+REQUANTIZE_TARGETS = ("compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0", "mxfp8", "nvfp4-a16", "bf16")
+#: The fields a requantize job reads besides ``requantize`` itself; every other one belongs to a calibrated job.
+_REQUANTIZE_KEYS = ("model", "requantize", "include", "exclude", "skip_first_last")
 _CALIBRATION_KEYS = ("steps", "batch_size", "seq_len", "texts", "backward")
 
 
@@ -286,6 +293,9 @@ class ConversionRequest:
         if unknown:
             raise RequestError(f"unknown field {unknown[0]!r}; allowed: {', '.join(_REQUEST_KEYS)}", field=unknown[0])
         data = dict(body)
+        if data.get("requantize") is not None:
+            check_requantize(data)
+        data.pop("requantize", None)
         if "model" not in data:
             raise RequestError("model is required, e.g. 'org/name[@revision]'", field="model")
         calibration = data.get("calibration")
@@ -344,3 +354,31 @@ def check_sync_calibration(settings: Any) -> None:
     if len(texts) > SYNC_LIMITS["texts"][1] or sum(len(text) for text in texts) > SYNC_MAX_TEXTS_CHARS:
         raise CalibrationDataError(f"a synchronous analysis takes at most {SYNC_LIMITS['texts'][1]} texts of "
                                    f"{SYNC_MAX_TEXTS_CHARS} characters in all", field="calibration.texts")
+
+
+def check_requantize(body: Mapping[str, Any]) -> str:
+    """Check a model-free job (``"requantize": {"to": FORMAT}``) and return its target format.
+
+    Such a job converts from the files alone, so it takes only ``model``, ``include``, ``exclude`` and
+    ``skip_first_last``; a field of a calibrated job (recipe, calibration, serving_formats, ...) makes no sense
+    next to it.
+
+    Raises:
+        RequestError: naming ``requantize.to`` (unknown or calibrated format) or the field that does not belong.
+    """
+    spec = body.get("requantize")
+    if not isinstance(spec, Mapping) or set(spec) != {"to"}:
+        raise RequestError('requantize must be an object like {"to": "fp8-block"}', field="requantize")
+    target = spec["to"]
+    if target in SERVING_FORMAT_NAMES and target not in REQUANTIZE_TARGETS:
+        raise RequestError(f"{target} needs static input scales from a calibration, which a requantize job does not "
+                           f"run: submit a conversion job with serving_formats [{target!r}] instead, or pick one of "
+                           f"{', '.join(REQUANTIZE_TARGETS)}", field="requantize.to")
+    if target not in REQUANTIZE_TARGETS:
+        raise RequestError(f"unknown requantize target {target!r}; known: {', '.join(REQUANTIZE_TARGETS)}",
+                           field="requantize.to")
+    for name, value in body.items():
+        if name not in _REQUANTIZE_KEYS and value not in (None, {}, []):
+            raise RequestError(f"{name} belongs to a calibrated conversion; a requantize job converts from the files "
+                               f"alone and takes only {', '.join(_REQUANTIZE_KEYS)}: drop {name}", field=name)
+    return target
