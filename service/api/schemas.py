@@ -19,6 +19,7 @@ from converters.pipeline.request import (
     MAX_TOKENS_PER_STEP,
     MIN_SQNR_DB_RANGE,
     NOT_BLANK,
+    REQUANTIZE_TARGETS,
     SERVING_FORMAT_NAMES,
     SHARD_BYTES,
     SYNC_DEFAULTS,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CalibrationCreate",
+    "RequantizeCreate",
     "JobCreate",
     "AnalyzeCreate",
     "AnalyzeCalibrationCreate",
@@ -94,6 +96,15 @@ class CalibrationCreate(BaseModel):
 CalibrationCreate.__doc__ = CalibrationCreate.__doc__.format(tokens=MAX_TOKENS_PER_STEP, total=MAX_CALIBRATION_TOKENS)
 
 
+class RequantizeCreate(BaseModel):
+    """A model-free conversion: the checkpoint converted shard by shard from its files and config.json alone, the
+    shards spread over the workers. Takes only model, include, exclude and skip_first_last besides this."""
+
+    model_config = STRICT
+    to: Literal[REQUANTIZE_TARGETS] = Field(  # type: ignore[valid-type]
+        ..., description="Target format (as `fp8forge requantize --to`): " + ", ".join(REQUANTIZE_TARGETS) + ".")
+
+
 class JobCreate(BaseModel):
     """A conversion request. The conversion library checks it again, in depth, before it is queued."""
 
@@ -123,6 +134,9 @@ class JobCreate(BaseModel):
         None, description="Measure each eligible layer's SQNR during calibration (default true); false makes the "
                     "job cost only the calibration forward, and the report says the measurement was off. "
                     "min_sqnr_db and compare_recipes need it.")
+    requantize: RequantizeCreate | None = Field(
+        None, description="Convert from the files alone instead of calibrating (docs/requantize.md): no recipe, "
+                    "calibration or serving_formats; each shard is a task any worker may run.")
 
     def to_request(self) -> dict[str, Any]:
         """The body as the conversion library reads it (unset optional fields left out; the recipe as sent)."""
@@ -182,6 +196,17 @@ class AnalyzeCreate(BaseModel):
         None, description="Calibrate (synchronously) and report each layer's SQNR; implied by the two fields below.")
     compare_recipes: CompareRecipes | None = None
     min_sqnr_db: MinSqnrDb | None = None
+    recipe: RecipeCreate | None = Field(
+        None, description="The recipe whose shape rule the analysis applies (dimensions divisible by 16; by 32 for "
+                    "MXFP8, by 128 for FP8 block scaling and NVFP4) and, with a calibration, whose SQNR is measured; "
+                    "default: the backend's default recipe. Its `backend` is the analysis's (`backend`, if sent, "
+                    "must be the same).")
+
+    def recipe_json(self) -> dict[str, Any] | None:
+        """``recipe`` as the conversion library reads it (as sent), or None."""
+        if self.recipe is None:
+            return None
+        return self.recipe.model_dump(mode="json", exclude_unset=True, exclude_none=True)
 
     def calibrates(self) -> bool:
         return self.calibration is not None or bool(self.compare_recipes) or self.min_sqnr_db is not None
