@@ -140,10 +140,21 @@ async def analyze(settings: Settings, body: AnalyzeCreate, pool: AnalysisPool) -
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
     # the checks read the model directory: a thread's work, though short, not the event loop's
     request = await to_thread.run_sync(_check_analysis, body, sources)
-    options = {"ref": body.model, "backend": body.backend, "include": tuple(body.include),
+    options = {"ref": body.model, "backend": _analysis_backend(body), "include": tuple(body.include),
                "exclude": tuple(body.exclude), "skip_first_last": body.skip_first_last,
-               "convert_router_gates": body.convert_router_gates}
+               "convert_router_gates": body.convert_router_gates, "recipe": body.recipe_json()}
     return await pool.run(as_json, _analysis_report, sources, options, request)
+
+
+def _analysis_backend(body: AnalyzeCreate) -> str:
+    """The backend of an analysis: its recipe's; a ``backend`` sent beside a recipe of another backend is refused."""
+    recipe = body.recipe_json()
+    if recipe is None:
+        return body.backend
+    if "backend" in body.model_fields_set and body.backend != recipe["backend"]:
+        raise InvalidRequest(f"backend is {body.backend!r} but recipe.backend is {recipe['backend']!r}: send one "
+                             "of them, or make them the same", field="backend")
+    return recipe["backend"]
 
 
 def _check_analysis(body: AnalyzeCreate, sources: Any) -> Any:
@@ -161,7 +172,8 @@ def _calibration_request(body: AnalyzeCreate) -> Any:
     calibration = CalibrationSettings(**{**SYNC_DEFAULTS, **given})
     check_sync_calibration(calibration)
     return ConversionRequest(
-        model=body.model, recipe={"backend": body.backend}, calibration=calibration, include=tuple(body.include),
+        model=body.model, recipe=body.recipe_json() or {"backend": body.backend}, calibration=calibration,
+        include=tuple(body.include),
         exclude=tuple(body.exclude), skip_first_last=body.skip_first_last,
         convert_router_gates=body.convert_router_gates, min_sqnr_db=body.min_sqnr_db,
         compare_recipes=tuple(body.compare_recipes or ()))
