@@ -15,6 +15,7 @@ from converters.artifact.files import copy_weight_files, save_tensors, write_jso
 from converters.artifact.layout import CALIBRATION_FILE, FP8_BLOCK_VERSION, REPORT_FILE, STATE_FILE
 from converters.backends import backend_named
 from converters.calibration.amax import BACKWARD_SLOTS, FORWARD_SLOTS
+from converters.calibration.result import amax_swing
 from converters.model.checkpoint import weight_files
 from converters.model.sources import confinement_for
 from converters.pipeline.state import Run
@@ -145,6 +146,7 @@ def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
         "analysis": run.report,
         "recipe_requirements": requirements(run.recipe),
         "calibration": _calibration_report(run),
+        "amax_swing": amax_swing(run.calibration.amax, stateless=not run.recipe.stateful),
         "serving": {name: plan.report() for name, plan in run.serving.items()},
         "files": sorted(written),
     }

@@ -9,6 +9,7 @@ from typing import Any
 
 from converters.analysis.render import human_bytes
 from converters.artifact.layout import REPORT_FILE
+from converters.calibration.result import amax_swing_line
 from converters.errors import Fp8ForgeError, RecipeError
 from converters.pipeline.request import ConversionRequest
 from service.cli.args import calibration_from_args, recipe_file
@@ -87,6 +88,8 @@ def run_convert_command(args: argparse.Namespace, sources) -> int:
     print(f"report: {result.report_path}")
     report = json.loads(result.report_path.read_text(encoding="utf-8"))
     print(format_worst_layers(report["analysis"]))
+    if amax_swing_line(report.get("amax_swing")):
+        print(amax_swing_line(report["amax_swing"]))
     if report.get("serving"):
         print(format_serving_exports(report))
     if sink.warnings:
