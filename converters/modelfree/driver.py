@@ -10,6 +10,7 @@ side files, report, manifest). Everything is written into a staging directory re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -17,13 +18,13 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
 from converters.artifact.files import copy_side_files, write_json, write_manifest
-from converters.artifact.layout import staging_dir_for
+from converters.artifact.layout import MANIFEST_NAME, staging_dir_for
 from converters.errors import ConversionError, Fp8ForgeError, RequestError
 from converters.model.checkpoint import weight_files
 from converters.model.files import INDEX_NAME, FileConfinement
@@ -41,7 +42,8 @@ from converters.modelfree.tasks import (
 )
 from converters.serving.plan import ServingPlan
 
-__all__ = ["REPORT_NAME", "convert_model_free", "plan_model_free", "serving_plan"]
+__all__ = ["REPORT_NAME", "check_plan", "convert_model_free", "finish", "plan_model_free", "serving_plan",
+           "shard_tasks", "with_weight_amax"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,18 +108,13 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
     options = ModelFreeOptions(include=tuple(include), exclude=tuple(exclude), skip_first_last=skip_first_last)
     with _pool(workers) as pool:
         report, view = _plan(source_dir, format_name, options, pool)
-        if getattr(model_free_target(format_name), "dequantize_only", False) and not view.stored:
-            raise ConversionError("the source stores no quantized weight: there is nothing to dequantize to bf16",
-                                  field="to")
-        if not report["quantized"]:
-            raise ConversionError(f"{format_name} would quantize no weight of this checkpoint (see the reasons with "
-                                  "fp8forge analyze): adjust include/exclude or skip_first_last", field="to")
+        check_plan(report, view)
         staging = staging_dir_for(out_dir)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
             results = _write_shards(source_dir, staging, report, view, pool)
-            _finish(source_dir, staging, report, results,
+            finish(source_dir, staging, report, results,
                     confinement or FileConfinement(roots=(source_dir.resolve(),)))
             os.replace(staging, out_dir)
         except BaseException:
@@ -126,28 +123,56 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
     return report
 
 
-def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], view: SourceView,
-                  pool: Executor | None) -> list[WriteResult]:
-    """Map the weight amax (where the format needs it), reduce it over fused groups, then map the writes."""
+def check_plan(report: dict[str, Any], view: SourceView) -> None:
+    """Refuse a plan that converts nothing.
+
+    Raises:
+        ConversionError: bf16 of a source that stores nothing quantized, or a target that quantizes no weight.
+    """
+    if getattr(model_free_target(report["format"]), "dequantize_only", False) and not view.stored:
+        raise ConversionError("the source stores no quantized weight: there is nothing to dequantize to bf16",
+                              field="to")
+    if not report["quantized"]:
+        raise ConversionError(f"{report['format']} would quantize no weight of this checkpoint (see the reasons with "
+                              "fp8forge analyze): adjust include/exclude or skip_first_last", field="to")
+
+
+def shard_tasks(source_dir: Path, staging: Path, report: dict[str, Any], view: SourceView
+                ) -> tuple[list[AmaxTask], list[WriteTask]]:
+    """The weight amax tasks (none unless the format needs them) and the write tasks, one per shard.
+
+    The write tasks' ``weight_amax`` is empty: :func:`with_weight_amax` fills it from the reduced amax.
+    """
     fmt = model_free_target(report["format"])
     by_shard: dict[str, list[str]] = {shard: [] for shard in report["shards"]}
     shard_of = {layer["key"]: layer["shard"] for layer in report["layers"]}
     for key in report["quantized"]:
         by_shard[shard_of[key]].append(key)
-    amax: dict[str, float] = {}
+    amax_tasks = []
     if getattr(fmt, "needs_weight_amax", False):
-        tasks = [AmaxTask(source_dir=str(source_dir), shard=shard, keys=keys, scale_dtype=report["scale_dtype"],
-                          **view.task_fields(keys)) for shard, keys in by_shard.items() if keys]
-        amax = reduce_weight_amax(_map(shard_weight_amax, tasks, pool), report["quantized"])
+        amax_tasks = [AmaxTask(source_dir=str(source_dir), shard=shard, keys=keys, scale_dtype=report["scale_dtype"],
+                               **view.task_fields(keys)) for shard, keys in by_shard.items() if keys]
     dequantized: dict[str, list[str]] = {shard: [] for shard in report["shards"]}
     for key, stored in view.stored.items():
         dequantized[view.location[stored]].append(key)
-    tasks = [WriteTask(source_dir=str(source_dir), shard=shard, out_dir=str(staging), target=fmt.name,
-                       scale_dtype=report["scale_dtype"], convert=keys,
-                       weight_amax={key: amax[key] for key in keys if key in amax},
-                       drop=sorted(name for name, where in view.drop.items() if where == shard),
-                       **view.task_fields(dequantized[shard])) for shard, keys in by_shard.items()]
-    return _map(write_shard, tasks, pool)
+    write_tasks = [WriteTask(source_dir=str(source_dir), shard=shard, out_dir=str(staging), target=fmt.name,
+                             scale_dtype=report["scale_dtype"], convert=keys,
+                             drop=sorted(name for name, where in view.drop.items() if where == shard),
+                             **view.task_fields(dequantized[shard])) for shard, keys in by_shard.items()]
+    return amax_tasks, write_tasks
+
+
+def with_weight_amax(task: WriteTask, amax: dict[str, float]) -> WriteTask:
+    """``task`` with the (reduced) weight amax of the weights it converts."""
+    return dataclasses.replace(task, weight_amax={key: amax[key] for key in task.convert if key in amax})
+
+
+def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], view: SourceView,
+                  pool: Executor | None) -> list[WriteResult]:
+    """Map the weight amax (where the format needs it), reduce it over fused groups, then map the writes."""
+    amax_tasks, write_tasks = shard_tasks(source_dir, staging, report, view)
+    amax = reduce_weight_amax(_map(shard_weight_amax, amax_tasks, pool), report["quantized"]) if amax_tasks else {}
+    return _map(write_shard, [with_weight_amax(task, amax) for task in write_tasks], pool)
 
 
 @contextlib.contextmanager
@@ -196,9 +221,14 @@ def serving_plan(report: dict[str, Any]) -> ServingPlan:
     return plan
 
 
-def _finish(source_dir: Path, staging: Path, report: dict[str, Any], results: list[WriteResult],
-            confinement: FileConfinement) -> None:
-    """Index, config.json with the format's quantization_config, side files, the report, and the manifest."""
+def finish(source_dir: Path, staging: Path, report: dict[str, Any], results: list[WriteResult],
+           confinement: FileConfinement, *, shard_files: Iterable[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Index, config.json with the format's quantization_config, side files, the report, and the manifest.
+
+    ``shard_files``: the output shards' manifest entries (name, bytes, sha256) as their writers computed them; a
+    shard not in ``staging`` (it was written on another machine and sent to the object store) is listed from its
+    entry, one that is there is not hashed again. Returns the manifest's entries.
+    """
     fmt = model_free_target(report["format"])
     if (source_dir / INDEX_NAME).is_file():
         weight_map = {name: result.shard for result in results for name in result.tensors}
@@ -224,5 +254,12 @@ def _finish(source_dir: Path, staging: Path, report: dict[str, Any], results: li
                                           "bytes": result.bytes} for result in results}
     report["layer_stats"] = {name: stats for result in results for name, stats in result.layer_stats.items()}
     write_json(staging / REPORT_NAME, report)
-    write_manifest(staging)
+    entries = {entry["name"]: entry for entry in shard_files}
+    local = write_manifest(staging, {name: entry["sha256"] for name, entry in entries.items()})
+    elsewhere = [entry for name, entry in entries.items() if not (staging / name).is_file()]
+    if not elsewhere:
+        return local
+    files = sorted([*local, *elsewhere], key=lambda entry: PurePosixPath(entry["name"]).parts)
+    write_json(staging / MANIFEST_NAME, {"version": 1, "files": files})
+    return files
 

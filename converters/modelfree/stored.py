@@ -1,0 +1,113 @@
+"""The phases of a model-free conversion run one at a time from stored tasks (a job queue's shard tasks).
+
+A job queue stores each task as ``{"kind", "shard", "phase", "payload"}`` (plain JSON) and hands one, with the
+results of the tasks it depends on, to :func:`run_stored_task` on whichever machine claims it. Kinds, by phase:
+
+0. ``plan``: inventory and decide (headers only); its result is the report and the tasks of the later phases;
+1. ``amax`` (per shard, formats that need the weight amax): :func:`~converters.modelfree.tasks.shard_weight_amax`;
+2. ``write`` (per shard): the reduce of every ``amax`` result over the fused groups (cheap: one number per
+   weight), then :func:`~converters.modelfree.tasks.write_shard`; the result adds the file's size and sha256;
+3. ``finish``: index, config, side files, report and manifest (:func:`~converters.modelfree.driver.finish`).
+
+A task of phase N may start once every task of the job with a lower phase has succeeded. Paths are not stored:
+each machine resolves the source and names its own output directory, so a payload's ``source_dir`` and
+``out_dir`` are filled in where it runs. The bytes written are those of :func:`convert_model_free`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from converters.artifact.layout import sha256_file
+from converters.model.files import FileConfinement
+from converters.modelfree.driver import _plan, check_plan, finish, shard_tasks, with_weight_amax
+from converters.modelfree.eligibility import ModelFreeOptions
+from converters.modelfree.tasks import (
+    AmaxResult,
+    AmaxTask,
+    WriteResult,
+    WriteTask,
+    reduce_weight_amax,
+    shard_weight_amax,
+    write_shard,
+)
+
+__all__ = ["PHASES", "plan_payload", "run_stored_task"]
+
+#: Task kinds in the order their phases run.
+PHASES = ("plan", "amax", "write", "finish")
+
+
+def plan_payload(model: str, target: str, *, include: list[str] = (), exclude: list[str] = (),
+                 skip_first_last: bool = True) -> dict[str, Any]:
+    """The payload of a job's ``plan`` task."""
+    return {"model": model, "target": target, "include": list(include), "exclude": list(exclude),
+            "skip_first_last": skip_first_last}
+
+
+def run_stored_task(kind: str, payload: dict[str, Any], inputs: dict[str, Any], source_dir: Path, out_dir: Path,
+                    confinement: FileConfinement) -> dict[str, Any]:
+    """Run one stored task; returns its result as plain data.
+
+    Args:
+        inputs: what the task reads of earlier phases: ``write`` takes ``amax`` (the amax tasks' results) and
+            ``quantized`` (the report's weight -> group map); ``finish`` takes ``report`` and ``writes``.
+        source_dir: the source checkpoint as this machine sees it. out_dir: where this machine writes.
+
+    Raises:
+        Fp8ForgeError: bad options, a source that cannot be read, nothing to convert (as ``convert_model_free``).
+    """
+    if kind == "plan":
+        return _plan_tasks(source_dir, payload)
+    if kind == "amax":
+        task = AmaxTask.from_dict({**payload, "source_dir": str(source_dir)})
+        return shard_weight_amax(task).to_dict()
+    if kind == "write":
+        amax = reduce_weight_amax([AmaxResult.from_dict(result) for result in inputs.get("amax", ())],
+                                  inputs.get("quantized", {}))
+        task = with_weight_amax(WriteTask.from_dict({**payload, "source_dir": str(source_dir),
+                                                     "out_dir": str(out_dir)}), amax)
+        result = write_shard(task).to_dict()
+        path = out_dir / task.shard
+        result["file"] = {"name": task.shard, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        return result
+    if kind == "finish":
+        return _finish_task(source_dir, out_dir, inputs, confinement)
+    raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(PHASES)}")
+
+
+def _plan_tasks(source_dir: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    options = ModelFreeOptions(include=tuple(payload["include"]), exclude=tuple(payload["exclude"]),
+                               skip_first_last=payload["skip_first_last"])
+    report, view = _plan(source_dir, payload["target"], options, None)
+    check_plan(report, view)
+    amax_tasks, write_tasks = shard_tasks(source_dir, Path(), report, view)
+    tasks = [_stored("amax", task.shard, task.to_dict()) for task in amax_tasks]
+    tasks += [_stored("write", task.shard, task.to_dict()) for task in write_tasks]
+    tasks.append({"kind": "finish", "shard": None, "phase": PHASES.index("finish"), "payload": {}})
+    return {"report": report, "tasks": tasks}
+
+
+def _stored(kind: str, shard: str, payload: dict[str, Any]) -> dict[str, Any]:
+    payload = {name: value for name, value in payload.items() if name not in ("source_dir", "out_dir")}
+    return {"kind": kind, "shard": shard, "phase": PHASES.index(kind), "payload": payload}
+
+
+def _finish_task(source_dir: Path, out_dir: Path, inputs: dict[str, Any], confinement: FileConfinement
+                 ) -> dict[str, Any]:
+    """Write the job's remaining files into ``out_dir`` beside whichever shards are there; returns the manifest.
+
+    What a killed writer left in ``out_dir`` (a temporary file, a shard no task wrote) is removed first, so the
+    directory then holds exactly what the manifest lists.
+    """
+    results = [WriteResult.from_dict({k: v for k, v in result.items() if k != "file"}) for result in inputs["writes"]]
+    shard_files = [result["file"] for result in inputs["writes"]]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wanted = {entry["name"]: entry["bytes"] for entry in shard_files}
+    for path in out_dir.iterdir():
+        if path.is_file() and wanted.get(path.name) != path.stat().st_size:
+            os.remove(path)
+    manifest = finish(source_dir, out_dir, inputs["report"], results, confinement, shard_files=shard_files)
+    return {"manifest": manifest}
