@@ -13,6 +13,7 @@ from converters._version import __version__
 from converters.analysis.eligibility import converted_expert_gemms
 from converters.artifact.files import copy_weight_files, save_tensors, write_json
 from converters.artifact.layout import CALIBRATION_FILE, FP8_BLOCK_VERSION, REPORT_FILE, STATE_FILE
+from converters.artifact.training import write_training_configs
 from converters.backends import backend_named
 from converters.calibration.amax import BACKWARD_SLOTS, FORWARD_SLOTS
 from converters.calibration.result import amax_swing
@@ -151,4 +152,4 @@ def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
         "files": sorted(written),
     }
     write_json(staging / REPORT_FILE, report)
-    return ["config.json", REPORT_FILE]
+    return ["config.json", REPORT_FILE, *write_training_configs(staging)]  # training/: read back from both
