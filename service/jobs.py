@@ -11,7 +11,8 @@ from typing import Any
 from converters.pipeline.state import STAGES, Stage  # the pipeline's own stage list
 from service.errors import InvalidTransition
 
-__all__ = ["JobStatus", "Stage", "STAGES", "TRANSITIONS", "transition", "Job", "JobEvent", "public_worker_name"]
+__all__ = ["JobStatus", "Stage", "STAGES", "TRANSITIONS", "transition", "Job", "JobEvent", "TaskStatus", "Task",
+           "public_worker_name"]
 
 
 class JobStatus(str, enum.Enum):
@@ -111,6 +112,44 @@ class JobEvent:
     at: float
     kind: str
     data: Mapping[str, Any]
+
+
+class TaskStatus(str, enum.Enum):
+    """Where one task of a job split into tasks is (a requantize job's plan, shard and finish tasks)."""
+
+    #: Waiting for its phase (every task of a lower phase succeeded) and a worker.
+    QUEUED = "queued"
+    #: Claimed by a worker that heartbeats it; a silent one is requeued (a new attempt) or fails the job.
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    #: Its last attempt failed; the job failed with it, naming the task's shard.
+    FAILED = "failed"
+    #: Dropped: the job was cancelled or failed before this task finished.
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """One stored task of a job: ``kind`` (plan, amax, write, finish) runs at ``phase``, for one ``shard`` or None."""
+
+    seq: int
+    job_id: str
+    kind: str
+    phase: int
+    shard: str | None
+    source: str  #: the model reference it reads (which hosts hold it is what the claim prefers)
+    payload: Mapping[str, Any]
+    status: TaskStatus
+    attempt: int
+    max_attempts: int
+    worker_id: str | None = None
+    host: str | None = None
+    result: Mapping[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        """How messages name it: its shard, or its kind."""
+        return f"shard {self.shard}" if self.shard else f"the {self.kind} task"
 
 
 def public_worker_name(worker_id: str | None) -> str | None:

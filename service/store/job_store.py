@@ -6,7 +6,8 @@ one ``UPDATE ... WHERE seq = (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING``: at
 
 This class holds job queries and status transitions; the tables and dialect helpers live in
 ``service.store.schema``, event logs in ``service.store.events`` (``JobStore.events``), worker heartbeats and
-stage timings in ``service.store.workers`` (``JobStore.workers``, ``JobStore.timings``).
+stage timings in ``service.store.workers`` (``JobStore.workers``, ``JobStore.timings``), the tasks of a job split
+into tasks in ``service.store.tasks`` (``JobStore.tasks``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from service.store.schema import (
     request_without_texts,
     tables,
 )
+from service.store.tasks import TaskQueue
 from service.store.workers import StageTimings, WorkerRegistry
 
 if TYPE_CHECKING:
@@ -79,6 +81,7 @@ class JobStore:
         self.events = EventLog(self.engine, self.tables)
         self.workers = WorkerRegistry(self.engine, self.tables, self._db_now)
         self.timings = StageTimings(self.engine, self.tables)
+        self.tasks = TaskQueue(self.engine, self.tables, self._db_now, self.events)
         self._probe: Probe[int] = Probe("fp8forge-store-probe")
 
     @classmethod
@@ -361,7 +364,8 @@ class JobStore:
         """Running or cancelling jobs whose worker has not heartbeaten for ``timeout_s`` seconds (database clock)."""
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(self._jobs).where(
-                self._jobs.c.status.in_(ACTIVE_STATUSES), self._jobs.c.heartbeat_at < self._db_now - timeout_s
+                self._jobs.c.status.in_(ACTIVE_STATUSES), self._jobs.c.heartbeat_at < self._db_now - timeout_s,
+                ~self.tasks.has_tasks(),  # a job split into tasks lives by its tasks' heartbeats
             )).mappings().all()
         return [self._job(r) for r in rows]
 
@@ -378,6 +382,7 @@ class JobStore:
             deleted = conn.execute(sa.delete(self._jobs).where(
                 self._jobs.c.id == job_id, self._jobs.c.status == job.status.value)).rowcount
             self.events.delete(conn, job_id)
+            self.tasks.delete(conn, job_id)
         if not deleted:
             raise JobNotFound(f"no job with id {job_id!r}")
         return job

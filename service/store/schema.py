@@ -29,10 +29,12 @@ class Tables(NamedTuple):
     events: sa.Table
     workers: sa.Table
     durations: sa.Table
+    tasks: sa.Table
 
 
 def tables(prefix: str) -> Tables:
-    """The metadata and the jobs, job_events, workers and stage_durations tables, each name after ``prefix``."""
+    """The metadata and the jobs, job_events, workers, stage_durations and job_tasks tables, each name after
+    ``prefix``."""
     md = sa.MetaData()
     jobs = sa.Table(
         f"{prefix}jobs", md,
@@ -84,7 +86,32 @@ def tables(prefix: str) -> Tables:
         sa.Column("stage", sa.String(16), nullable=False),
         sa.Column("seconds", sa.Double, nullable=False),
     )
-    return Tables(md, jobs, events, workers, durations)
+    # A job split into tasks (a requantize job): each row is claimed, heartbeated, retried and reaped on its own.
+    # payload and result are JSON text written by the store, so key order (and the report's bytes) survive.
+    tasks = sa.Table(
+        f"{prefix}job_tasks", md,
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("job_id", sa.String(32), nullable=False, index=True),
+        sa.Column("kind", sa.String(16), nullable=False),
+        sa.Column("phase", sa.Integer, nullable=False),
+        sa.Column("shard", sa.String(1024)),
+        sa.Column("source", sa.String(1024), nullable=False, index=True),
+        sa.Column("payload", sa.Text, nullable=False),
+        sa.Column("status", sa.String(16), nullable=False, index=True),
+        sa.Column("attempt", sa.Integer, nullable=False, default=0),
+        sa.Column("max_attempts", sa.Integer, nullable=False),
+        sa.Column("worker_id", sa.String(200)),
+        sa.Column("host", sa.String(255)),  # the host that last claimed it: it holds the source in its cache
+        sa.Column("heartbeat_at", sa.Double),
+        sa.Column("created_at", sa.Double, nullable=False),
+        sa.Column("started_at", sa.Double),
+        sa.Column("finished_at", sa.Double),
+        sa.Column("result", sa.Text),
+        sa.Column("error_code", sa.String(64)),
+        sa.Column("error_message", sa.Text),
+        sqlite_autoincrement=True,
+    )
+    return Tables(md, jobs, events, workers, durations, tasks)
 
 
 # Columns added after the first release, with their DDL type: ``add_missing_columns`` adds them to an older
