@@ -24,7 +24,10 @@ import torch
 from torch import nn
 
 from converters.errors import ModelNotFoundError
+from converters.model.consistency import check_against_model, check_index, check_stored_dtype
 from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME
+from converters.model.quantized import source_quantization
+from converters.model.quantized.stored import StoredWeights
 from converters.model.safetensors_stream import SourceTensor, read_tensor, read_tensor_index
 from converters.third_party_noise import transformers_progress_off
 
@@ -84,21 +87,52 @@ class Checkpoint:
         prefix = model.base_model_prefix
         self.file_of: dict[str, Path] = {}
         self.target_of: dict[str, str] = {}
-        self.source_of: dict[str, SourceTensor] = {}  #: where each on-disk key's bytes lie (for :meth:`read`)
+        self.source_of: dict[str, SourceTensor] = {}  #: where each stored tensor's bytes lie (for :meth:`read`)
+        in_file: dict[Path, list[str]] = {}
         for path in weight_files(self.directory):
             # A corrupt header is refused with its reason before the Rust reader maps it.
             sources, _ = read_tensor_index(path)
             self.source_of.update(sources)
             with safe_open(path, framework="pt") as handle:
-                keys = list(handle.keys())
-            for key in keys:
+                in_file[path] = list(handle.keys())
+        check_index(self.directory, {path.name: names for path, names in in_file.items()})
+        quantization = source_quantization(self.directory)
+        #: a quantized source's weights, dequantized one at a time as they load (None: a high-precision source)
+        self.stored = StoredWeights.of(quantization, self.source_of) if quantization is not None else None
+        for path, names in in_file.items():
+            for name in names:
+                key = self.stored.logical_name(name) if self.stored is not None else name
+                if key is None:  # a scale: part of its weight, not a tensor of the model
+                    continue
                 self.file_of[key] = path
                 # The same two-step rename transformers' loader applies (convert_and_load_state_dict_in_model).
-                target, _ = rename_source_key(key, renamings, converters, prefix, meta_state)
+                target, converter = rename_source_key(key, renamings, converters, prefix, meta_state)
                 if target not in meta_state and key in meta_state:
-                    target, _ = rename_source_key(key, [], [], prefix, meta_state)
+                    target, converter = rename_source_key(key, [], [], prefix, meta_state)
                 self.target_of[key] = target
+                self._check(path, name, key, converter, meta_state.get(target))
         self.tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+    def _check(self, path: Path, name: str, key: str, converter: str | None, expected: torch.Tensor | None) -> None:
+        """The stored tensor against the meta model's ``expected`` it loads into: its shape (where no converter
+        reshapes it), and FP8 or integer codes only where the source's quantization covers them."""
+        quantized = self.stored is not None and key in self.stored.stored
+        dtype = self.source_of[name].dtype
+        if converter is not None:  # experts stacked, fused projections split: transformers checks the shapes
+            if dtype.startswith("F8"):
+                check_stored_dtype(path.name, name, dtype, quantized)
+            return
+        if expected is None:  # not a tensor of this model (transformers ignores it, so does the conversion)
+            return
+        shape = self.stored.logical_shape(key, self.source_of) if quantized else self.source_of[name].shape
+        check_against_model(path.name, name, shape, dtype, quantized, key, expected)
+
+    def _dequantized(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The weights among ``keys`` that the source stores quantized, each dequantized to the model's dtype."""
+        if self.stored is None:
+            return {}
+        return {key: self.stored.dequantize(key, self.source_of, self.dtype) for key in keys
+                if key in self.stored.stored}
 
     @property
     def on_disk_targets(self) -> set[str]:
@@ -121,7 +155,9 @@ class Checkpoint:
         for the next layer); hand the result to ``load(keys, tensors=...)``. Raises OSError on a short read.
         """
         wanted, _ = self._with_ties(keys)
-        return {key: read_tensor(self.source_of[key]) for key in self.disk_keys_for(wanted)}
+        disk_keys = self.disk_keys_for(wanted)
+        dequantized = self._dequantized(disk_keys)
+        return {key: dequantized[key] if key in dequantized else read_tensor(self.source_of[key]) for key in disk_keys}
 
     def load(self, keys: Iterable[str], *, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Materialize the model's tensors named ``keys`` (in-memory state-dict names) from the checkpoint.
@@ -168,6 +204,7 @@ class Checkpoint:
             dtype_plan=self.model._get_dtype_plan(self.dtype),
             weight_mapping=self.mapping,
         )
+        tensors = {**tensors, **self._dequantized(key for key in disk_keys if key not in tensors)}
         by_file: dict[Path, list[str]] = {}
         for key in disk_keys:
             if key not in tensors:

@@ -88,7 +88,7 @@ def run_conversion(
     staging.mkdir()
     def start_weight_copy(run: Run) -> None:  # the copy needs only the files: it runs beside calibration
         run.weight_copy = BackgroundWeightCopy(weight_files(run.resolved.directory), staging,
-                                               confinement_for(run.sources))
+                                               confinement_for(run.sources), checkpoint=run.resolved.checkpoint)
 
     try:
         run_stages(run, stop_after=Stage.CONVERT, after_resolve=start_weight_copy)

@@ -18,6 +18,7 @@ from converters.backends import backend_named
 from converters.calibration.amax import BACKWARD_SLOTS, FORWARD_SLOTS
 from converters.calibration.result import amax_swing
 from converters.model.checkpoint import weight_files
+from converters.model.quantized.stored import write_dequantized_files
 from converters.model.sources import confinement_for
 from converters.pipeline.state import Run
 from converters.recipes.requirements import requirements
@@ -50,6 +51,10 @@ def write_weight_files(run: Run, staging: Path) -> list[str]:
     the copy when resolve found them (``run.weight_copy``); this waits for it."""
     if run.weight_copy is not None:
         return run.weight_copy.result()
+    checkpoint = run.resolved.checkpoint
+    if checkpoint.stored is not None:  # a quantized source: its weights dequantized (converters.model.quantized)
+        return write_dequantized_files(weight_files(run.resolved.directory), staging, checkpoint.stored,
+                                       checkpoint.dtype)
     return copy_weight_files(weight_files(run.resolved.directory), staging, confinement_for(run.sources))
 
 
@@ -97,6 +102,8 @@ def fp8_block(run: Run) -> dict[str, Any]:
         "converted_weights_on_disk": run.weights_on_disk,
         "tied_weights": run.resolved.tied_weights,
     }
+    if run.resolved.checkpoint.stored is not None:  # what the source's weights were dequantized from
+        block["dequantized_from"] = run.resolved.checkpoint.stored.quantization.describe()
     block.update(run.backend.block_fields(run.plan, run.conversion))
     return block
 
@@ -131,6 +138,10 @@ def _calibration_report(run: Run) -> dict[str, Any]:
 def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
     with open(run.resolved.directory / "config.json", encoding="utf-8") as handle:
         config = json.load(handle)
+    stored = run.resolved.checkpoint.stored
+    if stored is not None:  # the weight files hold the dequantized weights: no quantization applies to them
+        config.pop("quantization_config", None)
+        config.pop("compression_config", None)
     config["fp8"] = fp8_block(run)
     write_json(staging / "config.json", config)
     report = {

@@ -88,7 +88,10 @@ def write_serving_exports(run: Run, staging: Path) -> list[str]:
         _attach_kv_cache(run, name, plan)
         directory = staging / "serving" / name
         source = run.resolved.directory
-        files = write_serving_checkpoint(serving_format(name), plan, source, weight_files(source), directory,
+        files = weight_files(source)
+        if run.resolved.checkpoint.stored is not None:  # a quantized source: from the artifact's dequantized files
+            files = [staging / path.name for path in files]
+        files = write_serving_checkpoint(serving_format(name), plan, source, files, directory,
                                          model_dtype(run.resolved.config), confinement_for(run.sources),
                                          check_stop=run.check_stop, emulated_stats=False)
         _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))

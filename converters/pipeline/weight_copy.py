@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 from converters.artifact.files import copy_weight_files
 from converters.artifact.layout import sha256_file
 from converters.model.files import FileConfinement
+from converters.model.quantized.stored import write_dequantized_files
 
 __all__ = ["BackgroundWeightCopy"]
 
@@ -23,18 +25,27 @@ __all__ = ["BackgroundWeightCopy"]
 class BackgroundWeightCopy:
     """Copy ``files`` (and their index) into ``directory`` in a background thread; :meth:`result` waits."""
 
-    def __init__(self, files: list[Path], directory: Path, confinement: FileConfinement) -> None:
+    def __init__(self, files: list[Path], directory: Path, confinement: FileConfinement, *,
+                 checkpoint: Any = None) -> None:
+        """``checkpoint``: the source's :class:`~converters.model.checkpoint.Checkpoint`; when the source is stored
+        quantized, its weights are written dequantized to the model's dtype instead of copied."""
         self._stop = threading.Event()
         self._names: list[str] = []
         self._digests: dict[str, str] = {}
         self._error: BaseException | None = None
+        self._checkpoint = checkpoint
         self._thread = threading.Thread(target=self._copy, args=(files, directory, confinement),
                                         name="fp8forge-weight-copy", daemon=True)
         self._thread.start()
 
     def _copy(self, files: list[Path], directory: Path, confinement: FileConfinement) -> None:
         try:
-            self._names = copy_weight_files(files, directory, confinement, should_stop=self._stop.is_set)
+            stored = getattr(self._checkpoint, "stored", None)
+            if stored is not None:  # the artifact holds the high-precision weights a quantized source stands for
+                self._names = write_dequantized_files(files, directory, stored, self._checkpoint.dtype,
+                                                      should_stop=self._stop.is_set)
+            else:
+                self._names = copy_weight_files(files, directory, confinement, should_stop=self._stop.is_set)
             for name in self._names:
                 if self._stop.is_set():
                     return
