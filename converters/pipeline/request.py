@@ -63,7 +63,10 @@ KV_CACHE_DTYPES = ("fp8",)
 KV_CACHE_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8", "modelopt-nvfp4")
 #: Names in ``converters.serving.SERVING_FORMATS`` (that registry imports torch; tests keep the two equal).
 SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0",
-                        "mxfp8", "nvfp4", "nvfp4-a16", "modelopt-fp8", "modelopt-nvfp4")
+                        "mxfp8", "nvfp4", "nvfp4-a16", "modelopt-fp8", "modelopt-nvfp4",
+                        # the training twins (docs/sync.md): a training recipe's own weight casts
+                        "fp8-block-te", "fp8-block-ue8m0-te", "mxfp8-te", "mxfp8-rceil", "mxfp8-floor",
+                        "compressed-tensors-fp8-torchao-tensorwise", "compressed-tensors-fp8-torchao-rowwise")
 #: A calibration text must contain a character this regex finds: anything but what ``str.isspace`` calls
 #: whitespace (so "\u00a0\u3000" is blank too). Written with escapes only, which Python, pydantic's Rust regex and
 #: the OpenAPI schema's ECMAScript readers all read alike.
@@ -79,7 +82,8 @@ _REQUEST_KEYS = (
 )
 #: ``requantize.to`` values: the targets of model-free conversion (converters.modelfree.targets; tests keep the
 #: two equal), formats that need no calibration, and bf16.
-REQUANTIZE_TARGETS = ("compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0", "mxfp8", "nvfp4-a16", "bf16")
+REQUANTIZE_TARGETS = ("compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0", "mxfp8", "nvfp4-a16", "bf16",
+                      *SERVING_FORMAT_NAMES[9:])  # the training twins: dynamic activations, no calibration
 #: The fields a requantize job reads besides ``requantize`` itself; every other one belongs to a calibrated job.
 _REQUANTIZE_KEYS = ("model", "requantize", "include", "exclude", "skip_first_last")
 _CALIBRATION_KEYS = ("steps", "batch_size", "seq_len", "texts", "backward")

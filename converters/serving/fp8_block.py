@@ -42,7 +42,8 @@ from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.plan import ServingPlan
 
-__all__ = ["BLOCK", "FP8Block", "FP8_BLOCK", "FP8_BLOCK_UE8M0", "ScaleFormat", "pow2_scale_inv"]
+__all__ = ["BLOCK", "FP8Block", "FP8_BLOCK", "FP8_BLOCK_TE", "FP8_BLOCK_UE8M0", "FP8_BLOCK_UE8M0_TE", "ScaleArithmetic",
+           "ScaleFormat", "pow2_scale_inv", "te_block_scales"]
 
 BLOCK = 128
 _E4M3_MANTISSA_OF_MAX = 0.875  # 448 = 0.875 * 2**9, as frexp writes it
@@ -68,14 +69,47 @@ def pow2_scale_inv(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
+class ScaleArithmetic(str, enum.Enum):
+    """Whose arithmetic turns a block's amax into its scale and its FP8 values (same layout, other last bits).
+
+    ``transformers``: ``weight_scale_inv = amax / 448`` and ``weight / weight_scale_inv`` (transformers, DeepSeek).
+    ``transformer-engine``: TE's ``Float8BlockScaling`` weight cast (:func:`te_block_scales`), the training twin.
+    """
+
+    TRANSFORMERS = "transformers"
+    TRANSFORMER_ENGINE = "transformer-engine"
+
+
+def te_block_scales(amax: torch.Tensor, *, pow2: bool, input_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, scale_inv)`` of TE's block-scaled cast for fp32 ``amax``: ``weight * scale`` is cast to E4M3.
+
+    TransformerEngine's ``compute_scale_from_amax`` (``common/recipe/recipe_common.cuh``), as its own Python
+    reference restates it (``tests/pytorch/references/quantize_scale_calc.py``, held bit-exact to the CUDA kernel by
+    ``tests/pytorch/test_float8_blockwise_scaling_exact.py``): ``448 / amax`` rounded once in fp32; an infinite
+    quotient becomes the input dtype's largest value; ``pow2`` clears the mantissa (rounds the scale down to a
+    power of two); an all-zero block gets 1; ``scale_inv = 1 / scale`` in fp32. ``amax_epsilon`` is 0, as the
+    recipe records it.
+    """
+    amax = amax.float()
+    scale = torch.div(FP8_E4M3_MAX, amax)
+    scale = torch.where(scale == torch.inf, torch.finfo(input_dtype).max, scale)
+    if pow2:
+        _, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - 1)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    return scale, torch.reciprocal(scale)
+
+
 class FP8Block:
     """transformers' fine-grained FP8: 128x128 weight blocks, dynamic activations, fp32 or power-of-two scales."""
 
     needs_calibration = False
 
-    def __init__(self, *, name: str, scale_fmt: ScaleFormat = ScaleFormat.FLOAT) -> None:
+    def __init__(self, *, name: str, scale_fmt: ScaleFormat = ScaleFormat.FLOAT,
+                 arithmetic: ScaleArithmetic = ScaleArithmetic.TRANSFORMERS) -> None:
         self.name = name
         self.scale_fmt = ScaleFormat(scale_fmt)
+        self.arithmetic = ScaleArithmetic(arithmetic)
         # the emulated casts of the calibration's SQNR under this format: 128x128 weight blocks, 1x128 input groups
         self.weight_cast, self.input_cast = "e4m3_block_128x128", "e4m3_block_1x128"
         self.pow2_scales = self.scale_fmt is ScaleFormat.UE8M0
@@ -93,7 +127,7 @@ class FP8Block:
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
                  ) -> list[torch.Tensor]:
-        return _quantize_blocks(weight, self.scale_fmt)
+        return _quantize_blocks(weight, self.scale_fmt, self.arithmetic)
 
     def layer_stats(self, weight: torch.Tensor, tensors: list[torch.Tensor]) -> dict[str, Any]:
         """Weight SQNR (dB) of the written tensors, and for ue8m0 also of fp32 scales, against ``weight``.
@@ -103,7 +137,7 @@ class FP8Block:
         """
         stats = {"weight_sqnr_db": _weight_sqnr(weight, tensors)}
         if self.scale_fmt is ScaleFormat.UE8M0:
-            fp32 = _weight_sqnr(weight, _quantize_blocks(weight, ScaleFormat.FLOAT))
+            fp32 = _weight_sqnr(weight, _quantize_blocks(weight, ScaleFormat.FLOAT, self.arithmetic))
             stats["weight_sqnr_db_fp32_scales"] = fp32
             if fp32 is not None and stats["weight_sqnr_db"] is not None:
                 stats["ue8m0_cost_db"] = fp32 - stats["weight_sqnr_db"]
@@ -121,11 +155,17 @@ class FP8Block:
         return config
 
 
-def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat) -> list[torch.Tensor]:
+def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat,
+                     arithmetic: ScaleArithmetic = ScaleArithmetic.TRANSFORMERS) -> list[torch.Tensor]:
     """``[weight e4m3, weight_scale_inv fp32 [rows/128, cols/128]]``; the scale is 1 for an all-zero block."""
     rows, columns = weight.shape
     blocks = weight.float().reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
+    if arithmetic is ScaleArithmetic.TRANSFORMER_ENGINE:
+        # multiplied by TE's scale, not divided by its inverse: the two differ in the last bit of some values
+        scale, scale_inv = te_block_scales(amax, pow2=scale_fmt is ScaleFormat.UE8M0, input_dtype=weight.dtype)
+        quantized = (blocks * scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return [quantized.reshape(rows, columns), scale_inv.reshape(rows // BLOCK, columns // BLOCK)]
     if scale_fmt is ScaleFormat.UE8M0:
         scale = pow2_scale_inv(amax)
     else:
@@ -160,3 +200,7 @@ def _not_converted(plan: ServingPlan) -> list[str]:
 
 FP8_BLOCK = FP8Block(name="fp8-block")
 FP8_BLOCK_UE8M0 = FP8Block(name="fp8-block-ue8m0", scale_fmt=ScaleFormat.UE8M0)
+#: the training twins of TE ``Float8BlockScaling`` (fp32 scales, and power-of-two scales): TE's own arithmetic
+FP8_BLOCK_TE = FP8Block(name="fp8-block-te", arithmetic=ScaleArithmetic.TRANSFORMER_ENGINE)
+FP8_BLOCK_UE8M0_TE = FP8Block(name="fp8-block-ue8m0-te", scale_fmt=ScaleFormat.UE8M0,
+                              arithmetic=ScaleArithmetic.TRANSFORMER_ENGINE)

@@ -31,6 +31,7 @@ applied per matrix; no engine was checked on an MXFP8 MoE export.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
@@ -41,7 +42,8 @@ from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.plan import ServingPlan
 
-__all__ = ["GROUP", "MXFP8", "MXFP8Format", "mx_scale"]
+__all__ = ["GROUP", "MXFP8", "MXFP8_FLOOR", "MXFP8_RCEIL", "MXFP8_TE", "MXFP8Format", "MXScaleMode", "mx_scale",
+           "mx_exponents"]
 
 GROUP = 32
 _E8M0_BIAS = 127
@@ -72,13 +74,79 @@ def mx_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.ones_like(scale), scale)  # the uint8 scale dtype's eps is 1
 
 
-class MXFP8Format:
-    """compressed-tensors MXFP8: E4M3 weights in groups of 32 inputs with E8M0 scales, dynamic MX activations."""
+class MXScaleMode(str, enum.Enum):
+    """How a group's E8M0 exponent is chosen and its values scaled (same layout, other bits).
 
-    name = "mxfp8"
+    ``compressed-tensors``: llm-compressor's rounding (:func:`mx_scale`). ``transformer-engine``: TE's
+    ``MXFP8BlockScaling`` cast. ``rceil`` / ``floor``: torchao's ``to_mx`` with that ``ScaleCalculationMode``
+    (the MXFP8 training configs' casts). See :func:`mx_exponents`.
+    """
+
+    COMPRESSED_TENSORS = "compressed-tensors"
+    TRANSFORMER_ENGINE = "transformer-engine"
+    RCEIL = "rceil"
+    FLOOR = "floor"
+
+
+_RCP_448 = torch.tensor(1 / E4M3_MAX, dtype=torch.float32)  # TE's Quantized_Limits<fp8e4m3>::max_norm_rcp
+_F32_MIN_NORMAL = 2.0 ** -126
+
+
+def mx_exponents(groups: torch.Tensor, mode: MXScaleMode) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(biased E8M0 exponent uint8, E4M3 values)`` of ``groups`` ``[..., n, 32]`` under a training library's mode.
+
+    * ``transformer-engine`` (``common/cast/mxfp8/quantize_mxfp8.cuh``, ``util/ptx_arch_spec.cuh``
+      ``float_to_e8m0``, ``util/ptx.cuh`` ``exp2f_rcp``): ``amax * fp32(1/448)`` rounded up to a power of two
+      (a value at most 2**-127 gets exponent 0), values multiplied by ``2**(127 - e)`` (2**127 for e = 0).
+    * ``rceil`` (torchao ``_to_mx_rceil``): ``ceil(log2(amax / 448))`` clamped to [-127, 127] in fp32; values
+      multiplied by ``2**(127 - e)``, by 1 for e = 0.
+    * ``floor`` (torchao ``to_mx``): the amax's own exponent minus 8, clamped to [-127, 128]; values divided by
+      the scale, itself at least 2**-126.
+
+    Values are clamped to +-448 and rounded to nearest even, as both libraries' saturating casts do.
+    """
+    data = groups.float()
+    amax = groups.abs().amax(dim=-1, keepdim=True).float()
+    if mode is MXScaleMode.TRANSFORMER_ENGINE:
+        product = amax * _RCP_448
+        bits = product.view(torch.int32)
+        exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+        biased = exponent + up.to(exponent.dtype)
+        biased = torch.where(torch.isinf(product), 0xFE, torch.where(torch.isnan(product), 0xFF, biased))
+        multiplier = torch.where(biased == 254, torch.tensor(2.0 ** -127),
+                                 ((254 - biased) << 23).view(torch.float32))
+        scaled = data * multiplier
+    elif mode is MXScaleMode.RCEIL:
+        biased = (torch.clamp(torch.ceil(torch.log2(amax / E4M3_MAX)), min=-_E8M0_BIAS, max=_E8M0_BIAS)
+                  + _E8M0_BIAS).to(torch.uint8)
+        multiplier = torch.where(biased == 254, 2.0 ** -127, torch.where(
+            biased == 0, 1.0, torch.exp2(_E8M0_BIAS - biased.to(torch.float32))))
+        scaled = data * multiplier
+    elif mode is MXScaleMode.FLOOR:
+        own = ((amax.view(torch.int32) >> 23) & 0xFF) - _E8M0_BIAS
+        biased = (torch.clamp(own - _E4M3_EMAX, min=-_E8M0_BIAS, max=_E8M0_BIAS + 1) + _E8M0_BIAS).to(torch.uint8)
+        scale = torch.clamp((biased.to(torch.int32) << 23).view(torch.float32), min=_F32_MIN_NORMAL)
+        scaled = data / scale
+    else:
+        raise ValueError(f"mx_exponents has no arithmetic for mode {mode.value}: use mx_scale")
+    quantized = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return biased.to(torch.uint8).squeeze(-1), quantized
+
+
+class MXFP8Format:
+    """compressed-tensors MXFP8: E4M3 weights in groups of 32 inputs with E8M0 scales, dynamic MX activations.
+
+    ``mode`` chooses whose arithmetic writes the bits (:class:`MXScaleMode`); the checkpoint reads the same.
+    """
+
     needs_calibration = False
     weight_cast = "mxfp8_e4m3_block32"  #: the emulated cast of the report's weight SQNR (plan.layer_stats)
     input_cast = "mxfp8_e4m3_block32"  #: and of the input, in the calibration's SQNR under this format
+
+    def __init__(self, *, name: str = "mxfp8", mode: MXScaleMode = MXScaleMode.COMPRESSED_TENSORS) -> None:
+        self.name = name
+        self.mode = MXScaleMode(mode)
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         """The reason a Linear of this shape stays in high precision, or None."""
@@ -94,6 +162,10 @@ class MXFP8Format:
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
                  ) -> list[torch.Tensor]:
+        if self.mode is not MXScaleMode.COMPRESSED_TENSORS:
+            # the training casts read the weight as stored (bf16 or fp32 master weights), not the model's dtype
+            exponent, quantized = mx_exponents(weight.unflatten(-1, (weight.shape[-1] // GROUP, GROUP)), self.mode)
+            return [quantized.flatten(-2), exponent]
         # In the model's dtype, as compressed-tensors runs it: the scale is a power of two, so the division is exact.
         groups = weight.to(scale_dtype).unflatten(-1, (weight.shape[-1] // GROUP, GROUP))
         scale = mx_scale(groups.abs().amax(dim=-1))
@@ -123,3 +195,7 @@ class MXFP8Format:
 
 
 MXFP8 = MXFP8Format()
+#: the training twins: TE ``MXFP8BlockScaling``, torchao MXFP8 with RCEIL and with FLOOR scales
+MXFP8_TE = MXFP8Format(name="mxfp8-te", mode=MXScaleMode.TRANSFORMER_ENGINE)
+MXFP8_RCEIL = MXFP8Format(name="mxfp8-rceil", mode=MXScaleMode.RCEIL)
+MXFP8_FLOOR = MXFP8Format(name="mxfp8-floor", mode=MXScaleMode.FLOOR)
