@@ -21,6 +21,7 @@ from converters.model.checkpoint import weight_files
 from converters.model.quantized.stored import write_dequantized_files
 from converters.model.sources import confinement_for
 from converters.pipeline.state import Run
+from converters.plan.job import plan_for_job
 from converters.recipes.requirements import requirements
 
 __all__ = [
@@ -144,6 +145,8 @@ def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
         config.pop("compression_config", None)
     config["fp8"] = fp8_block(run)
     write_json(staging / "config.json", config)
+    plan_block, plan_files = plan_for_job(run, staging)  # with a plan in the request: plan/ and its block
+    written = [*written, *plan_files]
     report = {
         "version": FP8_BLOCK_VERSION,
         "model": run.request.model,
@@ -159,6 +162,7 @@ def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
         "recipe_requirements": requirements(run.recipe),
         "calibration": _calibration_report(run),
         "amax_swing": amax_swing(run.calibration.amax, stateless=not run.recipe.stateful),
+        "plan": plan_block,
         "serving": {name: plan.report() for name, plan in run.serving.items()},
         "files": sorted(written),
     }

@@ -16,6 +16,7 @@ from typing import Any
 from converters.analysis.patterns import check_patterns
 from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.errors import CalibrationDataError, RecipeError, RequestError
+from converters.plan.settings import PlanSettings
 from converters.recipes import Recipe, recipe_from_dict
 from converters.recipes.presets import MAX_COMPARE_RECIPES, parse_compare_recipe
 
@@ -206,6 +207,8 @@ class ConversionRequest:
     #: measure each layer's SQNR during calibration (converters.calibration.sensitivity); False: the report says
     #: it was off, and nothing that needs it (min_sqnr_db, compare_recipes) may be asked for
     measure: bool = True
+    #: a per-layer precision plan to make beside the artifact (converters.plan.settings.PlanSettings as data)
+    plan: Mapping[str, Any] | None = None
     _recipe: Recipe = field(init=False, repr=False, compare=False)  #: ``recipe`` parsed, by __post_init__
 
     def __post_init__(self) -> None:
@@ -225,6 +228,11 @@ class ConversionRequest:
         if not self.measure and (self.min_sqnr_db is not None or self.compare_recipes):
             raise RequestError("measure false turns the SQNR measurement off, and min_sqnr_db and compare_recipes "
                                "need it: drop them or leave measure on", field="measure")
+        if self.plan is not None:
+            object.__setattr__(self, "plan", PlanSettings.from_dict(self.plan).to_dict())
+            if not self.measure:
+                raise RequestError("a plan reads each layer's SQNR under its candidates, which measure false turns "
+                                   "off: drop plan or leave measure on", field="measure")
         # parsed once, here: every stage, the CLI and the synchronous analysis read this object
         object.__setattr__(self, "_recipe", self._parse_recipe())
 
@@ -329,6 +337,7 @@ class ConversionRequest:
             "compare_recipes": [entry if isinstance(entry, str) else dict(entry) for entry in self.compare_recipes],
             "kv_cache": self.kv_cache,
             "measure": self.measure,
+            "plan": dict(self.plan) if self.plan is not None else None,
         }
 
 

@@ -55,6 +55,7 @@ from converters.pipeline.serving_export import (
     write_serving_exports,
 )
 from converters.pipeline.state import ResolvedModel, Run, Stage
+from converters.plan.candidates import plan_compare_recipes
 
 __all__ = ["STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
 
@@ -209,7 +210,8 @@ def calibrate(run: Run) -> CalibrationResult:
     batches, source = _calibration_batches(run)
     paths = eligible_paths(run.report) + eligible_expert_units(run.report)
     amax, te_check, forward = None, dict(NO_TE_CHECK), SequentialStats()
-    meter, label = meter_for(run.recipe, run.request.compare_recipes, serving_casts(run)) if run.request.measure \
+    compared = plan_compare_recipes(run.request.plan, run.request.compare_recipes)  # a plan reads its candidates' SQNR
+    meter, label = meter_for(run.recipe, compared, serving_casts(run)) if run.request.measure \
         else (None, "")
     with measuring_sqnr(meter):  # the hooks also measure each layer's error under the recipe(s)
         if run.resolved.mode == LAYER_SEQUENTIAL:

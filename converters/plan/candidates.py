@@ -8,6 +8,7 @@ and NVFP4. Which GPU runs which is the recipes' own hardware rule (``converters.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,8 @@ from converters.plan.settings import GPUS
 from converters.recipes.presets import RECIPE_NAMES
 from converters.recipes.registry import recipe_from_dict
 
-__all__ = ["BF16", "PRECISIONS", "ASSUMED_CUDA", "Unit", "precisions_for", "recipe_of", "weight_bytes",
+__all__ = ["plan_compare_recipes", "BF16", "PRECISIONS", "ASSUMED_CUDA", "Unit", "precisions_for", "recipe_of",
+           "weight_bytes",
            "decision_units", "low_precision"]
 
 BF16 = "bf16"
@@ -121,3 +123,12 @@ def decision_units(report: dict[str, Any]) -> tuple[list[Unit], dict[str, str]]:
     order = {path: index for index, path in enumerate(layers)}
     units.sort(key=lambda unit: order[unit.members[0]])
     return units, kept
+
+
+def plan_compare_recipes(plan: Mapping[str, Any] | None, compare: Sequence[Any] = ()) -> tuple[Any, ...]:
+    """``compare`` and, for a request with a ``plan``, the recipe names of the precisions its GPU runs: the
+    calibration's SQNR meter measures them, and the plan reads each layer's SQNR from the comparison."""
+    if plan is None:
+        return tuple(compare)
+    runs, _ = precisions_for(plan["gpu"])
+    return (*compare, *(PRECISIONS[p] for p in runs if PRECISIONS[p] not in compare))

@@ -13,10 +13,12 @@ the target, verify the whole plan end to end, back off if the measurement exceed
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from converters.errors import RequestError
+from converters.model.sources import resolve_model_dir
 from converters.plan.candidates import (
     BF16,
     PRECISIONS,
@@ -26,8 +28,16 @@ from converters.plan.candidates import (
     recipe_of,
     weight_bytes,
 )
+from converters.plan.explain import explain_unit
 from converters.plan.search import Option, greedy_choice
 from converters.plan.settings import GPUS, PlanSettings
+from converters.quality import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SEQ_LEN,
+    load_source,
+    measure_qualities,
+    recipe_layer_casts,
+)
 
 __all__ = ["ALL_FP8", "make_plan", "plan_totals"]
 
@@ -46,8 +56,6 @@ def _value(unit: Unit, precision: str, objective: str, total_bytes: int) -> floa
 
 
 def _casts(assignment: Mapping[str, str], units: Mapping[str, Unit]) -> dict[str, Any]:
-    from converters.quality import recipe_layer_casts
-
     casts: dict[str, Any] = {}
     for name, precision in assignment.items():
         if precision != BF16:
@@ -56,8 +64,6 @@ def _casts(assignment: Mapping[str, str], units: Mapping[str, Unit]) -> dict[str
 
 
 def _measure(source: Any, variants: dict[str, dict[str, Any]], quality: Mapping[str, Any]) -> dict[str, Any]:
-    from converters.quality import measure_qualities
-
     names, figures = list(variants), {}
     for start in range(0, len(names), _VARIANTS_PER_PASS):
         chunk = {name: variants[name] for name in names[start:start + _VARIANTS_PER_PASS]}
@@ -72,31 +78,22 @@ def _figure(target: str, figures: Any) -> float:
     return figures.kl_mean
 
 
-def make_plan(model: str, settings: PlanSettings, sources: Any, *, calibration: Any = None,
-              quality_texts: list[str] | None = None, max_tokens: int = 512, seq_len: int = 256,
-              selection: Mapping[str, Any] | None = None, sink: Any = None, max_verifications: int = 4
-              ) -> dict[str, Any]:
-    """The plan block for ``model`` (a reference ``sources`` resolves): see the module docstring.
+def make_plan(report: Mapping[str, Any], model: str, settings: PlanSettings, sources: Any, *,
+              quality_texts: list[str] | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+              seq_len: int = DEFAULT_SEQ_LEN, max_verifications: int = 4) -> dict[str, Any]:
+    """The plan block for ``model`` (a reference ``sources`` resolves) from its calibrated analysis ``report``.
 
-    ``selection`` takes the request's ``include``, ``exclude``, ``skip_first_last``; ``quality_texts`` the held-out
-    texts (None: the built-in held-out part). Raises RequestError (``plan.gpu``) for a GPU that runs no FP8 recipe,
-    and the pipeline's and the quality pass's errors.
+    ``report`` is the analysis after calibration with the candidates compared (:func:`plan_compare_recipes`: a job
+    whose request holds ``plan`` measures them; ``fp8forge plan`` asks for them); a layer it calls ineligible stays
+    bf16. ``quality_texts`` are the held-out texts (None: the built-in held-out part). Raises RequestError
+    (``plan.gpu``) for a GPU that runs no FP8 recipe, QualityUnavailable for a model the quality pass cannot score.
     """
-    from converters.model.sources import resolve_model_dir
-    from converters.pipeline.request import CalibrationSettings, ConversionRequest
-    from converters.pipeline.sync_analysis import calibrated_analysis
-    from converters.quality import load_source
-
     runs, not_run = precisions_for(settings.gpu)
     if not runs:
         raise RequestError(f"{settings.gpu} runs none of the FP8/FP4 recipes ({'; '.join(not_run.values())}): a plan "
                            "would keep every layer in bf16; choose a GPU of compute capability 8.9 or newer",
                            field="plan.gpu")
-    request = ConversionRequest(model=model, recipe={"backend": "te", "scaling": "current"},
-                                calibration=calibration or CalibrationSettings(), **dict(selection or {}),
-                                compare_recipes=tuple(PRECISIONS[p] for p in runs))
-    report = calibrated_analysis(request, sources, sink=sink)
-    sqnr = {row["path"]: {p: row["sqnr_db"][PRECISIONS[p]]["output"] for p in runs}
+    sqnr = {row["path"]: {p: row["sqnr_db"].get(PRECISIONS[p], {}).get("output") for p in runs}
             for row in report.get("comparison", {}).get("layers", [])}
     units_list, kept = decision_units(report)
     units = {unit.name: unit for unit in units_list}
@@ -104,6 +101,7 @@ def make_plan(model: str, settings: PlanSettings, sources: Any, *, calibration: 
     target, limit = settings.target
     total_bytes = sum(unit.bytes(BF16) for unit in units_list)
     source = load_source(resolve_model_dir(model, sources, with_weights=True), sources)
+    started = time.perf_counter()
     quality = {"texts": quality_texts, "max_tokens": max_tokens, "seq_len": seq_len}
 
     contributions: dict[str, dict[str, float]] = {}
@@ -139,8 +137,7 @@ def make_plan(model: str, settings: PlanSettings, sources: Any, *, calibration: 
         "layers": layers,
         "totals": plan_totals(layers),
         "measured": final["figures"],
-        "calibration": report.get("calibration"),
-        "warnings": report.get("warnings", []),
+        "seconds": round(time.perf_counter() - started, 3),
     }
 
 
@@ -190,8 +187,6 @@ def _layer_rows(units: Mapping[str, Unit], kept: Mapping[str, tuple[str, tuple[i
                 steps: list[Any], fits: Mapping[str, list[str]], sqnr: Mapping[str, Mapping[str, Any]],
                 contributions: Mapping[str, Mapping[str, float]], target: str, limit: float) -> list[dict[str, Any]]:
     """One row per Linear: its unit, precision, why, its SQNR and its unit's contribution per precision, its cost."""
-    from converters.plan.explain import explain_unit
-
     rows = []
     for name, unit in units.items():
         precision = choice[name]

@@ -28,6 +28,7 @@ from converters.pipeline.request import (
     SYNC_MAX_TEXTS_CHARS,
     CalibrationSettings,
 )
+from converters.plan.settings import GPUS, OBJECTIVES, TARGETS
 from converters.recipes.presets import RECIPE_NAMES
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode
@@ -105,6 +106,24 @@ class RequantizeCreate(BaseModel):
         ..., description="Target format (as `fp8forge requantize --to`): " + ", ".join(REQUANTIZE_TARGETS) + ".")
 
 
+class PlanCreate(BaseModel):
+    """A per-layer precision plan made beside the artifact (docs/plan.md): exactly one target; the plan, its
+    measured end-to-end figures and the framework files land in the report's `plan` block and in plan/."""
+
+    model_config = STRICT
+    target_kl: float | None = Field(None, ge=TARGETS["target_kl"][0], le=TARGETS["target_kl"][1],
+                                    allow_inf_nan=False, description="Mean next-token KL budget (nats per token).")
+    max_ppl_increase: float | None = Field(
+        None, ge=TARGETS["max_ppl_increase"][0], le=TARGETS["max_ppl_increase"][1], allow_inf_nan=False,
+        description="Perplexity budget: points over the source's.")
+    min_sqnr_db: float | None = Field(None, ge=TARGETS["min_sqnr_db"][0], le=TARGETS["min_sqnr_db"][1],
+                                      allow_inf_nan=False, description="Every planned layer's output SQNR (dB).")
+    objective: Literal[OBJECTIVES] | None = Field(  # type: ignore[valid-type]
+        None, description="memory (default): least weight bytes; fp8-flops: most GEMM FLOPs in FP8/FP4.")
+    gpu: Literal[tuple(GPUS)] | None = Field(  # type: ignore[valid-type]
+        None, description="The GPU the plan is for (default h100): it decides which recipes are candidates.")
+
+
 class JobCreate(BaseModel):
     """A conversion request. The conversion library checks it again, in depth, before it is queued."""
 
@@ -134,6 +153,7 @@ class JobCreate(BaseModel):
         None, description="Measure each eligible layer's SQNR during calibration (default true); false makes the "
                     "job cost only the calibration forward, and the report says the measurement was off. "
                     "min_sqnr_db and compare_recipes need it.")
+    plan: PlanCreate | None = Field(None, description="Also make a per-layer precision plan (docs/plan.md).")
     requantize: RequantizeCreate | None = Field(
         None, description="Convert from the files alone instead of calibrating (docs/requantize.md): no recipe, "
                     "calibration or serving_formats; each shard is a task any worker may run.")
