@@ -13,7 +13,10 @@ from converters.pipeline.request import (
     KV_CACHE_DTYPES,
     KV_CACHE_FORMAT_NAMES,
     LIMITS,
+    MIN_SQNR_DB_RANGE,
     SERVING_FORMAT_NAMES,
+    SYNC_DEFAULTS,
+    SYNC_LIMITS,
     CalibrationSettings,
 )
 from converters.recipes import (
@@ -26,6 +29,7 @@ from converters.recipes import (
     TEDelayedScalingRecipe,
     TorchAORecipe,
 )
+from converters.recipes.presets import RECIPE_NAMES
 from service.jobs import STAGES, JobStatus
 from service.ui.recipe_variants import recipe_variants
 
@@ -48,6 +52,11 @@ def form_defaults() -> dict[str, Any]:
         "calibration": {"steps": cal.steps, "batch_size": cal.batch_size, "seq_len": cal.seq_len},
         "limits": {name: {"min": low, "max": high} for name, (low, high) in LIMITS.items()},
         "max_patterns": MAX_PATTERNS,
+        "min_sqnr_db": {"min": MIN_SQNR_DB_RANGE[0], "max": MIN_SQNR_DB_RANGE[1]},
+        #: the named recipes (analyze's recipe choice and compare_recipes), each a recipe object at its defaults
+        "recipe_names": dict(RECIPE_NAMES),
+        "sync_calibration": {"steps": SYNC_DEFAULTS["steps"], "min": SYNC_LIMITS["steps"][0],
+                             "max": SYNC_LIMITS["steps"][1]},
         "serving_formats": list(SERVING_FORMAT_NAMES),
         "kv_cache_choices": ["none", *KV_CACHE_DTYPES],  #: "none" sends no kv_cache
         "kv_cache_formats": list(KV_CACHE_FORMAT_NAMES),

@@ -73,7 +73,9 @@ def test_no_file_of_the_ui_names_another_origin():
            if p.is_file() and "vendor" not in p.parts and p.suffix in (".html", ".js", ".css")]
     assert own
     for path in own:
-        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", path.read_text()), path
+        # the SVG namespace is a name createElementNS needs, never fetched
+        text = path.read_text().replace("'http://www.w3.org/2000/svg'", "")
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text), path
 
 
 def test_every_vendored_file_is_listed_with_its_licence():

@@ -7,7 +7,8 @@
   client's cancel, field-level errors from the API (and from an Accelerate YAML), labels and live regions of
   the form, and the analysis of a Llama-3-70B-shaped config (561 Linears) rendered and sorted, with timings.
 
-Screenshots of every page go to tests/service/ui/screenshots/ (not committed). Without Chromium these tests fail.
+Screenshots of every page go to tests/screenshots/ (committed: they show each page as the tests left it). Without
+Chromium these tests fail (tests/service/ui/conftest.py).
 """
 
 from __future__ import annotations
@@ -29,28 +30,10 @@ from tests.service_helpers import ServeProcess, live_app
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = Path("/usr/bin/chromium")
-SCREENSHOTS = Path(__file__).parent / "screenshots"
 TOKEN = "fp8f_browser-test-token-0123456789"
 KNOWN_LAYER = "model.layers.1.mlp.down_proj"
 LLAMA_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
              "num_key_value_heads": 8, "vocab_size": 128256}
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install -y chromium); the browser "
-                    "tests need it and do not skip", pytrace=False)
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("the playwright package is missing: pip install -e '.[dev]'", pytrace=False)
-    SCREENSHOTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM))
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture(scope="module")
@@ -75,49 +58,6 @@ def open_server(tmp_path_factory) -> Iterator[SimpleNamespace]:
                         allowed_model_roots=(root,))
     with live_app(settings) as client:
         yield SimpleNamespace(api=client, base_url=str(client.base_url), llama_70b=root / "llama3-70b")
-
-
-class Page:
-    """A fresh browser tab that records what must never happen: script errors, CSP refusals, missing files."""
-
-    def __init__(self, browser: Any, base_url: str) -> None:
-        self.context = browser.new_context(base_url=base_url, viewport={"width": 1280, "height": 900},
-                                           accept_downloads=True)
-        self.page = self.context.new_page()
-        self.page.set_default_timeout(15_000)
-        self.problems: list[str] = []
-        self.page.on("pageerror", lambda exc: self.problems.append(f"script error: {exc}"))
-        self.page.on("console", self._console)
-        self.page.on("response", self._response)
-        self.page.on("dialog", lambda dialog: dialog.accept())
-
-    def _console(self, message: Any) -> None:
-        if message.type == "error" and ("Content Security Policy" in message.text or "Alpine" in message.text):
-            self.problems.append(f"console: {message.text}")
-
-    def _response(self, response: Any) -> None:
-        if response.request.method == "GET" and "/ui/" in response.url and response.status >= 400:
-            self.problems.append(f"{response.status} for {response.url}")
-
-    def screenshot(self, name: str) -> None:
-        self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
-
-    def close(self) -> None:
-        self.context.close()
-        assert not self.problems, self.problems
-
-
-@pytest.fixture
-def tab(browser) -> Iterator[Any]:
-    tabs: list[Page] = []
-
-    def open_tab(base_url: str) -> Page:
-        tabs.append(Page(browser, base_url))
-        return tabs[-1]
-
-    yield open_tab
-    for opened in tabs:
-        opened.close()
 
 
 def tab_to(page: Any, element_id: str, limit: int = 60) -> None:

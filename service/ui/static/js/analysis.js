@@ -1,5 +1,6 @@
 // The eligibility report (POST /v1/analyze, and the analysis inside fp8_report.json): totals, MoE blocks, a chart
-// of the FP8 share per layer across the model's depth, and the sortable, filterable table of every Linear.
+// of the FP8 share per layer across the model's depth, each measured layer's SQNR across the depth (every point a
+// link to the layer's row) with the worst layers listed, and the sortable, filterable table of every Linear.
 (function () {
   'use strict';
 
@@ -11,9 +12,15 @@
     return match ? Number(match[1]) : null;
   }
 
+  function sqnrOf(layer, slot) {
+    const value = layer.sqnr_db ? layer.sqnr_db[slot] : null;
+    return typeof value === 'number' ? value : null;
+  }
+
   function rowsOf(report) {
     return report.layers.map(function (layer, index) {
       return {
+        sqnr_output: sqnrOf(layer, 'output'), sqnr_weight: sqnrOf(layer, 'weight'), sqnr_input: sqnrOf(layer, 'input'),
         index: index + 1, path: layer.path, cls: layer.class, in_features: layer.in_features,
         out_features: layer.out_features, parameters: layer.parameters, eligible: layer.eligible,
         reasons: layer.reasons.join(', '), reasonList: layer.reasons, group: layer.group || '',
@@ -92,6 +99,8 @@
     { value: function (r) { return fmt(r.out_features); }, cls: 'num' },
     { value: function (r) { return fmt(r.parameters); }, cls: 'num' },
     { value: function (r) { return r.eligible ? 'FP8' : 'kept'; } },
+    { value: function (r) { return r.sqnr_output === null ? '' : r.sqnr_output.toFixed(2); }, cls: 'num' },
+    { value: function (r) { return r.sqnr_weight === null ? '' : r.sqnr_weight.toFixed(2); }, cls: 'num' },
     { value: function (r) { return r.reasons; }, cls: 'reasons' },
     { value: function (r) { return r.group; }, cls: 'path' },
   ];
@@ -117,6 +126,10 @@
       chartLabel: '',
       renderMs: null,
       sortMs: null,
+      sqnrMeasured: false,
+      sqnrText: '',
+      sqnrLabel: '',
+      worstLayers: [],
 
       showAnalysis(report) {
         const started = performance.now();
@@ -136,12 +149,15 @@
         this.kindFilter = '';
         this.sortKey = 'index';
         this.sortDirection = 1;
+        this.describeSqnr(report);
         const self = this;
         this.$nextTick(function () {
           self.drawShareChart();
+          self.drawSqnrChart(report);
           self.renderRows();
           void self.$refs.analysisRows.offsetHeight; // include the layout in the time
           self.renderMs = Math.round(performance.now() - started);
+          self.revealLayer(); // an address with "#layer-<path>" opens at that row
         });
       },
 
@@ -157,6 +173,79 @@
           title: 'FP8 share per layer', names: shares.names, values: shares.values,
           xLabel: 'layer', yLabel: 'FP8 share (%)',
         });
+      },
+
+      // What the SQNR chart and the worst-layer list say: measured layers, or why there are none.
+      describeSqnr(report) {
+        const measured = rows.filter(function (row) { return row.sqnr_output !== null; });
+        const sensitivity = report.sensitivity || {};
+        this.sqnrMeasured = measured.length > 0;
+        if (!measured.length) {
+          this.sqnrText = sensitivity.measured === false
+            ? 'Not measured: the SQNR measurement was off for this run' + (sensitivity.reason ? ' (' + sensitivity.reason + ')' : '') + '.'
+            : 'No layer has an SQNR here: it is measured during a calibration (a conversion job, or an analysis with ' +
+              'a calibration or recipes to compare).';
+          this.worstLayers = [];
+          return;
+        }
+        const recipe = sensitivity.recipe ? sensitivity.recipe.label : '';
+        const limit = typeof sensitivity.min_sqnr_db === 'number' ? sensitivity.min_sqnr_db : null;
+        this.sqnrText = measured.length + ' layers measured' + (recipe ? ' under ' + recipe : '') +
+          (limit !== null ? '; layers below ' + limit + ' dB (output) are kept in high precision' : '') + '.';
+        this.worstLayers = measured.slice().sort(function (a, b) { return a.sqnr_output - b.sqnr_output; })
+          .slice(0, 5).map(function (row) {
+            return {
+              path: row.path, href: '#' + window.fp8svg.rowId('layer', row.path),
+              text: row.sqnr_output.toFixed(2) + ' dB output, ' + (row.sqnr_weight === null ? '—' : row.sqnr_weight.toFixed(2)) +
+                ' dB weight, ' + (row.sqnr_input === null ? '—' : row.sqnr_input.toFixed(2)) + ' dB input' +
+                (row.eligible ? '' : ' (kept: ' + row.reasons + ')'),
+            };
+          });
+      },
+
+      drawSqnrChart(report) {
+        if (!this.sqnrMeasured) return;
+        const measured = rows.filter(function (row) { return row.sqnr_output !== null; });
+        const sensitivity = report.sensitivity || {};
+        const low = Math.min.apply(null, measured.map(function (row) { return row.sqnr_output; }));
+        this.sqnrLabel = 'Line chart: output, weight and input SQNR (dB) of ' + measured.length +
+          ' layers in model order, lowest output SQNR ' + low.toFixed(2) + ' dB; each point links to its row in the ' +
+          'table "Linear layers".';
+        window.fp8svg.layers(this.$refs.sqnrChart, {
+          title: 'SQNR per layer (higher is better)', yLabel: 'SQNR (dB)',
+          names: measured.map(function (row) { return row.path; }),
+          hrefs: measured.map(function (row) { return '#' + window.fp8svg.rowId('layer', row.path); }),
+          series: [
+            { label: 'output', values: measured.map(function (row) { return row.sqnr_output; }) },
+            { label: 'weight', values: measured.map(function (row) { return row.sqnr_weight; }) },
+            { label: 'input', values: measured.map(function (row) { return row.sqnr_input; }) },
+          ],
+          threshold: typeof sensitivity.min_sqnr_db === 'number'
+            ? { value: sensitivity.min_sqnr_db, label: 'min_sqnr_db ' + sensitivity.min_sqnr_db } : null,
+        });
+      },
+
+      // A link to "#layer-<path>" (a chart point, a worst layer, a plan row): the row may be filtered out, so the
+      // filters are cleared first; then the row is marked, scrolled to and focused (CSS :target alone misses a row
+      // drawn after the navigation).
+      revealLayer() {
+        const prefix = '#' + window.fp8svg.rowId('layer', '');
+        if (!window.location.hash.startsWith(prefix)) return;
+        const id = decodeURIComponent(window.location.hash.slice(1));
+        if (!rows.some(function (row) { return window.fp8svg.rowId('layer', row.path) === id; })) return;
+        if (!document.getElementById(id)) {
+          this.reasonFilter = '';
+          this.pathFilter = '';
+          this.kindFilter = '';
+          this.renderRows();
+        }
+        const target = document.getElementById(id);
+        if (!target) return;
+        this.$refs.analysisRows.querySelectorAll('tr.linked').forEach(function (tr) { tr.classList.remove('linked'); });
+        target.classList.add('linked');
+        target.tabIndex = -1;
+        target.focus({ preventScroll: true });
+        target.scrollIntoView({ block: 'center' });
       },
 
       visibleRows() {
@@ -177,7 +266,7 @@
       renderRows() {
         const shown = this.visibleRows();
         window.fp8table.render(this.$refs.analysisRows, shown, COLUMNS, function (row) {
-          return { 'data-path': row.path, class: row.eligible ? 'fp8' : 'kept' };
+          return { 'data-path': row.path, id: window.fp8svg.rowId('layer', row.path), class: row.eligible ? 'fp8' : 'kept' };
         });
         this.shownText = shown.length + ' of ' + rows.length + ' layers shown, sorted by ' +
           this.sortKey.replace('_', ' ') + (this.sortDirection > 0 ? ' ascending.' : ' descending.');

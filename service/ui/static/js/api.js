@@ -189,7 +189,15 @@
     return (100 * share).toFixed(share < 0.1 && share > 0 ? 1 : 0) + '%';
   }
 
-  // Adds what a row shows (percent, ETA, which buttons apply) to a job as the API returns it.
+  // A recipe as a short name: "te delayed E4M3", "ao rowwise", "te mxfp8_block" (the API's default: "te").
+  function recipeText(recipe) {
+    if (!recipe) return '';
+    const kind = recipe.scaling || recipe.recipe_name || (recipe.backend === 'te' ? 'delayed' : '');
+    return [recipe.backend, kind, recipe.fp8_format].filter(Boolean).join(' ');
+  }
+
+  // Adds what a row shows (percent, ETA, duration, recipe, exports, failure, which buttons apply) to a job as the
+  // API returns it.
   function decorateJob(job, now) {
     const fraction = job.status === 'succeeded' ? 1 : (job.progress ? job.progress.fraction : 0);
     job.fraction = fraction;
@@ -204,6 +212,14 @@
     job.stageText = job.stage && !job.finished ? job.stage + (job.progress && job.progress.stage_total
       ? ' ' + job.progress.stage_done + '/' + job.progress.stage_total : '') : '';
     job.progressLabel = 'Progress of job ' + job.short + ': ' + job.percent;
+    job.recipeText = job.request ? recipeText(job.request.recipe || { backend: 'te' }) : '';
+    job.exportsText = job.request ? (job.request.serving_formats || []).join(', ') || '—' : '';
+    job.duration = '';
+    if (job.started_at) {
+      const end = job.finished_at ? new Date(job.finished_at).getTime() : (job.finished ? null : (now || Date.now()));
+      if (end !== null) job.duration = formatSeconds((end - new Date(job.started_at).getTime()) / 1000);
+    }
+    job.failure = job.error ? job.error.code + ': ' + job.error.message : '';
     job.eta = '';
     if (job.status === 'running' && job.started_at && fraction > 0.02 && fraction < 1) {
       const elapsed = ((now || Date.now()) - new Date(job.started_at).getTime()) / 1000;
@@ -255,6 +271,7 @@
     followEvents: followEvents, progressFraction: progressFraction, isFinished: isFinished,
     decorateJob: decorateJob, applyEvent: applyEvent, download: download,
     formatBytes: formatBytes, formatSeconds: formatSeconds, formatTime: formatTime, formatPercent: formatPercent,
+    recipeText: recipeText,
   };
 
   document.addEventListener('alpine:init', function () {

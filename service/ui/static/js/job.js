@@ -19,7 +19,7 @@
       const base = '/v1/jobs/' + encodeURIComponent(jobId);
       let stream = null;
       let eventCount = 0;
-      return Object.assign(window.fp8analysis.mixin(), window.fp8report.mixin(), {
+      return Object.assign(window.fp8analysis.mixin(), window.fp8report.mixin(), window.fp8quality.mixin(), {
         job: null,
         loadError: '',
         announcement: '',

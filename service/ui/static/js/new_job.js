@@ -114,6 +114,9 @@
           const kvCache = this.value('kv_cache');
           if (kvCache && kvCache !== 'none') body.kv_cache = kvCache;
           if (!this.checked('measure')) body.measure = false;
+          const minimum = this.form().elements.namedItem('min_sqnr_db');
+          if (minimum.validity.badInput) throw new LocalError('min_sqnr_db', 'Enter a number of dB.');
+          if (minimum.value.trim() !== '') body.min_sqnr_db = Number(minimum.value);
           if (body.recipe.backend === 'te' && this.checked('te_extra_state')) body.te_extra_state = true;
           return JSON.parse(JSON.stringify(body)); // drops the numbers left empty (undefined)
         },

@@ -1,6 +1,6 @@
 // A finished job's fp8_report.json: overview, warnings, per-layer calibration charts and tables (amax and
 // scale per layer; a chosen layer's history over the calibration steps), fused groups, serving plans,
-// stage timings and versions.
+// stage timings and versions. The SQNR, quality, plan and amax swing blocks are fp8analysis's and fp8quality's.
 (function () {
   'use strict';
 
@@ -123,7 +123,8 @@
           const skipped = Object.keys(plan.skipped || {});
           const stats = plan.layer_stats || {};
           const sqnr = Object.keys(stats).map(function (path) {
-            return { path: path, db: stats[path].weight_sqnr_db, cost: stats[path].ue8m0_cost_db };
+            const db = stats[path].sqnr_db ? stats[path].sqnr_db.weight : stats[path].weight_sqnr_db; // older reports
+            return { path: path, db: db, cost: stats[path].ue8m0_cost_db };
           }).filter(function (row) { return row.db !== null && row.db !== undefined; })
             .sort(function (a, b) { return a.db - b.db; });
           const audit = plan.load_audit;
@@ -147,6 +148,7 @@
         const wanted = new URLSearchParams(window.location.search).get('layer');
         this.selectedLayer = this.layerPaths.indexOf(wanted) >= 0 ? wanted : (this.layerPaths[0] || '');
         if (report.analysis) this.showAnalysis(report.analysis);
+        this.showAccuracy(report);
         const self = this;
         this.$nextTick(function () { self.drawLayers(); self.drawHistory(); });
       },

@@ -28,16 +28,22 @@
     tbody.replaceChildren(fragment);
   }
 
-  // Compares two cell values: numbers as numbers, strings naturally (layers.2 before layers.10).
+  // Compares two cell values: numbers as numbers, strings naturally (layers.2 before layers.10), missing ones last.
   function compare(a, b) {
     if (typeof a === 'number' && typeof b === 'number') return a - b;
+    const aMissing = a === null || a === undefined;
+    const bMissing = b === null || b === undefined;
+    if (aMissing || bMissing) return (aMissing ? 1 : 0) - (bMissing ? 1 : 0); // a missing value sorts after any
     if (typeof a === 'boolean' && typeof b === 'boolean') return (a ? 1 : 0) - (b ? 1 : 0);
     return collator.compare(a === null || a === undefined ? '' : String(a), b === null || b === undefined ? '' : String(b));
   }
 
   function sortRows(rows, key, direction) {
     const sorted = rows.slice();
-    sorted.sort(function (x, y) { return direction * compare(x[key], y[key]) || x.index - y.index; });
+    sorted.sort(function (x, y) {
+      const missing = (x[key] === null || x[key] === undefined ? 1 : 0) - (y[key] === null || y[key] === undefined ? 1 : 0);
+      return missing || direction * compare(x[key], y[key]) || x.index - y.index; // missing values last either way
+    });
     return sorted;
   }
 

@@ -1,0 +1,243 @@
+"""The pages that answer "which recipe, and which layers hurt?", in Chromium against a real server on 127.0.0.1.
+
+The reports are real: `fp8forge convert` runs on the demo model (with a serving export) once per module, and its
+fp8_report.json is published as a job's artifact through the real job store. The blocks other parts of the pipeline
+add (``quality``, ``plan``, ``amax_swing``) are shown from the report when the conversion wrote them; where it did
+not, the test adds them in the report's documented shapes, computed from the real report's own numbers (the amax
+swing from the recorded amax; the quality figures are stated as such), and a copy without them checks that the page
+says plainly that an older report has none.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import statistics
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from service.config import Settings
+from service.jobs import JobStatus
+from service.store import JobStore
+from tests.service_helpers import fp8forge_command, live_app
+
+pytestmark = pytest.mark.slow
+
+SERVING = "compressed-tensors-fp8"
+ADDED_BLOCKS = ("quality", "plan", "amax_swing")
+
+
+@pytest.fixture(scope="module")
+def real_report(tmp_path_factory) -> dict[str, Any]:
+    """fp8_report.json of `fp8forge convert demo/tiny-llama` with a serving export (4 steps of 2 x 64 tokens)."""
+    out = tmp_path_factory.mktemp("convert") / "artifact"
+    done = subprocess.run([*fp8forge_command(), "convert", "demo/tiny-llama", "--out", str(out), "--calib-steps", "4",
+                           "--calib-seq-len", "64", "--serving", SERVING, "--no-progress"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((out / "fp8_report.json").read_text())
+
+
+def swing_block(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's ``amax_swing`` block from its recorded per-step input amax (largest step over the median step)."""
+    layers = {}
+    for path, layer in report["calibration"]["layers"].items():
+        steps = [step[0] for step in layer["amax_forward"] if step[0] > 0]
+        ratio = max(steps) / statistics.median_low(steps)
+        layers[path] = {"max_over_median": round(ratio, 4), "steps": len(steps), "matters": ratio >= 1.05}
+    return {"recipe_stateless": False, "threshold": 1.05, "slot": "input", "reason": "max/median >= 1.05 (test)",
+            "matters": [p for p, e in layers.items() if e["matters"]], "layers": layers}
+
+
+def with_blocks(report: dict[str, Any]) -> dict[str, Any]:
+    """The report with quality, plan and amax_swing: its own where the conversion wrote them, else added."""
+    full = copy.deepcopy(report)
+    sqnr = {layer["path"]: layer["sqnr_db"] for layer in report["analysis"]["layers"] if layer.get("sqnr_db")}
+    if not full.get("quality"):
+        def figures(ppl: float, kl: float) -> dict[str, Any]:
+            return {"perplexity": ppl, "perplexity_reference": 301.25, "kl_mean": kl, "kl_max": 12 * kl,
+                    "top1_agreement": 0.97, "tokens": 512, "texts": 8, "held_out": True}
+        full["quality"] = {"held_out": {"source": "built-in corpus, held-out part", "texts": 8, "tokens": 512},
+                           "reference": {"perplexity": 301.25}, "training": figures(302.5, 0.0021),
+                           "serving": {SERVING: figures(303.75, 0.0034)}}
+    if not full.get("plan"):
+        worst = min(sqnr, key=lambda path: sqnr[path]["output"])
+        full["plan"] = {"target": {"min_sqnr_db": sqnr[worst]["output"] + 0.01}, "objective": "memory",
+                        "layers": {path: {"precision": "bf16" if path == worst else "fp8-tensor",
+                                          "why": f"output SQNR {db['output']} dB"} for path, db in sqnr.items()}}
+    if not full.get("amax_swing"):
+        full["amax_swing"] = swing_block(report)
+    return full
+
+
+def publish(store: JobStore, jobs_dir: Path, request: dict[str, Any], report: dict[str, Any]) -> str:
+    """A job driven to succeeded through the real store, with ``report`` as its fp8_report.json."""
+    from service.artifacts import ArtifactDirs
+
+    job, _ = store.create_job(request, request_hash=uuid.uuid4().hex)
+    store.claim_next("test-worker")
+    dirs = ArtifactDirs(jobs_dir)
+    final = dirs.final_dir(job.id)
+    final.mkdir(parents=True)
+    (final / "fp8_report.json").write_text(json.dumps(report))
+    store.set_status(job.id, JobStatus.SUCCEEDED, owner="test-worker", artifacts=dirs.index(job.id))
+    return job.id
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, real_report) -> Iterator[SimpleNamespace]:
+    """An API without workers, holding three jobs: the real report as written, the same without the newer blocks
+    (an older report), the same with them, and a failed job."""
+    settings = Settings(data_dir=tmp_path_factory.mktemp("accuracy") / "data", auth_disabled=True, workers=0)
+    request = {**real_report["request"], "recipe": {"backend": "te", "scaling": "delayed", "fp8_format": "E4M3"}}
+    with live_app(settings) as client:
+        store = JobStore(settings.store_url)
+        older = {k: v for k, v in real_report.items() if k not in ADDED_BLOCKS}  # as a report before them
+        failed, _ = store.create_job({"model": "demo/tiny-llama", "recipe": {"backend": "ao"}},
+                                     request_hash=uuid.uuid4().hex)
+        store.claim_next("test-worker")
+        store.set_status(failed.id, JobStatus.FAILED, owner="test-worker", error_code="calibration_failed",
+                         error_message="calibration.seq_len 9000 exceeds max_position_embeddings 2048")
+        jobs = SimpleNamespace(older=publish(store, settings.jobs_dir, request, older),
+                               full=publish(store, settings.jobs_dir, request, with_blocks(real_report)),
+                               failed=failed.id)
+        yield SimpleNamespace(api=client, base_url=str(client.base_url), jobs=jobs, report=with_blocks(real_report))
+        store.close()
+
+
+def test_report_shows_sqnr_quality_plan_and_swing_and_points_lead_to_rows(server, tab):
+    from playwright.sync_api import expect
+
+    report = server.report
+    measured = [layer for layer in report["analysis"]["layers"] if layer.get("sqnr_db")]
+    worst = sorted(measured, key=lambda layer: layer["sqnr_db"]["output"])[:5]
+    t = tab(server.base_url)
+    page = t.page
+    page.goto(f"/ui/jobs/{server.jobs.full}")
+    expect(page.locator("#report")).to_be_visible(timeout=30_000)
+
+    # per-layer SQNR: a column of the layer table, a chart across depth (3 series), the worst layers
+    expect(page.locator("#sqnr-chart a.point")).to_have_count(3 * len(measured))
+    expect(page.locator("#worst-layers li")).to_have_count(5)
+    for item, layer in zip(page.locator("#worst-layers li").all(), worst, strict=True):
+        expect(item).to_contain_text(f"{layer['path']}: {layer['sqnr_db']['output']:.2f} dB output")
+    for layer in measured:
+        row = page.locator(f'#analysis-table tr[data-path="{layer["path"]}"]')
+        expect(row.locator("td").nth(6)).to_have_text(f"{layer['sqnr_db']['output']:.2f}")
+    page.click('button[data-sort="sqnr_output"]')
+    expect(page.locator("#analysis-table tbody tr").first).to_have_attribute("data-path", worst[0]["path"])
+
+    # a chart point leads to its layer's row, even when the table's filter hides that row
+    page.select_option("#reason-filter", "first_linear")
+    target = worst[-1]["path"]
+    point = page.locator(f'#sqnr-chart a.point:has(circle[data-name="{target}"])').first
+    point.click()
+    assert page.url.endswith(f"#layer-{target}")
+    row = page.locator(f'#analysis-table tr[data-path="{target}"]')
+    expect(row).to_be_in_viewport()
+    expect(row).to_have_class(re.compile(r"\blinked\b"))
+    expect(row).to_be_focused()
+
+    # quality: a row and a small chart (perplexity vs source, KL) per artifact
+    quality = report["quality"]
+    entries = {"training": quality["training"], **quality["serving"]}
+    expect(page.locator("#quality-table tbody tr")).to_have_count(len(entries))
+    served = quality["serving"][SERVING]
+    expect(page.locator("#quality-serving-" + SERVING)).to_contain_text(f"{served['perplexity']:.3f}")
+    expect(page.locator("#quality-charts figure")).to_have_count(len(entries))
+    expect(page.locator("#quality-charts rect.bar")).to_have_count(4 * len(entries))
+
+    # the plan, each layer's precision and why; the amax swing, largest first
+    plan = report["plan"]["layers"]
+    expect(page.locator("#plan-table tbody tr")).to_have_count(len(plan))
+    kept = next(path for path, entry in plan.items() if entry.get("precision", entry.get("choice")) == "bf16")
+    expect(page.locator(f'#plan-table tr[data-path="{kept}"]')).to_contain_text("bf16")
+    swing = report["amax_swing"]["layers"]
+    expect(page.locator("#swing-table tbody tr")).to_have_count(len(swing))
+    largest = max(swing, key=lambda path: swing[path]["max_over_median"] or 0)
+    expect(page.locator("#swing-table tbody tr").first).to_have_attribute("data-path", largest)
+    expect(page.locator("#swing-table tr.swing-matters")).to_have_count(len(report["amax_swing"]["matters"]))
+    page.locator(f'#plan-table tr[data-path="{kept}"] a').click()
+    assert page.url.endswith(f"#layer-{kept}")
+    t.screenshot("report_accuracy")
+
+
+def test_an_older_report_says_what_it_lacks(server, tab):
+    from playwright.sync_api import expect
+
+    t = tab(server.base_url)
+    page = t.page
+    page.goto(f"/ui/jobs/{server.jobs.older}")
+    expect(page.locator("#report")).to_be_visible(timeout=30_000)
+    expect(page.locator("#quality-text")).to_contain_text("no end-to-end quality figures")
+    expect(page.locator("#plan-text")).to_contain_text("No precision plan")
+    expect(page.locator("#swing-text")).to_contain_text("no amax swing figures")
+    expect(page.locator("#quality-table")).to_be_hidden()
+    expect(page.locator("#sqnr-chart a.point")).not_to_have_count(0)  # the SQNR was measured all the same
+
+
+def test_jobs_list_shows_recipe_exports_duration_and_failure(server, tab):
+    from playwright.sync_api import expect
+
+    t = tab(server.base_url)
+    page = t.page
+    page.goto("/ui/jobs")
+    full = page.locator(f'tr[data-job-id="{server.jobs.full}"]')
+    expect(full.locator("td.recipe")).to_have_text("te delayed E4M3")
+    expect(full.locator("td.exports")).to_have_text(SERVING)
+    expect(full.locator("td.duration")).to_have_text(re.compile(r"^(<1 s|\d+ s)$"))
+    failed = page.locator(f'tr[data-job-id="{server.jobs.failed}"]')
+    expect(failed.locator("td.recipe")).to_have_text("ao")
+    expect(failed.locator("td.exports")).to_have_text("—")
+    expect(failed.locator(".failure")).to_have_text(
+        "calibration_failed: calibration.seq_len 9000 exceeds max_position_embeddings 2048")
+    t.screenshot("jobs_accuracy")
+
+
+def test_analyze_applies_a_recipes_shape_rule_and_compares_recipes(server, tab):
+    from playwright.sync_api import expect
+
+    t = tab(server.base_url)
+    page = t.page
+    page.goto("/ui/analyze")
+    page.fill("#model", "demo/tiny-llama")
+    page.select_option("#recipe", "te-float8-block")
+    expect(page.locator("#backend-te")).to_be_hidden()  # the recipe names its backend
+    page.click("#analyze-submit")
+    expect(page.locator(".analysis")).to_contain_text("divisible by 128", timeout=60_000)
+    expect(page.locator('#analysis-table tr[data-path="model.layers.0.self_attn.k_proj"]')).to_contain_text(
+        "dim_not_divisible_by_128_for_fp8_block")
+    expect(page.locator("#sqnr-text")).to_contain_text("No layer has an SQNR here")
+
+    page.select_option("#recipe", "")
+    for name in ("te-delayed", "te-mxfp8", "ao-rowwise"):
+        page.check(f"#compare-{name}")
+    with page.expect_response("**/v1/analyze", timeout=120_000) as answered:
+        page.click("#analyze-submit")
+    answer = answered.value.json()
+    assert answered.value.request.post_data_json["compare_recipes"] == ["te-delayed", "te-mxfp8", "ao-rowwise"]
+    expect(page.locator("#comparison-recipes tbody tr")).to_have_count(3)
+    layers = answer["comparison"]["layers"]
+    expect(page.locator("#comparison-table tbody tr")).to_have_count(len(layers))
+    expect(page.locator("#comparison-chart a.point")).to_have_count(3 * len(layers))
+    for label in ("te-delayed", "te-mxfp8", "ao-rowwise"):
+        lowest = min(layers, key=lambda layer: layer["sqnr_db"][label]["output"])
+        row = page.locator(f'#comparison-recipes tr[data-recipe="{label}"]')
+        expect(row).to_contain_text(f"{lowest['sqnr_db'][label]['output']:.2f}")
+        expect(row).to_contain_text(lowest["path"])
+    quality = any("quality" in entry or "perplexity" in entry for entry in answer["comparison"]["recipes"])
+    if not quality:  # this server's compare_recipes has no end-to-end columns: the page says so
+        expect(page.locator("#comparison-quality-text")).to_contain_text("No end-to-end quality columns")
+    expect(page.locator("#sqnr-chart a.point")).not_to_have_count(0)  # the calibrated analysis has the SQNR too
+    page.locator("#comparison-chart a.point").first.click()
+    assert re.search(r"#cmp-model\.layers\.\d+\.", page.url)
+    t.screenshot("analyze_compare")
