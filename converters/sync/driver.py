@@ -1,0 +1,211 @@
+"""``sync_serving``: the serving export of a training artifact (or of the checkpoint its training wrote), streamed.
+
+A training artifact holds the source's weights and, in config.json's ``fp8`` block, the recipe and the Linears it
+converted. ``sync`` writes only the serving checkpoint: each converted Linear's weight cast as its recipe's
+training twin casts it (:mod:`converters.sync.twins`), every other tensor copied as bytes by byte range, one tensor
+at a time, so memory is that of the largest weight and time is the copy's plus the casts'. The weights are read
+from the artifact itself or, with ``weights``, from the safetensors a TE/torchao training run saved after loading
+the artifact (same tensor names; TE's ``._extra_state`` entries are left out).
+
+Which weights are cast: the artifact's ``converted_modules`` whose ``<module>.weight`` is stored as a 2-D floating
+tensor, that the format's own shape rule accepts, and whose fused group (q/k/v, gate/up) is converted whole
+(engines refuse a partly quantized group); every other Linear stays in high precision, named in the format's
+ignore list with its reason. Expert weights of MoE models are not synced (they stay in high precision, reason
+``experts_not_synced``). Everything is written into a staging directory renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converters.artifact.files import copy_side_files, write_json, write_manifest
+from converters.artifact.layout import staging_dir_for
+from converters.errors import ArtifactError, ConversionError, RequestError
+from converters.model.checkpoint import weight_files
+from converters.model.files import INDEX_NAME, FileConfinement
+from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
+from converters.modelfree.driver import serving_plan
+from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, decide
+from converters.modelfree.targets import model_free_target, scale_dtype_of
+from converters.recipes import recipe_from_dict
+from converters.sync.twins import training_twin, twin_report
+
+__all__ = ["SYNC_REPORT_NAME", "sync_serving"]
+
+logger = logging.getLogger(__name__)
+
+SYNC_REPORT_NAME = "sync_report.json"
+_REPORT_VERSION = 1
+_EXTRA_STATE = "._extra_state"  # TE modules' serialized FP8 metadata in a state dict: no engine reads it
+_NOT_CONVERTED = "not_converted_in_training"
+_EXPERTS = "experts_not_synced"
+
+
+def sync_serving(artifact: Path, out: Path, *, format_name: str | None = None, weights: Path | None = None
+                 ) -> dict[str, Any]:
+    """Write the serving export of ``artifact`` into ``out`` and return its report (also ``out/sync_report.json``).
+
+    Args:
+        artifact: an fp8forge training artifact directory (config.json with an ``fp8`` block).
+        out: the export directory; it must not exist, its parent must.
+        format_name: a serving format that needs no calibration; default: the recipe's training twin.
+        weights: a directory of safetensors written by training after the artifact was loaded (its index or
+            ``model.safetensors``); default: the artifact's own weight files.
+
+    Raises:
+        ArtifactError: ``artifact`` is not a training artifact. RequestError: no twin and no ``format_name``, a
+            format needing calibration, or a bad ``out``. ConversionError: ``weights`` lacks a converted Linear's
+            weight, or nothing would be cast. ModelNotFoundError: missing or malformed weight files. Nothing is
+            left at ``out`` on any error.
+    """
+    started = time.perf_counter()
+    artifact, out = Path(artifact), Path(out)
+    source = Path(weights) if weights is not None else artifact
+    block, recipe = _training_block(artifact)
+    name = format_name or training_twin(recipe).format
+    fmt = model_free_target(name)
+    if getattr(fmt, "dequantize_only", False):
+        raise RequestError("sync writes a quantized serving export; bf16 is not one", field="format")
+    _check_out(out)
+    config = _config(source if (source / "config.json").is_file() else artifact)
+    files = weight_files(source)
+    headers = {path.name: read_tensor_index(path)[0] for path in files}
+    report = _decide(headers, config, block, fmt)
+    _check_weights(report, block, headers, weights is not None)
+    if not report["quantized"]:
+        raise ConversionError(f"{name} would cast no weight of this artifact (see the reasons in the artifact's "
+                              "fp8_report.json)", field="format")
+    staging = staging_dir_for(out)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        written = [_write_shard(path, headers[path.name], staging, fmt, set(report["quantized"]),
+                                getattr(torch, report["scale_dtype"])) for path in files]
+        _finish(artifact, source, staging, config, fmt, report, written)
+        report.update({"artifact": str(artifact), "weights": str(source),
+                       "serving": {name: {"training_twin": twin_report(recipe, name)}},
+                       "seconds": round(time.perf_counter() - started, 3)})
+        write_json(staging / SYNC_REPORT_NAME, report)
+        write_manifest(staging)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+def _training_block(artifact: Path) -> tuple[dict[str, Any], Any]:
+    config_path = artifact / "config.json"
+    if not config_path.is_file():
+        raise ArtifactError(f"{artifact} has no config.json; point at an fp8forge training artifact directory")
+    block = _config(artifact).get("fp8")
+    if not isinstance(block, dict) or not isinstance(block.get("recipe"), dict) \
+            or not isinstance(block.get("converted_modules"), list):
+        raise ArtifactError(f"{artifact} is not an fp8forge training artifact: config.json has no fp8 block with a "
+                            "recipe and converted_modules (convert the model with fp8forge convert first)")
+    return block, recipe_from_dict(block["recipe"])
+
+
+def _config(directory: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ArtifactError(f"{directory / 'config.json'}: cannot read it as JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ArtifactError(f"{directory / 'config.json'} is not a JSON object")
+    return config
+
+
+def _check_out(out: Path) -> None:
+    if out.exists():
+        raise RequestError(f"output directory {out} already exists; choose a new one", field="out")
+    if not out.parent.is_dir():
+        raise RequestError(f"the parent of {out} does not exist; create {out.parent} first", field="out")
+
+
+def _decide(headers: dict[str, dict[str, Any]], config: dict[str, Any], block: dict[str, Any], fmt: Any
+            ) -> dict[str, Any]:
+    """The model-free report of the stored Linears, narrowed to what training converted, whole fused groups only."""
+    tensors = [TensorInfo(key=name, shard=shard, dtype=tensor.dtype, shape=tuple(tensor.shape))
+               for shard, header in headers.items() for name, tensor in header.items()
+               if not name.endswith(_EXTRA_STATE)]
+    report = decide(tensors, config, ModelFreeOptions(skip_first_last=False), fmt.layer_rule)
+    converted = set(block["converted_modules"])
+    by_module = {layer["module"]: layer for layer in report["layers"]}
+    for layer in report["layers"]:
+        reason = _EXPERTS if layer["kind"] == "expert" else None if layer["module"] in converted else _NOT_CONVERTED
+        if reason and reason not in layer["reasons"]:
+            layer["reasons"].append(reason)
+        layer["eligible"] = not layer["reasons"]
+    for group in report["fused_groups"]:
+        if not all(by_module[member]["eligible"] for member in group["members"]):
+            for member in group["members"]:
+                if by_module[member]["eligible"]:
+                    by_module[member]["eligible"] = False
+                    by_module[member]["reasons"].append(f"fused_group_not_fully_converted:{group['name']}")
+    shared = {member: group["name"] for group in report["fused_groups"] for member in group["members"]}
+    report["quantized"] = {layer["key"]: shared.get(layer["module"], layer["module"])
+                           for layer in report["layers"] if layer["eligible"]}
+    report["not_stored"] = sorted(converted - set(by_module))
+    # FP8 in training, high precision in serving (a partly converted fused group): these layers' numbers differ
+    report["differs_from_training"] = sorted(module for module in converted & set(by_module)
+                                             if not by_module[module]["eligible"])
+    report["dropped"] = sorted(name for header in headers.values() for name in header if name.endswith(_EXTRA_STATE))
+    report.update({"version": _REPORT_VERSION, "format": fmt.name, "scale_dtype": scale_dtype_of(config),
+                   "shards": list(headers)})
+    return report
+
+
+def _check_weights(report: dict[str, Any], block: dict[str, Any], headers: dict[str, Any], separate: bool) -> None:
+    """A training checkpoint must hold every converted Linear's weight the artifact stores (same names)."""
+    if separate and report["not_stored"]:
+        shown = ", ".join(report["not_stored"][:3])
+        raise ConversionError(f"the weights directory holds no weight for {len(report['not_stored'])} Linear(s) the "
+                              f"artifact converted ({shown}): pass the checkpoint written by training from this "
+                              "artifact, with the model's own tensor names", field="weights")
+
+
+def _write_shard(path: Path, header: dict[str, Any], staging: Path, fmt: Any, convert: set[str],
+                 scale_dtype: torch.dtype) -> dict[str, Any]:
+    """One output shard: converted weights cast, ``_extra_state`` left out, every other tensor copied as bytes."""
+    kept = {name: tensor for name, tensor in header.items() if not name.endswith(_EXTRA_STATE)}
+    entries: dict[str, Any] = {}
+    for name, tensor in kept.items():
+        entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in convert else {name: tensor})
+    _, metadata = read_tensor_index(path)
+    with StreamingWriter(staging / path.name, entries, metadata) as writer:
+        for name, tensor in kept.items():
+            if name not in convert:
+                writer.write(name, tensor)
+                continue
+            replacement = fmt.quantize(read_tensor(tensor), None, scale_dtype)
+            for planned, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
+                writer.write(planned, value)
+    return {"shard": path.name, "tensors": list(entries), "bytes": sum(writer.planned[n].nbytes for n in entries)}
+
+
+def _finish(artifact: Path, source: Path, staging: Path, config: dict[str, Any], fmt: Any, report: dict[str, Any],
+            written: list[dict[str, Any]]) -> None:
+    """Index (where the source has one), config.json without the fp8 block and with the format's, side files."""
+    if (source / INDEX_NAME).is_file():
+        write_json(staging / INDEX_NAME, {
+            "metadata": {"total_size": sum(shard["bytes"] for shard in written)},
+            "weight_map": {name: shard["shard"] for shard in written for name in shard["tensors"]}})
+    config = {key: value for key, value in config.items() if key != "fp8"}
+    config["quantization_config"] = fmt.quantization_config(serving_plan(report))
+    write_json(staging / "config.json", config)
+    copy_side_files(artifact, staging, FileConfinement(roots=(artifact.resolve(),)))
+    for name, content in (getattr(fmt, "side_files", lambda plan: {})(serving_plan(report))).items():
+        write_json(staging / name, content)
+    report["bytes_written"] = sum(shard["bytes"] for shard in written)
+    report["kept"] = {layer["module"]: ",".join(layer["reasons"])
+                      for layer in report["layers"] if not layer["eligible"]}
+    del report["layers"]
