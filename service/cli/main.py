@@ -1,4 +1,4 @@
-"""The ``fp8forge`` command: analyze, convert, compare, serve, worker, keys.
+"""The ``fp8forge`` command: analyze, convert, compare, requantize, sync, serve, worker, keys.
 
 At start-up only the torch-free parts of converters and the settings load; each command imports its heavy
 libraries itself, so ``fp8forge analyze`` pays neither for torchao nor for the service stack.
@@ -15,7 +15,7 @@ from converters.analysis.render import format_analysis
 from converters.errors import Fp8ForgeError, ModelNotFoundError, ModelReferenceError, RequestError
 from converters.pipeline.request import KV_CACHE_DTYPES, KV_CACHE_FORMAT_NAMES, SERVING_FORMAT_NAMES
 from converters.third_party_noise import silence_third_party_noise
-from service.cli import compare, convert, keys, plan, requantize, serve
+from service.cli import compare, convert, keys, plan, requantize, serve, sync
 from service.cli.args import (
     add_calibration_arguments,
     add_min_sqnr_argument,
@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.register(commands)
     plan.register(commands)
     requantize.register(commands)
+    sync.register(commands)
 
     serve.register(commands)
     keys.register(commands)
