@@ -39,12 +39,16 @@ class Step:
         return math.inf if self.cost <= 0 else self.value / self.cost
 
 
-def _hull(options: Sequence[Option]) -> list[Option]:
-    """The upper convex hull of ``options`` from the free option (cost 0, value 0) upwards."""
-    ordered = sorted(options, key=lambda o: (max(o.cost, 0.0), -o.value))
-    kept: list[Option] = []
+def _hull(options: Sequence[Option], start: str) -> list[Option]:
+    """The upper convex hull of ``options`` from the free option ``start`` upwards (a free option that gives more
+    than ``start`` is its first step, of cost 0)."""
+    free = [option for option in options if option.precision == start]
+    if not free:
+        raise ValueError(f"the free option {start!r} is missing")
+    ordered = sorted((o for o in options if o.precision != start), key=lambda o: (max(o.cost, 0.0), -o.value))
+    kept: list[Option] = [free[0]]
     for option in ordered:
-        if kept and option.value <= kept[-1].value:
+        if option.value <= kept[-1].value:
             continue  # dominated: costs as much or more and gives no more
         kept.append(option)
         while len(kept) >= 3 and _slope(kept[-3], kept[-2]) <= _slope(kept[-2], kept[-1]):
@@ -66,9 +70,10 @@ def greedy_choice(options: Mapping[str, Sequence[Option]], budget: float, start:
     """
     steps: list[Step] = []
     for unit, unit_options in options.items():
-        hull = _hull(unit_options)
-        if hull[0].precision != start:
-            raise ValueError(f"unit {unit}: the free option {start!r} must be the cheapest")
+        try:
+            hull = _hull(unit_options, start)
+        except ValueError as exc:
+            raise ValueError(f"unit {unit}: {exc}") from None
         steps += [Step(unit, a.precision, b.precision, max(b.cost, 0.0) - max(a.cost, 0.0), b.value - a.value)
                   for a, b in zip(hull, hull[1:], strict=False)]
     steps.sort(key=lambda step: step.efficiency, reverse=True)
