@@ -15,7 +15,7 @@ from converters.analysis.render import format_analysis
 from converters.errors import Fp8ForgeError, ModelNotFoundError, ModelReferenceError, RequestError
 from converters.pipeline.request import KV_CACHE_DTYPES, KV_CACHE_FORMAT_NAMES, SERVING_FORMAT_NAMES
 from converters.third_party_noise import silence_third_party_noise
-from service.cli import compare, convert, keys, plan, requantize, serve, sync
+from service.cli import check, compare, convert, keys, plan, requantize, serve, sync
 from service.cli.args import (
     add_calibration_arguments,
     add_min_sqnr_argument,
@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=_run_convert)
 
     compare.register(commands)
+    check.register(commands)
     plan.register(commands)
     requantize.register(commands)
     sync.register(commands)
