@@ -79,7 +79,7 @@ MIN_SQNR_DB_RANGE = (0.0, 300.0)
 _REQUEST_KEYS = (
     "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
     "max_shard_bytes", "te_extra_state", "serving_formats", "min_sqnr_db", "compare_recipes",
-    "kv_cache", "measure", "requantize",
+    "kv_cache", "measure", "requantize", "plan",
 )
 #: ``requantize.to`` values: the targets of model-free conversion (converters.modelfree.targets; tests keep the
 #: two equal), formats that need no calibration, and bf16.
