@@ -1,0 +1,160 @@
+"""What an FP8 model does to one Linear, for the quality pass: its weight as cast, and its input's cast.
+
+A :class:`LayerCast` is either emulated from a recipe (the weight cast on the fly with the recipe's spec,
+:func:`recipe_layer_casts`) or read back from a serving export's files (the weight as the engine dequantizes
+it, :func:`export_layer_casts`). The input is cast per call with the spec's own scale, or with a fixed scale:
+TE delayed scaling's from the calibrated amax, an export's static ``input_scale``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from converters.calibration.emulation import CastSpec, cast_spec, fake_quantize, tensor_scale
+from converters.calibration.scaling import E4M3_MAX
+from converters.calibration.sensitivity import recipe_casts
+
+__all__ = ["LayerCast", "recipe_layer_casts", "export_layer_casts", "cast_linear_weight", "casting_linears"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCast:
+    """One Linear's FP8 forward: ``linear(cast(x), W_fp8) + bias``.
+
+    Exactly one of ``weight`` (cast the source weight with this spec) and ``read_weight`` (the weight as written
+    to an export, dequantized; called once per pass, while its layer is loaded) is set. ``input`` None keeps the
+    input in high precision (weight-only formats); ``input_scale`` is a fixed multiplier ``fp8_max / amax`` of a
+    per-tensor input spec (None: each call scales from its own amax).
+    """
+
+    weight: CastSpec | None = None
+    read_weight: Callable[[], torch.Tensor] | None = None
+    input: CastSpec | None = None
+    input_scale: float | None = None
+    weight_scale_margin: int | None = None  #: TE delayed scaling: the weight's scale is fp8_max * 2**-margin / amax
+
+    def __post_init__(self) -> None:
+        if (self.weight is None) == (self.read_weight is None):
+            raise ValueError("a LayerCast takes exactly one of weight (a cast spec) and read_weight (written weights)")
+        if self.input_scale is not None and (self.input is None or not self.input.per_tensor):
+            raise ValueError("input_scale needs a per-tensor input spec")
+
+
+def recipe_layer_casts(recipe: Any, paths: Iterable[str], amax: Mapping[str, Any] | None = None
+                       ) -> dict[str, LayerCast]:
+    """Each of ``paths`` cast as ``recipe`` casts it in training (its forward: weight and input).
+
+    TE delayed scaling casts the input with the scale its amax history holds; the artifact's history is seeded
+    from calibration, so the input scale comes from the largest calibrated input amax of the layer (``amax``:
+    path -> :class:`converters.calibration.amax.LayerAmax`); without one the input scales per call.
+    """
+    casts = recipe_casts(recipe)
+    margin = casts.delayed.margin if casts.delayed is not None else None
+    out = {}
+    for path in paths:
+        scale = None
+        if casts.delayed is not None and casts.input is not None and amax and path in amax:
+            top = amax[path].forward[:, 0].max()
+            scale = float(tensor_scale(top, E4M3_MAX * 2.0 ** -margin)) if float(top) > 0 else None
+        out[path] = LayerCast(weight=casts.weight, input=casts.input, input_scale=scale, weight_scale_margin=margin)
+    return out
+
+
+def export_layer_casts(directory: Path, paths: Iterable[str], on_disk_name: Callable[[str], str | None],
+                       *, input_cast: str | None, library: str = "te", pow2_scales: bool = False
+                       ) -> dict[str, LayerCast]:
+    """The Linears among ``paths`` that the export in ``directory`` stores quantized, with their weights read back.
+
+    ``on_disk_name(module_path + ".weight")`` gives the source's key for a weight (exports keep the source's
+    names). The weight is dequantized with :meth:`SourceQuantization.dequantize` (the references' arithmetic);
+    a stored ``input_scale`` (static activation scheme) fixes the input's scale, else ``input_cast`` (a spec
+    name, the format's dynamic input cast; None: weight-only) scales per call.
+    Raises ModelConfigError when ``directory`` holds no quantized checkpoint fp8forge reads.
+    """
+    from safetensors import safe_open
+
+    from converters.errors import ModelConfigError
+    from converters.model.checkpoint import weight_files
+    from converters.model.quantized import source_quantization
+
+    scheme = source_quantization(directory)
+    if scheme is None:
+        raise ModelConfigError(f"{directory} declares no quantization: not a serving export", field="model")
+    file_of = {}
+    for file in weight_files(directory):
+        with safe_open(file, framework="pt") as handle:
+            file_of.update(dict.fromkeys(handle.keys(), file))
+    spec = cast_spec(input_cast, library=library, pow2_scales=pow2_scales) if input_cast else None
+
+    def read(name: str) -> torch.Tensor:
+        if name not in file_of:
+            raise KeyError(name)
+        with safe_open(file_of[name], framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    out = {}
+    for path in paths:
+        key = on_disk_name(f"{path}.weight") or f"{path}.weight"
+        if not scheme.is_quantized(key, file_of):
+            continue
+        prefix = key.removesuffix("weight")
+        input_scale = None
+        if spec is not None and spec.per_tensor and f"{prefix}input_scale" in file_of:
+            input_scale = 1.0 / float(read(f"{prefix}input_scale").float().reshape(-1)[0])
+        out[path] = LayerCast(read_weight=lambda key=key: scheme.dequantize(key, read, torch.float32),
+                              input=spec, input_scale=input_scale)
+    return out
+
+
+def cast_linear_weight(cast: LayerCast, weight: torch.Tensor) -> torch.Tensor:
+    """The weight the FP8 GEMM multiplies (fp32): read back, or ``weight`` cast with the spec."""
+    if cast.read_weight is not None:
+        written = cast.read_weight().float()
+        if written.shape != weight.shape:
+            raise ValueError(f"the written weight is {tuple(written.shape)}, the model's {tuple(weight.shape)}")
+        return written
+    w = weight.float()
+    if cast.weight_scale_margin is not None and cast.weight.per_tensor:
+        scale = tensor_scale(w.abs().amax(), E4M3_MAX * 2.0 ** -cast.weight_scale_margin)
+        return fake_quantize(w, cast.weight, scale=scale)
+    return fake_quantize(w, cast.weight)
+
+
+class _CastForward:
+    """Replaces a Linear's ``forward`` (its hooks still run around it) with the FP8 one."""
+
+    def __init__(self, module: nn.Linear, cast: LayerCast) -> None:
+        self.module, self.cast = module, cast
+        self.weight = cast_linear_weight(cast, module.weight.detach())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        cast = self.cast
+        if cast.input is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            x = fake_quantize(flat, cast.input, scale=cast.input_scale).reshape(x.shape).to(x.dtype)
+        return nn.functional.linear(x, self.weight.to(x.dtype), self.module.bias)
+
+
+class casting_linears:  # noqa: N801 - a context manager read as a phrase: ``with casting_linears(...)``
+    """Inside the block, each ``{path: LayerCast}`` Linear of ``model`` runs its FP8 forward (None: unchanged)."""
+
+    def __init__(self, model: nn.Module, casts: Mapping[str, LayerCast | None]) -> None:
+        self.model, self.casts = model, {path: cast for path, cast in casts.items() if cast is not None}
+
+    def __enter__(self) -> casting_linears:
+        for path, cast in self.casts.items():
+            module = self.model.get_submodule(path)
+            if not isinstance(module, nn.Linear):
+                raise ValueError(f"{path} is a {type(module).__name__}, not a Linear: the quality pass casts Linears")
+            module.forward = _CastForward(module, cast)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for path in self.casts:
+            self.model.get_submodule(path).__dict__.pop("forward", None)
