@@ -79,7 +79,7 @@ MIN_SQNR_DB_RANGE = (0.0, 300.0)
 _REQUEST_KEYS = (
     "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
     "max_shard_bytes", "te_extra_state", "serving_formats", "min_sqnr_db", "compare_recipes",
-    "kv_cache", "measure", "requantize", "plan",
+    "kv_cache", "measure", "requantize", "plan", "quality_texts",
 )
 #: ``requantize.to`` values: the targets of model-free conversion (converters.modelfree.targets; tests keep the
 #: two equal), formats that need no calibration, and bf16.
@@ -209,6 +209,9 @@ class ConversionRequest:
     measure: bool = True
     #: a per-layer precision plan to make beside the artifact (converters.plan.settings.PlanSettings as data)
     plan: Mapping[str, Any] | None = None
+    #: held-out texts the end-to-end quality is measured on (converters.quality; the same limits as
+    #: calibration.texts); None: the built-in corpus' held-out part. ``measure: false`` turns quality off too.
+    quality_texts: tuple[str, ...] | None = None
     _recipe: Recipe = field(init=False, repr=False, compare=False)  #: ``recipe`` parsed, by __post_init__
 
     def __post_init__(self) -> None:
@@ -233,6 +236,15 @@ class ConversionRequest:
             if not self.measure:
                 raise RequestError("a plan reads each layer's SQNR under its candidates, which measure false turns "
                                    "off: drop plan or leave measure on", field="measure")
+        if self.quality_texts is not None:
+            if not self.measure:
+                raise RequestError("measure false turns the quality measurement off, and quality_texts are its "
+                                   "texts: drop quality_texts or leave measure on", field="quality_texts")
+            try:
+                object.__setattr__(self, "quality_texts", _checked_texts(self.quality_texts))
+            except CalibrationDataError as exc:
+                raise RequestError(exc.message.replace("calibration.texts", "quality_texts"),
+                                   field=(exc.field or "").replace("calibration.texts", "quality_texts")) from exc
         # parsed once, here: every stage, the CLI and the synchronous analysis read this object
         object.__setattr__(self, "_recipe", self._parse_recipe())
 
@@ -338,6 +350,7 @@ class ConversionRequest:
             "kv_cache": self.kv_cache,
             "measure": self.measure,
             "plan": dict(self.plan) if self.plan is not None else None,
+            "quality_texts": None if self.quality_texts is None else f"{len(self.quality_texts)} user text(s)",
         }
 
 

@@ -154,6 +154,10 @@ class JobCreate(BaseModel):
                     "job cost only the calibration forward, and the report says the measurement was off. "
                     "min_sqnr_db and compare_recipes need it.")
     plan: PlanCreate | None = Field(None, description="Also make a per-layer precision plan (docs/plan.md).")
+    quality_texts: Annotated[list[CalibrationText], Field(min_length=_TEXTS[0], max_length=_TEXTS[1])] | None = Field(
+        None, description="Held-out texts the end-to-end quality (perplexity, next-token KL, top-1 agreement against "
+                    "the source; docs/quality.md) is measured on, instead of the built-in corpus' held-out part, "
+                    f"{MAX_TEXTS_CHARS} characters in all. `measure: false` turns quality off too.")
     requantize: RequantizeCreate | None = Field(
         None, description="Convert from the files alone instead of calibrating (docs/requantize.md): no recipe, "
                     "calibration or serving_formats; each shard is a task any worker may run.")
