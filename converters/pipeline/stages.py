@@ -48,6 +48,7 @@ from converters.model.sources import (
     model_dtype,
     resolve_model_dir,
 )
+from converters.pipeline.quality_report import quality_block
 from converters.pipeline.serving_export import (
     plan_serving_formats,
     serving_casts,
@@ -56,6 +57,7 @@ from converters.pipeline.serving_export import (
 )
 from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.plan.candidates import plan_compare_recipes
+from converters.quality.held_out import calibration_part
 
 __all__ = ["STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
 
@@ -290,14 +292,12 @@ def _calibration_batches(run: Run) -> tuple[list[dict[str, Any]], str]:
             f"{type(run.resolved.config).__name__} declares no vocab_size: fp8forge calibrates text models only",
             field="model",
         )
-    batches, source = calibration_batches(
-        tokenizer,
-        vocab_size=vocab_size,
-        texts=list(settings.texts) if settings.texts is not None else None,
-        steps=settings.steps,
-        batch_size=settings.batch_size,
-        seq_len=settings.seq_len,
-    )
+    # Without the user's texts, the corpus less its held-out part: quality is measured on that part.
+    texts = list(settings.texts) if settings.texts is not None else calibration_part()
+    batches, source = calibration_batches(tokenizer, vocab_size=vocab_size, texts=texts, steps=settings.steps,
+                                          batch_size=settings.batch_size, seq_len=settings.seq_len)
+    if settings.texts is None:
+        source = f"built-in corpus (calibration part, {len(texts)} paragraphs){source.partition('user text(s)')[2]}"
     if tokenizer is None:
         run.warn("the model ships no tokenizer: calibration used random token ids, not text")
     else:
@@ -385,6 +385,7 @@ def export(run: Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     written += writers.write_calibration_file(run, staging)
     written += copy_side_files(run.resolved.directory, staging, confinement_for(run.sources))
     written += write_serving_exports(run, staging)
+    run.report["quality"] = quality_block(run, staging)
     # the report is written here, so export's time stops before it: every weight, state and serving file is in
     # it; the two JSON files and the manifest's checksums (read back from disk) come after
     run.stage_seconds["export"] = round(time.perf_counter() - run.export_started, 3)
