@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["GemmRecord", "GemmKind", "tracing_gemms"]
+__all__ = ["GemmRecord", "GemmKind", "LinearCheck", "tracing_gemms"]
 
 _GEMM_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._scaled_mm.", "aten._grouped_mm.",
              "aten._scaled_grouped_mm.", "aten.linear.", "aten.matmul.")
@@ -42,6 +42,25 @@ class GemmRecord:
     phase: str  #: ``forward`` or ``backward``
     kind: str  #: a :class:`GemmKind` value
     detail: str  #: operand types and dtypes, and the kernel they go to
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearCheck:
+    path: str
+    expected_fp8: bool  #: the artifact says this Linear trains in FP8
+    ran: str  #: how its forward GEMM ran: a GemmKind value, or "did not run"
+    gemms: tuple[GemmRecord, ...] = ()  #: every GEMM recorded in its forward and backward (torchao)
+    detail: str = ""  #: TE: what its FP8 state showed
+
+    @property
+    def ran_backward(self) -> str:
+        """How its backward GEMMs ran (distinct kinds), or "-" where none was traced."""
+        kinds = dict.fromkeys(record.kind for record in self.gemms if record.phase == "backward")
+        return " + ".join(kinds) or "-"
+
+    @property
+    def ran_fp8(self) -> bool:
+        return self.ran not in (GemmKind.HIGH_PRECISION, "did not run")
 
 
 @dataclass

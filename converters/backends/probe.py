@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from converters.artifact.layout import REPORT_FILE, read_fp8_block
-from converters.backends.gemm_trace import GemmKind, GemmRecord, tracing_gemms
+from converters.backends.gemm_trace import GemmKind, LinearCheck, tracing_gemms
 from converters.backends.loaders import load_te, load_torchao
+from converters.backends.te.probe import te_step_checks
 from converters.errors import ArtifactError
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.recipes import recipe_from_dict
@@ -28,25 +29,6 @@ __all__ = ["LinearCheck", "ProbeReport", "probe_artifact", "format_probe"]
 
 _CPU_NOTE = ("'fp8 (emulated on CPU)': FP8 operands went into torch._scaled_mm's CPU kernel: the step computes with "
              "the FP8-rounded values, but no FP8 tensor core ran; run the check on the training GPU for its kernels")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LinearCheck:
-    path: str
-    expected_fp8: bool  #: the artifact says this Linear trains in FP8
-    ran: str  #: how its forward GEMM ran: a GemmKind value, or "did not run"
-    gemms: tuple[GemmRecord, ...] = ()  #: every GEMM recorded in its forward and backward (torchao)
-    detail: str = ""  #: TE: what its FP8 state showed
-
-    @property
-    def ran_backward(self) -> str:
-        """How its backward GEMMs ran (distinct kinds), or "-" where none was traced."""
-        kinds = dict.fromkeys(record.kind for record in self.gemms if record.phase == "backward")
-        return " + ".join(kinds) or "-"
-
-    @property
-    def ran_fp8(self) -> bool:
-        return self.ran not in (GemmKind.HIGH_PRECISION, "did not run")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +73,6 @@ def probe_artifact(directory: str | Path, *, device: str | None = None, verify: 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=generator).to(device)
     if backend == "te":
-        from converters.backends.te.probe import te_step_checks
-
         loss, layers, active = te_step_checks(model, ids, expected, _training_step)
     else:
         loss, layers, active = _torchao_step_checks(model, ids, expected)

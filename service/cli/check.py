@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from converters.errors import RequestError
+
 __all__ = ["register", "run_check"]
 
 
@@ -32,8 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from converters.backends.probe import format_probe, probe_artifact
-    from converters.errors import RequestError
+    from converters.backends.probe import format_probe, probe_artifact  # torch, torchao: only when the command runs
 
     if args.seq_len < 1:
         raise RequestError(f"--seq-len must be a positive number of tokens, got {args.seq_len}", field="seq_len")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.backends.gemm_trace import GemmKind
+from converters.backends.gemm_trace import GemmKind, LinearCheck
 from converters.backends.te.layer_check import reset_te_global_state
 from converters.backends.te.runtime import require_fp8_execution, te_autocast, te_module
 from converters.backends.te.state import has_delayed_state, meta_tensor
@@ -27,8 +27,6 @@ def te_step_checks(model: nn.Module, ids: torch.Tensor, expected: set[str], step
                    ) -> tuple[float, list[Any], list[str]]:
     """Run ``step`` under ``te.autocast(recipe=model.fp8_recipe)``; return the loss, a LinearCheck per Linear and
     te.Linear, and the recipe classes the modules ran. Raises BackendUnavailableError where FP8 cannot execute."""
-    from converters.backends.probe import LinearCheck
-
     te = te_module()
     require_fp8_execution(te)
     modules = {path: module for path, module in model.named_modules()
