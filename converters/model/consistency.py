@@ -65,10 +65,10 @@ def check_stored_dtype(file: str, name: str, dtype: str, quantized: bool) -> Non
     if quantized or dtype in HIGH_PRECISION_DTYPES:
         return
     raise ModelConfigError(
-        f"{file}: tensor {name!r} is stored as {dtype}, but config.json declares no quantization that covers it "
-        "(without one its codes would be read as high-precision values): add the checkpoint's quantization_config "
-        "with its scales (fp8forge reads fp8 block/tensor, compressed-tensors and ModelOpt layouts; see `fp8forge "
-        "analyze`), or convert from the high-precision checkpoint", field="model")
+        f"{file}: tensor {name!r} is stored as {dtype}, but no quantization declared in config.json covers it, or "
+        "its scales are missing (its codes would be read as high-precision values): give the checkpoint its "
+        "quantization_config and scale tensors as written (fp8forge reads fp8 block/tensor, compressed-tensors and "
+        "ModelOpt layouts; see `fp8forge analyze`), or convert from the high-precision checkpoint", field="model")
 
 
 def check_against_model(file: str, name: str, shape: tuple[int, ...], dtype: str, quantized: bool,

@@ -9,11 +9,13 @@ A weight's companions may lie in another shard than the weight itself; a task re
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from converters.model.consistency import check_against_config, check_index, check_stored_dtype
 from converters.model.quantized import source_quantization
 from converters.model.safetensors_stream import SourceTensor, dtype_name, read_tensor, read_tensor_index
 from converters.modelfree.eligibility import TensorInfo
@@ -44,11 +46,14 @@ def source_view(source_dir: Path, inventories: dict[str, list[list]], dtype: tor
     """The source's tensors from each shard's inventory (``[name, dtype, shape]``), quantized weights dequantized
     to ``dtype`` in name (shape and dtype only: nothing is read here)."""
     location = {name: shard for shard, inventory in inventories.items() for name, _, _ in inventory}
+    check_index(source_dir, {shard: [name for name, _, _ in inventory] for shard, inventory in inventories.items()})
     quantization = source_quantization(source_dir)
     if quantization is None:
-        return SourceView(tensors=[TensorInfo(key=name, shard=shard, dtype=kind, shape=tuple(shape))
+        view = SourceView(tensors=[TensorInfo(key=name, shard=shard, dtype=kind, shape=tuple(shape))
                                    for shard, inventory in inventories.items() for name, kind, shape in inventory],
                           location=location)
+        _check(source_dir, view)
+        return view
     shapes = {name: _Shape(tuple(shape)) for inventory in inventories.values() for name, _, shape in inventory}
     stored = {}
     for key in quantization.quantized_weights(location):
@@ -71,8 +76,25 @@ def source_view(source_dir: Path, inventories: dict[str, list[list]], dtype: tor
                 tensors.append(TensorInfo(key=name, shard=shard, dtype=kind, shape=tuple(shape)))
     reads = {key: {name: location[name] for name in [stored[key], *quantization.companion_keys(key)]
                    if name in location} for key in stored}
-    return SourceView(tensors=tensors, scheme=quantization.scheme.value, stored=stored, drop=drop, location=location,
+    view = SourceView(tensors=tensors, scheme=quantization.scheme.value, stored=stored, drop=drop, location=location,
                       reads=reads)
+    _check(source_dir, view)
+    return view
+
+
+def _check(source_dir: Path, view: SourceView) -> None:
+    """Refuse what would convert into a wrong checkpoint: FP8 (or packed FP4) codes that no declared quantization
+    covers, which would be taken for weights, and projections of another shape than config.json gives.
+
+    Raises:
+        ModelConfigError: (field ``model``) naming the shard, the tensor and the fix.
+    """
+    for info in view.tensors:
+        packed = info.dtype in ("U8", "I8") and len(info.shape) == 2 and info.key.endswith(("weight", "weight_packed"))
+        if (info.dtype.startswith("F8") or packed) and info.key not in view.stored:
+            check_stored_dtype(info.shard, info.key, info.dtype, quantized=False)
+    config = json.loads((Path(source_dir) / "config.json").read_text(encoding="utf-8"))
+    check_against_config(config, ((info.shard, info.key, info.shape) for info in view.tensors))
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,10 @@ _MODELOPT = {"FP8": Scheme.MODELOPT_FP8, "NVFP4": Scheme.MODELOPT_NVFP4}
 
 def _refuse(what: str) -> ModelConfigError:
     readable = "; ".join(f"{method}: {formats}" for method, formats in READABLE.items())
-    return ModelConfigError(f"the checkpoint is quantized with {what}, which fp8forge cannot read; it reads "
-                            f"{readable}. Convert from the high-precision checkpoint instead", field="model")
+    return ModelConfigError(f"the checkpoint is quantized with {what} (its config.json's quantization_config, or "
+                            f"{HF_QUANT_CONFIG} for ModelOpt, says so), which fp8forge cannot read: its weights would "
+                            f"be read as raw codes; it reads {readable}. Convert from the high-precision checkpoint "
+                            "instead", field="model")
 
 
 def _json(path: Path) -> dict[str, Any]:
