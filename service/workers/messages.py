@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DISK_FULL", "ChildMessage", "ChildResult", "Failed", "Progress", "StageStarted", "Succeeded", "Warned"]
+__all__ = ["DISK_FULL", "ChildMessage", "ChildResult", "Failed", "Progress", "StageStarted", "Succeeded", "TaskDone",
+           "Warned"]
 
 #: ``Failed.code`` of a run whose host ran out of disk space: not the job's fault, so another attempt may succeed.
 DISK_FULL = "disk_full"
@@ -41,6 +42,13 @@ class Succeeded:
 class Failed:
     code: str
     message: str
+
+
+@dataclass(frozen=True)
+class TaskDone:
+    """A task child's result (``service.workers.task_child``): the task's plain-data result."""
+
+    result: dict[str, Any]
 
 
 ChildResult = Succeeded | Failed

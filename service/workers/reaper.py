@@ -17,6 +17,7 @@ from service.artifacts import ArtifactStorage, Leftover
 from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus
 from service.store import JobBusy, JobLost, JobStore
+from service.workers.split_jobs import reap_stale_tasks
 
 __all__ = ["reap_stale", "sweep_orphans", "Reaper"]
 
@@ -107,6 +108,7 @@ class Reaper:
         while not self._stop.wait(self._interval):
             try:
                 reap_stale(*self._args)
+                reap_stale_tasks(*self._args)
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self._sweep_every
                     sweep_orphans(*self._args[:2])

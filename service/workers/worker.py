@@ -1,5 +1,8 @@
-"""The worker loop: stop check -> reap stale jobs (and now and then sweep orphaned attempt files) -> claim ->
-run in a spawned child -> record.
+"""The worker loop: stop check -> reap stale jobs and tasks (and now and then sweep orphaned attempt files) ->
+claim a task of a split job, else a job -> run in a spawned child -> record.
+
+A requantize job is split into tasks (``service.workers.split_jobs``) that any worker claims one at a time, a
+task before a new job, so the jobs already started move on; every other job runs whole in one worker.
 
 One job at a time per worker; run one worker per GPU. ``worker_process_main`` is the entry point of a
 worker process (``fp8forge worker`` and the processes ``fp8forge serve`` starts). With the object store, a
@@ -20,10 +23,13 @@ from service.artifacts import ArtifactStorage, open_storage
 from service.config import Settings
 from service.store import JobStore
 from service.store.schema import brief, lock_refused
+from service.store.tasks import this_host
 from service.store.workers import WorkerRegistry
 from service.workers.procs import configure_logging, die_with_parent
 from service.workers.reaper import reap_stale, sweep_orphans
 from service.workers.runner import JobRun
+from service.workers.split_jobs import is_split_job, reap_stale_tasks, split_job
+from service.workers.task_run import TaskRun
 
 __all__ = ["Worker", "worker_process_main"]
 
@@ -49,6 +55,7 @@ class Worker:
         self.dirs = storage or open_storage(settings)
         self.log_level = log_level
         self.worker_id = WorkerRegistry.new_id()
+        self.host = this_host()
         self.stopping = threading.Event()
 
     def stop(self) -> None:
@@ -64,6 +71,7 @@ class Worker:
                 try:
                     if time.monotonic() >= next_reap:
                         reap_stale(self.store, self.dirs, self.settings.heartbeat_timeout_s)
+                        reap_stale_tasks(self.store, self.dirs, self.settings.heartbeat_timeout_s)
                         next_reap = time.monotonic() + self.settings.heartbeat_interval_s
                     if time.monotonic() >= next_sweep:
                         next_sweep = time.monotonic() + self.settings.artifact_sweep_interval_s
@@ -87,11 +95,22 @@ class Worker:
             logger.info("worker %s stopped", self.worker_id)
 
     def run_once(self) -> bool:
-        """Claim and run one job; False when none was queued."""
+        """Claim and run one task of a split job, else one job; False when nothing was ready."""
         self.store.workers.heartbeat(self.worker_id)
+        task = self.store.tasks.claim(self.worker_id, self.host)
+        if task is not None:
+            self.store.workers.heartbeat(self.worker_id, task.job_id)
+            status = TaskRun(self.settings, self.store, self.dirs, self.worker_id, task, self.stopping,
+                             log_level=self.log_level).execute()
+            logger.info("job %s: %s: %s", task.job_id, task.name, status.value if status else "lost")
+            self.store.workers.heartbeat(self.worker_id)
+            return True
         job = self.store.claim_next(self.worker_id, max_running_per_owner=self.settings.max_running_jobs_per_key)
         if job is None:
             return False
+        if is_split_job(job.request):
+            split_job(self.store, self.dirs, self.worker_id, job, self.settings.max_attempts)
+            return True
         logger.info("job %s: claimed, attempt %d of %d", job.id, job.attempt, job.max_attempts)
         self.store.workers.heartbeat(self.worker_id, job.id)
         status = JobRun(self.settings, self.store, self.dirs, self.worker_id, job, self.stopping,

@@ -1,0 +1,52 @@
+"""The spawned process that runs one stored task of a split job (``converters.modelfree.stored``).
+
+Like the conversion child (``service.workers.child``) it is the place where ``service`` meets ``converters`` and
+torch; it resolves the job's source through this worker's own model sources (its allowed roots, its hub cache),
+runs the task, and sends one ``TaskDone`` or ``Failed`` back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from converters.model.sources import ModelSourceOptions
+from converters.third_party_noise import silence_third_party_noise
+from service.redaction import without_server_paths
+from service.workers.child import _failure, _server_directories, limit_threads
+from service.workers.messages import TaskDone
+from service.workers.procs import configure_logging, die_with_parent
+
+__all__ = ["task_child_main"]
+
+logger = logging.getLogger(__name__)
+
+
+def task_child_main(
+    kind: str, source: str, payload: dict[str, Any], inputs: dict[str, Any], out_dir: str, sources: dict[str, Any],
+    conn: Connection, parent_pid: int, threads: int | None = None, log_level: str = "info",
+) -> None:
+    """Run one task with ``threads`` CPU threads, writing into ``out_dir``; never raises (see ``child_main``)."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides how this run stops
+    configure_logging(log_level, f"task {kind}")
+    silence_third_party_noise()
+    directories = _server_directories(out_dir, sources)
+    try:
+        limit_threads(threads)  # before converters import torch
+        from converters.model.sources import confinement_for, resolve_model_dir  # hub client: only here
+        from converters.modelfree.stored import run_stored_task  # imports torch: only in the task child
+
+        options = ModelSourceOptions(**sources)
+        source_dir = resolve_model_dir(source, options, with_weights=True)
+        result = run_stored_task(kind, payload, inputs, source_dir, Path(out_dir), confinement_for(options))
+        conn.send(TaskDone(result))
+    except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
+        failure = _failure(exc)
+        conn.send(dataclasses.replace(failure, message=without_server_paths(failure.message, directories)))
+    finally:
+        conn.close()

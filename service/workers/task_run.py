@@ -1,0 +1,233 @@
+"""Runs one claimed task of a split job: spawn the task child, heartbeat, honour cancel, record the result.
+
+Every task of a job writes into the job attempt's directory on its worker's host (``attempt_dir``): on a shared
+disk that is the one directory the finish task publishes by renaming it; with the object store each write task
+uploads its shard under the attempt's prefix and drops its local copy, and the finish task uploads its own files,
+then publishes inside the transaction that records the job's success, checking the prefix holds exactly the
+listed files. Nothing is published before the finish. A task that crashes or whose worker dies is retried on its
+own (``max_attempts`` each); a task that fails on bad input fails the job at once, naming its shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError
+
+from service.artifacts import ArtifactStorage, ArtifactUploadFailed
+from service.config import Settings
+from service.errors import InvalidTransition
+from service.jobs import Job, JobStatus, Task, TaskStatus
+from service.store import JobStore
+from service.store.schema import brief
+from service.workers.messages import DISK_FULL, Failed, TaskDone
+from service.workers.runner import _ensure_dead
+from service.workers.split_jobs import fail_job, settle
+from service.workers.task_child import task_child_main
+
+__all__ = ["TaskRun"]
+
+logger = logging.getLogger(__name__)
+
+
+class TaskRun:
+    """One attempt of one task on this worker."""
+
+    def __init__(self, settings: Settings, store: JobStore, dirs: ArtifactStorage, worker_id: str, task: Task,
+                 stopping: threading.Event, *, log_level: str | None = None) -> None:
+        self.settings, self.store, self.dirs, self.worker_id, self.task = settings, store, dirs, worker_id, task
+        self.stopping, self.log_level = stopping, log_level
+        self._failing_since: float | None = None
+
+    def execute(self) -> TaskStatus | None:
+        """Run the attempt to its end; returns the task's recorded status (None when it was taken away)."""
+        task = self.task
+        job = self.store.get_job(task.job_id)
+        out_dir = self.dirs.attempt_dir(job.id, job.attempt)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ctx = mp.get_context("spawn")
+        receiver, sender = ctx.Pipe(duplex=False)
+        options = {"threads": self.settings.conversion_threads, "log_level": self.log_level}
+        proc = ctx.Process(
+            target=task_child_main, name=f"fp8forge-task-{task.seq}",
+            args=(task.kind, task.source, dict(task.payload), self._inputs(), str(out_dir),
+                  self.settings.model_sources(), sender, os.getpid()),
+            kwargs={name: value for name, value in options.items() if value is not None})
+        proc.start()
+        sender.close()
+        logger.info("job %s: %s started (%s, attempt %d of %d)", job.id, task.name, task.kind, task.attempt,
+                    task.max_attempts)
+        ended, result = "crashed", None
+        try:
+            ended, result = self._supervise(proc, receiver)
+        finally:
+            if ended == "result":
+                proc.kill()  # it sent its result; nothing it does after that matters
+            _ensure_dead(proc)
+            receiver.close()
+        return self._record(job, ended, result, proc.exitcode)
+
+    def _inputs(self) -> dict[str, Any]:
+        """What the task reads of earlier phases (see ``converters.modelfree.stored.run_stored_task``)."""
+        kind, job_id = self.task.kind, self.task.job_id
+        if kind not in ("write", "finish"):
+            return {}
+        report = self.store.tasks.results(job_id, "plan")[0]["report"]
+        if kind == "finish":
+            return {"report": report, "writes": self.store.tasks.results(job_id, "write")}
+        amax = self.store.tasks.results(job_id, "amax")
+        return {"amax": amax, "quantized": report["quantized"]} if amax else {}
+
+    # -- supervision -------------------------------------------------------------------------------
+    def _supervise(self, proc: BaseProcess, receiver: Connection) -> tuple[str, Any]:
+        """Until the child ends or must stop: ("result", message), ("crashed", None), ("lost", None),
+        ("stopped", the job's status) or ("shutdown", None)."""
+        next_beat = 0.0
+        while True:
+            try:
+                if receiver.poll(0.2):
+                    message = receiver.recv()
+                    if isinstance(message, (TaskDone, Failed)):
+                        # the child's work is done: its teardown (torch's) is not waited for, or heartbeats
+                        # would pause meanwhile
+                        return "result", message
+            except (EOFError, OSError):
+                if not proc.is_alive():
+                    return "crashed", None
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + min(self.settings.heartbeat_interval_s, 0.5)
+                status = self._heartbeat()
+                if status is None:
+                    return "lost", None
+                if status is not JobStatus.RUNNING:
+                    return "stopped", status
+            if self.stopping.is_set():
+                return "shutdown", None
+            if not proc.is_alive() and not receiver.poll():
+                return "crashed", None
+
+    def _heartbeat(self) -> JobStatus | None:
+        """The job's status; None once the task is not this worker's (or the store was silent too long)."""
+        try:
+            status = self.store.tasks.heartbeat(self.task, self.worker_id)
+        except DBAPIError as exc:
+            now = time.monotonic()
+            if self._failing_since is None:
+                self._failing_since = now
+                logger.warning("job %s: the job store does not answer (%s); the task goes on meanwhile",
+                               self.task.job_id, brief(exc))
+            return JobStatus.RUNNING if now - self._failing_since < self.settings.heartbeat_timeout_s else None
+        self._failing_since = None
+        return status
+
+    @contextlib.contextmanager
+    def _beating(self) -> Iterator[None]:
+        """Heartbeat the task from a thread while the worker itself uploads or publishes."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.settings.heartbeat_interval_s):
+                self._heartbeat()
+
+        thread = threading.Thread(target=beat, name=f"fp8forge-task-{self.task.seq}-beat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    # -- outcome -----------------------------------------------------------------------------------
+    def _record(self, job: Job, ended: str, result: Any, exitcode: int | None) -> TaskStatus | None:
+        task = self.task
+        if ended == "lost":
+            logger.warning("job %s: %s was taken from this worker; its result is discarded", job.id, task.name)
+            return None
+        if ended == "stopped":
+            self.store.tasks.release(task, TaskStatus.CANCELLED, worker_id=self.worker_id)
+            settle(self.store, self.dirs, job.id)
+            return TaskStatus.CANCELLED
+        if ended == "shutdown":  # the worker is stopping: another runs the task, without using up an attempt
+            released = self.store.tasks.release(task, TaskStatus.QUEUED, worker_id=self.worker_id, count_attempt=False)
+            return TaskStatus.QUEUED if released else None
+        if isinstance(result, TaskDone):
+            try:
+                return self._succeed(job, result.result)
+            except ArtifactUploadFailed as exc:
+                logger.error("job %s: %s: %s", job.id, task.name, exc, exc_info=exc.__cause__)
+                return self._retry_or_fail("artifact_upload_failed", str(exc))
+        if isinstance(result, Failed) and result.code != DISK_FULL:
+            self.store.tasks.release(task, TaskStatus.FAILED, worker_id=self.worker_id,
+                                     error=(result.code, result.message))
+            message = result.message
+            if result.code == "internal_error":  # the raw text stays in the log (it names files and internals)
+                logger.error("job %s: %s failed with an internal error: %s", job.id, task.name, message)
+                message = f"the task failed with an unexpected internal error; the worker's log has the details " \
+                          f"(job {job.id})"
+            fail_job(self.store, self.dirs, job.id, result.code, f"{task.name}: {message}")
+            return TaskStatus.FAILED
+        if isinstance(result, Failed):
+            return self._retry_or_fail(DISK_FULL, result.message)
+        return self._retry_or_fail("worker_crashed", f"the task process exited with code {exitcode} without a result")
+
+    def _retry_or_fail(self, code: str, message: str) -> TaskStatus | None:
+        task = self.task
+        where = f"{message} (attempt {task.attempt} of {task.max_attempts})"
+        if task.attempt < task.max_attempts:
+            if not self.store.tasks.release(task, TaskStatus.QUEUED, worker_id=self.worker_id, error=(code, where)):
+                return None
+            self.store.events.add(task.job_id, "warning", {"message": f"{task.name}: {where}; it runs again",
+                                                           "reason": code, "shard": task.shard})
+            return TaskStatus.QUEUED
+        if not self.store.tasks.release(task, TaskStatus.FAILED, worker_id=self.worker_id, error=(code, where)):
+            return None
+        fail_job(self.store, self.dirs, task.job_id, code, f"{task.name}: {where}")
+        return TaskStatus.FAILED
+
+    def _succeed(self, job: Job, result: dict[str, Any]) -> TaskStatus | None:
+        task, new_tasks = self.task, ()
+        if task.kind == "plan":
+            new_tasks, result = result["tasks"], {"report": result["report"]}
+        elif task.kind == "write" and self.dirs.remote:
+            with self._beating():
+                self.dirs.upload(job.id, job.attempt, [result["file"]])
+            (self.dirs.attempt_dir(job.id, job.attempt) / result["file"]["name"]).unlink(missing_ok=True)
+        elif task.kind == "finish":
+            return self._publish(job, result["manifest"])
+        if not self.store.tasks.succeed(task, self.worker_id, result, new_tasks=new_tasks):
+            logger.warning("job %s: %s was taken from this worker before its result was recorded", job.id, task.name)
+            return None
+        logger.info("job %s: %s done", job.id, task.name)
+        return TaskStatus.SUCCEEDED
+
+    def _publish(self, job: Job, manifest: list[dict[str, Any]]) -> TaskStatus | None:
+        """Upload the finish's files (object store), then record the job's success, publishing inside it."""
+        shards = [write["file"] for write in self.store.tasks.results(job.id, "write")]
+        listed = self.dirs.index(job.id, manifest, attempt=job.attempt)
+        if self.dirs.remote:  # the shards are in the store already, from their writers
+            names = {entry["name"] for entry in shards}
+            local = [entry for entry in listed if entry["name"] not in names]
+            with self._beating():
+                self.dirs.upload(job.id, job.attempt, local)
+            listed = sorted([*local, *shards], key=lambda entry: entry["name"])
+        try:
+            with self._beating():
+                self.store.set_status(job.id, JobStatus.SUCCEEDED, artifacts=listed, event={"shards": len(shards)},
+                                      before_commit=lambda: self.dirs.publish(job.id, job.attempt, listed))
+        except InvalidTransition:  # cancelled (or failed by another task) meanwhile
+            self.store.tasks.release(self.task, TaskStatus.CANCELLED, worker_id=self.worker_id)
+            settle(self.store, self.dirs, job.id)
+            return TaskStatus.CANCELLED
+        self.dirs.settle(job.id, job.attempt)
+        self.store.tasks.succeed(self.task, self.worker_id, {"files": len(listed)})
+        logger.info("job %s: published %d files from %d shard tasks", job.id, len(listed), len(shards))
+        return TaskStatus.SUCCEEDED
