@@ -25,26 +25,24 @@ from converters.plan.candidates import (
     Unit,
     decision_units,
     precisions_for,
-    recipe_of,
     weight_bytes,
+)
+from converters.plan.contributions import (
+    SENSITIVITIES,
+    budget_figure,
+    measure_variants,
+    plan_casts,
+    unit_contributions,
 )
 from converters.plan.explain import explain_unit
 from converters.plan.search import Option, greedy_choice
 from converters.plan.settings import GPUS, PlanSettings
-from converters.quality import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_SEQ_LEN,
-    load_source,
-    measure_qualities,
-    recipe_layer_casts,
-)
+from converters.quality import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, load_source
 
 __all__ = ["ALL_FP8", "make_plan", "plan_totals"]
 
 #: the all-FP8 comparison: every planned unit under FP8 per-tensor current scaling
 ALL_FP8 = "fp8-current"
-#: variants measured in one quality pass (each keeps its own hidden states beside the reference's)
-_VARIANTS_PER_PASS = 32
 
 
 def _value(unit: Unit, precision: str, objective: str, total_bytes: int) -> float:
@@ -55,32 +53,10 @@ def _value(unit: Unit, precision: str, objective: str, total_bytes: int) -> floa
     return float(unit.flops_per_token if precision != BF16 else 0) + saved / (total_bytes + 1)
 
 
-def _casts(assignment: Mapping[str, str], units: Mapping[str, Unit]) -> dict[str, Any]:
-    casts: dict[str, Any] = {}
-    for name, precision in assignment.items():
-        if precision != BF16:
-            casts.update(recipe_layer_casts(recipe_of(precision), units[name].members))
-    return casts
-
-
-def _measure(source: Any, variants: dict[str, dict[str, Any]], quality: Mapping[str, Any]) -> dict[str, Any]:
-    names, figures = list(variants), {}
-    for start in range(0, len(names), _VARIANTS_PER_PASS):
-        chunk = {name: variants[name] for name in names[start:start + _VARIANTS_PER_PASS]}
-        figures.update(measure_qualities(source, chunk, **quality))
-    return figures
-
-
-def _figure(target: str, figures: Any) -> float:
-    """The budgeted figure of a measurement: mean KL, or perplexity points over the source's."""
-    if target == "max_ppl_increase":
-        return figures.perplexity - figures.perplexity_reference
-    return figures.kl_mean
-
-
 def make_plan(report: Mapping[str, Any], model: str, settings: PlanSettings, sources: Any, *,
               quality_texts: list[str] | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-              seq_len: int = DEFAULT_SEQ_LEN, max_verifications: int = 4) -> dict[str, Any]:
+              seq_len: int = DEFAULT_SEQ_LEN, sensitivity: str = "auto", max_verifications: int = 4
+              ) -> dict[str, Any]:
     """The plan block for ``model`` (a reference ``sources`` resolves) from its calibrated analysis ``report``.
 
     ``report`` is the analysis after calibration with the candidates compared (:func:`plan_compare_recipes`: a job
@@ -88,6 +64,9 @@ def make_plan(report: Mapping[str, Any], model: str, settings: PlanSettings, sou
     bf16. ``quality_texts`` are the held-out texts (None: the built-in held-out part). Raises RequestError
     (``plan.gpu``) for a GPU that runs no FP8 recipe, QualityUnavailable for a model the quality pass cannot score.
     """
+    if sensitivity not in SENSITIVITIES:
+        raise RequestError(f"sensitivity must be one of {', '.join(SENSITIVITIES)}, got {sensitivity!r}",
+                           field="sensitivity")
     runs, not_run = precisions_for(settings.gpu)
     if not runs:
         raise RequestError(f"{settings.gpu} runs none of the FP8/FP4 recipes ({'; '.join(not_run.values())}): a plan "
@@ -105,14 +84,12 @@ def make_plan(report: Mapping[str, Any], model: str, settings: PlanSettings, sou
     quality = {"texts": quality_texts, "max_tokens": max_tokens, "seq_len": seq_len}
 
     contributions: dict[str, dict[str, float]] = {}
+    used = None
     if target == "min_sqnr_db":
         choice, steps = _by_sqnr(units, fits, sqnr, limit, settings.objective, total_bytes), []
         verifications = [_verify(source, units, choice, quality, target) | {"within": True}]
     else:
-        variants = {f"{name}|{p}": _casts({name: p}, units) for name, options in fits.items() for p in options[1:]}
-        for key, figures in _measure(source, variants, quality).items():
-            name, precision = key.split("|")
-            contributions.setdefault(name, {})[precision] = round(_figure(target, figures), 8)
+        contributions, used = unit_contributions(sensitivity, source, units, fits, sqnr, quality, target)
         options = {name: [Option(BF16, 0.0, 0.0)] + [
             Option(p, max(contributions[name][p], 0.0), _value(units[name], p, settings.objective, total_bytes))
             for p in fits[name][1:]] for name in units}
@@ -133,7 +110,7 @@ def make_plan(report: Mapping[str, Any], model: str, settings: PlanSettings, sou
                              "the measurement exceeds the target" if target != "min_sqnr_db" else
                              "per unit, the best option for the objective whose every member's output SQNR "
                              "meets the target; the whole plan measured once",
-                   "units": len(units), "verifications": verifications},
+                   "contributions": used, "units": len(units), "verifications": verifications},
         "layers": layers,
         "totals": plan_totals(layers),
         "measured": final["figures"],
@@ -175,11 +152,11 @@ def _search_and_verify(source: Any, units: Mapping[str, Unit], options: Mapping[
 def _verify(source: Any, units: Mapping[str, Unit], choice: Mapping[str, str], quality: Mapping[str, Any],
             target: str) -> dict[str, Any]:
     """The plan measured as a whole, beside all-FP8; the source's own figures stand for all-bf16."""
-    figures = _measure(source, {"plan": _casts(choice, units), "all_fp8": _casts(dict.fromkeys(units, ALL_FP8), units)},
-                       quality)
+    variants = {"plan": plan_casts(choice, units), "all_fp8": plan_casts(dict.fromkeys(units, ALL_FP8), units)}
+    figures = measure_variants(source, variants, quality)
     plan, all_fp8 = figures["plan"], figures["all_fp8"]
     reference = {"perplexity": plan.perplexity_reference, "kl_mean": 0.0, "kl_max": 0.0, "top1_agreement": 1.0}
-    return {"measured": round(_figure(target, plan), 8), "choice": dict(choice),
+    return {"measured": round(budget_figure(target, plan), 8), "choice": dict(choice),
             "figures": {"plan": plan.to_dict(), "all_fp8": all_fp8.to_dict(), "all_bf16": reference}}
 
 

@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--quality-texts", type=Path, metavar="FILE",
                       help="held-out texts, one per paragraph (default: the built-in held-out part)")
     plan.add_argument("--max-tokens", type=int, default=512, help="held-out positions scored (default 512)")
+    plan.add_argument("--sensitivity", choices=("auto", "measured", "sqnr"), default="auto",
+                      help="each layer's contribution: measured alone per precision, or the all-layers figure per "
+                           "precision shared out by SQNR (auto: measured for up to 64 variants)")
     plan.add_argument("--out", type=Path,
                       help="write plan.json and the framework files (plan/) into this new directory")
     add_selection_arguments(plan)
@@ -97,7 +100,8 @@ def run_plan_command(args: argparse.Namespace, sources: Any) -> int:
         report = calibrated_analysis(request, sources, sink=sink)
     finally:
         sink.close()
-    plan = make_plan(report, args.model, settings, sources, quality_texts=texts, max_tokens=args.max_tokens)
+    plan = make_plan(report, args.model, settings, sources, quality_texts=texts, max_tokens=args.max_tokens,
+                     sensitivity=args.sensitivity)
     if args.out is not None:
         args.out.mkdir(parents=True)
         files, notes = write_plan_files(plan, args.out, report.get("model", {}).get("model_type"))
