@@ -11,6 +11,7 @@ from typing import Any
 from converters.artifact.files import verify_manifest
 from converters.artifact.layout import read_fp8_block
 from converters.backends import backend_named
+from converters.backends.te.loader import load_te_model
 from converters.backends.te.runtime import require_te
 
 __all__ = ["load_torchao", "load_te"]
@@ -31,16 +32,23 @@ def load_torchao(directory: str | Path, *, verify: bool = True, device: str = "c
     return _load(directory, "ao", verify=verify, device=device)
 
 
-def load_te(directory: str | Path, *, verify: bool = True, device: str = "cuda") -> Any:
+def load_te(directory: str | Path, *, verify: bool = True, device: str = "cuda", reseed_steps: int = 0) -> Any:
     """A model with ``te.Linear`` layers (and ``te.GroupedLinear`` experts GEMMs) whose scaling state equals the
     artifact's (CUDA + TE only).
 
     Run it under the artifact's recipe, ``model.fp8_recipe``: ``te.autocast(enabled=True,
-    recipe=model.fp8_recipe)``; TE's default recipe would drop or resize the seeded state.
+    recipe=model.fp8_recipe)``; TE's default recipe would drop or resize the seeded state. ``reseed_steps`` > 0
+    re-seeds the delayed-scaling state from that many calibration steps on the weights instead of the file's
+    (resuming a run whose scales went stale: :mod:`converters.backends.te.resume`).
     Raises BackendUnavailableError (before reading any weight) where CUDA or TransformerEngine is
     missing, and ArtifactError for a missing/altered file or an artifact of another backend.
     """
     require_te()
+    if reseed_steps:
+        directory = Path(directory).resolve()
+        if verify:
+            verify_manifest(directory)
+        return load_te_model(directory, device=device, reseed_steps=reseed_steps)
     return _load(directory, "te", verify=verify, device=device)
 
 

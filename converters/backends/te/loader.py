@@ -37,12 +37,13 @@ from converters.backends.te.grouped import (
     convert_experts_to_te,
 )
 from converters.backends.te.layout import TE_STATE_NAMES, split_state_key
+from converters.backends.te.reseed import reseed_from_calibration
 from converters.backends.te.runtime import build_te_recipe, require_te, te_align_size, te_recipe_spec
 from converters.backends.te.state import apply_scaling_state, check_state_tensors
 from converters.backends.te.swap import convert_to_te
 from converters.errors import ArtifactError, ConversionError, ModelNotFoundError, RecipeError
 from converters.model.experts import EXPERT_GEMMS
-from converters.model.sources import ModelSourceOptions, load_model
+from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer
 from converters.recipes import Backend, recipe_from_dict
 from converters.recipes.requirements import hardware_unmet_here
 
@@ -169,12 +170,15 @@ def _check_states(directory: Path, recipe: Any, converted: list[str], states: di
 
 
 def load_te_model(directory: str | Path, sources: ModelSourceOptions | None = None, *,
-                  device: str | torch.device = "cuda") -> nn.Module:
+                  device: str | torch.device = "cuda", reseed_steps: int = 0) -> nn.Module:
     """Load an fp8forge TE artifact: the HF model with ``fp8.converted_modules`` as te.Linear and the experts
     GEMMs of ``fp8.converted_experts`` as te.GroupedLinear (in :class:`~converters.backends.te.grouped.GroupedExperts`)
     on ``device`` and, for delayed scaling, the scaling state of the files in each of them. The model is returned
     in eval mode with ``model.fp8_recipe``, the TE recipe to run it under
     (``te.autocast(enabled=True, recipe=model.fp8_recipe)``).
+
+    ``reseed_steps`` > 0 (delayed scaling): the te.Linear state is not the file's but re-seeded from that many
+    calibration steps on the loaded weights (:mod:`converters.backends.te.resume`), for a run whose scales went stale.
 
     Raises BackendUnavailableError without CUDA/TE (checked before anything is read), the errors of
     :func:`read_te_artifact` and of loading the weights, and ConversionError from the swap or the state.
@@ -186,15 +190,20 @@ def load_te_model(directory: str | Path, sources: ModelSourceOptions | None = No
         logger.warning("%s; the model loads, but FP8 steps under model.fp8_recipe need %s", why,
                        artifact.recipe.hardware().needs)
     directory = Path(directory).resolve()
-    model = load_model(directory, sources or ModelSourceOptions(allowed_roots=(directory,)))
+    sources = sources or ModelSourceOptions(allowed_roots=(directory,))
+    model = load_model(directory, sources)
+    states = artifact.scaling_states
+    if reseed_steps:  # on the weights as loaded, before the swap: the recorder reads nn.Linear inputs and outputs
+        states = reseed_from_calibration(model.to(device), artifact.converted_modules, artifact.recipe,
+                                         tokenizer=load_tokenizer(directory, sources), steps=reseed_steps)
     if artifact.converted_experts:  # first: convert_to_te moves the whole model, experts built on device already
         convert_experts_to_te(model, list(artifact.converted_experts), device=device)
         for module in model.modules():  # te_grouped pads splits for FP8 per-tensor (16); MXFP8 and NVFP4 need more
             if isinstance(module, GroupedExperts):
                 module.align = te_align_size(artifact.recipe)
     convert_to_te(model, list(artifact.converted_modules), device=device)
-    if artifact.scaling_states:
-        apply_scaling_state(model, artifact.scaling_states, artifact.recipe)
+    if states:
+        apply_scaling_state(model, states, artifact.recipe)
     if artifact.expert_states:
         apply_grouped_state(model, artifact.expert_states, artifact.recipe)
     model.fp8_recipe = te_recipe
