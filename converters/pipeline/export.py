@@ -163,6 +163,7 @@ def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
         "calibration": _calibration_report(run),
         "amax_swing": amax_swing(run.calibration.amax, stateless=not run.recipe.stateful),
         "plan": plan_block,
+        "quality": run.quality,
         "serving": {name: plan.report() for name, plan in run.serving.items()},
         "files": sorted(written),
     }

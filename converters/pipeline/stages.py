@@ -385,7 +385,7 @@ def export(run: Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
     written += writers.write_calibration_file(run, staging)
     written += copy_side_files(run.resolved.directory, staging, confinement_for(run.sources))
     written += write_serving_exports(run, staging)
-    run.report["quality"] = quality_block(run, staging)
+    run.quality = quality_block(run, staging)
     # the report is written here, so export's time stops before it: every weight, state and serving file is in
     # it; the two JSON files and the manifest's checksums (read back from disk) come after
     run.stage_seconds["export"] = round(time.perf_counter() - run.export_started, 3)

@@ -119,11 +119,14 @@ class Run:
     serving: dict[str, ServingPlan] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     export_started: float = 0.0  #: time.perf_counter() when the export stage began
+    #: set by export after the serving exports are written: the report's end-to-end quality block
+    quality: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
 
     #: what one stage makes and the later stages only read: set once (a second assignment is a bug, raised)
     SET_ONCE: ClassVar[frozenset[str]] = frozenset({
-        "backend", "recipe", "resolved", "model", "report", "calibration", "plan", "conversion", "mode_fallback"})
+        "backend", "recipe", "resolved", "model", "report", "calibration", "plan", "conversion", "mode_fallback",
+        "quality"})
 
     @property
     def pipeline(self) -> dict[str, Any]:

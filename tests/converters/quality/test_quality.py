@@ -1,0 +1,156 @@
+"""The quality pass on tiny models: its arithmetic against a whole-model forward, and the report's quality block."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from converters.artifact.layout import REPORT_FILE
+from converters.calibration.amax import load_corpus
+from converters.model.demo import build_tiny_llama
+from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer
+from converters.quality import (
+    BUILT_IN_HELD_OUT,
+    QualityUnavailable,
+    calibration_part,
+    casting_linears,
+    held_out_part,
+    load_source,
+    measure_qualities,
+    measure_quality,
+    recipe_layer_casts,
+)
+from converters.recipes.presets import parse_compare_recipe
+from tests.converters.serving.exports import export
+from tests.models import save_tiny_model
+
+TEXTS = ["The harbor town woke slowly on the first cold morning of autumn, and the gulls argued over the boats.",
+         "Delayed scaling derives the scale of this step from the amax history of earlier steps, one per tensor."]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("quality") / "llama")
+
+
+def _linears(directory):
+    source = load_source(directory)
+    return source, [name for name, module in source.model.named_modules()
+                    if isinstance(module, nn.Linear) and name != "lm_head"]
+
+
+def _whole_model_figures(directory, casts, texts):
+    """The same figures from whole-model forwards: the reference for the layer-sequential pass."""
+    model = load_model(directory, ModelSourceOptions())
+    tokenizer = load_tokenizer(directory, ModelSourceOptions())
+    nll_ref = nll = kl_sum = 0.0
+    agree = count = 0
+    for text in texts:
+        ids = torch.tensor([tokenizer(text)["input_ids"]])
+        with torch.no_grad():
+            reference = model(input_ids=ids).logits[0, :-1].float()
+            with casting_linears(model, casts):
+                fp8 = model(input_ids=ids).logits[0, :-1].float()
+        targets = ids[0, 1:]
+        log_p, log_q = reference.log_softmax(-1), fp8.log_softmax(-1)
+        nll_ref -= float(log_p.gather(1, targets[:, None]).sum())
+        nll -= float(log_q.gather(1, targets[:, None]).sum())
+        kl_sum += float((log_p.exp() * (log_p - log_q)).sum(-1).sum())
+        agree += int((reference.argmax(-1) == fp8.argmax(-1)).sum())
+        count += targets.numel()
+    return math.exp(nll_ref / count), math.exp(nll / count), kl_sum / count, agree / count, count
+
+
+def test_held_out_and_calibration_parts_are_disjoint_and_cover_the_corpus():
+    held, calibration = held_out_part(), calibration_part()
+    assert held and calibration and not set(held) & set(calibration)
+    assert sorted(held + calibration) == sorted(load_corpus())
+    assert 0.2 <= len(held) / len(load_corpus()) <= 0.3
+
+
+def test_no_cast_gives_the_source_itself(llama_dir):
+    source, _ = _linears(llama_dir)
+    figures = measure_quality(source, {}, TEXTS)
+    assert figures.kl_mean == 0.0 and figures.kl_max == 0.0 and figures.top1_agreement == 1.0
+    assert figures.perplexity == figures.perplexity_reference and figures.held_out == "request"
+
+
+@pytest.mark.parametrize("recipe", ["te-current", "te-mxfp8", "te-nvfp4"])
+def test_layer_sequential_figures_equal_the_whole_model_forward(llama_dir, recipe):
+    source, paths = _linears(llama_dir)
+    casts = recipe_layer_casts(parse_compare_recipe(recipe, "recipe"), paths)
+    figures = measure_quality(source, casts, TEXTS)
+    ppl_ref, ppl, kl, agree, count = _whole_model_figures(llama_dir, casts, TEXTS)
+    assert figures.tokens == count
+    # the layer-sequential pass runs each layer in fp32 rounding to bf16 as the model does, the whole model runs
+    # in bf16: the same numbers up to summation order, which moves an input across a rounding boundary of the
+    # cast now and then (measured: te-current and te-mxfp8 within 2e-3, te-nvfp4's 4-bit grid 2.5e-3)
+    assert figures.perplexity_reference == pytest.approx(ppl_ref, rel=2e-3)
+    assert figures.perplexity == pytest.approx(ppl, rel=1e-2)
+    assert figures.kl_mean == pytest.approx(kl, rel=0.1, abs=1e-5)
+    assert abs(figures.top1_agreement - agree) <= 2 / count
+    assert figures.kl_mean > 0
+
+
+def test_several_variants_in_one_pass_equal_each_alone(llama_dir):
+    source, paths = _linears(llama_dir)
+    variants = {name: recipe_layer_casts(parse_compare_recipe(name, "r"), paths) for name in ("te-current", "te-nvfp4")}
+    together = measure_qualities(source, variants, TEXTS)
+    for name, casts in variants.items():
+        assert together[name] == measure_quality(source, casts, TEXTS)
+    assert together["te-nvfp4"].kl_mean > together["te-current"].kl_mean  # 4-bit elements cost more than 8-bit
+
+
+def test_default_texts_are_the_held_out_part_and_max_tokens_bounds_the_count(llama_dir):
+    source, paths = _linears(llama_dir)
+    figures = measure_quality(source, recipe_layer_casts(parse_compare_recipe("te-current", "r"), paths),
+                              max_tokens=40, seq_len=16)
+    assert figures.held_out == BUILT_IN_HELD_OUT and figures.tokens == 40 and figures.texts == 3
+
+
+@pytest.mark.parametrize(("casts", "message"), [({"model.embed_tokens": None}, "not Linears"),
+                                                ({"nope.q_proj": None}, "not Linears")])
+def test_casts_on_unknown_modules_are_refused(llama_dir, casts, message):
+    source, _ = _linears(llama_dir)
+    with pytest.raises(ValueError, match=message):
+        measure_quality(source, casts, TEXTS)
+
+
+def test_texts_without_two_tokens_are_refused(llama_dir):
+    with pytest.raises(QualityUnavailable, match="nothing to score"):
+        measure_quality(llama_dir, {}, ["a"])
+
+
+def test_an_encoder_has_no_lm_head_and_says_so(tmp_path):
+    save_tiny_model("bert", tmp_path / "bert")
+    with pytest.raises(QualityUnavailable, match="no language-model head"):
+        load_source(tmp_path / "bert")
+
+
+def test_the_report_holds_training_and_each_export_read_back(llama_dir):
+    out = export(llama_dir, ("compressed-tensors-fp8", "nvfp4"))
+    report = _report(out)["quality"]
+    assert report["measured"] and report["held_out"]["source"] == BUILT_IN_HELD_OUT
+    assert report["reference"]["perplexity"] == report["training"]["perplexity_reference"]
+    assert set(report["serving"]) == {"compressed-tensors-fp8", "nvfp4"}
+    for figures in (report["training"], *report["serving"].values()):
+        assert 0 < figures["kl_mean"] <= figures["kl_max"] and 0 < figures["top1_agreement"] <= 1
+        assert figures["tokens"] == report["held_out"]["tokens"]
+    # NVFP4's 4-bit weights cost more than FP8's, read back from the files as written
+    assert report["serving"]["nvfp4"]["kl_mean"] > report["serving"]["compressed-tensors-fp8"]["kl_mean"]
+
+
+def _report(out):
+    return json.loads((out / REPORT_FILE).read_text())
+
+
+def test_the_report_says_quality_is_off_with_measure_false(llama_dir, tmp_path):
+    model = tmp_path / "llama"
+    build_tiny_llama(model)
+    report = _report(export(model, (), measure=False))
+    assert report["quality"]["measured"] is False and "measure: false" in report["quality"]["reason"]
+    assert "calibration part" in report["calibration"]["data_source"]
