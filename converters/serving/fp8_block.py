@@ -159,13 +159,18 @@ def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat,
                      arithmetic: ScaleArithmetic = ScaleArithmetic.TRANSFORMERS) -> list[torch.Tensor]:
     """``[weight e4m3, weight_scale_inv fp32 [rows/128, cols/128]]``; the scale is 1 for an all-zero block."""
     rows, columns = weight.shape
+    if arithmetic is ScaleArithmetic.TRANSFORMER_ENGINE:
+        # |w| and its max in the weight's own dtype (exact there), the product in fp32 as TE's kernel computes it,
+        # in place on one float32 copy. Multiplied by TE's scale, not divided by its inverse: the two differ in the
+        # last bit of some values.
+        blocks = weight.reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK)
+        amax = blocks.abs().amax(dim=(1, 3), keepdim=True).float()
+        scale, scale_inv = te_block_scales(amax, pow2=scale_fmt is ScaleFormat.UE8M0, input_dtype=weight.dtype)
+        product = blocks.to(torch.float32, copy=True).mul_(scale)
+        quantized = product.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return [quantized.reshape(rows, columns), scale_inv.reshape(rows // BLOCK, columns // BLOCK)]
     blocks = weight.float().reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    if arithmetic is ScaleArithmetic.TRANSFORMER_ENGINE:
-        # multiplied by TE's scale, not divided by its inverse: the two differ in the last bit of some values
-        scale, scale_inv = te_block_scales(amax, pow2=scale_fmt is ScaleFormat.UE8M0, input_dtype=weight.dtype)
-        quantized = (blocks * scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-        return [quantized.reshape(rows, columns), scale_inv.reshape(rows // BLOCK, columns // BLOCK)]
     if scale_fmt is ScaleFormat.UE8M0:
         scale = pow2_scale_inv(amax)
     else:

@@ -55,7 +55,8 @@ def torchao_float8_cast(weight: torch.Tensor, granularity: TorchaoGranularity) -
     scale = (E4M3_MAX / torch.clamp(amax.to(torch.float64), min=_EPS)).to(torch.float32)
     if granularity is TorchaoGranularity.ROWWISE:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    quantized = (weight.to(torch.float32) * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    product = weight.to(torch.float32, copy=True).mul_(scale)  # torchao's tensor.to(float32) * scale, in place
+    quantized = product.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return quantized, scale.reciprocal()
 
 

@@ -92,4 +92,4 @@ def twin_report(recipe: Any, format_name: str) -> dict[str, Any]:
         return {"recipe": recipe.to_dict(), "identical": False, "twin": None}
     identical = twin.format == format_name
     return {"recipe": recipe.to_dict(), "identical": identical, "twin": twin.format,
-            **({"how_checked": twin.checked_by, "caveat": twin.caveat} if identical else {})}
+            **({"training": twin.recipe, "how_checked": twin.checked_by, "caveat": twin.caveat} if identical else {})}

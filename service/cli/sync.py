@@ -41,7 +41,8 @@ def run_sync_command(args: argparse.Namespace) -> int:
         print(f"note: {len(report['differs_from_training'])} Linear(s) ran in FP8 in training but stay in high "
               "precision here (their fused group was not converted whole): see differs_from_training in the report")
     if twin["identical"]:
-        print(f"bit-identical to the training casts of {twin['twin']}'s recipe ({twin['how_checked'].split(':')[0]})")
+        print(f"the FP8 weights are bit-identical to the casts of {twin['training']} "
+              f"(checked by {twin['how_checked'].split(':')[0]})")
     else:
         print(f"not the training twin (that is {twin['twin'] or 'no format'}): the FP8 weights differ from the "
               "ones training cast")
