@@ -88,6 +88,19 @@ def test_accelerate_reads_the_te_config(artifacts):
     assert "Accelerate converts model.layers.0.self_attn.q_proj" in path.read_text()
 
 
+def test_accelerate_builds_its_te_recipe_kwargs_where_te_imports(artifacts, monkeypatch):
+    from accelerate.utils import TERecipeKwargs
+    from accelerate.utils.imports import is_transformer_engine_available
+
+    if not is_transformer_engine_available():
+        pytest.skip("Accelerate's TERecipeKwargs raises ImportError without TransformerEngine (CUDA only)")
+    for name, value in accelerate_env(artifacts["te"] / "training" / "accelerate_config.yaml").items():
+        monkeypatch.setenv(name, value)
+    kwargs, recipe = TERecipeKwargs(), read_training_plan(artifacts["te"]).recipe
+    assert (kwargs.fp8_format, kwargs.amax_history_len, kwargs.amax_compute_algo, kwargs.margin) == (
+        recipe.fp8_format.value, recipe.amax_history_len, recipe.amax_compute_algo.value, recipe.margin)
+
+
 def test_accelerate_builds_its_torchao_recipe_from_the_ao_config(artifacts, monkeypatch):
     from accelerate.utils import AORecipeKwargs
     from accelerate.utils.ao import filter_linear_layers, find_first_last_linear_layers
