@@ -381,3 +381,30 @@ def test_analyze_of_an_unreadable_quantization_says_why_and_still_analyzes(tmp_p
     assert report["source_quantization"]["scheme"] is None
     assert "'awq'" in report["source_quantization"]["refused"]
     assert report["layers"]
+
+
+@pytest.mark.parametrize("rows,scale_rows", [(192, 2), (576, 5)])
+def test_transformers_misreads_partial_fp8_blocks(rows, scale_rows):
+    """DeepSeek-V3's own kv_a_proj_with_mqa is 576 rows: 4.5 blocks of 128, a scale grid of 5 rows. transformers
+    5.24's ``Fp8Dequantize`` derives the block from the shapes instead of ``weight_block_size``: it refuses 576 / 5
+    and reads 192 / 2 as blocks of 96 rows. Ours is the grid of ``weight_block_size`` (DeepSeek's ``weight_dequant``,
+    vLLM), so on such a weight transformers cannot be the reference; the fixtures keep whole blocks where they
+    compare with it."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from converters.model.quantized import SourceQuantization
+
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(rows, 256, generator=generator) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(scale_rows, 2, generator=generator) + 0.5
+    ours = SourceQuantization(scheme=Scheme.FP8_BLOCK, quant_method="fp8", block_size=(128, 128)).dequantize(
+        "a.weight", {"a.weight": weight, "a.weight_scale_inv": scale}.__getitem__)
+    grid = scale[torch.arange(rows).unsqueeze(1) // 128, torch.arange(256).unsqueeze(0) // 128]
+    assert torch.equal(bits(ours), bits((weight.float() * grid).to(torch.bfloat16)))
+    if rows % scale_rows:
+        with pytest.raises(ValueError, match="not divisible by scale grid"):
+            Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.bfloat16)
+    else:
+        theirs = Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.bfloat16)
+        assert not torch.equal(bits(ours), bits(theirs))
+        assert torch.equal(bits(ours[:96]), bits(theirs[:96]))  # the first 96 rows: block row 0 in both readings

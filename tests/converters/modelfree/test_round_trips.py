@@ -108,3 +108,21 @@ def test_compressed_tensors_fp8_source_converts_to_a_te_artifact(root, tmp_path,
     assert "quantization_config" not in config and config["fp8"]["dequantized_from"]["scheme"] == \
         "compressed-tensors-fp8"
     assert config["fp8"]["converted_modules"]
+
+
+def test_whole_model_mode_dequantizes_the_same_weights(root, tmp_path, capsys):
+    """Backward calibration loads the whole model at once (not layer by layer): the same loader dequantizes each
+    weight, so the calibration sees transformers' dequantization there too."""
+    fmt = "fp8-block"
+    out = tmp_path / "te"
+    assert main(["convert", str(root / fmt), "--out", str(out), "--backend", "te", "--calib-steps", "1",
+                 "--calib-seq-len", "16", "--calib-backward", "--no-progress", "--allow-root", str(root)]) == 0, \
+        capsys.readouterr().err
+    report = json.loads((out / "fp8_report.json").read_text())
+    assert report["pipeline"]["mode"] == "whole_model"
+    reference = transformers_dequantized(root / fmt, fmt)
+    key = "model.layers.1.mlp.down_proj"
+    weight_amax = report["calibration"]["layers"][key]["amax_forward"][0][1]
+    assert weight_amax == pytest.approx(float(reference[f"{key}.weight"].float().abs().max()), rel=1e-6)
+    ours = loaded(out)
+    assert all(torch.equal(bits(ours[name]), bits(value)) for name, value in reference.items())
