@@ -179,6 +179,7 @@ def _row(path: str, unit: str, precision: str, why: str, shape: tuple[int, int],
          contribution: Mapping[str, float], *, planned: bool) -> dict[str, Any]:
     out, inp = shape
     return {"path": path, "unit": unit, "precision": precision, "planned": planned, "why": why,
+            "out_features": out, "in_features": inp,
             "sqnr_db": dict(sqnr.get(path, {})), "contribution": dict(contribution),
             "bytes": weight_bytes(precision, out, inp), "bytes_bf16": weight_bytes(BF16, out, inp),
             "flops_per_token": 2 * out * inp}
