@@ -29,7 +29,7 @@ from converters.quality import (
 )
 from converters.serving import serving_format
 
-__all__ = ["TRAINING", "quality_block"]
+__all__ = ["TRAINING", "COMPARISON_COLUMNS", "COMPARISON_MAX_TOKENS", "quality_block", "add_comparison_quality"]
 
 TRAINING = "training"
 
@@ -75,3 +75,42 @@ def _export_casts(run: Run, directory: Path) -> dict[str, Any]:
     return export_layer_casts(directory, _linears(run), run.resolved.checkpoint.on_disk_name,
                               input_cast=getattr(fmt, "input_cast", None), library=library,
                               pow2_scales=getattr(fmt, "pow2_scales", False))
+
+
+#: positions a synchronous analysis scores per compared recipe: the answer stays within seconds for a small model
+COMPARISON_MAX_TOKENS = 128
+#: the columns ``compare_recipes`` gains per recipe (and the CLI prints)
+COMPARISON_COLUMNS = ("perplexity", "kl_mean", "kl_max", "top1_agreement")
+
+
+def add_comparison_quality(run: Run) -> None:
+    """Each compared recipe of ``run.report["comparison"]`` gains ``quality`` (its figures; None when the model
+    cannot be scored) and the report a ``quality`` block (held-out texts, the source's perplexity, or the reason)."""
+    comparison = run.report.get("comparison")
+    if not comparison:
+        return
+    from converters.recipes import recipe_from_dict
+
+    started = time.perf_counter()
+    texts = run.request.quality_texts
+    try:
+        source = load_source(run.resolved.directory, run.sources)
+        variants = {recipe["label"]: recipe_layer_casts(recipe_from_dict(recipe["recipe"]), _linears(run),
+                                                        run.calibration.amax)
+                    for recipe in comparison["recipes"]}
+        figures = measure_qualities(source, variants, list(texts) if texts is not None else None,
+                                    max_tokens=COMPARISON_MAX_TOKENS, seq_len=DEFAULT_SEQ_LEN,
+                                    should_stop=run.sink.should_stop)
+    except (QualityUnavailable, SequentialUnsupported) as exc:
+        for recipe in comparison["recipes"]:
+            recipe["quality"] = None
+        run.report["quality"] = {"measured": False, "reason": str(exc), "definition": QUALITY_DEFINITION}
+        return
+    for recipe in comparison["recipes"]:
+        recipe["quality"] = figures[recipe["label"]].to_dict()
+    first = next(iter(figures.values()))
+    run.report["quality"] = {
+        "measured": True, "definition": QUALITY_DEFINITION,
+        "held_out": {"source": first.held_out, "texts": first.texts, "tokens": first.tokens,
+                     "max_tokens": COMPARISON_MAX_TOKENS, "seq_len": DEFAULT_SEQ_LEN},
+        "reference": {"perplexity": first.perplexity_reference}, "seconds": round(time.perf_counter() - started, 3)}

@@ -10,6 +10,7 @@ from typing import Any
 from converters.analysis.eligibility import analyze_model_reference
 from converters.errors import RequestError
 from converters.pipeline.driver import run_stages
+from converters.pipeline.quality_report import add_comparison_quality
 from converters.pipeline.request import SYNC_MAX_PARAMETERS
 from converters.pipeline.state import NullSink, Run, Stage
 
@@ -22,7 +23,8 @@ def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_par
 
     Runs the pipeline's resolve, analyze and calibrate stages (layer by layer where the model allows), so the
     numbers are the ones a conversion with the same request would report; ``request.compare_recipes`` adds the
-    comparison table and ``request.min_sqnr_db`` marks the layers it would keep in high precision. The report
+    comparison table, each recipe with its end-to-end quality (perplexity, KL, top-1 agreement) on held-out texts,
+    and ``request.min_sqnr_db`` marks the layers it would keep in high precision. The report
     gains ``calibration`` (settings, data source, mode) and ``warnings``.
 
     Raises the pipeline's Fp8ForgeError subclasses, and RequestError (field ``model``) for a model of more
@@ -43,6 +45,7 @@ def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_par
         return plain
     run = Run(request=request, sources=sources, sink=sink or NullSink())
     run_stages(run, stop_after=Stage.CALIBRATE)
+    add_comparison_quality(run)  # compare_recipes: each recipe's end-to-end quality on held-out texts
     settings = request.calibration
     run.report["calibration"] = {"steps": settings.steps, "batch_size": settings.batch_size,
                                  "seq_len": settings.seq_len, "data_source": run.calibration.data_source,

@@ -13,7 +13,7 @@ from converters.calibration.result import amax_swing_line
 from converters.errors import Fp8ForgeError, RecipeError
 from converters.pipeline.request import ConversionRequest
 from service.cli.args import calibration_from_args, recipe_file
-from service.cli.render import BarSink, format_serving_exports, format_worst_layers
+from service.cli.render import BarSink, format_quality, format_serving_exports, format_worst_layers
 
 __all__ = ["run_convert_command", "request_from_args"]
 
@@ -92,6 +92,8 @@ def run_convert_command(args: argparse.Namespace, sources) -> int:
         print(amax_swing_line(report["amax_swing"]))
     if report.get("serving"):
         print(format_serving_exports(report))
+    if report.get("quality"):
+        print(format_quality(report))
     if sink.warnings:
         print(f"{len(sink.warnings)} warning(s); see {REPORT_FILE}")
     return 0

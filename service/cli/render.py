@@ -122,7 +122,29 @@ def format_comparison(report: dict[str, Any], metric: str = "output", width: int
         text = (f"{recipe['label']}: weight {recipe['weight_format']}, input {recipe['input_format']}"
                 f"{', delayed scaling' if recipe['delayed'] else ''}{note}")
         lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ") if width else ["  " + text]
-    return "\n".join(lines)
+    return "\n".join(lines + _comparison_quality(report, width))
+
+
+def _comparison_quality(report: dict[str, Any], width: int) -> list[str]:
+    """The end-to-end quality per compared recipe (perplexity, KL, top-1 agreement), or why it is missing."""
+    quality = report.get("quality")
+    if not quality:
+        return []
+    def wrapped(text: str) -> list[str]:
+        return textwrap.wrap(text, width) if width else [text]
+
+    if not quality["measured"]:
+        return ["", *wrapped(f"end-to-end quality not measured: {quality['reason']}")]
+    held = quality["held_out"]
+    rows = [["recipe", "perplexity", "kl_mean", "kl_max", "top1_agreement"]]
+    for recipe in report["comparison"]["recipes"]:
+        figures = recipe.get("quality")
+        if figures:
+            rows.append([recipe["label"], f"{figures['perplexity']:.3f}", f"{figures['kl_mean']:.4g}",
+                         f"{figures['kl_max']:.4g}", f"{figures['top1_agreement']:.3f}"])
+    return ["", *wrapped(f"end-to-end quality on {held['tokens']} held-out tokens ({held['source']}; the source's "
+                         f"perplexity {quality['reference']['perplexity']:.3f}; KL(source || fp8) in nats per "
+                         "token):"), *_table(rows)]
 
 
 def _calibration_words(report: dict[str, Any]) -> str:
@@ -186,3 +208,20 @@ def format_serving_exports(report: dict[str, Any]) -> str:
                      + (f", KV-cache scales for {len(kv['layers'])} attention layers" if kv else "")
                      + f", load audit {verdict}")
     return "\n".join(lines)
+
+
+def format_quality(report: dict[str, Any]) -> str:
+    """The job's end-to-end quality: the training artifact and each serving export against the source."""
+    quality = report.get("quality")
+    if not quality:
+        return ""
+    if not quality["measured"]:
+        return f"end-to-end quality not measured: {quality['reason']}"
+    rows = [["", "perplexity", "kl_mean", "kl_max", "top1_agreement"],
+            ["source", f"{quality['reference']['perplexity']:.3f}", "", "", ""]]
+    for name, figures in [("training (emulated)", quality["training"]),
+                          *((f"serving/{name}", figures) for name, figures in quality["serving"].items())]:
+        rows.append([name, f"{figures['perplexity']:.3f}", f"{figures['kl_mean']:.4g}", f"{figures['kl_max']:.4g}",
+                     f"{figures['top1_agreement']:.3f}"])
+    held = quality["held_out"]
+    return "\n".join([f"end-to-end quality on {held['tokens']} held-out tokens ({held['source']}):", *_table(rows)])

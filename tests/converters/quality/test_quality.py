@@ -154,3 +154,32 @@ def test_the_report_says_quality_is_off_with_measure_false(llama_dir, tmp_path):
     report = _report(export(model, (), measure=False))
     assert report["quality"]["measured"] is False and "measure: false" in report["quality"]["reason"]
     assert "calibration part" in report["calibration"]["data_source"]
+
+
+def test_compare_recipes_gain_the_quality_columns_and_the_cli_prints_them(llama_dir, capsys):
+    from service.cli.main import main
+
+    code = main(["compare", str(llama_dir), "--allow-root", str(llama_dir.parent), "--recipes",
+                 "te-current,te-mxfp8,te-nvfp4", "--calib-steps", "2", "--calib-seq-len", "32", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    table = out[out.index("end-to-end quality on"):].splitlines()
+    header = next(index for index, line in enumerate(table) if line.split()[:2] == ["recipe", "perplexity"])
+    rows = {line.split()[0]: [float(value) for value in line.split()[1:]] for line in table[header + 2:header + 5]}
+    assert list(rows) == ["te-current", "te-mxfp8", "te-nvfp4"]
+    for perplexity, kl_mean, kl_max, top1 in rows.values():
+        assert perplexity > 1 and 0 < kl_mean <= kl_max and 0 < top1 <= 1
+    assert rows["te-nvfp4"][1] > rows["te-current"][1]
+
+
+def test_convert_prints_the_quality_of_training_and_exports(llama_dir, capsys, tmp_path):
+    from service.cli.main import main
+
+    code = main(["convert", str(llama_dir), "--out", str(tmp_path / "out"), "--allow-root", str(llama_dir.parent),
+                 "--serving", "compressed-tensors-fp8", "--calib-steps", "2", "--calib-seq-len", "32",
+                 "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = out[out.index("end-to-end quality on"):].splitlines()
+    names = [line.split()[0] for line in lines[3:6]]
+    assert names == ["source", "training", "serving/compressed-tensors-fp8"]
