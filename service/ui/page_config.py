@@ -19,6 +19,7 @@ from converters.pipeline.request import (
     SYNC_LIMITS,
     CalibrationSettings,
 )
+from converters.plan.settings import GPUS, OBJECTIVES, TARGETS, PlanSettings
 from converters.recipes import (
     MAX_AMAX_HISTORY_LEN,
     MAX_MARGIN,
@@ -55,6 +56,11 @@ def form_defaults() -> dict[str, Any]:
         "min_sqnr_db": {"min": MIN_SQNR_DB_RANGE[0], "max": MIN_SQNR_DB_RANGE[1]},
         #: the named recipes (analyze's recipe choice and compare_recipes), each a recipe object at its defaults
         "recipe_names": dict(RECIPE_NAMES),
+        #: the plan's targets (name -> min, max, unit), objectives and GPUs, with the plan's defaults
+        "plan": {"targets": {name: {"min": low, "max": high, "unit": unit}
+                             for name, (low, high, unit) in TARGETS.items()},
+                 "objectives": list(OBJECTIVES), "gpus": list(GPUS),
+                 "objective": PlanSettings.objective, "gpu": PlanSettings.gpu},
         "sync_calibration": {"steps": SYNC_DEFAULTS["steps"], "min": SYNC_LIMITS["steps"][0],
                              "max": SYNC_LIMITS["steps"][1]},
         "serving_formats": list(SERVING_FORMAT_NAMES),

@@ -53,6 +53,8 @@ class Page:
             self.problems.append(f"{response.status} for {response.url}")
 
     def screenshot(self, name: str) -> None:
+        # from the top: a page scrolled to an anchor draws its sticky table headers over rows in a full-page shot
+        self.page.evaluate("window.scrollTo(0, 0)")
         self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 
     def close(self) -> None:

@@ -1,21 +1,17 @@
 """The pages that answer "which recipe, and which layers hurt?", in Chromium against a real server on 127.0.0.1.
 
-The reports are real: `fp8forge convert` runs on the demo model (with a serving export) once per module, and its
-fp8_report.json is published as a job's artifact through the real job store. The blocks other parts of the pipeline
-add (``quality``, ``plan``, ``amax_swing``) are shown from the report when the conversion wrote them; where it did
-not, the test adds them in the report's documented shapes, computed from the real report's own numbers (the amax
-swing from the recorded amax; the quality figures are stated as such), and a copy without them checks that the page
-says plainly that an older report has none.
+The reports are real: the demo model is converted once per module (4 calibration steps, a serving export and a
+precision plan at a KL budget, which the pipeline measures end to end), and its fp8_report.json is published as a
+job's artifact through the real job store. The blocks shown are the report's own (``plan``, ``amax_swing``); a block
+the conversion does not write yet (``quality``) is added in its documented shape, with figures the test states, and
+a copy without the three blocks checks that the page says plainly that an older report has none.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import statistics
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,41 +23,32 @@ import pytest
 from service.config import Settings
 from service.jobs import JobStatus
 from service.store import JobStore
-from tests.service_helpers import fp8forge_command, live_app
+from tests.service_helpers import live_app
 
 pytestmark = pytest.mark.slow
 
 SERVING = "compressed-tensors-fp8"
 ADDED_BLOCKS = ("quality", "plan", "amax_swing")
+PLAN = {"target_kl": 0.05, "objective": "memory", "gpu": "h100"}
 
 
 @pytest.fixture(scope="module")
 def real_report(tmp_path_factory) -> dict[str, Any]:
-    """fp8_report.json of `fp8forge convert demo/tiny-llama` with a serving export (4 steps of 2 x 64 tokens)."""
-    out = tmp_path_factory.mktemp("convert") / "artifact"
-    done = subprocess.run([*fp8forge_command(), "convert", "demo/tiny-llama", "--out", str(out), "--calib-steps", "4",
-                           "--calib-seq-len", "64", "--serving", SERVING, "--no-progress"],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((out / "fp8_report.json").read_text())
+    """fp8_report.json of the demo model converted with a serving export and a plan (4 steps of 2 x 64 tokens)."""
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
 
-
-def swing_block(report: dict[str, Any]) -> dict[str, Any]:
-    """The report's ``amax_swing`` block from its recorded per-step input amax (largest step over the median step)."""
-    layers = {}
-    for path, layer in report["calibration"]["layers"].items():
-        steps = [step[0] for step in layer["amax_forward"] if step[0] > 0]
-        ratio = max(steps) / statistics.median_low(steps)
-        layers[path] = {"max_over_median": round(ratio, 4), "steps": len(steps), "matters": ratio >= 1.05}
-    return {"recipe_stateless": False, "threshold": 1.05, "slot": "input", "reason": "max/median >= 1.05 (test)",
-            "matters": [p for p, e in layers.items() if e["matters"]], "layers": layers}
+    root = tmp_path_factory.mktemp("convert")
+    request = ConversionRequest(model="demo/tiny-llama", calibration=CalibrationSettings(steps=4, seq_len=64),
+                                serving_formats=(SERVING,), plan=PLAN)
+    result = run_conversion(request, root / "artifact", ModelSourceOptions(demo_dir=root / "demo"))
+    return json.loads(result.report_path.read_text())
 
 
 def with_blocks(report: dict[str, Any]) -> dict[str, Any]:
-    """The report with quality, plan and amax_swing: its own where the conversion wrote them, else added."""
+    """The report with its plan and amax swing, and a quality block where the conversion wrote none."""
     full = copy.deepcopy(report)
-    sqnr = {layer["path"]: layer["sqnr_db"] for layer in report["analysis"]["layers"] if layer.get("sqnr_db")}
     if not full.get("quality"):
         def figures(ppl: float, kl: float) -> dict[str, Any]:
             return {"perplexity": ppl, "perplexity_reference": 301.25, "kl_mean": kl, "kl_max": 12 * kl,
@@ -69,13 +56,7 @@ def with_blocks(report: dict[str, Any]) -> dict[str, Any]:
         full["quality"] = {"held_out": {"source": "built-in corpus, held-out part", "texts": 8, "tokens": 512},
                            "reference": {"perplexity": 301.25}, "training": figures(302.5, 0.0021),
                            "serving": {SERVING: figures(303.75, 0.0034)}}
-    if not full.get("plan"):
-        worst = min(sqnr, key=lambda path: sqnr[path]["output"])
-        full["plan"] = {"target": {"min_sqnr_db": sqnr[worst]["output"] + 0.01}, "objective": "memory",
-                        "layers": {path: {"precision": "bf16" if path == worst else "fp8-tensor",
-                                          "why": f"output SQNR {db['output']} dB"} for path, db in sqnr.items()}}
-    if not full.get("amax_swing"):
-        full["amax_swing"] = swing_block(report)
+    assert full.get("plan", {}).get("made") and full.get("amax_swing"), "the conversion writes both blocks"
     return full
 
 
@@ -95,10 +76,10 @@ def publish(store: JobStore, jobs_dir: Path, request: dict[str, Any], report: di
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, real_report) -> Iterator[SimpleNamespace]:
-    """An API without workers, holding three jobs: the real report as written, the same without the newer blocks
-    (an older report), the same with them, and a failed job."""
+    """An API without workers, holding three jobs: the real report with its blocks (and quality), the same without
+    them (an older report), and a failed job."""
     settings = Settings(data_dir=tmp_path_factory.mktemp("accuracy") / "data", auth_disabled=True, workers=0)
-    request = {**real_report["request"], "recipe": {"backend": "te", "scaling": "delayed", "fp8_format": "E4M3"}}
+    request = real_report["request"]
     with live_app(settings) as client:
         store = JobStore(settings.store_url)
         older = {k: v for k, v in real_report.items() if k not in ADDED_BLOCKS}  # as a report before them
@@ -156,11 +137,17 @@ def test_report_shows_sqnr_quality_plan_and_swing_and_points_lead_to_rows(server
     expect(page.locator("#quality-charts figure")).to_have_count(len(entries))
     expect(page.locator("#quality-charts rect.bar")).to_have_count(4 * len(entries))
 
-    # the plan, each layer's precision and why; the amax swing, largest first
-    plan = report["plan"]["layers"]
-    expect(page.locator("#plan-table tbody tr")).to_have_count(len(plan))
-    kept = next(path for path, entry in plan.items() if entry.get("precision", entry.get("choice")) == "bf16")
-    expect(page.locator(f'#plan-table tr[data-path="{kept}"]')).to_contain_text("bf16")
+    # the plan: its target, memory and measured figures beside all-FP8 and all-bf16, each layer's precision and why
+    plan = report["plan"]
+    expect(page.locator("#plan")).to_contain_text(f"target_kl {PLAN['target_kl']} (met)")
+    expect(page.locator("#plan-measured tbody tr")).to_have_count(3)
+    expect(page.locator("#plan-measured-plan")).to_contain_text(f"{plan['measured']['plan']['perplexity']:.3f}")
+    expect(page.locator("#plan-table tbody tr")).to_have_count(len(plan["layers"]))
+    for layer in plan["layers"]:
+        row = page.locator(f'#plan-table tr[data-path="{layer["path"]}"]')
+        expect(row).to_have_attribute("data-precision", layer["precision"])
+        expect(row).to_contain_text(layer["why"])
+    kept = next(layer["path"] for layer in plan["layers"] if layer["precision"] == "bf16")
     swing = report["amax_swing"]["layers"]
     expect(page.locator("#swing-table tbody tr")).to_have_count(len(swing))
     largest = max(swing, key=lambda path: swing[path]["max_over_median"] or 0)
@@ -192,7 +179,7 @@ def test_jobs_list_shows_recipe_exports_duration_and_failure(server, tab):
     page = t.page
     page.goto("/ui/jobs")
     full = page.locator(f'tr[data-job-id="{server.jobs.full}"]')
-    expect(full.locator("td.recipe")).to_have_text("te delayed E4M3")
+    expect(full.locator("td.recipe")).to_have_text("te delayed")
     expect(full.locator("td.exports")).to_have_text(SERVING)
     expect(full.locator("td.duration")).to_have_text(re.compile(r"^(<1 s|\d+ s)$"))
     failed = page.locator(f'tr[data-job-id="{server.jobs.failed}"]')
@@ -241,3 +228,37 @@ def test_analyze_applies_a_recipes_shape_rule_and_compares_recipes(server, tab):
     page.locator("#comparison-chart a.point").first.click()
     assert re.search(r"#cmp-model\.layers\.\d+\.", page.url)
     t.screenshot("analyze_compare")
+
+
+def test_new_job_form_sends_min_sqnr_db_and_a_plan(server, tab):
+    from playwright.sync_api import expect
+
+    t = tab(server.base_url)
+    page = t.page
+    page.goto("/ui/jobs/new")
+    page.fill("#model", "demo/tiny-llama")
+    expect(page.locator("#plan-objective")).to_be_hidden()  # no plan unless a target is chosen
+    page.check("#plan_target-target_kl")
+    page.fill("#plan-target_kl", "50")
+    page.select_option("#plan-objective", "fp8-flops")
+    page.select_option("#plan-gpu", "b200")
+    page.click("#submit-job")
+    error = page.locator("#plan-target_kl-error")
+    expect(error).to_contain_text("10")  # the API's bound, next to the field
+    expect(page.locator("#plan-target_kl")).to_be_focused()
+
+    page.fill("#plan-target_kl", "0.02")
+    page.fill("#min_sqnr_db", "400")
+    page.click("#submit-job")
+    expect(page.locator("#min_sqnr_db-error")).to_contain_text("300")
+    expect(error).to_be_hidden()
+    t.screenshot("new_job_plan")
+
+    page.fill("#min_sqnr_db", "25.5")
+    page.click("#submit-job")
+    page.wait_for_url(re.compile(r"/ui/jobs/[0-9a-f-]{8,}$"))
+    request = server.api.get(f"/v1/jobs/{page.url.rsplit('/', 1)[1]}").json()["request"]
+    assert request["min_sqnr_db"] == 25.5
+    assert request["plan"] == {"target_kl": 0.02, "objective": "fp8-flops", "gpu": "b200"}
+    page.get_by_role("button", name="Cancel job").click()
+    expect(page.locator("#job-status")).to_have_text("cancelled")

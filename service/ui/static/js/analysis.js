@@ -214,6 +214,7 @@
         window.fp8svg.layers(this.$refs.sqnrChart, {
           title: 'SQNR per layer (higher is better)', yLabel: 'SQNR (dB)',
           names: measured.map(function (row) { return row.path; }),
+          numbers: measured.map(function (row) { return row.index; }),
           hrefs: measured.map(function (row) { return '#' + window.fp8svg.rowId('layer', row.path); }),
           series: [
             { label: 'output', values: measured.map(function (row) { return row.sqnr_output; }) },

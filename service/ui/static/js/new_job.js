@@ -27,6 +27,7 @@
         backend: 'te',
         scaling: 'delayed',
         aoScaling: 'float8_linear',
+        planTarget: 'none',
         yaml: '',
 
         form() { return document.getElementById('job-form'); },
@@ -117,8 +118,19 @@
           const minimum = this.form().elements.namedItem('min_sqnr_db');
           if (minimum.validity.badInput) throw new LocalError('min_sqnr_db', 'Enter a number of dB.');
           if (minimum.value.trim() !== '') body.min_sqnr_db = Number(minimum.value);
+          if (this.planTarget !== 'none') body.plan = this.plan();
           if (body.recipe.backend === 'te' && this.checked('te_extra_state')) body.te_extra_state = true;
           return JSON.parse(JSON.stringify(body)); // drops the numbers left empty (undefined)
+        },
+
+        // plan: the chosen target and its value (empty: the API says what is missing), objective, GPU.
+        plan() {
+          const field = 'plan.' + this.planTarget;
+          const input = this.form().elements.namedItem(field);
+          if (input.validity.badInput) throw new LocalError(field, 'Enter a number.');
+          const plan = { objective: this.value('plan.objective'), gpu: this.value('plan.gpu') };
+          plan[this.planTarget] = input.value.trim() === '' ? null : Number(input.value);
+          return plan;
         },
 
         async submit() {

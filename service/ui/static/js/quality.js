@@ -52,29 +52,60 @@
     }).join('; ');
   }
 
-  // plan.layers as a list of {path, ...} or an object keyed by path; the precision and its reason under any of
-  // the names a plan uses for them.
+  // The plan's rows (converters/plan/planner.py: a list of {path, unit, precision, planned, why, sqnr_db, bytes, ...}).
   function planRows(plan) {
-    const layers = plan.layers || {};
-    const list = Array.isArray(layers) ? layers
-      : Object.keys(layers).map(function (path) { return Object.assign({ path: path }, layers[path]); });
-    return list.map(function (layer) {
-      const precision = layer.precision || layer.choice || layer.format || layer.recipe || '';
-      const why = layer.why || layer.reason || layer.because || '';
-      const rest = Object.assign({}, layer);
-      ['path', 'precision', 'choice', 'format', 'recipe', 'why', 'reason', 'because'].forEach(function (k) { delete rest[k]; });
+    return (plan.layers || []).map(function (layer) {
+      const sqnr = layer.sqnr_db || {};
       return {
-        path: layer.path, href: '#' + window.fp8svg.rowId('layer', layer.path),
-        precision: typeof precision === 'object' ? JSON.stringify(precision) : String(precision),
-        why: typeof why === 'object' ? JSON.stringify(why) : String(why), figures: describe(rest),
+        path: layer.path, href: '#' + window.fp8svg.rowId('layer', layer.path), precision: String(layer.precision),
+        unit: layer.unit && layer.unit !== layer.path ? layer.unit : '', planned: layer.planned !== false,
+        why: String(layer.why || ''),
+        sqnr: Object.keys(sqnr).map(function (p) { return p + ' ' + (typeof sqnr[p] === 'number' ? sqnr[p].toFixed(2) : '—'); }).join(', '),
+        bytes: typeof layer.bytes === 'number' ? window.fp8.formatBytes(layer.bytes) + ' of ' + window.fp8.formatBytes(layer.bytes_bf16) : '',
       };
     });
   }
 
   function planFacts(plan) {
-    return Object.keys(plan).filter(function (key) { return key !== 'layers'; }).map(function (key) {
-      const value = plan[key];
-      return { label: key.replace(/_/g, ' '), value: value !== null && typeof value === 'object' ? JSON.stringify(value) : String(value) };
+    const facts = [];
+    const target = plan.target || {};
+    if (target.name) facts.push(['Target', target.name + ' ' + target.value + (target.met === undefined ? '' : target.met ? ' (met)' : ' (not met)')]);
+    if (plan.objective) facts.push(['Objective', plan.objective === 'memory' ? 'least memory' : 'most FP8 GEMM FLOPs']);
+    const gpu = plan.gpu || {};
+    if (gpu.name) {
+      const notRun = gpu.not_run || {};
+      facts.push(['GPU', gpu.name + ' (compute capability ' + gpu.compute_capability + '): ' + (gpu.precisions || []).join(', ') +
+        (Object.keys(notRun).length ? '; not run: ' + Object.keys(notRun).map(function (p) { return p + ' (' + notRun[p] + ')'; }).join('; ') : '')]);
+    }
+    const totals = plan.totals || {};
+    if (typeof totals.weight_bytes === 'number') {
+      facts.push(['Weights', window.fp8.formatBytes(totals.weight_bytes) + ' against ' + window.fp8.formatBytes(totals.weight_bytes_bf16) +
+        ' in bf16 (' + window.fp8.formatPercent(totals.memory_ratio) + ')']);
+      facts.push(['FP8/FP4 share of GEMM FLOPs', window.fp8.formatPercent(totals.fp8_gemm_flop_share)]);
+      const counts = totals.layers_per_precision || {};
+      facts.push(['Layers per precision', Object.keys(counts).map(function (p) { return p + ' ' + counts[p]; }).join(', ')]);
+    }
+    const search = plan.search || {};
+    if (search.method) facts.push(['Search', search.method + ' (' + search.units + ' units, ' + (search.verifications || []).length + ' measurement(s) of the whole plan)']);
+    if (plan.files) facts.push(['Files', plan.files.join(', ')]);
+    if (typeof plan.seconds === 'number') facts.push(['Planning time', plan.seconds.toFixed(1) + ' s']);
+    return facts.map(function (pair) { return { label: pair[0], value: pair[1] }; });
+  }
+
+  // The plan measured end to end beside all-FP8 and all-bf16 (the source).
+  function planMeasured(plan) {
+    const measured = plan.measured || {};
+    const names = { plan: 'this plan', all_fp8: 'all FP8', all_bf16: 'all bf16 (the source)' };
+    return Object.keys(names).filter(function (key) { return measured[key]; }).map(function (key) {
+      return qualityRow('plan-measured-' + key, names[key], 'plan', measured[key]);
+    });
+  }
+
+  function notExpressible(plan) {
+    const notes = plan.not_expressible || {};
+    return Object.keys(notes).map(function (name) {
+      const note = notes[name];
+      return { name: name, text: typeof note === 'string' ? note : Array.isArray(note) ? note.join('; ') : JSON.stringify(note) };
     });
   }
 
@@ -98,6 +129,8 @@
       heldOutText: '',
       plan: [],
       planFacts: [],
+      planMeasured: [],
+      planNotes: [],
       planText: '',
       swing: [],
       swingText: '',
@@ -122,11 +155,14 @@
         }
         this.heldOutText = quality && quality.held_out ? 'Held-out data: ' + describe(quality.held_out) + '.' : '';
 
-        const plan = report.plan;
+        const plan = report.plan && report.plan.made !== false ? report.plan : null;
         this.plan = plan ? planRows(plan) : [];
         this.planFacts = plan ? planFacts(plan) : [];
-        this.planText = plan ? this.plan.length + ' layers planned.'
-          : 'No precision plan in this report: the job did not ask for one (or was run by a version without plans).';
+        this.planMeasured = plan ? planMeasured(plan) : [];
+        this.planNotes = plan ? notExpressible(plan) : [];
+        if (report.plan && report.plan.made === false) this.planText = 'No plan was made: ' + report.plan.reason;
+        else if (!plan) this.planText = 'No precision plan in this report: the job did not ask for one (request field plan), or a version of fp8forge without plans wrote it.';
+        else this.planText = 'Each layer\'s precision and why; the plan was measured end to end after it was made, beside all-FP8 and all-bf16.';
 
         const swing = report.amax_swing;
         this.swing = swing ? swingRows(swing) : [];

@@ -35,10 +35,14 @@
     return list;
   }
 
+  // Drawn at the container's width in pixels (text keeps its size); a container not laid out yet (hidden) takes
+  // its parent's, and CSS lets the chart shrink with the window (max-width: 100%).
   function svgFor(container, title) {
-    const width = Math.max(container.clientWidth || 0, 320);
+    const parent = container.parentElement;
+    const width = Math.min(Math.max(container.clientWidth || (parent && parent.clientWidth) || 800, 300), 1100);
     container.replaceChildren();
-    const svg = node('svg', { viewBox: '0 0 ' + width + ' ' + HEIGHT, width: '100%', class: 'svg-chart' }, container);
+    const svg = node('svg', { viewBox: '0 0 ' + width + ' ' + HEIGHT, width: width, height: HEIGHT, class: 'svg-chart' },
+      container);
     text(svg, width / 2, 18, title, { 'text-anchor': 'middle', class: 'chart-title' });
     return { svg: svg, width: width };
   }
@@ -66,7 +70,8 @@
   }
 
   // Lines over the layers in model order. spec: {title, names: [row name], hrefs: [link of each x], yLabel,
-  // series: [{label, values (null: no point)}], threshold?: {value, label}}. Returns the number of points drawn.
+  // series: [{label, values (null: no point)}], threshold?: {value, label}, numbers?: [axis label of each x, default
+  // 1..n]}. Returns the number of points drawn.
   function layers(container, spec) {
     const chart = svgFor(container, spec.title);
     const svg = chart.svg;
@@ -85,7 +90,8 @@
     const x = function (i) { return PAD.left + (count > 1 ? (plotWidth * i) / (count - 1) : plotWidth / 2); };
     const every = Math.max(1, Math.ceil(count / 16));
     for (let i = 0; i < count; i += every) {
-      text(svg, x(i), HEIGHT - PAD.bottom + 14, String(i + 1), { 'text-anchor': 'middle', class: 'tick' });
+      text(svg, x(i), HEIGHT - PAD.bottom + 14, String(spec.numbers ? spec.numbers[i] : i + 1),
+        { 'text-anchor': 'middle', class: 'tick' });
     }
     if (spec.threshold) {
       const ty = y(spec.threshold.value);
