@@ -44,7 +44,7 @@ from converters.quality.held_out import BUILT_IN_HELD_OUT, REQUEST_TEXTS, held_o
 __all__ = ["QualitySource", "QualityUnavailable", "load_source", "measure_quality", "measure_qualities",
            "DEFAULT_MAX_TOKENS", "DEFAULT_SEQ_LEN"]
 
-DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_TOKENS = 256
 DEFAULT_SEQ_LEN = 256
 _HEAD_POSITIONS = 64  # positions scored at a time: two [64, vocab] fp32 logits (33 MB each for a 128k vocab)
 

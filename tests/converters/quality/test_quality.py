@@ -183,3 +183,17 @@ def test_convert_prints_the_quality_of_training_and_exports(llama_dir, capsys, t
     lines = out[out.index("end-to-end quality on"):].splitlines()
     names = [line.split()[0] for line in lines[3:6]]
     assert names == ["source", "training", "serving/compressed-tensors-fp8"]
+
+
+def test_an_encoder_job_reports_quality_not_measured_and_why(tmp_path):
+    from converters.model.sources import ModelSourceOptions as Sources
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
+
+    save_tiny_model("bert", tmp_path / "bert")
+    request = ConversionRequest(model=str(tmp_path / "bert"), recipe={"backend": "ao", "recipe_name": "tensorwise"},
+                                calibration=CalibrationSettings(steps=2, seq_len=16))
+    result = run_conversion(request, tmp_path / "out", Sources(allowed_roots=(tmp_path,)))
+    quality = _report(result.out_dir)["quality"]
+    assert quality["measured"] is False and "no language-model head" in quality["reason"]
+    assert any("quality not measured" in warning for warning in _report(result.out_dir)["warnings"])

