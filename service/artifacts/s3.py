@@ -141,6 +141,19 @@ class ObjectArtifacts:
             raise ArtifactUploadFailed("the object store does not hold exactly the attempt's files; nothing was "
                                        "published")
 
+    def abort_uploads(self, job_id: str, attempt: int) -> None:
+        """Abort the attempt's unfinished multipart uploads: a split job's shard writer killed in the middle of
+        one leaves it under the prefix its finish task publishes (its retry put the whole object since)."""
+        prefix = self.attempt_prefix(job_id, attempt)
+        try:
+            for page in self._pages("list_multipart_uploads", Prefix=prefix):
+                for upload in page.get("Uploads", ()):
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
+                                                       UploadId=upload["UploadId"])
+        except (BotoCoreError, ClientError):
+            logger.warning("job %s: could not abort the unfinished uploads of attempt %d; the sweeper removes them "
+                           "once the job has finished", job_id, attempt, exc_info=True)
+
     def unpublish(self, job_id: str, attempt: int) -> None:
         """Nothing to undo: an uncommitted row never pointed at the prefix."""
 

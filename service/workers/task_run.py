@@ -218,6 +218,7 @@ class TaskRun:
             local = [entry for entry in listed if entry["name"] not in names]
             with self._beating():
                 self.dirs.upload(job.id, job.attempt, local)
+                self.dirs.abort_uploads(job.id, job.attempt)  # what a killed shard writer left half sent
             listed = sorted([*local, *shards], key=lambda entry: entry["name"])
         try:
             with self._beating():
