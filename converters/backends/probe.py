@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from converters.artifact.files import verify_manifest
 from converters.artifact.layout import REPORT_FILE, read_fp8_block
 from converters.backends.gemm_trace import GemmKind, LinearCheck, tracing_gemms
 from converters.backends.loaders import load_te, load_torchao
 from converters.backends.te.probe import te_step_checks
+from converters.backends.te.runtime import require_te
 from converters.errors import ArtifactError
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.recipes import recipe_from_dict
@@ -67,16 +69,22 @@ def probe_artifact(directory: str | Path, *, device: str | None = None, verify: 
     backend = block["backend"]
     device = device or ("cuda" if backend == "te" else "cpu")
     expected = _expected_fp8(directory, block)
-    model = load_te(directory, verify=verify) if backend == "te" else load_torchao(directory, verify=verify,
-                                                                                   device=device)
+    if backend == "te":
+        require_te()  # before any weight is read, as load_te does
+    if verify:
+        verify_manifest(directory)
+    # one model in memory at a time: the high-precision step first, then the FP8 model on the same batch
     reference = load_model(directory, ModelSourceOptions(allowed_roots=(directory,))).to(device)
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=generator).to(device)
+    ids = torch.randint(0, reference.config.vocab_size, (batch_size, seq_len), generator=generator).to(device)
+    reference_loss = _training_step(reference, ids)
+    del reference
     if backend == "te":
+        model = load_te(directory, verify=False)
         loss, layers, active = te_step_checks(model, ids, expected, _training_step)
     else:
+        model = load_torchao(directory, verify=False, device=device)
         loss, layers, active = _torchao_step_checks(model, ids, expected)
-    reference_loss = _training_step(reference, ids)
     errors = _mismatches(layers, model)
     if not torch.isfinite(torch.tensor(loss)):
         errors.append(f"the FP8 step's loss is not finite ({loss}); the bf16 step's is {reference_loss}")
