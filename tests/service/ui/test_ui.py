@@ -164,6 +164,7 @@ class _Controls(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.controls: dict[str, dict] = {}
+        self.options: dict[str, list[str]] = {}  #: a select's option values, in order
         self.variants: set[str] = set()
         self._select: str | None = None
 
@@ -174,8 +175,10 @@ class _Controls(HTMLParser):
         if tag in ("input", "select") and attrs.get("id"):
             self.controls[attrs["id"]] = attrs
             self._select = attrs["id"] if tag == "select" else None
-        if tag == "option" and self._select and "selected" in attrs:
-            self.controls[self._select]["selected"] = attrs["value"]
+        if tag == "option" and self._select:
+            self.options.setdefault(self._select, []).append(attrs.get("value"))
+            if "selected" in attrs:
+                self.controls[self._select]["selected"] = attrs["value"]
 
 
 def test_the_form_offers_every_recipe_of_the_api_schema_with_its_defaults(client):
@@ -204,3 +207,53 @@ def test_the_form_offers_every_recipe_of_the_api_schema_with_its_defaults(client
                 assert control["selected"] == prop["default"], name
         offered += 1
     assert offered == 5  # TE mxfp8_block, float8_block, nvfp4_block; torchao float8/mxfp8 training ops
+
+
+def test_the_forms_offer_the_plan_and_the_recipes_the_api_schema_names(client):
+    """The new-job form's plan (targets with their bounds, objectives, GPUs) and the analyze form's recipes (the
+    recipe choice and compare_recipes) are the ones the OpenAPI document states."""
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    plan = schemas["PlanCreate"]["properties"]
+    job_form = _Controls()
+    job_form.feed(client.get("/ui/jobs/new").text)
+    targets = [name for name in plan if name not in ("objective", "gpu")]
+    assert {c.removeprefix("plan_target-") for c in job_form.controls if c.startswith("plan_target-")} == \
+        {"none", *targets}
+    for name in targets:
+        bounds = next(option for option in plan[name]["anyOf"] if option.get("type") == "number")
+        control = job_form.controls[f"plan-{name}"]
+        assert (float(control["min"]), float(control["max"]), control["step"]) == \
+            (bounds["minimum"], bounds["maximum"], "any")
+    for name in ("objective", "gpu"):
+        choices = next(option for option in plan[name]["anyOf"] if "enum" in option)["enum"]
+        assert job_form.options[f"plan-{name}"] == choices
+    assert job_form.controls["min_sqnr_db"]["step"] == "any"
+
+    analyze_form = _Controls()
+    analyze_form.feed(client.get("/ui/analyze").text)
+    names = schemas["AnalyzeCreate"]["properties"]["compare_recipes"]["anyOf"][0]["items"]["enum"]
+    assert analyze_form.options["recipe"] == ["", *names]
+    assert [c.removeprefix("compare-") for c in analyze_form.controls if c.startswith("compare-")] == names
+
+
+@pytest.mark.parametrize(("recipe", "reason"), [
+    ({"backend": "te", "scaling": "float8_block"}, "dim_not_divisible_by_128_for_fp8_block"),
+    ({"backend": "te", "scaling": "nvfp4_block"}, "dim_not_divisible_by_128_for_nvfp4"),
+])
+def test_analyze_applies_the_shape_rule_of_the_recipe_it_is_given(client, recipe, reason):
+    """The analyze page sends a recipe; the API applies its shape rule (the demo model's 64-wide k_proj fails 128)."""
+    answer = client.post("/v1/analyze", json={"model": "demo/tiny-llama", "recipe": recipe})
+    assert answer.status_code == 200, answer.text
+    report = answer.json()
+    assert report["options"]["recipe"]["scaling"] == recipe["scaling"] and "128" in report["rule"]
+    k_proj = next(layer for layer in report["layers"] if layer["path"] == "model.layers.0.self_attn.k_proj")
+    assert reason in k_proj["reasons"] and not k_proj["eligible"]
+    default = client.post("/v1/analyze", json={"model": "demo/tiny-llama"}).json()
+    assert next(layer for layer in default["layers"] if layer["path"] == k_proj["path"])["eligible"]
+
+
+def test_analyze_refuses_a_backend_that_is_not_the_recipes(client):
+    answer = client.post("/v1/analyze", json={"model": "demo/tiny-llama", "backend": "te", "recipe": {"backend": "ao"}})
+    assert answer.status_code == 422
+    error = answer.json()["error"]
+    assert error["field"] == "backend" and "recipe.backend is 'ao'" in error["message"]

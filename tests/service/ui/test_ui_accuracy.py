@@ -221,8 +221,13 @@ def test_analyze_applies_a_recipes_shape_rule_and_compares_recipes(server, tab):
         row = page.locator(f'#comparison-recipes tr[data-recipe="{label}"]')
         expect(row).to_contain_text(f"{lowest['sqnr_db'][label]['output']:.2f}")
         expect(row).to_contain_text(lowest["path"])
-    quality = any("quality" in entry or "perplexity" in entry for entry in answer["comparison"]["recipes"])
-    if not quality:  # this server's compare_recipes has no end-to-end columns: the page says so
+    # each recipe's end-to-end quality beside its SQNR (or the reason the server could not measure it)
+    recipes = answer["comparison"]["recipes"]
+    if any(entry.get("quality") for entry in recipes):
+        for entry in recipes:
+            row = page.locator(f'#comparison-recipes tr[data-recipe="{entry["label"]}"]')
+            expect(row).to_contain_text(f"{entry['quality']['perplexity']:.3f}")
+    else:
         expect(page.locator("#comparison-quality-text")).to_contain_text("No end-to-end quality columns")
     expect(page.locator("#sqnr-chart a.point")).not_to_have_count(0)  # the calibrated analysis has the SQNR too
     page.locator("#comparison-chart a.point").first.click()

@@ -6,6 +6,8 @@
 
   const fmt = function (v) { return window.fp8table.formatNumber(v); };
 
+  function fixed(value) { return typeof value === 'number' ? value.toFixed(3) : '—'; }
+
   function outputOf(layer, label) {
     const entry = (layer.sqnr_db || {})[label];
     return entry && typeof entry.output === 'number' ? entry.output : null;
@@ -31,7 +33,7 @@
       worst: measured.length ? measured[0].path : '—',
       worstHref: measured.length ? '#' + window.fp8svg.rowId('cmp', measured[0].path) : '#comparison-table',
       quality: q,
-      perplexity: q ? fmt(q.perplexity) + (typeof q.perplexity_reference === 'number' ? ' (' + fmt(q.perplexity_reference) + ')' : '') : '—',
+      perplexity: q ? fixed(q.perplexity) + (typeof q.perplexity_reference === 'number' ? ' (' + fixed(q.perplexity_reference) + ')' : '') : '—',
       kl: q ? fmt(q.kl_mean) + ' / ' + fmt(q.kl_max) : '—',
       top1: q && typeof q.top1_agreement === 'number' ? window.fp8.formatPercent(q.top1_agreement) : '—',
     };
@@ -50,9 +52,16 @@
         const layers = comparison ? comparison.layers || [] : [];
         this.compared = comparison ? (comparison.recipes || []).map(function (entry) { return summaryRow(entry, layers); }) : [];
         this.hasComparedQuality = this.compared.some(function (row) { return row.quality !== null; });
-        this.comparedQualityText = this.hasComparedQuality ? ''
-          : 'No end-to-end quality columns (perplexity, KL, top-1) in this answer: this server\'s compare_recipes ' +
-            'measures the per-layer SQNR only.';
+        const quality = report.quality || {};
+        if (this.hasComparedQuality) {
+          this.comparedQualityText = 'Perplexity (the source\'s in brackets), mean and largest per-token KL divergence ' +
+            'and top-1 agreement with the source, on held-out texts (never the calibration batches).';
+        } else if (quality.reason) {
+          this.comparedQualityText = 'No end-to-end quality columns: ' + quality.reason;
+        } else {
+          this.comparedQualityText = 'No end-to-end quality columns (perplexity, KL, top-1) in this answer: this ' +
+            'server\'s compare_recipes measures the per-layer SQNR only.';
+        }
         if (!this.compared.length) return;
         this.comparisonText = this.compared.length + ' recipes, ' + layers.length + ' layers measured from one ' +
           'calibration (' + ((report.calibration || {}).steps || '?') + ' steps). SQNR in dB: higher is better; ' +

@@ -52,7 +52,7 @@
     const y = function (v) { return PAD.top + plotHeight * (1 - (v - low) / (high - low || 1)); };
     for (const v of ticks(low, high)) {
       node('line', { x1: PAD.left, x2: width - PAD.right, y1: y(v), y2: y(v), class: 'grid' }, svg);
-      text(svg, PAD.left - 6, y(v) + 4, window.fp8table.formatNumber(v), { 'text-anchor': 'end', class: 'tick' });
+      text(svg, PAD.left - 6, y(v) + 4, String(v), { 'text-anchor': 'end', class: 'tick' }); // round already
     }
     text(svg, 14, PAD.top + plotHeight / 2, label,
       { transform: 'rotate(-90 14 ' + (PAD.top + plotHeight / 2) + ')', 'text-anchor': 'middle', class: 'axis-label' });
