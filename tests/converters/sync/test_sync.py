@@ -211,3 +211,20 @@ def test_a_recipe_without_twin_syncs_to_a_chosen_format_and_says_it_is_not_ident
     report = sync_serving(artifact(workspace, "te_delayed"), workspace / "serving-delayed", format_name="fp8-block")
     assert report["serving"]["fp8-block"]["training_twin"] == {
         "recipe": report["serving"]["fp8-block"]["training_twin"]["recipe"], "identical": False, "twin": None}
+
+
+def test_a_calibrated_job_writes_the_same_twin_bytes_as_sync(workspace):
+    """The twins are serving formats like the others: ``convert --serving`` writes them (audited by the job), and
+    the weights both quantize hold the same bytes."""
+    twins = ("fp8-block-ue8m0-te", "mxfp8-te", "compressed-tensors-fp8-torchao-rowwise")
+    out = workspace / "artifact-with-serving"
+    request = ConversionRequest(model=str(workspace / "llama"), recipe=RECIPES["te_block_pow2"], measure=False,
+                                calibration=CalibrationSettings(steps=1, seq_len=16), serving_formats=twins)
+    run_conversion(request, out, ModelSourceOptions(allowed_roots=(workspace,)))
+    for name in twins:
+        report = sync_serving(out, workspace / f"synced-{name}", format_name=name)
+        from_job, from_sync = _export(out / "serving" / name), _export(workspace / f"synced-{name}")
+        common = [key for key in report["quantized"] if from_job[key].dtype == torch.float8_e4m3fn]
+        assert len(common) >= 8, name
+        for key in common:
+            assert torch.equal(_bytes(from_job[key]), _bytes(from_sync[key])), (name, key)
