@@ -24,6 +24,14 @@ the smallest ``e`` with ``448 * 2**e >= amax``, read from ``frexp(amax)`` instea
 transformers 5.24 documents ``ue8m0`` as 1-byte ``float8_e8m0fnu`` scales (DeepSeek-V4); on the CPU it
 dequantizes F32 ones all the same (tested).
 
+Training twins of TE ``Float8BlockScaling`` (128x128 weight blocks): ``fp8-block-te`` (fp32 scales) and
+``fp8-block-ue8m0-te`` (power-of-two scales), the same layouts written with TE's arithmetic
+(:func:`te_block_scales`: ``fp32(448 / amax)``, the weight multiplied by it, ``scale_inv`` its reciprocal), so the
+FP8 weights and ``weight_scale_inv`` are the ones TE's kernel casts (:mod:`converters.sync.twins`). The
+transformers arithmetic above differs from TE's in the last bit of some scales and values; ``fp8-block-ue8m0``
+equals TE's power-of-two cast except for blocks whose largest value is under about 3.4e-36 (TE's scale reaches
+2**-127, this one stops at 2**-126).
+
 MoE experts: each on-disk expert matrix gets its own blocks and ``weight_scale_inv`` under its own name
 (``experts.<e>.w1.weight_scale_inv``), as DeepSeek-V3's and Qwen3-MoE's FP8 checkpoints store them; the
 128 rule applies to each matrix (``[I, H]`` for gate and up, ``[H, I]`` for down).

@@ -25,6 +25,10 @@ at vllm-project/vllm d2f5a056) creates ``weight_scale`` ``[out, in/32]`` and pad
 swizzles the scales; the analysis' multiple-of-16 rule still applies. vLLM reads the checkpoint with
 ``CompressedTensorsMxfp8`` (FlashInfer CUTLASS on SM100+, Marlin W8A16 on SM80+); not run here (no GPU).
 
+Training twins (:class:`MXScaleMode`, :func:`mx_exponents`): ``mxfp8-te`` (TE ``MXFP8BlockScaling``),
+``mxfp8-rceil`` and ``mxfp8-floor`` (torchao's ``to_mx``, the cast of its MXFP8 training configs) write this layout
+with the training library's own exponent choice and scaling, read from the weight as stored (bf16 or fp32).
+
 MoE experts: each on-disk expert matrix is quantized as a weight of its own under its own name, with the 32 rule
 applied per matrix; no engine was checked on an MXFP8 MoE export.
 """
