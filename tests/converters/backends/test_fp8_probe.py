@@ -87,6 +87,17 @@ def test_check_refuses_what_is_not_an_artifact(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
 
 
+def test_check_of_a_te_artifact_without_cuda_says_where_it_runs(llama_root, tmp_path, capsys):
+    from converters.backends.te.runtime import te_status
+
+    if te_status()[0]:
+        pytest.skip("TransformerEngine runs here: the GPU test checks the TE probe")
+    out = convert(llama_root, llama_root / "te-on-cpu", {"backend": "te", "scaling": "current"}, tmp_path)
+    assert main(["check", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "TransformerEngine backend unavailable" in err and "GPU worker" in err
+
+
 def test_te_artifact_probe_on_a_gpu(llama_root, tmp_path):
     from converters.backends.te.runtime import te_status
 
