@@ -17,14 +17,15 @@ def _sqnr(unit: Unit, precision: str, sqnr: Mapping[str, Mapping[str, Any]]) -> 
     return None if not values or any(v is None for v in values) else min(values)
 
 
-def _cost(target: str, value: float) -> str:
-    return f"{_FIGURE[target]} {value:.3g}"
+def _cost(target: str, value: float, shared: bool) -> str:
+    return f"{_FIGURE[target]} {value:.3g}" + (" (its SQNR share of the all-layers figure)" if shared else "")
 
 
 def explain_unit(unit: Unit, precision: str, steps: Sequence[Any], options: Sequence[str],
                  sqnr: Mapping[str, Mapping[str, Any]], contribution: Mapping[str, float], target: str,
-                 limit: float) -> str:
-    """The reason for ``unit``'s ``precision``: its measured SQNR / contribution, its bytes, the search's step."""
+                 limit: float, shared: bool = False) -> str:
+    """The reason for ``unit``'s ``precision``: its measured SQNR / contribution, its bytes, the search's step.
+    ``shared``: the contributions are the all-layers figure shared out by SQNR, not measured per unit."""
     candidates = [p for p in options if p != BF16]
     if not candidates:
         dims = ", ".join(f"{out}x{inp}" for out, inp in unit.shapes)
@@ -43,8 +44,8 @@ def explain_unit(unit: Unit, precision: str, steps: Sequence[Any], options: Sequ
     taken = [step for step in steps if step.unit == unit.name]
     if precision == BF16:
         cheapest = min(candidates, key=lambda p: contribution.get(p, float("inf")))
-        return (f"bf16: its cheapest format, {cheapest}, adds {_cost(target, contribution.get(cheapest, 0.0))}; the "
-                "budget went to units giving more per unit of it")
+        cost = _cost(target, contribution.get(cheapest, 0.0), shared)
+        return f"bf16: its cheapest format, {cheapest}, adds {cost}; the budget went to units giving more for it"
     rank = ", ".join(f"{step.before}->{step.after}" for step in taken)
-    return (f"{precision}: adds {_cost(target, contribution.get(precision, 0.0))}{at}, saves {saved} bytes "
+    return (f"{precision}: adds {_cost(target, contribution.get(precision, 0.0), shared)}{at}, saves {saved} bytes "
             f"of {unit.bytes(BF16)}; search steps {rank}")

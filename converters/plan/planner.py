@@ -98,7 +98,7 @@ def make_plan(report: Mapping[str, Any], model: str, settings: PlanSettings, sou
     final = verifications[-1]
     dims = {layer["path"]: (layer["out_features"], layer["in_features"]) for layer in report["layers"]}
     layers = _layer_rows(units, {path: (why, dims[path]) for path, why in kept.items()}, choice, steps, fits, sqnr,
-                         contributions, target, limit)
+                         contributions, target, limit, shared=used == "sqnr")
     return {
         "settings": settings.to_dict(),
         "gpu": {"name": settings.gpu, "compute_capability": ".".join(map(str, GPUS[settings.gpu])),
@@ -162,12 +162,14 @@ def _verify(source: Any, units: Mapping[str, Unit], choice: Mapping[str, str], q
 
 def _layer_rows(units: Mapping[str, Unit], kept: Mapping[str, tuple[str, tuple[int, int]]], choice: Mapping[str, str],
                 steps: list[Any], fits: Mapping[str, list[str]], sqnr: Mapping[str, Mapping[str, Any]],
-                contributions: Mapping[str, Mapping[str, float]], target: str, limit: float) -> list[dict[str, Any]]:
+                contributions: Mapping[str, Mapping[str, float]], target: str, limit: float, *, shared: bool
+                ) -> list[dict[str, Any]]:
     """One row per Linear: its unit, precision, why, its SQNR and its unit's contribution per precision, its cost."""
     rows = []
     for name, unit in units.items():
         precision = choice[name]
-        why = explain_unit(unit, precision, steps, fits[name], sqnr, contributions.get(name, {}), target, limit)
+        why = explain_unit(unit, precision, steps, fits[name], sqnr, contributions.get(name, {}), target, limit,
+                           shared)
         for member, shape in zip(unit.members, unit.shapes, strict=True):
             rows.append(_row(member, name, precision, why, shape, sqnr, contributions.get(name, {}), planned=True))
     for path, (reason, shape) in kept.items():
