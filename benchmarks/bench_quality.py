@@ -21,6 +21,12 @@ decoder layer's bytes from the smallest to the largest size (flat in model size:
 Run:
   .venv/bin/python benchmarks/bench_quality.py real --tokens 256
   .venv/bin/python benchmarks/bench_quality.py scale --sizes 0.25,1 --tokens 256
+  .venv/bin/python benchmarks/bench_quality.py peer --tokens 256 --calib-steps 4
+
+``peer``: compressed-tensors FP8 with static input scales written by fp8forge (serving format
+compressed-tensors-fp8, every Linear but the tied head) and by llm-compressor 0.14 (QuantizationModifier scheme
+FP8, ignore lm_head; run in its own virtualenv, made by benchmarks/bench_serving.py's machinery on first use)
+from the same calibration token rows; both exports scored by the same measure_quality reading their files.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -106,6 +113,67 @@ def print_table(rows: dict, quality: dict, tokens: int) -> None:
             continue
         print(f"| {name} | {row['eligible_layers']} | {row['perplexity']:.3f} | {row['perplexity_reference']:.3f} | "
               f"{row['kl_mean']:.4f} | {row['kl_max']:.3f} | {row['top1_agreement']:.3f} |")
+
+
+# ---- peer: llm-compressor -------------------------------------------------------------------------------------
+
+
+def peer(args: argparse.Namespace) -> None:
+    """compressed-tensors FP8 (static per-tensor weights and inputs) by fp8forge and by llm-compressor 0.14, from the
+    same calibration token rows, both scored by measure_quality reading each export's files."""
+    from bench_serving import DEFAULT_PEER_VENV, ensure_peer_venv, venv_python
+    from torch import nn
+    from transformers import AutoTokenizer
+
+    from converters.api import local_sources
+    from converters.calibration.amax import calibration_batches
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
+    from converters.quality import calibration_part, export_layer_casts, load_source, measure_qualities
+    from tests.converters.quality.smollm import smollm_dir
+
+    model = smollm_dir()
+    versions, _ = ensure_peer_venv(DEFAULT_PEER_VENV)
+    work = Path(tempfile.mkdtemp(prefix="bench-quality-peer-"))
+    try:
+        # the job's own batches (its tokenizer, the corpus' calibration part, seed 0), handed to llm-compressor
+        settings = CalibrationSettings(steps=args.calib_steps, batch_size=1, seq_len=WINDOW)
+        batches, data_source = calibration_batches(
+            AutoTokenizer.from_pretrained(model), vocab_size=49152, texts=calibration_part(), steps=settings.steps,
+            batch_size=settings.batch_size, seq_len=settings.seq_len)
+        rows = {key: [row for batch in batches for row in batch[key].tolist()]
+                for key in ("input_ids", "attention_mask")}
+        (work / "tokens.json").write_text(json.dumps(rows))
+        # every Linear but the (tied) head on both sides: llm-compressor ignores lm_head only
+        request = ConversionRequest(model=str(model), recipe={"backend": "te", "scaling": "current"},
+                                    calibration=settings, serving_formats=("compressed-tensors-fp8",),
+                                    skip_first_last=False, measure=False)
+        run_conversion(request, work / "fp8forge", local_sources(model.parent, work))
+        params = {"model_dir": str(model), "tokens": str(work / "tokens.json"), "seq_len": WINDOW, "batch_size": 1,
+                  "out_dir": str(work / "llmcompressor"), "recipe": {"scheme": "FP8"}}
+        done = subprocess.run([str(venv_python(DEFAULT_PEER_VENV)), str(ROOT / "benchmarks" / "bench_serving.py"),
+                               "--child", "peer-export", json.dumps(params)], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"llm-compressor's export failed:\n{done.stderr[-3000:]}")
+        source = load_source(model)
+        paths = [name for name, module in source.model.named_modules()
+                 if isinstance(module, nn.Linear) and name != "lm_head"]
+        exports = {"fp8forge": work / "fp8forge" / "serving" / "compressed-tensors-fp8",
+                   "llm-compressor": work / "llmcompressor"}
+        variants = {name: export_layer_casts(directory, paths, source.checkpoint.on_disk_name,
+                                             input_cast="e4m3_tensor") for name, directory in exports.items()}
+        figures = measure_qualities(source, variants, max_tokens=args.tokens)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"compressed-tensors FP8 (static) of SmolLM2-135M-Instruct, both calibrated on the same "
+          f"{settings.steps} x {WINDOW} tokens ({data_source}); llm-compressor {versions.get('llmcompressor')}; "
+          f"scored on {args.tokens} held-out tokens by measure_quality from each export's files")
+    print()
+    print("| export | quantized Linears | perplexity | source | kl_mean | kl_max | top1_agreement |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, row in figures.items():
+        print(f"| {name} | {len(variants[name])} | {row.perplexity:.3f} | {row.perplexity_reference:.3f} | "
+              f"{row.kl_mean:.4f} | {row.kl_max:.3f} | {row.top1_agreement:.3f} |")
 
 
 # ---- scale ------------------------------------------------------------------------------------------------
@@ -214,14 +282,14 @@ def main() -> None:
         print(json.dumps(CHILDREN[sys.argv[2]](json.loads(sys.argv[3]))))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", choices=("real", "scale"), default="real")
+    parser.add_argument("mode", nargs="?", choices=("real", "scale", "peer"), default="real")
     parser.add_argument("--tokens", type=int, default=256, help="scored positions (and calibration tokens in scale)")
     parser.add_argument("--calib-steps", type=int, default=4, help="real: the conversion job's calibration steps")
     parser.add_argument("--sizes", type=lambda text: [float(x) for x in text.split(",")], default=[0.25, 1.0],
                         help="scale: model sizes in billions of parameters")
     parser.add_argument("--json", help="real: also write the rows as JSON here")
     args = parser.parse_args()
-    real(args) if args.mode == "real" else scale(args)
+    {"real": real, "scale": scale, "peer": peer}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -55,13 +55,14 @@ def recipe_layer_casts(recipe: Any, paths: Iterable[str], amax: Mapping[str, Any
     path -> :class:`converters.calibration.amax.LayerAmax`); without one the input scales per call.
     """
     casts = recipe_casts(recipe)
-    margin = casts.delayed.margin if casts.delayed is not None else None
+    # margin 0 scales as every other per-tensor cast does: None, so that equal casts compare equal
+    margin = (casts.delayed.margin or None) if casts.delayed is not None else None
     out = {}
     for path in paths:
         scale = None
         if casts.delayed is not None and casts.input is not None and amax and path in amax:
             top = amax[path].forward[:, 0].max()
-            scale = float(tensor_scale(top, E4M3_MAX * 2.0 ** -margin)) if float(top) > 0 else None
+            scale = float(tensor_scale(top, E4M3_MAX * 2.0 ** -(margin or 0))) if float(top) > 0 else None
         out[path] = LayerCast(weight=casts.weight, input=casts.input, input_scale=scale, weight_scale_margin=margin)
     return out
 

@@ -129,9 +129,16 @@ def measure_qualities(source: Path | QualitySource, variants: Mapping[str, Mappi
         unknown = sorted(set(casts) - known)
         if unknown:
             raise ValueError(f"layer_casts names modules that are not Linears of the model: {unknown[:5]}")
-    streams, passes = _run_layers(source, batches, variants, should_stop, on_layer)
-    scores = _score_heads(source, batches, streams, passes, variants)
-    return {name: scores[name].figures(texts=len(batches), held_out=held_out) for name in variants}
+    # Variants with the same casts (TE delayed without calibrated amax and TE current; a recipe compared with
+    # itself) run once.
+    unique: dict[frozenset, str] = {}
+    for name, casts in variants.items():
+        unique.setdefault(frozenset((path, cast) for path, cast in casts.items() if cast is not None), name)
+    runs = {name: variants[name] for name in unique.values()}
+    streams, passes = _run_layers(source, batches, runs, should_stop, on_layer)
+    scores = _score_heads(source, batches, streams, passes, runs)
+    return {name: scores[unique[frozenset((path, cast) for path, cast in casts.items() if cast is not None)]]
+            .figures(texts=len(batches), held_out=held_out) for name, casts in variants.items()}
 
 
 def _token_batches(source: QualitySource, texts: list[str], max_tokens: int, seq_len: int) -> list[dict[str, Any]]:
