@@ -48,6 +48,7 @@ from converters.analysis.reasons import Reason
 from converters.calibration.emulation import db
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.plan import ServingPlan
 
 __all__ = ["BLOCK", "FP8Block", "FP8_BLOCK", "FP8_BLOCK_TE", "FP8_BLOCK_UE8M0", "FP8_BLOCK_UE8M0_TE", "ScaleArithmetic",
@@ -168,14 +169,13 @@ def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat,
     """``[weight e4m3, weight_scale_inv fp32 [rows/128, cols/128]]``; the scale is 1 for an all-zero block."""
     rows, columns = weight.shape
     if arithmetic is ScaleArithmetic.TRANSFORMER_ENGINE:
-        # |w| and its max in the weight's own dtype (exact there), the product in fp32 as TE's kernel computes it,
-        # in place on one float32 copy. Multiplied by TE's scale, not divided by its inverse: the two differ in the
-        # last bit of some values.
+        # |w| and its max in the weight's own dtype (exact there), the product as TE's kernel computes it in fp32.
+        # Multiplied by TE's scale, not divided by its inverse: the two differ in the last bit of some values.
         blocks = weight.reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK)
         amax = blocks.abs().amax(dim=(1, 3), keepdim=True).float()
-        scale, scale_inv = te_block_scales(amax, pow2=scale_fmt is ScaleFormat.UE8M0, input_dtype=weight.dtype)
-        product = blocks.to(torch.float32, copy=True).mul_(scale)
-        quantized = product.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        pow2 = scale_fmt is ScaleFormat.UE8M0
+        scale, scale_inv = te_block_scales(amax, pow2=pow2, input_dtype=weight.dtype)
+        quantized = to_e4m3(blocks, scale, power_of_two=pow2)
         return [quantized.reshape(rows, columns), scale_inv.reshape(rows // BLOCK, columns // BLOCK)]
     blocks = weight.float().reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)

@@ -44,6 +44,7 @@ from converters.analysis.reasons import Reason
 from converters.calibration.emulation import E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
+from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.plan import ServingPlan
 
 __all__ = ["GROUP", "MXFP8", "MXFP8_FLOOR", "MXFP8_RCEIL", "MXFP8_TE", "MXFP8Format", "MXScaleMode", "mx_scale",
@@ -109,9 +110,7 @@ def mx_exponents(groups: torch.Tensor, mode: MXScaleMode) -> tuple[torch.Tensor,
 
     Values are clamped to +-448 and rounded to nearest even, as both libraries' saturating casts do.
     """
-    # |w| and its max in the weight's own dtype (exact there); the scaling in place on one float32 copy
-    data = groups.to(torch.float32, copy=True)
-    amax = groups.abs().amax(dim=-1, keepdim=True).float()
+    amax = groups.abs().amax(dim=-1, keepdim=True).float()  # |w| and its max in the weight's dtype: exact there
     if mode is MXScaleMode.TRANSFORMER_ENGINE:
         product = amax * _RCP_448
         bits = product.view(torch.int32)
@@ -121,21 +120,20 @@ def mx_exponents(groups: torch.Tensor, mode: MXScaleMode) -> tuple[torch.Tensor,
         biased = torch.where(torch.isinf(product), 0xFE, torch.where(torch.isnan(product), 0xFF, biased))
         multiplier = torch.where(biased == 254, torch.tensor(2.0 ** -127),
                                  ((254 - biased) << 23).view(torch.float32))
-        scaled = data.mul_(multiplier)
+        quantized = to_e4m3(groups, multiplier, power_of_two=True)
     elif mode is MXScaleMode.RCEIL:
         biased = (torch.clamp(torch.ceil(torch.log2(amax / E4M3_MAX)), min=-_E8M0_BIAS, max=_E8M0_BIAS)
                   + _E8M0_BIAS).to(torch.uint8)
         multiplier = torch.where(biased == 254, 2.0 ** -127, torch.where(
             biased == 0, 1.0, torch.exp2(_E8M0_BIAS - biased.to(torch.float32))))
-        scaled = data.mul_(multiplier)
+        quantized = to_e4m3(groups, multiplier, power_of_two=True)
     elif mode is MXScaleMode.FLOOR:
         own = ((amax.view(torch.int32) >> 23) & 0xFF) - _E8M0_BIAS
         biased = (torch.clamp(own - _E4M3_EMAX, min=-_E8M0_BIAS, max=_E8M0_BIAS + 1) + _E8M0_BIAS).to(torch.uint8)
         scale = torch.clamp((biased.to(torch.int32) << 23).view(torch.float32), min=_F32_MIN_NORMAL)
-        scaled = data.div_(scale)
+        quantized = to_e4m3(groups, scale, divide=True, power_of_two=True)
     else:
         raise ValueError(f"mx_exponents has no arithmetic for mode {mode.value}: use mx_scale")
-    quantized = scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return biased.to(torch.uint8).squeeze(-1), quantized
 
 

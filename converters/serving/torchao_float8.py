@@ -29,6 +29,7 @@ import torch
 from converters.calibration.scaling import E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import CompressedTensorsFP8
+from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.plan import ServingPlan
 
 __all__ = ["AO_ROWWISE", "AO_TENSORWISE", "TorchaoFloat8", "TorchaoGranularity", "torchao_float8_cast"]
@@ -55,8 +56,8 @@ def torchao_float8_cast(weight: torch.Tensor, granularity: TorchaoGranularity) -
     scale = (E4M3_MAX / torch.clamp(amax.to(torch.float64), min=_EPS)).to(torch.float32)
     if granularity is TorchaoGranularity.ROWWISE:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    product = weight.to(torch.float32, copy=True).mul_(scale)  # torchao's tensor.to(float32) * scale, in place
-    quantized = product.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    # torchao's to_fp8_saturated(tensor.to(float32) * scale)
+    quantized = to_e4m3(weight, scale, power_of_two=granularity is TorchaoGranularity.ROWWISE)
     return quantized, scale.reciprocal()
 
 
