@@ -35,6 +35,7 @@ SEMANTIC_REFUSALS = {
     ("invalid_recipe", "recipe.nvfp4_4over6"),  # activations/all need disable_rht
     ("invalid_request", "kv_cache"),  # needs a serving format that writes KV-cache scales
     ("invalid_request", "measure"),  # false, with min_sqnr_db or compare_recipes (they need the measurement)
+    ("invalid_request", "backend"),  # analyze: a backend sent beside a recipe of another backend
 }
 @schemathesis.check
 def valid_data_refused_only_for_semantic_reasons(ctx, response, case) -> None:
