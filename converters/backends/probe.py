@@ -23,7 +23,7 @@ from converters.backends.gemm_trace import GemmKind, LinearCheck, tracing_gemms
 from converters.backends.loaders import load_te, load_torchao
 from converters.backends.te.probe import te_step_checks
 from converters.backends.te.runtime import require_te
-from converters.errors import ArtifactError
+from converters.errors import ArtifactError, ConversionError, Fp8ForgeError
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.recipes import recipe_from_dict
 
@@ -62,7 +62,7 @@ def probe_artifact(directory: str | Path, *, device: str | None = None, verify: 
     of ``seq_len`` random token ids (seeded), so TE's multiple-of-8 token rule holds at the defaults.
 
     Raises ArtifactError for a directory that is not an artifact (or fails its manifest), BackendUnavailableError
-    for a TE artifact where CUDA or TE is missing, and the loaders' errors.
+    for a TE artifact where CUDA or TE is missing, the loaders' errors, and ConversionError when the step fails.
     """
     directory = Path(directory).resolve()
     block = read_fp8_block(directory, _backend_of(directory))
@@ -79,12 +79,17 @@ def probe_artifact(directory: str | Path, *, device: str | None = None, verify: 
     ids = torch.randint(0, reference.config.vocab_size, (batch_size, seq_len), generator=generator).to(device)
     reference_loss = _training_step(reference, ids)
     del reference
-    if backend == "te":
-        model = load_te(directory, verify=False)
-        loss, layers, active = te_step_checks(model, ids, expected, _training_step)
-    else:
-        model = load_torchao(directory, verify=False, device=device)
-        loss, layers, active = _torchao_step_checks(model, ids, expected)
+    model = load_te(directory, verify=False) if backend == "te" else load_torchao(directory, verify=False,
+                                                                                  device=device)
+    try:
+        if backend == "te":
+            loss, layers, active = te_step_checks(model, ids, expected, _training_step)
+        else:
+            loss, layers, active = _torchao_step_checks(model, ids, expected)
+    except Fp8ForgeError:
+        raise
+    except Exception as exc:  # torch, torchao and TE kernels raise RuntimeError/AssertionError: say where
+        raise ConversionError(f"the FP8 step of {directory} failed: {type(exc).__name__}: {exc}") from exc
     errors = _mismatches(layers, model)
     if not torch.isfinite(torch.tensor(loss)):
         errors.append(f"the FP8 step's loss is not finite ({loss}); the bf16 step's is {reference_loss}")
