@@ -66,7 +66,42 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     """
     if scale.dtype == torch.uint8:
         scale = torch.ldexp(torch.ones(scale.shape, dtype=torch.float32), scale.to(torch.int32) - _E8M0_BIAS)
-    return (weight.float() * expand_scale(scale, weight.shape, block)).to(dtype)
+    rows = weight.shape[-2] if weight.ndim >= 2 else 0
+    step = _chunk_rows(weight, block)
+    if weight.ndim < 2 or scale.numel() == 1 or step >= rows:
+        return (weight.float() * expand_scale(scale, weight.shape, block)).to(dtype)
+    # Row chunks: the fp32 intermediates (the codes, the broadcast scale, the product) of a few MiB at a time
+    # instead of three times the weight; each element's arithmetic is the same, so are its bits.
+    out = torch.empty(weight.shape, dtype=dtype)
+    for start in range(0, rows, step):
+        end = min(start + step, rows)
+        part = weight[..., start:end, :]
+        out[..., start:end, :] = part.float().mul_(expand_scale(_scale_rows(scale, weight.shape, block, start, end),
+                                                                part.shape, block)).to(dtype)
+    return out
+
+
+#: elements of one row chunk's fp32 intermediates (4 MiB each)
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _chunk_rows(weight: torch.Tensor, block: tuple[int, int] | None) -> int:
+    """Rows per chunk: about ``_CHUNK_ELEMENTS`` elements, whole scale blocks."""
+    per_row = max(1, weight.numel() // max(1, weight.shape[-2])) if weight.ndim >= 2 else 1
+    unit = block[0] if block is not None else 1
+    return max(unit, _CHUNK_ELEMENTS // per_row // unit * unit)
+
+
+def _scale_rows(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] | None, start: int,
+                end: int) -> torch.Tensor:
+    """The part of ``scale`` that covers rows ``start:end`` of a weight of ``shape`` (``start`` a multiple of
+    the block's rows); the layouts of :func:`expand_scale`."""
+    rows, cols = shape[-2], shape[-1]
+    if block is not None and tuple(scale.shape[-2:]) == (math.ceil(rows / block[0]), math.ceil(cols / block[1])):
+        return scale[..., start // block[0]:math.ceil(end / block[0]), :]
+    if scale.ndim == len(shape) - 1 and scale.shape[-1] == rows:
+        return scale[..., start:end]
+    return scale[..., start:end, :]
 
 
 def unpack_e2m1(packed: torch.Tensor, *, negative_zero: bool = True) -> torch.Tensor:

@@ -408,3 +408,25 @@ def test_transformers_misreads_partial_fp8_blocks(rows, scale_rows):
         theirs = Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.bfloat16)
         assert not torch.equal(bits(ours), bits(theirs))
         assert torch.equal(bits(ours[:96]), bits(theirs[:96]))  # the first 96 rows: block row 0 in both readings
+
+
+@pytest.mark.parametrize("weight_shape,scale_shape,block", [
+    ((200, 300), (2, 3), (128, 128)),  # block grid, partial last row and column
+    ((3, 256, 384), (3, 2, 3), (128, 128)),  # stacked experts
+    ((200, 320), (200, 10), None),  # groups along the columns
+    ((200, 320), (200, 1), None),  # per channel
+    ((200, 320), (200,), None),  # per channel, one dim
+])
+def test_row_chunks_give_the_bits_of_one_pass(monkeypatch, weight_shape, scale_shape, block):
+    """Large weights are dequantized a few rows at a time (bounded fp32 intermediates): same bits as one pass."""
+    from converters.model.quantized import arithmetic
+
+    generator = torch.Generator().manual_seed(4)
+    weight = (torch.randn(weight_shape, generator=generator) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(scale_shape, generator=generator) + 0.5
+    whole = arithmetic.dequantize_fp8(weight, scale, torch.bfloat16, block)
+    one_pass = (weight.float() * arithmetic.expand_scale(scale, weight.shape, block)).to(torch.bfloat16)
+    assert torch.equal(bits(whole), bits(one_pass))
+    monkeypatch.setattr(arithmetic, "_CHUNK_ELEMENTS", 4096)  # chunks of 128 rows (blocks) or 12 rows
+    assert arithmetic._chunk_rows(weight, block) < weight_shape[-2]
+    assert torch.equal(bits(arithmetic.dequantize_fp8(weight, scale, torch.bfloat16, block)), bits(one_pass))
