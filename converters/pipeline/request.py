@@ -67,7 +67,8 @@ SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynami
                         "mxfp8", "nvfp4", "nvfp4-a16", "modelopt-fp8", "modelopt-nvfp4",
                         # the training twins (docs/sync.md): a training recipe's own weight casts
                         "fp8-block-te", "fp8-block-ue8m0-te", "mxfp8-te", "mxfp8-rceil", "mxfp8-floor",
-                        "compressed-tensors-fp8-torchao-tensorwise", "compressed-tensors-fp8-torchao-rowwise")
+                        "compressed-tensors-fp8-torchao-tensorwise", "compressed-tensors-fp8-torchao-rowwise",
+                        "compressed-tensors-fp8-te-tensorwise")
 #: A calibration text must contain a character this regex finds: anything but what ``str.isspace`` calls
 #: whitespace (so "\u00a0\u3000" is blank too). Written with escapes only, which Python, pydantic's Rust regex and
 #: the OpenAPI schema's ECMAScript readers all read alike.

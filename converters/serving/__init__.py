@@ -14,7 +14,7 @@ from converters.serving.modelopt import MODELOPT_FP8, MODELOPT_NVFP4
 from converters.serving.mxfp8 import MXFP8, MXFP8_FLOOR, MXFP8_RCEIL, MXFP8_TE
 from converters.serving.nvfp4 import NVFP4, NVFP4_A16
 from converters.serving.plan import ServingFormat, ServingPlan, plan_serving, write_serving_checkpoint
-from converters.serving.torchao_float8 import AO_ROWWISE, AO_TENSORWISE
+from converters.serving.torchao_float8 import AO_ROWWISE, AO_TENSORWISE, TE_TENSORWISE
 
 __all__ = ["SERVING_FORMATS", "ServingFormat", "ServingPlan", "plan_serving", "serving_format",
            "write_serving_checkpoint"]
@@ -24,7 +24,7 @@ SERVING_FORMATS: dict[str, ServingFormat] = {fmt.name: fmt for fmt in (STATIC, D
                                                                        MODELOPT_NVFP4)}
 #: the training twins (converters.sync.twins): each writes a training recipe's own weight casts in a layout above
 SERVING_FORMATS |= {fmt.name: fmt for fmt in (FP8_BLOCK_TE, FP8_BLOCK_UE8M0_TE, MXFP8_TE, MXFP8_RCEIL, MXFP8_FLOOR,
-                                              AO_TENSORWISE, AO_ROWWISE)}
+                                              AO_TENSORWISE, AO_ROWWISE, TE_TENSORWISE)}
 
 
 def serving_format(name: str, *, field: str = "serving_formats") -> ServingFormat:

@@ -1,5 +1,7 @@
 """compressed-tensors FP8 holding torchao's ``Float8Linear`` weight casts: the serving twins of its training recipes.
 
+(And of TE ``Float8CurrentScaling``, whose per-tensor weight cast fits the same layout: ``te_current_scaling_cast``.)
+
 torchao 0.18 (``torchao/float8/float8_linear.py``, ``float8_scaling_utils.hp_tensor_to_float8_dynamic``,
 ``float8_utils.amax_to_scale`` and ``to_fp8_saturated``, ``config.Float8LinearConfig.from_recipe_name``) casts the
 weight of each forward as follows, and ``Float8TrainingOpConfig`` runs the same recipe through
@@ -32,16 +34,37 @@ from converters.serving.compressed_tensors import CompressedTensorsFP8
 from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.plan import ServingPlan
 
-__all__ = ["AO_ROWWISE", "AO_TENSORWISE", "TorchaoFloat8", "TorchaoGranularity", "torchao_float8_cast"]
+__all__ = ["AO_ROWWISE", "AO_TENSORWISE", "TE_TENSORWISE", "TorchaoFloat8", "TorchaoGranularity",
+           "te_current_scaling_cast", "torchao_float8_cast"]
 
 _EPS = 1e-12  # torchao.float8.float8_utils.EPS: the amax floor of amax_to_scale
 
 
 class TorchaoGranularity(str, enum.Enum):
-    """The weight scale of a torchao Float8Linear recipe: one per tensor, or one power of two per output channel."""
+    """The weight scale of a training recipe: one per tensor, or one power of two per output channel.
+
+    ``te-tensorwise`` is TE ``Float8CurrentScaling``'s weight cast (:func:`te_current_scaling_cast`), written in the
+    same per-tensor layout.
+    """
 
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
+    TE_TENSORWISE = "te-tensorwise"
+
+
+def te_current_scaling_cast(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(E4M3 weight, float32 scale_inv [1])``: TE ``Float8CurrentScaling``'s cast of ``weight``.
+
+    TE's ``compute_scale_from_amax`` with the recipe's weight ``QParams`` (``power_2_scale`` off unless the training
+    job set ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1``, ``amax_epsilon`` 0), as TE's reference
+    ``tests/pytorch/references/ref_per_tensor_cs.py`` restates it: ``scale = fp32(448 / amax)`` (float32's largest
+    value where that overflows, 1 for an all-zero weight), the weight multiplied by it, ``scale_inv = 1 / scale``.
+    """
+    amax = weight.abs().max().float().reshape(1)
+    scale = torch.div(E4M3_MAX, amax)
+    scale = torch.where(scale == torch.inf, torch.finfo(torch.float32).max, scale)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    return to_e4m3(weight, scale), torch.reciprocal(scale)
 
 
 def torchao_float8_cast(weight: torch.Tensor, granularity: TorchaoGranularity) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +72,8 @@ def torchao_float8_cast(weight: torch.Tensor, granularity: TorchaoGranularity) -
 
     ``weight_scale`` is the reciprocal of torchao's scale, the factor its ``_scaled_mm`` applies.
     """
+    if granularity is TorchaoGranularity.TE_TENSORWISE:
+        return te_current_scaling_cast(weight)
     if granularity is TorchaoGranularity.TENSORWISE:
         amax = weight.abs().max().reshape(1)
     else:
@@ -68,10 +93,10 @@ class TorchaoFloat8(CompressedTensorsFP8):
         super().__init__(name=name, static=False)
         self.granularity = TorchaoGranularity(granularity)
         self.supports_kv_cache = False  #: model-free and synced exports have no calibrated KV-cache amax
-        self.weight_cast = "e4m3_tensor" if self.granularity is TorchaoGranularity.TENSORWISE else "e4m3_row"
+        self.weight_cast = "e4m3_row" if self.granularity is TorchaoGranularity.ROWWISE else "e4m3_tensor"
 
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
-        shape = (1,) if self.granularity is TorchaoGranularity.TENSORWISE else (weight.shape[0], 1)
+        shape = (weight.shape[0], 1) if self.granularity is TorchaoGranularity.ROWWISE else (1,)
         return {weight_key: StreamingWriter.entry(torch.float8_e4m3fn, weight.shape),
                 f"{weight_key.removesuffix('weight')}weight_scale": StreamingWriter.entry(torch.float32, shape)}
 
@@ -82,7 +107,7 @@ class TorchaoFloat8(CompressedTensorsFP8):
     def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
         config = super().quantization_config(plan)
         weights = config["config_groups"]["group_0"]["weights"]
-        weights["strategy"] = "tensor" if self.granularity is TorchaoGranularity.TENSORWISE else "channel"
+        weights["strategy"] = "channel" if self.granularity is TorchaoGranularity.ROWWISE else "tensor"
         weights["scale_dtype"] = "torch.float32"
         return config
 
@@ -90,3 +115,5 @@ class TorchaoFloat8(CompressedTensorsFP8):
 AO_TENSORWISE = TorchaoFloat8(name="compressed-tensors-fp8-torchao-tensorwise",
                               granularity=TorchaoGranularity.TENSORWISE)
 AO_ROWWISE = TorchaoFloat8(name="compressed-tensors-fp8-torchao-rowwise", granularity=TorchaoGranularity.ROWWISE)
+TE_TENSORWISE = TorchaoFloat8(name="compressed-tensors-fp8-te-tensorwise",
+                              granularity=TorchaoGranularity.TE_TENSORWISE)

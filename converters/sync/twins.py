@@ -9,12 +9,13 @@ entry names the tests that hold it to the training library's own cast (``checked
 | TE ``Float8BlockScaling`` (128x128 weights), power-of-two scales | ``fp8-block-ue8m0-te`` |
 | TE ``Float8BlockScaling`` (128x128 weights), fp32 scales | ``fp8-block-te`` |
 | TE ``MXFP8BlockScaling`` (1-D blocks of 32) | ``mxfp8-te`` |
+| TE ``Float8CurrentScaling`` (per-tensor fp32 scales) | ``compressed-tensors-fp8-te-tensorwise`` |
 | torchao ``Float8Linear`` / ``Float8TrainingOpConfig`` tensorwise | ``compressed-tensors-fp8-torchao-tensorwise`` |
 | the same, rowwise and rowwise_with_gw_hp | ``compressed-tensors-fp8-torchao-rowwise`` |
 | torchao ``MXFP8TrainingOpConfig`` RCEIL / FLOOR | ``mxfp8-rceil`` / ``mxfp8-floor`` |
 
 No twin: TE ``DelayedScaling`` (its weight scale comes from an amax history, not from the weight), TE
-``Float8CurrentScaling``, TE ``NVFP4BlockScaling``, 1x128 weight blocks and 2-D (32x32) MXFP8 weight blocks.
+``NVFP4BlockScaling``, 1x128 weight blocks and 2-D (32x32) MXFP8 weight blocks.
 No torch import here.
 """
 
@@ -60,6 +61,13 @@ def training_twin(recipe: Any) -> TrainingTwin:
             recipe=f"{library}, 128x128 weight blocks, {'power-of-two' if pow2 else 'fp32'} scales",
             checked_by=f"{_TE_TEST}: TE's Python reference of the block cast on CPU (held to its CUDA kernel by TE's "
                        "test_float8_blockwise_scaling_exact.py); TE's Float8BlockQuantizer on a CUDA machine")
+    if scaling is TEScaling.CURRENT:
+        return TrainingTwin(
+            format="compressed-tensors-fp8-te-tensorwise", recipe=f"{library}, per-tensor fp32 scale",
+            checked_by=f"{_TE_TEST}: TE's Python reference of the current-scaling cast on CPU; TE's "
+                       "Float8CurrentScalingQuantizer on a CUDA machine",
+            caveat="a training job run with NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1 (not recorded in the recipe) "
+                   "rounds its scales to powers of two: not this twin")
     if scaling is TEScaling.MXFP8_BLOCK and not recipe.enable_2d_quantization:
         return TrainingTwin(
             format="mxfp8-te", recipe=f"{library}, 1-D blocks of 32",

@@ -55,6 +55,16 @@ def _te_quantize_square_block_tiling(x, quant_dtype, tile_len, *, pow_2_scales, 
     return qx.reshape(M, K), scale_inv
 
 
+def _te_ref_per_tensor_cs_cast(tensor, quant_dtype, *, force_pow_2_scales=False, amax_epsilon=0.0):
+    """TE's ``ref_per_tensor_cs_cast`` (``tests/pytorch/references/ref_per_tensor_cs.py``), rowwise output only."""
+    x_fp32 = tensor.to(torch.float32)
+    amax = torch.amax(torch.abs(x_fp32)).view(1)
+    scale, scale_inv, _ = _te_scale_from_amax_tensor(torch.float32, amax, quant_dtype, eps=amax_epsilon,
+                                                     pow_2_scales=force_pow_2_scales)
+    qx = (tensor.float() * scale).to(quant_dtype)
+    return qx, scale_inv
+
+
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.uint8)
 
@@ -75,6 +85,17 @@ def test_fp8_block_twins_are_tes_reference_cast(name, pow2, dtype):
     reference, reference_inv = _te_quantize_square_block_tiling(weight, torch.float8_e4m3fn, 128, pow_2_scales=pow2,
                                                                 eps=0.0)
     assert scale_inv.dtype == torch.float32 and scale_inv.shape == (2, 4)
+    assert torch.equal(scale_inv, reference_inv)
+    assert torch.equal(_bytes(quantized), _bytes(reference))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale_of_weight", [1.0, 1e-3, 1e-37, 0.0])
+def test_current_scaling_twin_is_tes_reference_cast(dtype, scale_of_weight):
+    weight = (torch.randn(96, 256, generator=torch.Generator().manual_seed(3)) * scale_of_weight).to(dtype)
+    quantized, scale_inv = serving_format("compressed-tensors-fp8-te-tensorwise").quantize(weight, None, dtype)
+    reference, reference_inv = _te_ref_per_tensor_cs_cast(weight, torch.float8_e4m3fn)
+    assert scale_inv.dtype == torch.float32 and scale_inv.shape == (1,)
     assert torch.equal(scale_inv, reference_inv)
     assert torch.equal(_bytes(quantized), _bytes(reference))
 
@@ -143,3 +164,19 @@ def test_mxfp8_twin_is_te_mxfp8_quantizer():
     assert torch.equal(cast._rowwise_data.view(torch.uint8).cpu(), _bytes(quantized))
     scales = cast._rowwise_scale_inv.view(torch.uint8).cpu()  # padded to [rows % 128, columns / 32 % 4]
     assert torch.equal(scales[: exponent.shape[0], : exponent.shape[1]], exponent)
+
+
+@pytest.mark.skipif(not _te_available(), reason=_TE_MISSING)
+def test_current_scaling_twin_is_te_float8_current_scaling_quantizer():
+    import transformer_engine.pytorch as te  # noqa: F401
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    weight = _block_weight(torch.bfloat16)
+    quantizer = Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, torch.device("cuda"), rowwise=True,
+                                              columnwise=False, force_pow_2_scales=False, amax_epsilon=0.0)
+    cast = quantizer(weight.cuda())
+    quantized, scale_inv = serving_format("compressed-tensors-fp8-te-tensorwise").quantize(weight, None,
+                                                                                       torch.bfloat16)
+    assert torch.equal(cast._data.view(torch.uint8).cpu(), _bytes(quantized))
+    assert torch.equal(cast._scale_inv.reshape(1).cpu(), scale_inv)

@@ -24,7 +24,10 @@ pytest.importorskip("torchao")
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
 from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
 
-from tests.converters.serving.test_training_twin_te import _te_quantize_square_block_tiling  # noqa: E402
+from tests.converters.serving.test_training_twin_te import (  # noqa: E402
+    _te_quantize_square_block_tiling,
+    _te_ref_per_tensor_cs_cast,
+)
 from tests.converters.serving.test_training_twin_torchao import _torchao_weight_cast  # noqa: E402
 
 RECIPES = {
@@ -32,6 +35,7 @@ RECIPES = {
     "te_block_fp32": {"backend": "te", "scaling": "float8_block", "use_f32_scales": True},
     "te_mxfp8": {"backend": "te", "scaling": "mxfp8_block"},
     "te_delayed": {"backend": "te"},
+    "te_current": {"backend": "te", "scaling": "current"},
     "ao_rowwise": {"backend": "ao", "recipe_name": "rowwise", "emulate": True},
     "ao_tensorwise": {"backend": "ao", "recipe_name": "tensorwise", "emulate": True},
     "ao_mxfp8_floor": {"backend": "ao", "scaling": "mxfp8_training_op", "kernel_preference": "emulated",
@@ -111,6 +115,19 @@ def test_partly_converted_fused_groups_stay_in_high_precision_and_are_named(work
     assert report["differs_from_training"] == ["model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
     ignored = json.loads((workspace / "serving-fused" / "config.json").read_text())["quantization_config"]
     assert "model.layers.0.self_attn.k_proj" in ignored["modules_to_not_convert"]
+
+
+def test_te_current_scaling_artifact_syncs_to_tes_per_tensor_cast(workspace):
+    art = artifact(workspace, "te_current")
+    out = workspace / "serving-te-current"
+    report = sync_serving(art, out)
+    assert report["format"] == "compressed-tensors-fp8-te-tensorwise"
+    exported = _check_common(art, out, report)
+    source = _source_weights(art)
+    for key in report["quantized"]:
+        data, scale_inv = _te_ref_per_tensor_cs_cast(source[key], torch.float8_e4m3fn)
+        assert torch.equal(_bytes(exported[key]), _bytes(data)), key
+        assert torch.equal(exported[key.removesuffix("weight") + "weight_scale"], scale_inv), key
 
 
 @pytest.mark.parametrize(("name", "recipe"), [("ao_rowwise", "rowwise"), ("ao_tensorwise", "tensorwise")])
