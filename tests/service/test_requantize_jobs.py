@@ -222,3 +222,15 @@ def test_combinations_that_make_no_sense_are_refused(tmp_path: Path, body: dict,
     error = response.json()["error"]
     assert error["field"] == field, error
     assert error["message"]
+
+
+def test_the_api_offers_the_targets_model_free_conversion_has() -> None:
+    from converters.errors import RequestError
+    from converters.modelfree.targets import model_free_target
+    from converters.pipeline.request import REQUANTIZE_TARGETS, SERVING_FORMAT_NAMES
+
+    for name in REQUANTIZE_TARGETS:
+        assert model_free_target(name) is not None
+    for name in set(SERVING_FORMAT_NAMES) - set(REQUANTIZE_TARGETS):
+        with pytest.raises(RequestError):
+            model_free_target(name)
