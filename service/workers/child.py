@@ -33,7 +33,8 @@ from service.redaction import server_directories, without_server_paths
 from service.workers.messages import DISK_FULL, Failed, Progress, StageStarted, Succeeded, Warned
 from service.workers.procs import configure_logging, die_with_parent
 
-__all__ = ["PipeSink", "child_main", "cpu_quota", "limit_threads", "thread_budget", "usable_cpus"]
+__all__ = ["PipeSink", "child_main", "cpu_quota", "failure_of", "hidden_directories", "limit_threads",
+           "thread_budget", "usable_cpus"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def child_main(
     configure_logging(log_level, "conversion")
 
     silence_third_party_noise()  # a spawned process starts without the filters its worker set; before torch loads
-    directories = _server_directories(out_dir, sources)
+    directories = hidden_directories(out_dir, sources)
     try:
         logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
         from converters.pipeline.driver import run_conversion  # imports torch: only in the process that converts
@@ -148,13 +149,13 @@ def child_main(
         )
         conn.send(Succeeded([dict(m) for m in result.manifest]))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
-        failure = _failure(exc)
+        failure = failure_of(exc)
         conn.send(dataclasses.replace(failure, message=without_server_paths(failure.message, directories)))
     finally:
         conn.close()
 
 
-def _server_directories(out_dir: str, sources: dict[str, Any]) -> list[tuple[str, str]]:
+def hidden_directories(out_dir: str, sources: dict[str, Any]) -> list[tuple[str, str]]:
     """The server's directories a client message must not name: the job's output, the data directory and key
     file (the sources' private paths) and the hub cache."""
     private = [Path(path) for path in sources.get("private_paths", ())]
@@ -165,7 +166,7 @@ def _server_directories(out_dir: str, sources: dict[str, Any]) -> list[tuple[str
     return sorted(set(named), key=lambda pair: -len(pair[0]))
 
 
-def _failure(exc: BaseException) -> Failed:
+def failure_of(exc: BaseException) -> Failed:
     """Why the run failed, for the worker: a full disk (whoever raised it, a library or fp8forge wrapping an
     ``OSError``), a conversion error, or a crash (whose text stays in this log)."""
     if disk_full(exc):  # not the job's fault: this host has no room, another may

@@ -34,7 +34,7 @@ from service.workers.messages import ChildMessage, Failed, Progress, StageStarte
 from service.workers.outcome import AttemptOutcome
 from service.workers.watch import RunWatch
 
-__all__ = ["JobRun"]
+__all__ = ["JobRun", "ensure_dead"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class JobRun:
         try:
             self._supervise(proc, receiver, stop)
         finally:
-            _ensure_dead(proc)
+            ensure_dead(proc)
             receiver.close()
         if self.watch.lost:
             logger.warning("job %s was taken from this worker (or its store stayed unreachable); its result is "
@@ -222,7 +222,8 @@ class JobRun:
             self._store_failed(exc)
 
 
-def _ensure_dead(proc: BaseProcess) -> None:
+def ensure_dead(proc: BaseProcess) -> None:
+    """Stop ``proc`` (SIGTERM, then SIGKILL after 3 s) and reap it."""
     if proc.is_alive():
         proc.terminate()
         proc.join(3)

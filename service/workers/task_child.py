@@ -17,7 +17,7 @@ from typing import Any
 from converters.model.sources import ModelSourceOptions
 from converters.third_party_noise import silence_third_party_noise
 from service.redaction import without_server_paths
-from service.workers.child import _failure, _server_directories, limit_threads
+from service.workers.child import failure_of, hidden_directories, limit_threads
 from service.workers.messages import TaskDone
 from service.workers.procs import configure_logging, die_with_parent
 
@@ -35,7 +35,7 @@ def task_child_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides how this run stops
     configure_logging(log_level, f"task {kind}")
     silence_third_party_noise()
-    directories = _server_directories(out_dir, sources)
+    directories = hidden_directories(out_dir, sources)
     try:
         limit_threads(threads)  # before converters import torch
         from converters.model.sources import confinement_for, resolve_model_dir  # hub client: only here
@@ -46,7 +46,7 @@ def task_child_main(
         result = run_stored_task(kind, payload, inputs, source_dir, Path(out_dir), confinement_for(options))
         conn.send(TaskDone(result))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
-        failure = _failure(exc)
+        failure = failure_of(exc)
         conn.send(dataclasses.replace(failure, message=without_server_paths(failure.message, directories)))
     finally:
         conn.close()

@@ -30,7 +30,7 @@ from service.jobs import Job, JobStatus, Task, TaskStatus
 from service.store import JobStore
 from service.store.schema import brief
 from service.workers.messages import DISK_FULL, Failed, TaskDone
-from service.workers.runner import _ensure_dead
+from service.workers.runner import ensure_dead
 from service.workers.split_jobs import fail_job, settle
 from service.workers.task_child import task_child_main
 
@@ -72,7 +72,7 @@ class TaskRun:
         finally:
             if ended == "result":
                 proc.kill()  # it sent its result; nothing it does after that matters
-            _ensure_dead(proc)
+            ensure_dead(proc)
             receiver.close()
         return self._record(job, ended, result, proc.exitcode)
 
