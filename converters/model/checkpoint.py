@@ -29,9 +29,10 @@ from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME
 from converters.model.quantized import source_quantization
 from converters.model.quantized.stored import StoredWeights
 from converters.model.safetensors_stream import SourceTensor, read_tensor, read_tensor_index
+from converters.model.sources import build_meta_model
 from converters.third_party_noise import transformers_progress_off
 
-__all__ = ["weight_files", "Checkpoint", "release", "unit_keys", "module_keys"]
+__all__ = ["weight_files", "Checkpoint", "load_dequantized_model", "release", "unit_keys", "module_keys"]
 
 
 
@@ -244,6 +245,16 @@ class Checkpoint:
             with torch.no_grad(), initialization.guard_torch_init_functions():
                 for module in owners.values():
                     self.model._init_weights(module)
+
+
+def load_dequantized_model(directory: Path, config: Any, sources: Any, dtype: torch.dtype) -> nn.Module:
+    """A quantized checkpoint's whole model on the CPU, every weight dequantized to ``dtype`` as it loads, through
+    the loader of the layer-sequential mode (``from_pretrained`` would build the quantizer's FP8 modules instead).
+    ``sources``: the :class:`~converters.model.sources.ModelSourceOptions` the config was read with."""
+    model = build_meta_model(config, sources)
+    with torch.no_grad():
+        Checkpoint(directory, model, dtype=dtype, device="cpu").load(unit_keys(model, lambda name: True))
+    return model.eval()
 
 
 def release(module: nn.Module) -> None:

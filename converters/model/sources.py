@@ -379,10 +379,6 @@ def load_model(directory: Path, sources: ModelSourceOptions, *, dtype: torch.dty
             f"{directory} has no *.safetensors weights; fp8forge reads only safetensors checkpoints "
             "(convert .bin weights with transformers' save_pretrained first)"
         )
-    from converters.model.quantized import source_quantization
-
-    if source_quantization(directory) is not None:
-        return _load_dequantized(directory, config, sources, dtype or model_dtype(config))
     cls = model_class(config, sources)
     try:
         with transformers_progress_off():
@@ -399,21 +395,6 @@ def load_model(directory: Path, sources: ModelSourceOptions, *, dtype: torch.dty
         raise ModelNotFoundError(
             f"{directory}: the checkpoint lacks {len(missing)} weight(s) the architecture needs, e.g. {missing[:3]}"
         )
-    model.eval()
-    return model
-
-
-def _load_dequantized(directory: Path, config: Any, sources: ModelSourceOptions, dtype: torch.dtype) -> Any:
-    """A quantized checkpoint's model with every weight dequantized to ``dtype`` as it loads, through the same
-    loader as the layer-sequential mode (``from_pretrained`` would build the quantizer's FP8 modules instead)."""
-    import torch
-
-    from converters.model.checkpoint import Checkpoint, unit_keys
-
-    model = build_meta_model(config, sources)
-    checkpoint = Checkpoint(directory, model, dtype=dtype, device="cpu")
-    with torch.no_grad():
-        checkpoint.load(unit_keys(model, lambda name: True))
     model.eval()
     return model
 

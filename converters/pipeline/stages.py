@@ -37,7 +37,7 @@ from converters.calibration.sequential import (
     choose_mode,
 )
 from converters.errors import CalibrationDataError, RequestError
-from converters.model.checkpoint import Checkpoint
+from converters.model.checkpoint import Checkpoint, load_dequantized_model
 from converters.model.experts import parse_unit_path
 from converters.model.sources import (
     build_meta_model,
@@ -106,7 +106,11 @@ def resolve(run: Run) -> ResolvedModel:
 
 
 def _load_whole_model(run: Run, resolved: ResolvedModel) -> None:
-    run.model = load_model(resolved.directory, run.sources)
+    if resolved.checkpoint.stored is not None:  # a quantized source: each weight dequantized as it loads
+        run.model = load_dequantized_model(resolved.directory, resolved.config, run.sources,
+                                           model_dtype(resolved.config))
+    else:
+        run.model = load_model(resolved.directory, run.sources)
     run.model.to(resolved.device)
 
 
