@@ -111,10 +111,11 @@ class Checkpoint:
                 if target not in meta_state and key in meta_state:
                     target, converter = rename_source_key(key, [], [], prefix, meta_state)
                 self.target_of[key] = target
-                self._check(path, name, key, converter, meta_state.get(target))
+                self._check(path, name, key, converter, target, meta_state.get(target))
         self.tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
 
-    def _check(self, path: Path, name: str, key: str, converter: str | None, expected: torch.Tensor | None) -> None:
+    def _check(self, path: Path, name: str, key: str, converter: str | None, target: str,
+               expected: torch.Tensor | None) -> None:
         """The stored tensor against the meta model's ``expected`` it loads into: its shape (where no converter
         reshapes it), and FP8 or integer codes only where the source's quantization covers them."""
         quantized = self.stored is not None and key in self.stored.stored
@@ -126,7 +127,7 @@ class Checkpoint:
         if expected is None:  # not a tensor of this model (transformers ignores it, so does the conversion)
             return
         shape = self.stored.logical_shape(key, self.source_of) if quantized else self.source_of[name].shape
-        check_against_model(path.name, name, shape, dtype, quantized, key, expected)
+        check_against_model(path.name, name, shape, dtype, quantized, target, expected)
 
     def _dequantized(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """The weights among ``keys`` that the source stores quantized, each dequantized to the model's dtype."""
