@@ -2,14 +2,13 @@
 
 The reports are real: the demo model is converted once per module (4 calibration steps, a serving export and a
 precision plan at a KL budget, which the pipeline measures end to end), and its fp8_report.json is published as a
-job's artifact through the real job store. The blocks shown are the report's own (``plan``, ``amax_swing``); a block
-the conversion does not write yet (``quality``) is added in its documented shape, with figures the test states, and
-a copy without the three blocks checks that the page says plainly that an older report has none.
+job's artifact through the real job store. Every block shown is the conversion's own (``quality`` on held-out texts,
+``plan``, ``amax_swing``); a copy without those three checks that the page says plainly that an older report has
+none.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import uuid
@@ -46,18 +45,12 @@ def real_report(tmp_path_factory) -> dict[str, Any]:
     return json.loads(result.report_path.read_text())
 
 
-def with_blocks(report: dict[str, Any]) -> dict[str, Any]:
-    """The report with its plan and amax swing, and a quality block where the conversion wrote none."""
-    full = copy.deepcopy(report)
-    if not full.get("quality"):
-        def figures(ppl: float, kl: float) -> dict[str, Any]:
-            return {"perplexity": ppl, "perplexity_reference": 301.25, "kl_mean": kl, "kl_max": 12 * kl,
-                    "top1_agreement": 0.97, "tokens": 512, "texts": 8, "held_out": True}
-        full["quality"] = {"held_out": {"source": "built-in corpus, held-out part", "texts": 8, "tokens": 512},
-                           "reference": {"perplexity": 301.25}, "training": figures(302.5, 0.0021),
-                           "serving": {SERVING: figures(303.75, 0.0034)}}
-    assert full.get("plan", {}).get("made") and full.get("amax_swing"), "the conversion writes both blocks"
-    return full
+def holding_blocks(report: dict[str, Any]) -> dict[str, Any]:
+    """The report as written, once it is known to hold the quality of both artifacts, a plan and the amax swing."""
+    quality = report.get("quality") or {}
+    assert quality.get("training") and SERVING in quality.get("serving", {}), quality
+    assert report.get("plan", {}).get("made") and report.get("amax_swing"), "the conversion writes both blocks"
+    return report
 
 
 def publish(store: JobStore, jobs_dir: Path, request: dict[str, Any], report: dict[str, Any]) -> str:
@@ -76,7 +69,7 @@ def publish(store: JobStore, jobs_dir: Path, request: dict[str, Any], report: di
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, real_report) -> Iterator[SimpleNamespace]:
-    """An API without workers, holding three jobs: the real report with its blocks (and quality), the same without
+    """An API without workers, holding three jobs: the real report with its blocks, the same without
     them (an older report), and a failed job."""
     settings = Settings(data_dir=tmp_path_factory.mktemp("accuracy") / "data", auth_disabled=True, workers=0)
     request = real_report["request"]
@@ -89,9 +82,9 @@ def server(tmp_path_factory, real_report) -> Iterator[SimpleNamespace]:
         store.set_status(failed.id, JobStatus.FAILED, owner="test-worker", error_code="calibration_failed",
                          error_message="calibration.seq_len 9000 exceeds max_position_embeddings 2048")
         jobs = SimpleNamespace(older=publish(store, settings.jobs_dir, request, older),
-                               full=publish(store, settings.jobs_dir, request, with_blocks(real_report)),
+                               full=publish(store, settings.jobs_dir, request, holding_blocks(real_report)),
                                failed=failed.id)
-        yield SimpleNamespace(api=client, base_url=str(client.base_url), jobs=jobs, report=with_blocks(real_report))
+        yield SimpleNamespace(api=client, base_url=str(client.base_url), jobs=jobs, report=holding_blocks(real_report))
         store.close()
 
 
