@@ -130,6 +130,25 @@ def test_two_workers_on_postgresql_split_the_shards(tmp_path: Path, model_dir: P
         assert leftovers(server.data_dir / "jobs") == []
 
 
+def test_a_truncated_shard_fails_the_job_naming_it_and_nothing_is_published(tmp_path: Path, model_dir: Path) -> None:
+    import shutil
+
+    broken = tmp_path / "models" / "truncated"
+    shutil.copytree(model_dir, broken)
+    victim = sorted(broken.glob("*.safetensors"))[1]
+    with victim.open("r+b") as f:  # the header stays whole: the tensors' bytes end early
+        f.truncate(victim.stat().st_size - 4096)
+    with serving(tmp_path, broken, workers=1, database=None) as server, server.client() as client:
+        job_id = _submit(client, broken, "fp8-block")
+        done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
+        assert done["status"] == "failed", (done, server.tail())
+        assert victim.name in done["error"]["message"], done["error"]
+        assert client.get(f"/v1/jobs/{job_id}/artifacts").json()["data"] == []
+        jobs_dir = server.data_dir / "jobs"
+        assert wait_for(lambda: not leftovers(jobs_dir) and not (jobs_dir / job_id).exists(), timeout=30,
+                        what="the failed job's files to go")
+
+
 def _running_write_task(store: JobStore, job_id: str):
     return next((t for t in store.tasks.of_job(job_id, kind="write") if t.status is TaskStatus.RUNNING), None)
 
