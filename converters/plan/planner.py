@@ -137,27 +137,32 @@ def _search_and_verify(source: Any, units: Mapping[str, Unit], options: Mapping[
     for _ in range(tries):
         choice, steps = greedy_choice(options, budget)
         predicted = sum(max(contributions[name].get(p, 0.0), 0.0) for name, p in choice.items() if p != BF16)
-        check = _verify(source, units, choice, quality, target)
+        check = _verify(source, units, choice, quality, target,
+                        verifications[0]["figures"]["all_fp8"] if verifications else None)
         check.update(budget=round(budget, 8), predicted=round(predicted, 8), within=check["measured"] <= limit)
         verifications.append(check)
         if check["within"]:
             return choice, steps, verifications
         budget = (predicted * limit / check["measured"] * 0.9) if check["measured"] > 0 and predicted > 0 else 0.0
     choice = dict.fromkeys(units, BF16)
-    verifications.append(_verify(source, units, choice, quality, target) | {"budget": 0.0, "predicted": 0.0,
-                                                                            "within": True})
+    verifications.append(_verify(source, units, choice, quality, target, verifications[0]["figures"]["all_fp8"])
+                         | {"budget": 0.0, "predicted": 0.0, "within": True})
     return choice, [], verifications
 
 
 def _verify(source: Any, units: Mapping[str, Unit], choice: Mapping[str, str], quality: Mapping[str, Any],
-            target: str) -> dict[str, Any]:
-    """The plan measured as a whole, beside all-FP8; the source's own figures stand for all-bf16."""
-    variants = {"plan": plan_casts(choice, units), "all_fp8": plan_casts(dict.fromkeys(units, ALL_FP8), units)}
+            target: str, all_fp8: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The plan measured as a whole, beside all-FP8 (measured unless ``all_fp8`` holds its figures from an earlier
+    try on the same tokens); the source's own figures stand for all-bf16."""
+    variants = {"plan": plan_casts(choice, units)}
+    if all_fp8 is None:
+        variants["all_fp8"] = plan_casts(dict.fromkeys(units, ALL_FP8), units)
     figures = measure_variants(source, variants, quality)
-    plan, all_fp8 = figures["plan"], figures["all_fp8"]
+    plan = figures["plan"]
     reference = {"perplexity": plan.perplexity_reference, "kl_mean": 0.0, "kl_max": 0.0, "top1_agreement": 1.0}
     return {"measured": round(budget_figure(target, plan), 8), "choice": dict(choice),
-            "figures": {"plan": plan.to_dict(), "all_fp8": all_fp8.to_dict(), "all_bf16": reference}}
+            "figures": {"plan": plan.to_dict(), "all_fp8": all_fp8 or figures["all_fp8"].to_dict(),
+                        "all_bf16": reference}}
 
 
 def _layer_rows(units: Mapping[str, Unit], kept: Mapping[str, tuple[str, tuple[int, int]]], choice: Mapping[str, str],
