@@ -102,7 +102,10 @@ def mx_exponents(groups: torch.Tensor, mode: MXScaleMode) -> tuple[torch.Tensor,
 
     * ``transformer-engine`` (``common/cast/mxfp8/quantize_mxfp8.cuh``, ``util/ptx_arch_spec.cuh``
       ``float_to_e8m0``, ``util/ptx.cuh`` ``exp2f_rcp``): ``amax * fp32(1/448)`` rounded up to a power of two
-      (a value at most 2**-127 gets exponent 0), values multiplied by ``2**(127 - e)`` (2**127 for e = 0).
+      (a value at most 2**-127 gets exponent 0), values multiplied by ``2**(127 - e)`` (2**127 for e = 0). TE's
+      specialized cast-only kernel for bf16/fp16 inputs (``cast/mxfp8/specialized/quantize_mxfp8.cuh``) multiplies
+      by the 16-bit ``1/448`` instead (0.2% / 0.03% low): an exponent one lower for an amax in that band above
+      ``448 * 2**k``, where no bf16 or fp16 value lies, so both kernels give 16-bit weights the same exponents.
     * ``rceil`` (torchao ``_to_mx_rceil``): ``ceil(log2(amax / 448))`` clamped to [-127, 127] in fp32; values
       multiplied by ``2**(127 - e)``, by 1 for e = 0.
     * ``floor`` (torchao ``to_mx``): the amax's own exponent minus 8, clamped to [-127, 128]; values divided by
