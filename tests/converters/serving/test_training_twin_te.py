@@ -180,3 +180,19 @@ def test_current_scaling_twin_is_te_float8_current_scaling_quantizer():
                                                                                        torch.bfloat16)
     assert torch.equal(cast._data.view(torch.uint8).cpu(), _bytes(quantized))
     assert torch.equal(cast._scale_inv.reshape(1).cpu(), scale_inv)
+
+
+@pytest.mark.parametrize(("dtype", "rcp_bits"), [(torch.bfloat16, 0x3B12), (torch.float16, 0x1892)])
+def test_tes_specialized_mxfp8_kernel_picks_the_same_exponent_for_every_16_bit_amax(dtype, rcp_bits):
+    """TE's cast-only MXFP8 kernel for bf16/fp16 inputs multiplies the amax by the 16-bit 1/448 (its
+    ``_Quantized_Limits::max_norm_rcp``, an exact fp32 FMA of two 16-bit values); ``mxfp8-te`` follows the generic
+    kernel's fp32 1/448. Over every positive finite 16-bit value, both round up to the same E8M0 exponent."""
+    top = 0x7C00 if dtype is torch.float16 else 0x7F80
+    amax = torch.arange(1, top, dtype=torch.int32).to(torch.int16).view(dtype)
+    groups = amax.reshape(-1, 1).expand(-1, 32).contiguous()  # each value the amax of its own group
+    _, exponent = serving_format("mxfp8-te").quantize(groups, None, dtype)
+    product = amax.float() * torch.tensor([rcp_bits], dtype=torch.int16).view(dtype).float()
+    bits = product.view(torch.int32)
+    biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    up = (mantissa > 0) & (biased != 0xFE) & ~((biased == 0) & (mantissa <= 0x400000))
+    assert torch.equal(exponent.flatten().to(torch.int32), biased + up.to(torch.int32))
