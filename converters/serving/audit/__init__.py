@@ -132,7 +132,10 @@ def audit_export(directory: Path) -> AuditResult:
         result.notes.append(f"architecture {architecture!r} has no entry in the audit's table: Llama's fused "
                             "layers (qkv_proj, gate_up_proj) assumed")
     result.audited = True
-    Audit(tensors, quant, arch, result).run()
+    # A tied head is not stored, yet vLLM builds it (lm_head shares embed_tokens' weight): an ignore entry naming
+    # it matches that module.
+    tied = bool(config.get("tie_word_embeddings")) and not any(key.startswith("lm_head.") for key in tensors)
+    Audit(tensors, quant, arch, result, unstored_modules=("lm_head",) if tied else ()).run()
     return result
 
 

@@ -30,8 +30,9 @@ class Audit:
     """Checks one export against one quantization config; problems go into ``result``."""
 
     def __init__(self, tensors: dict[str, SourceTensor], quant: QuantConfig, arch: Architecture,
-                 result: AuditResult) -> None:
+                 result: AuditResult, *, unstored_modules: tuple[str, ...] = ()) -> None:
         self.tensors, self.quant, self.arch, self.result = tensors, quant, arch, result
+        self.unstored_modules = unstored_modules  #: modules vLLM builds that the checkpoint stores no tensor of
         self.member_of = {member: fused for fused, members in arch.packed.items() for member in members}
         self.ignore = tuple(self._rename(entry) for entry in quant.ignore)
         self.kv_keys = [key for key in tensors if self._is_kv(key)]
@@ -134,7 +135,7 @@ class Audit:
         return None
 
     def _check_ignore_entries(self, layers: dict[str, list[str]], experts: dict[str, dict[str, str]]) -> None:
-        names = [*self.modules, *layers, *experts]
+        names = [*self.modules, *layers, *experts, *self.unstored_modules]
         for original, entry in zip(self.quant.ignore, self.ignore, strict=True):
             if self.quant.kind == "compressed-tensors":
                 found = any(is_match(name, entry) for name in names)

@@ -200,3 +200,22 @@ def test_an_encoder_job_reports_quality_not_measured_and_why(tmp_path):
     quality = _report(result.out_dir)["quality"]
     assert quality["measured"] is False and "no language-model head" in quality["reason"]
     assert any("quality not measured" in warning for warning in _report(result.out_dir)["warnings"])
+
+
+def test_a_tied_head_model_exports_and_its_ignore_entry_passes_the_load_audit(tmp_path):
+    """The head of a tied-embedding model is not stored, yet vLLM builds it: ignoring it is no problem."""
+    import transformers
+
+    from converters.model.demo import build_demo_tokenizer
+
+    tokenizer = build_demo_tokenizer()
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
+                                      tie_word_embeddings=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
+    tokenizer.save_pretrained(tmp_path / "tied")
+    report = _report(export(tmp_path / "tied", ("compressed-tensors-fp8",)))
+    assert "lm_head" in json.loads((tmp_path / "out" / "serving" / "compressed-tensors-fp8" / "config.json")
+                                   .read_text())["quantization_config"]["ignore"]
+    assert report["serving"]["compressed-tensors-fp8"]["load_audit"]["problems"] == []
+    assert report["quality"]["measured"] and report["quality"]["serving"]["compressed-tensors-fp8"]["kl_mean"] > 0
