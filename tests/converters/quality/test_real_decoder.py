@@ -62,8 +62,8 @@ def recipe_figures(model_dir, eligible):
 
 def test_the_source_predicts_held_out_text_as_a_trained_model_does(recipe_figures):
     reference = next(iter(recipe_figures.values())).perplexity_reference
-    # measured 20.9 on 64 held-out tokens; a random-weight model of this vocabulary scores ~49152
-    assert 5 < reference < 60
+    # measured 58.6 on the first 64 held-out tokens; a random-weight model of this vocabulary scores ~49152
+    assert 5 < reference < 100
 
 
 @pytest.mark.parametrize("name", [name for name in RECIPE_NAMES if name not in NOT_ELIGIBLE])
@@ -71,8 +71,9 @@ def test_every_recipe_stays_close_to_the_source(recipe_figures, name):
     figures = recipe_figures[name]
     print(name, figures.to_dict())  # shown with -s: the measured values the thresholds below come from
     assert figures.tokens == TOKENS and figures.held_out == "built-in held-out part"
-    # measured on 64 tokens: kl_mean 0.018 (te-current) to 0.034 (ao-mxfp8-op), kl_max <= 0.24,
-    # top-1 agreement >= 0.89, perplexity within 6% of the source's
+    # measured on 64 tokens: kl_mean 0.0446 (the rowwise recipes) to 0.0477 (te-current, te-delayed), kl_max
+    # 0.26 (te-current) to 0.56 (both MXFP8), top-1 agreement 0.875 (MXFP8) to 0.922 (ao-tensorwise), perplexity
+    # 3.3% (te-current) to 8.9% (MXFP8) above the source's 58.6
     assert 0 < figures.kl_mean < 0.1
     assert figures.kl_max < 1.0
     assert figures.top1_agreement >= 0.8
