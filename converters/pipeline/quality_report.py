@@ -78,7 +78,7 @@ def _export_casts(run: Run, directory: Path) -> dict[str, Any]:
 
 
 #: positions a synchronous analysis scores per compared recipe: the answer stays within seconds for a small model
-COMPARISON_MAX_TOKENS = 128
+COMPARISON_MAX_TOKENS = 64
 #: the columns ``compare_recipes`` gains per recipe (and the CLI prints)
 COMPARISON_COLUMNS = ("perplexity", "kl_mean", "kl_max", "top1_agreement")
 
