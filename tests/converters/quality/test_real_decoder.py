@@ -91,6 +91,7 @@ def test_a_conversion_job_with_a_serving_export_reports_both(model_dir, tmp_path
     assert len(report["converted_modules"]) == 209
     for figures in (quality["training"], quality["serving"]["compressed-tensors-fp8"]):
         print(figures)
-        # measured on 256 tokens: training kl_mean 0.020, serving 0.022; top-1 0.91 and 0.90
+        # measured on 256 tokens (source perplexity 44.01): training (te-current, emulated) perplexity 44.65,
+        # kl_mean 0.0344, kl_max 0.261, top-1 0.867; the export read back 44.19, 0.0355, 0.366, 0.887
         assert 0 < figures["kl_mean"] < 0.1 and figures["top1_agreement"] >= 0.8
         assert figures["perplexity"] / figures["perplexity_reference"] < 1.2
