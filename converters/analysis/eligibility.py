@@ -49,6 +49,8 @@ FUSED_GROUPS = {
     "gate_up": ("gate_proj", "up_proj"),
     "bert_qkv": ("query", "key", "value"),
     "w1_w3": ("w1", "w3"),
+    # DeepSeek-V2/V3 MLA with q_lora_rank: vLLM loads both into one fused_qkv_a_proj
+    "mla_qkv_a": ("q_a_proj", "kv_a_proj_with_mqa"),
 }
 _ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 _BACKENDS = ("te", "ao")

@@ -39,6 +39,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2MoeForCausalLM": _QWEN_MOE,
     "Qwen3MoeForCausalLM": _QWEN_MOE,
     "BertModel": Architecture(packed={"qkv_proj": ("query", "key", "value")}),
+    # vLLM's deepseek_v2.py (DeepSeek-V2/V3, Kimi-K2): MLA's q_a/kv_a projections fused when q_lora_rank is set;
+    # the router is built with quant_config=None (its tensors, e_score_correction_bias included for topk_method
+    # "noaux_tc", load as they are stored).
+    **{name: Architecture(
+        packed={"gate_up_proj": ("gate_proj", "up_proj"), "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")},
+        never_quantized=(r".*\.mlp\.gate$",)) for name in (
+        "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")},
 }
 # Modules vLLM builds as embeddings or ParallelLMHead, never as LinearBase: the Linear schemes skip them.
 NOT_LINEAR = re.compile(r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|position_embeddings|"

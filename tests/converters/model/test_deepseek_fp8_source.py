@@ -115,3 +115,28 @@ def test_convert_to_a_te_artifact_holds_transformers_dequantization(root, transf
     assert main(["requantize", str(root / "fp8"), "--out", str(requantized), "--to", "bf16",
                  "--allow-root", str(root)]) == 0
     assert (out / "model.safetensors").read_bytes() == (requantized / "model.safetensors").read_bytes()
+
+
+def test_serving_export_of_the_fp8_source_passes_vllms_loading_rules(root, capsys):
+    """The serving export of a DeepSeek-V3 source loads as vLLM builds the model: the router (built without a
+    quantization config, with its fp32 e_score_correction_bias) and MLA's q_a/kv_a pair (one fused_qkv_a_proj)
+    are kept together in high precision, and the audit finds nothing."""
+    out = root / "serving-artifact"
+    code = main(["convert", str(root / "fp8"), "--out", str(out), "--serving", "fp8-block", "--serving",
+                 "compressed-tensors-fp8", "--calib-steps", "1", "--calib-seq-len", "16", "--no-progress",
+                 "--allow-root", str(root)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "fp8_report.json").read_text())
+    for name in ("fp8-block", "compressed-tensors-fp8"):
+        audit = report["serving"][name]["load_audit"]
+        assert audit["audited"] and audit["ok"] and audit["problems"] == [], audit
+    config = json.loads((out / "serving" / "fp8-block" / "config.json").read_text())
+    kept = config["quantization_config"]["modules_to_not_convert"]
+    # q_a_proj is the first Linear (kept), so its fused partner kv_a_proj_with_mqa is kept with it
+    assert {"model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa"} <= set(kept)
+    with safe_open(out / "serving" / "fp8-block" / "model.safetensors", "pt") as export, \
+            safe_open(root / "bf16" / "model.safetensors", "pt") as source:
+        assert export.get_tensor("model.layers.0.self_attn.kv_a_proj_with_mqa.weight").dtype == torch.bfloat16
+        assert export.get_tensor("model.layers.1.self_attn.q_a_proj.weight").dtype == torch.float8_e4m3fn
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert torch.equal(export.get_tensor(bias), source.get_tensor(bias))
