@@ -55,7 +55,9 @@ def test_every_recipe_side_by_side_on_the_real_minilm(capsys):
         # amax grew (saturation)
         assert inputs[path]["te-delayed"] <= inputs[path]["te-current"] + 0.5
         assert max(weights[path]["te-nvfp4"], inputs[path]["te-nvfp4"]) < 23
-        assert outputs[path]["te-nvfp4"] < min(outputs[path][label] for label in FP8)
+        # (not te-delayed: where step 2's amax outgrew step 1's, its saturation can cost more than FP4, as on
+        # encoder.layer.0.output.dense with the corpus' calibration part: 26.96 dB against NVFP4's 27.35)
+        assert outputs[path]["te-nvfp4"] < min(outputs[path][label] for label in FP8 if label != "te-delayed")
         # with power-of-two scales, granularity matters only for values 2**15 below their block's amax (E4M3's
         # subnormals), which these tensors lack: MXFP8 blocks of 32, 1x128 blocks and rows come out alike
         for metric in (inputs, weights):
@@ -135,7 +137,8 @@ def test_analyze_calibrate_shows_sqnr_columns_and_marks_low_sqnr(demo_cache, cap
     rows = [line.split() for line in sqnr_table.splitlines()[3:] if line.startswith("model.")]
     assert len(rows) == 13
     low = [row[0] for row in rows if row[-1] == "(low_sqnr)"]
-    assert low and all(float(row[3].rstrip("!")) < 28.5 for row in rows if row[0] in low)
+    # shown to one decimal: 28.46 dB reads 28.5!
+    assert low and all(float(row[3].rstrip("!")) <= 28.5 for row in rows if row[0] in low)
     assert f"{len(low)} layer(s) would stay in high precision" in out
     for path in low:  # the analysis table above gives the reason too
         assert any(line.startswith(path) and line.rstrip().endswith("low_sqnr") for line in out.splitlines())
