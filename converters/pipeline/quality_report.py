@@ -27,6 +27,7 @@ from converters.quality import (
     measure_qualities,
     recipe_layer_casts,
 )
+from converters.recipes import recipe_from_dict
 from converters.serving import serving_format
 
 __all__ = ["TRAINING", "COMPARISON_COLUMNS", "COMPARISON_MAX_TOKENS", "quality_block", "add_comparison_quality"]
@@ -89,8 +90,6 @@ def add_comparison_quality(run: Run) -> None:
     comparison = run.report.get("comparison")
     if not comparison:
         return
-    from converters.recipes import recipe_from_dict
-
     started = time.perf_counter()
     texts = run.request.quality_texts
     try:

@@ -19,6 +19,9 @@ from torch import nn
 from converters.calibration.emulation import CastSpec, cast_spec, fake_quantize, tensor_scale
 from converters.calibration.scaling import E4M3_MAX
 from converters.calibration.sensitivity import recipe_casts
+from converters.errors import ModelConfigError
+from converters.model.checkpoint import weight_files
+from converters.model.quantized import source_quantization
 
 __all__ = ["LayerCast", "recipe_layer_casts", "export_layer_casts", "cast_linear_weight", "casting_linears"]
 
@@ -80,9 +83,6 @@ def export_layer_casts(directory: Path, paths: Iterable[str], on_disk_name: Call
     """
     from safetensors import safe_open
 
-    from converters.errors import ModelConfigError
-    from converters.model.checkpoint import weight_files
-    from converters.model.quantized import source_quantization
 
     scheme = source_quantization(directory)
     if scheme is None:

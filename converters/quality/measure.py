@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from converters.calibration.compute import emulating, restore_dtypes, tensor_dtypes
+from converters.calibration.emulation import fake_quantize
 
 # The calibration's pass-1 and replay machinery, shared so that both passes see the layers called the same way.
 from converters.calibration.sequential import (
@@ -37,6 +38,7 @@ from converters.calibration.sequential import (
 )
 from converters.errors import ConversionCancelled, Fp8ForgeError
 from converters.model.checkpoint import Checkpoint, release, unit_keys
+from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_tokenizer, model_dtype
 from converters.quality.casts import LayerCast, cast_linear_weight, casting_linears
 from converters.quality.figures import QualityFigures, TokenScores
 from converters.quality.held_out import BUILT_IN_HELD_OUT, REQUEST_TEXTS, held_out_part
@@ -72,14 +74,6 @@ def load_source(directory: Path, sources: Any = None) -> QualitySource:
     Raises QualityUnavailable for a model without an output head or a tokenizer, or whose layers the
     layer-sequential pass cannot walk.
     """
-    from converters.model.sources import (
-        ModelSourceOptions,
-        build_meta_model,
-        load_config,
-        load_tokenizer,
-        model_dtype,
-    )
-
     sources = sources or ModelSourceOptions(allowed_roots=(Path(directory).resolve().parent,))
     config = load_config(Path(directory), sources)
     model = build_meta_model(config, sources)
@@ -298,8 +292,6 @@ def _score(head: nn.Module, head_path: str, batches: list[dict[str, Any]], final
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast: LayerCast | None
             ) -> torch.Tensor:
     """fp32 logits of ``[positions, hidden]``, the weight upcast a slice of the vocabulary at a time."""
-    from converters.calibration.emulation import fake_quantize
-
     x = hidden.float()
     if cast is not None and cast.input is not None:
         x = fake_quantize(x, cast.input, scale=cast.input_scale)
