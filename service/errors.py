@@ -69,6 +69,8 @@ ERROR_CODES: dict[str, tuple[str, str]] = {
     "invalid_artifact": ("422", "a directory is not a complete fp8forge artifact"),
     "invalid_recipe": ("422", "a recipe field is unknown or out of range; `field` is `recipe.<name>`"),
     "invalid_calibration": ("422", "calibration settings or texts are unusable; `field` is `calibration[.<name>]`"),
+    "quality_unavailable": ("422", "the model cannot be scored on next-token prediction (no language-model head "
+                                   "or tokenizer, or the texts give nothing to score): a plan needs that score"),
     "invalid_pattern": ("422", "an include/exclude pattern is malformed or matches no Linear layer"),
     "too_many_jobs": ("429", "the API key has as many queued jobs as it may; see Retry-After"),
     "too_many_streams": ("429", "the API key has as many open event streams as FP8FORGE_MAX_EVENT_STREAMS_PER_KEY "

@@ -66,9 +66,10 @@ def test_a_full_queue_is_refused_at_once_and_healthz_answers(tmp_path: Path) -> 
 
 def test_an_analysis_that_dies_or_runs_too_long_is_503_and_its_process_replaced(tmp_path: Path) -> None:
     small = _model(tmp_path / "models", "small", TINY)
-    # 5,000 layers take seconds to build (20 here); the bound is 1.5 s (a process's start-up does not count)
+    # 5,000 layers take seconds to build (20 here); the bound is 5 s (a process's start-up does not count; 1.5 s
+    # was too tight for the small model on a loaded machine)
     endless = _model(tmp_path / "models", "endless", {**TINY, "num_hidden_layers": 5000})
-    settings = _settings(tmp_path, analyze_workers=1, analyze_timeout_s=1.5, max_model_layers=5000)
+    settings = _settings(tmp_path, analyze_workers=1, analyze_timeout_s=5.0, max_model_layers=5000)
     with live_app(settings) as client:
         answer: list[httpx.Response] = []
         thread = threading.Thread(target=lambda: answer.append(_analyze(client, endless)))
@@ -86,6 +87,6 @@ def test_an_analysis_that_dies_or_runs_too_long_is_503_and_its_process_replaced(
         late = _analyze(client, endless)  # which then runs past the bound
         assert late.status_code == 503, late.text
         assert late.json()["error"]["code"] == "analysis_aborted"
-        assert "did not finish within 1.5 s" in late.json()["error"]["message"]
+        assert "did not finish within 5 s" in late.json()["error"]["message"]
         assert "FP8FORGE_ANALYZE_TIMEOUT_S" in late.json()["error"]["message"]
         wait_for(lambda: not children_of(os.getpid()), timeout=10, what="the late process to be stopped")
