@@ -16,7 +16,7 @@ import pytest
 from service.jobs import TaskStatus
 from service.store import JobStore
 from tests.object_store_server import AWS_ENV, bucket_keys, moto_server, new_bucket, s3_settings, unfinished_uploads
-from tests.service.test_requantize_jobs import model_dir  # noqa: F401 - the module's sharded model fixture
+from tests.service.test_requantize_jobs import _finished, model_dir  # noqa: F401 - the module's sharded model fixture
 from tests.service.workers.test_multi_host import WorkerHost, fresh_database
 from tests.service_helpers import children_of, live_app, wait_for
 
@@ -65,8 +65,7 @@ def test_kill_9_on_one_host_redoes_its_shard_and_the_bucket_holds_the_published_
                 os.kill(victim.pid, signal.SIGKILL)
                 victim.proc.wait()
 
-                done = wait_for(lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["status"] in
-                                ("succeeded", "failed", "cancelled") and j, timeout=300, what="the job to finish")
+                done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
                 logs = "\n".join(h.tail() for h in hosts)
                 assert done["status"] == "succeeded", (done, logs)
                 tasks = store.tasks.of_job(job_id)
