@@ -18,6 +18,13 @@ Extrapolated, not measured: the full 32-layer 8B time from the one-worker run's 
 32), and a 1T-parameter bf16 checkpoint on N hosts from the measured per-byte rate of the decoder-layer shards.
 
     .venv/bin/python benchmarks/bench_shards.py --layers 2
+
+``--task-start N``: instead, the service's task child on a tiny two-shard model's plan task (the real
+``task_child_main``, from ``Process.start()`` to its result at the worker's end of the pipe), started N times
+from a fresh spawned interpreter (how task children started before) and N times from the worker's task server
+(``service.workers.task_server``), interleaved; the server's own first start (its imports) is printed apart.
+
+    .venv/bin/python benchmarks/bench_shards.py --task-start 5
 """
 
 from __future__ import annotations
@@ -128,6 +135,58 @@ def _fresh(args: list[str]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def task_start(rounds: int, workdir: Path) -> None:
+    """Seconds from start() to the plan task's result: spawned child against the task server's fork."""
+    import multiprocessing as mp
+
+    import torch
+    from safetensors.torch import save_file
+
+    from service.workers.task_child import task_child_main
+    from service.workers.task_server import start_task_server, task_context
+
+    model = workdir / "tiny"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                   "hidden_size": 256, "intermediate_size": 512,
+                                                   "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                   "num_key_value_heads": 2, "vocab_size": 512}))
+    save_file({f"model.layers.0.mlp.{name}.weight": torch.randn(512, 256).bfloat16() for name in ("gate_proj",
+               "up_proj")}, model / "model.safetensors")
+    sources = {"allowed_roots": [str(workdir)], "offline": True}
+    payload = {"model": str(model), "target": "fp8-block", "include": [], "exclude": [], "skip_first_last": False}
+
+    def one(context: mp.context.BaseContext) -> float:
+        receiver, sender = context.Pipe(duplex=False)
+        started = time.perf_counter()
+        proc = context.Process(target=task_child_main, args=("plan", str(model), payload, {}, str(workdir / "out"),
+                                                            sources, sender, os.getpid()), kwargs={"threads": 1})
+        proc.start()
+        sender.close()
+        result = receiver.recv()
+        seconds = time.perf_counter() - started
+        proc.join()
+        if type(result).__name__ != "TaskDone":
+            raise SystemExit(f"the plan task failed: {result}")
+        return seconds
+
+    started = time.perf_counter()
+    start_task_server()
+    first = one(task_context())
+    print(f"task server: first task {first:.2f} s after the server's start {time.perf_counter() - started:.2f} s "
+          f"ago (its imports included); load average {os.getloadavg()[0]:.2f}")
+    spawned, forked = [], []
+    for _ in range(rounds):
+        spawned.append(one(mp.get_context("spawn")))
+        forked.append(one(task_context()))
+    print(f"{'start':24} {'median s':>9} {'min s':>7} {'max s':>7}")
+    for name, values in (("spawned (before)", spawned), ("task server fork (after)", forked)):
+        ordered = sorted(values)
+        print(f"{name:24} {ordered[len(ordered) // 2]:>9.2f} {ordered[0]:>7.2f} {ordered[-1]:>7.2f}")
+    print(f"ratio spawned / forked (medians): {sorted(spawned)[rounds // 2] / sorted(forked)[rounds // 2]:.1f}; "
+          f"load average {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (Llama-3-8B has 32; default 2)")
@@ -135,7 +194,11 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp8forge-bench-shards"))
     parser.add_argument("--hosts", default="1,8,32", help="host counts of the 1T estimate")
     parser.add_argument("--one", nargs=4, metavar=("SOURCE", "OUT", "FORMAT", "WORKERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--task-start", type=int, metavar="N", help="measure task children's start instead")
     args = parser.parse_args()
+    if args.task_start:
+        task_start(args.task_start, args.workdir)
+        return
     if args.one:
         source, out, target, workers = args.one
         print(json.dumps(run_one(Path(source), Path(out), target, int(workers))))

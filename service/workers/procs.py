@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-__all__ = ["LOG_LEVELS", "configure_logging", "die_with_parent", "visible_gpus"]
+__all__ = ["LOG_LEVELS", "configure_logging", "die_with_parent", "die_with_worker", "is_alive", "visible_gpus"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +42,7 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     On Linux the kernel does it (``prctl(PR_SET_PDEATHSIG)``); everywhere a daemon thread also watches
     ``getppid()``, which covers other systems and a parent that died before the prctl call.
     """
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
-        except (OSError, AttributeError):
-            logger.debug("prctl unavailable; relying on the parent watcher")
+    _kill_with_parent(sig)
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -56,6 +52,54 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def die_with_worker(worker_pid: int, sig: int = signal.SIGKILL) -> None:
+    """:func:`die_with_parent` for a process the worker started directly or through its fork server
+    (``service.workers.task_server``).
+
+    A fork server's child has the server as its parent: the kernel link goes to the server (which exits as soon
+    as its worker's end of its pipe closes, a kill -9 included), and a daemon thread watches the worker itself.
+    """
+    if os.getppid() == worker_pid:
+        die_with_parent(worker_pid, sig)
+        return
+    _kill_with_parent(sig)
+
+    def watch() -> None:
+        while is_alive(worker_pid):
+            time.sleep(0.5)
+        os.kill(os.getpid(), sig)
+
+    if not is_alive(worker_pid):
+        os.kill(os.getpid(), sig)
+    threading.Thread(target=watch, name="worker-watch", daemon=True).start()
+
+
+def is_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; on Linux a zombie (dead, not yet reaped by its parent) counts as dead."""
+    if sys.platform.startswith("linux"):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+                return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        return True
+    return True
+
+
+def _kill_with_parent(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux); elsewhere a watcher does."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
+        except (OSError, AttributeError):
+            logger.debug("prctl unavailable; relying on the parent watcher")
 
 
 def visible_gpus() -> list[str]:

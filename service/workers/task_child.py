@@ -1,4 +1,5 @@
-"""The spawned process that runs one stored task of a split job (``converters.modelfree.stored``).
+"""The process that runs one stored task of a split job (``converters.modelfree.stored``), forked from the
+worker's task server (``service.workers.task_server``), which has imported torch and the converters already.
 
 Like the conversion child (``service.workers.child``) it is the place where ``service`` meets ``converters`` and
 torch; it resolves the job's source through this worker's own model sources (its allowed roots, its hub cache),
@@ -19,7 +20,7 @@ from converters.third_party_noise import silence_third_party_noise
 from service.redaction import without_server_paths
 from service.workers.child import failure_of, hidden_directories, limit_threads
 from service.workers.messages import TaskDone
-from service.workers.procs import configure_logging, die_with_parent
+from service.workers.procs import configure_logging, die_with_worker
 
 __all__ = ["task_child_main"]
 
@@ -28,18 +29,18 @@ logger = logging.getLogger(__name__)
 
 def task_child_main(
     kind: str, source: str, payload: dict[str, Any], inputs: dict[str, Any], out_dir: str, sources: dict[str, Any],
-    conn: Connection, parent_pid: int, threads: int | None = None, log_level: str = "info",
+    conn: Connection, worker_pid: int, threads: int | None = None, log_level: str = "info",
 ) -> None:
     """Run one task with ``threads`` CPU threads, writing into ``out_dir``; never raises (see ``child_main``)."""
-    die_with_parent(parent_pid)
+    die_with_worker(worker_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides how this run stops
     configure_logging(log_level, f"task {kind}")
     silence_third_party_noise()
     directories = hidden_directories(out_dir, sources)
     try:
-        limit_threads(threads)  # before converters import torch
+        limit_threads(threads)  # torch is loaded already (the task server): this sets its pools' sizes
         from converters.model.sources import confinement_for, resolve_model_dir  # hub client: only here
-        from converters.modelfree.stored import run_stored_task  # imports torch: only in the task child
+        from converters.modelfree.stored import run_stored_task  # torch: only in the task server and its children
 
         options = ModelSourceOptions(**sources)
         source_dir = resolve_model_dir(source, options, with_weights=True)

@@ -1,4 +1,5 @@
-"""Runs one claimed task of a split job: spawn the task child, heartbeat, honour cancel, record the result.
+"""Runs one claimed task of a split job: start the task child (a fork of the worker's task server,
+``service.workers.task_server``), heartbeat, honour cancel, record the result.
 
 Every task of a job writes into the job attempt's directory on its worker's host (``attempt_dir``): on a shared
 disk that is the one directory the finish task publishes by renaming it; with the object store each write task
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -33,6 +33,7 @@ from service.workers.messages import DISK_FULL, Failed, TaskDone
 from service.workers.runner import ensure_dead
 from service.workers.split_jobs import fail_job, settle
 from service.workers.task_child import task_child_main
+from service.workers.task_server import task_context
 
 __all__ = ["TaskRun"]
 
@@ -54,7 +55,7 @@ class TaskRun:
         job = self.store.get_job(task.job_id)
         out_dir = self.dirs.attempt_dir(job.id, job.attempt)
         out_dir.mkdir(parents=True, exist_ok=True)
-        ctx = mp.get_context("spawn")
+        ctx = task_context()
         receiver, sender = ctx.Pipe(duplex=False)
         options = {"threads": self.settings.conversion_threads, "log_level": self.log_level}
         proc = ctx.Process(
@@ -62,7 +63,8 @@ class TaskRun:
             args=(task.kind, task.source, dict(task.payload), self._inputs(), str(out_dir),
                   self.settings.model_sources(), sender, os.getpid()),
             kwargs={name: value for name, value in options.items() if value is not None})
-        proc.start()
+        with self._beating():  # the worker's first task waits for its task server's imports
+            proc.start()
         sender.close()
         logger.info("job %s: %s started (%s, attempt %d of %d)", job.id, task.name, task.kind, task.attempt,
                     task.max_attempts)

@@ -1,5 +1,6 @@
 """The worker loop: stop check -> reap stale jobs and tasks (and now and then sweep orphaned attempt files) ->
-claim a task of a split job, else a job -> run in a spawned child -> record.
+claim a task of a split job, else a job -> run in a child process -> record (a job in a spawned child, a task in
+a fork of the worker's task server: ``service.workers.task_server``).
 
 A requantize job is split into tasks (``service.workers.split_jobs``) that any worker claims one at a time, a
 task before a new job, so the jobs already started move on; every other job runs whole in one worker.
@@ -30,6 +31,7 @@ from service.workers.reaper import reap_stale, sweep_orphans
 from service.workers.runner import JobRun
 from service.workers.split_jobs import is_split_job, reap_stale_tasks, split_job
 from service.workers.task_run import TaskRun
+from service.workers.task_server import start_task_server
 
 __all__ = ["Worker", "worker_process_main"]
 
@@ -109,6 +111,7 @@ class Worker:
         if job is None:
             return False
         if is_split_job(job.request):
+            start_task_server()  # its imports run while the plan task is queued: the tasks follow
             split_job(self.store, self.dirs, self.worker_id, job, self.settings.max_attempts)
             return True
         logger.info("job %s: claimed, attempt %d of %d", job.id, job.attempt, job.max_attempts)

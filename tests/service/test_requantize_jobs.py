@@ -173,7 +173,7 @@ def test_kill_9_of_a_worker_holding_a_shard_task_redoes_that_shard_alone(tmp_pat
             # Freeze the worker and its task child, then check it still holds the task: a frozen worker records
             # nothing, so the kill lands while it holds it, however fast the machine.
             os.kill(victim, signal.SIGSTOP)
-            for child in children_of(victim):
+            for child in task_children(victim):
                 os.kill(child, signal.SIGSTOP)
             held = next(t for t in store.tasks.of_job(job_id) if t.seq == task.seq)
             assert held.status is TaskStatus.RUNNING and held.worker_id == task.worker_id
@@ -230,7 +230,22 @@ def test_cancel_stops_every_task_and_leaves_nothing(tmp_path: Path, model_dir: P
 def children_of_workers(server: ServeProcess) -> list[int]:
     """The task (or conversion) children of the server's workers: none once every task has stopped."""
     assert server.proc is not None
-    return [child for worker in children_of(server.proc.pid) for child in children_of(worker)]
+    return [child for worker in children_of(server.proc.pid) for child in task_children(worker)]
+
+
+def task_children(worker_pid: int) -> list[int]:
+    """A worker's task and conversion children: its own children, and those of its task server (which stays)."""
+    found = []
+    for child in children_of(worker_pid):
+        found += children_of(child) if _is_task_server(child) else [child]
+    return found
+
+
+def _is_task_server(pid: int) -> bool:
+    try:
+        return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it ended while we looked
+        return False
 
 
 @pytest.mark.parametrize(("body", "field"), [
