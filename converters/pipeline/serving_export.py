@@ -1,16 +1,31 @@
 """The serving exports of a job: planned in analyze (and again when min_sqnr_db drops layers), written in export
 from the calibration the job already ran, each with its KV-cache scales where asked, and each audited against the
-engine's loading rules before the job may succeed."""
+engine's loading rules before the job may succeed.
+
+Once calibration has set a format's scales, its export needs nothing but the plan and the source's files, so it
+can also be written one weight file at a time by any machine: :func:`serving_shard_tasks` turns each prepared plan
+into plain-data tasks (the plan's wire form, :func:`plan_to_wire`, in every payload), :func:`write_serving_shard`
+writes one file as ``write_serving_checkpoint`` does, and :func:`finish_serving_export` writes the index, config
+and side files from the shards' results. The bytes are those of the one-process export.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from converters.artifact.files import copy_side_files, write_json
 from converters.calibration.emulation import cast_spec
 from converters.calibration.sqnr_meter import RecipeCasts, SqnrMeter
 from converters.errors import ConversionError
 from converters.model.checkpoint import weight_files
+from converters.model.files import INDEX_NAME, FileConfinement
+from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
 from converters.model.sources import confinement_for, model_dtype
 from converters.pipeline.state import Run
 from converters.serving import serving_format
@@ -19,12 +34,16 @@ from converters.serving.kv_scales import attach_kv_scales
 from converters.serving.plan import (
     ServingPlan,
     expert_disk_keys,
+    layer_stats,
     plan_serving,
     set_input_amax,
+    set_weight_amax,
     write_serving_checkpoint,
 )
 
-__all__ = ["SERVING_LABEL", "plan_serving_formats", "serving_casts", "serving_sqnr", "write_serving_exports"]
+__all__ = ["SERVING_LABEL", "finish_serving_export", "plan_from_wire", "plan_serving_formats", "plan_to_wire",
+           "prepare_serving_plan", "run_serving_task", "serving_casts", "serving_shard_tasks", "serving_sqnr",
+           "write_serving_exports", "write_serving_shard"]
 
 #: the SQNR meter's label for a serving format's casts: this prefix and the format's name
 SERVING_LABEL = "serving:"
@@ -81,22 +100,149 @@ def write_serving_exports(run: Run, staging: Path) -> list[str]:
     """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran."""
     written = []
     for name, plan in run.serving.items():
-        starved = set_input_amax(plan, run.report, run.calibration.amax)
-        if starved:
-            run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
-                     "is the largest of the same GEMM's other experts in that layer")
-        _attach_kv_cache(run, name, plan)
+        prepare_serving_plan(run, name, plan)
         directory = staging / "serving" / name
         source = run.resolved.directory
-        files = weight_files(source)
-        if run.resolved.checkpoint.stored is not None:  # a quantized source: from the artifact's dequantized files
-            files = [staging / path.name for path in files]
+        files = serving_sources(run, staging)
         files = write_serving_checkpoint(serving_format(name), plan, source, files, directory,
                                          model_dtype(run.resolved.config), confinement_for(run.sources),
                                          check_stop=run.check_stop, emulated_stats=False)
         _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))
         _audit(run, name, plan, directory)
         written += [f"serving/{name}/{file}" for file in files]
+    return written
+
+
+def prepare_serving_plan(run: Run, name: str, plan: ServingPlan) -> None:
+    """Set the plan's scales from the job's calibration: input amax (shared per fused group), KV-cache scales."""
+    starved = set_input_amax(plan, run.report, run.calibration.amax)
+    if starved:
+        run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
+                 "is the largest of the same GEMM's other experts in that layer")
+    _attach_kv_cache(run, name, plan)
+
+
+def serving_sources(run: Run, staging: Path) -> list[Path]:
+    """The weight files a serving export is written from: the source's, or for a quantized source the artifact's
+    dequantized copies in ``staging``."""
+    files = weight_files(run.resolved.directory)
+    if run.resolved.checkpoint.stored is not None:
+        files = [staging / path.name for path in files]
+    return files
+
+
+# -- one weight file at a time, from plain data (tasks any machine may run) -----------------------------------
+def plan_to_wire(plan: ServingPlan) -> dict[str, Any]:
+    """The plan as JSON-ready data; :func:`plan_from_wire` rebuilds it exactly (tensors as dtype, shape, values)."""
+    data = {item.name: getattr(plan, item.name) for item in fields(plan) if item.name != "extra_tensors"}
+    data["extra_tensors"] = {name: {"after": anchor, "dtype": str(value.dtype).removeprefix("torch."),
+                                    "shape": list(value.shape), "values": value.flatten().tolist()}
+                             for name, (anchor, value) in plan.extra_tensors.items()}
+    return data
+
+
+def plan_from_wire(data: dict[str, Any]) -> ServingPlan:
+    extra = {name: (entry["after"], torch.tensor(entry["values"], dtype=getattr(torch, entry["dtype"]))
+                    .reshape(entry["shape"])) for name, entry in data["extra_tensors"].items()}
+    return ServingPlan(**{**data, "extra_tensors": extra})
+
+
+def serving_shard_tasks(run: Run, staging: Path) -> list[dict[str, Any]]:
+    """Each requested format's export as plain-data tasks, once calibration has run: one ``serving_write`` per
+    weight file, then one ``serving_finish`` per format. A format that needs the weight amax gets it here, over
+    every file (fused groups may span files). Paths are not stored: the runner names the source and output."""
+    tasks: list[dict[str, Any]] = []
+    files = serving_sources(run, staging)
+    dtype = str(model_dtype(run.resolved.config)).removeprefix("torch.")
+    for name, plan in run.serving.items():
+        prepare_serving_plan(run, name, plan)
+        if getattr(serving_format(name), "needs_weight_amax", False):
+            set_weight_amax(plan, files)
+        wire = plan_to_wire(plan)
+        from_artifact = run.resolved.checkpoint.stored is not None  # the dequantized copies, not the source's files
+        tasks += [{"kind": "serving_write", "shard": path.name,
+                   "payload": {"plan": wire, "scale_dtype": dtype, "from_artifact": from_artifact}} for path in files]
+        tasks.append({"kind": "serving_finish", "shard": None, "payload": {"plan": wire}})
+    return tasks
+
+
+def run_serving_task(kind: str, shard: str | None, payload: dict[str, Any], inputs: list[dict[str, Any]],
+                     source_dir: Path, out_dir: Path, confinement: FileConfinement) -> dict[str, Any]:
+    """Run one task of :func:`serving_shard_tasks` on this machine, writing under ``out_dir/serving/<format>/``
+    (``out_dir``: the artifact's directory). ``inputs``: for ``serving_finish``, the format's ``serving_write``
+    results in the source's file order. Returns the task's result as plain data."""
+    plan = plan_from_wire(payload["plan"])
+    directory = out_dir / "serving" / plan.format
+    if kind == "serving_write":
+        source = (out_dir if payload["from_artifact"] else source_dir) / str(shard)
+        return write_serving_shard(plan, source, directory, getattr(torch, payload["scale_dtype"]))
+    if kind == "serving_finish":
+        files = finish_serving_export(plan, source_dir, inputs, directory, confinement)
+        return {"files": files, "layer_stats": plan.layer_stats}
+    raise ValueError(f"unknown serving task kind {kind!r}; known: serving_write, serving_finish")
+
+
+def write_serving_shard(plan: ServingPlan, source: Path, directory: Path, scale_dtype: torch.dtype, *,
+                        check_stop: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Write ``source``'s file of the plan's export into ``directory`` (byte for byte ``write_serving_checkpoint``'s
+    file, the weight amax taken from the plan); returns the file's tensors, their bytes and each quantized
+    weight's figures (the format's own ``layer_stats`` where it has one: the SQNR comes from calibration)."""
+    fmt = serving_format(plan.format)
+    needs_weight_amax = getattr(fmt, "needs_weight_amax", False)
+    path_of = {key: path for path, key in plan.quantized.items()} | plan.experts
+    added_after: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (anchor, value) in plan.extra_tensors.items():
+        added_after.setdefault(anchor, {})[name] = value
+    tensors, metadata = read_tensor_index(source)
+    entries: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in path_of else {name: tensor})
+        for extra, value in added_after.get(name, {}).items():
+            entries[extra] = StreamingWriter.entry(value.dtype, tuple(value.shape))
+    stats = {}
+    directory.mkdir(parents=True, exist_ok=True)
+    with StreamingWriter(directory / source.name, entries, metadata) as writer:
+        for name, tensor in tensors.items():
+            if check_stop is not None:
+                check_stop()
+            if name not in path_of:
+                writer.write(name, tensor)
+            else:
+                weight = read_tensor(tensor)
+                options = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
+                replacement = fmt.quantize(weight, plan.input_amax.get(path_of[name]), scale_dtype, **options)
+                for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
+                    writer.write(key, value)
+                if getattr(fmt, "layer_stats", None) is not None:
+                    label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
+                    stats[label] = layer_stats(fmt, weight, replacement, options.get("weight_amax"))
+            for added, value in added_after.get(name, {}).items():
+                writer.write(added, value)
+    return {"file": source.name, "tensors": list(entries), "bytes": sum(writer.planned[n].nbytes for n in entries),
+            "layer_stats": stats}
+
+
+def finish_serving_export(plan: ServingPlan, source_dir: Path, shards: list[dict[str, Any]], directory: Path,
+                          confinement: FileConfinement) -> list[str]:
+    """Index, config and side files of an export whose weight files :func:`write_serving_shard` wrote (``shards``:
+    their results, in the source's file order); the shards' figures go into the plan. Returns every file name."""
+    for shard in shards:
+        plan.layer_stats.update(shard["layer_stats"])
+    written = [shard["file"] for shard in shards]
+    if (source_dir / INDEX_NAME).is_file():
+        weight_map = {name: shard["file"] for shard in shards for name in shard["tensors"]}
+        write_json(directory / INDEX_NAME, {"metadata": {"total_size": sum(shard["bytes"] for shard in shards)},
+                                            "weight_map": weight_map})
+        written.append(INDEX_NAME)
+    config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    config["quantization_config"] = serving_format(plan.format).quantization_config(plan)
+    write_json(directory / "config.json", config)
+    written.append("config.json")
+    written += copy_side_files(source_dir, directory, confinement)
+    side_files = getattr(serving_format(plan.format), "side_files", None)
+    for name, content in (side_files(plan) if side_files is not None else {}).items():
+        write_json(directory / name, content)
+        written.append(name)
     return written
 
 

@@ -1,0 +1,93 @@
+"""A calibrated job's serving export written one weight file at a time from plain-data tasks, once calibration has
+set its scales: the files are byte for byte those of the one-process export (``write_serving_exports``).
+
+Each task goes through JSON (as it would through the job store) before it runs. The formats cover static input
+scales from calibration, FP8 KV-cache scales (tensors the plan adds), a weight amax shared over a fused group
+whose members lie in different weight files, and a format's side file.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from converters.model.sources import ModelSourceOptions, confinement_for
+from converters.pipeline.driver import run_stages
+from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.pipeline.serving_export import run_serving_task, serving_shard_tasks, write_serving_exports
+from converters.pipeline.state import NullSink, Run, Stage
+
+FORMATS = ("compressed-tensors-fp8", "modelopt-nvfp4", "fp8-block")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A three-layer Llama in many small weight files (q, k and v of a layer land in different ones)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    directory = tmp_path_factory.mktemp("models") / "tiny-llama-sharded"
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory, max_shard_size="300KB")
+    assert len(list(directory.glob("*.safetensors"))) >= 6
+    return directory
+
+
+@pytest.fixture(scope="module")
+def calibrated(model_dir: Path) -> Run:
+    request = ConversionRequest(model=str(model_dir), recipe={"backend": "ao"}, serving_formats=FORMATS,
+                                kv_cache="fp8",
+                                calibration=CalibrationSettings(steps=1, batch_size=1, seq_len=16))
+    run = Run(request=request, sources=ModelSourceOptions(allowed_roots=(model_dir.parent,)), sink=NullSink())
+    run_stages(run, stop_after=Stage.CONVERT)
+    return run
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*"))
+            if path.is_file()}
+
+
+def test_the_shard_tasks_write_the_bytes_of_the_one_process_export(tmp_path: Path, model_dir: Path,
+                                                                   calibrated: Run) -> None:
+    plans = copy.deepcopy(calibrated.serving)  # each path prepares its own plans from the same calibration
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    write_serving_exports(calibrated, whole)
+    calibrated.serving = plans
+    tasks = json.loads(json.dumps(serving_shard_tasks(calibrated, tmp_path / "unused")))
+
+    sharded = tmp_path / "sharded"
+    confinement = confinement_for(calibrated.sources)
+    results: dict[str, list[dict]] = {}
+    for task in tasks:  # in order: a format's writes, then its finish (any order of the writes would do)
+        fmt = task["payload"]["plan"]["format"]
+        inputs = results.get(fmt, []) if task["kind"] == "serving_finish" else []
+        result = json.loads(json.dumps(run_serving_task(task["kind"], task["shard"], task["payload"], inputs,
+                                                        model_dir, sharded, confinement)))
+        if task["kind"] == "serving_write":
+            results.setdefault(fmt, []).append(result)
+        else:
+            assert sorted(result["files"]) == sorted(path.name for path in (sharded / "serving" / fmt).iterdir())
+
+    expected, got = _tree(whole), _tree(sharded)
+    assert sorted(got) == sorted(expected)
+    assert [name for name in expected if got[name] != expected[name]] == []
+    weight_files = len(list(model_dir.glob("*.safetensors")))
+    assert [task["kind"] for task in tasks].count("serving_write") == weight_files * len(FORMATS)
+    # what the test means to cover is there: static input scales, KV-cache scales, a side file
+    ct_config = json.loads(expected["serving/compressed-tensors-fp8/config.json"])
+    assert ct_config["quantization_config"]["kv_cache_scheme"] is not None
+    assert any(name.startswith("serving/modelopt-nvfp4/") and name.endswith("hf_quant_config.json")
+               for name in expected)
+
+
+def test_a_shard_task_names_an_unknown_kind(tmp_path: Path, model_dir: Path, calibrated: Run) -> None:
+    calibrated.serving = copy.deepcopy(calibrated.serving)
+    task = serving_shard_tasks(calibrated, tmp_path)[0]
+    with pytest.raises(ValueError, match="unknown serving task kind 'serving_copy'; known: serving_write"):
+        run_serving_task("serving_copy", task["shard"], task["payload"], [], model_dir, tmp_path,
+                         confinement_for(calibrated.sources))
