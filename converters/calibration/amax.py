@@ -251,8 +251,10 @@ def _resolve_layers(model: nn.Module, layer_paths: Sequence[str]) -> dict[str, n
 
 
 def _row_amax(x: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Each token row's ``max |x|`` in fp32 (``[rows]``) of a Linear's input."""
-    return x.detach().reshape(-1, in_features).abs().amax(dim=1).float()
+    """Each token row's ``max |x|`` in fp32 (``[rows]``) of a Linear's input: two row reductions, no ``|x|`` copy of
+    the input (the same values as ``abs().amax(dim=1)``, about 4x faster on a CPU; ``aminmax(dim=1)`` is slower)."""
+    rows = x.detach().reshape(-1, in_features)
+    return torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)).float()
 
 
 def _amax(tensor: Any) -> torch.Tensor:

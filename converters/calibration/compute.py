@@ -111,42 +111,69 @@ def emulating(layer: nn.Module, storage: torch.dtype, compute: torch.dtype) -> I
 
     A no-op when the two dtypes are the same. The rounding hooks are registered before any hook the block
     adds (the amax recorder's), so those see the rounded tensors. The layer stays in ``compute`` on exit
-    (the caller releases it).
+    (the caller releases it). A tensor is rounded once (see :class:`_Rounder`).
     """
     if compute == storage:
         yield
         return
     layer.to(compute)
+    rounder = _Rounder(storage)
     handles = []
     for module in layer.modules():
         if next(module.children(), None) is None:
-            handles.append(module.register_forward_pre_hook(_rounding_pre_hook(storage)))
-            handles.append(module.register_forward_hook(_rounding_hook(storage)))
+            handles.append(module.register_forward_pre_hook(rounder.pre_hook))
+            handles.append(module.register_forward_hook(rounder.hook))
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        rounder.forget()
 
 
-def _round(value: Any, storage: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != storage:
-        return value.to(storage).to(value.dtype)
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_round(item, storage) for item in value)
-    return value
+class _Rounder:
+    """Rounds the floating-point inputs and outputs of leaf modules to ``storage`` (values stay in the compute dtype).
 
+    Most leaf inputs are another leaf's output (a norm's output feeding q/k/v, a gate projection feeding the
+    activation) or one tensor handed to several Linears; rounding is idempotent, so such a tensor is rounded
+    once and the rounded tensor reused: the values are exactly those of rounding at every leaf, at about half
+    the conversions. A tensor is recognised by identity and its in-place version counter (an in-place change
+    after rounding makes it a new value), among the last ``keep`` tensors seen.
+    """
 
-def _rounding_pre_hook(storage: torch.dtype) -> Any:
-    def hook(_module: nn.Module, args: tuple) -> tuple:
-        return _round(args, storage)
-    return hook
+    def __init__(self, storage: torch.dtype, keep: int = 16) -> None:
+        self.storage = storage
+        self.keep = keep
+        # id(tensor) -> (tensor, its version, the rounded tensor); a rounded tensor maps to itself
+        self._seen: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
+    def forget(self) -> None:
+        self._seen.clear()
 
-def _rounding_hook(storage: torch.dtype) -> Any:
-    def hook(_module: nn.Module, _args: tuple, output: Any) -> Any:
-        return _round(output, storage)
-    return hook
+    def _remember(self, source: torch.Tensor, rounded: torch.Tensor) -> None:
+        self._seen.pop(id(source), None)
+        self._seen[id(source)] = (source, source._version, rounded)
+        while len(self._seen) > self.keep:
+            self._seen.pop(next(iter(self._seen)))
+
+    def round(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.storage:
+            seen = self._seen.get(id(value))
+            if seen is not None and seen[0] is value and seen[1] == value._version:
+                return seen[2]
+            rounded = value.to(self.storage).to(value.dtype)
+            self._remember(value, rounded)
+            self._remember(rounded, rounded)
+            return rounded
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(self.round(item) for item in value)
+        return value
+
+    def pre_hook(self, _module: nn.Module, args: tuple) -> tuple:
+        return self.round(args)
+
+    def hook(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
+        return self.round(output)
 
 
 def tensor_dtypes(module: nn.Module) -> dict[tuple[int, str], torch.dtype]:

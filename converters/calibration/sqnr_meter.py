@@ -186,11 +186,13 @@ class SqnrMeter:
         self._history: dict[str, _History] = {}
         self._weighed: set[str] = set()  # layers whose weight SQNR is recorded
         self._cache: dict[str, list[list[torch.Tensor]]] = {}  # path -> per group, the cast slices; oldest first
+        self._floats: dict[str, torch.Tensor] = {}  # path -> the measured rows in fp32, kept with the cast slices
         self._channels: dict[str, _Channels] = {}  # path -> the rows measured (the weight does not change)
 
     def drop_cast_weights(self) -> None:
         """Forget the cast weights kept between calls (a layer-sequential calibration is done with a layer)."""
         self._cache.clear()
+        self._floats.clear()
 
     def _channels_of(self, path: str, weight: torch.Tensor) -> _Channels:
         """The output channels measured for ``path``, chosen once from the weight's row amax."""
@@ -215,9 +217,12 @@ class SqnrMeter:
         return chosen
 
     def _measured_weight(self, path: str, weight: torch.Tensor) -> torch.Tensor:
-        """The weight's measured rows (all of them, or the chosen blocks gathered in order)."""
+        """The weight's measured rows in fp32 (all of them, or the chosen blocks gathered in order): kept with the
+        cast slices between calls (gathered and upcast once per layer, not per call)."""
+        if path in self._floats:
+            return self._floats[path]
         rows = self._channels_of(path, weight).rows
-        return weight.detach() if rows is None else weight.detach().index_select(0, rows)
+        return (weight.detach() if rows is None else weight.detach().index_select(0, rows)).float()
 
     def paths(self) -> list[str]:
         return list(dict.fromkeys(path for path, _, _ in self._sums))
@@ -237,17 +242,23 @@ class SqnrMeter:
         if path in self._cache:
             return self._cache[path]
         measured = self._measured_weight(path, weight)
-        size = measured.numel() * 4 * len(self._groups)
+        size = measured.numel() * 4 * (len(self._groups) + 1)  # the cast slices and the fp32 rows
         if size > self.cache_bytes:
             return None
         amax = self._channels_of(path, weight).amax
-        cast = [[self._cast_weight(group[0], measured[rows].float(), amax) for rows in self._slices(measured)]
+        cast = [[self._cast_weight(group[0], measured[rows], amax) for rows in self._slices(measured)]
                 for group in self._groups.values()]
-        while self._cache and sum(t.numel() * 4 for v in self._cache.values() for g in v for t in g) + size > \
-                self.cache_bytes:
-            self._cache.pop(next(iter(self._cache)))
+        while self._cache and self._cached_bytes() + size > self.cache_bytes:
+            oldest = next(iter(self._cache))
+            self._cache.pop(oldest)
+            self._floats.pop(oldest, None)
         self._cache[path] = cast
+        self._floats[path] = measured
         return cast
+
+    def _cached_bytes(self) -> int:
+        casts = sum(t.numel() * t.element_size() for v in self._cache.values() for g in v for t in g)
+        return casts + sum(t.numel() * t.element_size() for t in self._floats.values())
 
     def observe_weight(self, path: str, weight: torch.Tensor) -> None:
         """The weight's SQNR under every recipe, recorded the first time a layer is seen."""
