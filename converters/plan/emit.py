@@ -11,7 +11,8 @@
   entry stay in high precision) and the ``fqns`` of its MXFP8 converter, in torchtitan's Llama 3 names.
 * ``compressed_tensors_config.json``: a compressed-tensors ``mixed-precision`` ``quantization_config``, one config
   group per precision with its layers as ``targets``; ``hf_quant_config.json``: ModelOpt ``MIXED_PRECISION`` with
-  ``quantized_layers``. Descriptions of a mixed serving export: the weights themselves are not written here.
+  ``quantized_layers``. Descriptions of a mixed serving export; a job writes the compressed-tensors checkpoint itself
+  (:mod:`converters.plan.mixed_export`).
 * ``README.md``: what each file is, and what each framework cannot express (Accelerate: no per-layer precision).
 """
 
