@@ -1,0 +1,102 @@
+"""Task children start as forks of the worker's task server (``service.workers.task_server``): each starts from
+the server's clean image (what one task changes never reaches the next), and a kill -9 of the worker takes its
+task children with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from service.workers.procs import die_with_worker, is_alive
+from service.workers.task_server import task_context
+from tests.service_helpers import wait_for
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def leave_traces(conn: Connection, worker_pid: int) -> None:
+    """A task that changes its process: a module's state, the environment, torch's thread count."""
+    import torch
+
+    import converters.modelfree.stored as stored
+
+    die_with_worker(worker_pid)
+    stored.LEFT_BY_AN_EARLIER_TASK = True
+    os.environ["FP8FORGE_LEFT_BY_AN_EARLIER_TASK"] = "1"
+    torch.set_num_threads(1)
+    conn.send(os.getpid())
+    conn.close()
+
+
+def look_for_traces(conn: Connection, worker_pid: int) -> None:
+    import torch
+
+    import converters.modelfree.stored as stored
+
+    die_with_worker(worker_pid)
+    conn.send({"pid": os.getpid(), "module": hasattr(stored, "LEFT_BY_AN_EARLIER_TASK"),
+               "environment": "FP8FORGE_LEFT_BY_AN_EARLIER_TASK" in os.environ,
+               "torch_loaded_before": "torch" in _modules_at_start, "threads": torch.get_num_threads()})
+    conn.close()
+
+
+def sleep_until_killed(pid_file: str, worker_pid: int) -> None:
+    die_with_worker(worker_pid)
+    Path(pid_file).write_text(str(os.getpid()))
+    while True:
+        time.sleep(1)
+
+
+_modules_at_start = set(sys.modules)  # in a task child: what the server had imported before this module
+
+
+def _run(target, context) -> object:
+    receiver, sender = context.Pipe(duplex=False)
+    proc = context.Process(target=target, args=(sender, os.getpid()))
+    proc.start()
+    sender.close()
+    try:
+        return receiver.recv()
+    finally:
+        proc.join(30)
+
+
+def test_a_task_child_starts_from_the_server_s_image_not_from_the_task_before() -> None:
+    context = task_context()
+    first = _run(leave_traces, context)
+    second = _run(look_for_traces, context)
+    assert second["pid"] != first
+    assert second["torch_loaded_before"], "the server imports torch before it forks"
+    assert (second["module"], second["environment"]) == (False, False)
+    assert second["threads"] != 1 or (os.cpu_count() or 1) == 1
+
+
+def test_kill_9_of_the_worker_ends_its_task_children(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = textwrap.dedent(f"""
+        import os, time
+        from service.workers.task_server import task_context
+        from tests.service.workers.test_task_server import sleep_until_killed
+        proc = task_context().Process(target=sleep_until_killed, args=({str(pid_file)!r}, os.getpid()))
+        proc.start()
+        time.sleep(3600)
+    """)
+    worker = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    try:
+        child = int(wait_for(lambda: pid_file.is_file() and pid_file.read_text(), timeout=120,
+                             what="the task child to start"))
+        assert is_alive(child)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        assert wait_for(lambda: not is_alive(child), timeout=10, what="the task child to die with its worker")
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
