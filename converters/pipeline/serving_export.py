@@ -149,8 +149,10 @@ def plan_from_wire(data: dict[str, Any]) -> ServingPlan:
 
 def serving_shard_tasks(run: Run, staging: Path) -> list[dict[str, Any]]:
     """Each requested format's export as plain-data tasks, once calibration has run: one ``serving_write`` per
-    weight file, then one ``serving_finish`` per format. A format that needs the weight amax gets it here, over
-    every file (fused groups may span files). Paths are not stored: the runner names the source and output."""
+    weight file, then one ``serving_finish`` per format. Prepares ``run.serving``'s plans from the calibration (as
+    :func:`write_serving_exports` does); a format that needs the weight amax gets it here, over every file (fused
+    groups may span files). Paths are not stored: the machine that runs a task names its source and output
+    (``staging``: where this run's dequantized copies of a quantized source are, to read their names)."""
     tasks: list[dict[str, Any]] = []
     files = serving_sources(run, staging)
     dtype = str(model_dtype(run.resolved.config)).removeprefix("torch.")
