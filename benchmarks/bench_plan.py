@@ -16,11 +16,14 @@ measured) and the planner's seconds. Nothing is asserted.
 Run:
   .venv/bin/python benchmarks/bench_plan.py --target-kl 0.005 --gpu h100
   .venv/bin/python benchmarks/bench_plan.py --target-kl 0.005 --gpu b200 --objective fp8-flops
+  .venv/bin/python benchmarks/bench_plan.py --target-kl 0.015 --sensitivity sqnr --calib-steps 2 --max-tokens 128 \
+      --save-plan plan.json   (the affordable run of docs/plan.md; the whole plan block written to plan.json)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import Counter
@@ -38,6 +41,7 @@ def main() -> None:
     parser.add_argument("--sensitivity", default="auto")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--calib-steps", type=int, default=16)
+    parser.add_argument("--save-plan", type=Path, help="write the plan block (every layer's row) to this JSON file")
     args = parser.parse_args()
 
     from converters.model.sources import ModelSourceOptions
@@ -80,7 +84,12 @@ def main() -> None:
     for check in plan["search"]["verifications"]:
         print(f"verification: budget {check['budget']}, predicted {check['predicted']}, measured {check['measured']}, "
               f"within {check['within']}")
+    kinds = Counter((row["path"].rsplit(".", 1)[-1], row["precision"]) for row in plan["layers"])
+    print("per projection: " + ", ".join(f"{kind} {precision} {count}"
+                                         for (kind, precision), count in sorted(kinds.items())))
     print(f"target met: {plan['target']['met']}; calibration {calibrated:.1f} s, planner {plan['seconds']:.1f} s")
+    if args.save_plan is not None:
+        args.save_plan.write_text(json.dumps(plan, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":
