@@ -23,12 +23,20 @@ computed in its own dtype). Two things make pass 2 fast:
   why are in :class:`SequentialStats`.
 * **Prefetch.** While layer i runs, layer i+1's tensors are read from disk in a background thread
   (:mod:`converters.calibration.prefetch`), one layer ahead.
+
+The replay machinery is public, for other layer-sequential passes (the quality pass,
+:mod:`converters.quality.measure`) to see the layers called exactly as calibration does:
+:class:`LayerCalls` holds what pass 1 recorded (:func:`record_layer_calls`) and runs a layer on new hidden states
+(:meth:`LayerCalls.call`, in the dtype :func:`choose_compute` picked); :func:`replaying_outer_modules` runs the
+model's forward around its layers again with the input embedding and the last layer's output replayed (pass 3);
+:func:`release_layer` puts a layer back on the meta device and hands its memory back to the system.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,7 +53,7 @@ from converters.calibration.compute import (
 )
 from converters.calibration.prefetch import LayerPrefetcher
 from converters.errors import ConversionCancelled
-from converters.model.checkpoint import Checkpoint, module_keys, release, unit_keys
+from converters.model.checkpoint import Checkpoint, _return_freed_memory, module_keys, release, unit_keys
 from converters.model.experts import parse_unit_path
 
 __all__ = [
@@ -59,6 +67,14 @@ __all__ = [
     "LayerTiming",
     "SequentialStats",
     "calibrate_layer_by_layer",
+    "LayerCalls",
+    "StopForward",
+    "record_layer_calls",
+    "choose_compute",
+    "replaying_outer_modules",
+    "release_layer",
+    "module_path",
+    "under",
 ]
 
 
@@ -164,14 +180,14 @@ class SequentialStats:
         return [asdict(timing) for timing in self.layers]
 
 
-class _StopForward(Exception):
-    pass
+class StopForward(Exception):
+    """Raised inside a model's forward to end it early (after the last layer's call is recorded; or by a hook)."""
 
 
 class _LayerStandIn(nn.Module):
     """Takes a layer's place while the model runs around its layers; see the module docstring."""
 
-    def __init__(self, index: int, real: nn.Module, passes: _Passes) -> None:
+    def __init__(self, index: int, real: nn.Module, passes: LayerCalls) -> None:
         super().__init__()
         # Plain attributes, not submodules: the stand-in must not expose the real layer's tensors.
         self.__dict__["_real"] = real
@@ -189,7 +205,7 @@ class _LayerStandIn(nn.Module):
 class _Replay(nn.Module):
     """Returns the recorded output of a module for the current step, without its weights."""
 
-    def __init__(self, outputs: list[Any], passes: _Passes) -> None:
+    def __init__(self, outputs: list[Any], passes: LayerCalls) -> None:
         super().__init__()
         self.__dict__["_outputs"] = outputs
         self.__dict__["_passes"] = passes
@@ -198,8 +214,14 @@ class _Replay(nn.Module):
         return self._outputs[self._passes.step]
 
 
-class _Passes:
-    """What the stand-ins record (pass 1) or return (pass 3)."""
+class LayerCalls:
+    """What each layer of a model is called with, per step (batch), recorded by :func:`record_layer_calls`.
+
+    ``hidden_in[step]`` is the first layer's hidden-state input; ``call(layer, index, step, hidden)`` runs layer
+    ``index`` on new hidden states with that step's other recorded arguments (position embeddings, masks).
+    ``compute`` (set by :func:`choose_compute`) is the dtype the replayed calls run in. During
+    :func:`replaying_outer_modules`, ``final[step]`` is what the last layer returns.
+    """
 
     def __init__(self, count: int, steps: int) -> None:
         self.count = count
@@ -225,10 +247,11 @@ class _Passes:
         if index == 0:
             self.hidden_in[self.step] = hidden
         if index == self.count - 1:
-            raise _StopForward
+            raise StopForward
         return hidden
 
     def call(self, layer: nn.Module, index: int, step: int, hidden: torch.Tensor) -> Any:
+        """Layer ``index``'s output for ``hidden`` (its input), called as the model called it at ``step``."""
         rest, kwargs = self.calls[index][step]
         if self.compute is not None and hidden.dtype != self.compute:
             # Upcasts only (the recorded inputs are in the checkpoint's dtype): exact.
@@ -272,13 +295,13 @@ def calibrate_layer_by_layer(
     model.eval()
     layers: nn.ModuleList = model.get_submodule(stack.path)
     real = list(layers)
-    head_path = _module_path(model, model.get_output_embeddings())
-    embed_path = _module_path(model, model.get_input_embeddings())
+    head_path = module_path(model, model.get_output_embeddings())
+    embed_path = module_path(model, model.get_input_embeddings())
     by_layer: dict[int | None, list[str]] = {}
     for path in layer_paths:
         by_layer.setdefault(stack.index_of(path), []).append(path)
     total = stack.count + (1 if None in by_layer else 0)
-    passes = _Passes(stack.count, len(batches))
+    passes = LayerCalls(stack.count, len(batches))
     inputs = [_to(batch, checkpoint.device) for batch in batches]
     stats = stats if stats is not None else SequentialStats()
     stats.prefetch, stats.checkpoint_dtype = prefetch, str(checkpoint.dtype).removeprefix("torch.")
@@ -286,9 +309,9 @@ def calibrate_layer_by_layer(
     try:
         if prefetcher is not None:
             prefetcher.start(0, module_keys(real[0], f"{stack.path}.0"))
-        embedded = _run_around_layers(model, stack, checkpoint, inputs, passes, head_path, embed_path,
+        embedded = record_layer_calls(model, stack, checkpoint, inputs, passes, head_path, embed_path,
                                       keep_embeddings=None in by_layer)
-        _choose_compute(passes, checkpoint, compute_dtype, stats)
+        choose_compute(passes, checkpoint, compute_dtype, stats)
         for index in range(stack.count):
             if should_stop is not None and should_stop():
                 raise ConversionCancelled(f"the conversion was cancelled before layer {index} of {stack.count}")
@@ -313,13 +336,17 @@ def calibrate_layer_by_layer(
     return {path: amax for recorder in passes.recorders for path, amax in recorder.results().items()}
 
 
-def _run_around_layers(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, inputs: list[dict],
-                       passes: _Passes, head_path: str | None, embed_path: str | None,
+def record_layer_calls(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, inputs: list[dict],
+                       passes: LayerCalls, head_path: str | None, embed_path: str | None,
                        keep_embeddings: bool) -> list[torch.Tensor]:
-    """Pass 1: load what lies outside the layers (not the head), record each layer's call, release the embedding."""
-    checkpoint.load(unit_keys(model, lambda name: stack.index_of(name) is None and not _under(name, head_path)))
+    """Pass 1: load what lies outside the layers (not the head), record each layer's call into ``passes``, release
+    the input embedding and the head; the real layers are back in place on return. Returns the input embedding's
+    output per step when ``keep_embeddings`` (for :func:`replaying_outer_modules`), else an empty list. Raises
+    SequentialUnsupported when the forward does not reach the last layer."""
+    checkpoint.load(unit_keys(model, lambda name: stack.index_of(name) is None and not under(name, head_path)))
     layers: nn.ModuleList = model.get_submodule(stack.path)
-    for index, layer in enumerate(list(layers)):
+    real = list(layers)
+    for index, layer in enumerate(real):
         layers[index] = _LayerStandIn(index, layer, passes)
     embedded: list[torch.Tensor] = []
     embedding = model.get_submodule(embed_path) if embed_path else None
@@ -331,28 +358,31 @@ def _run_around_layers(model: nn.Module, stack: LayerStack, checkpoint: Checkpoi
                 passes.step = step
                 try:
                     model(**batch)
-                except _StopForward:
+                except StopForward:
                     pass
                 if passes.calls[-1][step] is None:
                     raise SequentialUnsupported(f"{type(model).__name__}'s forward did not call every layer")
     finally:
         if hook is not None:
             hook.remove()
+        for index, layer in enumerate(real):
+            layers[index] = layer
     for path in (embed_path, head_path):
         if path:
             release(model.get_submodule(path))
     return embedded
 
 
-def _choose_compute(passes: _Passes, checkpoint: Checkpoint, requested: torch.dtype | None,
+def choose_compute(passes: LayerCalls, checkpoint: Checkpoint, requested: torch.dtype | None,
                     stats: SequentialStats) -> None:
-    """Once per job, after pass 1."""
+    """Once per pass, after :func:`record_layer_calls`: the dtype replayed calls run in (see ``compute_dtype`` of
+    :func:`calibrate_layer_by_layer`), set on ``passes`` and reported in ``stats``."""
     compute, why = choose_compute_dtype(requested, checkpoint.dtype, checkpoint.device)
     passes.compute = compute if compute != checkpoint.dtype else None
     stats.compute_dtype, stats.compute_reason = str(compute).removeprefix("torch."), why
 
 
-def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: _Passes, index: int,
+def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: LayerCalls, index: int,
                      layer: nn.Module, paths: list[str], after_layer: Callable[[LayerPass], None] | None,
                      take: Callable[[], dict[str, torch.Tensor] | None]) -> LayerTiming:
     """Pass 2 for one layer: load it, run every cached batch through it with the hooks on, release it.
@@ -367,7 +397,7 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
     layers: nn.ModuleList = model.get_submodule(stack.path)
     layers[index] = layer  # the real layer, so that its tensors load under their own names
     dtypes = tensor_dtypes(layer)
-    checkpoint.load(unit_keys(model, lambda name: _under(name, layer_path)), tensors=tensors)
+    checkpoint.load(unit_keys(model, lambda name: under(name, layer_path)), tensors=tensors)
     del tensors  # the layer's parameters hold them now
     loaded = time.perf_counter()
     recorder = amax_recorder(model, paths, len(passes.hidden_in)) if paths else AmaxRecorder({}, 0)
@@ -390,46 +420,72 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
         after_layer(LayerPass(index=index, path=layer_path, layer=layer, linear_paths=linear_paths,
                               amax=recorder.results(), outputs=outputs,
                               call=lambda module, step: passes.call(module, index, step, inputs[step])))
-    release(layer)
-    restore_dtypes(layer, dtypes)
     layer_done_for_sqnr()  # this layer's Linears are not called again: their cast weights can go
+    release_layer(layer, dtypes)
     passes.hidden_in = outputs
     return LayerTiming(index=index, wait_s=read - started, load_s=loaded - read, forward_s=forwarded - loaded)
 
 
-def _run_head(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, inputs: list[dict], passes: _Passes,
+def _run_head(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, inputs: list[dict], passes: LayerCalls,
               paths: list[str], head_path: str | None, embed_path: str | None, embedded: list[torch.Tensor]) -> None:
     """Pass 3: the modules after the layers see the last layer's real outputs; hooks on the outer Linears."""
-    layers: nn.ModuleList = model.get_submodule(stack.path)
-    keys = unit_keys(model, lambda name: _under(name, head_path)) if head_path else set()
+    keys = unit_keys(model, lambda name: under(name, head_path)) if head_path else set()
     checkpoint.load(keys)
-    passes.final, passes.replaying = passes.hidden_in, True
-    for index in range(stack.count):
-        layers[index] = _LayerStandIn(index, layers[index], passes)
     recorder = AmaxRecorder({path: model.get_submodule(path) for path in paths}, len(inputs))
     passes.recorders.append(recorder)
+    with replaying_outer_modules(model, stack, passes, embedded, passes.hidden_in), torch.no_grad(), \
+            recorder.attached():
+        for step, batch in enumerate(inputs):
+            passes.step = recorder.step = step
+            model(**batch)
+
+
+@contextmanager
+def replaying_outer_modules(model: nn.Module, stack: LayerStack, passes: LayerCalls, embedded: list[Any],
+                            final: list[torch.Tensor]) -> Iterator[None]:
+    """Inside the block, the model's forward at ``passes.step`` runs only the modules outside its layers: the input
+    embedding returns ``embedded[step]`` (no weight needed), each layer hands its hidden states on and the last
+    returns ``final[step]``. The caller loads the modules after the layers (final norm, head) and sets
+    ``passes.step`` per step; the real layers and embedding are back in place on exit."""
+    layers: nn.ModuleList = model.get_submodule(stack.path)
+    real = list(layers)
+    embed_path = module_path(model, model.get_input_embeddings())
     parent, _, leaf = (embed_path or "").rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     original = getattr(owner, leaf) if embed_path else None
+    passes.final, passes.replaying = final, True
+    for index in range(stack.count):
+        layers[index] = _LayerStandIn(index, real[index], passes)
     if embed_path:
         setattr(owner, leaf, _Replay(embedded, passes))
     try:
-        with torch.no_grad(), recorder.attached():
-            for step, batch in enumerate(inputs):
-                passes.step = recorder.step = step
-                model(**batch)
+        yield
     finally:
+        passes.replaying = False
         if embed_path:
             setattr(owner, leaf, original)
+        for index, layer in enumerate(real):
+            layers[index] = layer
 
 
-def _module_path(model: nn.Module, module: nn.Module | None) -> str | None:
+def release_layer(layer: nn.Module, dtypes: dict[tuple[int, str], torch.dtype]) -> None:
+    """Put ``layer``'s tensors back on the meta device in the dtypes ``dtypes`` (:func:`tensor_dtypes` before
+    loading) and hand the freed heap pages back to the system: glibc keeps the freed pages of a layer's upcast
+    copies in its arenas, so a pass that allocates per layer otherwise grows its resident memory with depth."""
+    release(layer)
+    restore_dtypes(layer, dtypes)
+    _return_freed_memory()
+
+
+def module_path(model: nn.Module, module: nn.Module | None) -> str | None:
+    """The path of ``module`` inside ``model`` (None for None or a module not in it)."""
     if module is None:
         return None
     return next((path for path, candidate in model.named_modules() if candidate is module), None)
 
 
-def _under(name: str, path: str | None) -> bool:
+def under(name: str, path: str | None) -> bool:
+    """Whether the module or tensor path ``name`` is ``path`` or lies inside it (False for a None path)."""
     return path is not None and (name == path or name.startswith(f"{path}."))
 
 

@@ -132,6 +132,7 @@ class _CastForward:
 
     def __init__(self, module: nn.Linear, cast: LayerCast) -> None:
         self.module, self.cast = module, cast
+        # cast once per layer and variant, then kept in the dtype of the calls (not converted per call)
         self.weight = cast_linear_weight(cast, module.weight.detach())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +140,9 @@ class _CastForward:
         if cast.input is not None:
             flat = x.reshape(-1, x.shape[-1])
             x = fake_quantize(flat, cast.input, scale=cast.input_scale).reshape(x.shape).to(x.dtype)
-        return nn.functional.linear(x, self.weight.to(x.dtype), self.module.bias)
+        if self.weight.dtype != x.dtype:
+            self.weight = self.weight.to(x.dtype)
+        return nn.functional.linear(x, self.weight, self.module.bias)
 
 
 class casting_linears:  # noqa: N801 - a context manager read as a phrase: ``with casting_linears(...)``

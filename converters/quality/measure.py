@@ -1,9 +1,10 @@
 """Layer-sequential quality pass: the source and its FP8 variants side by side, one layer in memory at a time.
 
 Pass 1 runs the modules around the layers once per text and records what each layer is called with (the
-calibration's machinery, :mod:`converters.calibration.sequential`). Pass 2 loads each layer once and runs every
+calibration's replay API, :mod:`converters.calibration.sequential`). Pass 2 loads each layer once and runs every
 text through it as the source (the reference stream) and once per FP8 variant, each on that variant's own
-hidden states from the layer before, with its Linears cast (:mod:`converters.quality.casts`). The head pass
+hidden states from the layer before, with its Linears cast (:mod:`converters.quality.casts`); a variant that casts
+nothing up to a layer shares the reference's hidden states there instead of computing them again. The head pass
 replays the final hidden states of each stream through the model's final norm, and the output head scores
 them a slice of positions at a time: no ``[tokens, vocab]`` tensor of the whole text, and never the whole model.
 """
@@ -19,22 +20,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.calibration.compute import emulating, restore_dtypes, tensor_dtypes
+from converters.calibration.compute import emulating, tensor_dtypes
 from converters.calibration.emulation import fake_quantize
 
 # The calibration's pass-1 and replay machinery, shared so that both passes see the layers called the same way.
 from converters.calibration.sequential import (
+    LayerCalls,
     LayerStack,
     SequentialStats,
-    _choose_compute,
-    _LayerStandIn,
-    _module_path,
-    _Passes,
-    _Replay,
-    _run_around_layers,
-    _StopForward,
-    _under,
+    StopForward,
+    choose_compute,
     find_layer_stack,
+    module_path,
+    record_layer_calls,
+    release_layer,
+    replaying_outer_modules,
+    under,
 )
 from converters.errors import ConversionCancelled, Fp8ForgeError
 from converters.model.checkpoint import Checkpoint, release, unit_keys
@@ -48,7 +49,10 @@ __all__ = ["QualitySource", "QualityUnavailable", "load_source", "measure_qualit
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_SEQ_LEN = 256
-_HEAD_POSITIONS = 64  # positions scored at a time: two [64, vocab] fp32 logits (33 MB each for a 128k vocab)
+_HEAD_POSITIONS = 64  # positions scored at a time: a [64, vocab] fp32 logits per stream (33 MB for a 128k vocab)
+_HEAD_ROWS = 16384  # vocabulary rows of the head's weight upcast to fp32 at a time, into one reused buffer
+#: logits held at once by the head pass: the streams scored against one upcast slice of the head's weight
+_HEAD_LOGITS_BYTES = 256 * 2**20
 
 
 class QualityUnavailable(Fp8ForgeError):
@@ -104,8 +108,14 @@ def measure_quality(source: Path | QualitySource, layer_casts: Mapping[str, Laye
 def measure_qualities(source: Path | QualitySource, variants: Mapping[str, Mapping[str, LayerCast | None]],
                       texts: Sequence[str] | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                       seq_len: int = DEFAULT_SEQ_LEN, should_stop: Callable[[], bool] | None = None,
-                      on_layer: Callable[[int, int], None] | None = None) -> dict[str, QualityFigures]:
+                      on_layer: Callable[[int, int], None] | None = None, share_unchanged_layers: bool = True
+                      ) -> dict[str, QualityFigures]:
     """Several FP8 variants in one pass: the reference runs once; each variant's stream runs beside it.
+
+    A variant's stream is the reference's up to the first layer where it casts a Linear: with
+    ``share_unchanged_layers`` (the default) it uses the reference's hidden states until then instead of
+    computing the same ones again (the figures are the same either way; False computes every stream through
+    every layer). A precision plan's variants, one cast unit each, skip about half the layers so.
 
     Raises QualityUnavailable (see :func:`load_source`; also texts that give fewer than two tokens),
     ConversionCancelled when ``should_stop()`` turns true between layers, ValueError for a cast on a module
@@ -129,7 +139,7 @@ def measure_qualities(source: Path | QualitySource, variants: Mapping[str, Mappi
     for name, casts in variants.items():
         unique.setdefault(frozenset((path, cast) for path, cast in casts.items() if cast is not None), name)
     runs = {name: variants[name] for name in unique.values()}
-    streams, passes = _run_layers(source, batches, runs, should_stop, on_layer)
+    streams, passes = _run_layers(source, batches, runs, should_stop, on_layer, share_unchanged_layers)
     scores = _score_heads(source, batches, streams, passes, runs)
     return {name: scores[unique[frozenset((path, cast) for path, cast in casts.items() if cast is not None)]]
             .figures(texts=len(batches), held_out=held_out) for name, casts in variants.items()}
@@ -161,27 +171,30 @@ def _token_batches(source: QualitySource, texts: list[str], max_tokens: int, seq
 
 def _run_layers(source: QualitySource, batches: list[dict[str, Any]],
                 variants: Mapping[str, Mapping[str, LayerCast | None]], should_stop: Callable[[], bool] | None,
-                on_layer: Callable[[int, int], None] | None) -> tuple[dict[str | None, list[torch.Tensor]], _Passes]:
-    """Passes 1 and 2: each stream's hidden states after the last layer (``None``: the reference's), and the
-    recorded calls, whose ``hidden_in`` then holds the input embedding per text for the head pass's replay."""
+                on_layer: Callable[[int, int], None] | None, share: bool
+                ) -> tuple[dict[str | None, list[torch.Tensor]], LayerCalls]:
+    """Passes 1 and 2: each stream's hidden states after the last layer (``None``: the reference's; a variant that
+    casts nothing in the layers holds the reference's list itself), and the recorded calls, whose ``hidden_in``
+    then holds the input embedding per text for the head pass's replay."""
     model, stack, checkpoint = source.model, source.stack, source.checkpoint
     model.eval()
     layers: nn.ModuleList = model.get_submodule(stack.path)
     real = list(layers)
-    head_path = _module_path(model, model.get_output_embeddings())
-    embed_path = _module_path(model, model.get_input_embeddings())
-    passes = _Passes(stack.count, len(batches))
+    head_path = module_path(model, model.get_output_embeddings())
+    embed_path = module_path(model, model.get_input_embeddings())
+    passes = LayerCalls(stack.count, len(batches))
+    first_cast = {name: _first_cast_layer(stack, casts) if share else 0 for name, casts in variants.items()}
     try:
-        embedded = _run_around_layers(model, stack, checkpoint, batches, passes, head_path, embed_path,
+        embedded = record_layer_calls(model, stack, checkpoint, batches, passes, head_path, embed_path,
                                       keep_embeddings=True)
-        _choose_compute(passes, checkpoint, None, SequentialStats())
+        choose_compute(passes, checkpoint, None, SequentialStats())
         streams: dict[str | None, list[torch.Tensor]] = {None: list(passes.hidden_in)}
-        streams.update({name: list(passes.hidden_in) for name in variants})
+        streams.update({name: streams[None] if first_cast[name] > 0 else list(passes.hidden_in) for name in variants})
         for index in range(stack.count):
             if should_stop is not None and should_stop():
                 raise ConversionCancelled(f"the quality pass was cancelled before layer {index} of {stack.count}")
             layers[index] = real[index]
-            _run_layer(model, stack, checkpoint, passes, index, real[index], streams, variants)
+            _run_layer(model, stack, checkpoint, passes, index, real[index], streams, variants, first_cast)
             if on_layer is not None:
                 on_layer(index + 1, stack.count + 1)
     finally:
@@ -192,23 +205,32 @@ def _run_layers(source: QualitySource, batches: list[dict[str, Any]],
     return streams, passes
 
 
-def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: _Passes, index: int,
+def _first_cast_layer(stack: LayerStack, casts: Mapping[str, LayerCast | None]) -> int:
+    """The first layer where ``casts`` casts a Linear (``stack.count``: none; the head lies outside the layers)."""
+    indices = [stack.index_of(path) for path, cast in casts.items() if cast is not None]
+    return min((index for index in indices if index is not None), default=stack.count)
+
+
+def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: LayerCalls, index: int,
                layer: nn.Module, streams: dict[str | None, list[torch.Tensor]],
-               variants: Mapping[str, Mapping[str, LayerCast | None]]) -> None:
+               variants: Mapping[str, Mapping[str, LayerCast | None]], first_cast: Mapping[str, int]) -> None:
+    """Every stream through layer ``index``; a variant before its first cast layer takes the reference's output."""
     layer_path = f"{stack.path}.{index}"
     dtypes = tensor_dtypes(layer)
-    checkpoint.load(unit_keys(model, lambda name: _under(name, layer_path)))
+    checkpoint.load(unit_keys(model, lambda name: under(name, layer_path)))
     storage, compute = checkpoint.dtype, passes.compute or checkpoint.dtype
     try:
         with torch.no_grad(), emulating(layer, storage, compute):
             for name in streams:
-                casts = {} if name is None else {p: c for p, c in variants[name].items() if _under(p, layer_path)}
+                if name is not None and index < first_cast[name]:
+                    streams[name] = streams[None]  # the reference's own list: computed once, for both
+                    continue
+                casts = {} if name is None else {p: c for p, c in variants[name].items() if under(p, layer_path)}
                 with casting_linears(model, casts):
                     streams[name] = [_output(passes.call(layer, index, step, hidden), stack).to(storage)
                                      for step, hidden in enumerate(streams[name])]
     finally:
-        release(layer)
-        restore_dtypes(layer, dtypes)
+        release_layer(layer, dtypes)
 
 
 def _output(output: Any, stack: LayerStack) -> torch.Tensor:
@@ -221,51 +243,43 @@ def _output(output: Any, stack: LayerStack) -> torch.Tensor:
 
 
 def _score_heads(source: QualitySource, batches: list[dict[str, Any]],
-                 streams: dict[str | None, list[torch.Tensor]], passes: _Passes,
+                 streams: dict[str | None, list[torch.Tensor]], passes: LayerCalls,
                  variants: Mapping[str, Mapping[str, LayerCast | None]]) -> dict[str, TokenScores]:
-    """The head pass: each stream through the final norm (the model's own forward, layers replayed), then the head."""
+    """The head pass: each stream through the final norm (the model's own forward, layers replayed), then the head.
+    Streams that share their hidden states (the same list) go through the norm once."""
     model, stack, checkpoint = source.model, source.stack, source.checkpoint
     head = model.get_output_embeddings()
-    head_path = _module_path(model, head)
-    embed_path = _module_path(model, model.get_input_embeddings())
-    layers: nn.ModuleList = model.get_submodule(stack.path)
-    real = list(layers)
+    head_path = module_path(model, head)
+    embed_path = module_path(model, model.get_input_embeddings())
     # everything outside the layers but the input embedding, which the replay stands in for (a tied head loads it)
-    checkpoint.load(unit_keys(model, lambda name: stack.index_of(name) is None and not _under(name, embed_path)
-                              or _under(name, head_path)))
-    parent, _, leaf = (embed_path or "").rpartition(".")
-    owner = model.get_submodule(parent) if parent else model
-    embedding = getattr(owner, leaf)
-    embedded = passes.hidden_in
+    checkpoint.load(unit_keys(model, lambda name: stack.index_of(name) is None and not under(name, embed_path)
+                              or under(name, head_path)))
     normed: list[torch.Tensor] = []
 
     def capture(_module: nn.Module, args: tuple) -> None:
         normed.append(args[0][0].detach())
-        raise _StopForward
+        raise StopForward
 
     hook = head.register_forward_pre_hook(capture)
-    passes.replaying = True
-    for index in range(stack.count):
-        layers[index] = _LayerStandIn(index, real[index], passes)
-    setattr(owner, leaf, _Replay(embedded, passes))
     try:
-        finals = {}
+        finals: dict[str | None, list[torch.Tensor]] = {}
+        done: dict[int, list[torch.Tensor]] = {}
         with torch.no_grad():
             for name, hidden in streams.items():
-                passes.final, normed = hidden, []
-                for step, batch in enumerate(batches):
-                    passes.step = step
-                    try:
-                        model(**batch)
-                    except _StopForward:
-                        pass
-                finals[name] = normed
+                if id(hidden) not in done:
+                    normed = []
+                    with replaying_outer_modules(model, stack, passes, passes.hidden_in, hidden):
+                        for step, batch in enumerate(batches):
+                            passes.step = step
+                            try:
+                                model(**batch)
+                            except StopForward:
+                                pass
+                    done[id(hidden)] = normed
+                finals[name] = done[id(hidden)]
         return _score(head, head_path, batches, finals, variants)
     finally:
         hook.remove()
-        setattr(owner, leaf, embedding)
-        for index, layer in enumerate(real):
-            layers[index] = layer
         release(model)
 
 
@@ -273,28 +287,52 @@ def _score(head: nn.Module, head_path: str, batches: list[dict[str, Any]], final
            variants: Mapping[str, Mapping[str, LayerCast | None]]) -> dict[str, TokenScores]:
     weight = head.weight.detach()
     bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
-    weights = {None: weight}
-    for name, casts in variants.items():
-        cast = casts.get(head_path)
-        weights[name] = cast_linear_weight(cast, weight) if cast is not None else weight
+    head_casts = {name: casts.get(head_path) for name, casts in variants.items()}
+    cast_weights = {name: cast_linear_weight(cast, weight) for name, cast in head_casts.items() if cast is not None}
+    # the streams multiplied by the source's head weight: the reference, and each variant with an uncast head whose
+    # hidden states differ from the reference's (the others' logits are the reference's own)
+    plain = [None, *(name for name, cast in head_casts.items() if cast is None and finals[name] is not finals[None])]
+    group = max(1, _HEAD_LOGITS_BYTES // (_HEAD_POSITIONS * weight.shape[0] * 4))
+    buffer = torch.empty(min(_HEAD_ROWS, weight.shape[0]), weight.shape[1], dtype=torch.float32)
     scores = {name: TokenScores() for name in variants}
     for step, batch in enumerate(batches):
         targets = batch["input_ids"][0, 1:]
         for start in range(0, targets.numel(), _HEAD_POSITIONS):
             rows = slice(start, min(start + _HEAD_POSITIONS, targets.numel()))
-            reference = _logits(finals[None][step][rows], weights[None], bias, None)
-            for name, casts in variants.items():
-                logits = _logits(finals[name][step][rows], weights[name], bias, casts.get(head_path))
-                scores[name].add(reference, logits, targets[rows])
+            logits: dict[str | None, torch.Tensor] = {}
+            for first in range(0, len(plain), group):
+                names = plain[first:first + group]
+                logits.update(_upcast_head_logits([finals[name][step][rows] for name in names], weight, bias,
+                                                  buffer, names))
+            for name, cast in head_casts.items():
+                if cast is not None:
+                    logits[name] = _cast_head_logits(finals[name][step][rows], cast_weights[name], bias, cast)
+                scores[name].add(logits[None], logits.get(name, logits[None]), targets[rows])
     return scores
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast: LayerCast | None
-            ) -> torch.Tensor:
-    """fp32 logits of ``[positions, hidden]``, the weight upcast a slice of the vocabulary at a time."""
+def _upcast_head_logits(hidden: list[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None,
+                        buffer: torch.Tensor, names: list[str | None]) -> dict[str | None, torch.Tensor]:
+    """fp32 logits of each ``[positions, hidden]`` in ``hidden`` with the source's head weight, upcast a slice of
+    the vocabulary at a time into ``buffer`` (reused: a fresh fp32 slice per stream cost more than its GEMM), each
+    slice once for all the streams."""
+    xs = [h.float() for h in hidden]
+    out = [torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32) for x in xs]
+    for v in range(0, weight.shape[0], buffer.shape[0]):
+        rows = min(buffer.shape[0], weight.shape[0] - v)
+        block = buffer[:rows]
+        block.copy_(weight[v: v + rows])
+        for x, logits in zip(xs, out, strict=True):
+            logits[:, v: v + rows] = nn.functional.linear(x, block)
+    return {name: logits + bias if bias is not None else logits for name, logits in zip(names, out, strict=True)}
+
+
+def _cast_head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast: LayerCast
+                      ) -> torch.Tensor:
+    """fp32 logits of ``[positions, hidden]`` through a cast head: its input cast, its (fp32) cast weight."""
     x = hidden.float()
-    if cast is not None and cast.input is not None:
+    if cast.input is not None:
         x = fake_quantize(x, cast.input, scale=cast.input_scale)
-    parts = [nn.functional.linear(x, weight[v: v + 16384].float()) for v in range(0, weight.shape[0], 16384)]
+    parts = [nn.functional.linear(x, weight[v: v + _HEAD_ROWS]) for v in range(0, weight.shape[0], _HEAD_ROWS)]
     logits = torch.cat(parts, dim=-1)
     return logits + bias if bias is not None else logits
