@@ -80,6 +80,10 @@ class Settings(BaseSettings):
         "stream", description="s3 store: the API streams downloads, or redirects to a pre-signed URL."
     )
     presigned_url_ttl_s: int = Field(900, ge=1, le=604_800, description="Lifetime of a pre-signed download URL.")
+    shard_export: Literal["auto", "on", "off"] = Field(
+        "auto", description="A calibrated job's serving export as shard tasks any worker writes: 'auto' (PostgreSQL, "
+                            "the local artifact store, several weight files), 'on' (the data dir is shared) or 'off'."
+    )
     artifact_sweep_interval_s: float = Field(
         300.0, gt=0, description="How often workers and the API remove attempt files no job points at."
     )

@@ -27,6 +27,7 @@ from converters.errors import Fp8ForgeError
 from converters.model.checkpoint import weight_files
 from converters.model.sources import ModelSourceOptions, confinement_for
 from converters.pipeline.request import ConversionRequest
+from converters.pipeline.serving_export import ServingShardRunner
 from converters.pipeline.stages import STAGE_FUNCTIONS, export, start
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
 from converters.pipeline.weight_copy import BackgroundWeightCopy
@@ -64,12 +65,14 @@ def run_stages(run: Run, *, stop_after: Stage, after_resolve: Callable[[Run], No
 
 def run_conversion(
     request: ConversionRequest, out_dir: Path, sources: ModelSourceOptions, sink: ProgressSink | None = None,
-    *, notes: tuple[str, ...] | list[str] = (),
+    *, notes: tuple[str, ...] | list[str] = (), serving_shards: ServingShardRunner | None = None,
 ) -> ConversionResult:
     """Convert ``request.model`` and write its artifacts to ``out_dir`` (which must not exist).
 
     ``notes`` are warnings the caller found before the run (a recipe file's keys that the request's recipe
     object no longer holds); they are reported first, and kept in the report with the pipeline's own.
+    ``serving_shards``: who writes the serving exports' weight files, as tasks (``write_serving_exports``);
+    without it, the run writes them itself.
 
     Raises:
         Fp8ForgeError subclasses: bad input (``is_bad_input``), backend unavailable, inconsistent
@@ -95,7 +98,7 @@ def run_conversion(
         run.check_stop()
         run.sink.stage(Stage.EXPORT.value)
         run.export_started = time.perf_counter()  # export records its own time in the report it writes
-        files, manifest = export(run, staging)
+        files, manifest = export(run, staging, serving_shards)
         run.check_stop()
         os.replace(staging, out_dir)
     except BaseException:

@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -25,7 +25,6 @@ from converters.calibration.sqnr_meter import RecipeCasts, SqnrMeter
 from converters.errors import ConversionError
 from converters.model.checkpoint import weight_files
 from converters.model.files import INDEX_NAME, FileConfinement
-from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
 from converters.model.sources import confinement_for, model_dtype
 from converters.pipeline.state import Run
 from converters.serving import serving_format
@@ -34,16 +33,16 @@ from converters.serving.kv_scales import attach_kv_scales
 from converters.serving.plan import (
     ServingPlan,
     expert_disk_keys,
-    layer_stats,
     plan_serving,
     set_input_amax,
     set_weight_amax,
     write_serving_checkpoint,
+    write_serving_file,
 )
 
-__all__ = ["SERVING_LABEL", "finish_serving_export", "plan_from_wire", "plan_serving_formats", "plan_to_wire",
-           "prepare_serving_plan", "run_serving_task", "serving_casts", "serving_shard_tasks", "serving_sqnr",
-           "write_serving_exports", "write_serving_shard"]
+__all__ = ["SERVING_LABEL", "ServingShardRunner", "finish_serving_export", "plan_from_wire", "plan_serving_formats",
+           "plan_to_wire", "prepare_serving_plan", "run_serving_task", "serving_casts", "serving_shard_tasks",
+           "serving_sqnr", "write_serving_exports", "write_serving_shard"]
 
 #: the SQNR meter's label for a serving format's casts: this prefix and the format's name
 SERVING_LABEL = "serving:"
@@ -96,8 +95,25 @@ def serving_sqnr(run: Run, meter: SqnrMeter | None) -> dict[str, dict[str, dict[
             for name in run.request.serving_formats}
 
 
-def write_serving_exports(run: Run, staging: Path) -> list[str]:
-    """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran."""
+class ServingShardRunner(Protocol):
+    """Runs a serving export's ``serving_write`` tasks (:func:`serving_shard_tasks`) somewhere other than in this
+    loop, e.g. spread over a service's workers; the run writes each format's index, config and side files itself."""
+
+    def wanted(self, weight_files: int) -> bool:
+        """Whether an export of ``weight_files`` files should run as tasks (else it is written here, as usual)."""
+        ...
+
+    def run(self, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run ``tasks``, each written under the run's staging directory; returns their results in their order.
+        Raises what the run should fail with (a task's bad input, a cancel)."""
+        ...
+
+
+def write_serving_exports(run: Run, staging: Path, shards: ServingShardRunner | None = None) -> list[str]:
+    """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran; with
+    ``shards`` (when it wants them), each weight file is a task it runs; the bytes are the same either way."""
+    if run.serving and shards is not None and shards.wanted(len(serving_sources(run, staging))):
+        return _write_serving_exports_as_tasks(run, staging, shards)
     written = []
     for name, plan in run.serving.items():
         prepare_serving_plan(run, name, plan)
@@ -107,6 +123,22 @@ def write_serving_exports(run: Run, staging: Path) -> list[str]:
         files = write_serving_checkpoint(serving_format(name), plan, source, files, directory,
                                          model_dtype(run.resolved.config), confinement_for(run.sources),
                                          check_stop=run.check_stop, emulated_stats=False)
+        _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))
+        _audit(run, name, plan, directory)
+        written += [f"serving/{name}/{file}" for file in files]
+    return written
+
+
+def _write_serving_exports_as_tasks(run: Run, staging: Path, shards: ServingShardRunner) -> list[str]:
+    """The weight files by ``shards``; each format's index, config and side files here, then its audit."""
+    writes = [task for task in serving_shard_tasks(run, staging) if task["kind"] == "serving_write"]
+    results = shards.run(writes)
+    written = []
+    for name, plan in run.serving.items():
+        directory = staging / "serving" / name
+        own = [result for task, result in zip(writes, results, strict=True)
+               if task["payload"]["plan"]["format"] == name]
+        files = finish_serving_export(plan, run.resolved.directory, own, directory, confinement_for(run.sources))
         _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))
         _audit(run, name, plan, directory)
         written += [f"serving/{name}/{file}" for file in files]
@@ -176,6 +208,9 @@ def run_serving_task(kind: str, shard: str | None, payload: dict[str, Any], inpu
     plan = plan_from_wire(payload["plan"])
     directory = out_dir / "serving" / plan.format
     if kind == "serving_write":
+        if not out_dir.is_dir():  # made by the run that queued the task; written elsewhere, nobody would read it
+            raise ConversionError(f"serving task for {shard}: the run's output directory is not on this machine; "
+                                  "run the serving export's tasks where its directory is (a shared disk)")
         source = (out_dir if payload["from_artifact"] else source_dir) / str(shard)
         return write_serving_shard(plan, source, directory, getattr(torch, payload["scale_dtype"]))
     if kind == "serving_finish":
@@ -189,39 +224,8 @@ def write_serving_shard(plan: ServingPlan, source: Path, directory: Path, scale_
     """Write ``source``'s file of the plan's export into ``directory`` (byte for byte ``write_serving_checkpoint``'s
     file, the weight amax taken from the plan); returns the file's tensors, their bytes and each quantized
     weight's figures (the format's own ``layer_stats`` where it has one: the SQNR comes from calibration)."""
-    fmt = serving_format(plan.format)
-    needs_weight_amax = getattr(fmt, "needs_weight_amax", False)
-    path_of = {key: path for path, key in plan.quantized.items()} | plan.experts
-    added_after: dict[str, dict[str, torch.Tensor]] = {}
-    for name, (anchor, value) in plan.extra_tensors.items():
-        added_after.setdefault(anchor, {})[name] = value
-    tensors, metadata = read_tensor_index(source)
-    entries: dict[str, Any] = {}
-    for name, tensor in tensors.items():
-        entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in path_of else {name: tensor})
-        for extra, value in added_after.get(name, {}).items():
-            entries[extra] = StreamingWriter.entry(value.dtype, tuple(value.shape))
-    stats = {}
-    directory.mkdir(parents=True, exist_ok=True)
-    with StreamingWriter(directory / source.name, entries, metadata) as writer:
-        for name, tensor in tensors.items():
-            if check_stop is not None:
-                check_stop()
-            if name not in path_of:
-                writer.write(name, tensor)
-            else:
-                weight = read_tensor(tensor)
-                options = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
-                replacement = fmt.quantize(weight, plan.input_amax.get(path_of[name]), scale_dtype, **options)
-                for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
-                    writer.write(key, value)
-                if getattr(fmt, "layer_stats", None) is not None:
-                    label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
-                    stats[label] = layer_stats(fmt, weight, replacement, options.get("weight_amax"))
-            for added, value in added_after.get(name, {}).items():
-                writer.write(added, value)
-    return {"file": source.name, "tensors": list(entries), "bytes": sum(writer.planned[n].nbytes for n in entries),
-            "layer_stats": stats}
+    return write_serving_file(serving_format(plan.format), plan, source, directory, scale_dtype,
+                              check_stop=check_stop, emulated_stats=False)
 
 
 def finish_serving_export(plan: ServingPlan, source_dir: Path, shards: list[dict[str, Any]], directory: Path,

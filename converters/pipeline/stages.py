@@ -50,6 +50,7 @@ from converters.model.sources import (
 )
 from converters.pipeline.quality_report import quality_block
 from converters.pipeline.serving_export import (
+    ServingShardRunner,
     plan_serving_formats,
     serving_casts,
     serving_sqnr,
@@ -380,15 +381,17 @@ def _scaling_states(run: Run, amax: dict[str, Any]) -> dict[str, dict[str, torch
     }
 
 
-def export(run: Run, staging: Path) -> tuple[list[str], list[dict[str, Any]]]:
-    """Write weights (copied), FP8 state, calibration, config, report and manifest into ``staging``."""
+def export(run: Run, staging: Path, serving_shards: ServingShardRunner | None = None
+           ) -> tuple[list[str], list[dict[str, Any]]]:
+    """Write weights (copied), FP8 state, calibration, config, report and manifest into ``staging``
+    (``serving_shards``: who writes the serving exports' weight files, see ``write_serving_exports``)."""
     written = writers.write_weight_files(run, staging)
     run.sink.progress(1, 3)
     run.check_stop()
     written += writers.write_state_file(run, staging)
     written += writers.write_calibration_file(run, staging)
     written += copy_side_files(run.resolved.directory, staging, confinement_for(run.sources))
-    written += write_serving_exports(run, staging)
+    written += write_serving_exports(run, staging, serving_shards)
     run.quality = quality_block(run, staging)
     # the report is written here, so export's time stops before it: every weight, state and serving file is in
     # it; the two JSON files and the manifest's checksums (read back from disk) come after

@@ -53,6 +53,7 @@ __all__ = [
     "set_input_amax",
     "set_weight_amax",
     "write_serving_checkpoint",
+    "write_serving_file",
 ]
 
 
@@ -344,42 +345,16 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
     Returns the file names written (relative to ``directory``).
     """
     directory.mkdir(parents=True, exist_ok=True)
-    needs_weight_amax = getattr(fmt, "needs_weight_amax", False)
-    if needs_weight_amax:
+    if getattr(fmt, "needs_weight_amax", False):
         set_weight_amax(plan, weight_files)
-    path_of = {key: path for path, key in plan.quantized.items()} | plan.experts
-    added_after: dict[str, dict[str, torch.Tensor]] = {}
-    for name, (anchor, value) in plan.extra_tensors.items():
-        added_after.setdefault(anchor, {})[name] = value
     weight_map: dict[str, str] = {}
     total = 0
     for source in weight_files:
-        tensors, metadata = read_tensor_index(source)
-        entries: dict[str, Any] = {}
-        for name, tensor in tensors.items():
-            entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in path_of else {name: tensor})
-            for extra, value in added_after.get(name, {}).items():
-                entries[extra] = StreamingWriter.entry(value.dtype, tuple(value.shape))
-        with StreamingWriter(directory / source.name, entries, metadata) as writer:
-            for name, tensor in tensors.items():
-                if check_stop is not None:
-                    check_stop()
-                if name not in path_of:
-                    writer.write(name, tensor)
-                else:
-                    # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
-                    weight = read_tensor(tensor)
-                    options = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
-                    replacement = fmt.quantize(weight, plan.input_amax.get(path_of[name]), scale_dtype, **options)
-                    for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
-                        writer.write(key, value)
-                    label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
-                    if emulated_stats or getattr(fmt, "layer_stats", None) is not None:
-                        plan.layer_stats[label] = layer_stats(fmt, weight, replacement, options.get("weight_amax"))
-                for added, value in added_after.get(name, {}).items():
-                    writer.write(added, value)
-        weight_map.update({name: source.name for name in entries})
-        total += sum(writer.planned[name].nbytes for name in entries)
+        shard = write_serving_file(fmt, plan, source, directory, scale_dtype, check_stop=check_stop,
+                                   emulated_stats=emulated_stats)
+        plan.layer_stats.update(shard["layer_stats"])
+        weight_map.update({name: source.name for name in shard["tensors"]})
+        total += shard["bytes"]
     written = [source.name for source in weight_files]
     if (source_dir / INDEX_NAME).is_file():
         write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -394,3 +369,47 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
         write_json(directory / name, content)
         written.append(name)
     return written
+
+
+def write_serving_file(fmt: ServingFormat, plan: ServingPlan, source: Path, directory: Path, scale_dtype: torch.dtype,
+                       *, check_stop: Callable[[], None] | None = None, emulated_stats: bool = True) -> dict[str, Any]:
+    """Write ``source``'s weight file of ``fmt``'s checkpoint into ``directory`` (the weight amax, where the format
+    needs it, taken from the plan: it spans every file). One file needs nothing of the others, so a serving export
+    may be written a file at a time by any process.
+
+    Returns the file's name, its tensor names, their bytes and each quantized weight's figures
+    (:func:`layer_stats`; ``emulated_stats`` as in :func:`write_serving_checkpoint`), as plain data.
+    """
+    needs_weight_amax = getattr(fmt, "needs_weight_amax", False)
+    path_of = {key: path for path, key in plan.quantized.items()} | plan.experts
+    added_after: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (anchor, value) in plan.extra_tensors.items():
+        added_after.setdefault(anchor, {})[name] = value
+    tensors, metadata = read_tensor_index(source)
+    entries: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in path_of else {name: tensor})
+        for extra, value in added_after.get(name, {}).items():
+            entries[extra] = StreamingWriter.entry(value.dtype, tuple(value.shape))
+    stats: dict[str, dict[str, Any]] = {}
+    directory.mkdir(parents=True, exist_ok=True)
+    with StreamingWriter(directory / source.name, entries, metadata) as writer:
+        for name, tensor in tensors.items():
+            if check_stop is not None:
+                check_stop()
+            if name not in path_of:
+                writer.write(name, tensor)
+            else:
+                # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
+                weight = read_tensor(tensor)
+                options = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
+                replacement = fmt.quantize(weight, plan.input_amax.get(path_of[name]), scale_dtype, **options)
+                for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
+                    writer.write(key, value)
+                label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
+                if emulated_stats or getattr(fmt, "layer_stats", None) is not None:
+                    stats[label] = layer_stats(fmt, weight, replacement, options.get("weight_amax"))
+            for added, value in added_after.get(name, {}).items():
+                writer.write(added, value)
+    return {"file": source.name, "tensors": list(entries), "bytes": sum(writer.planned[n].nbytes for n in entries),
+            "layer_stats": stats}

@@ -8,6 +8,11 @@ worker, on ``worker_id`` and ``attempt``, as for jobs; heartbeats use the databa
 
 The job row stays ``running`` meanwhile; its own heartbeat is not watched (``JobStore.find_stale`` leaves split
 jobs to their tasks). Its ``stage``/``stage_done``/``stage_total`` count the tasks: shards done / total.
+
+A calibrated job whose serving export runs as shard tasks is not split: its conversion stays in its worker, which
+adds ``serving_write`` tasks (:meth:`TaskQueue.add_serving_writes`) and waits for them, and the job keeps living by
+its own heartbeat. Such tasks carry the job's attempt in their payload; a task of an earlier attempt is never
+waited for.
 """
 
 from __future__ import annotations
@@ -25,11 +30,16 @@ from service.jobs import JobStatus, Stage, Task, TaskStatus
 from service.store.events import EventLog
 from service.store.schema import Tables
 
-__all__ = ["TaskQueue", "this_host"]
+__all__ = ["SERVING_WRITE", "TaskQueue", "this_host"]
 
 _RUNNING, _QUEUED = TaskStatus.RUNNING.value, TaskStatus.QUEUED.value
-#: The job stage each task kind counts towards.
-_STAGE_OF = {"plan": Stage.ANALYZE, "amax": Stage.CONVERT, "write": Stage.CONVERT, "finish": Stage.EXPORT}
+#: The kind of a calibrated job's serving export shard task (its job is not split: see the module's docstring).
+SERVING_WRITE = "serving_write"
+#: The job stage each task kind counts towards, in the order the kinds run.
+_STAGE_OF = {"plan": Stage.ANALYZE, "amax": Stage.CONVERT, "write": Stage.CONVERT, "finish": Stage.EXPORT,
+             SERVING_WRITE: Stage.EXPORT}
+#: The kinds whose tasks are a job's shards (events count them as shards_done / shards_total).
+_SHARD_KINDS = ("write", SERVING_WRITE)
 
 
 def this_host() -> str:
@@ -61,6 +71,29 @@ class TaskQueue:
             self._events.append(conn, job_id, "stage", {"stage": Stage.ANALYZE.value, "tasks": 1}, now)
         return True
 
+    def add_serving_writes(self, job_id: str, worker_id: str, attempt: int, *, source: str,
+                           tasks: Iterable[Mapping[str, Any]], max_attempts: int) -> bool:
+        """Queue a calibrated job's ``serving_write`` tasks (``kind``, ``shard``, ``payload``; the payload gets the
+        attempt) for any worker to claim; False when the job is no longer ``worker_id``'s attempt. Queued tasks
+        of an earlier attempt are cancelled in the same transaction."""
+        now, j, t = time.time(), self._jobs, self._tasks
+        rows = [{**task, "phase": 0, "payload": {**task["payload"], "attempt": attempt}} for task in tasks]
+        with self._engine.begin() as conn:
+            owned = conn.execute(sa.update(j).where(
+                j.c.id == job_id, j.c.worker_id == worker_id, j.c.attempt == attempt,
+                j.c.status == JobStatus.RUNNING.value).values(heartbeat_at=self._db_now)).rowcount
+            if not owned:
+                return False
+            conn.execute(sa.update(t).where(t.c.job_id == job_id, t.c.status == _QUEUED).values(
+                status=TaskStatus.CANCELLED.value, finished_at=now))
+            self._insert(conn, job_id, source, rows, max_attempts, now)
+            self._progress(conn, job_id, now)
+        return True
+
+    def serving_writes(self, job_id: str, attempt: int) -> list[Task]:
+        """The job's ``serving_write`` tasks of ``attempt``, in the order they were queued."""
+        return [task for task in self.of_job(job_id, kind=SERVING_WRITE) if task.payload.get("attempt") == attempt]
+
     def _insert(self, conn: sa.Connection, job_id: str, source: str, tasks: Iterable[Mapping[str, Any]],
                 max_attempts: int, now: float) -> None:
         rows = [{"job_id": job_id, "kind": t["kind"], "phase": t["phase"], "shard": t.get("shard"), "source": source,
@@ -70,8 +103,9 @@ class TaskQueue:
             conn.execute(self._tasks.insert(), rows)
 
     # -- a worker's side -------------------------------------------------------------------------------
-    def claim(self, worker_id: str, host: str) -> Task | None:
-        """Atomically claim the task a worker should run next; None when none may start.
+    def claim(self, worker_id: str, host: str, *, job_id: str | None = None) -> Task | None:
+        """Atomically claim the task a worker should run next (of ``job_id`` only, when given); None when none may
+        start.
 
         Claimable: queued, its job running, every task of a lower phase of its job succeeded. Tasks whose source
         this host has read before (a task of the same source succeeded here) come first, then the oldest.
@@ -83,7 +117,8 @@ class TaskQueue:
                                                  earlier.c.status != TaskStatus.SUCCEEDED.value).exists()
         here = sa.select(cached.c.seq).where(cached.c.source == t.c.source, cached.c.host == host,
                                              cached.c.status == TaskStatus.SUCCEEDED.value).exists()
-        pick = (sa.select(t.c.seq).where(t.c.status == _QUEUED, job_running, ~blocked)
+        only = [t.c.job_id == job_id] if job_id is not None else []
+        pick = (sa.select(t.c.seq).where(t.c.status == _QUEUED, job_running, ~blocked, *only)
                 .order_by(sa.case((here, 0), else_=1), t.c.seq).limit(1)
                 .with_for_update(skip_locked=True).scalar_subquery())
         stmt = (sa.update(t).where(t.c.seq == pick, t.c.status == _QUEUED)
@@ -166,13 +201,13 @@ class TaskQueue:
         return [_task(row) for row in rows]
 
     def settling(self) -> list[str]:
-        """Split jobs that are cancelling, or finished with tasks still queued: the reaper settles them."""
+        """Split jobs that are cancelling, or jobs finished with tasks still queued: the reaper settles them (a
+        cancelling calibrated job is its own worker's to settle)."""
         t, j = self._tasks, self._jobs
         active = sa.select(t.c.seq).where(t.c.job_id == j.c.id, t.c.status.in_((_RUNNING, _QUEUED))).exists()
         finished = j.c.status.in_([s.value for s in JobStatus if s.is_finished])
         query = sa.select(j.c.id).where(
-            sa.select(t.c.seq).where(t.c.job_id == j.c.id).exists(),
-            sa.or_(j.c.status == JobStatus.CANCELLING.value, sa.and_(finished, active)))
+            sa.or_(sa.and_(j.c.status == JobStatus.CANCELLING.value, self.has_tasks()), sa.and_(finished, active)))
         with self._engine.connect() as conn:
             return list(conn.execute(query).scalars())
 
@@ -186,8 +221,17 @@ class TaskQueue:
                                                                   t.c.status == _RUNNING)).scalar_one()
 
     def has_tasks(self) -> sa.ColumnElement[bool]:
-        """``EXISTS`` a task of the jobs row in the enclosing query (for ``JobStore.find_stale``)."""
-        return sa.select(self._tasks.c.seq).where(self._tasks.c.job_id == self._jobs.c.id).exists()
+        """``EXISTS`` a task of the jobs row in the enclosing query, i.e. the job is split into tasks (for
+        ``JobStore.find_stale``); a calibrated job's serving shard tasks do not count: its worker heartbeats it."""
+        t = self._tasks
+        return sa.select(t.c.seq).where(t.c.job_id == self._jobs.c.id, t.c.kind != SERVING_WRITE).exists()
+
+    def is_split(self, job_id: str) -> bool:
+        """Whether the job runs as tasks (not a calibrated job whose worker only hands out its serving shards)."""
+        t = self._tasks
+        with self._engine.connect() as conn:
+            return conn.execute(sa.select(t.c.seq).where(t.c.job_id == job_id, t.c.kind != SERVING_WRITE)
+                                .limit(1)).first() is not None
 
     def delete(self, conn: sa.Connection, job_id: str) -> None:
         conn.execute(sa.delete(self._tasks).where(self._tasks.c.job_id == job_id))
@@ -197,16 +241,16 @@ class TaskQueue:
         t = self._tasks
         counts: dict[str, list[int]] = {}
         for kind, status, n in conn.execute(sa.select(t.c.kind, t.c.status, sa.func.count())
-                                            .where(t.c.job_id == job_id).group_by(t.c.kind, t.c.status)):
+                                            .where(t.c.job_id == job_id, t.c.status != TaskStatus.CANCELLED.value)
+                                            .group_by(t.c.kind, t.c.status)):
             entry = counts.setdefault(kind, [0, 0])
             entry[1] += n
             entry[0] += n if status == TaskStatus.SUCCEEDED.value else 0
-        pending = [kind for kind in ("plan", "amax", "write", "finish") if kind in counts
-                   and counts[kind][0] < counts[kind][1]]
+        pending = [kind for kind in _STAGE_OF if kind in counts and counts[kind][0] < counts[kind][1]]
         stage = _STAGE_OF[pending[0]] if pending else Stage.EXPORT
         kinds = [kind for kind, of in _STAGE_OF.items() if of is stage and kind in counts]
         done, total = (sum(counts[kind][i] for kind in kinds) for i in (0, 1))
-        shards_done, shards_total = counts.get("write", [0, 0])
+        shards_done, shards_total = (sum(counts.get(kind, [0, 0])[i] for kind in _SHARD_KINDS) for i in (0, 1))
         j = self._jobs
         row = conn.execute(sa.select(j.c.stage, j.c.status).where(j.c.id == job_id)).first()
         if row is None or row.status != JobStatus.RUNNING.value:

@@ -32,6 +32,7 @@ from service.errors import disk_full
 from service.redaction import server_directories, without_server_paths
 from service.workers.messages import DISK_FULL, Failed, Progress, StageStarted, Succeeded, Warned
 from service.workers.procs import configure_logging, die_with_parent
+from service.workers.shard_export import ShardExportOptions
 
 __all__ = ["PipeSink", "child_main", "cpu_quota", "failure_of", "hidden_directories", "limit_threads",
            "thread_budget", "usable_cpus"]
@@ -126,11 +127,13 @@ class PipeSink:
 def child_main(
     request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Connection, stop: Event,
     parent_pid: int, threads: int | None = None, log_level: str = "info",
+    shard_export: ShardExportOptions | None = None,
 ) -> None:
     """Run ``converters.pipeline.driver.run_conversion`` for one job with ``threads`` CPU threads; never raises.
 
     ``threads`` None: every CPU this process may use but one (see :func:`thread_budget`). fp8forge's own loggers
     log from ``log_level`` up. A full disk is reported as ``disk_full``, which the worker retries elsewhere.
+    ``shard_export``: the serving export's weight files as shard tasks (``service.workers.serving_shards``).
     """
     die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the worker decides how this run stops.
@@ -142,11 +145,12 @@ def child_main(
     try:
         logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
         from converters.pipeline.driver import run_conversion  # imports torch: only in the process that converts
+        from service.workers.serving_shards import QueuedServingShards  # torch as well
 
-        result = run_conversion(
-            ConversionRequest.from_dict(request), Path(out_dir), ModelSourceOptions(**sources),
-            PipeSink(conn, stop, directories),
-        )
+        options = ModelSourceOptions(**sources)
+        shards = QueuedServingShards(shard_export, Path(out_dir), options, stop) if shard_export else None
+        result = run_conversion(ConversionRequest.from_dict(request), Path(out_dir), options,
+                                PipeSink(conn, stop, directories), serving_shards=shards)
         conn.send(Succeeded([dict(m) for m in result.manifest]))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
         failure = failure_of(exc)

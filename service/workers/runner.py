@@ -32,6 +32,7 @@ from service.store.schema import brief, lock_refused
 from service.workers.child import child_main
 from service.workers.messages import ChildMessage, Failed, Progress, StageStarted, Succeeded, Warned
 from service.workers.outcome import AttemptOutcome
+from service.workers.shard_export import shard_export_options
 from service.workers.watch import RunWatch
 
 __all__ = ["JobRun", "ensure_dead"]
@@ -67,7 +68,8 @@ class JobRun:
         stop = ctx.Event()
         # Unset, the child works its budget out from the CPUs it may use (the worker's, which it inherits), and
         # logs at its own default level.
-        options = {"threads": self.settings.conversion_threads, "log_level": self.log_level}
+        options = {"threads": self.settings.conversion_threads, "log_level": self.log_level,
+                   "shard_export": shard_export_options(self.settings, self.job, self.worker_id)}
         proc = ctx.Process(
             target=child_main, name=f"fp8forge-job-{job_id[:8]}",
             args=(dict(self.job.request), str(self.dirs.attempt_dir(job_id, attempt)),

@@ -71,8 +71,8 @@ def settle(store: JobStore, dirs: ArtifactStorage, job_id: str) -> None:
         job = store.get_job(job_id)
     except JobNotFound:
         return
-    if job.status is not JobStatus.CANCELLING or running:
-        return
+    if job.status is not JobStatus.CANCELLING or running or not store.tasks.is_split(job_id):
+        return  # a calibrated job handing out serving shards is cancelled by its own worker
     try:
         store.set_status(job_id, JobStatus.CANCELLED, event={"reason": "cancel requested"})
     except InvalidTransition:

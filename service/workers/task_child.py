@@ -1,4 +1,5 @@
-"""The process that runs one stored task of a split job (``converters.modelfree.stored``), forked from the
+"""The process that runs one stored task of a split job (``converters.modelfree.stored``) or a calibrated job's
+serving shard (``converters.pipeline.serving_export.run_serving_task``), forked from the
 worker's task server (``service.workers.task_server``), which has imported torch and the converters already.
 
 Like the conversion child (``service.workers.child``) it is the place where ``service`` meets ``converters`` and
@@ -18,6 +19,7 @@ from typing import Any
 from converters.model.sources import ModelSourceOptions
 from converters.third_party_noise import silence_third_party_noise
 from service.redaction import without_server_paths
+from service.store.tasks import SERVING_WRITE
 from service.workers.child import failure_of, hidden_directories, limit_threads
 from service.workers.messages import TaskDone
 from service.workers.procs import configure_logging, die_with_worker
@@ -28,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 def task_child_main(
-    kind: str, source: str, payload: dict[str, Any], inputs: dict[str, Any], out_dir: str, sources: dict[str, Any],
-    conn: Connection, worker_pid: int, threads: int | None = None, log_level: str = "info",
+    kind: str, shard: str | None, source: str, payload: dict[str, Any], inputs: dict[str, Any], out_dir: str,
+    sources: dict[str, Any], conn: Connection, worker_pid: int, threads: int | None = None, log_level: str = "info",
 ) -> None:
     """Run one task with ``threads`` CPU threads, writing into ``out_dir``; never raises (see ``child_main``)."""
     die_with_worker(worker_pid)
@@ -41,10 +43,14 @@ def task_child_main(
         limit_threads(threads)  # torch is loaded already (the task server): this sets its pools' sizes
         from converters.model.sources import confinement_for, resolve_model_dir  # hub client: only here
         from converters.modelfree.stored import run_stored_task  # torch: only in the task server and its children
+        from converters.pipeline.serving_export import run_serving_task  # torch as well
 
         options = ModelSourceOptions(**sources)
         source_dir = resolve_model_dir(source, options, with_weights=True)
-        result = run_stored_task(kind, payload, inputs, source_dir, Path(out_dir), confinement_for(options))
+        if kind == SERVING_WRITE:
+            result = run_serving_task(kind, shard, payload, [], source_dir, Path(out_dir), confinement_for(options))
+        else:
+            result = run_stored_task(kind, payload, inputs, source_dir, Path(out_dir), confinement_for(options))
         conn.send(TaskDone(result))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
         failure = failure_of(exc)

@@ -1,5 +1,5 @@
-"""Runs one claimed task of a split job: start the task child (a fork of the worker's task server,
-``service.workers.task_server``), heartbeat, honour cancel, record the result.
+"""Runs one claimed task of a split job (or a calibrated job's serving shard): start the task child (a fork of the
+worker's task server, ``service.workers.task_server``), heartbeat, honour cancel, record the result.
 
 Every task of a job writes into the job attempt's directory on its worker's host (``attempt_dir``): on a shared
 disk that is the one directory the finish task publishes by renaming it; with the object store each write task
@@ -7,6 +7,9 @@ uploads its shard under the attempt's prefix and drops its local copy, and the f
 then publishes inside the transaction that records the job's success, checking the prefix holds exactly the
 listed files. Nothing is published before the finish. A task that crashes or whose worker dies is retried on its
 own (``max_attempts`` each); a task that fails on bad input fails the job at once, naming its shard.
+
+A calibrated job's ``serving_write`` task writes into that job attempt's staging directory, where its conversion
+(still running in its own worker: ``service.workers.serving_shards``) reads it; the conversion records the outcome.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from converters.artifact.layout import staging_dir_for
 from service.artifacts import ArtifactStorage, ArtifactUploadFailed
 from service.config import Settings
 from service.errors import InvalidTransition
 from service.jobs import Job, JobStatus, Task, TaskStatus
 from service.store import JobStore
 from service.store.schema import brief
+from service.store.tasks import SERVING_WRITE
 from service.workers.messages import DISK_FULL, Failed, TaskDone
 from service.workers.runner import ensure_dead
 from service.workers.split_jobs import fail_job, settle
@@ -53,14 +58,21 @@ class TaskRun:
         """Run the attempt to its end; returns the task's recorded status (None when it was taken away)."""
         task = self.task
         job = self.store.get_job(task.job_id)
-        out_dir = self.dirs.attempt_dir(job.id, job.attempt)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        if task.kind == SERVING_WRITE:
+            if task.payload.get("attempt") != job.attempt:  # queued by an attempt that has ended: nobody waits for it
+                self.store.tasks.release(task, TaskStatus.CANCELLED, worker_id=self.worker_id)
+                return TaskStatus.CANCELLED
+            # the conversion's own staging directory, which it made: written where it reads (a shared disk)
+            out_dir = staging_dir_for(self.dirs.attempt_dir(job.id, job.attempt))
+        else:
+            out_dir = self.dirs.attempt_dir(job.id, job.attempt)
+            out_dir.mkdir(parents=True, exist_ok=True)
         ctx = task_context()
         receiver, sender = ctx.Pipe(duplex=False)
         options = {"threads": self.settings.conversion_threads, "log_level": self.log_level}
         proc = ctx.Process(
             target=task_child_main, name=f"fp8forge-task-{task.seq}",
-            args=(task.kind, task.source, dict(task.payload), self._inputs(), str(out_dir),
+            args=(task.kind, task.shard, task.source, dict(task.payload), self._inputs(), str(out_dir),
                   self.settings.model_sources(), sender, os.getpid()),
             kwargs={name: value for name, value in options.items() if value is not None})
         with self._beating():  # the worker's first task waits for its task server's imports

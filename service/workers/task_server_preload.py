@@ -11,6 +11,7 @@ silence_third_party_noise()  # before torch and torchao load: their known start-
 
 import converters.model.sources  # noqa: E402,F401 - the hub client and the source resolution every task runs
 import converters.modelfree.stored  # noqa: E402,F401 - torch, safetensors and the task functions
+import converters.pipeline.serving_export  # noqa: E402,F401 - a calibrated job's serving shard tasks
 import service.workers.task_child  # noqa: E402,F401 - the children's entry point
 
 __all__: list[str] = []

@@ -50,9 +50,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path, model_dir: Path, *, workers: int, database: str | None) -> Iterator[ServeProcess]:
+def serving(tmp_path: Path, model_dir: Path, *, workers: int, database: str | None,
+            settings: dict[str, str] | None = None) -> Iterator[ServeProcess]:
     env = {"FP8FORGE_ALLOWED_MODEL_ROOTS": str(model_dir.parent), "FP8FORGE_HEARTBEAT_INTERVAL_S": "0.5",
-           "FP8FORGE_HEARTBEAT_TIMEOUT_S": "5", "FP8FORGE_POLL_INTERVAL_S": "0.2", "FP8FORGE_CONVERSION_THREADS": "1"}
+           "FP8FORGE_HEARTBEAT_TIMEOUT_S": "5", "FP8FORGE_POLL_INTERVAL_S": "0.2", "FP8FORGE_CONVERSION_THREADS": "1",
+           **(settings or {})}
     if database is not None:
         env["FP8FORGE_DATABASE_URL"] = database
     with ServeProcess(tmp_path / "data", workers=workers, env=env) as server:

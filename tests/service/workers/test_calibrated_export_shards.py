@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from converters.errors import ConversionError
 from converters.model.sources import ModelSourceOptions, confinement_for
 from converters.pipeline.driver import run_stages
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
@@ -61,6 +62,7 @@ def test_the_shard_tasks_write_the_bytes_of_the_one_process_export(tmp_path: Pat
     tasks = json.loads(json.dumps(serving_shard_tasks(calibrated, tmp_path / "unused")))
 
     sharded = tmp_path / "sharded"
+    sharded.mkdir()  # the run's directory, which the run that queued the tasks made
     confinement = confinement_for(calibrated.sources)
     results: dict[str, list[dict]] = {}
     for task in tasks:  # in order: a format's writes, then its finish (any order of the writes would do)
@@ -85,9 +87,61 @@ def test_the_shard_tasks_write_the_bytes_of_the_one_process_export(tmp_path: Pat
                for name in expected)
 
 
+def test_a_shard_task_refuses_a_directory_that_is_not_there(tmp_path: Path, model_dir: Path,
+                                                            calibrated: Run) -> None:
+    calibrated.serving = copy.deepcopy(calibrated.serving)
+    task = serving_shard_tasks(calibrated, tmp_path)[0]
+    with pytest.raises(ConversionError, match=f"serving task for {task['shard']}: the run's output directory is "
+                                              "not on this machine"):
+        run_serving_task(task["kind"], task["shard"], task["payload"], [], model_dir, tmp_path / "elsewhere",
+                         confinement_for(calibrated.sources))
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_a_shard_task_names_an_unknown_kind(tmp_path: Path, model_dir: Path, calibrated: Run) -> None:
     calibrated.serving = copy.deepcopy(calibrated.serving)
     task = serving_shard_tasks(calibrated, tmp_path)[0]
     with pytest.raises(ValueError, match="unknown serving task kind 'serving_copy'; known: serving_write"):
         run_serving_task("serving_copy", task["shard"], task["payload"], [], model_dir, tmp_path,
                          confinement_for(calibrated.sources))
+
+
+class _ThroughJson:
+    """Runs the serving_write tasks here, each through JSON both ways (as through the job store)."""
+
+    def __init__(self, model_dir: Path, staging: Path, confinement) -> None:
+        self.model_dir, self.staging, self.confinement, self.ran = model_dir, staging, confinement, 0
+
+    def wanted(self, weight_files: int) -> bool:
+        return weight_files > 1
+
+    def run(self, tasks: list[dict]) -> list[dict]:
+        results = []
+        for task in json.loads(json.dumps(tasks)):
+            assert task["kind"] == "serving_write"
+            results.append(json.loads(json.dumps(run_serving_task(
+                task["kind"], task["shard"], task["payload"], [], self.model_dir, self.staging, self.confinement))))
+        self.ran += len(tasks)
+        return results
+
+
+def test_a_runner_given_to_the_export_writes_its_shards_and_the_run_the_rest(tmp_path: Path, model_dir: Path,
+                                                                             calibrated: Run) -> None:
+    plans = copy.deepcopy(calibrated.serving)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    written_whole = write_serving_exports(calibrated, whole)
+    reports_whole = {name: plan.report() for name, plan in calibrated.serving.items()}
+    calibrated.serving = plans
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    runner = _ThroughJson(model_dir, sharded, confinement_for(calibrated.sources))
+    written = write_serving_exports(calibrated, sharded, runner)
+
+    assert runner.ran == len(list(model_dir.glob("*.safetensors"))) * len(FORMATS)
+    assert sorted(written) == sorted(written_whole)
+    expected, got = _tree(whole), _tree(sharded)
+    assert sorted(got) == sorted(expected)
+    assert [name for name in expected if got[name] != expected[name]] == []
+    # the report's serving block (layer figures, load audit) is the one the one-process export gives
+    assert {name: plan.report() for name, plan in calibrated.serving.items()} == reports_whole
