@@ -20,9 +20,9 @@ from service.config import Settings
 from service.store import JobStore
 from tests.service_helpers import live_app, publish_job
 
-# slow: spawns processes or servers, seconds each. xdist_group: under `--dist loadgroup` every operation's test runs
-# on one worker, so the module's server and its warm analysis process start once, not once per worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("api-schema-fuzz")]
+# No xdist_group here: every operation's test has the same node id, and xdist's loadgroup/loadfile schedulers key
+# their work by node id, so under those the 13 operations would collapse into one test.
+pytestmark = pytest.mark.slow  # spawns processes or servers: seconds each
 
 # A schema-valid request may still be refused for what no JSON Schema can say: whether the model exists,
 # and the rules that tie two fields together. These, and only these, may answer 422 to valid data.
