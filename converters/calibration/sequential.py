@@ -53,7 +53,7 @@ from converters.calibration.compute import (
 )
 from converters.calibration.prefetch import LayerPrefetcher
 from converters.errors import ConversionCancelled
-from converters.model.checkpoint import Checkpoint, _return_freed_memory, module_keys, release, unit_keys
+from converters.model.checkpoint import Checkpoint, module_keys, release, return_freed_memory, unit_keys
 from converters.model.experts import parse_unit_path
 
 __all__ = [
@@ -474,7 +474,7 @@ def release_layer(layer: nn.Module, dtypes: dict[tuple[int, str], torch.dtype]) 
     copies in its arenas, so a pass that allocates per layer otherwise grows its resident memory with depth."""
     release(layer)
     restore_dtypes(layer, dtypes)
-    _return_freed_memory()
+    return_freed_memory()
 
 
 def module_path(model: nn.Module, module: nn.Module | None) -> str | None:

@@ -34,7 +34,8 @@ from converters.model.safetensors_stream import SourceTensor, read_tensor, read_
 from converters.model.sources import build_meta_model
 from converters.third_party_noise import transformers_progress_off
 
-__all__ = ["weight_files", "Checkpoint", "load_dequantized_model", "release", "unit_keys", "module_keys"]
+__all__ = ["weight_files", "Checkpoint", "load_dequantized_model", "release", "unit_keys", "module_keys",
+           "return_freed_memory"]
 
 
 
@@ -185,7 +186,7 @@ class Checkpoint:
             _set_tensor(self.model, other, self.model.get_parameter(loaded))
         self._initialize_missing(keys | set(ties) | set(ties.values()))
         if self.stored is not None:
-            _return_freed_memory()
+            return_freed_memory()
 
     def _with_ties(self, keys: Iterable[str]) -> tuple[set[str], dict[str, str]]:
         """``keys`` with each tied pair reduced to the twin the checkpoint holds, and the ties involved."""
@@ -262,11 +263,11 @@ def load_dequantized_model(directory: Path, config: Any, sources: Any, dtype: to
     return model.eval()
 
 
-#: glibc's allocator, where there is one (its malloc_trim), for :func:`_return_freed_memory`
+#: glibc's allocator, where there is one (its malloc_trim), for :func:`return_freed_memory`
 _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand the heap pages freed since the last call back to the system.
 
     Dequantizing a layer frees its codes and fp32 intermediates (several MiB each) between long-lived
