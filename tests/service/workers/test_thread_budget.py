@@ -30,7 +30,7 @@ def report_after_child(request: dict[str, Any], out_dir: str, sources: dict[str,
     import torch
 
     seen = {"intra": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
-            "env": {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}}
+            "env": {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}}
     (Path(out_dir).parents[1] / "threads.json").write_text(json.dumps(seen))
 
 
@@ -54,7 +54,9 @@ def test_the_conversion_child_runs_with_the_budget(tmp_path: Path, monkeypatch: 
     expected = configured if configured is not None else max(1, len(os.sched_getaffinity(0)) - 1)
     seen = json.loads((settings.data_dir / "threads.json").read_text())
     assert seen == {"intra": expected, "interop": expected,
-                    "env": {"OMP_NUM_THREADS": str(expected), "MKL_NUM_THREADS": str(expected)}}
+                    "env": {"OMP_NUM_THREADS": str(expected), "MKL_NUM_THREADS": str(expected),
+                            # threads wait passively unless the operator chose otherwise
+                            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
 
 
 @pytest.mark.parametrize(("configured", "cpus", "budget"), [
