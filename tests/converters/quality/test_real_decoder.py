@@ -6,8 +6,8 @@ and read back from its files by the job's own quality pass, all on the same held
 each recipe or format that converts nothing on this model.
 
 Each threshold comes from the value measured here (``MEASURED``, CPU, torch 2.13) with the margins of
-``thresholds``. The test scores the first held-out text (48 positions) and calibrates on 64 tokens to stay affordable in CI; the README
-table (benchmarks/bench_quality.py real) scores 256 and calibrates on 1024.
+``thresholds``. The test scores the first held-out text (48 positions) and calibrates on 64 tokens to stay
+affordable in CI; the README table (benchmarks/bench_quality.py real) scores 256 and calibrates on 1024.
 """
 
 from __future__ import annotations
