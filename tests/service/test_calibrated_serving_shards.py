@@ -7,8 +7,6 @@ kill -9 of the worker holding one such task: that shard alone runs again and the
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 from service.jobs import TaskStatus
 from service.store import JobStore
 from service.store.tasks import SERVING_WRITE
-from tests.service.test_requantize_jobs import _finished, _published, serving, task_children
+from tests.service.test_requantize_jobs import _finished, _published, kill_9_while_holding, serving
 from tests.service.workers.test_multi_host import fresh_database
 from tests.service_helpers import leftovers, sse_events, wait_for
 
@@ -116,13 +114,7 @@ def test_kill_9_of_a_worker_holding_a_serving_shard_redoes_that_shard_alone(tmp_
 
             task = wait_for(held_by_the_other_worker, timeout=600, what="a serving shard on the other worker",
                             interval=0.02)
-            victim = int(task.worker_id.split(":")[1])
-            os.kill(victim, signal.SIGSTOP)  # frozen, it records nothing: the kill lands while it holds the task
-            for child in task_children(victim):
-                os.kill(child, signal.SIGSTOP)
-            held = next(t for t in store.tasks.of_job(job_id) if t.seq == task.seq)
-            assert held.status is TaskStatus.RUNNING and held.worker_id == task.worker_id
-            os.kill(victim, signal.SIGKILL)
+            kill_9_while_holding(store, job_id, task)
 
             done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
             assert done["status"] == "succeeded", (done, server.tail())

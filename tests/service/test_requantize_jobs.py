@@ -171,15 +171,7 @@ def test_kill_9_of_a_worker_holding_a_shard_task_redoes_that_shard_alone(tmp_pat
             job_id = _submit(client, model_dir, "fp8-block")
             task = wait_for(lambda: _running_write_task(store, job_id), timeout=120, what="a running write task",
                             interval=0.02)
-            victim = int(task.worker_id.split(":")[1])
-            # Freeze the worker and its task child, then check it still holds the task: a frozen worker records
-            # nothing, so the kill lands while it holds it, however fast the machine.
-            os.kill(victim, signal.SIGSTOP)
-            for child in task_children(victim):
-                os.kill(child, signal.SIGSTOP)
-            held = next(t for t in store.tasks.of_job(job_id) if t.seq == task.seq)
-            assert held.status is TaskStatus.RUNNING and held.worker_id == task.worker_id
-            os.kill(victim, signal.SIGKILL)
+            kill_9_while_holding(store, job_id, task)
 
             done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
             assert done["status"] == "succeeded", (done, server.tail())
@@ -233,6 +225,18 @@ def children_of_workers(server: ServeProcess) -> list[int]:
     """The task (or conversion) children of the server's workers: none once every task has stopped."""
     assert server.proc is not None
     return [child for worker in children_of(server.proc.pid) for child in task_children(worker)]
+
+
+def kill_9_while_holding(store, job_id: str, task) -> None:
+    """kill -9 the worker running ``task``: frozen first (with its task children), checked to still hold the task
+    (a frozen worker records nothing, so the kill lands while it holds it, however fast the machine)."""
+    victim = int(task.worker_id.split(":")[1])
+    os.kill(victim, signal.SIGSTOP)
+    for child in task_children(victim):
+        os.kill(child, signal.SIGSTOP)
+    held = next(t for t in store.tasks.of_job(job_id) if t.seq == task.seq)
+    assert held.status is TaskStatus.RUNNING and held.worker_id == task.worker_id
+    os.kill(victim, signal.SIGKILL)
 
 
 def task_children(worker_pid: int) -> list[int]:
