@@ -6,6 +6,7 @@ Details, and the library sources they follow: README.md beside this file.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -110,9 +111,21 @@ def cast_spec(name: str, *, library: str = "te", pow2_scales: bool | None = None
 
 
 def cast_fp8(x: torch.Tensor, element: str) -> torch.Tensor:
-    """``x`` (already scaled) cast to FP8 with saturation and round-to-nearest-even, back in fp32."""
+    """``x`` (already scaled) cast to FP8 with saturation and round-to-nearest-even, back in fp32.
+
+    The way back reads each byte's value from a 256-entry table (``torch.take``): the same values as ``.float()``,
+    which converts element by element on a CPU and cost more than the cast itself (2.5x faster for a weight)."""
     dtype, top = _FP8[element]
-    return x.clamp(-top, top).to(dtype).float()
+    codes = x.clamp(-top, top).to(dtype)
+    if codes.device.type != "cpu":
+        return codes.float()
+    return torch.take(_fp8_values(dtype), codes.view(torch.uint8).long())
+
+
+@functools.cache
+def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 value of each of the 256 bytes of an FP8 dtype."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -181,6 +194,8 @@ def fake_quantize(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | floa
     ``scale`` replaces the computed scale of a per-tensor spec (TE delayed scaling casts with the scale its
     amax history gave, not the tensor's own). ``tensor_amax`` is the amax of the whole tensor when ``x`` is a
     slice of rows of it (whole blocks): the per-tensor scale and NVFP4's global scale come from it.
+    Either may also be a ``[rows]`` vector, one value per row of ``x``: rows gathered from several tensors
+    (calls of a layer), each cast as its own tensor would cast it (per-tensor specs and 1-row blocks only).
     Raises ValueError for a tensor that is not 2-D, or a ``scale`` with a spec that is not per tensor.
     """
     if x.dim() != 2:
@@ -193,6 +208,7 @@ def fake_quantize(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | floa
     if scale is None and tensor_amax is not None and spec.per_tensor:
         scale = tensor_scale(tensor_amax, _FP8[spec.element][1], library=spec.library,
                              pow2=spec.scale is ScaleRule.POW2)
+    scale, tensor_amax = (_per_row(value, x.shape[0], spec) for value in (scale, tensor_amax))
     blocks, shape = _to_blocks(x, spec.block)
     if spec.scale is ScaleRule.NVFP4:
         out = _nvfp4(blocks, blocks.abs().amax() if tensor_amax is None else tensor_amax.float())
@@ -201,6 +217,20 @@ def fake_quantize(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | floa
     else:
         out = _scaled_fp8(blocks, spec, scale)
     return _from_blocks(out, shape)
+
+
+def _per_row(value: torch.Tensor | float | None, rows: int, spec: CastSpec) -> torch.Tensor | float | None:
+    """A ``[rows]`` vector of per-row scales or amaxes shaped to broadcast over ``spec``'s blocks (see
+    :func:`_to_blocks`); anything else as it is."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 1:
+        return value
+    if value.numel() != rows:
+        raise ValueError(f"a per-row scale or amax needs {rows} values, one per row, got {value.numel()}")
+    if spec.block[0] is None:  # one block row holds every row: [1, rows, blocks, cols]
+        return value.float().reshape(1, rows, 1, 1)
+    if spec.block[0] == 1:  # [rows, 1, blocks, cols]
+        return value.float().reshape(rows, 1, 1, 1)
+    raise ValueError(f"{spec.name} has {spec.block[0]}-row blocks: rows of different tensors cannot share them")
 
 
 def _to_blocks(x: torch.Tensor, block: tuple[int | None, int | None]) -> tuple[torch.Tensor, tuple[int, int]]:

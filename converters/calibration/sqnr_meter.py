@@ -98,6 +98,40 @@ class _History:
         return max(window) if params.algo == "max" else window[-1]
 
 
+@dataclass
+class _Pending:
+    """A layer's sampled rows since its last flush, with what the recipes cast each row's call with."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    rows: int = 0
+    own_output: bool = True  #: every call came with the layer's own output (else it is computed at the flush)
+    x: list[torch.Tensor] = field(default_factory=list)
+    reference: list[torch.Tensor] = field(default_factory=list)
+    weights: list[torch.Tensor] = field(default_factory=list)  #: per row, how many rows it stands for
+    call_amax: list[torch.Tensor] = field(default_factory=list)  #: per row, its call's whole-input amax
+    delayed: list[tuple[dict[DelayedParams, float], int]] = field(default_factory=list)
+
+    def add(self, x: torch.Tensor, reference: torch.Tensor | None, weights: torch.Tensor, call_amax: torch.Tensor,
+            delayed: dict[DelayedParams, float], rows: int) -> None:
+        self.x.append(x)
+        self.own_output = self.own_output and reference is not None
+        if reference is not None:
+            self.reference.append(reference)
+        self.weights.append(weights)
+        self.call_amax.append(call_amax)
+        self.delayed.append((delayed, rows))
+        self.rows += rows
+
+    def delayed_amax(self, params: DelayedParams | None) -> torch.Tensor | None:
+        """Per row, the amax delayed scaling under ``params`` cast its call's input with (None: not delayed)."""
+        import torch
+
+        if params is None:
+            return None
+        return torch.cat([torch.full((rows,), amax[params], dtype=torch.float32) for amax, rows in self.delayed])
+
+
 def _stratified(amax: torch.Tensor, budget: int, offset: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(top, rest, spread)``: the sampling rule for token rows and weight blocks alike. A quarter of the
@@ -164,7 +198,8 @@ class SqnrMeter:
 
     def __init__(self, recipes: Sequence[RecipeCasts], compared: Sequence[str] = (), *,
                  cache_bytes: int = 256 * 1024**2, slice_elements: int = 2 * 1024**2,
-                 max_rows: int | None = DEFAULT_MAX_ROWS, max_channels: int | None = DEFAULT_MAX_CHANNELS) -> None:
+                 max_rows: int | None = DEFAULT_MAX_ROWS, max_channels: int | None = DEFAULT_MAX_CHANNELS,
+                 flush_rows: int = 1024) -> None:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be at least 1 or None, got {max_rows}")
         if max_channels is not None and max_channels < 2 * _CHANNEL_BLOCK:
@@ -179,6 +214,8 @@ class SqnrMeter:
         self._groups: dict[tuple[Any, ...], list[RecipeCasts]] = {}
         for casts in self.recipes:
             self._groups.setdefault(casts.casts_key, []).append(casts)
+        self._delayed_params = list(dict.fromkeys(casts.delayed for casts in self.recipes if casts.delayed))
+        self.flush_rows = flush_rows
         self.reset()
 
     def reset(self) -> None:
@@ -188,14 +225,21 @@ class SqnrMeter:
         self._cache: dict[str, list[list[torch.Tensor]]] = {}  # path -> per group, the cast slices; oldest first
         self._floats: dict[str, torch.Tensor] = {}  # path -> the measured rows in fp32, kept with the cast slices
         self._channels: dict[str, _Channels] = {}  # path -> the rows measured (the weight does not change)
+        self._pending: dict[str, _Pending] = {}  # path -> its sampled rows not yet measured
 
     def drop_cast_weights(self) -> None:
-        """Forget the cast weights kept between calls (a layer-sequential calibration is done with a layer)."""
+        """Measure what waits, then forget the cast weights kept between calls (a layer-sequential calibration is
+        done with a layer: its weights are still loaded)."""
+        self.flush()
         self._cache.clear()
         self._floats.clear()
 
-    def _channels_of(self, path: str, weight: torch.Tensor) -> _Channels:
-        """The output channels measured for ``path``, chosen once from the weight's row amax."""
+    def _channels_of(self, path: str, weight: torch.Tensor, output: torch.Tensor | None = None) -> _Channels:
+        """The output channels measured for ``path``, chosen once: by the energy of each 128-row block in the
+        layer's first output seen (``output``, ``[rows, out]``; a block carrying an outlier channel, such as a
+        residual stream's massive activation, holds most of the output signal and is measured exactly), else by
+        the weight's row amax. A layer of at most ``2 x max_channels`` rows is measured whole: sampling it would
+        save less than half the work and cost accuracy."""
         import torch
 
         if path in self._channels:
@@ -203,10 +247,12 @@ class SqnrMeter:
         row_amax = _row_amax(weight.detach())
         out = row_amax.shape[0]
         chosen = _Channels(rows=None, weights=None, amax=row_amax.max())
-        if self.max_channels is not None and out > self.max_channels:
+        if self.max_channels is not None and out > 2 * self.max_channels:
             blocks = -(-out // _CHANNEL_BLOCK)
-            block_amax = torch.nn.functional.pad(row_amax, (0, blocks * _CHANNEL_BLOCK - out)).reshape(blocks, -1)
-            top, rest, spread = _stratified(block_amax.amax(dim=1), self.max_channels // _CHANNEL_BLOCK)
+            score = row_amax if output is None else output.detach().float().square().sum(dim=0)
+            score = torch.nn.functional.pad(score, (0, blocks * _CHANNEL_BLOCK - out)).reshape(blocks, -1)
+            top, rest, spread = _stratified(score.amax(dim=1) if output is None else score.sum(dim=1),
+                                            self.max_channels // _CHANNEL_BLOCK)
             picked = torch.cat([top, spread]).sort().values
             starts = picked * _CHANNEL_BLOCK
             rows = torch.cat([torch.arange(int(start), min(int(start) + _CHANNEL_BLOCK, out)) for start in starts])
@@ -225,6 +271,7 @@ class SqnrMeter:
         return (weight.detach() if rows is None else weight.detach().index_select(0, rows)).float()
 
     def paths(self) -> list[str]:
+        self.flush()
         return list(dict.fromkeys(path for path, _, _ in self._sums))
 
     def _add(self, path: str, group: list[RecipeCasts], what: str, signal: Any, noise: Any) -> None:
@@ -286,10 +333,17 @@ class SqnrMeter:
                 row_amax: torch.Tensor | None = None) -> None:
         """One call of a layer: input ``x`` (``[..., in]``), ``weight [out, in]``, optional bias, and the layer's
         own output, the reference (computed here in fp32 when the caller has none of the layer's shape).
-        ``row_amax`` is each token row's ``max |x|`` where the caller has it already (the amax recorder)."""
-        import torch
-        from torch.nn.functional import linear
+        ``row_amax`` is each token row's ``max |x|`` where the caller has it already (the amax recorder).
 
+        The call's sampled rows are only gathered here, with the scales the recipes would cast them with at this
+        step; they are cast and multiplied in one batch per layer (:meth:`flush`: when ``flush_rows`` rows wait,
+        when a layer-sequential calibration is done with the layer, or when a result is read)."""
+        import torch
+
+        own_output = output is not None and output.is_floating_point() \
+            and output.numel() == x.numel() // weight.shape[1] * weight.shape[0]
+        if own_output and path not in self._channels:
+            self._channels_of(path, weight, output.reshape(-1, weight.shape[0]))
         self.observe_weight(path, weight)
         with torch.no_grad():
             x = x.detach().reshape(-1, weight.shape[1])
@@ -299,27 +353,57 @@ class SqnrMeter:
             history = self._history.setdefault(path, _History())
             history.see(step, float(x_amax))
             picked, weights = self._sampled_rows(row_amax, step)
+            rows = x.shape[0] if picked is None else picked.numel()
+            if rows == 0:
+                return
             channels = self._channels_of(path, weight)
-            measured = self._measured_weight(path, weight)
-            own_output = output is not None and output.is_floating_point() \
-                and output.numel() == x.shape[0] * weight.shape[0]
+            reference = None
             if own_output:
                 reference = output.detach().reshape(x.shape[0], weight.shape[0])
                 reference = reference if picked is None else reference[picked]
-                reference = (reference if channels.rows is None else reference[:, channels.rows]).float()
-            x = (x if picked is None else x[picked]).float()
+                reference = reference if channels.rows is None else reference[:, channels.rows]
+            pending = self._pending.get(path)
+            if pending is None:  # the weight does not change during calibration: the first call's stands for all
+                pending = self._pending[path] = _Pending(weight=weight, bias=bias)
+            pending.add(x if picked is None else x[picked], reference,
+                        torch.ones(rows) if weights is None else weights, x_amax.float().expand(rows),
+                        {params: history.amax_for(params) for params in self._delayed_params}, rows)
+            if pending.rows >= self.flush_rows:
+                self._flush(path)
+
+    def flush(self) -> None:
+        """Measure every layer's gathered rows now (the layers' weights must still be loaded)."""
+        for path in list(self._pending):
+            self._flush(path)
+
+    def _flush(self, path: str) -> None:
+        """The gathered rows of ``path`` through every recipe's casts: one input cast and one GEMM per slice of
+        measured channels, for all its calls since the last flush."""
+        import torch
+        from torch.nn.functional import linear
+
+        pending = self._pending.pop(path)
+        weight, bias = pending.weight, pending.bias
+        with torch.no_grad():
+            channels = self._channels_of(path, weight)
+            measured = self._measured_weight(path, weight)
+            x = torch.cat(pending.x).float()
+            weights = torch.cat(pending.weights)
+            call_amax = torch.cat(pending.call_amax)
             b = None if bias is None else bias.detach().float()
             if b is not None and channels.rows is not None:
                 b = b[channels.rows]
             slices = self._slices(measured)
-            if not own_output:
+            if pending.own_output:
+                reference = torch.cat(pending.reference).float()
+            else:
                 reference = torch.cat([linear(x, measured[rows].float(), None if b is None else b[rows])
                                        for rows in slices], dim=1)
             cached = self._cast_weights(path, weight)
             stands = channels.weights
             x_signal, y_signal = _weighted(x.square(), weights), _weighted(reference.square(), weights, stands)
             for index, group in enumerate(self._groups.values()):
-                qx = self._cast_input(group[0], x, history, x_amax)
+                qx = self._cast_input(group[0], x, call_amax, pending.delayed_amax(group[0].delayed))
                 self._add(path, group, "input", x_signal, _weighted((x - qx).square(), weights))
                 noise = 0.0
                 for number, rows in enumerate(slices):
@@ -354,18 +438,20 @@ class SqnrMeter:
         return torch.cat([outliers, spread]), weights
 
     @staticmethod
-    def _cast_input(casts: RecipeCasts, x: torch.Tensor, history: _History, x_amax: torch.Tensor) -> torch.Tensor:
-        """Rows of an input cast under ``casts``; ``x_amax`` is the whole input's (per-tensor and NVFP4 scales)."""
-        import torch
-
+    def _cast_input(casts: RecipeCasts, x: torch.Tensor, call_amax: torch.Tensor, delayed_amax: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """Gathered input rows cast under ``casts``; ``call_amax[row]`` is the amax of the whole input of the row's
+        call (per-tensor and NVFP4 scales), ``delayed_amax[row]`` what delayed scaling's history held then."""
         if casts.input is None:
             return x
         if casts.delayed is None:
-            return fake_quantize(x, casts.input, tensor_amax=x_amax)
-        amax = torch.tensor(history.amax_for(casts.delayed), dtype=torch.float32)
-        return fake_quantize(x, casts.input, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
+            return fake_quantize(x, casts.input, tensor_amax=call_amax)
+        return fake_quantize(x, casts.input,
+                             scale=tensor_scale(delayed_amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
 
     def result(self, path: str, label: str) -> dict[str, float | None]:
         """``{"weight", "input", "output"}`` in dB (None: no signal, e.g. an expert that got no token)."""
+        if path in self._pending:
+            self._flush(path)
         return {what: (self._sums[(path, label, what)].db() if (path, label, what) in self._sums else None)
                 for what in ("weight", "input", "output")}
