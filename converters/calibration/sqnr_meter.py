@@ -24,6 +24,10 @@ DEFAULT_MAX_ROWS = 32
 #: output channels (weight rows) per layer on which weight and output SQNR are measured, in blocks of 128
 DEFAULT_MAX_CHANNELS = 512
 _CHANNEL_BLOCK = 128
+#: a layer with at most this many times ``max_channels`` output channels is measured whole (SqnrMeter)
+_WHOLE_UP_TO = 4
+#: a sampled layer is measured on at least one in this many of its output channels (SqnrMeter)
+_LEAST_SHARE = 8
 
 
 def _rows_in(blocks: Any, out: int) -> float:
@@ -132,12 +136,15 @@ class _Pending:
         return torch.cat([torch.full((rows,), amax[params], dtype=torch.float32) for amax, rows in self.delayed])
 
 
-def _stratified(amax: torch.Tensor, budget: int, offset: int = 0
+def _stratified(amax: torch.Tensor, budget: int, offset: int = 0, *, by_score: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(top, rest, spread)``: the sampling rule for token rows and weight blocks alike. A quarter of the
     ``budget`` goes to the units with the largest ``amax`` (outliers carry much of the signal and the noise,
     so they are measured exactly); the rest of it is spread evenly (from ``offset``) over the ``rest``, each
-    sampled unit standing for ``len(rest) / len(spread)`` of them. Needs ``len(amax) > budget``."""
+    sampled unit standing for ``len(rest) / len(spread)`` of them: in their order, or with ``by_score`` in the
+    order of ``amax`` (a systematic sample over the sorted scores, so large and small ones are both represented:
+    far less spread in the estimate where the units differ widely, as a vocabulary's logit blocks do).
+    Needs ``len(amax) > budget``."""
     import torch
 
     top = amax.topk(max(1, budget // 4)).indices
@@ -145,6 +152,9 @@ def _stratified(amax: torch.Tensor, budget: int, offset: int = 0
     others[top] = False
     rest = others.nonzero().squeeze(1)
     stride = -(-rest.numel() // (budget - top.numel()))
+    if by_score:  # the middle unit of each stretch of the sorted order stands for it
+        rest = rest[amax[rest].argsort(descending=True)]
+        offset = stride // 2
     return top, rest, rest[offset % stride::stride]
 
 
@@ -187,13 +197,15 @@ class SqnrMeter:
     Cost: the input and output SQNR of a call are measured on at most ``max_rows`` of its token rows (the
     quarter with the largest ``|x|``, and an even spread of the others weighted to stand for all of them; see
     ``_sampled_rows``), with the per-tensor and NVFP4 global input scales still taken from the whole input, as
-    the recipe takes them. Likewise the weight and the output are measured on at most ``max_channels`` output
-    channels (weight rows, in whole 128-row blocks so that every block scale is the recipe's own: the blocks
-    with the largest ``|w|`` and an even spread of the others, weighted), so a weight is cast on that share of
-    its rows only: with few calibration tokens, casting every weight costs as much as the forward itself. The
-    emulated GEMMs then cost ``max_rows / rows x max_channels / out`` of the layer's forward. ``None`` for
-    either measures everything (the exact figure); ``benchmarks/bench_sqnr_sampling.py`` measures how far the
-    sampled figure is from it on a real model.
+    the recipe takes them. Likewise the weight and the output of a layer with more than ``4 x max_channels``
+    output channels are measured on ``max_channels`` of them or an eighth, whichever is more (weight rows, in
+    whole 128-row blocks so that every block scale is the recipe's own: the blocks carrying most of the first
+    output's energy, and an even spread over the others in the order of their energy, weighted), so a weight
+    is cast on that share of its rows only. A call's sampled rows are only gathered; they are cast and
+    multiplied in one batch per layer (:meth:`flush`): one input cast and one GEMM per recipe and slice of
+    channels for all the calls, not one per call. ``None`` for either limit measures everything (the exact
+    figure); ``benchmarks/bench_sqnr_sampling.py`` measures how far the sampled figure is from it on a real
+    model.
     """
 
     def __init__(self, recipes: Sequence[RecipeCasts], compared: Sequence[str] = (), *,
@@ -238,8 +250,9 @@ class SqnrMeter:
         """The output channels measured for ``path``, chosen once: by the energy of each 128-row block in the
         layer's first output seen (``output``, ``[rows, out]``; a block carrying an outlier channel, such as a
         residual stream's massive activation, holds most of the output signal and is measured exactly), else by
-        the weight's row amax. A layer of at most ``2 x max_channels`` rows is measured whole: sampling it would
-        save less than half the work and cost accuracy."""
+        the weight's row amax. A layer of at most ``4 x max_channels`` rows is measured whole (sampling it
+        would save little and cost accuracy), a larger one on ``max_channels`` rows or an eighth of them,
+        whichever is more (a vocabulary head's logits spread their energy over many blocks)."""
         import torch
 
         if path in self._channels:
@@ -247,12 +260,13 @@ class SqnrMeter:
         row_amax = _row_amax(weight.detach())
         out = row_amax.shape[0]
         chosen = _Channels(rows=None, weights=None, amax=row_amax.max())
-        if self.max_channels is not None and out > 2 * self.max_channels:
+        if self.max_channels is not None and out > _WHOLE_UP_TO * self.max_channels:
             blocks = -(-out // _CHANNEL_BLOCK)
             score = row_amax if output is None else output.detach().float().square().sum(dim=0)
             score = torch.nn.functional.pad(score, (0, blocks * _CHANNEL_BLOCK - out)).reshape(blocks, -1)
-            top, rest, spread = _stratified(score.amax(dim=1) if output is None else score.sum(dim=1),
-                                            self.max_channels // _CHANNEL_BLOCK)
+            budget = max(self.max_channels // _CHANNEL_BLOCK, blocks // _LEAST_SHARE)
+            top, rest, spread = _stratified(score.amax(dim=1) if output is None else score.sum(dim=1), budget,
+                                            by_score=True)
             picked = torch.cat([top, spread]).sort().values
             starts = picked * _CHANNEL_BLOCK
             rows = torch.cat([torch.arange(int(start), min(int(start) + _CHANNEL_BLOCK, out)) for start in starts])

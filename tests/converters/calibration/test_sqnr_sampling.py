@@ -12,7 +12,7 @@ from converters.recipes.presets import parse_compare_recipe
 
 def _layer(seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(2048, 256, generator=generator) * 0.02
+    weight = torch.randn(4096, 256, generator=generator) * 0.02
     weight[640:768] *= 8  # one block of output channels with outlier weights
     x = torch.randn(4, 512, 256, generator=generator)
     x[:, 0] *= 30  # each sequence's first token carries an outlier activation, as real models' do
@@ -29,7 +29,7 @@ def test_sampled_sqnr_is_within_half_a_db_of_the_exact_figure(recipe):
         for meter in (exact, sampled):
             meter.observe("layer", step, x[step], weight, output=output)
     channels = sampled._channels_of("layer", weight)
-    assert channels.rows is not None and channels.rows.numel() == 512  # it did sample: 4 of 16 blocks
+    assert channels.rows is not None and channels.rows.numel() == 512  # it did sample: 4 of 32 blocks
     assert bool(torch.isin(torch.arange(640, 768), channels.rows).all())  # the outlier block is measured exactly
     got, want = sampled.result("layer", recipe), exact.result("layer", recipe)
     for what in ("weight", "input", "output"):
@@ -39,8 +39,42 @@ def test_sampled_sqnr_is_within_half_a_db_of_the_exact_figure(recipe):
 def test_small_layers_are_measured_whole():
     weight, x = _layer()
     meter = SqnrMeter([recipe_casts(parse_compare_recipe("te-current", "test"), "te-current")])
-    small = weight[:512]
+    small = weight[:2048]  # up to 4 x max_channels rows: measured whole
     meter.observe("small", 0, x[0, :16], small, output=torch.nn.functional.linear(x[0, :16], small))
     assert meter._channels_of("small", small).rows is None
     with pytest.raises(ValueError, match="max_channels"):
         SqnrMeter([], max_channels=100)
+
+
+@pytest.mark.parametrize("recipe", ["te-delayed", "te-current", "te-nvfp4", "ao-rowwise"])
+def test_measuring_a_layer_in_one_batch_gives_the_figures_of_measuring_each_call(recipe):
+    """The rows of all calls cast and multiplied at once (each row with its own call's scale) give the sums of
+    measuring every call as it comes (flush_rows=1: a flush per call)."""
+    weight, x = _layer()
+    casts = [recipe_casts(parse_compare_recipe(recipe, "test"), recipe)]
+    batched, per_call = SqnrMeter(casts), SqnrMeter(casts, flush_rows=1)
+    for step in range(4):
+        scaled = x[step] * (1 + step)  # each call's own per-tensor (and delayed) scale differs
+        output = torch.nn.functional.linear(scaled, weight)
+        for meter in (batched, per_call):
+            meter.observe("layer", step, scaled, weight, output=output)
+    assert "layer" in batched._pending and not per_call._pending  # the batched one had not measured yet
+    got, want = batched.result("layer", recipe), per_call.result("layer", recipe)
+    for what in ("weight", "input", "output"):
+        assert got[what] == pytest.approx(want[what], abs=0.011), (what, got, want)
+
+
+def test_an_output_channel_outlier_is_measured_exactly_even_with_ordinary_weights():
+    """A residual stream's massive activation lives in one output channel whose weight row looks ordinary: the
+    channels are chosen by the output's energy, so its block is measured, not sampled."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(4096, 256, generator=generator) * 0.02
+    x = torch.randn(256, 256, generator=generator)
+    output = torch.nn.functional.linear(x, weight)
+    output[:, 3000] *= 500  # as if a bias-free layer's output carried a massive activation there
+    meter = SqnrMeter([recipe_casts(parse_compare_recipe("te-current", "test"), "te-current")])
+    meter.observe("layer", 0, x, weight, output=output)
+    channels = meter._channels_of("layer", weight)
+    assert channels.rows is not None and 3000 in channels.rows.tolist()
+    measured = channels.rows == 3000
+    assert float(channels.weights[measured]) == 1.0  # in a top block: counted once, not standing for others

@@ -1,0 +1,40 @@
+"""fake_quantize with one scale or amax per row: rows gathered from several tensors cast as each tensor would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from converters.calibration.emulation import cast_spec, fake_quantize, tensor_scale
+
+
+def _two_tensors():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(8, 64, generator=generator), torch.randn(5, 64, generator=generator) * 40
+
+
+@pytest.mark.parametrize("spec_name", ["e4m3_tensor", "e5m2_tensor", "nvfp4_block16"])
+def test_per_row_amax_casts_each_row_as_its_own_tensor(spec_name):
+    spec = cast_spec(spec_name)
+    first, second = _two_tensors()
+    amax = [first.abs().amax(), second.abs().amax()]
+    one_by_one = torch.cat([fake_quantize(t, spec, tensor_amax=a) for t, a in zip((first, second), amax)])
+    per_row = torch.cat([amax[0].expand(8), amax[1].expand(5)])
+    assert torch.equal(fake_quantize(torch.cat([first, second]), spec, tensor_amax=per_row), one_by_one)
+
+
+def test_per_row_scale_casts_each_row_with_its_given_scale():
+    spec = cast_spec("e4m3_tensor")
+    first, second = _two_tensors()
+    scales = [tensor_scale(torch.tensor(3.0), 448.0), tensor_scale(torch.tensor(90.0), 448.0)]
+    one_by_one = torch.cat([fake_quantize(t, spec, scale=s) for t, s in zip((first, second), scales)])
+    per_row = torch.cat([scales[0].expand(8), scales[1].expand(5)])
+    assert torch.equal(fake_quantize(torch.cat([first, second]), spec, scale=per_row), one_by_one)
+
+
+def test_per_row_values_are_refused_where_rows_share_blocks_or_miscount():
+    first, _ = _two_tensors()
+    with pytest.raises(ValueError, match="one per row"):
+        fake_quantize(first, cast_spec("e4m3_tensor"), tensor_amax=torch.ones(3))
+    with pytest.raises(ValueError, match="16-row blocks"):
+        fake_quantize(first.repeat(2, 1), cast_spec("nvfp4_block16x16"), tensor_amax=torch.ones(16))
