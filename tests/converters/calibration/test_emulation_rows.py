@@ -18,7 +18,7 @@ def test_per_row_amax_casts_each_row_as_its_own_tensor(spec_name):
     spec = cast_spec(spec_name)
     first, second = _two_tensors()
     amax = [first.abs().amax(), second.abs().amax()]
-    one_by_one = torch.cat([fake_quantize(t, spec, tensor_amax=a) for t, a in zip((first, second), amax)])
+    one_by_one = torch.cat([fake_quantize(t, spec, tensor_amax=a) for t, a in zip((first, second), amax, strict=True)])
     per_row = torch.cat([amax[0].expand(8), amax[1].expand(5)])
     assert torch.equal(fake_quantize(torch.cat([first, second]), spec, tensor_amax=per_row), one_by_one)
 
@@ -27,7 +27,7 @@ def test_per_row_scale_casts_each_row_with_its_given_scale():
     spec = cast_spec("e4m3_tensor")
     first, second = _two_tensors()
     scales = [tensor_scale(torch.tensor(3.0), 448.0), tensor_scale(torch.tensor(90.0), 448.0)]
-    one_by_one = torch.cat([fake_quantize(t, spec, scale=s) for t, s in zip((first, second), scales)])
+    one_by_one = torch.cat([fake_quantize(t, spec, scale=s) for t, s in zip((first, second), scales, strict=True)])
     per_row = torch.cat([scales[0].expand(8), scales[1].expand(5)])
     assert torch.equal(fake_quantize(torch.cat([first, second]), spec, scale=per_row), one_by_one)
 
