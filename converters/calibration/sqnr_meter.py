@@ -113,27 +113,52 @@ class _Pending:
     x: list[torch.Tensor] = field(default_factory=list)
     reference: list[torch.Tensor] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)  #: per row, how many rows it stands for
-    call_amax: list[torch.Tensor] = field(default_factory=list)  #: per row, its call's whole-input amax
-    delayed: list[tuple[dict[DelayedParams, float], int]] = field(default_factory=list)
+    calls: list[tuple[float, dict[DelayedParams, float], int]] = field(default_factory=list)
+    """per call: its whole input's amax, what delayed scaling's history held for it, and its rows gathered"""
 
-    def add(self, x: torch.Tensor, reference: torch.Tensor | None, weights: torch.Tensor, call_amax: torch.Tensor,
+    def add(self, x: torch.Tensor, reference: torch.Tensor | None, weights: torch.Tensor, call_amax: float,
             delayed: dict[DelayedParams, float], rows: int) -> None:
         self.x.append(x)
         self.own_output = self.own_output and reference is not None
         if reference is not None:
             self.reference.append(reference)
         self.weights.append(weights)
-        self.call_amax.append(call_amax)
-        self.delayed.append((delayed, rows))
+        self.calls.append((call_amax, delayed, rows))
         self.rows += rows
+
+    def call_amax(self) -> torch.Tensor:
+        """Per row, its call's whole-input amax (per-tensor current scaling and NVFP4's global scale)."""
+        return self._per_row([amax for amax, _, _ in self.calls])
 
     def delayed_amax(self, params: DelayedParams | None) -> torch.Tensor | None:
         """Per row, the amax delayed scaling under ``params`` cast its call's input with (None: not delayed)."""
+        return None if params is None else self._per_row([delayed[params] for _, delayed, _ in self.calls])
+
+    def _per_row(self, values: list[float]) -> torch.Tensor:
         import torch
 
-        if params is None:
-            return None
-        return torch.cat([torch.full((rows,), amax[params], dtype=torch.float32) for amax, rows in self.delayed])
+        counts = torch.tensor([rows for _, _, rows in self.calls])
+        return torch.tensor(values, dtype=torch.float32).repeat_interleave(counts)
+
+
+@dataclass
+class _CallInput:
+    """A call's input as the meter uses it (see :meth:`SqnrMeter.input_rows`)."""
+
+    tensor: torch.Tensor  #: the input itself, kept so that the next call on it is recognized
+    version: int  #: its in-place version counter then
+    step: int
+    row_amax: torch.Tensor  #: each token row's max |x| (fp32)
+    amax: float  #: the whole input's
+    picked: torch.Tensor | None  #: the sampled rows (None: every row)
+    weights: torch.Tensor  #: per sampled row, how many rows it stands for
+    rows: torch.Tensor  #: the sampled rows of the input, ``[rows, in]``, in the input's dtype
+
+
+def _ones(count: int) -> torch.Tensor:
+    import torch
+
+    return torch.ones(count)
 
 
 def _stratified(amax: torch.Tensor, budget: int, offset: int = 0, *, by_score: bool = False
@@ -238,6 +263,7 @@ class SqnrMeter:
         self._floats: dict[str, torch.Tensor] = {}  # path -> the measured rows in fp32, kept with the cast slices
         self._channels: dict[str, _Channels] = {}  # path -> the rows measured (the weight does not change)
         self._pending: dict[str, _Pending] = {}  # path -> its sampled rows not yet measured
+        self._last_input: _CallInput | None = None  # the last call's input (see input_rows)
 
     def drop_cast_weights(self) -> None:
         """Measure what waits, then forget the cast weights kept between calls (a layer-sequential calibration is
@@ -245,6 +271,7 @@ class SqnrMeter:
         self.flush()
         self._cache.clear()
         self._floats.clear()
+        self._last_input = None
 
     def _channels_of(self, path: str, weight: torch.Tensor, output: torch.Tensor | None = None) -> _Channels:
         """The output channels measured for ``path``, chosen once: by the energy of each 128-row block in the
@@ -342,12 +369,28 @@ class SqnrMeter:
                 self._add(path, group, "weight", signal, noise)
         self._weighed.add(path)
 
+    def input_rows(self, x: torch.Tensor, in_features: int, step: int) -> _CallInput:
+        """What a call's input gives the meter: its token rows' amax, the rows sampled and those rows gathered.
+        Derived once for the Linears called one after another on the same tensor at a step (q, k and v; gate and
+        up): the last input is kept (a reference, so its memory cannot be reused while it is) and reused while it
+        is the same tensor, unchanged."""
+        last = self._last_input
+        if last is not None and last.tensor is x and last.version == x._version and last.step == step:
+            return last
+        rows = x.detach().reshape(-1, in_features)
+        row_amax = _row_amax(rows)
+        picked, weights = self._sampled_rows(row_amax, step)
+        count = rows.shape[0] if picked is None else picked.numel()
+        self._last_input = _CallInput(
+            tensor=x, version=x._version, step=step, row_amax=row_amax,
+            amax=float(row_amax.max()) if row_amax.numel() else 0.0, picked=picked,
+            weights=_ones(count) if weights is None else weights, rows=rows if picked is None else rows[picked])
+        return self._last_input
+
     def observe(self, path: str, step: int, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None, output: torch.Tensor | None = None, *,
-                row_amax: torch.Tensor | None = None) -> None:
+                bias: torch.Tensor | None = None, output: torch.Tensor | None = None) -> None:
         """One call of a layer: input ``x`` (``[..., in]``), ``weight [out, in]``, optional bias, and the layer's
         own output, the reference (computed here in fp32 when the caller has none of the layer's shape).
-        ``row_amax`` is each token row's ``max |x|`` where the caller has it already (the amax recorder).
 
         The call's sampled rows are only gathered here, with the scales the recipes would cast them with at this
         step; they are cast and multiplied in one batch per layer (:meth:`flush`: when ``flush_rows`` rows wait,
@@ -360,27 +403,22 @@ class SqnrMeter:
             self._channels_of(path, weight, output.reshape(-1, weight.shape[0]))
         self.observe_weight(path, weight)
         with torch.no_grad():
-            x = x.detach().reshape(-1, weight.shape[1])
-            if row_amax is None:
-                row_amax = _row_amax(x)
-            x_amax = row_amax.max() if row_amax.numel() else torch.zeros((), dtype=torch.float32)
+            call = self.input_rows(x, weight.shape[1], step)
             history = self._history.setdefault(path, _History())
-            history.see(step, float(x_amax))
-            picked, weights = self._sampled_rows(row_amax, step)
-            rows = x.shape[0] if picked is None else picked.numel()
+            history.see(step, call.amax)
+            rows = call.rows.shape[0]
             if rows == 0:
                 return
             channels = self._channels_of(path, weight)
             reference = None
             if own_output:
-                reference = output.detach().reshape(x.shape[0], weight.shape[0])
-                reference = reference if picked is None else reference[picked]
+                reference = output.detach().reshape(-1, weight.shape[0])
+                reference = reference if call.picked is None else reference[call.picked]
                 reference = reference if channels.rows is None else reference[:, channels.rows]
             pending = self._pending.get(path)
             if pending is None:  # the weight does not change during calibration: the first call's stands for all
                 pending = self._pending[path] = _Pending(weight=weight, bias=bias)
-            pending.add(x if picked is None else x[picked], reference,
-                        torch.ones(rows) if weights is None else weights, x_amax.float().expand(rows),
+            pending.add(call.rows, reference, call.weights, call.amax,
                         {params: history.amax_for(params) for params in self._delayed_params}, rows)
             if pending.rows >= self.flush_rows:
                 self._flush(path)
@@ -403,7 +441,7 @@ class SqnrMeter:
             measured = self._measured_weight(path, weight)
             x = torch.cat(pending.x).float()
             weights = torch.cat(pending.weights)
-            call_amax = torch.cat(pending.call_amax)
+            call_amax = pending.call_amax()
             b = None if bias is None else bias.detach().float()
             if b is not None and channels.rows is not None:
                 b = b[channels.rows]

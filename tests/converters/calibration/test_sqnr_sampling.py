@@ -78,3 +78,19 @@ def test_an_output_channel_outlier_is_measured_exactly_even_with_ordinary_weight
     assert channels.rows is not None and 3000 in channels.rows.tolist()
     measured = channels.rows == 3000
     assert float(channels.weights[measured]) == 1.0  # in a top block: counted once, not standing for others
+
+
+def test_linears_called_on_the_same_input_share_its_sampled_rows_until_it_changes():
+    """q, k and v (or gate and up) see one tensor: its rows are sampled and gathered once; a tensor changed in
+    place since, or the next step, is sampled again."""
+    weight, x = _layer()
+    meter = SqnrMeter([recipe_casts(parse_compare_recipe("te-current", "test"), "te-current")])
+    shared = x[0]
+    first = meter.input_rows(shared, weight.shape[1], step=0)
+    assert meter.input_rows(shared, weight.shape[1], step=0) is first
+    assert meter.input_rows(shared, weight.shape[1], step=1) is not first
+    changed = x[1].clone()
+    before = meter.input_rows(changed, weight.shape[1], step=1)
+    changed.mul_(2)
+    after = meter.input_rows(changed, weight.shape[1], step=1)
+    assert after is not before and float(after.row_amax.max()) == 2 * float(before.row_amax.max())
