@@ -236,7 +236,7 @@ class SqnrMeter:
     def __init__(self, recipes: Sequence[RecipeCasts], compared: Sequence[str] = (), *,
                  cache_bytes: int = 256 * 1024**2, slice_elements: int = 2 * 1024**2,
                  max_rows: int | None = DEFAULT_MAX_ROWS, max_channels: int | None = DEFAULT_MAX_CHANNELS,
-                 flush_rows: int = 1024) -> None:
+                 flush_rows: int = 1024, pending_bytes: int = 64 * 1024**2) -> None:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be at least 1 or None, got {max_rows}")
         if max_channels is not None and max_channels < 2 * _CHANNEL_BLOCK:
@@ -252,7 +252,8 @@ class SqnrMeter:
         for casts in self.recipes:
             self._groups.setdefault(casts.casts_key, []).append(casts)
         self._delayed_params = list(dict.fromkeys(casts.delayed for casts in self.recipes if casts.delayed))
-        self.flush_rows = flush_rows
+        self.flush_rows = flush_rows  #: a layer's gathered rows are measured once this many wait
+        self.pending_bytes = pending_bytes  #: every layer's are once the gathered rows hold more bytes than this
         self.reset()
 
     def reset(self) -> None:
@@ -264,6 +265,7 @@ class SqnrMeter:
         self._channels: dict[str, _Channels] = {}  # path -> the rows measured (the weight does not change)
         self._pending: dict[str, _Pending] = {}  # path -> its sampled rows not yet measured
         self._last_input: _CallInput | None = None  # the last call's input (see input_rows)
+        self._pending_bytes = 0  # held by the gathered rows (an input shared by several Linears counted for each)
 
     def drop_cast_weights(self) -> None:
         """Measure what waits, then forget the cast weights kept between calls (a layer-sequential calibration is
@@ -394,7 +396,8 @@ class SqnrMeter:
 
         The call's sampled rows are only gathered here, with the scales the recipes would cast them with at this
         step; they are cast and multiplied in one batch per layer (:meth:`flush`: when ``flush_rows`` rows wait,
-        when a layer-sequential calibration is done with the layer, or when a result is read)."""
+        when a layer-sequential calibration is done with the layer, when a result is read, or for every layer at
+        once when all the gathered rows hold more than ``pending_bytes``)."""
         import torch
 
         own_output = output is not None and output.is_floating_point() \
@@ -420,13 +423,17 @@ class SqnrMeter:
                 pending = self._pending[path] = _Pending(weight=weight, bias=bias)
             pending.add(call.rows, reference, call.weights, call.amax,
                         {params: history.amax_for(params) for params in self._delayed_params}, rows)
-            if pending.rows >= self.flush_rows:
+            self._pending_bytes += call.rows.nbytes + (0 if reference is None else reference.nbytes)
+            if self._pending_bytes > self.pending_bytes:
+                self.flush()  # a whole-model pass holds every layer's rows until its end otherwise
+            elif pending.rows >= self.flush_rows:
                 self._flush(path)
 
     def flush(self) -> None:
         """Measure every layer's gathered rows now (the layers' weights must still be loaded)."""
         for path in list(self._pending):
             self._flush(path)
+        self._pending_bytes = 0
 
     def _flush(self, path: str) -> None:
         """The gathered rows of ``path`` through every recipe's casts: one input cast and one GEMM per slice of

@@ -94,3 +94,17 @@ def test_linears_called_on_the_same_input_share_its_sampled_rows_until_it_change
     changed.mul_(2)
     after = meter.input_rows(changed, weight.shape[1], step=1)
     assert after is not before and float(after.row_amax.max()) == 2 * float(before.row_amax.max())
+
+
+def test_gathered_rows_are_measured_once_they_pass_the_memory_bound():
+    """A whole-model pass calls every layer before the first is done: the rows waiting stay under pending_bytes."""
+    weight, x = _layer()
+    casts = [recipe_casts(parse_compare_recipe("te-current", "test"), "te-current")]
+    bounded, unbounded = SqnrMeter(casts, pending_bytes=20_000), SqnrMeter(casts)
+    for index in range(4):
+        output = torch.nn.functional.linear(x[index], weight)
+        for meter in (bounded, unbounded):
+            meter.observe(f"layer{index}", 0, x[index], weight, output=output)
+    assert len(unbounded._pending) == 4 and len(bounded._pending) < 4
+    for index in range(4):
+        assert bounded.result(f"layer{index}", "te-current") == unbounded.result(f"layer{index}", "te-current")
