@@ -8,8 +8,8 @@ the model's tokenizer), with every recipe short name of converters.recipes.prese
 Three calibrations of the same batches, each timed:
   none     the forward with amax recording only (no meter): the baseline
   exact    the meter on every token row and output channel (SqnrMeter(max_rows=None, max_channels=None))
-  sampled  the meter as jobs run it (at most DEFAULT_MAX_ROWS token rows per call and DEFAULT_MAX_CHANNELS
-           output channels per layer)
+  sampled  the meter as jobs run it (at most DEFAULT_MAX_ROWS token rows per call; a layer of more than
+           4 x DEFAULT_MAX_CHANNELS outputs on DEFAULT_MAX_CHANNELS of them or an eighth, whichever is more)
 Printed: seconds of each and the meter's cost over `none` (ratio), and, per recipe, the largest |sampled -
 exact| over the layers for weight, input and output SQNR (dB) with the layer where it happens. Figures are printed,
 never asserted.
