@@ -278,12 +278,53 @@ def _mxfp8(blocks: torch.Tensor, spec: CastSpec) -> torch.Tensor:
 
 
 def _nvfp4(blocks: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    q, block_scale = _nvfp4_parts(blocks, amax)
+    # TE's dequantize_fp4_kernel: q * (S_dec_b * amax * fp32(1 / (6 * 448)))
+    return q * (block_scale * amax * torch.tensor(1.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32))
+
+
+def _nvfp4_parts(blocks: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's E2M1 values and each block's E4M3 decode scale ``S_dec_b`` (TE's quantize arithmetic)."""
     encode = nvfp4_global_scale(amax)
     block_scale = cast_fp8(_block_amax(blocks) * (encode * (1.0 / E2M1_MAX)), "e4m3")  # S_dec_b, E4M3
     coefficient = (1.0 / (block_scale * (1.0 / encode))).clamp(max=_FLT_MAX)  # TE compute_scaling_coefficient
-    q = round_to_e2m1(blocks * coefficient)
-    # TE's dequantize_fp4_kernel: q * (S_dec_b * amax * fp32(1 / (6 * 448)))
-    return q * (block_scale * amax * torch.tensor(1.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32))
+    return round_to_e2m1(blocks * coefficient), block_scale
+
+
+def fake_quantize_factored(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | float | None = None,
+                           tensor_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """:func:`fake_quantize` split as ``(values, factor)``: ``values * factor`` is its result (to fp32 rounding), and
+    ``values`` are exact in bf16 (FP8 or E2M1 codes times power-of-two or E4M3 block scales, at most 6 significant
+    bits), with ``factor`` a scale per row (``[rows, 1]``), one per tensor (0-d) or None. An emulated GEMM can then
+    multiply ``values`` in bf16 without rounding them and apply the factors to its fp32-accumulated output. None
+    where the scales vary along a row with arbitrary fp32 values (fp32-scaled 1x128 or 128x128 blocks): no factor
+    to take out. Arguments as for :func:`fake_quantize`.
+    """
+    if spec.scale in (ScaleRule.POW2, ScaleRule.E8M0_RCEIL, ScaleRule.E8M0_FLOOR):
+        return fake_quantize(x, spec, scale=scale, tensor_amax=tensor_amax), None  # codes x 2**k: exact already
+    if spec.block[1] is not None and spec.scale is not ScaleRule.NVFP4:
+        return None
+    if x.dim() != 2:
+        raise ValueError(f"fake_quantize takes [rows, K], got shape {tuple(x.shape)}")
+    x = x.float()
+    rows = x.shape[0]
+    if spec.scale is ScaleRule.NVFP4:
+        amax = x.abs().amax() if tensor_amax is None else tensor_amax.float()
+        amax_blocks = _per_row(amax, rows, spec)
+        blocks, shape = _to_blocks(x, spec.block)
+        q, block_scale = _nvfp4_parts(blocks, amax_blocks)
+        factor = amax * torch.tensor(1.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32)
+        return _from_blocks(q * block_scale, shape), (factor.reshape(rows, 1) if factor.dim() else factor)
+    _, top = _FP8[spec.element]
+    if scale is None:
+        if spec.block[0] == 1:  # row-wise
+            amax = torch.maximum(x.amax(dim=1), -x.amin(dim=1))
+        else:
+            amax = (torch.maximum(x.amax(), -x.amin()) if tensor_amax is None else tensor_amax).float()
+        scale = tensor_scale(amax, top, library=spec.library)
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    per_row = scale.reshape(rows, 1) if scale.dim() else scale
+    return cast_fp8(x * per_row, spec.element), 1.0 / per_row
 
 
 def db(signal: float, noise: float) -> float | None:

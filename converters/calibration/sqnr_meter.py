@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from converters.calibration.emulation import E4M3_MAX, db, fake_quantize, tensor_scale
+from converters.calibration.emulation import E4M3_MAX, db, fake_quantize, fake_quantize_factored, tensor_scale
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +155,44 @@ class _CallInput:
     rows: torch.Tensor  #: the sampled rows of the input, ``[rows, in]``, in the input's dtype
 
 
+@dataclass(frozen=True)
+class _Cast:
+    """Rows cast under a spec: ``values * factor`` (``factor`` per row ``[rows, 1]``, per tensor, or None) are the
+    dequantized rows; ``exact``: the values are exact in bf16 (:func:`fake_quantize_factored`)."""
+
+    values: torch.Tensor
+    factor: torch.Tensor | None
+    exact: bool
+
+    @classmethod
+    def of(cls, x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | None = None,
+           tensor_amax: torch.Tensor | None = None) -> _Cast:
+        parts = fake_quantize_factored(x, spec, scale=scale, tensor_amax=tensor_amax)
+        if parts is None:
+            return cls(values=fake_quantize(x, spec, scale=scale, tensor_amax=tensor_amax), factor=None, exact=False)
+        return cls(values=parts[0], factor=parts[1], exact=True)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.values if self.factor is None else self.values * self.factor
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + (0 if self.factor is None else self.factor.nbytes)
+
+
+def _scaled_product(x: _Cast, w: _Cast, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in fp32 from a GEMM in ``dtype`` on the exact values, the factors applied after it (an
+    FP8 GEMM's own order: products of codes accumulated, then the scales)."""
+    from torch.nn.functional import linear
+
+    y = linear(x.values.to(dtype), w.values.to(dtype)).float()
+    if x.factor is not None:
+        y = y * x.factor
+    if w.factor is not None:
+        y = y * (w.factor.reshape(1, -1) if w.factor.dim() else w.factor)
+    return y if bias is None else y + bias
+
+
 def _ones(count: int) -> torch.Tensor:
     import torch
 
@@ -260,7 +298,7 @@ class SqnrMeter:
         self._sums: dict[tuple[str, str, str], _Sums] = {}
         self._history: dict[str, _History] = {}
         self._weighed: set[str] = set()  # layers whose weight SQNR is recorded
-        self._cache: dict[str, list[list[torch.Tensor]]] = {}  # path -> per group, the cast slices; oldest first
+        self._cache: dict[str, list[list[_Cast]]] = {}  # path -> per group, the cast slices; oldest first
         self._floats: dict[str, torch.Tensor] = {}  # path -> the measured rows in fp32, kept with the cast slices
         self._channels: dict[str, _Channels] = {}  # path -> the rows measured (the weight does not change)
         self._pending: dict[str, _Pending] = {}  # path -> its sampled rows not yet measured
@@ -327,7 +365,7 @@ class SqnrMeter:
         rows = max(128, self.slice_elements // max(in_features, 1) // 128 * 128)  # whole 128-row blocks
         return [slice(start, min(start + rows, out_features)) for start in range(0, out_features, rows)]
 
-    def _cast_weights(self, path: str, weight: torch.Tensor) -> list[list[torch.Tensor]] | None:
+    def _cast_weights(self, path: str, weight: torch.Tensor) -> list[list[_Cast]] | None:
         """Per group, the weight's cast row slices: from the cache, else cast now (and cached if they fit)."""
         if path in self._cache:
             return self._cache[path]
@@ -347,7 +385,7 @@ class SqnrMeter:
         return cast
 
     def _cached_bytes(self) -> int:
-        casts = sum(t.numel() * t.element_size() for v in self._cache.values() for g in v for t in g)
+        casts = sum(cast.nbytes for v in self._cache.values() for g in v for cast in g)
         return casts + sum(t.numel() * t.element_size() for t in self._floats.values())
 
     def observe_weight(self, path: str, weight: torch.Tensor) -> None:
@@ -364,7 +402,8 @@ class SqnrMeter:
                 signal = noise = 0.0
                 for number, rows in enumerate(self._slices(measured)):
                     w = measured[rows].float()
-                    q = cached[index][number] if cached is not None else self._cast_weight(group[0], w, channels.amax)
+                    q = (cached[index][number] if cached is not None
+                         else self._cast_weight(group[0], w, channels.amax)).dequantized()
                     stands = None if channels.weights is None else channels.weights[rows]
                     signal += float(_weighted(w.square(), stands))
                     noise += float(_weighted((w - q).square(), stands))
@@ -460,25 +499,34 @@ class SqnrMeter:
                                        for rows in slices], dim=1)
             cached = self._cast_weights(path, weight)
             stands = channels.weights
+            # A bf16 layer's emulated FP8 GEMM runs in bf16 (native, 5x fp32's speed on a CPU with AMX) on the
+            # casts' values, exact there, with the scales taken out applied to its fp32-accumulated output (see
+            # fake_quantize_factored); otherwise (fp16's range would overflow), and for casts without such a
+            # split, in fp32.
+            half = torch.bfloat16 if pending.x[0].dtype == torch.bfloat16 else None
             x_signal, y_signal = _weighted(x.square(), weights), _weighted(reference.square(), weights, stands)
             for index, group in enumerate(self._groups.values()):
-                qx = self._cast_input(group[0], x, call_amax, pending.delayed_amax(group[0].delayed))
+                cx = self._cast_input(group[0], x, call_amax, pending.delayed_amax(group[0].delayed))
+                qx = cx.dequantized()
                 self._add(path, group, "input", x_signal, _weighted((x - qx).square(), weights))
                 noise = 0.0
                 for number, rows in enumerate(slices):
-                    qw = cached[index][number] if cached is not None else \
+                    cw = cached[index][number] if cached is not None else \
                         self._cast_weight(group[0], measured[rows].float(), channels.amax)
-                    y = linear(qx, qw, None if b is None else b[rows])
+                    if half is not None and cx.exact and cw.exact:
+                        y = _scaled_product(cx, cw, half, None if b is None else b[rows])
+                    else:
+                        y = linear(qx, cw.dequantized(), None if b is None else b[rows])
                     noise += float(_weighted((reference[:, rows] - y).square(), weights,
                                              None if stands is None else stands[rows]))
                 self._add(path, group, "output", y_signal, noise)
 
     @staticmethod
-    def _cast_weight(casts: RecipeCasts, w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    def _cast_weight(casts: RecipeCasts, w: torch.Tensor, amax: torch.Tensor) -> _Cast:
         """Rows of a weight cast under ``casts``; ``amax`` is the whole weight's (per-tensor and NVFP4 scales)."""
         if casts.delayed is None:
-            return fake_quantize(w, casts.weight, tensor_amax=amax)
-        return fake_quantize(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
+            return _Cast.of(w, casts.weight, tensor_amax=amax)
+        return _Cast.of(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
 
     def _sampled_rows(self, row_amax: torch.Tensor, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The rows of a call that are measured and each one's weight in the sums (None, None: every row, once).
@@ -498,15 +546,14 @@ class SqnrMeter:
 
     @staticmethod
     def _cast_input(casts: RecipeCasts, x: torch.Tensor, call_amax: torch.Tensor, delayed_amax: torch.Tensor | None
-                    ) -> torch.Tensor:
+                    ) -> _Cast:
         """Gathered input rows cast under ``casts``; ``call_amax[row]`` is the amax of the whole input of the row's
         call (per-tensor and NVFP4 scales), ``delayed_amax[row]`` what delayed scaling's history held then."""
         if casts.input is None:
-            return x
+            return _Cast(values=x, factor=None, exact=True)  # gathered from the layer's own (half) inputs
         if casts.delayed is None:
-            return fake_quantize(x, casts.input, tensor_amax=call_amax)
-        return fake_quantize(x, casts.input,
-                             scale=tensor_scale(delayed_amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
+            return _Cast.of(x, casts.input, tensor_amax=call_amax)
+        return _Cast.of(x, casts.input, scale=tensor_scale(delayed_amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
 
     def result(self, path: str, label: str) -> dict[str, float | None]:
         """``{"weight", "input", "output"}`` in dB (None: no signal, e.g. an expert that got no token)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.calibration.emulation import cast_spec, fake_quantize, tensor_scale
+from converters.calibration.emulation import SPEC_NAMES, cast_spec, fake_quantize, fake_quantize_factored, tensor_scale
 
 
 def _two_tensors():
@@ -38,3 +38,24 @@ def test_per_row_values_are_refused_where_rows_share_blocks_or_miscount():
         fake_quantize(first, cast_spec("e4m3_tensor"), tensor_amax=torch.ones(3))
     with pytest.raises(ValueError, match="16-row blocks"):
         fake_quantize(first.repeat(2, 1), cast_spec("nvfp4_block16x16"), tensor_amax=torch.ones(16))
+
+
+@pytest.mark.parametrize("library", ["te", "torchao"])
+@pytest.mark.parametrize("spec_name", sorted(SPEC_NAMES))
+def test_a_factored_cast_is_exact_in_bf16_and_multiplies_back_to_the_cast(spec_name, library):
+    """values * factor is fake_quantize's result (to two fp32 roundings), and values survive a round trip through
+    bf16 unchanged: an emulated GEMM can multiply them in bf16 and scale its output."""
+    spec = cast_spec(spec_name, library=library)
+    if spec.element == "e2m1" and library == "torchao":
+        pytest.skip("NVFP4 follows TE's arithmetic only")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=generator) * torch.logspace(-3, 2, 256)
+    values, factor = fake_quantize_factored(x, spec)
+    assert torch.equal(values.bfloat16().float(), values)
+    product = values if factor is None else values * factor
+    torch.testing.assert_close(product, fake_quantize(x, spec), rtol=2**-22, atol=0)  # NVFP4 reassociates: 2 roundings
+
+
+def test_fp32_scaled_blocks_along_a_row_have_no_factor_to_take_out():
+    spec = cast_spec("e4m3_block_1x128", pow2_scales=False)
+    assert fake_quantize_factored(torch.randn(4, 256), spec) is None

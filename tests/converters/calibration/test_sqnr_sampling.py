@@ -108,3 +108,22 @@ def test_gathered_rows_are_measured_once_they_pass_the_memory_bound():
     assert len(unbounded._pending) == 4 and len(bounded._pending) < 4
     for index in range(4):
         assert bounded.result(f"layer{index}", "te-current") == unbounded.result(f"layer{index}", "te-current")
+
+
+@pytest.mark.parametrize("recipe", ["te-current", "te-nvfp4"])
+def test_the_emulated_gemm_in_bf16_stays_within_a_twentieth_of_a_db_of_fp32(recipe):
+    """A bf16 layer's emulated FP8 GEMM runs in bf16 (its cast operands rounded to bf16): the output SQNR is that
+    of the same casts multiplied in fp32, computed here independently, to within 0.05 dB."""
+    from converters.calibration.emulation import db, fake_quantize
+
+    weight, x = _layer()
+    casts = recipe_casts(parse_compare_recipe(recipe, "test"), recipe)
+    meter = SqnrMeter([casts], max_rows=None, max_channels=None)
+    output = torch.nn.functional.linear(x[0], weight)
+    meter.observe("layer", 0, x[0], weight, output=output)
+    xf, wf = x[0].float(), weight.float()
+    qx = fake_quantize(xf, casts.input, tensor_amax=xf.abs().amax())
+    qw = fake_quantize(wf, casts.weight, tensor_amax=wf.abs().amax())
+    reference = output.float()
+    want = db(float(reference.square().sum()), float((reference - qx @ qw.T).square().sum()))
+    assert meter.result("layer", recipe)["output"] == pytest.approx(want, abs=0.05)
