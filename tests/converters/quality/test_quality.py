@@ -92,7 +92,7 @@ def test_layer_sequential_figures_equal_the_whole_model_forward(llama_dir, recip
     assert figures.perplexity_reference == pytest.approx(ppl_ref, rel=2e-3)
     assert figures.perplexity == pytest.approx(ppl, rel=1e-2)
     assert figures.kl_mean == pytest.approx(kl, rel=0.1, abs=1e-5)
-    assert abs(figures.top1_agreement - agree) <= 2 / count
+    assert round(abs(figures.top1_agreement - agree) * count) <= 2  # in tokens: 2 / count is not exact in floats
     assert figures.kl_mean > 0
 
 

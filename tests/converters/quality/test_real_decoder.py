@@ -74,11 +74,26 @@ MEASURED = {
 
 def thresholds(name: str) -> dict[str, float]:
     """The bounds a row must meet: kl_mean at most 1.5x its measured value, kl_max at most 2x, top-1 agreement at
-    most 0.05 below, the perplexity ratio at most half its distance from 1 (at least 0.02) above the measured one
-    (summation order differs between CPUs and BLAS builds; a broken cast moves these by several times)."""
+    most 0.09 below (4 of the 48 positions), the perplexity ratio at most half its distance from 1 (at least 0.06)
+    above the measured one. Summation order differs between CPUs and BLAS builds, and on 48 positions a few
+    tokens move the perplexity and top-1: measured on an AVX-512 CPU against MEASURED's AVX2 one (both fp32
+    compute), kl_mean within 20%, top-1 up to 3 positions and the ratio up to 0.046 apart (modelopt-fp8 1.041
+    against 0.995); a broken cast moves the KL by several times."""
     kl_mean, kl_max, top1, ratio = MEASURED[name]
-    return {"kl_mean": 1.5 * kl_mean, "kl_max": 2 * kl_max, "top1": top1 - 0.05,
-            "ratio": ratio + max(0.5 * abs(ratio - 1), 0.02)}
+    return {"kl_mean": 1.5 * kl_mean, "kl_max": 2 * kl_max, "top1": top1 - 0.09,
+            "ratio": ratio + max(0.5 * abs(ratio - 1), 0.06)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fp32_compute():
+    """Every pass here runs the bf16 model as the fp32 emulation of bf16 (compute.py), as on a CPU without bf16
+    GEMMs, where MEASURED was recorded. A CPU with them (AMX) runs bf16 natively instead: a different rounding
+    path, whose figures on these 48 positions move by more than the margins (measured there: source perplexity
+    56.7 against 58.6, te-current's ratio 1.09 against 1.02), while on 256 positions both paths agree
+    (te-current 1.020 and 1.035, KL 0.034 and 0.037): the thresholds are for one path, not for every CPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("converters.calibration.compute.native_half_kernels", lambda *args, **kwargs: False)
+        yield
 
 
 @pytest.fixture(scope="module")
