@@ -245,6 +245,12 @@ def publish_job(store: JobStore, jobs_dir: Path, files: dict[str, bytes]) -> Any
     return store.set_status(job.id, JobStatus.SUCCEEDED, owner="test-worker", artifacts=dirs.index(job.id))
 
 
+def children_since(pid: int, before: set[int]) -> list[int]:
+    """Live children of ``pid`` not in ``before`` (taken at a test's start): an earlier test in the same process
+    may leave multiprocessing's fork server (task children's, one per process for its life) as a child."""
+    return [child for child in children_of(pid) if child not in before]
+
+
 def children_of(pid: int) -> list[int]:
     """Live child process ids of ``pid`` (Linux /proc), leaving out multiprocessing's resource tracker."""
     found = []

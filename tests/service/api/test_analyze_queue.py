@@ -14,7 +14,7 @@ import httpx
 
 from service.config import Settings
 from tests.converters.model.test_config_limits import TINY, _model
-from tests.service_helpers import children_of, live_app, wait_for
+from tests.service_helpers import children_of, children_since, live_app, wait_for
 
 
 def _settings(tmp_path: Path, **overrides) -> Settings:
@@ -70,11 +70,12 @@ def test_an_analysis_that_dies_or_runs_too_long_is_503_and_its_process_replaced(
     # was too tight for the small model on a loaded machine)
     endless = _model(tmp_path / "models", "endless", {**TINY, "num_hidden_layers": 5000})
     settings = _settings(tmp_path, analyze_workers=1, analyze_timeout_s=5.0, max_model_layers=5000)
+    before = set(children_of(os.getpid()))
     with live_app(settings) as client:
         answer: list[httpx.Response] = []
         thread = threading.Thread(target=lambda: answer.append(_analyze(client, endless)))
         thread.start()
-        [child] = wait_for(lambda: children_of(os.getpid()), timeout=30, what="the analysis process")
+        [child] = wait_for(lambda: children_since(os.getpid(), before), timeout=30, what="the analysis process")
         os.kill(child, signal.SIGKILL)  # as the kernel's OOM killer would
         thread.join(30)
         assert answer[0].status_code == 503, answer[0].text
@@ -89,4 +90,4 @@ def test_an_analysis_that_dies_or_runs_too_long_is_503_and_its_process_replaced(
         assert late.json()["error"]["code"] == "analysis_aborted"
         assert "did not finish within 5 s" in late.json()["error"]["message"]
         assert "FP8FORGE_ANALYZE_TIMEOUT_S" in late.json()["error"]["message"]
-        wait_for(lambda: not children_of(os.getpid()), timeout=10, what="the late process to be stopped")
+        wait_for(lambda: not children_since(os.getpid(), before), timeout=10, what="the late process to be stopped")

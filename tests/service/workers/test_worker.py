@@ -37,7 +37,7 @@ def test_stopping_a_worker_requeues_its_job_without_using_an_attempt(tmp_path: P
     import signal
     import threading
 
-    from tests.service_helpers import build_tiny_llama, children_of, wait_for
+    from tests.service_helpers import build_tiny_llama, children_of, children_since, wait_for
 
     models = tmp_path / "models"
     build_tiny_llama(models / "tiny-llama")
@@ -47,11 +47,12 @@ def test_stopping_a_worker_requeues_its_job_without_using_an_attempt(tmp_path: P
     body = JobCreate(model=str(models / "tiny-llama"), recipe={"backend": "ao"},
                      calibration={"steps": 50, "batch_size": 1, "seq_len": 16})
     job = submit_job(worker.store, settings, body, None, LOCAL_CALLER)
+    before = set(children_of(os.getpid()))
     thread = threading.Thread(target=worker.run)
     thread.start()
     staging = ArtifactDirs(settings.jobs_dir).staging_dir(job.id, 1)
     wait_for(staging.exists, timeout=60, what="the run to start staging files", interval=0.01)
-    (child,) = children_of(os.getpid())
+    (child,) = children_since(os.getpid(), before)
     os.kill(child, signal.SIGSTOP)  # a run that does not answer: the worker must stop it by force
 
     worker.stop()

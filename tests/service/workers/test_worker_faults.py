@@ -29,7 +29,7 @@ from service.workers.messages import Failed, Progress, StageStarted, Succeeded
 from service.workers.outcome import AttemptOutcome
 from service.workers.pool import WorkerPool
 from service.workers.worker import Worker
-from tests.service_helpers import children_of, leftovers, pid_alive, wait_for
+from tests.service_helpers import children_of, children_since, leftovers, pid_alive, wait_for
 
 STAGES = ("resolve", "analyze", "calibrate", "convert", "export")
 PAYLOAD = b"\x01fp8" * 1000
@@ -159,6 +159,7 @@ def test_a_store_that_stays_down_ends_the_attempt_after_the_heartbeat_timeout(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("service.workers.runner.child_main", fake_child)
     settings = Settings(data_dir=tmp_path / "data", heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
+    before = set(children_of(os.getpid()))
     worker = Worker(settings)
     job = _submit(worker, go=str(tmp_path / "never"))
     store = worker.store
@@ -170,7 +171,7 @@ def test_a_store_that_stays_down_ends_the_attempt_after_the_heartbeat_timeout(
     started = time.monotonic()
     assert worker.run_once()
     assert time.monotonic() - started < 60  # it gave up; the child did not run into its own deadline
-    assert children_of(os.getpid()) == []
+    assert children_since(os.getpid(), before) == []
     # Nothing was recorded (the store was down); the reaper requeues the job once it is stale.
     assert store.get_job(job.id).status is JobStatus.RUNNING
     assert leftovers(settings.jobs_dir) == [] and not worker.dirs.final_dir(job.id).exists()
