@@ -117,7 +117,8 @@ class _Pending:
     """per call: its whole input's amax, what delayed scaling's history held for it, and its rows gathered"""
 
     def add(self, x: torch.Tensor, reference: torch.Tensor | None, weights: torch.Tensor, call_amax: float,
-            delayed: dict[DelayedParams, float], rows: int) -> None:
+            delayed: dict[DelayedParams, float]) -> None:
+        rows = x.shape[0]
         self.x.append(x)
         self.own_output = self.own_output and reference is not None
         if reference is not None:
@@ -191,12 +192,6 @@ def _scaled_product(x: _Cast, w: _Cast, dtype: torch.dtype, bias: torch.Tensor |
     if w.factor is not None:
         y = y * (w.factor.reshape(1, -1) if w.factor.dim() else w.factor)
     return y if bias is None else y + bias
-
-
-def _ones(count: int) -> torch.Tensor:
-    import torch
-
-    return torch.ones(count)
 
 
 def _stratified(amax: torch.Tensor, budget: int, offset: int = 0, *, by_score: bool = False
@@ -415,6 +410,8 @@ class SqnrMeter:
         Derived once for the Linears called one after another on the same tensor at a step (q, k and v; gate and
         up): the last input is kept (a reference, so its memory cannot be reused while it is) and reused while it
         is the same tensor, unchanged."""
+        import torch
+
         last = self._last_input
         if last is not None and last.tensor is x and last.version == x._version and last.step == step:
             return last
@@ -425,7 +422,7 @@ class SqnrMeter:
         self._last_input = _CallInput(
             tensor=x, version=x._version, step=step, row_amax=row_amax,
             amax=float(row_amax.max()) if row_amax.numel() else 0.0, picked=picked,
-            weights=_ones(count) if weights is None else weights, rows=rows if picked is None else rows[picked])
+            weights=torch.ones(count) if weights is None else weights, rows=rows if picked is None else rows[picked])
         return self._last_input
 
     def observe(self, path: str, step: int, x: torch.Tensor, weight: torch.Tensor,
@@ -448,8 +445,7 @@ class SqnrMeter:
             call = self.input_rows(x, weight.shape[1], step)
             history = self._history.setdefault(path, _History())
             history.see(step, call.amax)
-            rows = call.rows.shape[0]
-            if rows == 0:
+            if call.rows.shape[0] == 0:
                 return
             channels = self._channels_of(path, weight)
             reference = None
@@ -461,7 +457,7 @@ class SqnrMeter:
             if pending is None:  # the weight does not change during calibration: the first call's stands for all
                 pending = self._pending[path] = _Pending(weight=weight, bias=bias)
             pending.add(call.rows, reference, call.weights, call.amax,
-                        {params: history.amax_for(params) for params in self._delayed_params}, rows)
+                        {params: history.amax_for(params) for params in self._delayed_params})
             self._pending_bytes += call.rows.nbytes + (0 if reference is None else reference.nbytes)
             if self._pending_bytes > self.pending_bytes:
                 self.flush()  # a whole-model pass holds every layer's rows until its end otherwise
