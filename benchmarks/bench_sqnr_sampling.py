@@ -8,7 +8,8 @@ the model's tokenizer), with every recipe short name of converters.recipes.prese
 Three calibrations of the same batches, each timed:
   none     the forward with amax recording only (no meter): the baseline
   exact    the meter on every token row and output channel (SqnrMeter(max_rows=None, max_channels=None))
-  sampled  the meter as jobs run it (at most DEFAULT_MAX_ROWS token rows per call; a layer of more than
+  sampled  the meter as jobs run it (at most DEFAULT_MAX_ROWS token rows per call, DEFAULT_ROWS_PER_LAYER per
+           layer spread over the steps (fewer a call beyond 16 steps); a layer of more than
            4 x DEFAULT_MAX_CHANNELS outputs on DEFAULT_MAX_CHANNELS of them or an eighth, whichever is more)
 Printed: seconds of each and the meter's cost over `none` (ratio), and, per recipe, the largest |sampled -
 exact| over the layers for weight, input and output SQNR (dB) with the layer where it happens. Figures are printed,
@@ -19,7 +20,8 @@ Run:
   .venv/bin/python benchmarks/bench_sqnr_sampling.py --max-rows 32
   .venv/bin/python benchmarks/bench_sqnr_sampling.py --recipes te-delayed   # one recipe, as a plain job
   .venv/bin/python benchmarks/bench_sqnr_sampling.py --models smollm --recipes te-delayed   # the real SmolLM2
-`--steps` lowers the 16 calibration steps for a quick check (the figures are then for fewer tokens).
+`--steps` changes the 16 calibration steps: fewer for a quick check (the figures are then for fewer tokens), more
+to see the rows per layer spread thinner over a longer calibration (`--steps 64`: 8 rows a call).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch  # noqa: E402
 
 from converters.calibration.amax import calibration_batches, measuring_sqnr, record_amax  # noqa: E402
 from converters.calibration.sensitivity import recipe_casts  # noqa: E402
-from converters.calibration.sqnr_meter import DEFAULT_MAX_ROWS, SqnrMeter  # noqa: E402
+from converters.calibration.sqnr_meter import DEFAULT_MAX_ROWS, DEFAULT_ROWS_PER_LAYER, SqnrMeter  # noqa: E402
 from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer  # noqa: E402
 from converters.pipeline.stages import model_inputs  # noqa: E402
 from converters.recipes.presets import RECIPE_NAMES, parse_compare_recipe  # noqa: E402
@@ -63,7 +65,7 @@ def measure(name: str, directory: Path, max_rows: int, recipes: list[str], steps
     paths = _linears(model)
     casts = [recipe_casts(parse_compare_recipe(short, "bench"), short) for short in recipes]
     exact = SqnrMeter(casts, max_rows=None, max_channels=None)
-    sampled = SqnrMeter(casts, max_rows=max_rows)
+    sampled = SqnrMeter(casts, max_rows=max_rows, rows_per_layer=DEFAULT_ROWS_PER_LAYER)  # as a job's meter
     _calibrate(model, paths, batches, None)  # warm-up: the first pass pays for allocations and kernel choice
     seconds = {"none": _calibrate(model, paths, batches, None), "exact": _calibrate(model, paths, batches, exact),
                "sampled": _calibrate(model, paths, batches, sampled)}

@@ -289,6 +289,8 @@ class AmaxRecorder:
         self.layers = layers
         self.experts = experts
         self.sqnr = _SQNR_METER.get()
+        if self.sqnr is not None:
+            self.sqnr.expect_steps(steps)
         self._step = 0
         self.forward = {path: torch.zeros(steps, len(FORWARD_SLOTS)) for path in layers}
         self.backward = {path: torch.zeros(steps, len(BACKWARD_SLOTS)) for path in layers} if backward else None

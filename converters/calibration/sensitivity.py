@@ -32,7 +32,7 @@ from typing import Any
 from converters.analysis.reasons import Reason
 from converters.analysis.totals import refresh_totals
 from converters.calibration.emulation import cast_spec
-from converters.calibration.sqnr_meter import DelayedParams, RecipeCasts, SqnrMeter
+from converters.calibration.sqnr_meter import DEFAULT_ROWS_PER_LAYER, DelayedParams, RecipeCasts, SqnrMeter
 from converters.recipes.presets import _value, parse_compare_recipe, recipe_label
 
 __all__ = [
@@ -109,7 +109,7 @@ def meter_for(recipe: Any, compare: Sequence[Any] = (), extra: Sequence[RecipeCa
         label = recipe_label(recipe)
         chosen = recipe_casts(recipe, label if label not in names else f"{label} (job)")
         casts.insert(0, chosen)
-    return SqnrMeter([*casts, *extra], compared=names), chosen.label
+    return SqnrMeter([*casts, *extra], compared=names, rows_per_layer=DEFAULT_ROWS_PER_LAYER), chosen.label
 
 
 def relabel_comparison(report: dict[str, Any], labels: Sequence[str | None]) -> None:

@@ -16,11 +16,18 @@ if TYPE_CHECKING:
 
     from converters.calibration.emulation import CastSpec
 
-__all__ = ["DEFAULT_MAX_ROWS", "DEFAULT_MAX_CHANNELS", "DelayedParams", "RecipeCasts", "SqnrMeter"]
+__all__ = ["DEFAULT_MAX_ROWS", "DEFAULT_ROWS_PER_LAYER", "DEFAULT_MAX_CHANNELS", "DelayedParams", "RecipeCasts",
+           "SqnrMeter"]
 
 
 #: token rows per layer call on which input and output SQNR are measured (see SqnrMeter)
 DEFAULT_MAX_ROWS = 32
+#: a job's token rows per Linear over the whole calibration: its 16 default steps x DEFAULT_MAX_ROWS; a longer
+#: calibration spreads them over its steps, so the meter's cost stays fixed while the forward's grows
+DEFAULT_ROWS_PER_LAYER = 512
+#: a call spread thinner still measures this many rows per sequence in it: the quarter of its rows with the largest
+#: |x| (measured exactly) then holds every sequence's first token, an outlier in many models
+_LEAST_ROWS_PER_SEQUENCE = 4
 #: output channels (weight rows) per layer on which weight and output SQNR are measured, in blocks of 128
 DEFAULT_MAX_CHANNELS = 512
 _CHANNEL_BLOCK = 128
@@ -174,7 +181,16 @@ class _Cast:
         return cls(values=parts[0], factor=parts[1], exact=True)
 
     def dequantized(self) -> torch.Tensor:
-        return self.values if self.factor is None else self.values * self.factor
+        values = self.values.float()
+        return values if self.factor is None else values * self.factor
+
+    def compact(self) -> _Cast:
+        """The same cast with exact values held in bf16 (half the bytes of a cached weight cast)."""
+        import torch
+
+        if not self.exact or self.values.dtype == torch.bfloat16:
+            return self
+        return _Cast(values=self.values.to(torch.bfloat16), factor=self.factor, exact=True)
 
     @property
     def nbytes(self) -> int:
@@ -254,13 +270,15 @@ class SqnrMeter:
 
     Cost: the input and output SQNR of a call are measured on at most ``max_rows`` of its token rows (the
     quarter with the largest ``|x|``, and an even spread of the others weighted to stand for all of them; see
-    ``_sampled_rows``), with the per-tensor and NVFP4 global input scales still taken from the whole input, as
-    the recipe takes them. Likewise the weight and the output of a layer with more than ``4 x max_channels``
-    output channels are measured on ``max_channels`` of them or an eighth, whichever is more (weight rows, in
-    whole 128-row blocks so that every block scale is the recipe's own: the blocks carrying most of the first
-    output's energy, and an even spread over the others in the order of their energy, weighted), so a weight
-    is cast on that share of its rows only. A call's sampled rows are only gathered; they are cast and
-    multiplied in one batch per layer (:meth:`flush`): one input cast and one GEMM per recipe and slice of
+    ``_sampled_rows``); with ``rows_per_layer``, a calibration of more steps than ``rows_per_layer / max_rows``
+    (:meth:`expect_steps`) measures fewer rows a call, ``rows_per_layer`` in all but at least
+    ``_LEAST_ROWS_PER_SEQUENCE`` per sequence of a call. The per-tensor and NVFP4 global input scales are still
+    taken from the whole input, as the recipe takes them. Likewise the weight and the output of a layer with more
+    than ``4 x max_channels`` output channels are measured on ``max_channels`` of them or an eighth, whichever is
+    more (weight rows, in whole 128-row blocks so that every block scale is the recipe's own: the blocks carrying
+    most of the first output's energy, and an even spread over the others in the order of their energy,
+    weighted), so a weight is cast on that share of its rows only. A call's sampled rows are only gathered; they
+    are cast and multiplied in one batch per layer (:meth:`flush`): one input cast and one GEMM per recipe and slice of
     channels for all the calls, not one per call. ``None`` for either limit measures everything (the exact
     figure); ``benchmarks/bench_sqnr_sampling.py`` measures how far the sampled figure is from it on a real
     model.
@@ -269,9 +287,11 @@ class SqnrMeter:
     def __init__(self, recipes: Sequence[RecipeCasts], compared: Sequence[str] = (), *,
                  cache_bytes: int = 256 * 1024**2, slice_elements: int = 2 * 1024**2,
                  max_rows: int | None = DEFAULT_MAX_ROWS, max_channels: int | None = DEFAULT_MAX_CHANNELS,
-                 flush_rows: int = 1024, pending_bytes: int = 64 * 1024**2) -> None:
+                 flush_rows: int = 1024, pending_bytes: int = 64 * 1024**2, rows_per_layer: int | None = None) -> None:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be at least 1 or None, got {max_rows}")
+        if rows_per_layer is not None and rows_per_layer < 1:
+            raise ValueError(f"rows_per_layer must be at least 1 or None, got {rows_per_layer}")
         if max_channels is not None and max_channels < 2 * _CHANNEL_BLOCK:
             raise ValueError(f"max_channels must be at least {2 * _CHANNEL_BLOCK} or None, got {max_channels}")
         self.max_channels = max_channels
@@ -280,6 +300,8 @@ class SqnrMeter:
         self.cache_bytes = cache_bytes
         self.slice_elements = slice_elements
         self.max_rows = max_rows
+        self.rows_per_layer = rows_per_layer
+        self._call_rows = max_rows  # a call's budget of token rows (expect_steps lowers it)
         # recipes with the same forward casts (torchao's three rowwise ones) are computed once
         self._groups: dict[tuple[Any, ...], list[RecipeCasts]] = {}
         for casts in self.recipes:
@@ -299,6 +321,12 @@ class SqnrMeter:
         self._pending: dict[str, _Pending] = {}  # path -> its sampled rows not yet measured
         self._last_input: _CallInput | None = None  # the last call's input (see input_rows)
         self._pending_bytes = 0  # held by the gathered rows (an input shared by several Linears counted for each)
+
+    def expect_steps(self, steps: int) -> None:
+        """The calibration calls each layer ``steps`` times: spread ``rows_per_layer`` over them (at most
+        ``max_rows`` a call; no change without ``rows_per_layer``)."""
+        if self.rows_per_layer is not None and self.max_rows is not None and steps > 0:
+            self._call_rows = min(self.max_rows, -(-self.rows_per_layer // steps))
 
     def drop_cast_weights(self) -> None:
         """Measure what waits, then forget the cast weights kept between calls (a layer-sequential calibration is
@@ -369,7 +397,7 @@ class SqnrMeter:
         if size > self.cache_bytes:
             return None
         amax = self._channels_of(path, weight).amax
-        cast = [[self._cast_weight(group[0], measured[rows], amax) for rows in self._slices(measured)]
+        cast = [[self._cast_weight(group[0], measured[rows], amax).compact() for rows in self._slices(measured)]
                 for group in self._groups.values()]
         while self._cache and self._cached_bytes() + size > self.cache_bytes:
             oldest = next(iter(self._cache))
@@ -417,7 +445,8 @@ class SqnrMeter:
             return last
         rows = x.detach().reshape(-1, in_features)
         row_amax = _row_amax(rows)
-        picked, weights = self._sampled_rows(row_amax, step)
+        sequences = x.shape[0] if x.dim() > 2 else 1
+        picked, weights = self._sampled_rows(row_amax, step, sequences)
         count = rows.shape[0] if picked is None else picked.numel()
         self._last_input = _CallInput(
             tensor=x, version=x._version, step=step, row_amax=row_amax,
@@ -524,7 +553,8 @@ class SqnrMeter:
             return _Cast.of(w, casts.weight, tensor_amax=amax)
         return _Cast.of(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
 
-    def _sampled_rows(self, row_amax: torch.Tensor, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _sampled_rows(self, row_amax: torch.Tensor, step: int, sequences: int = 1
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The rows of a call that are measured and each one's weight in the sums (None, None: every row, once).
 
         :func:`_stratified` picks them: outlier tokens (such as a sequence's first one) exactly, an even spread
@@ -533,9 +563,12 @@ class SqnrMeter:
         """
         import torch
 
-        if self.max_rows is None or row_amax.shape[0] <= self.max_rows:
+        if self.max_rows is None:
             return None, None
-        outliers, rest, spread = _stratified(row_amax, self.max_rows, offset=step)
+        budget = min(self.max_rows, max(self._call_rows, _LEAST_ROWS_PER_SEQUENCE * sequences))
+        if row_amax.shape[0] <= budget:
+            return None, None
+        outliers, rest, spread = _stratified(row_amax, budget, offset=step)
         weights = torch.cat([torch.ones(outliers.numel()),
                              torch.full((spread.numel(),), rest.numel() / max(spread.numel(), 1))])
         return torch.cat([outliers, spread]), weights

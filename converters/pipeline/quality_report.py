@@ -42,7 +42,7 @@ def quality_block(run: Run, staging: Path) -> dict[str, Any]:
                 "definition": QUALITY_DEFINITION}
     started = time.perf_counter()
     try:
-        source = load_source(run.resolved.directory, run.sources)
+        source = load_source(run.resolved.directory, run.sources, tokenizer=run.tokenizer)
         variants = {TRAINING: recipe_layer_casts(run.recipe, _linears(run), run.calibration.amax)}
         for name in run.serving:
             variants[f"serving:{name}"] = _export_casts(run, staging / "serving" / name)
@@ -93,7 +93,7 @@ def add_comparison_quality(run: Run) -> None:
     started = time.perf_counter()
     texts = run.request.quality_texts
     try:
-        source = load_source(run.resolved.directory, run.sources)
+        source = load_source(run.resolved.directory, run.sources, tokenizer=run.tokenizer)
         variants = {recipe["label"]: recipe_layer_casts(recipe_from_dict(recipe["recipe"]), _linears(run),
                                                         run.calibration.amax)
                     for recipe in comparison["recipes"]}

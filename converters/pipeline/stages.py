@@ -290,7 +290,7 @@ def _report_experts(run: Run, amax: dict[str, Any]) -> None:
 
 def _calibration_batches(run: Run) -> tuple[list[dict[str, Any]], str]:
     settings = run.request.calibration
-    tokenizer = load_tokenizer(run.resolved.directory, run.sources)
+    tokenizer = run.tokenizer = load_tokenizer(run.resolved.directory, run.sources)
     vocab_size = getattr(_text_config(run.resolved.config), "vocab_size", None)
     if not vocab_size:
         raise CalibrationDataError(

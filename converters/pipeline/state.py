@@ -121,6 +121,8 @@ class Run:
     export_started: float = 0.0  #: time.perf_counter() when the export stage began
     #: set by export after the serving exports are written: the report's end-to-end quality block
     quality: dict[str, Any] | None = None
+    #: set by calibrate when it loads one: the model's tokenizer, which the quality pass reads again
+    tokenizer: Any = None
     warnings: list[str] = field(default_factory=list)
 
     #: what one stage makes and the later stages only read: set once (a second assignment is a bug, raised)

@@ -25,6 +25,8 @@ from converters.model.quantized import source_quantization
 
 __all__ = ["LayerCast", "recipe_layer_casts", "export_layer_casts", "cast_linear_weight", "casting_linears"]
 
+_CAST_SLICE_ELEMENTS = 2 * 2**20  #: weight elements cast at a time (cast_linear_weight)
+
 
 @dataclass(frozen=True, kw_only=True)
 class LayerCast:
@@ -120,43 +122,68 @@ def cast_linear_weight(cast: LayerCast, weight: torch.Tensor) -> torch.Tensor:
         if written.shape != weight.shape:
             raise ValueError(f"the written weight is {tuple(written.shape)}, the model's {tuple(weight.shape)}")
         return written
-    w = weight.float()
-    if cast.weight_scale_margin is not None and cast.weight.per_tensor:
-        scale = tensor_scale(w.abs().amax(), E4M3_MAX * 2.0 ** -cast.weight_scale_margin)
-        return fake_quantize(w, cast.weight, scale=scale)
-    return fake_quantize(w, cast.weight)
+    spec = cast.weight
+    amax = torch.maximum(weight.amax(), -weight.amin()).float()  # no |w| copy of the weight
+    scale = None
+    if cast.weight_scale_margin is not None and spec.per_tensor:
+        scale = tensor_scale(amax, E4M3_MAX * 2.0 ** -cast.weight_scale_margin)
+    # Cast by slices of whole block rows, each upcast on its own, with the whole weight's amax (per-tensor and
+    # NVFP4 global scales): the same values, with a cast's transient tensors a slice's size, not the weight's
+    # (several times a gate projection's fp32 bytes at once otherwise).
+    unit = spec.block[0] or 1
+    rows = max(unit, _CAST_SLICE_ELEMENTS // max(weight.shape[1], 1) // unit * unit)
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    for start in range(0, weight.shape[0], rows):
+        out[start:start + rows] = fake_quantize(weight[start:start + rows].float(), spec, scale=scale,
+                                                tensor_amax=amax)
+    return out
 
 
 class _CastForward:
-    """Replaces a Linear's ``forward`` (its hooks still run around it) with the FP8 one."""
+    """Replaces a Linear's ``forward`` (its hooks still run around it) with the FP8 one. ``in_place``: the cast
+    weight is the module's own weight now (:class:`casting_linears`)."""
 
-    def __init__(self, module: nn.Linear, cast: LayerCast) -> None:
+    def __init__(self, module: nn.Linear, cast: LayerCast, *, in_place: bool = False) -> None:
         self.module, self.cast = module, cast
-        # cast once per layer and variant, then kept in the dtype of the calls (not converted per call)
-        self.weight = cast_linear_weight(cast, module.weight.detach())
+        self.weight = None
+        if in_place:
+            # the cast takes the original's place, in its dtype (the dtype of the calls): the layer holds one
+            # weight per Linear, not two
+            module.weight.data = cast_linear_weight(cast, module.weight.detach()).to(module.weight.dtype)
+        else:
+            # cast once per layer and variant, then kept in the dtype of the calls (not converted per call)
+            self.weight = cast_linear_weight(cast, module.weight.detach())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         cast = self.cast
         if cast.input is not None:
             flat = x.reshape(-1, x.shape[-1])
             x = fake_quantize(flat, cast.input, scale=cast.input_scale).reshape(x.shape).to(x.dtype)
+        if self.weight is None:
+            return nn.functional.linear(x, self.module.weight, self.module.bias)
         if self.weight.dtype != x.dtype:
             self.weight = self.weight.to(x.dtype)
         return nn.functional.linear(x, self.weight, self.module.bias)
 
 
 class casting_linears:  # noqa: N801 - a context manager read as a phrase: ``with casting_linears(...)``
-    """Inside the block, each ``{path: LayerCast}`` Linear of ``model`` runs its FP8 forward (None: unchanged)."""
+    """Inside the block, each ``{path: LayerCast}`` Linear of ``model`` runs its FP8 forward (None: unchanged).
 
-    def __init__(self, model: nn.Module, casts: Mapping[str, LayerCast | None]) -> None:
+    ``in_place``: each cast weight replaces the Linear's own weight, which is lost (the caller loads it again if
+    it needs it), so that a layer holds one copy of its weights: the layer-sequential quality pass, which runs
+    the source's stream through a layer before the FP8 ones.
+    """
+
+    def __init__(self, model: nn.Module, casts: Mapping[str, LayerCast | None], *, in_place: bool = False) -> None:
         self.model, self.casts = model, {path: cast for path, cast in casts.items() if cast is not None}
+        self.in_place = in_place
 
     def __enter__(self) -> casting_linears:
         for path, cast in self.casts.items():
             module = self.model.get_submodule(path)
             if not isinstance(module, nn.Linear):
                 raise ValueError(f"{path} is a {type(module).__name__}, not a Linear: the quality pass casts Linears")
-            module.forward = _CastForward(module, cast)
+            module.forward = _CastForward(module, cast, in_place=self.in_place)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["QualityFigures", "TokenScores", "QUALITY_DEFINITION"]
+__all__ = ["QualityFigures", "ReferenceLogits", "TokenScores", "QUALITY_DEFINITION"]
 
 QUALITY_DEFINITION = ("next-token distributions of the source (reference) and the FP8 model on the same held-out "
                       "tokens; perplexity: exp(mean negative log-likelihood of the next token); kl_mean / kl_max: "
@@ -39,6 +39,17 @@ class QualityFigures:
         return asdict(self)
 
 
+class ReferenceLogits:
+    """The reference's ``[positions, vocab]`` logits with what every variant scored against them needs, computed
+    once for all of them: log-probabilities, probabilities and the most likely token."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+        self.log_p = torch.log_softmax(logits.float(), dim=-1)
+        self.p = self.log_p.exp()
+        self.top1 = logits.argmax(dim=-1)
+
+
 class TokenScores:
     """Sums over scored positions of one FP8 variant against the reference (float64, CPU)."""
 
@@ -50,18 +61,22 @@ class TokenScores:
         self.agree = 0
         self.tokens = 0
 
-    def add(self, reference_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """Score ``[positions, vocab]`` logits of both models against the next tokens ``targets`` (``[positions]``)."""
-        log_p = torch.log_softmax(reference_logits.float(), dim=-1)
-        log_q = torch.log_softmax(logits.float(), dim=-1)
+    def add(self, reference: torch.Tensor | ReferenceLogits, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """Score ``[positions, vocab]`` logits of both models against the next tokens ``targets`` (``[positions]``);
+        ``reference``: the reference's logits, or a :class:`ReferenceLogits` shared by the variants."""
+        if not isinstance(reference, ReferenceLogits):
+            reference = ReferenceLogits(reference)
         picked = targets.unsqueeze(1)
-        self.nll_reference -= float(log_p.gather(1, picked).double().sum())
+        top1 = logits.argmax(dim=-1)
+        log_q = torch.log_softmax(logits.float(), dim=-1)
+        self.nll_reference -= float(reference.log_p.gather(1, picked).double().sum())
         self.nll -= float(log_q.gather(1, picked).double().sum())
-        # KL(p || q) = sum p (log p - log q); clamp: a rounding may give -1e-9 for identical rows
-        kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp(min=0.0)
+        # KL(p || q) = sum p (log p - log q), computed in log_q's memory (a [positions, vocab] tensor less at once);
+        # clamp: a rounding may give -1e-9 for identical rows
+        kl = log_q.neg_().add_(reference.log_p).mul_(reference.p).sum(dim=-1).clamp(min=0.0)
         self.kl_sum += float(kl.double().sum())
         self.kl_max = max(self.kl_max, float(kl.max()))
-        self.agree += int((reference_logits.argmax(dim=-1) == logits.argmax(dim=-1)).sum())
+        self.agree += int((reference.top1 == top1).sum())
         self.tokens += int(targets.numel())
 
     def figures(self, *, texts: int, held_out: str) -> QualityFigures:

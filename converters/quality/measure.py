@@ -41,7 +41,7 @@ from converters.errors import ConversionCancelled, Fp8ForgeError
 from converters.model.checkpoint import Checkpoint, release, unit_keys
 from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_tokenizer, model_dtype
 from converters.quality.casts import LayerCast, cast_linear_weight, casting_linears
-from converters.quality.figures import QualityFigures, TokenScores
+from converters.quality.figures import QualityFigures, ReferenceLogits, TokenScores
 from converters.quality.held_out import BUILT_IN_HELD_OUT, REQUEST_TEXTS, held_out_part
 
 __all__ = ["QualitySource", "QualityUnavailable", "load_source", "measure_quality", "measure_qualities",
@@ -49,9 +49,10 @@ __all__ = ["QualitySource", "QualityUnavailable", "load_source", "measure_qualit
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_SEQ_LEN = 256
-_HEAD_POSITIONS = 64  # positions scored at a time: a [64, vocab] fp32 logits per stream (33 MB for a 128k vocab)
+_HEAD_POSITIONS = 64  # least positions scored at a time: a [64, vocab] fp32 logits per stream (33 MB at 128k)
 _HEAD_ROWS = 16384  # vocabulary rows of the head's weight upcast to fp32 at a time, into one reused buffer
-#: logits held at once by the head pass: the streams scored against one upcast slice of the head's weight
+#: logits held at once by the head pass: the streams scored against one upcast slice of the head's weight, and
+#: the scoring's own tensors of their size
 _HEAD_LOGITS_BYTES = 256 * 2**20
 
 
@@ -72,8 +73,9 @@ class QualitySource:
     tokenizer: Any
 
 
-def load_source(directory: Path, sources: Any = None) -> QualitySource:
-    """Open the model in ``directory`` on the meta device (no weight is read).
+def load_source(directory: Path, sources: Any = None, *, tokenizer: Any = None) -> QualitySource:
+    """Open the model in ``directory`` on the meta device (no weight is read); ``tokenizer``: the model's own,
+    already loaded (None: loaded here).
 
     Raises QualityUnavailable for a model without an output head or a tokenizer, or whose layers the
     layer-sequential pass cannot walk.
@@ -88,7 +90,7 @@ def load_source(directory: Path, sources: Any = None) -> QualitySource:
     if stack is None or getattr(config, "is_encoder_decoder", False):
         raise QualityUnavailable(f"the quality pass runs layer by layer and this model does not fit: {why}",
                                  field="model")
-    tokenizer = load_tokenizer(Path(directory), sources)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(Path(directory), sources)
     if tokenizer is None:
         raise QualityUnavailable("the model ships no tokenizer: quality is measured on text", field="model")
     checkpoint = Checkpoint(Path(directory), model, dtype=model_dtype(config), device="cpu")
@@ -214,23 +216,41 @@ def _first_cast_layer(stack: LayerStack, casts: Mapping[str, LayerCast | None]) 
 def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: LayerCalls, index: int,
                layer: nn.Module, streams: dict[str | None, list[torch.Tensor]],
                variants: Mapping[str, Mapping[str, LayerCast | None]], first_cast: Mapping[str, int]) -> None:
-    """Every stream through layer ``index``; a variant before its first cast layer takes the reference's output."""
+    """Every stream through layer ``index``; a variant before its first cast layer takes the reference's output.
+
+    A variant's cast weights take the place of the source's in the layer (one copy of the layer's weights at a
+    time, not two); the next stream that runs the layer gets the source's weights loaded again first."""
     layer_path = f"{stack.path}.{index}"
     dtypes = tensor_dtypes(layer)
     checkpoint.load(unit_keys(model, lambda name: under(name, layer_path)))
     storage, compute = checkpoint.dtype, passes.compute or checkpoint.dtype
+    replaced: list[str] = []  # Linears whose weight is a variant's cast now
     try:
         with torch.no_grad(), emulating(layer, storage, compute):
             for name in streams:
                 if name is not None and index < first_cast[name]:
                     streams[name] = streams[None]  # the reference's own list: computed once, for both
                     continue
+                if replaced:
+                    _load_source_weights(model, checkpoint, replaced, compute)
+                    replaced = []
                 casts = {} if name is None else {p: c for p, c in variants[name].items() if under(p, layer_path)}
-                with casting_linears(model, casts):
+                with casting_linears(model, casts, in_place=True) as cast:
+                    replaced = list(cast.casts)
                     streams[name] = [_output(passes.call(layer, index, step, hidden), stack).to(storage)
                                      for step, hidden in enumerate(streams[name])]
     finally:
         release_layer(layer, dtypes)
+
+
+def _load_source_weights(model: nn.Module, checkpoint: Checkpoint, paths: list[str], compute: torch.dtype) -> None:
+    """The source's tensors of the Linears ``paths`` again, in ``compute`` (their casts replaced them): one Linear
+    at a time, its cast freed first, so that no more than one Linear's weight is held twice."""
+    for path in paths:
+        module = model.get_submodule(path)
+        release(module)
+        checkpoint.load(unit_keys(model, lambda name, path=path: under(name, path)))
+        module.to(compute)
 
 
 def _output(output: Any, stack: LayerStack) -> torch.Tensor:
@@ -292,23 +312,53 @@ def _score(head: nn.Module, head_path: str, batches: list[dict[str, Any]], final
     # the streams multiplied by the source's head weight: the reference, and each variant with an uncast head whose
     # hidden states differ from the reference's (the others' logits are the reference's own)
     plain = [None, *(name for name, cast in head_casts.items() if cast is None and finals[name] is not finals[None])]
-    group = max(1, _HEAD_LOGITS_BYTES // (_HEAD_POSITIONS * weight.shape[0] * 4))
+    # Every text's scored positions in one [positions, hidden] fp32 per stream (streams sharing their hidden states
+    # share it), so that a chunk spans texts: the head's weight is upcast once per chunk, and with one variant every
+    # position of the default budget fits one chunk. A cast head's input is cast per text first, with the text's
+    # own scale, as the FP8 model casts the input of each call.
+    targets = torch.cat([batch["input_ids"][0, 1:] for batch in batches])
+    joined: dict[int, torch.Tensor] = {}
+    for name in plain:
+        if id(finals[name]) not in joined:
+            joined[id(finals[name])] = _head_input(finals[name], batches, None)
+    cast_inputs = {name: _head_input(finals[name], batches, cast) for name, cast in head_casts.items()
+                   if cast is not None}
+    positions = _head_positions(weight.shape[0], len(plain) + len(cast_weights))
+    group = max(1, _HEAD_LOGITS_BYTES // (positions * weight.shape[0] * 4))
     buffer = torch.empty(min(_HEAD_ROWS, weight.shape[0]), weight.shape[1], dtype=torch.float32)
     scores = {name: TokenScores() for name in variants}
-    for step, batch in enumerate(batches):
-        targets = batch["input_ids"][0, 1:]
-        for start in range(0, targets.numel(), _HEAD_POSITIONS):
-            rows = slice(start, min(start + _HEAD_POSITIONS, targets.numel()))
-            logits: dict[str | None, torch.Tensor] = {}
-            for first in range(0, len(plain), group):
-                names = plain[first:first + group]
-                logits.update(_upcast_head_logits([finals[name][step][rows] for name in names], weight, bias,
-                                                  buffer, names))
-            for name, cast in head_casts.items():
-                if cast is not None:
-                    logits[name] = _cast_head_logits(finals[name][step][rows], cast_weights[name], bias, cast)
-                scores[name].add(logits[None], logits.get(name, logits[None]), targets[rows])
+    for start in range(0, targets.numel(), positions):
+        rows = slice(start, min(start + positions, targets.numel()))
+        logits: dict[str | None, torch.Tensor] = {}
+        for first in range(0, len(plain), group):
+            names = plain[first:first + group]
+            logits.update(_upcast_head_logits([joined[id(finals[name])][rows] for name in names], weight, bias,
+                                              buffer, names))
+        reference = ReferenceLogits(logits[None])
+        for name in variants:
+            if name in cast_inputs:
+                logits[name] = _cast_head_logits(cast_inputs[name][rows], cast_weights[name], bias)
+            scores[name].add(reference, logits.get(name, logits[None]), targets[rows])
     return scores
+
+
+def _head_input(hidden: list[torch.Tensor], batches: list[dict[str, Any]], cast: LayerCast | None) -> torch.Tensor:
+    """The scored positions of every text, ``[positions, hidden]`` fp32, each text's through ``cast``'s input cast
+    (its scale from the whole text, as the FP8 head's call would take it) when there is one."""
+    parts = []
+    for states, batch in zip(hidden, batches, strict=True):
+        x = states.float()
+        if cast is not None and cast.input is not None:
+            x = fake_quantize(x, cast.input, scale=cast.input_scale)
+        parts.append(x[: batch["input_ids"].shape[1] - 1])
+    return torch.cat(parts)
+
+
+def _head_positions(vocab: int, streams: int) -> int:
+    """Positions scored at a time: as many as keep every stream's ``[positions, vocab]`` fp32 logits within
+    ``_HEAD_LOGITS_BYTES`` while they are scored, and at least ``_HEAD_POSITIONS`` (a plan's hundred variants)."""
+    # each stream's logits, and three more of that size while they are scored (log p, p, a variant's log q)
+    return max(_HEAD_POSITIONS, _HEAD_LOGITS_BYTES // (vocab * 4 * (streams + 3)))
 
 
 def _upcast_head_logits(hidden: list[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None,
@@ -327,12 +377,9 @@ def _upcast_head_logits(hidden: list[torch.Tensor], weight: torch.Tensor, bias: 
     return {name: logits + bias if bias is not None else logits for name, logits in zip(names, out, strict=True)}
 
 
-def _cast_head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast: LayerCast
-                      ) -> torch.Tensor:
-    """fp32 logits of ``[positions, hidden]`` through a cast head: its input cast, its (fp32) cast weight."""
-    x = hidden.float()
-    if cast.input is not None:
-        x = fake_quantize(x, cast.input, scale=cast.input_scale)
+def _cast_head_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits of ``[positions, hidden]`` inputs already cast (:func:`_head_input`) through a cast head's (fp32)
+    cast weight."""
     parts = [nn.functional.linear(x, weight[v: v + _HEAD_ROWS]) for v in range(0, weight.shape[0], _HEAD_ROWS)]
     logits = torch.cat(parts, dim=-1)
     return logits + bias if bias is not None else logits

@@ -127,3 +127,49 @@ def test_the_emulated_gemm_in_bf16_stays_within_a_twentieth_of_a_db_of_fp32(reci
     reference = output.float()
     want = db(float(reference.square().sum()), float((reference - qx @ qw.T).square().sum()))
     assert meter.result("layer", recipe)["output"] == pytest.approx(want, abs=0.05)
+
+
+def test_a_longer_calibration_spreads_the_rows_per_layer_over_its_steps():
+    """With rows_per_layer, more steps measure fewer rows a call (the meter's cost stays fixed while the forward's
+    grows), never fewer than four per sequence of a call, never more than max_rows; the default 16 steps keep
+    max_rows a call."""
+    weight, x = _layer()
+    casts = [recipe_casts(parse_compare_recipe("te-current", "test"), "te-current")]
+
+    def rows_a_call(steps: int, sequences: int) -> int:
+        meter = SqnrMeter(casts, rows_per_layer=512)
+        meter.expect_steps(steps)
+        return meter.input_rows(x[:sequences], weight.shape[1], step=0).rows.shape[0]
+
+    assert rows_a_call(16, 2) == 32  # 512 / 16: max_rows, as without rows_per_layer
+    assert rows_a_call(4, 2) == 32  # never more than max_rows
+    assert rows_a_call(64, 1) == 8  # 512 / 64
+    assert rows_a_call(256, 1) == 4 and rows_a_call(256, 4) == 16  # four per sequence at least
+    without = SqnrMeter(casts)
+    without.expect_steps(64)
+    assert without.input_rows(x[:1], weight.shape[1], step=0).rows.shape[0] == 32
+    with pytest.raises(ValueError, match="rows_per_layer"):
+        SqnrMeter(casts, rows_per_layer=0)
+
+
+def test_the_thinner_spread_still_measures_every_sequence_s_first_token_exactly():
+    """Four sequences a call, each with an outlier first token: a budget of four per sequence puts all four in the
+    exactly measured quarter, so the sampled figures stay within half a dB of the exact ones over 64 steps."""
+    weight, x = _layer()
+    casts = [recipe_casts(parse_compare_recipe("te-current", "test"), "te-current")]
+    exact, sampled = SqnrMeter(casts, max_rows=None, max_channels=None), SqnrMeter(casts, rows_per_layer=512)
+    for meter in (exact, sampled):
+        meter.expect_steps(64)
+    generator = torch.Generator().manual_seed(3)
+    for step in range(64):
+        ordinary = 1 + torch.randperm(511, generator=generator)[:63]
+        batch = x[:, torch.cat([torch.zeros(1, dtype=torch.long), ordinary])]  # each starts with its outlier token
+        output = torch.nn.functional.linear(batch, weight)
+        picked = sampled.input_rows(batch, weight.shape[1], step)
+        assert picked.picked is not None and picked.picked.numel() == 16
+        assert set(range(0, 256, 64)) <= set(picked.picked.tolist())  # each sequence's first row
+        for meter in (exact, sampled):
+            meter.observe("layer", step, batch, weight, output=output)
+    got, want = sampled.result("layer", "te-current"), exact.result("layer", "te-current")
+    for what in ("input", "output"):
+        assert abs(got[what] - want[what]) < 0.5, (what, got, want)

@@ -96,6 +96,20 @@ def test_layer_sequential_figures_equal_the_whole_model_forward(llama_dir, recip
     assert figures.kl_mean > 0
 
 
+def test_a_cast_head_casts_each_text_s_input_with_its_own_scale(llama_dir):
+    """The head pass scores the positions of all texts together, yet a cast head's input is cast per text, as the
+    FP8 model's head casts each call's input: the figures equal the whole-model forward's with the head cast."""
+    source, paths = _linears(llama_dir)
+    casts = recipe_layer_casts(parse_compare_recipe("te-current", "recipe"), [*paths, "lm_head"])
+    texts = [TEXTS[0], TEXTS[1].upper()]  # unlike texts: unlike input scales at the head
+    figures = measure_quality(source, casts, texts)
+    ppl_ref, ppl, kl, agree, count = _whole_model_figures(llama_dir, casts, texts)
+    assert figures.tokens == count
+    assert figures.perplexity == pytest.approx(ppl, rel=1e-2)
+    assert figures.kl_mean == pytest.approx(kl, rel=0.1, abs=1e-5)
+    assert round(abs(figures.top1_agreement - agree) * count) <= 2
+
+
 def test_several_variants_in_one_pass_equal_each_alone(llama_dir):
     source, paths = _linears(llama_dir)
     variants = {name: recipe_layer_casts(parse_compare_recipe(name, "r"), paths)
