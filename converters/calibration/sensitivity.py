@@ -109,7 +109,9 @@ def meter_for(recipe: Any, compare: Sequence[Any] = (), extra: Sequence[RecipeCa
         label = recipe_label(recipe)
         chosen = recipe_casts(recipe, label if label not in names else f"{label} (job)")
         casts.insert(0, chosen)
-    return SqnrMeter([*casts, *extra], compared=names, rows_per_layer=DEFAULT_ROWS_PER_LAYER), chosen.label
+    # no cached weight casts: a layer-sequential calibration measures a layer in one flush (see SqnrMeter)
+    meter = SqnrMeter([*casts, *extra], compared=names, rows_per_layer=DEFAULT_ROWS_PER_LAYER, cache_bytes=0)
+    return meter, chosen.label
 
 
 def relabel_comparison(report: dict[str, Any], labels: Sequence[str | None]) -> None:

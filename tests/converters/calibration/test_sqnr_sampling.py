@@ -173,3 +173,25 @@ def test_the_thinner_spread_still_measures_every_sequence_s_first_token_exactly(
     got, want = sampled.result("layer", "te-current"), exact.result("layer", "te-current")
     for what in ("input", "output"):
         assert abs(got[what] - want[what]) < 0.5, (what, got, want)
+
+
+@pytest.mark.parametrize("recipe", ["te-delayed", "te-current", "te-nvfp4", "te-float8-block"])
+def test_a_meter_without_cached_casts_measures_the_same(recipe):
+    """A job's meter keeps no cast weights (cache_bytes=0): the weight is cast once at the layer's flush, for the
+    weight's SQNR as well as the output's; the figures are those of a meter that measured the weight at once and
+    kept its casts for the flush."""
+    weight, x = _layer()
+    casts = [recipe_casts(parse_compare_recipe(recipe, "test"), recipe)]
+    kept, uncached = SqnrMeter(casts), SqnrMeter(casts, cache_bytes=0)
+    for step in range(3):
+        output = torch.nn.functional.linear(x[step], weight)
+        for meter in (kept, uncached):
+            meter.observe("layer", step, x[step], weight, output=output)
+        if step == 0:  # the weight's SQNR at once, its casts kept for the flush (as the experts' hooks do)
+            kept.observe_weight("layer", weight)
+            assert "layer" in kept._cache and "layer" in kept._weighed
+    kept.drop_cast_weights()
+    assert "layer" in uncached._pending and "layer" not in uncached._weighed  # nothing cast before its flush
+    uncached.drop_cast_weights()
+    assert not uncached._cache and "layer" in uncached._weighed
+    assert uncached.result("layer", recipe) == kept.result("layer", recipe)
