@@ -38,7 +38,7 @@ from converters.calibration.sequential import (
     under,
 )
 from converters.errors import ConversionCancelled, Fp8ForgeError
-from converters.model.checkpoint import Checkpoint, release, unit_keys
+from converters.model.checkpoint import Checkpoint, release, return_freed_memory, unit_keys
 from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_tokenizer, model_dtype
 from converters.quality.casts import LayerCast, cast_linear_weight, casting_linears
 from converters.quality.figures import QualityFigures, ReferenceLogits, TokenScores
@@ -52,8 +52,8 @@ DEFAULT_SEQ_LEN = 256
 _HEAD_POSITIONS = 64  # least positions scored at a time: a [64, vocab] fp32 logits per stream (33 MB at 128k)
 _HEAD_ROWS = 16384  # vocabulary rows of the head's weight upcast to fp32 at a time, into one reused buffer
 #: logits held at once by the head pass: the streams scored against one upcast slice of the head's weight, and
-#: the scoring's own tensors of their size
-_HEAD_LOGITS_BYTES = 256 * 2**20
+#: the scoring's own tensors of their size (at 256 MiB the head pass was the peak of a SmolLM2 job: +207 MiB)
+_HEAD_LOGITS_BYTES = 64 * 2**20
 
 
 class QualityUnavailable(Fp8ForgeError):
@@ -186,6 +186,9 @@ def _run_layers(source: QualitySource, batches: list[dict[str, Any]],
     embed_path = module_path(model, model.get_input_embeddings())
     passes = LayerCalls(stack.count, len(batches))
     first_cast = {name: _first_cast_layer(stack, casts) if share else 0 for name, casts in variants.items()}
+    # what the job freed before this pass (an export's buffers) may still sit in the allocator's arenas: handed
+    # back first, so the pass's layers do not stack on top of it
+    return_freed_memory()
     try:
         embedded = record_layer_calls(model, stack, checkpoint, batches, passes, head_path, embed_path,
                                       keep_embeddings=True)
