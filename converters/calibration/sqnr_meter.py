@@ -240,6 +240,11 @@ def _row_amax(tensor: torch.Tensor) -> torch.Tensor:
     return torch.maximum(tensor.amax(dim=1), -tensor.amin(dim=1)).float()
 
 
+def _weight_sums(w: torch.Tensor, q: torch.Tensor, stands: torch.Tensor | None) -> tuple[float, float]:
+    """Signal and noise sums of weight rows ``w`` cast to ``q`` (each row standing for ``stands`` rows)."""
+    return float(_weighted(w.square(), stands)), float(_weighted((w - q).square(), stands))
+
+
 def _weighted(squares: torch.Tensor, weights: torch.Tensor | None, columns: torch.Tensor | None = None
               ) -> torch.Tensor:
     """The sum of ``squares`` (``[rows, ...]``), each row counted ``weights[row]`` times and, for a 2-D tensor,
@@ -429,9 +434,9 @@ class SqnrMeter:
                     w = measured[rows].float()
                     q = (cached[index][number] if cached is not None
                          else self._cast_weight(group[0], w, channels.amax)).dequantized()
-                    stands = None if channels.weights is None else channels.weights[rows]
-                    signal += float(_weighted(w.square(), stands))
-                    noise += float(_weighted((w - q).square(), stands))
+                    part_signal, part_noise = _weight_sums(w, q, None if channels.weights is None
+                                                           else channels.weights[rows])
+                    signal, noise = signal + part_signal, noise + part_noise
                 self._add(path, group, "weight", signal, noise)
         self._weighed.add(path)
 
@@ -544,9 +549,9 @@ class SqnrMeter:
                     cw = cached[index][number] if cached is not None else \
                         self._cast_weight(group[0], measured[rows].float(), channels.amax)
                     if weigh:
-                        w, part = measured[rows].float(), None if stands is None else stands[rows]
-                        w_signal += float(_weighted(w.square(), part))
-                        w_noise += float(_weighted((w - cw.dequantized()).square(), part))
+                        part_signal, part_noise = _weight_sums(measured[rows].float(), cw.dequantized(),
+                                                               None if stands is None else stands[rows])
+                        w_signal, w_noise = w_signal + part_signal, w_noise + part_noise
                     if half is not None and cx.exact and cw.exact:
                         y = _scaled_product(cx, cw, half, None if b is None else b[rows])
                     else:

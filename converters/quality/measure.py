@@ -316,9 +316,9 @@ def _score(head: nn.Module, head_path: str, batches: list[dict[str, Any]], final
     # hidden states differ from the reference's (the others' logits are the reference's own)
     plain = [None, *(name for name, cast in head_casts.items() if cast is None and finals[name] is not finals[None])]
     # Every text's scored positions in one [positions, hidden] fp32 per stream (streams sharing their hidden states
-    # share it), so that a chunk spans texts: the head's weight is upcast once per chunk, and with one variant every
-    # position of the default budget fits one chunk. A cast head's input is cast per text first, with the text's
-    # own scale, as the FP8 model casts the input of each call.
+    # share it), so that a chunk spans texts: the head's weight is upcast once per chunk, not once per text and 64
+    # positions. A cast head's input is cast per text first, with the text's own scale, as the FP8 model casts the
+    # input of each call.
     targets = torch.cat([batch["input_ids"][0, 1:] for batch in batches])
     joined: dict[int, torch.Tensor] = {}
     for name in plain:
