@@ -56,7 +56,8 @@ def _calibrate(model, paths, batches, meter) -> float:
     return time.perf_counter() - started
 
 
-def measure(name: str, directory: Path, max_rows: int, recipes: list[str], steps: int = 16) -> None:
+def measure(name: str, directory: Path, max_rows: int, recipes: list[str], steps: int = 16,
+            exact_cache_mib: int = 256) -> None:
     model = load_model(directory, ModelSourceOptions()).eval()
     tokenizer = load_tokenizer(directory, ModelSourceOptions())
     batches, _ = calibration_batches(tokenizer, vocab_size=model.config.vocab_size, steps=steps, batch_size=2,
@@ -64,7 +65,7 @@ def measure(name: str, directory: Path, max_rows: int, recipes: list[str], steps
     batches = [model_inputs(model, model.config, batch) for batch in batches]
     paths = _linears(model)
     casts = [recipe_casts(parse_compare_recipe(short, "bench"), short) for short in recipes]
-    exact = SqnrMeter(casts, max_rows=None, max_channels=None)
+    exact = SqnrMeter(casts, max_rows=None, max_channels=None, cache_bytes=exact_cache_mib * 2**20)
     sampled = SqnrMeter(casts, max_rows=max_rows, rows_per_layer=DEFAULT_ROWS_PER_LAYER)  # as a job's meter
     _calibrate(model, paths, batches, None)  # warm-up: the first pass pays for allocations and kernel choice
     seconds = {"none": _calibrate(model, paths, batches, None), "exact": _calibrate(model, paths, batches, exact),
@@ -101,6 +102,11 @@ def main() -> None:
                         help="comma-separated short names (converters.recipes.presets.RECIPE_NAMES), or all")
     parser.add_argument("--models", default="minilm,llama", help="comma-separated: minilm, llama, smollm")
     parser.add_argument("--steps", type=int, default=16, help="calibration steps of 2 x 128 tokens (16)")
+    parser.add_argument("--exact-cache-mib", type=int, default=256,
+                        help="the exact meter's cast weights kept between its flushes (256 MiB); a whole model's "
+                             "pass flushes every 64 MiB of rows, and a weight not kept is cast again at each flush: "
+                             "with --steps 64 on SmolLM2, 2048 keeps every cast of one recipe (the exact column "
+                             "then takes minutes, not most of an hour)")
     args = parser.parse_args()
     recipes = list(RECIPE_NAMES) if args.recipes == "all" else args.recipes.split(",")
     models = args.models.split(",")
@@ -113,14 +119,16 @@ def main() -> None:
     from tests.models import minilm_dir
 
     if "minilm" in models:
-        measure("all-MiniLM-L6-v2 (real weights)", minilm_dir(), args.max_rows, recipes, args.steps)
+        measure("all-MiniLM-L6-v2 (real weights)", minilm_dir(), args.max_rows, recipes, args.steps,
+                args.exact_cache_mib)
     if "llama" in models:
         with tempfile.TemporaryDirectory() as scratch:
             measure("tiny Llama (random weights, hidden 256)",
                     build_tiny_llama(Path(scratch) / "llama", hidden_size=256, layers=2), args.max_rows, recipes,
-                    args.steps)
+                    args.steps, args.exact_cache_mib)
     if "smollm" in models:
-        measure("SmolLM2-135M (real weights, Q4_1-rounded)", smollm_dir(), args.max_rows, recipes, args.steps)
+        measure("SmolLM2-135M (real weights, Q4_1-rounded)", smollm_dir(), args.max_rows, recipes, args.steps,
+                args.exact_cache_mib)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from converters.calibration.compute import (
 )
 from converters.calibration.prefetch import LayerPrefetcher
 from converters.errors import ConversionCancelled
-from converters.model.checkpoint import Checkpoint, module_keys, release, return_freed_memory, unit_keys
+from converters.model.checkpoint import Checkpoint, held_bytes, module_keys, release, return_freed_memory, unit_keys
 from converters.model.experts import parse_unit_path
 
 __all__ = [
@@ -470,11 +470,13 @@ def replaying_outer_modules(model: nn.Module, stack: LayerStack, passes: LayerCa
 
 def release_layer(layer: nn.Module, dtypes: dict[tuple[int, str], torch.dtype]) -> None:
     """Put ``layer``'s tensors back on the meta device in the dtypes ``dtypes`` (:func:`tensor_dtypes` before
-    loading) and hand the freed heap pages back to the system: glibc keeps the freed pages of a layer's upcast
-    copies in its arenas, so a pass that allocates per layer otherwise grows its resident memory with depth."""
+    loading) and hand the freed heap pages back to the system (once a few layers' worth are freed: see
+    :func:`return_freed_memory`): glibc keeps the freed pages of a layer's upcast copies in its arenas, so a pass
+    that allocates per layer otherwise grows its resident memory with depth."""
+    freed = held_bytes(layer)
     release(layer)
     restore_dtypes(layer, dtypes)
-    return_freed_memory()
+    return_freed_memory(freed)
 
 
 def module_path(model: nn.Module, module: nn.Module | None) -> str | None:

@@ -135,14 +135,14 @@ def test_another_compute_dtype_is_refused(bf16_models):
 
 
 def test_a_failed_prefetch_read_is_the_jobs_error(bf16_models, monkeypatch):
-    real_read = Checkpoint.read
+    real_read_ahead = Checkpoint.read_ahead
 
-    def read(self, keys):
+    def read_ahead(self, keys):
         if any(".layers.1." in key for key in keys):
             raise OSError("disk gone while reading layer 1")
-        return real_read(self, keys)
+        return real_read_ahead(self, keys)
 
-    monkeypatch.setattr(Checkpoint, "read", read)
+    monkeypatch.setattr(Checkpoint, "read_ahead", read_ahead)
     with pytest.raises(OSError, match="disk gone"):
         sequential(bf16_models / "llama")
     assert not [t for t in threading.enumerate() if t.name.startswith("fp8forge-prefetch")]
@@ -178,3 +178,26 @@ def test_minilm_pipeline_fp32_amax_and_scales_match_bf16(bf16_models, tmp_path, 
     assert sorted(bf16) == sorted(fp32) and bf16
     for key, value in bf16.items():
         assert ((fp32[key] - value).abs() / value.abs().clamp_min(1e-30)).max() <= FP32_TOLERANCE, key
+
+
+def test_a_plain_source_is_read_ahead_by_the_kernel_and_loads_the_same_bytes(bf16_models, monkeypatch):
+    """The prefetch of a plain source hands its byte ranges to the kernel and returns nothing to place: the load
+    then reads them itself (no second copy on the forward's cores), and the amax are those without a prefetch."""
+    import os
+
+    advised = []
+    real_fadvise = os.posix_fadvise
+
+    def fadvise(descriptor, offset, length, advice):
+        advised.append((offset, length, advice))
+        return real_fadvise(descriptor, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    read = []
+    real_read = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, keys: read.append(keys) or real_read(self, keys))
+    with_prefetch, stats, _ = sequential(bf16_models / "llama", compute_dtype=torch.float32, prefetch=True)
+    without, _, _ = sequential(bf16_models / "llama", compute_dtype=torch.float32, prefetch=False)
+    assert all(torch.equal(with_prefetch[p].forward, without[p].forward) for p in without)
+    assert not read and stats.prefetch is True
+    assert advised and all(advice == os.POSIX_FADV_WILLNEED and length > 0 for _, length, advice in advised)

@@ -430,3 +430,23 @@ def test_row_chunks_give_the_bits_of_one_pass(monkeypatch, weight_shape, scale_s
     monkeypatch.setattr(arithmetic, "_CHUNK_ELEMENTS", 4096)  # chunks of 128 rows (blocks) or 12 rows
     assert arithmetic._chunk_rows(weight, block) < weight_shape[-2]
     assert torch.equal(bits(arithmetic.dequantize_fp8(weight, scale, torch.bfloat16, block)), bits(one_pass))
+
+
+def test_the_prefetch_of_a_quantized_source_reads_and_dequantizes_its_weights(exports):
+    """A quantized source's next layer is read and dequantized in the prefetch (the work is off the forward's
+    thread), the tensors a plain ``read`` gives; a plain source's goes to the kernel's readahead (nothing read)."""
+    from converters.model.checkpoint import Checkpoint, unit_keys
+    from converters.model.sources import build_meta_model, load_config
+
+    for directory, quantized in ((exports / "compressed-tensors-fp8", True), (exports.parent, False)):
+        sources = ModelSourceOptions(allowed_roots=(directory.parent,))
+        meta = build_meta_model(load_config(directory, sources), sources)
+        checkpoint = Checkpoint(directory, meta, dtype=torch.bfloat16, device="cpu")
+        keys = unit_keys(meta, lambda name: name.startswith("model.layers.0."))
+        ahead = checkpoint.read_ahead(keys)
+        if not quantized:
+            assert ahead is None
+            continue
+        read = checkpoint.read(keys)
+        assert ahead.keys() == read.keys() and any(key.endswith("q_proj.weight") for key in ahead)
+        assert all(torch.equal(bits(ahead[key]), bits(read[key])) for key in read)
