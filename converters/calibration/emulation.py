@@ -6,13 +6,15 @@ Details, and the library sources they follow: README.md beside this file.
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from converters.calibration.scaling import E4M3_MAX, E5M2_MAX
+from converters.model.quantized.arithmetic import fp8_as_float as _fp8_as_float
+from converters.model.quantized.arithmetic import fp8_values as _fp8_values
+from converters.model.quantized.arithmetic import lookup_fp8
 
 __all__ = [
     "E4M3_MAX",
@@ -24,6 +26,8 @@ __all__ = [
     "CastSpec",
     "cast_spec",
     "fake_quantize",
+    "fake_quantize_per_tensor",
+    "per_tensor_fp8",
     "cast_fp8",
     "round_to_e2m1",
     "tensor_scale",
@@ -119,20 +123,6 @@ def cast_fp8(x: torch.Tensor, element: str) -> torch.Tensor:
     return _fp8_as_float(x.clamp(-top, top).to(dtype))
 
 
-def _fp8_as_float(codes: torch.Tensor) -> torch.Tensor:
-    """FP8 ``codes`` as fp32 (a fresh tensor): through the 256-entry table on a CPU (see :func:`cast_fp8`)."""
-    if codes.device.type != "cpu":
-        return codes.float()
-    # int32 indices: half the memory of take's int64 ones, and faster
-    return _fp8_values(codes.dtype).index_select(0, codes.view(torch.uint8).reshape(-1).int()).reshape(codes.shape)
-
-
-@functools.cache
-def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 value of each of the 256 bytes of an FP8 dtype."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
-
-
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to nearest even onto the FP4 E2M1 values, saturating at +-6 (fp32 result).
 
@@ -222,6 +212,33 @@ def fake_quantize(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | floa
     else:
         out = _scaled_fp8(blocks, spec, scale)
     return _from_blocks(out, shape)
+
+
+def per_tensor_fp8(spec: CastSpec) -> float | None:
+    """The largest value of a per-tensor FP8 spec's element (its scale is ``that / amax``); None for any other
+    spec (blocks, rows, MX, NVFP4)."""
+    if not spec.per_tensor or spec.element not in _FP8 or spec.scale not in (ScaleRule.FP32, ScaleRule.POW2):
+        return None
+    return _FP8[spec.element][1]
+
+
+def fake_quantize_per_tensor(x: torch.Tensor, spec: CastSpec, scale: torch.Tensor, dtype: torch.dtype,
+                             *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``fake_quantize(x, spec, scale=scale).to(dtype)`` for a per-tensor FP8 spec and a one-element fp32 ``scale``,
+    the same bits in fewer passes over ``x``: with one scale for the whole tensor a code's dequantized value
+    depends on the code alone, so the 256 of them are computed once (each with the same fp32 arithmetic as the
+    element-wise path, then rounded to ``dtype``) and every element reads its own from that table. ``x`` of any
+    float dtype (upcast to fp32 inside the product, as ``x.float() * scale``); ``out``: where to write (``x``'s
+    shape, ``dtype``). Raises ValueError for a spec that is not a per-tensor FP8 one."""
+    if per_tensor_fp8(spec) is None:
+        raise ValueError(f"{spec.name} is not a per-tensor FP8 cast")
+    fp8, top = _FP8[spec.element]
+    scale = scale.float().reshape(1)  # one dimension: the product is fp32 whatever x's dtype (not x's 0-dim rule)
+    codes = torch.mul(x, scale).clamp_(-top, top).to(fp8)
+    values = _fp8_values(fp8)
+    table = (values / scale if spec.library == "torchao" else values * (1.0 / scale)).to(dtype)
+    picked = lookup_fp8(table, codes)
+    return picked if out is None else out.copy_(picked)
 
 
 def _per_row(value: torch.Tensor | float | None, rows: int, spec: CastSpec) -> torch.Tensor | float | None:

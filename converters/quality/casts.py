@@ -16,7 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.calibration.emulation import CastSpec, cast_spec, fake_quantize, tensor_scale
+from converters.calibration.emulation import (
+    CastSpec,
+    ScaleRule,
+    cast_spec,
+    fake_quantize,
+    fake_quantize_per_tensor,
+    per_tensor_fp8,
+    tensor_scale,
+)
 from converters.calibration.scaling import E4M3_MAX
 from converters.calibration.sensitivity import recipe_casts
 from converters.errors import ModelConfigError
@@ -33,13 +41,14 @@ class LayerCast:
     """One Linear's FP8 forward: ``linear(cast(x), W_fp8) + bias``.
 
     Exactly one of ``weight`` (cast the source weight with this spec) and ``read_weight`` (the weight as written
-    to an export, dequantized; called once per pass, while its layer is loaded) is set. ``input`` None keeps the
+    to an export, dequantized to the dtype it is called with; called once per pass, while its layer is loaded) is
+    set. ``input`` None keeps the
     input in high precision (weight-only formats); ``input_scale`` is a fixed multiplier ``fp8_max / amax`` of a
     per-tensor input spec (None: each call scales from its own amax).
     """
 
     weight: CastSpec | None = None
-    read_weight: Callable[[], torch.Tensor] | None = None
+    read_weight: Callable[[torch.dtype], torch.Tensor] | None = None
     input: CastSpec | None = None
     input_scale: float | None = None
     weight_scale_margin: int | None = None  #: TE delayed scaling: the weight's scale is fp8_max * 2**-margin / amax
@@ -110,20 +119,23 @@ def export_layer_casts(directory: Path, paths: Iterable[str], on_disk_name: Call
         input_scale = None
         if spec is not None and spec.per_tensor and f"{prefix}input_scale" in file_of:
             input_scale = 1.0 / float(read(f"{prefix}input_scale").float().reshape(-1)[0])
-        out[path] = LayerCast(read_weight=lambda key=key: scheme.dequantize(key, read, torch.float32),
+        # dequantized in fp32 and rounded to the dtype asked for: the same bits as an fp32 read rounded after
+        out[path] = LayerCast(read_weight=lambda dtype, key=key: scheme.dequantize(key, read, dtype),
                               input=spec, input_scale=input_scale)
     return out
 
 
-def cast_linear_weight(cast: LayerCast, weight: torch.Tensor) -> torch.Tensor:
-    """The weight the FP8 GEMM multiplies (fp32): read back, or ``weight`` cast with the spec."""
+def cast_linear_weight(cast: LayerCast, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight the FP8 GEMM multiplies, in ``dtype``: read back, or ``weight`` cast with the spec (in fp32, then
+    rounded to ``dtype``)."""
     if cast.read_weight is not None:
-        written = cast.read_weight().float()
+        written = cast.read_weight(dtype)
         if written.shape != weight.shape:
             raise ValueError(f"the written weight is {tuple(written.shape)}, the model's {tuple(weight.shape)}")
         return written
     spec = cast.weight
-    amax = torch.maximum(weight.amax(), -weight.amin()).float()  # no |w| copy of the weight
+    low, high = torch.aminmax(weight)  # one pass, no |w| copy of the weight
+    amax = torch.maximum(high, -low).float()
     scale = None
     if cast.weight_scale_margin is not None and spec.per_tensor:
         scale = tensor_scale(amax, E4M3_MAX * 2.0 ** -cast.weight_scale_margin)
@@ -132,11 +144,29 @@ def cast_linear_weight(cast: LayerCast, weight: torch.Tensor) -> torch.Tensor:
     # (several times a gate projection's fp32 bytes at once otherwise).
     unit = spec.block[0] or 1
     rows = max(unit, _CAST_SLICE_ELEMENTS // max(weight.shape[1], 1) // unit * unit)
-    out = torch.empty(weight.shape, dtype=torch.float32)
+    out = torch.empty(weight.shape, dtype=dtype)
+    per_tensor = per_tensor_fp8(spec)
+    if per_tensor and scale is None:
+        scale = tensor_scale(amax, per_tensor, library=spec.library, pow2=spec.scale is ScaleRule.POW2)
     for start in range(0, weight.shape[0], rows):
-        out[start:start + rows] = fake_quantize(weight[start:start + rows].float(), spec, scale=scale,
-                                                tensor_amax=amax)
+        part = weight[start:start + rows]
+        if per_tensor:  # the same bits by a table of the 256 codes' values (fake_quantize_per_tensor)
+            fake_quantize_per_tensor(part, spec, scale, dtype, out=out[start:start + rows])
+        else:
+            out[start:start + rows] = fake_quantize(part.float(), spec, scale=scale, tensor_amax=amax)
     return out
+
+
+def _cast_input(x: torch.Tensor, spec: CastSpec, scale: float | None) -> torch.Tensor:
+    """A call's input cast with ``spec`` (``scale``: a fixed per-tensor one; None: from the input itself) and
+    dequantized, in the input's dtype (the dtype the layer computes in)."""
+    flat = x.reshape(-1, x.shape[-1])
+    top = per_tensor_fp8(spec)
+    if not top or flat.numel() == 0:
+        return fake_quantize(flat, spec, scale=scale).reshape(x.shape).to(x.dtype)
+    given = torch.tensor(scale, dtype=torch.float32) if scale is not None else tensor_scale(
+        torch.maximum(flat.amax(), -flat.amin()).float(), top, library=spec.library, pow2=spec.scale is ScaleRule.POW2)
+    return fake_quantize_per_tensor(flat, spec, given, x.dtype).reshape(x.shape)
 
 
 class _CastForward:
@@ -149,7 +179,7 @@ class _CastForward:
         if in_place:
             # the cast takes the original's place, in its dtype (the dtype of the calls): the layer holds one
             # weight per Linear, not two
-            module.weight.data = cast_linear_weight(cast, module.weight.detach()).to(module.weight.dtype)
+            module.weight.data = cast_linear_weight(cast, module.weight.detach(), module.weight.dtype)
         else:
             # cast once per layer and variant, then kept in the dtype of the calls (not converted per call)
             self.weight = cast_linear_weight(cast, module.weight.detach())
@@ -157,8 +187,7 @@ class _CastForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         cast = self.cast
         if cast.input is not None:
-            flat = x.reshape(-1, x.shape[-1])
-            x = fake_quantize(flat, cast.input, scale=cast.input_scale).reshape(x.shape).to(x.dtype)
+            x = _cast_input(x, cast.input, cast.input_scale)
         if self.weight is None:
             return nn.functional.linear(x, self.module.weight, self.module.bias)
         if self.weight.dtype != x.dtype:

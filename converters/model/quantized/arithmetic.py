@@ -18,11 +18,13 @@ the dequantization arithmetic matches the reference library's own dequantizer bi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-__all__ = ["E2M1_CODES", "dequantize_fp8", "dequantize_nvfp4", "expand_scale", "unpack_e2m1"]
+__all__ = ["E2M1_CODES", "dequantize_fp8", "dequantize_nvfp4", "expand_scale", "fp8_as_float", "fp8_values",
+           "lookup_fp8", "unpack_e2m1"]
 
 #: The value of each 4-bit E2M1 code (bit 3 the sign; code 8 is -0), as compressed-tensors and ModelOpt map them.
 E2M1_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -57,6 +59,39 @@ def expand_scale(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] 
                      + (f" with {block[0]}x{block[1]} blocks" if block else ""))
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@functools.cache
+def fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 value of each of the 256 bytes of an FP8 dtype."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+
+
+def fp8_as_float(codes: torch.Tensor) -> torch.Tensor:
+    """FP8 ``codes`` as fp32 (a fresh tensor): on a CPU each byte's value is read from the 256-entry table
+    (``index_select`` with int32 indices), the same values as ``.float()``, which converts element by element there
+    and is several times slower."""
+    if codes.device.type != "cpu":
+        return codes.float()
+    return lookup_fp8(fp8_values(codes.dtype), codes)
+
+
+#: codes looked up at a time (lookup_fp8): the int32 indices stay a reused 4 MiB, not 4 bytes a weight element
+_LOOKUP_ELEMENTS = 1 << 20
+
+
+def lookup_fp8(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``table[byte]`` for each FP8 code of ``codes`` (a 256-entry table; its dtype is the result's), in chunks:
+    a weight's int32 indices at once were freshly mapped pages, whose faults cost more than the lookup itself."""
+    out = torch.empty(codes.shape, dtype=table.dtype)
+    flat_codes, flat_out = codes.reshape(-1).view(torch.uint8), out.view(-1)
+    for start in range(0, flat_codes.numel(), _LOOKUP_ELEMENTS):
+        end = min(start + _LOOKUP_ELEMENTS, flat_codes.numel())
+        torch.index_select(table, 0, flat_codes[start:end].int(), out=flat_out[start:end])
+    return out
+
+
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    block: tuple[int, int] | None = None) -> torch.Tensor:
     """``dtype(fp32(weight) * fp32(scale))`` with ``scale`` broadcast by :func:`expand_scale`.
@@ -67,16 +102,22 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     if scale.dtype == torch.uint8:
         scale = torch.ldexp(torch.ones(scale.shape, dtype=torch.float32), scale.to(torch.int32) - _E8M0_BIAS)
     rows = weight.shape[-2] if weight.ndim >= 2 else 0
+    if weight.dtype in _FP8_DTYPES and weight.device.type == "cpu" and scale.numel() == 1:
+        # one scale: a code's value depends on the code alone, so the 256 of them are computed once (the same
+        # fp32 product, then rounded to dtype) and each element reads its own (no fp32 copy of the weight)
+        table = (fp8_values(weight.dtype) * expand_scale(scale, weight.shape, block)).to(dtype)
+        return lookup_fp8(table, weight)
+    upcast = fp8_as_float if weight.dtype in _FP8_DTYPES else torch.Tensor.float
     step = _chunk_rows(weight, block)
     if weight.ndim < 2 or scale.numel() == 1 or step >= rows:
-        return (weight.float() * expand_scale(scale, weight.shape, block)).to(dtype)
+        return (upcast(weight) * expand_scale(scale, weight.shape, block)).to(dtype)
     # Row chunks: the fp32 intermediates (the codes, the broadcast scale, the product) of a few MiB at a time
     # instead of three times the weight; each element's arithmetic is the same, so are its bits.
     out = torch.empty(weight.shape, dtype=dtype)
     for start in range(0, rows, step):
         end = min(start + step, rows)
         part = weight[..., start:end, :]
-        out[..., start:end, :] = part.float().mul_(expand_scale(_scale_rows(scale, weight.shape, block, start, end),
+        out[..., start:end, :] = upcast(part).mul_(expand_scale(_scale_rows(scale, weight.shape, block, start, end),
                                                                 part.shape, block)).to(dtype)
     return out
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.calibration.emulation import SPEC_NAMES, cast_spec, fake_quantize, fake_quantize_factored, tensor_scale
+from converters.calibration.emulation import (
+    SPEC_NAMES,
+    cast_spec,
+    fake_quantize,
+    fake_quantize_factored,
+    fake_quantize_per_tensor,
+    tensor_scale,
+)
 
 
 def _two_tensors():
@@ -59,3 +66,26 @@ def test_a_factored_cast_is_exact_in_bf16_and_multiplies_back_to_the_cast(spec_n
 def test_fp32_scaled_blocks_along_a_row_have_no_factor_to_take_out():
     spec = cast_spec("e4m3_block_1x128", pow2_scales=False)
     assert fake_quantize_factored(torch.randn(4, 256), spec) is None
+
+
+@pytest.mark.parametrize("library", ["te", "torchao"])
+@pytest.mark.parametrize("spec_name", ["e4m3_tensor", "e5m2_tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_the_per_tensor_table_cast_is_bitwise_the_element_wise_one(library, spec_name, dtype, pow2):
+    """``fake_quantize_per_tensor`` reads each code's value from a table of the 256: the bits of ``fake_quantize``
+    rounded to ``dtype``, saturated values, zeros and an input in any float dtype included."""
+    spec = cast_spec(spec_name, library=library, pow2_scales=pow2)
+    x = (torch.randn(48, 64, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -0.0, 1e4, -1e4], dtype=dtype)
+    top = 448.0 if spec_name.startswith("e4m3") else 57344.0
+    for scale in (tensor_scale(x.float().abs().amax(), top, library=library, pow2=pow2),
+                  torch.tensor(top / 3.0)):  # the tensor's own scale, and one that saturates the outliers
+        expected = fake_quantize(x.float(), spec, scale=scale).to(dtype)
+        got = fake_quantize_per_tensor(x, spec, scale, dtype)
+        out = torch.empty_like(x)
+        fake_quantize_per_tensor(x, spec, scale, dtype, out=out)
+        bits = {2: torch.int16, 4: torch.int32}[expected.element_size()]
+        assert torch.equal(got.view(bits), expected.view(bits)) and torch.equal(out.view(bits), expected.view(bits))
+    with pytest.raises(ValueError, match="not a per-tensor FP8 cast"):
+        fake_quantize_per_tensor(x, cast_spec("e4m3_row"), torch.tensor(1.0), dtype)
