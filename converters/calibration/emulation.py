@@ -237,8 +237,9 @@ def fake_quantize_per_tensor(x: torch.Tensor, spec: CastSpec, scale: torch.Tenso
     codes = torch.mul(x, scale).clamp_(-top, top).to(fp8)
     values = _fp8_values(fp8)
     table = (values / scale if spec.library == "torchao" else values * (1.0 / scale)).to(dtype)
-    picked = lookup_fp8(table, codes)
-    return picked if out is None else out.copy_(picked)
+    if out is not None and not out.is_contiguous():
+        return out.copy_(lookup_fp8(table, codes))
+    return lookup_fp8(table, codes, out)
 
 
 def _per_row(value: torch.Tensor | float | None, rows: int, spec: CastSpec) -> torch.Tensor | float | None:

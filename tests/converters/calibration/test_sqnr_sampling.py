@@ -131,7 +131,7 @@ def test_the_emulated_gemm_in_bf16_stays_within_a_twentieth_of_a_db_of_fp32(reci
 
 def test_a_longer_calibration_spreads_the_rows_per_layer_over_its_steps():
     """With rows_per_layer, more steps measure fewer rows a call (the meter's cost stays fixed while the forward's
-    grows), never fewer than four per sequence of a call, never more than max_rows; the default 16 steps keep
+    grows), never fewer than eight per sequence of a call, never more than max_rows; the default 16 steps keep
     max_rows a call."""
     weight, x = _layer()
     casts = [recipe_casts(parse_compare_recipe("te-current", "test"), "te-current")]
@@ -144,7 +144,8 @@ def test_a_longer_calibration_spreads_the_rows_per_layer_over_its_steps():
     assert rows_a_call(16, 2) == 32  # 512 / 16: max_rows, as without rows_per_layer
     assert rows_a_call(4, 2) == 32  # never more than max_rows
     assert rows_a_call(64, 1) == 8  # 512 / 64
-    assert rows_a_call(256, 1) == 4 and rows_a_call(256, 4) == 16  # four per sequence at least
+    assert rows_a_call(256, 1) == 8 and rows_a_call(256, 2) == 16  # eight per sequence at least
+    assert rows_a_call(256, 8) == 32  # and still never more than max_rows
     without = SqnrMeter(casts)
     without.expect_steps(64)
     assert without.input_rows(x[:1], weight.shape[1], step=0).rows.shape[0] == 32
@@ -153,7 +154,7 @@ def test_a_longer_calibration_spreads_the_rows_per_layer_over_its_steps():
 
 
 def test_the_thinner_spread_still_measures_every_sequence_s_first_token_exactly():
-    """Four sequences a call, each with an outlier first token: a budget of four per sequence puts all four in the
+    """Four sequences a call, each with an outlier first token: a budget of eight per sequence puts all four in the
     exactly measured quarter, so the sampled figures stay within half a dB of the exact ones over 64 steps."""
     weight, x = _layer()
     casts = [recipe_casts(parse_compare_recipe("te-current", "test"), "te-current")]
@@ -166,7 +167,8 @@ def test_the_thinner_spread_still_measures_every_sequence_s_first_token_exactly(
         batch = x[:, torch.cat([torch.zeros(1, dtype=torch.long), ordinary])]  # each starts with its outlier token
         output = torch.nn.functional.linear(batch, weight)
         picked = sampled.input_rows(batch, weight.shape[1], step)
-        assert picked.picked is not None and picked.picked.numel() == 16
+        # 32 rows, less the few that the spread's whole-number stride leaves out at some offsets
+        assert picked.picked is not None and 28 <= picked.picked.numel() <= 32
         assert set(range(0, 256, 64)) <= set(picked.picked.tolist())  # each sequence's first row
         for meter in (exact, sampled):
             meter.observe("layer", step, batch, weight, output=output)
