@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
 
     silence_third_party_noise()  # before any command imports torch, torchao or transformers
+    # libgomp reads its wait policy when torch loads: passive, as in the service's conversion children (spinning
+    # OpenMP threads made a calibration 5x slower on a host whose cores are shared; converters/calibration/README.md)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     try:
         return args.func(args)
