@@ -42,9 +42,8 @@ class LayerCast:
 
     Exactly one of ``weight`` (cast the source weight with this spec) and ``read_weight`` (the weight as written
     to an export, dequantized to the dtype it is called with; called once per pass, while its layer is loaded) is
-    set. ``input`` None keeps the
-    input in high precision (weight-only formats); ``input_scale`` is a fixed multiplier ``fp8_max / amax`` of a
-    per-tensor input spec (None: each call scales from its own amax).
+    set. ``input`` None keeps the input in high precision (weight-only formats); ``input_scale`` is a fixed
+    multiplier ``fp8_max / amax`` of a per-tensor input spec (None: each call scales from its own amax).
     """
 
     weight: CastSpec | None = None
