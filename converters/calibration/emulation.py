@@ -233,9 +233,10 @@ def fake_quantize_per_tensor(x: torch.Tensor, spec: CastSpec, scale: torch.Tenso
     if per_tensor_fp8(spec) is None:
         raise ValueError(f"{spec.name} is not a per-tensor FP8 cast")
     fp8, top = _FP8[spec.element]
-    scale = scale.float().reshape(1)  # one dimension: the product is fp32 whatever x's dtype (not x's 0-dim rule)
+    # one dimension: the product is fp32 whatever x's dtype (a 0-dim fp32 scale would keep x's)
+    scale = scale.float().reshape(1).to(x.device)
     codes = torch.mul(x, scale).clamp_(-top, top).to(fp8)
-    values = _fp8_values(fp8)
+    values = _fp8_values(fp8).to(x.device)
     table = (values / scale if spec.library == "torchao" else values * (1.0 / scale)).to(dtype)
     if out is not None and not out.is_contiguous():
         return out.copy_(lookup_fp8(table, codes))

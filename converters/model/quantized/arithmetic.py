@@ -85,7 +85,8 @@ def lookup_fp8(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor | Non
     """``table[byte]`` for each FP8 code of ``codes`` (a 256-entry table; its dtype is the result's), in chunks:
     a weight's int32 indices at once were freshly mapped pages, whose faults cost more than the lookup itself.
     ``out``: a contiguous tensor of ``codes``' shape and the table's dtype to write into (returned)."""
-    out = torch.empty(codes.shape, dtype=table.dtype) if out is None else out
+    table = table.to(codes.device)
+    out = torch.empty(codes.shape, dtype=table.dtype, device=codes.device) if out is None else out
     flat_codes, flat_out = codes.reshape(-1).view(torch.uint8), out.view(-1)
     for start in range(0, flat_codes.numel(), _LOOKUP_ELEMENTS):
         end = min(start + _LOOKUP_ELEMENTS, flat_codes.numel())

@@ -201,3 +201,18 @@ def test_a_plain_source_is_read_ahead_by_the_kernel_and_loads_the_same_bytes(bf1
     assert all(torch.equal(with_prefetch[p].forward, without[p].forward) for p in without)
     assert not read and stats.prefetch is True
     assert advised and all(advice == os.POSIX_FADV_WILLNEED and length > 0 for _, length, advice in advised)
+
+
+def test_a_file_system_that_refuses_the_readahead_loses_only_the_hint(bf16_models, monkeypatch):
+    """posix_fadvise is advice: where the file system refuses it (EINVAL), the layers still load and the amax are
+    those without a prefetch."""
+    import errno
+    import os
+
+    def refuse(descriptor, offset, length, advice):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    refused, _, _ = sequential(bf16_models / "llama", compute_dtype=torch.float32, prefetch=True)
+    without, _, _ = sequential(bf16_models / "llama", compute_dtype=torch.float32, prefetch=False)
+    assert all(torch.equal(refused[p].forward, without[p].forward) for p in without)
