@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from converters.calibration.emulation import max_abs
 from converters.calibration.experts import ExpertsRecorder
 from converters.calibration.scaling import delayed_scaling_state, fp8_max_for
 from converters.errors import CalibrationDataError, ConversionCancelled, RecipeError
@@ -253,8 +254,7 @@ def _resolve_layers(model: nn.Module, layer_paths: Sequence[str]) -> dict[str, n
 def _amax(tensor: Any) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32)
-    low, high = torch.aminmax(tensor.detach())  # one pass, no |x| copy
-    return torch.maximum(-low, high).float().cpu()
+    return max_abs(tensor.detach()).float().cpu()
 
 
 def _backward_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

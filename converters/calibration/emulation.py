@@ -28,6 +28,8 @@ __all__ = [
     "fake_quantize",
     "fake_quantize_per_tensor",
     "per_tensor_fp8",
+    "per_tensor_scale",
+    "max_abs",
     "cast_fp8",
     "round_to_e2m1",
     "tensor_scale",
@@ -201,8 +203,7 @@ def fake_quantize(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | floa
     if x.numel() == 0:
         return x.clone()
     if scale is None and tensor_amax is not None and spec.per_tensor:
-        scale = tensor_scale(tensor_amax, _FP8[spec.element][1], library=spec.library,
-                             pow2=spec.scale is ScaleRule.POW2)
+        scale = per_tensor_scale(spec, tensor_amax)
     scale, tensor_amax = (_per_row(value, x.shape[0], spec) for value in (scale, tensor_amax))
     blocks, shape = _to_blocks(x, spec.block)
     if spec.scale is ScaleRule.NVFP4:
@@ -212,6 +213,18 @@ def fake_quantize(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | floa
     else:
         out = _scaled_fp8(blocks, spec, scale)
     return _from_blocks(out, shape)
+
+
+def max_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``x.abs().amax()`` (over ``dim``, kept) in ``x``'s dtype: the same values in one pass (``aminmax``), without
+    an ``|x|`` copy of the tensor (1.5x faster for a 2048 x 8192 bf16 weight). ``x`` must not be empty."""
+    low, high = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim, keepdim=True)
+    return torch.maximum(high, -low)
+
+
+def per_tensor_scale(spec: CastSpec, amax: torch.Tensor) -> torch.Tensor:
+    """The scale a per-tensor FP8 ``spec`` casts a tensor of this ``amax`` with (its library's arithmetic)."""
+    return tensor_scale(amax, _FP8[spec.element][1], library=spec.library, pow2=spec.scale is ScaleRule.POW2)
 
 
 def per_tensor_fp8(spec: CastSpec) -> float | None:

@@ -18,11 +18,12 @@ from torch import nn
 
 from converters.calibration.emulation import (
     CastSpec,
-    ScaleRule,
     cast_spec,
     fake_quantize,
     fake_quantize_per_tensor,
+    max_abs,
     per_tensor_fp8,
+    per_tensor_scale,
     tensor_scale,
 )
 from converters.calibration.scaling import E4M3_MAX
@@ -133,8 +134,7 @@ def cast_linear_weight(cast: LayerCast, weight: torch.Tensor, dtype: torch.dtype
             raise ValueError(f"the written weight is {tuple(written.shape)}, the model's {tuple(weight.shape)}")
         return written
     spec = cast.weight
-    low, high = torch.aminmax(weight)  # one pass, no |w| copy of the weight
-    amax = torch.maximum(high, -low).float()
+    amax = max_abs(weight).float()
     scale = None
     if cast.weight_scale_margin is not None and spec.per_tensor:
         scale = tensor_scale(amax, E4M3_MAX * 2.0 ** -cast.weight_scale_margin)
@@ -144,9 +144,9 @@ def cast_linear_weight(cast: LayerCast, weight: torch.Tensor, dtype: torch.dtype
     unit = spec.block[0] or 1
     rows = max(unit, _CAST_SLICE_ELEMENTS // max(weight.shape[1], 1) // unit * unit)
     out = torch.empty(weight.shape, dtype=dtype)
-    per_tensor = per_tensor_fp8(spec)
+    per_tensor = per_tensor_fp8(spec) is not None
     if per_tensor and scale is None:
-        scale = tensor_scale(amax, per_tensor, library=spec.library, pow2=spec.scale is ScaleRule.POW2)
+        scale = per_tensor_scale(spec, amax)
     for start in range(0, weight.shape[0], rows):
         part = weight[start:start + rows]
         if per_tensor:  # the same bits by a table of the 256 codes' values (fake_quantize_per_tensor)
@@ -160,11 +160,10 @@ def _cast_input(x: torch.Tensor, spec: CastSpec, scale: float | None) -> torch.T
     """A call's input cast with ``spec`` (``scale``: a fixed per-tensor one; None: from the input itself) and
     dequantized, in the input's dtype (the dtype the layer computes in)."""
     flat = x.reshape(-1, x.shape[-1])
-    top = per_tensor_fp8(spec)
-    if not top or flat.numel() == 0:
+    if per_tensor_fp8(spec) is None or flat.numel() == 0:
         return fake_quantize(flat, spec, scale=scale).reshape(x.shape).to(x.dtype)
-    given = torch.tensor(scale, dtype=torch.float32) if scale is not None else tensor_scale(
-        torch.maximum(flat.amax(), -flat.amin()).float(), top, library=spec.library, pow2=spec.scale is ScaleRule.POW2)
+    given = torch.tensor(scale, dtype=torch.float32) if scale is not None else \
+        per_tensor_scale(spec, max_abs(flat).float())
     return fake_quantize_per_tensor(flat, spec, given, x.dtype).reshape(x.shape)
 
 

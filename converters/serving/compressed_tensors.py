@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from converters.calibration.emulation import max_abs
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.kv_scales import COMPRESSED_TENSORS_KV
@@ -46,13 +47,6 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
     """``amax / 448`` in amax's dtype; a zero scale becomes that dtype's eps (compressed-tensors' rule)."""
     scale = amax / FP8_E4M3_MAX
     return torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
-
-
-def _max_abs(weight: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """``weight.abs().amax()`` (over ``dim``, kept) in one pass without an ``|w|`` copy: the same values, 1.5x
-    faster on a CPU for a 2048 x 8192 bf16 weight."""
-    low, high = torch.aminmax(weight) if dim is None else torch.aminmax(weight, dim=dim, keepdim=True)
-    return torch.maximum(high, -low)
 
 
 def _quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -90,7 +84,7 @@ class CompressedTensorsFP8:
                  ) -> list[torch.Tensor]:
         # The math runs in the model's dtype, as compressed-tensors runs it, so the bytes match llm-compressor's.
         weight = weight.to(scale_dtype)
-        amax = _max_abs(weight).reshape(1) if self.static else _max_abs(weight, dim=1)
+        amax = max_abs(weight).reshape(1) if self.static else max_abs(weight, dim=1)
         scale = _scale(amax)
         tensors = [_quantize(weight, scale), scale]
         if self.static:
