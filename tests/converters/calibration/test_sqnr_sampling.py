@@ -197,3 +197,19 @@ def test_a_meter_without_cached_casts_measures_the_same(recipe):
     uncached.drop_cast_weights()
     assert not uncached._cache and "layer" in uncached._weighed
     assert uncached.result("layer", recipe) == kept.result("layer", recipe)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_amax_from_the_bits_equals_the_largest_magnitude(dtype):
+    from converters.calibration.sqnr_meter import _row_amax
+
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 300, generator=generator) * 40).to(dtype)
+    x[1, 7], x[2, 9], x[3] = -float("inf"), float("nan"), -0.0  # a negative infinity, a NaN, a row of -0
+    x[4, 5] = -torch.finfo(dtype).max  # the largest magnitude is a negative value
+    got = _row_amax(x)
+    want = x.abs().amax(dim=1).float()
+    assert got.dtype == torch.float32
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got.isnan()[2])
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+    assert float(got[1]) == float("inf") and float(got[3]) == 0.0 and not got[3].signbit()
