@@ -331,13 +331,15 @@ def _nvfp4_parts(blocks: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor
 
 
 def fake_quantize_factored(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | float | None = None,
-                           tensor_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                           tensor_amax: torch.Tensor | None = None, values_dtype: torch.dtype = torch.float32
+                           ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`fake_quantize` split as ``(values, factor)``: ``values * factor`` is its result (to fp32 rounding), and
     ``values`` are exact in bf16 (FP8 or E2M1 codes times power-of-two or E4M3 block scales, at most 6 significant
     bits), with ``factor`` a scale per row (``[rows, 1]``), one per tensor (0-d) or None. An emulated GEMM can then
     multiply ``values`` in bf16 without rounding them and apply the factors to its fp32-accumulated output. None
     where the scales vary along a row with arbitrary fp32 values (fp32-scaled 1x128 or 128x128 blocks): no factor
-    to take out. Arguments as for :func:`fake_quantize`.
+    to take out. Arguments as for :func:`fake_quantize`; ``x`` of any float dtype (the FP8 scaling product is fp32
+    either way); ``values_dtype``: the FP8 values' dtype (bf16 holds them exactly: no fp32 copy for a bf16 GEMM).
     """
     if spec.scale in (ScaleRule.POW2, ScaleRule.E8M0_RCEIL, ScaleRule.E8M0_FLOOR):
         return fake_quantize(x, spec, scale=scale, tensor_amax=tensor_amax), None  # codes x 2**k: exact already
@@ -345,9 +347,9 @@ def fake_quantize_factored(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tens
         return None
     if x.dim() != 2:
         raise ValueError(f"fake_quantize takes [rows, K], got shape {tuple(x.shape)}")
-    x = x.float()
     rows = x.shape[0]
     if spec.scale is ScaleRule.NVFP4:
+        x = x.float()
         amax = x.abs().amax() if tensor_amax is None else tensor_amax.float()
         amax_blocks = _per_row(amax, rows, spec)
         blocks, shape = _to_blocks(x, spec.block)
@@ -363,7 +365,11 @@ def fake_quantize_factored(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tens
         scale = tensor_scale(amax, top, library=spec.library)
     scale = torch.as_tensor(scale, dtype=torch.float32)
     per_row = scale.reshape(rows, 1) if scale.dim() else scale
-    return _fp8_as_float((x * per_row).clamp_(-top, top).to(_FP8[spec.element][0])), 1.0 / per_row
+    # a one-element scale as a 1-d tensor: the product is fp32 for a half x too (a 0-d one would keep x's dtype)
+    codes = (x * (per_row if per_row.dim() else per_row.reshape(1))).clamp_(-top, top).to(_FP8[spec.element][0])
+    if values_dtype == torch.float32:
+        return _fp8_as_float(codes), 1.0 / per_row
+    return lookup_fp8(_fp8_values(codes.dtype).to(values_dtype), codes), 1.0 / per_row
 
 
 def db(signal: float, noise: float) -> float | None:

@@ -176,15 +176,23 @@ class _Cast:
 
     @classmethod
     def of(cls, x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | None = None,
-           tensor_amax: torch.Tensor | None = None) -> _Cast:
-        parts = fake_quantize_factored(x, spec, scale=scale, tensor_amax=tensor_amax)
+           tensor_amax: torch.Tensor | None = None, values_dtype: torch.dtype | None = None) -> _Cast:
+        """``x`` (any float dtype) cast; ``values_dtype``: exact values in that dtype (bf16, for a bf16 GEMM)
+        where the cast has them (None: fp32)."""
+        import torch
+
+        parts = fake_quantize_factored(x, spec, scale=scale, tensor_amax=tensor_amax,
+                                       values_dtype=values_dtype or torch.float32)
         if parts is None:
             return cls(values=fake_quantize(x, spec, scale=scale, tensor_amax=tensor_amax), factor=None, exact=False)
         return cls(values=parts[0], factor=parts[1], exact=True)
 
     def dequantized(self) -> torch.Tensor:
+        """The dequantized rows in fp32: a fresh tensor, except for fp32 values without a factor (the values)."""
         values = self.values.float()
-        return values if self.factor is None else values * self.factor
+        if self.factor is None:
+            return values
+        return values * self.factor if values is self.values else values.mul_(self.factor)
 
     def compact(self) -> _Cast:
         """The same cast with exact values held in bf16 (half the bytes of a cached weight cast)."""
@@ -255,7 +263,7 @@ def _row_amax(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_sums(w: torch.Tensor, q: torch.Tensor, stands: torch.Tensor | None) -> tuple[float, float]:
-    """Signal and noise sums of weight rows ``w`` cast to ``q`` (each row standing for ``stands`` rows)."""
+    """Signal and noise sums of fp32 weight rows ``w`` cast to ``q`` (each row standing for ``stands`` rows)."""
     if stands is None:  # dot products: one pass each, no squared copy (half the time of square().sum())
         import torch
 
@@ -399,7 +407,8 @@ class SqnrMeter:
 
     def _measured_weight(self, path: str, weight: torch.Tensor) -> torch.Tensor:
         """The weight's measured rows in fp32 (all of them, or the chosen blocks gathered in order): kept with the
-        cast slices between calls (gathered and upcast once per layer, not per call)."""
+        cast slices between calls (gathered and upcast once per layer, not per call; a mixed-dtype op upcasts
+        element by element on a CPU, several times slower than this copy)."""
         if path in self._floats:
             return self._floats[path]
         rows = self._channels_of(path, weight).rows
@@ -455,7 +464,7 @@ class SqnrMeter:
             for index, group in enumerate(self._groups.values()):
                 signal = noise = 0.0
                 for number, rows in enumerate(self._slices(measured)):
-                    w = measured[rows].float()
+                    w = measured[rows]
                     q = (cached[index][number] if cached is not None
                          else self._cast_weight(group[0], w, channels.amax)).dequantized()
                     part_signal, part_noise = _weight_sums(w, q, None if channels.weights is None
@@ -542,6 +551,7 @@ class SqnrMeter:
         with torch.no_grad():
             channels = self._channels_of(path, weight)
             measured = self._measured_weight(path, weight)
+            # in fp32 once: a mixed-dtype op upcasts element by element on a CPU, several times slower than this copy
             x = torch.cat(pending.x).float()
             weights = torch.cat(pending.weights)
             call_amax = pending.call_amax()
@@ -566,15 +576,15 @@ class SqnrMeter:
             # weight per layer and recipe when the cast slices are not cached)
             weigh = path not in self._weighed
             for index, group in enumerate(self._groups.values()):
-                cx = self._cast_input(group[0], x, call_amax, pending.delayed_amax(group[0].delayed))
+                cx = self._cast_input(group[0], x, call_amax, pending.delayed_amax(group[0].delayed), half)
                 qx = cx.dequantized()
                 self._add(path, group, "input", x_signal, _weighted(_row_energy(x - qx), weights))
                 noise = w_signal = w_noise = 0.0
                 for number, rows in enumerate(slices):
                     cw = cached[index][number] if cached is not None else \
-                        self._cast_weight(group[0], measured[rows].float(), channels.amax)
+                        self._cast_weight(group[0], measured[rows], channels.amax, half)
                     if weigh:
-                        part_signal, part_noise = _weight_sums(measured[rows].float(), cw.dequantized(),
+                        part_signal, part_noise = _weight_sums(measured[rows], cw.dequantized(),
                                                                None if stands is None else stands[rows])
                         w_signal, w_noise = w_signal + part_signal, w_noise + part_noise
                     if half is not None and cx.exact and cw.exact:
@@ -590,11 +600,13 @@ class SqnrMeter:
             self._weighed.add(path)
 
     @staticmethod
-    def _cast_weight(casts: RecipeCasts, w: torch.Tensor, amax: torch.Tensor) -> _Cast:
+    def _cast_weight(casts: RecipeCasts, w: torch.Tensor, amax: torch.Tensor, values_dtype: torch.dtype | None = None
+                     ) -> _Cast:
         """Rows of a weight cast under ``casts``; ``amax`` is the whole weight's (per-tensor and NVFP4 scales)."""
         if casts.delayed is None:
-            return _Cast.of(w, casts.weight, tensor_amax=amax)
-        return _Cast.of(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
+            return _Cast.of(w, casts.weight, tensor_amax=amax, values_dtype=values_dtype)
+        return _Cast.of(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin),
+                        values_dtype=values_dtype)
 
     def _sampled_rows(self, row_amax: torch.Tensor, step: int, sequences: int = 1
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -617,15 +629,16 @@ class SqnrMeter:
         return torch.cat([outliers, spread]), weights
 
     @staticmethod
-    def _cast_input(casts: RecipeCasts, x: torch.Tensor, call_amax: torch.Tensor, delayed_amax: torch.Tensor | None
-                    ) -> _Cast:
+    def _cast_input(casts: RecipeCasts, x: torch.Tensor, call_amax: torch.Tensor, delayed_amax: torch.Tensor | None,
+                    values_dtype: torch.dtype | None = None) -> _Cast:
         """Gathered input rows cast under ``casts``; ``call_amax[row]`` is the amax of the whole input of the row's
         call (per-tensor and NVFP4 scales), ``delayed_amax[row]`` what delayed scaling's history held then."""
         if casts.input is None:
             return _Cast(values=x, factor=None, exact=True)  # gathered from the layer's own (half) inputs
         if casts.delayed is None:
-            return _Cast.of(x, casts.input, tensor_amax=call_amax)
-        return _Cast.of(x, casts.input, scale=tensor_scale(delayed_amax, E4M3_MAX * 2.0 ** -casts.delayed.margin))
+            return _Cast.of(x, casts.input, tensor_amax=call_amax, values_dtype=values_dtype)
+        return _Cast.of(x, casts.input, scale=tensor_scale(delayed_amax, E4M3_MAX * 2.0 ** -casts.delayed.margin),
+                        values_dtype=values_dtype)
 
     def result(self, path: str, label: str) -> dict[str, float | None]:
         """``{"weight", "input", "output"}`` in dB (None: no signal, e.g. an expert that got no token)."""

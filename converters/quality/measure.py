@@ -368,16 +368,17 @@ def _upcast_head_logits(hidden: list[torch.Tensor], weight: torch.Tensor, bias: 
                         buffer: torch.Tensor, names: list[str | None]) -> dict[str | None, torch.Tensor]:
     """fp32 logits of each ``[positions, hidden]`` in ``hidden`` with the source's head weight, upcast a slice of
     the vocabulary at a time into ``buffer`` (reused: a fresh fp32 slice per stream cost more than its GEMM), each
-    slice once for all the streams."""
-    xs = [h.float() for h in hidden]
-    out = [torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32) for x in xs]
+    slice once for all the streams, whose positions go through it in one GEMM (on a CPU an fp32 GEMM of 136 rows
+    ran at 1.6 times the rate of one of 68)."""
+    xs = torch.cat([h.float() for h in hidden])
+    out = torch.empty(xs.shape[0], weight.shape[0], dtype=torch.float32)
     for v in range(0, weight.shape[0], buffer.shape[0]):
         rows = min(buffer.shape[0], weight.shape[0] - v)
         block = buffer[:rows]
         block.copy_(weight[v: v + rows])
-        for x, logits in zip(xs, out, strict=True):
-            logits[:, v: v + rows] = nn.functional.linear(x, block)
-    return {name: logits + bias if bias is not None else logits for name, logits in zip(names, out, strict=True)}
+        out[:, v: v + rows] = nn.functional.linear(xs, block)
+    parts = out.split([h.shape[0] for h in hidden])
+    return {name: logits + bias if bias is not None else logits for name, logits in zip(names, parts, strict=True)}
 
 
 def _cast_head_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

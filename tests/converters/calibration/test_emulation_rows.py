@@ -89,3 +89,19 @@ def test_the_per_tensor_table_cast_is_bitwise_the_element_wise_one(library, spec
         assert torch.equal(got.view(bits), expected.view(bits)) and torch.equal(out.view(bits), expected.view(bits))
     with pytest.raises(ValueError, match="not a per-tensor FP8 cast"):
         fake_quantize_per_tensor(x, cast_spec("e4m3_row"), torch.tensor(1.0), dtype)
+
+
+@pytest.mark.parametrize("library", ["te", "torchao"])
+@pytest.mark.parametrize("spec_name", ["e4m3_tensor", "e5m2_tensor", "e4m3_row"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_factored_values_in_bf16_from_any_input_dtype_are_the_fp32_ones(library, spec_name, dtype):
+    """The meter's bf16 GEMM reads the FP8 values in bf16 straight from the codes, cast from the layer's own (half)
+    tensor: the same values and factor as the fp32 path on the upcast tensor, saturation included."""
+    spec = cast_spec(spec_name, library=library)
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randn(32, 128, generator=generator) * torch.logspace(-2, 2, 128)).to(dtype)
+    given = None if spec.block[0] == 1 else torch.tensor(3.5)  # a fixed per-tensor scale saturates the largest
+    want_values, want_factor = fake_quantize_factored(x.float(), spec, scale=given)
+    values, factor = fake_quantize_factored(x, spec, scale=given, values_dtype=torch.bfloat16)
+    assert values.dtype == torch.bfloat16
+    assert torch.equal(values.float(), want_values) and torch.equal(factor, want_factor)
