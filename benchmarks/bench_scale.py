@@ -43,6 +43,7 @@ Run:
   .venv/bin/python benchmarks/bench_scale.py --sizes 0.5 --steps 2
   .venv/bin/python benchmarks/bench_scale.py --llama3-8b          # only a Llama-3-8B-shaped model
   .venv/bin/python benchmarks/bench_scale.py --sizes 0.5,1 --real-smollm --steps 16   # + the real SmolLM2-135M
+  .venv/bin/python benchmarks/bench_scale.py --sizes '' --real-smollm --steps 16 --repeat 3  # fastest of 3, interleaved
 `--real-smollm` adds the real SmolLM2-135M (trained weights, hidden 576, 30 layers, vocab 49152, tied head;
 tests/converters/quality/smollm.py builds it once) after the --sizes models (`--sizes ''` runs it alone).
 Every convert runs the job's end-to-end quality pass too (measure on); the report's `quality.seconds` is
@@ -65,6 +66,7 @@ the machine is quiet; each measurement's progress line shows the load average af
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -390,7 +392,15 @@ def report_details(out_dir: Path) -> dict:
             "forward": (report.get("calibration") or {}).get("forward")}
 
 
-def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, with_forward: bool, keep: bool) -> SizeResult:
+def fastest(runs: list[ChildRun]) -> ChildRun:
+    """The fastest of repeated runs (the least disturbed by the rest of the machine), with the highest peak RSS
+    of them all (memory does not get quieter)."""
+    best = min(runs, key=lambda run: run.seconds)
+    return dataclasses.replace(best, peak_rss=max(run.peak_rss for run in runs))
+
+
+def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, with_forward: bool, keep: bool,
+                 repeat: int = 1) -> SizeResult:
     model_dir = root / plan.name
     started = time.perf_counter()
     if plan.source is None:
@@ -411,28 +421,35 @@ def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, with_for
           flush=True)
 
     out_dir = root / f"{plan.name}-fp8"
-    convert = run_child("convert", model_dir=str(model_dir), out_dir=str(out_dir), root=str(root),
-                        **calibration_params)
-    convert.details.update(report_details(out_dir))
-    shutil.rmtree(out_dir)
-    reason = f" ({convert.details['reason']})" if convert.details["reason"] else ""
-    print(f"[{plan.name}] convert {convert.seconds:.1f} s, peak RSS {convert.peak_rss / MIB:.0f} MiB, "
-          f"load average {convert.details['load_average']:.1f}, pipeline mode: {convert.details['mode']}{reason}, "
-          f"stages {convert.details['stages']}", flush=True)
+    runs: dict[str, list[ChildRun]] = {"convert": [], "unmeasured": [], "forward": []}
+    for round_ in range(repeat):  # interleaved, so that a slow spell of the machine hits every kind alike
+        tag = f" (round {round_ + 1} of {repeat})" if repeat > 1 else ""
+        convert = run_child("convert", model_dir=str(model_dir), out_dir=str(out_dir), root=str(root),
+                            **calibration_params)
+        convert.details.update(report_details(out_dir))
+        shutil.rmtree(out_dir)
+        reason = f" ({convert.details['reason']})" if convert.details["reason"] else ""
+        print(f"[{plan.name}] convert {convert.seconds:.1f} s, peak RSS {convert.peak_rss / MIB:.0f} MiB, "
+              f"load average {convert.details['load_average']:.1f}, pipeline mode: {convert.details['mode']}{reason}, "
+              f"stages {convert.details['stages']}{tag}", flush=True)
+        runs["convert"].append(convert)
 
-    unmeasured = run_child("convert", model_dir=str(model_dir), out_dir=str(out_dir), root=str(root), measure=False,
-                           **calibration_params)
-    unmeasured.details.update(report_details(out_dir))
-    shutil.rmtree(out_dir)
-    print(f"[{plan.name}] convert with measure false {unmeasured.seconds:.1f} s, peak RSS "
-          f"{unmeasured.peak_rss / MIB:.0f} MiB, load average {unmeasured.details['load_average']:.1f}, "
-          f"stages {unmeasured.details['stages']}", flush=True)
+        unmeasured = run_child("convert", model_dir=str(model_dir), out_dir=str(out_dir), root=str(root),
+                               measure=False, **calibration_params)
+        unmeasured.details.update(report_details(out_dir))
+        shutil.rmtree(out_dir)
+        print(f"[{plan.name}] convert with measure false {unmeasured.seconds:.1f} s, peak RSS "
+              f"{unmeasured.peak_rss / MIB:.0f} MiB, load average {unmeasured.details['load_average']:.1f}, "
+              f"stages {unmeasured.details['stages']}{tag}", flush=True)
+        runs["unmeasured"].append(unmeasured)
 
-    forward = None
-    if with_forward:
-        forward = run_child("forward", model_dir=str(model_dir), **calibration_params)
-        print(f"[{plan.name}] forward-only {forward.seconds:.1f} s, peak RSS {forward.peak_rss / MIB:.0f} MiB, "
-              f"load average {forward.details['load_average']:.1f}", flush=True)
+        if with_forward:
+            forward = run_child("forward", model_dir=str(model_dir), **calibration_params)
+            print(f"[{plan.name}] forward-only {forward.seconds:.1f} s, peak RSS {forward.peak_rss / MIB:.0f} MiB, "
+                  f"load average {forward.details['load_average']:.1f}{tag}", flush=True)
+            runs["forward"].append(forward)
+    convert, unmeasured = fastest(runs["convert"]), fastest(runs["unmeasured"])
+    forward = fastest(runs["forward"]) if runs["forward"] else None
     if not keep:
         shutil.rmtree(model_dir)
     return SizeResult(plan=plan, copy=copy, convert=convert, forward=forward, unmeasured=unmeasured)
@@ -590,8 +607,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--workdir", type=Path, help="where the run's temporary directory goes (system temp)")
     parser.add_argument("--keep", action="store_true", help="keep the models and the run's directory")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run convert, convert with measure false and the forward this many times, interleaved, "
+                             "and take the fastest of each (a noisy machine's figures); peak RSS is the highest")
     add_width_arguments(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
+    return args
 
 
 def add_width_arguments(parser: argparse.ArgumentParser) -> None:
@@ -632,7 +655,8 @@ def main() -> None:
         print(f"calibration: {calibration.steps} steps of {calibration.batch_size} x {calibration.seq_len} tokens; "
               f"backend te; work directory {root}", flush=True)
         baseline = run_child("imports").peak_rss
-        results = [measure_size(plan, root, calibration, with_forward=not args.llama3_8b, keep=args.keep)
+        results = [measure_size(plan, root, calibration, with_forward=not args.llama3_8b, keep=args.keep,
+                                repeat=args.repeat)
                    for plan in plans]
         print_table(results, baseline, calibration)
         print_targets(results, baseline, calibration)
