@@ -274,7 +274,7 @@ def _weight_sums(w: torch.Tensor, q: torch.Tensor, stands: torch.Tensor | None) 
 
 def _row_energy(t: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's sum of squares in fp32 (``t`` of any float dtype, ``[rows, ...]``), each column counted
-    ``columns[column]`` times where given: a norm per row, no squared or upcast copy of ``t`` (the meter's sums
+    ``columns[column]`` times where given: a norm per row instead of a squared copy of ``t`` (the meter's sums
     were as much of its time as its GEMMs)."""
     import torch
 
