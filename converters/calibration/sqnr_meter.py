@@ -559,8 +559,8 @@ class SqnrMeter:
             if b is not None and channels.rows is not None:
                 b = b[channels.rows]
             slices = self._slices(measured)
-            if pending.own_output:  # the layer's own outputs, in their dtype (upcast inside the sums)
-                reference = torch.cat(pending.reference)
+            if pending.own_output:  # the layer's own outputs, upcast once like x (the error below is fp32 - fp32)
+                reference = torch.cat(pending.reference).float()
             else:
                 reference = torch.cat([linear(x, measured[rows].float(), None if b is None else b[rows])
                                        for rows in slices], dim=1)
