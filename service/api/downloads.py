@@ -6,6 +6,9 @@ The file is opened before the response starts, so a job deleted mid-download sti
 
 The bytes go out through ``ReadAheadResponse``: the next piece is read while the last one is sent, and a client
 that disconnects stops the reading.
+
+``archive_response`` sends every artifact of a job as one tar (``GET /v1/jobs/{id}/archive``), streamed: only the
+names the job's listing holds, each resolved as a single download resolves it, under ``<job id>/``.
 """
 
 from __future__ import annotations
@@ -14,16 +17,19 @@ import contextlib
 import logging
 import os
 import re
+import tarfile
+import time
+from collections.abc import Callable, Mapping
 from email.utils import formatdate
-from typing import IO
+from typing import IO, Any
 from urllib.parse import quote
 
 from service.api.streaming import ReadAheadResponse
 from service.artifacts import ArtifactDirs
-from service.errors import ArtifactNotFound, RangeNotSatisfiable
-from service.jobs import Job
+from service.errors import ArtifactNotFound, InvalidTransition, RangeNotSatisfiable
+from service.jobs import Job, JobStatus
 
-__all__ = ["parse_range", "artifact_response", "ArtifactResponse"]
+__all__ = ["parse_range", "artifact_response", "ArtifactResponse", "archive_response", "ArchiveResponse"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,3 +121,136 @@ def artifact_response(
 def _disposition(filename: str) -> str:
     quoted = quote(filename)
     return f"attachment; filename*=utf-8''{quoted}" if quoted != filename else f'attachment; filename="{filename}"'
+
+
+_BLOCK = 512
+
+
+class _Member:
+    """One file of an archive: its name, tar header and size, and how to read it (opened once the archive is there)."""
+
+    def __init__(self, name: str, header: bytes, size: int, open_source: Callable[[], Any]) -> None:
+        self.name, self.header, self.size, self.open_source = name, header, size, open_source
+
+
+class ArchiveResponse(ReadAheadResponse):
+    """Streams a tar of ``members``: each one's header, its bytes and zero padding to a block, then the two zero
+    blocks that end a tar. Every size is known beforehand, so is the length; a source that ends early (a file cut
+    short under us) gives a short body, never a misaligned archive."""
+
+    media_type = "application/x-tar"
+
+    def __init__(self, members: list[_Member], *, headers: dict[str, str]) -> None:
+        length = sum(len(m.header) + m.size + (-m.size) % _BLOCK for m in members) + 2 * _BLOCK
+        super().__init__(length, status_code=200, headers={**headers, "content-type": self.media_type})
+        self.members, self.index = members, 0
+        self.pending = b""  # header, padding or end blocks not sent yet
+        self.left = 0  # bytes of the current member's file still to read
+        self.source: Any = None
+        self.broken = False
+
+    def read(self, size: int) -> bytes:
+        pieces: list[bytes] = []
+        while size > 0 and not self.broken:
+            if self.pending:
+                piece, self.pending = self.pending[:size], self.pending[size:]
+            elif self.left:
+                piece = self._read_file(size)
+            elif not self._advance():
+                break
+            else:
+                continue
+            pieces.append(piece)
+            size -= len(piece)
+        return b"".join(pieces)
+
+    def _read_file(self, size: int) -> bytes:
+        member = self.members[self.index - 1]
+        if self.source is None:
+            self.source = member.open_source()
+        piece = self.source.read(min(size, self.left))
+        if not piece:
+            logger.warning("%s ended early in job archive; the client gets a short body", member.name)
+            self.broken = True
+        self.left -= len(piece)
+        if not self.left:
+            self.pending = b"\0" * ((-member.size) % _BLOCK)
+            self._close_source()
+        return piece
+
+    def _advance(self) -> bool:
+        """Queue the next member's header (or the end blocks); False once everything has been queued."""
+        if self.index > len(self.members):
+            return False
+        if self.index == len(self.members):
+            self.pending = b"\0" * (2 * _BLOCK)
+        else:
+            member = self.members[self.index]
+            self.pending, self.left = member.header, member.size
+        self.index += 1
+        return True
+
+    def _close_source(self) -> None:
+        if self.source is not None:
+            with contextlib.suppress(Exception):  # a file's or the store's reader: closing must not fail a send
+                self.source.close()
+            self.source = None
+
+    def close(self) -> None:
+        self._close_source()
+        for member in self.members:
+            getattr(member.open_source, "close", lambda: None)()
+
+
+class _OpenFile:
+    """A file opened when the archive is asked for (a job deleted mid-download still finishes it)."""
+
+    def __init__(self, path: Any) -> None:
+        self.fh = path.open("rb")
+
+    def __call__(self) -> IO[bytes]:
+        return self.fh
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def archive_response(job: Job, storage: Any) -> ArchiveResponse:
+    """Every artifact of a succeeded job in one tar, ``<job id>/<name>`` each, from the disk or the object store.
+
+    Raises:
+        InvalidTransition (409): the job has not succeeded (it has no artifacts yet, or never will).
+        ArtifactNotFound (404): a listed file is missing on disk (e.g. the job was just deleted).
+    """
+    if job.status is not JobStatus.SUCCEEDED:
+        raise InvalidTransition(f"job {job.id} is {job.status.value}: its artifacts can be downloaded once it has "
+                                "succeeded; follow GET /v1/jobs/{id}/events until then")
+    mtime = int(job.finished_at or time.time())
+    members: list[_Member] = []
+    try:
+        for entry in job.artifacts:
+            members.append(_Member(entry["name"], _tar_header(job.id, entry, mtime), entry["bytes"],
+                                   _source(job, entry, storage)))
+    except BaseException:
+        for member in members:
+            getattr(member.open_source, "close", lambda: None)()
+        raise
+    return ArchiveResponse(members, headers={"content-disposition": _disposition(f"fp8forge-job-{job.id}.tar")})
+
+
+def _tar_header(job_id: str, entry: Mapping[str, Any], mtime: int) -> bytes:
+    info = tarfile.TarInfo(f"{job_id}/{entry['name']}")
+    info.size, info.mtime, info.mode = entry["bytes"], mtime, 0o644
+    return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8")
+
+
+def _source(job: Job, entry: Mapping[str, Any], storage: Any) -> Callable[[], Any]:
+    if not storage.remote:
+        path, _ = storage.resolve(job, entry["name"])
+        try:
+            return _OpenFile(path)
+        except FileNotFoundError:
+            raise ArtifactNotFound(f"artifact {entry['name']!r} of job {job.id} is missing on disk") from None
+    if entry["bytes"] == 0:
+        return lambda: None  # nothing to read: never asked for
+    return lambda: storage.read(job, entry["name"], 0, entry["bytes"] - 1)[0]

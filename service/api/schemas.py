@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -32,7 +33,7 @@ from converters.plan.settings import GPUS, OBJECTIVES, TARGETS
 from converters.recipes.presets import RECIPE_NAMES
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode
-from service.jobs import Job, JobStatus, Stage, public_worker_name
+from service.jobs import Job, JobStatus, Stage, TaskStatus, public_worker_name
 
 if TYPE_CHECKING:
     from service.api.auth import Caller
@@ -45,9 +46,14 @@ __all__ = [
     "AnalyzeCalibrationCreate",
     "ProgressPublic",
     "ErrorPublic",
+    "JobKind",
     "JobLinks",
     "JobPublic",
     "JobsPublic",
+    "TaskPublic",
+    "TasksPublic",
+    "REQUANTIZE_REPORT",
+    "job_kind",
     "ArtifactPublic",
     "ArtifactsPublic",
     "ErrorDetail",
@@ -247,15 +253,35 @@ class ErrorPublic(BaseModel):
     message: str
 
 
+#: A requantize job's report (converters.modelfree.driver.REPORT_NAME: that module imports torch, this one may not).
+REQUANTIZE_REPORT = "requantize_report.json"
+
+JobKind = Literal["calibrated", "requantize", "plan"]
+
+
+def job_kind(request: Mapping[str, Any]) -> JobKind:
+    """What a job does, from its stored request: ``requantize`` (model-free, shard tasks over the workers),
+    ``plan`` (calibrated, with a per-layer precision plan) or ``calibrated``."""
+    if request.get("requantize"):
+        return "requantize"
+    return "plan" if request.get("plan") else "calibrated"
+
+
 class JobLinks(BaseModel):
     self: str
     events: str
     artifacts: str
-    report: str | None = None
+    report: str | None = Field(None, description=(
+        "The job's report once it has succeeded: fp8_report.json, or requantize_report.json for a requantize job."))
+    tasks: str | None = Field(None, description="Which worker ran each of the job's tasks (shards).")
+    archive: str | None = Field(None, description="Every artifact in one tar, once the job has succeeded.")
 
 
 class JobPublic(BaseModel):
     id: str
+    kind: JobKind = Field(..., description=(
+        "calibrated: a conversion with calibration; plan: the same with a per-layer precision plan (request "
+        "field plan); requantize: converted from the files alone (request field requantize), shard by shard."))
     status: JobStatus
     stage: Stage | None
     progress: ProgressPublic
@@ -275,9 +301,11 @@ class JobPublic(BaseModel):
     @classmethod
     def from_job(cls, job: Job, caller: Caller) -> JobPublic:
         base = f"/v1/jobs/{job.id}"
-        report = next((a["name"] for a in job.artifacts if a["name"].endswith(REPORT_FILE)), None)
+        reports = (REPORT_FILE, REQUANTIZE_REPORT)
+        report = next((a["name"] for a in job.artifacts if a["name"] in reports), None)
+        report = report or next((a["name"] for a in job.artifacts if a["name"].endswith(REPORT_FILE)), None)
         return cls(
-            id=job.id, status=job.status, stage=job.stage,
+            id=job.id, kind=job_kind(job.request), status=job.status, stage=job.stage,
             progress=ProgressPublic(fraction=job.progress, stage_done=job.stage_done, stage_total=job.stage_total),
             attempt=job.attempt, max_attempts=job.max_attempts, created_at=_ts(job.created_at),
             updated_at=_ts(job.updated_at), started_at=_ts(job.started_at), finished_at=_ts(job.finished_at),
@@ -285,7 +313,8 @@ class JobPublic(BaseModel):
             error=ErrorPublic(code=job.error_code, message=job.error_message or "") if job.error_code else None,
             request=dict(job.request) if caller.may_read_request(job) else None,
             links=JobLinks(self=base, events=f"{base}/events", artifacts=f"{base}/artifacts",
-                           report=f"{base}/artifacts/{report}" if report else None),
+                           report=f"{base}/artifacts/{report}" if report else None, tasks=f"{base}/tasks",
+                           archive=f"{base}/archive" if job.status is JobStatus.SUCCEEDED else None),
         )
 
 
@@ -304,6 +333,46 @@ class ArtifactPublic(BaseModel):
 
 class ArtifactsPublic(BaseModel):
     data: list[ArtifactPublic]
+    count: int
+
+
+class TaskPublic(BaseModel):
+    """One task of a job: a requantize job's plan, amax, shard write and finish tasks, or a calibrated job's
+    serving-export shard writes."""
+
+    name: str = Field(..., description="The shard it writes, or its kind for a task of no shard.")
+    kind: str = Field(..., description="plan, amax, write, finish (requantize) or serving_write (serving export).")
+    shard: str | None
+    status: TaskStatus
+    attempt: int = Field(..., description="Claims so far (a task whose worker was lost runs again).")
+    max_attempts: int
+    worker: str | None = Field(..., description="The opaque name of the worker that ran it last (as worker_id "
+                                                "in a job's body).")
+    host: str | None = Field(..., description="The host that ran it last; for admins (and servers without API "
+                                              "keys) only, null for everyone else.")
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    seconds: float | None = Field(..., description="From its last start to its end (or to now while it runs).")
+    error: ErrorPublic | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any], caller: Caller, now: float) -> TaskPublic:
+        started, finished = row["started_at"], row["finished_at"]
+        end = finished if finished is not None else now if row["status"] == TaskStatus.RUNNING.value else None
+        return cls(
+            name=row["shard"] or row["kind"], kind=row["kind"], shard=row["shard"], status=row["status"],
+            attempt=row["attempt"], max_attempts=row["max_attempts"], worker=public_worker_name(row["worker_id"]),
+            host=row["host"] if caller.local or caller.admin else None, created_at=_ts(row["created_at"]),
+            started_at=_ts(started), finished_at=_ts(finished),
+            seconds=round(end - started, 3) if started is not None and end is not None else None,
+            error=ErrorPublic(code=row["error_code"], message=row["error_message"] or "")
+            if row["error_code"] else None,
+        )
+
+
+class TasksPublic(BaseModel):
+    data: list[TaskPublic]
     count: int
 
 

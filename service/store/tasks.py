@@ -187,6 +187,16 @@ class TaskQueue:
         with self._engine.connect() as conn:
             return [_task(row) for row in conn.execute(query).mappings()]
 
+    def listing(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's tasks as ``GET /v1/jobs/{id}/tasks`` shows them, in the order they were stored: every column
+        but the payload and result (worker ids and hosts as stored)."""
+        t = self._tasks
+        columns = [t.c.kind, t.c.shard, t.c.status, t.c.attempt, t.c.max_attempts, t.c.worker_id, t.c.host,
+                   t.c.created_at, t.c.started_at, t.c.finished_at, t.c.error_code, t.c.error_message]
+        with self._engine.connect() as conn:
+            return [dict(row) for row in conn.execute(sa.select(*columns).where(t.c.job_id == job_id)
+                                                      .order_by(t.c.seq)).mappings()]
+
     def results(self, job_id: str, kind: str) -> list[dict[str, Any]]:
         """The results of the job's succeeded tasks of ``kind``, in the order they were stored."""
         return [dict(task.result or {}) for task in self.of_job(job_id, kind=kind)

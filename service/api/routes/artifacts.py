@@ -1,4 +1,5 @@
-"""/v1/jobs/{id}/artifacts: listing and resumable downloads (ETag, Content-Length, Range, If-Range).
+"""/v1/jobs/{id}/artifacts: listing and resumable downloads (ETag, Content-Length, Range, If-Range); /archive: all
+of a job's files in one tar.
 
 Files come from the local disk or, with ``FP8FORGE_ARTIFACT_STORE=s3``, from the object store: streamed
 through the API, or a 307 to a pre-signed URL with ``FP8FORGE_ARTIFACT_DOWNLOADS=redirect``.
@@ -14,7 +15,7 @@ from fastapi.responses import FileResponse
 from starlette.responses import Response
 
 from service.api.deps import JobDep, SettingsDep, StorageDep
-from service.api.downloads import artifact_response
+from service.api.downloads import archive_response, artifact_response
 from service.api.routes import error_responses
 from service.api.schemas import ArtifactPublic, ArtifactsPublic, ErrorBody
 from service.artifacts import ArtifactStorage
@@ -66,6 +67,16 @@ def head_artifact(
 ) -> Response:
     """The download's headers only (size, ETag), e.g. to check before resuming."""
     return _download(job, name, storage, settings, range_, if_range, head=True)
+
+
+@router.get("/{job_id}/archive", operation_id="downloadJobArchive", response_class=FileResponse,
+            responses={200: {"content": {"application/x-tar": {}},
+                             "description": "Every artifact of the job, as <job id>/<name>, in one tar (streamed)."},
+                       503: _FILE[503], **error_responses(404, 409, 422)})
+def download_archive(job: JobDep, storage: StorageDep) -> Response:
+    """All of a succeeded job's files in one tar, streamed; 409 before the job has succeeded. Single files (and
+    resuming with ``Range``) go through ``/artifacts/{name}``."""
+    return archive_response(job, storage)
 
 
 def _download(

@@ -1,7 +1,8 @@
-"""/v1/jobs: submit, list, get, cancel, delete, follow events."""
+"""/v1/jobs: submit, list, get, cancel, delete, follow events, list a job's tasks."""
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Annotated
 
@@ -14,7 +15,7 @@ from service.api.deps import JobDep, SettingsDep, StorageDep, StoreDep, read_sto
 from service.api.events import LastEventIdHeader, event_stream_response
 from service.api.limits import stream_slots
 from service.api.routes import error_responses
-from service.api.schemas import JobCreate, JobPublic, JobsPublic
+from service.api.schemas import JobCreate, JobPublic, JobsPublic, TaskPublic, TasksPublic
 from service.jobs import JobStatus
 
 __all__ = ["router"]
@@ -86,3 +87,15 @@ async def stream_job_events(
     """
     release = stream_slots(request.app).acquire(caller.name)
     return event_stream_response(store, job.id, last_event_id or 0, release)
+
+
+@router.get("/{job_id}/tasks", operation_id="listJobTasks", response_model=TasksPublic,
+            responses=error_responses(404, 422))
+async def list_job_tasks(job: JobDep, store: StoreDep, caller: CallerDep) -> Response:
+    """The job's tasks, in the order they were queued: which worker (and, for admins, which host) ran each shard,
+    its attempt, state, times and error. Empty for a job that is not split into tasks (a calibrated job without
+    a sharded serving export) and for one not started yet."""
+    rows = await read_store(store, partial(store.tasks.listing, job.id))
+    now = time.time()
+    data = [TaskPublic.from_row(row, caller, now) for row in rows]
+    return Response(TasksPublic(data=data, count=len(data)).model_dump_json(), media_type="application/json")

@@ -69,7 +69,8 @@ def test_submit_get_list_and_idempotency(client) -> None:
     job = created.json()
     assert job["status"] == "queued" and job["attempt"] == 0 and job["progress"]["fraction"] == 0
     assert job["links"] == {"self": f"/v1/jobs/{job['id']}", "events": f"/v1/jobs/{job['id']}/events",
-                            "artifacts": f"/v1/jobs/{job['id']}/artifacts", "report": None}
+                            "artifacts": f"/v1/jobs/{job['id']}/artifacts", "report": None,
+                            "tasks": f"/v1/jobs/{job['id']}/tasks", "archive": None}
     assert client.get(job["links"]["self"]).json()["id"] == job["id"]
     again = client.post("/v1/jobs", json=GOOD, headers={"Idempotency-Key": "abc"})
     assert again.status_code == 202 and again.json()["id"] == job["id"]

@@ -20,6 +20,8 @@ OPERATIONS = {
     ("get", "/v1/jobs/{job_id}/artifacts"): "listArtifacts",
     ("get", "/v1/jobs/{job_id}/artifacts/{name}"): "downloadArtifact",
     ("head", "/v1/jobs/{job_id}/artifacts/{name}"): "headArtifact",
+    ("get", "/v1/jobs/{job_id}/archive"): "downloadJobArchive",
+    ("get", "/v1/jobs/{job_id}/tasks"): "listJobTasks",
     ("post", "/v1/analyze"): "analyzeModel",
     ("get", "/healthz"): "health",
     ("get", "/readyz"): "ready",
