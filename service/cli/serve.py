@@ -112,7 +112,9 @@ def run_serve(args: argparse.Namespace) -> int:
             pool.begin_stop()  # before the graceful wait: a worker stopped by the same Ctrl-C stays stopped
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    # log_config=None: uvicorn's loggers (start-up, access lines) go through configure_logging's one handler, so
+    # they carry the timestamp and [api] tag every other line has, instead of uvicorn's own untimed format
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             timeout_graceful_shutdown=5)
     server = Server(config)
     pool.start()
