@@ -30,6 +30,7 @@ from converters.pipeline.state import Run
 from converters.serving import serving_format
 from converters.serving.audit import audit_export
 from converters.serving.kv_scales import attach_kv_scales
+from converters.serving.loads_in import loads_in_warnings
 from converters.serving.plan import (
     ServingPlan,
     expert_disk_keys,
@@ -61,6 +62,8 @@ def plan_serving_formats(run: Run, report: dict[str, Any]) -> dict[str, ServingP
                 f"serving format {name} would quantize no layer (fused groups must be eligible as a whole; see the "
                 "analysis): adjust include/exclude or skip_first_last, or drop the format",
                 field=f"serving_formats[{index}]")
+        for warning in loads_in_warnings(name):  # a consumer that would misread the export (the README's table)
+            run.warn(warning)
         plans[name] = plan
     return plans
 

@@ -42,7 +42,9 @@ from converters.artifact.files import copy_side_files, write_json
 from converters.calibration.emulation import cast_spec, db, fake_quantize
 from converters.model.experts import EXPERT_GEMMS, parse_unit_path, unit_path
 from converters.model.files import INDEX_NAME, FileConfinement
+from converters.model.finite import check_converted
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
+from converters.serving.loads_in import loads_in, loads_in_warnings
 
 __all__ = [
     "ServingFormat",
@@ -122,7 +124,8 @@ class ServingPlan:
                 "input_amax": {path: self.input_amax[path] for path in sorted(self.input_amax)},
                 "input_amax_fallback": dict(sorted(self.input_amax_fallback.items())),
                 "layer_stats": dict(sorted(self.layer_stats.items())), "kv_cache": self.kv_cache_report,
-                "load_audit": self.load_audit}
+                "load_audit": self.load_audit, "loads_in": [cell.to_dict() for cell in loads_in(self.format)],
+                "warnings": loads_in_warnings(self.format)}
 
 
 def plan_serving(fmt: ServingFormat, report: Mapping[str, Any], on_disk_name: Callable[[str], str | None],
@@ -404,7 +407,9 @@ def write_serving_file(fmt: ServingFormat, plan: ServingPlan, source: Path, dire
                 weight = read_tensor(tensor)
                 options = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
                 replacement = fmt.quantize(weight, plan.input_amax.get(path_of[name]), scale_dtype, **options)
-                for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
+                planned = dict(zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True))
+                check_converted(name, weight, planned, fmt.name)
+                for key, value in planned.items():
                     writer.write(key, value)
                 label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
                 if emulated_stats or getattr(fmt, "layer_stats", None) is not None:
