@@ -59,6 +59,7 @@ def source_view(source_dir: Path, inventories: dict[str, list[list]], dtype: tor
     for key in quantization.quantized_weights(location):
         companions = quantization.companion_keys(key)
         stored[key] = key if key in location else next(name for name in companions if name.endswith("_packed"))
+        quantization.check_scale_shapes(key, shapes)
     drop = {name: location[name] for key in stored for name in quantization.companion_keys(key)
             if name in location and name != stored[key]}
     drop |= {name: location[name] for name in quantization.kv_cache_keys(location)}

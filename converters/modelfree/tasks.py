@@ -10,12 +10,15 @@ groups' shared weight amax) are made between the phases from the tasks' results
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from converters.errors import ModelConfigError
+from converters.model.finite import check_converted
 from converters.model.safetensors_stream import StreamingWriter, read_tensor_index
 from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
@@ -94,6 +97,11 @@ def shard_weight_amax(task: AmaxTask) -> AmaxResult:
     reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
     dtype = getattr(torch, task.scale_dtype)
     amax = {key: float(reader.weight(key, task.stored.get(key), dtype).float().abs().amax()) for key in task.keys}
+    for key, value in amax.items():
+        if not math.isfinite(value):  # amax propagates NaN: one number says whether the whole weight is finite
+            raise ModelConfigError(f"{key} in {task.shard} holds NaN or infinite values, which no quantized "
+                                   f"checkpoint can carry. The checkpoint is damaged: fix it or download it again",
+                                   field="model")
     return AmaxResult(shard=task.shard, weight_amax=amax)
 
 
@@ -145,9 +153,11 @@ def write_shard(task: WriteTask) -> WriteResult:
             amax = task.weight_amax.get(key)
             options = {"weight_amax": amax} if getattr(fmt, "needs_weight_amax", False) else {}
             replacement = fmt.quantize(weight, None, scale_dtype, **options)
-            for planned, value in zip(fmt.planned_tensors(key, _Shaped(tuple(weight.shape)), scale_dtype), replacement,
-                                      strict=True):
-                writer.write(planned, value)
+            planned = dict(zip(fmt.planned_tensors(key, _Shaped(tuple(weight.shape)), scale_dtype), replacement,
+                               strict=True))
+            check_converted(key, weight, planned, fmt.name, check_weight=key not in task.stored)
+            for name_out, value in planned.items():
+                writer.write(name_out, value)
             stats[key.removesuffix(".weight")] = layer_stats(fmt, weight, replacement, amax)
     logger.info("%s: %d weights converted", task.shard, len(convert))
     return WriteResult(shard=task.shard, tensors=list(entries), bytes=sum(writer.planned[n].nbytes for n in entries),

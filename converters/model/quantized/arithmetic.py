@@ -24,7 +24,7 @@ import math
 import torch
 
 __all__ = ["E2M1_CODES", "dequantize_fp8", "dequantize_nvfp4", "expand_scale", "fp8_as_float", "fp8_values",
-           "lookup_fp8", "unpack_e2m1"]
+           "lookup_fp8", "nvfp4_scale_error", "scale_shape_error", "unpack_e2m1"]
 
 #: The value of each 4-bit E2M1 code (bit 3 the sign; code 8 is -0), as compressed-tensors and ModelOpt map them.
 E2M1_CODES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -40,23 +40,54 @@ def expand_scale(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] 
     dims (stacked experts) must match the weight's.
 
     Raises:
-        ValueError: the scale's shape fits none of these layouts.
+        ValueError: the scale's shape fits none of these layouts (:func:`scale_shape_error` says which fit).
     """
+    error = scale_shape_error(tuple(scale.shape), tuple(shape), block)
+    if error is not None:
+        raise ValueError(error)
     scale = scale.float()
     rows, cols = shape[-2], shape[-1]
     if scale.numel() == 1:
         return scale.reshape(())
-    if block is not None:
-        grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-        if tuple(scale.shape[-2:]) == grid:
-            expanded = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
-            return expanded[..., :rows, :cols]
-    if scale.ndim == len(shape) - 1 and scale.shape[-1] == rows:
+    if block is not None and tuple(scale.shape[-2:]) == _grid(shape, block):
+        expanded = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+        return expanded[..., :rows, :cols]
+    if scale.ndim == len(shape) - 1:
         scale = scale.unsqueeze(-1)
-    if scale.ndim == len(shape) and scale.shape[-2] == rows and scale.shape[-1] and cols % scale.shape[-1] == 0:
-        return scale.repeat_interleave(cols // scale.shape[-1], dim=-1)
-    raise ValueError(f"a scale of shape {tuple(scale.shape)} fits no layout of a weight of shape {tuple(shape)}"
-                     + (f" with {block[0]}x{block[1]} blocks" if block else ""))
+    return scale.repeat_interleave(cols // scale.shape[-1], dim=-1)
+
+
+def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1])
+
+
+def scale_shape_error(scale_shape: tuple[int, ...], shape: tuple[int, ...],
+                      block: tuple[int, int] | None = None) -> str | None:
+    """None when a scale of ``scale_shape`` fits a weight of ``shape`` in one of :func:`expand_scale`'s layouts,
+    else a sentence naming the shapes that would fit. Shapes only, so a plan can check a checkpoint's headers.
+
+    Leading dims (stacked experts) must equal the weight's: a scale of another rank would broadcast the weight
+    into a tensor of another shape, which no writer plans for.
+    """
+    scale_shape, shape = tuple(scale_shape), tuple(shape)
+    if math.prod(scale_shape) == 1:
+        return None
+    if len(shape) < 2:
+        return (f"a scale of shape {list(scale_shape)} does not fit a weight of shape {list(shape)}: a weight of "
+                f"rank {len(shape)} takes one scale element")
+    lead, (rows, cols) = shape[:-2], shape[-2:]
+    if block is not None and scale_shape == (*lead, *_grid(shape, block)):
+        return None
+    if scale_shape in ((*lead, rows), (*lead, rows, 1)):
+        return None
+    if len(scale_shape) == len(shape) and scale_shape[:-1] == (*lead, rows) and scale_shape[-1] \
+            and cols % scale_shape[-1] == 0:
+        return None
+    expected = [f"{list((*lead, *_grid(shape, block)))} (its {block[0]}x{block[1]} block grid)"] if block else []
+    expected += ["one element", f"{list((*lead, rows))} or {list((*lead, rows, 1))} (per row)",
+                 f"[{', '.join(str(dim) for dim in (*lead, rows))}, G] with G dividing {cols} (per group of columns)"]
+    return (f"a scale of shape {list(scale_shape)} fits no layout of a weight of shape {list(shape)}; expected "
+            + ", ".join(expected[:-1]) + f" or {expected[-1]}")
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -101,6 +132,10 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     ``scale`` may be fp32/bf16/fp16 (a multiplier), ``float8_e8m0fnu`` (a power of two) or uint8 holding a
     biased E8M0 exponent (MX formats: ``2 ** (byte - 127)``, exact in fp32 down to 2**-127, a subnormal).
     """
+    # checked whole here: the row chunks below would otherwise name a chunk's shape instead of the weight's
+    error = scale_shape_error(tuple(scale.shape), tuple(weight.shape), block)
+    if error is not None:
+        raise ValueError(error)
     if scale.dtype == torch.uint8:
         scale = torch.ldexp(torch.ones(scale.shape, dtype=torch.float32), scale.to(torch.int32) - _E8M0_BIAS)
     rows = weight.shape[-2] if weight.ndim >= 2 else 0
@@ -168,15 +203,32 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, tensor_sca
     is -0.0; otherwise ModelOpt's ``weight_scale_2`` (dequantization direction: ``block * weight_scale_2``),
     code 8 is +0.0 as ModelOpt's table has it.
     """
+    error = nvfp4_scale_error(tuple(packed.shape), tuple(block_scale.shape), tensor_scale.numel())
+    if error is not None:
+        raise ValueError(error)
     values = unpack_e2m1(packed, negative_zero=divide)
-    rows, cols = values.shape[-2], values.shape[-1]
-    groups = block_scale.shape[-1]
-    if block_scale.shape[-2] != rows or not groups or cols % groups:
-        raise ValueError(f"block scales of shape {tuple(block_scale.shape)} do not fit an NVFP4 weight of "
-                         f"{rows}x{cols}")
+    cols, groups = values.shape[-1], block_scale.shape[-1]
     per_tensor = tensor_scale.float()
     per_tensor = per_tensor.reshape(()) if per_tensor.numel() == 1 else per_tensor.reshape(
         *block_scale.shape[:-2], 1, 1)
     per_block = block_scale.float() / per_tensor if divide else block_scale.float() * per_tensor
     blocks = values.unflatten(-1, (groups, cols // groups)) * per_block.unsqueeze(-1)
     return blocks.flatten(-2).to(dtype)
+
+
+def nvfp4_scale_error(packed_shape: tuple[int, ...], block_shape: tuple[int, ...], tensor_elements: int) -> str | None:
+    """None when NVFP4 block scales of ``block_shape`` and a tensor scale of ``tensor_elements`` elements fit a
+    packed weight of ``packed_shape`` (``[..., rows, cols / 2]``), else a sentence naming the shapes that would."""
+    packed_shape, block_shape = tuple(packed_shape), tuple(block_shape)
+    if len(packed_shape) < 2:
+        return f"an NVFP4 weight of shape {list(packed_shape)} is not a matrix: expected [rows, columns / 2]"
+    lead, rows, cols = packed_shape[:-2], packed_shape[-2], packed_shape[-1] * 2
+    groups = block_shape[-1] if block_shape else 0
+    if block_shape[:-1] != (*lead, rows) or not groups or cols % groups:
+        return (f"block scales of shape {list(block_shape)} do not fit an NVFP4 weight of {rows}x{cols}"
+                + (f" (stacked {list(lead)})" if lead else "")
+                + f"; expected {list(lead) + [rows, cols // 16]} (one per 16 columns)")
+    if tensor_elements not in (1, math.prod(lead)):
+        return (f"a tensor scale of {tensor_elements} elements does not fit an NVFP4 weight of shape "
+                f"{list(lead) + [rows, cols]}; expected one element" + (f" or {math.prod(lead)}" if lead else ""))
+    return None

@@ -26,6 +26,7 @@ modelopt-nvfp4             ``<p>.weight`` U8 [o, i/2]         ``<p>.weight_scale
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,13 @@ from typing import Any
 import torch
 
 from converters.errors import ModelConfigError
-from converters.model.quantized.arithmetic import dequantize_fp8, dequantize_nvfp4
+from converters.model.finite import all_finite
+from converters.model.quantized.arithmetic import (
+    dequantize_fp8,
+    dequantize_nvfp4,
+    nvfp4_scale_error,
+    scale_shape_error,
+)
 
 __all__ = ["Scheme", "SourceQuantization"]
 
@@ -173,6 +180,31 @@ class SourceQuantization:
             shape = tuple(tensors[weight_key].shape)
         return (*shape[:-1], shape[-1] * 2) if self.packed or packed in tensors else shape
 
+    def check_scale_shapes(self, weight_key: str, tensors: Mapping[str, Any]) -> None:
+        """Refuse scales whose shape does not fit the quantized ``weight_key`` (from headers alone: ``tensors`` maps
+        stored names to anything with ``shape``), before anything is read or written.
+
+        Raises:
+            ModelConfigError: (field ``model``) naming the scale, its shape and the shapes that would fit.
+        """
+        prefix = _prefix(weight_key)
+        packed = f"{prefix}weight_packed"
+        if self.scheme in (Scheme.CT_NVFP4, Scheme.MODELOPT_NVFP4) or self.scheme is Scheme.CT_MIXED \
+                and packed in tensors:
+            modelopt = self.scheme is Scheme.MODELOPT_NVFP4
+            second = f"{prefix}weight_scale_2" if modelopt else f"{prefix}weight_global_scale"
+            scale = f"{prefix}weight_scale"
+            error = nvfp4_scale_error(tuple(tensors[weight_key if modelopt else packed].shape),
+                                      tuple(tensors[scale].shape), math.prod(tensors[second].shape))
+        else:
+            fp8_scheme = self.scheme in (Scheme.FP8_BLOCK, Scheme.FP8_TENSOR)
+            scale = f"{weight_key}_scale_inv" if fp8_scheme else f"{prefix}weight_scale"
+            error = scale_shape_error(tuple(tensors[scale].shape), tuple(tensors[weight_key].shape), self.block_size)
+        if error is not None:
+            raise ModelConfigError(f"{scale} ({self.scheme.value}) does not fit {weight_key}: {error}. The checkpoint "
+                                   f"is damaged or not in the layout its config declares: re-export or re-download "
+                                   f"it", field="model")
+
     def dequantize(self, weight_key: str, read: Callable[[str], torch.Tensor],
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``weight_key`` in ``dtype``, from its stored weight and scales, each got with ``read(name)``.
@@ -199,33 +231,69 @@ class SourceQuantization:
 
         The result is never the weight the writer quantized from: quantization dropped information.
 
+        Every scale read must be finite, and so must the weight it gives: a NaN or infinite scale, a NaN code or
+        a scale so large that code x scale overflows ``dtype`` is refused here, the one place a source's scales
+        are read, rather than published as a layer of NaN.
+
         Raises:
-            ModelConfigError: (field ``model``) ``weight_key`` is not quantized in this layout, or a stored
-                tensor has the wrong dtype or a shape its scale does not fit.
+            ModelConfigError: (field ``model``) ``weight_key`` is not quantized in this layout, a stored tensor has
+                the wrong dtype or a shape its scale does not fit, or a scale or the result is not finite.
         """
-        prefix = _prefix(weight_key)
         try:
-            if self.scheme in (Scheme.FP8_BLOCK, Scheme.FP8_TENSOR):
-                return dequantize_fp8(_expect(read, weight_key, _FP8), read(f"{weight_key}_scale_inv"), dtype,
-                                      self.block_size)
-            if self.scheme is Scheme.MODELOPT_NVFP4:
-                return dequantize_nvfp4(_expect(read, weight_key, _PACKED),
-                                        _expect(read, f"{prefix}weight_scale", _FP8),
-                                        read(f"{prefix}weight_scale_2"), dtype, divide=False)
-            packed = _read_packed(read, prefix, required=self.scheme is Scheme.CT_NVFP4) \
-                if self.scheme in (Scheme.CT_NVFP4, Scheme.CT_MIXED) else None
-            if packed is not None:
-                return dequantize_nvfp4(packed, _expect(read, f"{prefix}weight_scale", _FP8),
-                                        read(f"{prefix}weight_global_scale"), dtype, divide=True)
-            return dequantize_fp8(_expect(read, weight_key, _FP8), read(f"{prefix}weight_scale"), dtype,
-                                  self.block_size)
+            weight = self._dequantize(weight_key, _finite_scales(read, weight_key), dtype)
         except (ValueError, KeyError) as exc:
             raise ModelConfigError(f"cannot dequantize {weight_key} ({self.scheme.value}): {exc}",
                                    field="model") from exc
+        if not all_finite(weight):
+            raise ModelConfigError(
+                f"cannot dequantize {weight_key} ({self.scheme.value}): its codes times its scales give NaN or "
+                f"infinite values in {str(dtype).removeprefix('torch.')} (a NaN code, or a scale so large that a "
+                f"code times it passes {torch.finfo(dtype).max:.4g}). The checkpoint is damaged: re-export it from "
+                f"its high-precision original or re-download it", field="model")
+        return weight
+
+    def _dequantize(self, weight_key: str, read: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        prefix = _prefix(weight_key)
+        if self.scheme in (Scheme.FP8_BLOCK, Scheme.FP8_TENSOR):
+            return dequantize_fp8(_expect(read, weight_key, _FP8), read(f"{weight_key}_scale_inv"), dtype,
+                                  self.block_size)
+        if self.scheme is Scheme.MODELOPT_NVFP4:
+            return dequantize_nvfp4(_expect(read, weight_key, _PACKED),
+                                    _expect(read, f"{prefix}weight_scale", _FP8),
+                                    read(f"{prefix}weight_scale_2"), dtype, divide=False)
+        packed = _read_packed(read, prefix, required=self.scheme is Scheme.CT_NVFP4) \
+            if self.scheme in (Scheme.CT_NVFP4, Scheme.CT_MIXED) else None
+        if packed is not None:
+            return dequantize_nvfp4(packed, _expect(read, f"{prefix}weight_scale", _FP8),
+                                    read(f"{prefix}weight_global_scale"), dtype, divide=True)
+        return dequantize_fp8(_expect(read, weight_key, _FP8), read(f"{prefix}weight_scale"), dtype,
+                              self.block_size)
 
 
 def _prefix(weight_key: str) -> str:
     return weight_key.removesuffix("weight")
+
+
+#: the byte of an E8M0 scale (MX formats' uint8 ``weight_scale``) that stands for NaN
+_E8M0_NAN = 0xFF
+
+
+def _finite_scales(read: Callable[[str], torch.Tensor], weight_key: str) -> Callable[[str], torch.Tensor]:
+    """``read``, refusing any scale of ``weight_key`` (whatever it reads but the stored codes) that holds NaN or an
+    infinity: scales are small next to their weight, so the check costs little."""
+    stored = (weight_key, f"{_prefix(weight_key)}weight_packed")
+
+    def checked(name: str) -> torch.Tensor:
+        tensor = read(name)
+        if name in stored:
+            return tensor
+        bad = bool((tensor == _E8M0_NAN).any()) if tensor.dtype == torch.uint8 else not all_finite(tensor)
+        if bad:
+            raise ValueError(f"its scale {name} holds NaN or infinite values (a scale must be a finite number). The "
+                             f"checkpoint is damaged: re-export it from its high-precision original or re-download it")
+        return tensor
+
+    return checked
 
 
 def _read_packed(read: Callable[[str], torch.Tensor], prefix: str, *, required: bool) -> torch.Tensor | None:

@@ -315,7 +315,7 @@ def test_every_mx_exponent_dequantizes_as_compressed_tensors_does():
     from compressed_tensors.compressors import MXFP8QuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
-    from converters.model.quantized import SourceQuantization
+    from converters.model.quantized import SourceQuantization, dequantize_fp8
 
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     codes = codes[~codes.float().isnan()]
@@ -325,9 +325,12 @@ def test_every_mx_exponent_dequantizes_as_compressed_tensors_does():
             "dynamic": False, "scale_dtype": "torch.uint8"}
     scheme = QuantizationScheme.model_validate({"targets": ["Linear"], "weights": args})
     reference = MXFP8QuantizationCompressor.decompress({"weight": weight, "weight_scale": exponents}, scheme)["weight"]
-    quantization = SourceQuantization(scheme=Scheme.CT_MXFP8, quant_method="compressed-tensors", group_size=32)
-    ours = quantization.dequantize("a.weight", {"a.weight": weight, "a.weight_scale": exponents}.__getitem__)
+    ours = dequantize_fp8(weight, exponents, torch.bfloat16)  # the arithmetic CT_MXFP8's reader applies
     assert torch.equal(bits(ours), bits(reference))
+    # the largest exponents overflow bf16 (448 * 2**127): the source's reader refuses such a weight, naming it
+    quantization = SourceQuantization(scheme=Scheme.CT_MXFP8, quant_method="compressed-tensors", group_size=32)
+    with pytest.raises(ModelConfigError, match="a.weight .*NaN or infinite"):
+        quantization.dequantize("a.weight", {"a.weight": weight, "a.weight_scale": exponents}.__getitem__)
 
 
 @pytest.mark.parametrize("config,named", [
