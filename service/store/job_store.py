@@ -26,6 +26,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransition, JobNotFound, TooManyJobs
 from service.jobs import Job, JobStatus, Stage, public_worker_name, transition
 from service.store.events import EventLog
+from service.store.host_faults import HostFault, avoided_by, charge, live_hosts, public_host_name
 from service.store.probe import Probe
 from service.store.schema import (
     ACTIVE_STATUSES,
@@ -226,12 +227,15 @@ class JobStore:
                 counts[JobStatus(status)] = n
         return counts
 
-    def claim_next(self, worker_id: str, *, max_running_per_owner: int | None = None) -> Job | None:
-        """Atomically move the oldest queued job to running for ``worker_id``; None when none is queued.
+    def claim_next(self, worker_id: str, *, host: str | None = None, live_within_s: float | None = None,
+                   max_running_per_owner: int | None = None) -> Job | None:
+        """Atomically move the oldest queued job to running for ``worker_id`` on ``host``; None when none is queued.
 
         With ``max_running_per_owner``, jobs of an owner who already has that many running wait their turn. On
         PostgreSQL such claims take turns on an advisory lock, so two workers claiming at the same instant cannot
-        each count the other's job as not yet running (SQLite runs one writer at a time anyway).
+        each count the other's job as not yet running (SQLite runs one writer at a time anyway). A job ``host``
+        failed is left to workers on other hosts that heartbeated within ``live_within_s``, as tasks are
+        (``service.store.host_faults``); the claim's event names the host.
         """
         transition(JobStatus.QUEUED, JobStatus.RUNNING)
         now = time.time()
@@ -241,26 +245,29 @@ class JobStore:
             busy = sa.select(c.owner).where(c.status.in_(ACTIVE_STATUSES), c.owner.is_not(None)) \
                 .group_by(c.owner).having(sa.func.count() >= max_running_per_owner)
             claimable = claimable.where(sa.or_(c.owner.is_(None), c.owner.not_in(busy)))
-        oldest = claimable.order_by(c.seq).limit(1).with_for_update(skip_locked=True).scalar_subquery()
-        stmt = (
-            sa.update(self._jobs)
-            .where(self._jobs.c.seq == oldest, self._jobs.c.status == JobStatus.QUEUED.value)
-            .values(status=JobStatus.RUNNING.value, attempt=self._jobs.c.attempt + 1, worker_id=worker_id,
-                    started_at=now, heartbeat_at=self._db_now, updated_at=now, stage=None, stage_done=0, stage_total=0,
-                    error_code=None, error_message=None)
-            .returning(*self._jobs.c)
-        )
         try:
             with self.engine.begin() as conn:
                 if max_running_per_owner is not None and self.engine.dialect.name == "postgresql":
                     conn.execute(sa.select(
                         sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"fp8forge-claim:{self._jobs}"))))
-                row = conn.execute(stmt).mappings().first()
+                if host is not None:
+                    others = live_hosts(conn, self.tables.workers, self._db_now, live_within_s) - {host} \
+                        if live_within_s is not None else set()
+                    claimable = claimable.where(~avoided_by(self._jobs, host, others, self._db_now))
+                oldest = claimable.order_by(c.seq).limit(1).with_for_update(skip_locked=True).scalar_subquery()
+                row = conn.execute(
+                    sa.update(self._jobs).where(c.seq == oldest, c.status == JobStatus.QUEUED.value)
+                    .values(status=JobStatus.RUNNING.value, attempt=c.attempt + 1, worker_id=worker_id, host=host,
+                            started_at=now, heartbeat_at=self._db_now, updated_at=now, stage=None, stage_done=0,
+                            stage_total=0, error_code=None, error_message=None)
+                    .returning(*self._jobs.c)).mappings().first()
                 if row is None:
                     return None
-                self.events.append(conn, row["id"], "status",
-                                   {"status": JobStatus.RUNNING.value, "attempt": row["attempt"],
-                                    "worker": public_worker_name(worker_id)}, now)
+                claimed = {"status": JobStatus.RUNNING.value, "attempt": row["attempt"],
+                           "worker": public_worker_name(worker_id)}
+                if host is not None:  # where this attempt runs: after a host fault, another host than the last
+                    claimed["host"] = public_host_name(host)
+                self.events.append(conn, row["id"], "status", claimed, now)
         except DBAPIError as exc:
             if not lock_refused(exc):
                 raise
@@ -359,6 +366,15 @@ class JobStore:
         with self.engine.begin() as conn:
             status = conn.execute(stmt).scalar()
         return JobStatus(status) if status is not None else None
+
+    def host_fault(self, job_id: str) -> HostFault | None:
+        """What requeues the job as the retry of a fault of the host of its current attempt (for ``set_status``);
+        None when that host is unknown or the job has had its host-fault retries (``service.store.host_faults``)."""
+        c = self._jobs.c
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(c.host, c.failed_hosts, c.host_faults, c.max_attempts)
+                               .where(c.id == job_id)).mappings().first()
+        return None if row is None else charge(row, self._db_now)
 
     def find_stale(self, timeout_s: float) -> list[Job]:
         """Running or cancelling jobs whose worker has not heartbeaten for ``timeout_s`` seconds (database clock)."""

@@ -59,6 +59,8 @@ def tables(prefix: str) -> Tables:
         sa.Column("error_message", sa.Text),
         sa.Column("artifacts", sa.JSON),
         sa.Column("owner", sa.String(64), index=True),
+        *_host_fault_columns(),
+        sa.Column("host", sa.String(255)),  # the host of its current (or last) attempt: a fault is charged to it
         sqlite_autoincrement=True,  # never reuse a seq: cursors stay valid across deletions
     )
     events = sa.Table(
@@ -78,6 +80,7 @@ def tables(prefix: str) -> Tables:
         sa.Column("started_at", sa.Double, nullable=False),
         sa.Column("heartbeat_at", sa.Double, nullable=False),
         sa.Column("job_id", sa.String(32)),
+        sa.Column("host", sa.String(255)),  # its host's name in failed_hosts (service.store.host_faults)
     )
     durations = sa.Table(
         f"{prefix}stage_durations", md,
@@ -109,14 +112,26 @@ def tables(prefix: str) -> Tables:
         sa.Column("result", sa.Text),
         sa.Column("error_code", sa.String(64)),
         sa.Column("error_message", sa.Text),
+        *_host_fault_columns(),
         sqlite_autoincrement=True,
     )
     return Tables(md, jobs, events, workers, durations, tasks)
 
 
-# Columns added after the first release, with their DDL type: ``add_missing_columns`` adds them to an older
-# database in place (create_all creates missing tables, never missing columns).
-_ADDED_COLUMNS = {"jobs": (("owner", "VARCHAR(64)"),)}
+def _host_fault_columns() -> list[sa.Column]:
+    """What a retry of a host fault needs (``service.store.host_faults``): the hosts that failed the row (a JSON
+    list of names), how many host faults it has had, and when one of those hosts may take it back."""
+    return [sa.Column("failed_hosts", sa.Text), sa.Column("host_faults", sa.Integer, nullable=False, default=0,
+                                                          server_default="0"),
+            sa.Column("retry_after", sa.Double)]
+
+
+_HOST_FAULT_DDL = (("failed_hosts", "TEXT", False), ("host_faults", "INTEGER NOT NULL DEFAULT 0", False),
+                   ("retry_after", "DOUBLE PRECISION", False))
+# Columns added after the first release, with their DDL type and whether they are indexed: ``add_missing_columns``
+# adds them to an older database in place (create_all creates missing tables, never missing columns).
+_ADDED_COLUMNS = {"jobs": (("owner", "VARCHAR(64)", True), *_HOST_FAULT_DDL, ("host", "VARCHAR(255)", False)),
+                  "tasks": _HOST_FAULT_DDL, "workers": (("host", "VARCHAR(255)", False),)}
 
 
 def create_schema(engine: Engine, t: Tables) -> None:
@@ -139,7 +154,7 @@ def add_missing_columns(conn: sa.Connection, t: Tables) -> None:
     for short, columns in _ADDED_COLUMNS.items():
         table: sa.Table = getattr(t, short)
         present = {c["name"] for c in inspector.get_columns(table.name)}
-        for name, ddl in columns:
+        for name, ddl, indexed in columns:
             if name in present:
                 continue
             try:
@@ -147,6 +162,8 @@ def add_missing_columns(conn: sa.Connection, t: Tables) -> None:
             except sa.exc.DBAPIError:  # SQLite (no schema lock): another process added it first
                 if name not in {c["name"] for c in sa.inspect(conn).get_columns(table.name)}:
                     raise
+            if not indexed:
+                continue
             index = f'"ix_{table.name}_{name}" ON "{table.name}" ("{name}")'
             conn.execute(sa.text(f"CREATE INDEX IF NOT EXISTS {index}"))
 

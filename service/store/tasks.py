@@ -17,8 +17,8 @@ waited for.
 
 from __future__ import annotations
 
+import enum
 import json
-import socket
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -28,9 +28,10 @@ from sqlalchemy.engine import Engine
 
 from service.jobs import JobStatus, Stage, Task, TaskStatus
 from service.store.events import EventLog
+from service.store.host_faults import avoided_by, charge, live_hosts, public_host_name, this_host
 from service.store.schema import Tables
 
-__all__ = ["SERVING_WRITE", "TaskQueue", "this_host"]
+__all__ = ["SERVING_WRITE", "HostFaultRetry", "TaskQueue", "this_host"]
 
 _RUNNING, _QUEUED = TaskStatus.RUNNING.value, TaskStatus.QUEUED.value
 #: The kind of a calibrated job's serving export shard task (its job is not split: see the module's docstring).
@@ -42,9 +43,15 @@ _STAGE_OF = {"plan": Stage.ANALYZE, "amax": Stage.CONVERT, "write": Stage.CONVER
 _SHARD_KINDS = ("write", SERVING_WRITE)
 
 
-def this_host() -> str:
-    """The name a worker's host is known by in ``job_tasks.host`` (whose cache holds which source)."""
-    return socket.gethostname()
+class HostFaultRetry(str, enum.Enum):
+    """What :meth:`TaskQueue.release_host_fault` did."""
+
+    #: Requeued for another host, using up none of its attempts.
+    ELSEWHERE = "elsewhere"
+    #: Nothing: its host is unknown, or it has had its host-fault retries; retry or fail it as any other failure.
+    SPENT = "spent"
+    #: Nothing: it changed meanwhile (it is no longer this worker's, or it heartbeated again).
+    CHANGED = "changed"
 
 
 class TaskQueue:
@@ -53,6 +60,7 @@ class TaskQueue:
     def __init__(self, engine: Engine, tables: Tables, db_now: sa.ColumnElement[float], events: EventLog) -> None:
         self._engine, self._tasks, self._jobs, self._db_now, self._events = (
             engine, tables.tasks, tables.jobs, db_now, events)
+        self._workers = tables.workers
 
     # -- a job becomes tasks ---------------------------------------------------------------------------
     def split(self, job_id: str, worker_id: str, attempt: int, *, source: str, payload: Mapping[str, Any],
@@ -103,12 +111,16 @@ class TaskQueue:
             conn.execute(self._tasks.insert(), rows)
 
     # -- a worker's side -------------------------------------------------------------------------------
-    def claim(self, worker_id: str, host: str, *, job_id: str | None = None) -> Task | None:
+    def claim(self, worker_id: str, host: str, *, job_id: str | None = None,
+              live_within_s: float | None = None) -> Task | None:
         """Atomically claim the task a worker should run next (of ``job_id`` only, when given); None when none may
         start.
 
-        Claimable: queued, its job running, every task of a lower phase of its job succeeded. Tasks whose source
-        this host has read before (a task of the same source succeeded here) come first, then the oldest.
+        Claimable: queued, its job running, every task of a lower phase of its job succeeded, and not a task
+        ``host`` failed while a worker on another host that heartbeated within ``live_within_s`` has not (or
+        before its back-off: ``service.store.host_faults``). Tasks whose source this host has read before (a task
+        of the same source succeeded here) come first, then the oldest. The claim of a retry of a host fault
+        writes a ``retry`` event naming the host it went to.
         """
         t, j = self._tasks, self._jobs
         earlier, cached = t.alias("earlier"), t.alias("cached")
@@ -118,15 +130,26 @@ class TaskQueue:
         here = sa.select(cached.c.seq).where(cached.c.source == t.c.source, cached.c.host == host,
                                              cached.c.status == TaskStatus.SUCCEEDED.value).exists()
         only = [t.c.job_id == job_id] if job_id is not None else []
-        pick = (sa.select(t.c.seq).where(t.c.status == _QUEUED, job_running, ~blocked, *only)
-                .order_by(sa.case((here, 0), else_=1), t.c.seq).limit(1)
-                .with_for_update(skip_locked=True).scalar_subquery())
-        stmt = (sa.update(t).where(t.c.seq == pick, t.c.status == _QUEUED)
-                .values(status=_RUNNING, attempt=t.c.attempt + 1, worker_id=worker_id, host=host,
-                        heartbeat_at=self._db_now, started_at=time.time(), error_code=None, error_message=None)
-                .returning(*t.c))
         with self._engine.begin() as conn:
+            others = live_hosts(conn, self._workers, self._db_now, live_within_s) - {host} \
+                if live_within_s is not None else set()
+            pick = (sa.select(t.c.seq)
+                    .where(t.c.status == _QUEUED, job_running, ~blocked, ~avoided_by(t, host, others, self._db_now),
+                           *only)
+                    .order_by(sa.case((here, 0), else_=1), t.c.seq).limit(1)
+                    .with_for_update(skip_locked=True).scalar_subquery())
+            stmt = (sa.update(t).where(t.c.seq == pick, t.c.status == _QUEUED)
+                    .values(status=_RUNNING, attempt=t.c.attempt + 1, worker_id=worker_id, host=host,
+                            heartbeat_at=self._db_now, started_at=time.time(), error_code=None, error_message=None)
+                    .returning(*t.c))
             row = conn.execute(stmt).mappings().first()
+            if row is not None and row["failed_hosts"]:
+                task = _task(row)
+                self._events.append(conn, task.job_id, "retry", {
+                    "message": f"{task.name} runs again (attempt {task.attempt} of {task.max_attempts}) on another "
+                               "host than the one that failed it", "shard": task.shard, "kind": task.kind,
+                    "host": public_host_name(host), "failed_hosts": [public_host_name(h) for h in
+                                                                     json.loads(row["failed_hosts"])]}, time.time())
         return None if row is None else _task(row)
 
     def heartbeat(self, task: Task, worker_id: str) -> JobStatus | None:
@@ -173,6 +196,28 @@ class TaskQueue:
             values.update(error_code=error[0], error_message=error[1])
         with self._engine.begin() as conn:
             return conn.execute(sa.update(t).where(*where).values(**values)).rowcount == 1
+
+    def release_host_fault(self, task: Task, *, error: tuple[str, str], worker_id: str | None = None,
+                           stale_for_s: float | None = None) -> tuple[HostFaultRetry, dict[str, Any]]:
+        """Requeue a running task that failed because of its host (``error``: its code and message), as its worker
+        or, with ``stale_for_s``, as a reaper; the host is charged with the fault and the retry goes elsewhere
+        (``service.store.host_faults``). Returns what it did and, when requeued, its event's data (the hosts)."""
+        t = self._tasks
+        where = self._owned(task, worker_id) if worker_id is not None else [
+            t.c.seq == task.seq, t.c.status == _RUNNING, t.c.attempt == task.attempt]
+        if stale_for_s is not None:
+            where.append(t.c.heartbeat_at < self._db_now - stale_for_s)
+        with self._engine.begin() as conn:
+            row = conn.execute(sa.select(t.c.host, t.c.failed_hosts, t.c.host_faults, t.c.max_attempts)
+                               .where(*where)).mappings().first()
+            if row is None:
+                return HostFaultRetry.CHANGED, {}
+            fault = charge(row, self._db_now)
+            if fault is None:
+                return HostFaultRetry.SPENT, {}
+            requeued = conn.execute(sa.update(t).where(*where).values(
+                status=_QUEUED, worker_id=None, error_code=error[0], error_message=error[1], **fault.values)).rowcount
+        return (HostFaultRetry.ELSEWHERE, fault.event) if requeued else (HostFaultRetry.CHANGED, {})
 
     def _owned(self, task: Task, worker_id: str) -> list[sa.ColumnElement[bool]]:
         t = self._tasks

@@ -31,15 +31,24 @@ class WorkerRegistry:
         """Host, PID and a random tail: unique across hosts and restarts, readable in operators' logs."""
         return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
-    def heartbeat(self, worker_id: str, job_id: str | None = None) -> None:
-        """Insert or refresh this worker's row."""
-        with self._engine.begin() as conn:
-            updated = conn.execute(sa.update(self._workers).where(self._workers.c.id == worker_id)
-                                   .values(heartbeat_at=self._db_now, job_id=job_id)).rowcount
-            if not updated:
-                conn.execute(self._workers.insert().values(
-                    id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), started_at=time.time(),
-                    heartbeat_at=self._db_now, job_id=job_id))
+    def heartbeat(self, worker_id: str, job_id: str | None = None, *, host: str | None = None) -> None:
+        """Insert or refresh this worker's row; ``host`` is its host's name in the store (``this_host``), by which
+        claims tell which live workers could retry what another host failed."""
+        values: dict[str, Any] = {"heartbeat_at": self._db_now, "job_id": job_id}
+        if host is not None:
+            values["host"] = host
+        for _ in range(2):
+            try:
+                with self._engine.begin() as conn:
+                    if conn.execute(sa.update(self._workers).where(self._workers.c.id == worker_id)
+                                    .values(**values)).rowcount:
+                        return
+                    conn.execute(self._workers.insert().values(
+                        id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), started_at=time.time(),
+                        **values))
+                    return
+            except sa.exc.IntegrityError:  # another thread of this worker inserted the row first: update it
+                continue
 
     def remove(self, worker_id: str) -> None:
         with self._engine.begin() as conn:

@@ -4,8 +4,9 @@ Used by ``JobRun`` (``service.workers.runner``) once the child has exited; it de
 says about the attempt and what happens to its files. A success is uploaded first where the storage is
 remote (the worker heartbeats meanwhile), then published only by the attempt's owner, inside the transaction
 that records it; every other outcome removes the attempt's files. An upload that fails is retried as a new
-attempt, or fails the job with ``artifact_upload_failed`` after the last one; so is a run whose worker's disk
-filled up (``disk_full``: another worker may have room). A store that fails for a moment is retried with a
+attempt, or fails the job with ``artifact_upload_failed`` after the last one. A run whose worker's disk filled up
+(``disk_full``) is a fault of its host: it is retried on another host without using up an attempt
+(``service.store.host_faults``). A store that fails for a moment is retried with a
 back-off; a worker that finds its attempt given to another meanwhile (it was stopped, then resumed) logs that
 once and leaves the new attempt's files alone.
 """
@@ -108,8 +109,8 @@ class AttemptOutcome:
             return self._requeue("worker_shutdown", count_attempt=False)
         if w.result is not None and w.result.code == DISK_FULL:  # this host has no room; another may
             logger.warning("job %s: attempt %d ran out of disk space on this worker", self.job.id, self.job.attempt)
-            return self._retry_or_fail(DISK_FULL, DISK_FULL, f"{w.result.message} (attempt {self.job.attempt} of "
-                                                             f"{self.job.max_attempts})")
+            return self._host_fault(DISK_FULL, f"{w.result.message} (attempt {self.job.attempt} of "
+                                               f"{self.job.max_attempts})")
         if w.result is not None and w.result.code == "internal_error":
             # raw exception text names files, hosts and internals: the log keeps it, the client gets the fact
             logger.error("job %s: the conversion failed with an internal error: %s", self.job.id, w.result.message)
@@ -208,6 +209,17 @@ class AttemptOutcome:
 
     def _crashed(self, message: str) -> JobStatus:
         return self._retry_or_fail("conversion_crashed", "worker_crashed", message)
+
+    def _host_fault(self, reason: str, message: str) -> JobStatus:
+        """Requeue the job for a worker on another host, charging this one with the fault; once the job has had
+        its host-fault retries (or this host is unknown) the fault uses up an attempt like any other."""
+        fault = self.store.host_fault(self.job.id)
+        if fault is None:
+            return self._retry_or_fail(reason, reason, message)
+        self.dirs.remove_attempt(self.job.id, self.job.attempt)  # before the job is another worker's to claim
+        return self._set(JobStatus.QUEUED, worker_id=None, event={
+            "reason": reason, "message": f"{message}; it runs again on another host, without using up an attempt",
+            **fault.event}, **fault.values)
 
     def _retry_or_fail(self, reason: str, error_code: str, message: str) -> JobStatus:
         """Requeue the job for another attempt (``reason`` in its event), or fail it after the last one."""

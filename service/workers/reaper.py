@@ -1,8 +1,9 @@
 """Stale-job detection and the sweeper of orphaned attempt files.
 
-A job whose worker stopped heartbeating is requeued, or failed after its last try. Attempt files (local
-directories, object-store prefixes and unfinished uploads) that no job can still use are removed. Any process
-may run both (workers between jobs, the API in the background); the store's compare-and-set makes
+A job whose worker stopped heartbeating is requeued, or failed after its last try; a lost worker is a fault of its
+host, so the retry goes to another host without using up an attempt (``service.store.host_faults``). Attempt
+files (local directories, object-store prefixes and unfinished uploads) that no job can still use are removed. Any
+process may run both (workers between jobs, the API in the background); the store's compare-and-set makes
 concurrent reapers harmless, and the sweeper only judges jobs that have finished or are gone, which no
 worker writes to any more.
 """
@@ -29,8 +30,15 @@ def reap_stale(store: JobStore, dirs: ArtifactStorage, timeout_s: float) -> list
     changed = []
     for job in store.find_stale(timeout_s):
         values: dict[str, object] = {}
+        event: dict[str, object] = {"reason": "worker_lost"}
+        fault = store.host_fault(job.id) if job.status is JobStatus.RUNNING else None
         if job.status is JobStatus.CANCELLING:
             target = JobStatus.CANCELLED
+        elif fault is not None:
+            target, values = JobStatus.QUEUED, {"worker_id": None, **fault.values}
+            event.update(fault.event, message=f"its worker stopped heartbeating for {timeout_s:g}s on attempt "
+                                              f"{job.attempt}; it runs again on another host, without using up an "
+                                              "attempt")
         elif job.attempt < job.max_attempts:
             target, values = JobStatus.QUEUED, {"worker_id": None}
         else:
@@ -40,7 +48,7 @@ def reap_stale(store: JobStore, dirs: ArtifactStorage, timeout_s: float) -> list
                 f"{job.max_attempts}; giving up")}
         try:
             # judged again inside the write, by the database's clock: a heartbeat since find_stale keeps the job
-            store.set_status(job.id, target, stale_for_s=timeout_s, event={"reason": "worker_lost"}, **values)
+            store.set_status(job.id, target, stale_for_s=timeout_s, event=event, **values)
         except (JobLost, InvalidTransition):
             continue
         except JobBusy:  # its row is held (its worker stopped inside a write): the next round tries again

@@ -25,7 +25,6 @@ from converters.pipeline.serving_export import run_serving_task
 from service.jobs import Task, TaskStatus
 from service.store import JobStore
 from service.store.schema import StoreTimeouts
-from service.store.tasks import this_host
 from service.workers.shard_export import ShardExportOptions
 
 __all__ = ["QueuedServingShards"]
@@ -83,7 +82,8 @@ class QueuedServingShards:
                 raise ConversionCancelled("the serving export's shard tasks were dropped: the job was cancelled")
             if all(task.status is TaskStatus.SUCCEEDED for task in tasks):
                 return [dict(task.result or {}) for task in tasks]
-            task = store.tasks.claim(o.worker_id, this_host(), job_id=o.job_id)  # the job has no other kind
+            task = store.tasks.claim(o.worker_id, o.host, job_id=o.job_id,  # the job has no other kind
+                                     live_within_s=o.heartbeat_timeout_s)
             if task is None:
                 time.sleep(_POLL_S)
                 continue

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 from service.config import Settings
 from service.jobs import Job
+from service.store.host_faults import this_host
 from service.store.schema import StoreTimeouts
 
 __all__ = ["ShardExportOptions", "shard_export_options"]
@@ -28,9 +29,11 @@ class ShardExportOptions:
     job_id: str
     attempt: int
     worker_id: str
+    host: str  #: the worker's host's name in the store (``this_host``): the conversion claims shards as it
     source: str  #: the job's model reference, which each task resolves on its own worker
     max_attempts: int
     heartbeat_interval_s: float
+    heartbeat_timeout_s: float
 
 
 def shard_export_options(settings: Settings, job: Job, worker_id: str) -> ShardExportOptions | None:
@@ -44,5 +47,6 @@ def shard_export_options(settings: Settings, job: Job, worker_id: str) -> ShardE
                              idle_in_transaction_s=settings.store_idle_in_transaction_timeout_s)
     return ShardExportOptions(only_several_files=mode == "auto", store_url=settings.store_url,
                               store_timeouts=asdict(timeouts), job_id=job.id, attempt=job.attempt,
-                              worker_id=worker_id, source=job.request["model"], max_attempts=settings.max_attempts,
-                              heartbeat_interval_s=settings.heartbeat_interval_s)
+                              worker_id=worker_id, host=this_host(settings.data_dir), source=job.request["model"],
+                              max_attempts=settings.max_attempts, heartbeat_interval_s=settings.heartbeat_interval_s,
+                              heartbeat_timeout_s=settings.heartbeat_timeout_s)

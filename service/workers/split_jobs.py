@@ -14,6 +14,7 @@ from service.artifacts import ArtifactStorage
 from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus, Task, TaskStatus
 from service.store import JobStore
+from service.store.tasks import HostFaultRetry
 
 __all__ = ["fail_job", "is_split_job", "reap_stale_tasks", "settle", "split_job"]
 
@@ -100,6 +101,15 @@ def _reap(store: JobStore, dirs: ArtifactStorage, task: Task, timeout_s: float) 
     if job is None or job.status is not JobStatus.RUNNING:
         return TaskStatus.CANCELLED if store.tasks.release(task, TaskStatus.CANCELLED, stale_for_s=timeout_s) else None
     lost = f"its worker stopped heartbeating for {timeout_s:g}s on attempt {task.attempt} of {task.max_attempts}"
+    retry, hosts = store.tasks.release_host_fault(task, stale_for_s=timeout_s, error=("worker_lost", lost))
+    if retry is HostFaultRetry.CHANGED:
+        return None
+    if retry is HostFaultRetry.ELSEWHERE:  # a lost worker is a fault of its host: another host runs it
+        message = f"{task.name}: {lost}; it runs again on another host, without using up an attempt"
+        logger.warning("job %s: %s", task.job_id, message)
+        store.events.add(task.job_id, "warning", {"message": message, "reason": "worker_lost", "shard": task.shard,
+                                                  **hosts})
+        return TaskStatus.QUEUED
     if task.attempt < task.max_attempts:
         if not store.tasks.release(task, TaskStatus.QUEUED, stale_for_s=timeout_s, error=("worker_lost", lost)):
             return None

@@ -1,12 +1,18 @@
 """Runs one claimed task of a split job (or a calibrated job's serving shard): start the task child (a fork of the
 worker's task server, ``service.workers.task_server``), heartbeat, honour cancel, record the result.
 
+The task is heartbeaten from a thread of its own from the claim until its outcome is recorded, so nothing the run
+does meanwhile (the task server's first start, receiving and storing a large result, an upload, publishing) leaves
+it silent; the supervision loop only reads what the heartbeats found (a cancel, the task taken away).
+
 Every task of a job writes into the job attempt's directory on its worker's host (``attempt_dir``): on a shared
 disk that is the one directory the finish task publishes by renaming it; with the object store each write task
 uploads its shard under the attempt's prefix and drops its local copy, and the finish task uploads its own files,
 then publishes inside the transaction that records the job's success, checking the prefix holds exactly the
 listed files. Nothing is published before the finish. A task that crashes or whose worker dies is retried on its
-own (``max_attempts`` each); a task that fails on bad input fails the job at once, naming its shard.
+own (``max_attempts`` each); a task that fails on bad input fails the job at once, naming its shard. A task whose
+worker's disk filled up (``disk_full``) or whose worker was lost is retried on another host, without using up an
+attempt (``service.store.host_faults``).
 
 A calibrated job's ``serving_write`` task writes into that job attempt's staging directory, where its conversion
 (still running in its own worker: ``service.workers.serving_shards``) reads it; the conversion records the outcome.
@@ -33,11 +39,12 @@ from service.errors import InvalidTransition
 from service.jobs import Job, JobStatus, Task, TaskStatus
 from service.store import JobStore
 from service.store.schema import brief
-from service.store.tasks import SERVING_WRITE
+from service.store.tasks import SERVING_WRITE, HostFaultRetry
 from service.workers.messages import DISK_FULL, Failed, TaskDone
 from service.workers.runner import ensure_dead
 from service.workers.split_jobs import fail_job, settle
 from service.workers.task_child import task_child_main
+from service.workers.task_results import loaded_result, stored_result
 from service.workers.task_server import task_context
 
 __all__ = ["TaskRun"]
@@ -53,9 +60,15 @@ class TaskRun:
         self.settings, self.store, self.dirs, self.worker_id, self.task = settings, store, dirs, worker_id, task
         self.stopping, self.log_level = stopping, log_level
         self._failing_since: float | None = None
+        #: The job's status as the last heartbeat found it; None once the task is not this worker's any more.
+        self._status: JobStatus | None = JobStatus.RUNNING
 
     def execute(self) -> TaskStatus | None:
         """Run the attempt to its end; returns the task's recorded status (None when it was taken away)."""
+        with self._beating():
+            return self._execute()
+
+    def _execute(self) -> TaskStatus | None:
         task = self.task
         job = self.store.get_job(task.job_id)
         if task.kind == SERVING_WRITE:
@@ -75,8 +88,7 @@ class TaskRun:
             args=(task.kind, task.shard, task.source, dict(task.payload), self._inputs(), str(out_dir),
                   self.settings.model_sources(), sender, os.getpid()),
             kwargs={name: value for name, value in options.items() if value is not None})
-        with self._beating():  # the worker's first task waits for its task server's imports
-            proc.start()
+        proc.start()  # the worker's first task waits for its task server's imports; the heartbeats go on
         sender.close()
         logger.info("job %s: %s started (%s, attempt %d of %d)", job.id, task.name, task.kind, task.attempt,
                     task.max_attempts)
@@ -95,7 +107,7 @@ class TaskRun:
         kind, job_id = self.task.kind, self.task.job_id
         if kind not in ("write", "finish"):
             return {}
-        report = self.store.tasks.results(job_id, "plan")[0]["report"]
+        report = loaded_result(self.dirs, job_id, self.store.tasks.results(job_id, "plan")[0])["report"]
         if kind == "finish":
             return {"report": report, "writes": self.store.tasks.results(job_id, "write")}
         amax = self.store.tasks.results(job_id, "amax")
@@ -105,25 +117,21 @@ class TaskRun:
     def _supervise(self, proc: BaseProcess, receiver: Connection) -> tuple[str, Any]:
         """Until the child ends or must stop: ("result", message), ("crashed", None), ("lost", None),
         ("stopped", the job's status) or ("shutdown", None)."""
-        next_beat = 0.0
         while True:
             try:
                 if receiver.poll(0.2):
                     message = receiver.recv()
                     if isinstance(message, (TaskDone, Failed)):
-                        # the child's work is done: its teardown (torch's) is not waited for, or heartbeats
-                        # would pause meanwhile
+                        # the child's work is done: its teardown (torch's) is not waited for
                         return "result", message
             except (EOFError, OSError):
                 if not proc.is_alive():
                     return "crashed", None
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + min(self.settings.heartbeat_interval_s, 0.5)
-                status = self._heartbeat()
-                if status is None:
-                    return "lost", None
-                if status is not JobStatus.RUNNING:
-                    return "stopped", status
+            status = self._status
+            if status is None:
+                return "lost", None
+            if status is not JobStatus.RUNNING:
+                return "stopped", status
             if self.stopping.is_set():
                 return "shutdown", None
             if not proc.is_alive() and not receiver.poll():
@@ -145,12 +153,16 @@ class TaskRun:
 
     @contextlib.contextmanager
     def _beating(self) -> Iterator[None]:
-        """Heartbeat the task from a thread while the worker itself uploads or publishes."""
+        """Heartbeat the task from a thread of its own, as often as a cancel should be noticed, until the block
+        ends (it ends at once when the task is no longer this worker's)."""
         done = threading.Event()
+        every = min(self.settings.heartbeat_interval_s, 0.5)
 
         def beat() -> None:
-            while not done.wait(self.settings.heartbeat_interval_s):
-                self._heartbeat()
+            while not done.wait(every):
+                self._status = self._heartbeat()
+                if self._status is None:
+                    return
 
         thread = threading.Thread(target=beat, name=f"fp8forge-task-{self.task.seq}-beat", daemon=True)
         thread.start()
@@ -190,8 +202,24 @@ class TaskRun:
             fail_job(self.store, self.dirs, job.id, result.code, f"{task.name}: {message}")
             return TaskStatus.FAILED
         if isinstance(result, Failed):
-            return self._retry_or_fail(DISK_FULL, result.message)
+            return self._host_fault(DISK_FULL, result.message)
         return self._retry_or_fail("worker_crashed", f"the task process exited with code {exitcode} without a result")
+
+    def _host_fault(self, code: str, message: str) -> TaskStatus | None:
+        """Requeue the task for a worker on another host, charging this one with the fault; once the task has had
+        its host-fault retries (or this host is unknown) the fault uses up an attempt like any other."""
+        task = self.task
+        where = f"{message} (attempt {task.attempt} of {task.max_attempts})"
+        retry, hosts = self.store.tasks.release_host_fault(task, worker_id=self.worker_id, error=(code, where))
+        if retry is HostFaultRetry.SPENT:
+            return self._retry_or_fail(code, message)
+        if retry is HostFaultRetry.CHANGED:
+            return None
+        logger.warning("job %s: %s: %s; it runs again on another host", task.job_id, task.name, where)
+        self.store.events.add(task.job_id, "warning", {
+            "message": f"{task.name}: {where}; it runs again on another host, without using up an attempt",
+            "reason": code, "shard": task.shard, **hosts})
+        return TaskStatus.QUEUED
 
     def _retry_or_fail(self, code: str, message: str) -> TaskStatus | None:
         task = self.task
@@ -210,10 +238,11 @@ class TaskRun:
     def _succeed(self, job: Job, result: dict[str, Any]) -> TaskStatus | None:
         task, new_tasks = self.task, ()
         if task.kind == "plan":
-            new_tasks, result = result["tasks"], {"report": result["report"]}
+            # a report too large for its row goes to a file in the attempt's scratch area (task_results)
+            new_tasks = result["tasks"]
+            result = stored_result(self.dirs, job.id, job.attempt, task.seq, {"report": result["report"]})
         elif task.kind == "write" and self.dirs.remote:
-            with self._beating():
-                self.dirs.upload(job.id, job.attempt, [result["file"]])
+            self.dirs.upload(job.id, job.attempt, [result["file"]])
             (self.dirs.attempt_dir(job.id, job.attempt) / result["file"]["name"]).unlink(missing_ok=True)
         elif task.kind == "finish":
             return self._publish(job, result["manifest"])
@@ -230,14 +259,12 @@ class TaskRun:
         if self.dirs.remote:  # the shards are in the store already, from their writers
             names = {entry["name"] for entry in shards}
             local = [entry for entry in listed if entry["name"] not in names]
-            with self._beating():
-                self.dirs.upload(job.id, job.attempt, local)
-                self.dirs.abort_uploads(job.id, job.attempt)  # what a killed shard writer left half sent
+            self.dirs.upload(job.id, job.attempt, local)
+            self.dirs.abort_uploads(job.id, job.attempt)  # what a killed shard writer left half sent
             listed = sorted([*local, *shards], key=lambda entry: entry["name"])
         try:
-            with self._beating():
-                self.store.set_status(job.id, JobStatus.SUCCEEDED, artifacts=listed, event={"shards": len(shards)},
-                                      before_commit=lambda: self.dirs.publish(job.id, job.attempt, listed))
+            self.store.set_status(job.id, JobStatus.SUCCEEDED, artifacts=listed, event={"shards": len(shards)},
+                                  before_commit=lambda: self.dirs.publish(job.id, job.attempt, listed))
         except InvalidTransition:  # cancelled (or failed by another task) meanwhile
             self.store.tasks.release(self.task, TaskStatus.CANCELLED, worker_id=self.worker_id)
             settle(self.store, self.dirs, job.id)

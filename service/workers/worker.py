@@ -57,8 +57,9 @@ class Worker:
         self.dirs = storage or open_storage(settings)
         self.log_level = log_level
         self.worker_id = WorkerRegistry.new_id()
-        self.host = this_host()
+        self.host = this_host(settings.data_dir)
         self.stopping = threading.Event()
+        self._job_id: str | None = None  # what the heartbeat thread reports this worker runs
 
     def stop(self) -> None:
         """Ask the loop to end; a running job is stopped and requeued without using up an attempt."""
@@ -68,6 +69,9 @@ class Worker:
         self.dirs.ensure()
         logger.info("worker %s started", self.worker_id)
         next_reap = next_sweep = 0.0  # the first sweep finds what a killed predecessor left on this host
+        beating = threading.Event()
+        beat = threading.Thread(target=self._beat, args=(beating,), name="fp8forge-worker-beat", daemon=True)
+        beat.start()
         try:
             while not self.stopping.is_set():
                 try:
@@ -90,24 +94,40 @@ class Worker:
                     logger.exception("worker loop error; going on")
                     self.stopping.wait(self.settings.poll_interval_s)
         finally:
+            beating.set()
+            beat.join()
             try:
                 self.store.workers.remove(self.worker_id)
             except DBAPIError:  # its row expires by itself (live_workers forgets silent workers)
                 logger.warning("could not remove worker %s from the store", self.worker_id, exc_info=True)
             logger.info("worker %s stopped", self.worker_id)
 
+    def _beat(self, done: threading.Event) -> None:
+        """Heartbeat this worker's row from its own thread until ``done``, whatever the loop is busy with (a task's
+        result being stored, a job's upload): claims count it live, so retries of another host's faults wait for
+        it, and ``/readyz`` counts it."""
+        while not done.wait(self.settings.heartbeat_interval_s):
+            try:
+                self.store.workers.heartbeat(self.worker_id, self._job_id, host=self.host)
+            except DBAPIError as exc:  # the loop's own store calls report a store that stays away
+                logger.debug("worker heartbeat failed (%s)", brief(exc))
+
     def run_once(self) -> bool:
         """Claim and run one task of a split job, else one job; False when nothing was ready."""
-        self.store.workers.heartbeat(self.worker_id)
-        task = self.store.tasks.claim(self.worker_id, self.host)
+        live_within_s, self._job_id = self.settings.heartbeat_timeout_s, None
+        self.store.workers.heartbeat(self.worker_id, host=self.host)
+        task = self.store.tasks.claim(self.worker_id, self.host, live_within_s=live_within_s)
         if task is not None:
-            self.store.workers.heartbeat(self.worker_id, task.job_id)
+            self._job_id = task.job_id
+            self.store.workers.heartbeat(self.worker_id, task.job_id, host=self.host)
             status = TaskRun(self.settings, self.store, self.dirs, self.worker_id, task, self.stopping,
                              log_level=self.log_level).execute()
             logger.info("job %s: %s: %s", task.job_id, task.name, status.value if status else "lost")
-            self.store.workers.heartbeat(self.worker_id)
+            self._job_id = None
+            self.store.workers.heartbeat(self.worker_id, host=self.host)
             return True
-        job = self.store.claim_next(self.worker_id, max_running_per_owner=self.settings.max_running_jobs_per_key)
+        job = self.store.claim_next(self.worker_id, host=self.host, live_within_s=live_within_s,
+                                    max_running_per_owner=self.settings.max_running_jobs_per_key)
         if job is None:
             return False
         if is_split_job(job.request):
@@ -115,11 +135,13 @@ class Worker:
             split_job(self.store, self.dirs, self.worker_id, job, self.settings.max_attempts)
             return True
         logger.info("job %s: claimed, attempt %d of %d", job.id, job.attempt, job.max_attempts)
-        self.store.workers.heartbeat(self.worker_id, job.id)
+        self._job_id = job.id
+        self.store.workers.heartbeat(self.worker_id, job.id, host=self.host)
         status = JobRun(self.settings, self.store, self.dirs, self.worker_id, job, self.stopping,
                         log_level=self.log_level).execute()
         logger.info("job %s: %s", job.id, status.value if status else "lost")
-        self.store.workers.heartbeat(self.worker_id)
+        self._job_id = None
+        self.store.workers.heartbeat(self.worker_id, host=self.host)
         return True
 
 
