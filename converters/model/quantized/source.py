@@ -253,21 +253,30 @@ class SourceQuantization:
         return weight
 
     def _dequantize(self, weight_key: str, read: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The arithmetic of :meth:`dequantize` on the tensors ``read`` gives, their shapes checked first (so that
+        an error names the scale that does not fit)."""
         prefix = _prefix(weight_key)
         if self.scheme in (Scheme.FP8_BLOCK, Scheme.FP8_TENSOR):
-            return dequantize_fp8(_expect(read, weight_key, _FP8), read(f"{weight_key}_scale_inv"), dtype,
-                                  self.block_size)
-        if self.scheme is Scheme.MODELOPT_NVFP4:
-            return dequantize_nvfp4(_expect(read, weight_key, _PACKED),
-                                    _expect(read, f"{prefix}weight_scale", _FP8),
-                                    read(f"{prefix}weight_scale_2"), dtype, divide=False)
-        packed = _read_packed(read, prefix, required=self.scheme is Scheme.CT_NVFP4) \
-            if self.scheme in (Scheme.CT_NVFP4, Scheme.CT_MIXED) else None
-        if packed is not None:
-            return dequantize_nvfp4(packed, _expect(read, f"{prefix}weight_scale", _FP8),
-                                    read(f"{prefix}weight_global_scale"), dtype, divide=True)
-        return dequantize_fp8(_expect(read, weight_key, _FP8), read(f"{prefix}weight_scale"), dtype,
-                              self.block_size)
+            names = (weight_key, f"{weight_key}_scale_inv")
+            tensors = {names[0]: _expect(read, names[0], _FP8), names[1]: read(names[1])}
+        elif self.scheme is Scheme.MODELOPT_NVFP4:
+            names = (weight_key, f"{prefix}weight_scale", f"{prefix}weight_scale_2")
+            tensors = {names[0]: _expect(read, names[0], _PACKED), names[1]: _expect(read, names[1], _FP8),
+                       names[2]: read(names[2])}
+        else:
+            packed = _read_packed(read, prefix, required=self.scheme is Scheme.CT_NVFP4) \
+                if self.scheme in (Scheme.CT_NVFP4, Scheme.CT_MIXED) else None
+            if packed is not None:
+                names = (f"{prefix}weight_packed", f"{prefix}weight_scale", f"{prefix}weight_global_scale")
+                tensors = {names[0]: packed, names[1]: _expect(read, names[1], _FP8), names[2]: read(names[2])}
+            else:
+                names = (weight_key, f"{prefix}weight_scale")
+                tensors = {names[0]: _expect(read, names[0], _FP8), names[1]: read(names[1])}
+        self.check_scale_shapes(weight_key, tensors)
+        values = [tensors[name] for name in names]
+        if len(values) == 2:
+            return dequantize_fp8(*values, dtype, self.block_size)
+        return dequantize_nvfp4(*values, dtype, divide=self.scheme is not Scheme.MODELOPT_NVFP4)
 
 
 def _prefix(weight_key: str) -> str:
