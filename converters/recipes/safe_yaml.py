@@ -50,16 +50,20 @@ def load_yaml(text: str) -> Any:
     """Parse one YAML document into plain Python objects (``yaml.safe_load``'s types).
 
     Raises:
-        YamlRefused: more than :data:`MAX_YAML_BYTES`, an anchor or alias, nesting deeper than
-            :data:`MAX_YAML_DEPTH`, or not YAML (PyYAML's message, whose snippet is bounded).
+        YamlRefused: more than :data:`MAX_YAML_BYTES`, a character YAML does not allow, an anchor or alias, nesting
+            deeper than :data:`MAX_YAML_DEPTH`, or not YAML (PyYAML's message, whose snippet is bounded).
     """
     if len(text.encode("utf-8", "surrogatepass")) > MAX_YAML_BYTES:
         raise YamlRefused(f"The document is larger than {MAX_YAML_BYTES} bytes; an Accelerate config is a few hundred")
-    loader = _BoundedLoader(text)
+    loader = None
     try:
+        # inside the try: PyYAML's reader checks every character as the loader is built
+        loader = _BoundedLoader(text)
         return loader.get_single_data()
     except YamlRefused:
         raise
+    except yaml.reader.ReaderError as exc:
+        raise YamlRefused(_unacceptable(text, exc)) from exc
     except yaml.YAMLError as exc:
         raise YamlRefused(f"Not valid YAML: {exc}") from exc
     except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python converts
@@ -67,4 +71,15 @@ def load_yaml(text: str) -> Any:
     except RecursionError as exc:  # defence in depth: the depth bound above should stop it first
         raise YamlRefused("The document nests too deeply") from exc
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def _unacceptable(text: str, error: yaml.reader.ReaderError) -> str:
+    """Where the character PyYAML's reader refused lies, named by its code point: the character itself may be one
+    no JSON answer or terminal can carry (a NUL, a lone surrogate)."""
+    code = error.character if isinstance(error.character, int) else ord(str(error.character)[:1] or "\0")
+    before = text[:error.position]
+    line, column = before.count("\n") + 1, error.position - (before.rfind("\n") + 1) + 1
+    return (f"The document holds the character U+{code:04X} at line {line}, column {column}, which YAML does not "
+            f"allow (control characters other than tab and line breaks, U+FFFE, U+FFFF, lone surrogates); remove it")
