@@ -14,6 +14,7 @@ from converters.pipeline.request import (
     KV_CACHE_FORMAT_NAMES,
     LIMITS,
     MIN_SQNR_DB_RANGE,
+    REQUANTIZE_TARGETS,
     SERVING_FORMAT_NAMES,
     SYNC_DEFAULTS,
     SYNC_LIMITS,
@@ -64,6 +65,8 @@ def form_defaults() -> dict[str, Any]:
         "sync_calibration": {"steps": SYNC_DEFAULTS["steps"], "min": SYNC_LIMITS["steps"][0],
                              "max": SYNC_LIMITS["steps"][1]},
         "serving_formats": list(SERVING_FORMAT_NAMES),
+        #: the formats a requantize job (no calibration) writes: RequantizeCreate.to
+        "requantize_targets": list(REQUANTIZE_TARGETS),
         "kv_cache_choices": ["none", *KV_CACHE_DTYPES],  #: "none" sends no kv_cache
         "kv_cache_formats": list(KV_CACHE_FORMAT_NAMES),
         "recipe_variants": variants,

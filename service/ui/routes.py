@@ -77,6 +77,11 @@ def new_job_page(request: Request) -> HTMLResponse:
     return _page(request, "new_job.html", title="New job", nav="new", form=form_defaults())
 
 
+@router.get("/jobs/new/requantize", response_class=HTMLResponse)
+def new_requantize_page(request: Request) -> HTMLResponse:
+    return _page(request, "new_requantize.html", title="New requantize job", nav="requantize", form=form_defaults())
+
+
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job_id: Annotated[str, PathParam(max_length=64)]) -> HTMLResponse:
     return _page(request, "job.html", title=f"Job {job_id}", nav="jobs", job_id=job_id)

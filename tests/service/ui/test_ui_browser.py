@@ -130,6 +130,8 @@ def test_keyboard_submission_live_progress_and_report(keyed_server, tab):
     for chart in ("#amax-chart", "#scale-chart", "#history-chart", "#share-chart"):
         expect(page.locator(f"{chart} canvas")).to_have_count(1)
     row = page.locator(f'#calibration-table tr[data-path="{KNOWN_LAYER}"]')
+    expect(row).to_be_hidden()  # the page is compact: the calibration tables are folded until asked for
+    page.locator("#calibration-box summary").click()
     expect(row).to_be_visible()
     page.select_option("#layer-select", KNOWN_LAYER)
     expect(page.locator("#history-table caption")).to_have_text(f"{KNOWN_LAYER}: amax per calibration step")
@@ -148,6 +150,7 @@ def test_keyboard_submission_live_progress_and_report(keyed_server, tab):
     with httpx.Client(base_url=keyed_server.base_url, headers={"Authorization": f"Bearer {TOKEN}"}) as api:
         listing = {a["name"]: a for a in api.get(f"/v1/jobs/{job_id}/artifacts").json()["data"]}
     expect(page.locator("#artifacts")).to_contain_text(listing["fp8_report.json"]["sha256"])
+    page.locator("#artifacts-box summary").click()
     with page.expect_download() as download:
         page.locator("#artifacts").get_by_role("link", name="config.json", exact=True).click()
     data = Path(download.value.path()).read_bytes()

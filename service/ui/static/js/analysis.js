@@ -242,6 +242,8 @@
         }
         const target = document.getElementById(id);
         if (!target) return;
+        const folded = target.closest('details'); // the job page folds the layer table
+        if (folded) folded.open = true;
         this.$refs.analysisRows.querySelectorAll('tr.linked').forEach(function (tr) { tr.classList.remove('linked'); });
         target.classList.add('linked');
         target.tabIndex = -1;

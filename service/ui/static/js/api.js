@@ -189,6 +189,22 @@
     return (100 * share).toFixed(share < 0.1 && share > 0 ? 1 : 0) + '%';
   }
 
+  //: How the pages name each job kind (JobPublic.kind).
+  const KINDS = { calibrated: 'calibrated', plan: 'calibrated + plan', requantize: 'requantize' };
+  const FAILURE_CHARS = 160;
+
+  // An error's first line, cut to FAILURE_CHARS: a list row shows this much, the page and the tooltip the rest.
+  function firstLine(text) {
+    const line = text.split('\n')[0];
+    const cut = line.length > FAILURE_CHARS ? line.slice(0, FAILURE_CHARS - 1) : line;
+    return cut + (cut !== text ? '…' : '');
+  }
+
+  // A path in pieces that each end at a "/": a row breaks a long path between them, never inside a name.
+  function pathParts(path) {
+    return path.split(/(?<=\/)/);
+  }
+
   // A recipe as a short name: "te delayed E4M3", "ao rowwise", "te mxfp8_block" (the API's default: "te").
   function recipeText(recipe) {
     if (!recipe) return '';
@@ -205,6 +221,9 @@
     job.short = job.id.slice(0, 8);
     job.href = '/ui/jobs/' + encodeURIComponent(job.id);
     job.model = (job.request && job.request.model) || '(request hidden)';
+    job.modelParts = pathParts(job.model);
+    job.kind = job.kind || 'calibrated';
+    job.kindText = KINDS[job.kind] || job.kind;
     job.cancellable = job.status === 'queued' || job.status === 'running';
     job.deletable = isFinished(job.status);
     job.finished = isFinished(job.status);
@@ -212,14 +231,17 @@
     job.stageText = job.stage && !job.finished ? job.stage + (job.progress && job.progress.stage_total
       ? ' ' + job.progress.stage_done + '/' + job.progress.stage_total : '') : '';
     job.progressLabel = 'Progress of job ' + job.short + ': ' + job.percent;
-    job.recipeText = job.request ? recipeText(job.request.recipe || { backend: 'te' }) : '';
-    job.exportsText = job.request ? (job.request.serving_formats || []).join(', ') || '—' : '';
+    const requantize = job.request && job.request.requantize;
+    // a requantize job has no recipe (nothing is calibrated): its one export is its target format
+    job.recipeText = !job.request ? '' : requantize ? 'none (from the files)' : recipeText(job.request.recipe || { backend: 'te' });
+    job.exportsText = !job.request ? '' : requantize ? requantize.to : (job.request.serving_formats || []).join(', ') || '—';
     job.duration = '';
     if (job.started_at) {
       const end = job.finished_at ? new Date(job.finished_at).getTime() : (job.finished ? null : (now || Date.now()));
       if (end !== null) job.duration = formatSeconds((end - new Date(job.started_at).getTime()) / 1000);
     }
     job.failure = job.error ? job.error.code + ': ' + job.error.message : '';
+    job.failureLine = job.failure ? firstLine(job.failure) : '';
     job.eta = '';
     if (job.status === 'running' && job.started_at && fraction > 0.02 && fraction < 1) {
       const elapsed = ((now || Date.now()) - new Date(job.started_at).getTime()) / 1000;
@@ -269,7 +291,7 @@
   window.fp8 = {
     config: config, ApiError: ApiError, getKey: getKey, setKey: setKey, request: request,
     followEvents: followEvents, progressFraction: progressFraction, isFinished: isFinished,
-    decorateJob: decorateJob, applyEvent: applyEvent, download: download,
+    decorateJob: decorateJob, applyEvent: applyEvent, download: download, pathParts: pathParts,
     formatBytes: formatBytes, formatSeconds: formatSeconds, formatTime: formatTime, formatPercent: formatPercent,
     recipeText: recipeText,
   };

@@ -1,9 +1,24 @@
-// One job: its state from GET /v1/jobs/{id}, kept live by its event stream, cancel / delete, its artifacts,
-// and once it has succeeded the report (fp8_report.json, downloaded through the artifacts API).
+// One job: its state from GET /v1/jobs/{id}, kept live by its event stream, cancel / delete, its tasks (which worker
+// ran which shard), its artifacts (one by one or all in a tar), and once it has succeeded the report of its kind
+// (fp8_report.json, or a requantize job's requantize_report.json, downloaded through the artifacts API).
 (function () {
   'use strict';
 
   const MAX_EVENTS = 200;
+  //: while a job runs, its task list is re-read at most this often (progress events say when a task finished)
+  const TASKS_EVERY_MS = 2000;
+
+  function taskRow(task) {
+    return {
+      name: task.name, parts: window.fp8.pathParts(task.name), kind: task.kind, status: task.status,
+      worker: task.worker || '—', host: task.host || '—', attempt: task.attempt + ' of ' + task.max_attempts,
+      started: task.started_at ? new Date(task.started_at).toLocaleTimeString() : '—',
+      finished: task.finished_at ? new Date(task.finished_at).toLocaleTimeString() : '—',
+      seconds: typeof task.seconds === 'number' ? task.seconds.toFixed(2) : '—',
+      error: task.error ? task.error.code + ': ' + task.error.message : '',
+      errorLine: task.error ? task.error.code + ': ' + task.error.message.split('\n')[0] : '',
+    };
+  }
 
   function describe(kind, data) {
     if (kind === 'status') return data.status + (data.reason ? ' (' + data.reason + ')' : '') + (data.message ? ': ' + data.message : '');
@@ -19,7 +34,9 @@
       const base = '/v1/jobs/' + encodeURIComponent(jobId);
       let stream = null;
       let eventCount = 0;
-      return Object.assign(window.fp8analysis.mixin(), window.fp8report.mixin(), window.fp8quality.mixin(), {
+      let tasksRead = 0;
+      return Object.assign(window.fp8analysis.mixin(), window.fp8report.mixin(), window.fp8quality.mixin(),
+        window.fp8requantize.mixin(), {
         job: null,
         loadError: '',
         announcement: '',
@@ -29,6 +46,9 @@
         artifacts: [],
         reportReady: false,
         reportStatus: '',
+        tasks: [],
+        tasksText: '',
+        artifactsText: '',
 
         init() {
           const self = this;
@@ -55,8 +75,23 @@
             this.loadError = err.status === 404 ? 'No job ' + jobId + ' (or not yours).' : err.message;
             return;
           }
+          this.loadTasks();
           if (this.job.finished) this.finished();
           else this.follow();
+        },
+
+        // GET /v1/jobs/{id}/tasks: none for a job that is not split into tasks (the section stays hidden).
+        async loadTasks() {
+          tasksRead = Date.now();
+          try {
+            const list = await window.fp8.request('GET', this.job.links.tasks || base + '/tasks');
+            this.tasks = list.data.map(taskRow);
+            const done = list.data.filter(function (task) { return task.status === 'succeeded'; }).length;
+            const workers = new Set(list.data.map(function (task) { return task.worker; }).filter(Boolean));
+            this.tasksText = done + ' of ' + list.count + ' tasks succeeded, run by ' + workers.size + ' worker(s).';
+          } catch (err) {
+            this.tasksText = 'The tasks could not be loaded: ' + err.message;
+          }
         },
 
         follow() {
@@ -80,6 +115,7 @@
             this.announcement = 'Job ' + this.job.status + (this.job.stage && !this.job.finished ? ', stage ' + this.job.stage : '') + '.';
           }
           if (kind === 'status' && window.fp8.isFinished(data.status)) this.reloadFinished();
+          else if (kind === 'progress' && Date.now() - tasksRead > TASKS_EVERY_MS) this.loadTasks();
         },
 
         async reloadFinished() {
@@ -93,6 +129,7 @@
         },
 
         finished() {
+          this.loadTasks();
           if (this.job.status === 'succeeded') {
             this.loadArtifacts();
             this.loadReport();
@@ -106,6 +143,8 @@
               artifact.size = window.fp8.formatBytes(artifact.bytes);
               return artifact;
             });
+            const total = list.data.reduce(function (sum, artifact) { return sum + artifact.bytes; }, 0);
+            this.artifactsText = list.count + ' files, ' + window.fp8.formatBytes(total);
           } catch (err) {
             this.loadError = err.message;
           }
@@ -116,10 +155,11 @@
           this.reportStatus = 'Loading the report…';
           try {
             const report = await window.fp8.request('GET', this.job.links.report);
-            this.reportReady = true;
+            this.reportReady = this.job.kind !== 'requantize';
             this.reportStatus = '';
             const self = this;
-            this.$nextTick(function () { self.showReport(report); });
+            if (this.job.kind === 'requantize') this.showRequantize(report);
+            else this.$nextTick(function () { self.showReport(report); });
           } catch (err) {
             this.reportStatus = 'The report could not be loaded: ' + err.message;
           }
@@ -142,6 +182,10 @@
           } catch (err) {
             this.loadError = err.message;
           }
+        },
+
+        downloadAll(event) {
+          this.download(event, { url: this.job.links.archive, name: 'fp8forge-job-' + this.job.id + '.tar' });
         },
 
         download(event, artifact) {

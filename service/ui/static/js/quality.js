@@ -16,12 +16,22 @@
     return typeof ppl === 'number' && typeof ref === 'number' && ref > 0 ? (100 * (ppl - ref)) / ref : null;
   }
 
-  function qualityRow(id, name, kind, entry) {
+  // The perplexity change against the source as "+0.42 (+0.12%)": what separates 350.31 from 349.89.
+  function delta(entry) {
+    const rise = increase(entry);
+    if (rise === null) return '—';
+    const points = entry.perplexity - entry.perplexity_reference;
+    const sign = function (v) { return v >= 0 ? '+' : '−'; };
+    return sign(points) + Math.abs(points).toFixed(3) + ' (' + sign(rise) + Math.abs(rise).toFixed(2) + '%)';
+  }
+
+  function qualityRow(id, name, kind, entry, short) {
     const rise = increase(entry);
     return {
-      id: id, name: name, kind: kind, entry: entry,
+      id: id, name: name, kind: kind, entry: entry, short: short || name, rise: rise,
       perplexity: number(entry.perplexity, 3), reference: number(entry.perplexity_reference, 3),
       increase: rise === null ? '—' : (rise >= 0 ? '+' : '') + rise.toFixed(2) + '%',
+      delta: delta(entry), worse: rise !== null && rise > 0,
       klMean: fmt(entry.kl_mean), klMax: fmt(entry.kl_max),
       top1: typeof entry.top1_agreement === 'number' ? window.fp8.formatPercent(entry.top1_agreement) : '—',
       tokens: fmt(entry.tokens), texts: fmt(entry.texts),
@@ -33,10 +43,12 @@
   // training first, then each serving export as written; entries that are not figures (an error) say so.
   function qualityRows(quality, recipeLabel) {
     const rows = [];
-    if (quality.training) rows.push(qualityRow('quality-training', 'training artifact (' + recipeLabel + ')', 'training', quality.training));
+    if (quality.training) {
+      rows.push(qualityRow('quality-training', 'training artifact (' + recipeLabel + ')', 'training', quality.training, 'training'));
+    }
     const serving = quality.serving || {};
     Object.keys(serving).forEach(function (name) {
-      rows.push(qualityRow('quality-serving-' + name, name, 'serving export', serving[name]));
+      rows.push(qualityRow('quality-serving-' + name, name, 'serving export', serving[name], name));
     });
     return rows.filter(function (row) {
       return row.entry && typeof row.entry === 'object' && QUALITY_KEYS.some(function (k) { return k in row.entry; });
@@ -178,35 +190,37 @@
         this.$nextTick(function () { self.drawQuality(); });
       },
 
+      // Two charts over every artifact, each bar labelled by its artifact (the training recipe or the export's
+      // format): the perplexity change against the source in percent (an axis from zero made 350.31 and 349.89
+      // look equal), and the mean and largest per-token KL.
       drawQuality() {
         const box = this.$refs.qualityCharts;
         if (!box) return;
         box.replaceChildren();
-        this.quality.forEach(function (row) {
-          const figure = document.createElement('figure');
-          figure.className = 'chart small';
-          figure.id = row.id + '-chart';
-          const ppl = document.createElement('div');
-          ppl.className = 'svg-plot';
-          ppl.setAttribute('role', 'img');
-          ppl.setAttribute('aria-label', 'Bar chart, ' + row.label);
-          const kl = document.createElement('div');
-          kl.className = 'svg-plot';
-          kl.setAttribute('role', 'img');
-          kl.setAttribute('aria-label', 'Bar chart, ' + row.name + ': mean and largest per-token KL divergence');
-          const caption = document.createElement('figcaption');
-          caption.textContent = row.name + ' (' + row.kind + ')';
-          figure.append(caption, ppl, kl);
-          box.appendChild(figure);
-          window.fp8svg.bars(ppl, {
-            title: 'Perplexity', yLabel: 'perplexity',
-            bars: [{ label: 'source', value: row.entry.perplexity_reference, color: 1 },
-              { label: 'FP8', value: row.entry.perplexity, color: 0 }],
-          });
-          window.fp8svg.bars(kl, {
-            title: 'KL divergence per token', yLabel: 'KL (nats)',
-            bars: [{ label: 'mean', value: row.entry.kl_mean, color: 2 }, { label: 'largest', value: row.entry.kl_max, color: 3 }],
-          });
+        const rows = this.quality;
+        const figure = function (id, label) {
+          const element = document.createElement('figure');
+          element.className = 'chart small';
+          element.id = id;
+          const plot = document.createElement('div');
+          plot.className = 'svg-plot';
+          plot.setAttribute('role', 'img');
+          plot.setAttribute('aria-label', label);
+          element.appendChild(plot);
+          box.appendChild(element);
+          return plot;
+        };
+        const ppl = figure('quality-ppl-chart', 'Bar chart, perplexity change against the source per artifact: ' +
+          rows.map(function (row) { return row.short + ' ' + row.increase; }).join(', '));
+        window.fp8svg.bars(ppl, {
+          title: 'Perplexity change against the source (%)', yLabel: 'change (%)',
+          bars: rows.map(function (row, i) { return { label: row.short, value: row.rise, color: i }; }),
+        });
+        const kl = figure('quality-kl-chart', 'Bar chart, mean per-token KL divergence per artifact: ' +
+          rows.map(function (row) { return row.short + ' ' + row.klMean; }).join(', '));
+        window.fp8svg.bars(kl, {
+          title: 'Mean KL divergence per token (nats)', yLabel: 'KL (nats)',
+          bars: rows.map(function (row, i) { return { label: row.short, value: row.entry.kl_mean, color: i }; }),
         });
       },
     };

@@ -54,7 +54,6 @@
       ['Calibration data', cal.data_source || ''],
       ['TransformerEngine check', check.ran ? 'ran' + (check.cosine !== undefined ? ', cosine ' + check.cosine : '')
         : 'not run' + (check.reason ? ': ' + check.reason : '')],
-      ['Files', (report.files || []).join(', ')],
     ];
     return list.map(function (pair) { return { label: pair[0], value: pair[1] === undefined ? '' : String(pair[1]) }; });
   }
@@ -129,9 +128,11 @@
             .sort(function (a, b) { return a.db - b.db; });
           const audit = plan.load_audit;
           const kv = plan.kv_cache;
+          const kept = skipped.map(function (path) { return path + ' (' + plan.skipped[path] + ')'; }).join('; ') || '—';
           return {
-            format: name, quantized: (plan.quantized || []).length,
-            skipped: skipped.map(function (path) { return path + ' (' + plan.skipped[path] + ')'; }).join('; ') || '—',
+            format: name, quantized: (plan.quantized || []).length, skipped: kept,
+            skippedShort: skipped.length ? skipped.length + ' layers: ' + skipped.slice(0, 3).join(', ') + (skipped.length > 3 ? ', …' : '') : '—',
+            loadsIn: window.fp8requantize.loadsInRows(plan.loads_in),
             sqnr: sqnr.length ? sqnr[0].db.toFixed(1) + ' / ' + sqnr[Math.floor(sqnr.length / 2)].db.toFixed(1) : '—',
             layers: sqnr.map(function (row) {
               return row.path + ': ' + row.db.toFixed(2) + ' dB' +

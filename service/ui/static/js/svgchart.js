@@ -119,25 +119,30 @@
     return drawn;
   }
 
-  // Bars from zero. spec: {title, yLabel, bars: [{label, value, color?: index}]}.
+  // Bars from zero, up or down (a change may be negative): the axis spans zero and every value, so small
+  // differences plotted as changes stay visible. spec: {title, yLabel, bars: [{label, value, color?: index}]}.
   function bars(container, spec) {
     const chart = svgFor(container, spec.title);
     const svg = chart.svg;
     const values = spec.bars.map(function (b) { return b.value; }).filter(function (v) { return typeof v === 'number'; });
     if (!values.length) { text(svg, chart.width / 2, HEIGHT / 2, 'No values.', { 'text-anchor': 'middle' }); return; }
-    const high = Math.max.apply(null, values.concat([0])) * 1.12 || 1;
-    const y = yAxis(svg, chart.width, 0, high, spec.yLabel);
+    const top = Math.max.apply(null, values.concat([0]));
+    const bottom = Math.min.apply(null, values.concat([0]));
+    const span = top - bottom || Math.abs(top) || 1;
+    const high = top + span * 0.12;
+    const low = bottom < 0 ? bottom - span * 0.12 : 0;
+    const y = yAxis(svg, chart.width, low, high, spec.yLabel);
     const slot = (chart.width - PAD.left - PAD.right) / spec.bars.length;
     spec.bars.forEach(function (bar, i) {
       const left = PAD.left + slot * i + slot * 0.15;
       text(svg, left + slot * 0.35, HEIGHT - PAD.bottom + 14, bar.label, { 'text-anchor': 'middle', class: 'tick' });
       if (typeof bar.value !== 'number') return;
       const rect = node('rect', {
-        x: left, width: slot * 0.7, y: y(bar.value), height: Math.max(y(0) - y(bar.value), 0.5),
+        x: left, width: slot * 0.7, y: Math.min(y(bar.value), y(0)), height: Math.max(Math.abs(y(0) - y(bar.value)), 0.5),
         fill: COLORS[(bar.color || 0) % COLORS.length], class: 'bar', 'data-label': bar.label,
       }, svg);
       node('title', {}, rect).textContent = bar.label + ': ' + window.fp8table.formatNumber(bar.value);
-      text(svg, left + slot * 0.35, y(bar.value) - 4, window.fp8table.formatNumber(bar.value),
+      text(svg, left + slot * 0.35, bar.value < 0 ? y(bar.value) + 12 : y(bar.value) - 4, window.fp8table.formatNumber(bar.value),
         { 'text-anchor': 'middle', class: 'tick' });
     });
   }
