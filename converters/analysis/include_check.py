@@ -19,6 +19,7 @@ from typing import Any
 from converters.analysis.patterns import PatternError, matches
 from converters.errors import ModelNotFoundError
 from converters.model.demo import DEMO_MODEL_REF
+from converters.model.files import pinned_model_path, read_model_text
 from converters.model.sources import parse_model_reference
 
 __all__ = ["check_include_on_disk", "local_checkpoint_dir", "stored_module_paths"]
@@ -54,7 +55,7 @@ def check_include_on_disk(directory: Path | None, include: Iterable[str]) -> Non
     if not include or directory is None:
         return
     try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(read_model_text(directory / "config.json"))
         paths = stored_module_paths(directory)
     except (OSError, ValueError, ModelNotFoundError):
         return  # the worker reports what is wrong with the files
@@ -91,7 +92,7 @@ def stored_module_paths(directory: Path) -> set[str]:
 
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        weight_map = json.loads(read_model_text(index)).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelNotFoundError(f"{index.name} has no weight_map object")
         names: Iterable[Any] = weight_map
@@ -100,7 +101,7 @@ def stored_module_paths(directory: Path) -> set[str]:
         if not single.is_file():
             return set()
         try:  # the header only: the library reads and checks it, and maps no tensor
-            with safe_open(single, framework="numpy") as handle:
+            with pinned_model_path(single) as pinned, safe_open(pinned, framework="numpy") as handle:
                 names = list(handle.keys())
         except SafetensorError as exc:
             raise ModelNotFoundError(f"{single.name} is not a safetensors file: {exc}") from exc

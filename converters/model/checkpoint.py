@@ -6,8 +6,9 @@ The layer-sequential pipeline keeps only one decoder layer in memory, so it neve
 (``get_model_conversion_mapping``), so renamed heads and per-expert MoE tensors fused into 3-D parameters
 arrive exactly as ``from_pretrained`` would produce them, and no second copy of that mapping lives here.
 
-Tensors are read one by one through ``safe_open`` slices; files are opened for one load and closed after
-it, so the pages read stay out of the process once a group is released.
+Tensors are read one by one through ``safe_open`` slices; files are opened for one load (through
+``converters.model.files``, which follows no link after its check) and closed after it, so the pages read
+stay out of the process once a group is released.
 ``Checkpoint.read`` instead reads a group's tensors with ``pread``
 into plain memory (no file mapping; thread-safe) and ``load(tensors=...)`` then places them: the
 layer-sequential prefetch of a quantized source (``Checkpoint.read_ahead``; a plain source's next layer
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from torch import nn
 
 from converters.errors import ModelNotFoundError
 from converters.model.consistency import check_against_model, check_index, check_stored_dtype
-from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME
+from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, open_model_file, pinned_model_path, read_model_text
 from converters.model.quantized import source_quantization
 from converters.model.quantized.stored import StoredWeights
 from converters.model.safetensors_stream import SourceTensor, read_tensor, read_tensor_index
@@ -57,7 +59,7 @@ def weight_files(directory: Path) -> list[Path]:
             "written by save_pretrained"
         )
     try:
-        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        names = sorted(set(json.loads(read_model_text(index))["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ModelNotFoundError(f"{index}: not a safetensors index (needs a weight_map object): {exc}") from exc
     for name in names:
@@ -99,7 +101,7 @@ class Checkpoint:
             # A corrupt header is refused with its reason before the Rust reader maps it.
             sources, _ = read_tensor_index(path)
             self.source_of.update(sources)
-            with safe_open(path, framework="pt") as handle:
+            with pinned_model_path(path) as pinned, safe_open(pinned, framework="pt") as handle:
                 in_file[path] = list(handle.keys())
         check_index(self.directory, {path.name: names for path, names in in_file.items()})
         quantization = source_quantization(self.directory)
@@ -183,7 +185,7 @@ class Checkpoint:
             source = self.source_of[key]
             ranges.setdefault(source.path, []).append((source.start, source.nbytes))
         for path, spans in ranges.items():
-            descriptor = os.open(path, os.O_RDONLY)
+            descriptor = open_model_file(path)
             try:
                 for start, length in spans:
                     os.posix_fadvise(descriptor, start, length, os.POSIX_FADV_WILLNEED)
@@ -245,7 +247,10 @@ class Checkpoint:
         for key in disk_keys:
             if key not in tensors:
                 by_file.setdefault(self.file_of[key], []).append(key)
-        handles = [safe_open(path, framework="pt") for path in by_file]
+        # Each file is opened without following a link (converters.model.files) and mapped by safe_open through
+        # its /proc/self/fd entry; the descriptors close once mapped.
+        with ExitStack() as pinned:
+            handles = [safe_open(pinned.enter_context(pinned_model_path(path)), framework="pt") for path in by_file]
         try:
             slices: dict[str, Any] = {key: handle.get_slice(key)
                                       for handle, keys in zip(handles, by_file.values(), strict=True) for key in keys}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.errors import ModelConfigError, ModelNotFoundError
-from converters.model.files import INDEX_NAME
+from converters.model.files import INDEX_NAME, read_model_text
 
 __all__ = ["HIGH_PRECISION_DTYPES", "check_against_config", "check_against_model", "check_index", "check_stored_dtype"]
 
@@ -40,7 +40,7 @@ def check_index(directory: Path, found: Mapping[str, Iterable[str]]) -> None:
     path = Path(directory) / INDEX_NAME
     if not path.is_file():
         return
-    weight_map = json.loads(path.read_text(encoding="utf-8")).get("weight_map") or {}
+    weight_map = json.loads(read_model_text(path)).get("weight_map") or {}
     holders: dict[str, list[str]] = {}
     for shard, names in found.items():
         for name in names:

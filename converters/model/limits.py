@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.errors import ModelConfigError
+from converters.model.files import open_model_file
 
 __all__ = [
     "MAX_CONFIG_BYTES",
@@ -107,7 +108,7 @@ def read_config_file(path: Path, limits: ConfigLimits | None = None, *, shown: s
         ModelConfigError: not a regular file, too large, not a JSON object, or refused by :func:`check_config`.
     """
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        descriptor = open_model_file(path)  # no link followed after its check (converters.model.files)
     except OSError as exc:
         raise ModelConfigError(f"cannot open {shown} ({exc.strerror})", field="model") from exc
     with os.fdopen(descriptor, "rb") as file:

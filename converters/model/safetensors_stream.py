@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from converters.errors import ModelNotFoundError
+from converters.model.files import model_file_reader
 
 __all__ = ["SourceTensor", "read_tensor_index", "read_tensor", "dtype_name", "StreamingWriter"]
 
@@ -59,7 +60,7 @@ class SourceTensor:
 def read_tensor(source: SourceTensor) -> torch.Tensor:
     """One tensor's bytes read with ``pread`` into its own memory: no file mapping stays behind once it is freed."""
     dtype = next(dtype for dtype, name in _DTYPE_NAMES.items() if name == source.dtype)
-    with open(source.path, "rb") as handle:
+    with model_file_reader(source.path) as handle:
         data = bytearray(source.nbytes)
         view, done = memoryview(data), 0
         while done < source.nbytes:
@@ -82,7 +83,7 @@ def read_tensor_index(path: Path) -> tuple[dict[str, SourceTensor], dict[str, st
             its name, not its server path) and what is wrong.
     """
     path = Path(path)
-    with open(path, "rb") as handle:
+    with model_file_reader(path) as handle:
         size = os.fstat(handle.fileno()).st_size
         prefix = handle.read(8)
         if len(prefix) < 8:
@@ -229,7 +230,7 @@ def _element_size(dtype: torch.dtype) -> int:
 
 def _copy_range(source: SourceTensor, destination) -> None:
     """Copy a byte range between files in the kernel where possible (no trip through Python memory)."""
-    with open(source.path, "rb") as handle:
+    with model_file_reader(source.path) as handle:
         remaining, offset = source.nbytes, source.start
         while remaining:
             count = min(remaining, _CHUNK)

@@ -14,13 +14,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from converters.errors import ModelNotFoundError, ModelReferenceError
 from converters.model.demo import DEMO_MODEL_REF, ensure_demo_model
-from converters.model.files import FileConfinement, check_model_directory
+from converters.model.files import INDEX_NAME, FileConfinement, check_model_directory, staged_model_directory
 from converters.model.limits import load_checked_config
 from converters.third_party_noise import transformers_progress_off
 
@@ -307,7 +309,8 @@ def _cache_miss_message(reference: ModelReference, sources: ModelSourceOptions, 
 
 
 def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
-    """Read ``config.json`` with transformers' ``AutoConfig``.
+    """Read ``config.json`` with transformers' ``AutoConfig``, from a private copy made without following a link
+    out of ``confinement_for(sources)`` (:func:`_staged`): the bytes checked are the bytes transformers reads.
 
     Raises:
         ModelNotFoundError: the config names an unknown architecture, or needs remote code while
@@ -315,10 +318,21 @@ def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
         ModelConfigError: the config is out of ``sources.config_limits`` or malformed (``converters.model.limits``).
     """
     try:
-        return load_checked_config(directory, sources)
+        with _staged(directory, sources, ["config.json"]) as staged:
+            config = load_checked_config(staged, sources)
     except (ValueError, OSError) as exc:
         hint = "" if sources.trust_remote_code else f"; if the model ships its own code, {_TRUST_REMOTE_CODE_HINT}"
         raise ModelNotFoundError(f"cannot read config.json in {directory}: {exc}{hint}") from exc
+    config._name_or_path = str(directory)  # where the model is, not the staging directory it was read from
+    return config
+
+
+def _staged(directory: Path, sources: ModelSourceOptions, names: list[str], links: Iterable[str] = ()
+            ) -> AbstractContextManager[Path]:
+    """:func:`~converters.model.files.staged_model_directory` of ``directory`` with ``names`` copied (and the
+    model's own code, when remote code is allowed) and ``links`` pinned, confined to ``confinement_for(sources)``."""
+    code = sorted(path.name for path in Path(directory).glob("*.py")) if sources.trust_remote_code else []
+    return staged_model_directory(directory, confinement_for(sources), copies=[*names, *code], links=links)
 
 
 def model_class(config: Any, sources: ModelSourceOptions) -> Any:
@@ -380,10 +394,13 @@ def load_model(directory: Path, sources: ModelSourceOptions, *, dtype: torch.dty
             "(convert .bin weights with transformers' save_pretrained first)"
         )
     cls = model_class(config, sources)
+    # from_pretrained reads a private directory: small files copied, weights pinned as /proc/self/fd links
+    weights = sorted(path.name for path in directory.glob("*.safetensors"))
     try:
-        with transformers_progress_off():
+        with transformers_progress_off(), _staged(directory, sources, ["config.json", "generation_config.json",
+                                                                        INDEX_NAME], weights) as staged:
             model, info = cls.from_pretrained(
-                directory,
+                staged,
                 dtype=dtype or model_dtype(config),
                 trust_remote_code=sources.trust_remote_code,
                 output_loading_info=True,
@@ -395,18 +412,27 @@ def load_model(directory: Path, sources: ModelSourceOptions, *, dtype: torch.dty
         raise ModelNotFoundError(
             f"{directory}: the checkpoint lacks {len(missing)} weight(s) the architecture needs, e.g. {missing[:3]}"
         )
+    model.config._name_or_path = str(directory)  # not the staging directory it was read from
     model.eval()
     return model
 
 
 def load_tokenizer(directory: Path, sources: ModelSourceOptions) -> Any | None:
-    """The model's own tokenizer, or ``None`` when the directory ships none."""
+    """The model's own tokenizer, or ``None`` when the directory ships none (or one transformers cannot load).
+
+    It is read from private copies of its files made without following a link out of
+    ``confinement_for(sources)`` (:func:`_staged`).
+
+    Raises:
+        ModelReferenceError: a tokenizer file links out of the confinement or changed while it was copied.
+    """
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(directory, trust_remote_code=sources.trust_remote_code)
+        with _staged(directory, sources, [*TOKENIZER_FILES, "config.json"]) as staged:
+            return AutoTokenizer.from_pretrained(staged, trust_remote_code=sources.trust_remote_code)
     except (OSError, ValueError) as exc:
         logger.warning("tokenizer in %s could not be loaded (%s); calibration will sample token ids", directory, exc)
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import multiprocessing
@@ -27,7 +28,7 @@ from converters.artifact.files import copy_side_files, write_json, write_manifes
 from converters.artifact.layout import MANIFEST_NAME, staging_dir_for
 from converters.errors import ConversionError, Fp8ForgeError, RequestError
 from converters.model.checkpoint import weight_files
-from converters.model.files import INDEX_NAME, FileConfinement
+from converters.model.files import INDEX_NAME, FileConfinement, check_model_directory, read_model_text
 from converters.modelfree.eligibility import ModelFreeOptions, decide
 from converters.modelfree.source import SourceView, source_view
 from converters.modelfree.targets import model_free_target, scale_dtype_of
@@ -67,7 +68,7 @@ def plan_model_free(source_dir: Path, target: str, options: ModelFreeOptions, *,
 def _plan(source_dir: Path, target: str, options: ModelFreeOptions, pool: Executor | None
           ) -> tuple[dict[str, Any], SourceView]:
     fmt = model_free_target(target)
-    config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    config = json.loads(read_model_text(source_dir / "config.json"))
     scale_dtype = scale_dtype_of(config)
     shards = [path.name for path in weight_files(source_dir)]
     inventories = _map(inventory_shard, [(str(source_dir), shard) for shard in shards], pool, star=True)
@@ -106,7 +107,7 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
     if not isinstance(workers, int) or workers < 1:
         raise RequestError(f"workers must be a positive integer, got {workers!r}", field="workers")
     options = ModelFreeOptions(include=tuple(include), exclude=tuple(exclude), skip_first_last=skip_first_last)
-    with _pool(workers) as pool:
+    with _pool(workers, source_dir, confinement) as pool:
         report, view = _plan(source_dir, format_name, options, pool)
         check_plan(report, view)
         staging = staging_dir_for(out_dir)
@@ -176,12 +177,18 @@ def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], view:
 
 
 @contextlib.contextmanager
-def _pool(workers: int) -> Iterator[Executor | None]:
-    """``workers`` spawned processes (CUDA-safe, nothing inherited) for every phase of one job; None for one."""
+def _pool(workers: int, source_dir: Path | None = None, confinement: FileConfinement | None = None
+          ) -> Iterator[Executor | None]:
+    """``workers`` spawned processes (CUDA-safe, nothing inherited) for every phase of one job; None for one.
+    Given a ``confinement``, each checks ``source_dir`` against it first, so that its reads keep to it
+    (``converters.model.files.open_model_file``)."""
     if workers == 1:
         yield None
         return
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    check = None if confinement is None or source_dir is None else functools.partial(
+        check_model_directory, source_dir, confinement, shown=source_dir.name)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=check) as pool:
         yield pool
 
 
@@ -234,7 +241,7 @@ def finish(source_dir: Path, staging: Path, report: dict[str, Any], results: lis
         weight_map = {name: result.shard for result in results for name in result.tensors}
         write_json(staging / INDEX_NAME, {"metadata": {"total_size": sum(result.bytes for result in results)},
                                           "weight_map": weight_map})
-    config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    config = json.loads(read_model_text(source_dir / "config.json", confinement))
     plan = serving_plan(report)
     quantization_config = fmt.quantization_config(plan)
     if quantization_config is None:

@@ -18,6 +18,7 @@ from converters.backends import backend_named
 from converters.calibration.amax import BACKWARD_SLOTS, FORWARD_SLOTS
 from converters.calibration.result import amax_swing
 from converters.model.checkpoint import weight_files
+from converters.model.files import read_model_text
 from converters.model.quantized.stored import write_dequantized_files
 from converters.model.sources import confinement_for
 from converters.pipeline.state import Run
@@ -137,8 +138,7 @@ def _calibration_report(run: Run) -> dict[str, Any]:
 
 
 def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
-    with open(run.resolved.directory / "config.json", encoding="utf-8") as handle:
-        config = json.load(handle)
+    config = json.loads(read_model_text(run.resolved.directory / "config.json", confinement_for(run.sources)))
     stored = run.resolved.checkpoint.stored
     if stored is not None:  # the weight files hold the dequantized weights: no quantization applies to them
         config.pop("quantization_config", None)

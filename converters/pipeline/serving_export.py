@@ -24,7 +24,7 @@ from converters.calibration.emulation import cast_spec
 from converters.calibration.sqnr_meter import RecipeCasts, SqnrMeter
 from converters.errors import ConversionError
 from converters.model.checkpoint import weight_files
-from converters.model.files import INDEX_NAME, FileConfinement
+from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
 from converters.model.sources import confinement_for, model_dtype
 from converters.pipeline.state import Run
 from converters.serving import serving_format
@@ -243,7 +243,7 @@ def finish_serving_export(plan: ServingPlan, source_dir: Path, shards: list[dict
         write_json(directory / INDEX_NAME, {"metadata": {"total_size": sum(shard["bytes"] for shard in shards)},
                                             "weight_map": weight_map})
         written.append(INDEX_NAME)
-    config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    config = json.loads(read_model_text(source_dir / "config.json", confinement))
     config["quantization_config"] = serving_format(plan.format).quantization_config(plan)
     write_json(directory / "config.json", config)
     written.append("config.json")

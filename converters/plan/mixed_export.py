@@ -34,7 +34,7 @@ import torch
 
 from converters.artifact.files import copy_side_files, write_json
 from converters.errors import Fp8ForgeError
-from converters.model.files import INDEX_NAME, FileConfinement
+from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
 from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
 from converters.plan.candidates import BF16
 from converters.serving.compressed_tensors import STATIC
@@ -178,7 +178,7 @@ def write_mixed_checkpoint(layout: MixedLayout, plan: Mapping[str, Any], source_
     if (source_dir / INDEX_NAME).is_file():
         write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         written.append(INDEX_NAME)
-    config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    config = json.loads(read_model_text(source_dir / "config.json", confinement))
     config["quantization_config"], side_files = layout.configs(plans, [row["path"] for row in plan["layers"]])
     write_json(directory / "config.json", config)
     written.append("config.json")

@@ -30,6 +30,7 @@ from converters.calibration.scaling import E4M3_MAX
 from converters.calibration.sensitivity import recipe_casts
 from converters.errors import ModelConfigError
 from converters.model.checkpoint import weight_files
+from converters.model.files import pinned_model_path
 from converters.model.quantized import source_quantization
 
 __all__ = ["LayerCast", "recipe_layer_casts", "export_layer_casts", "cast_linear_weight", "casting_linears"]
@@ -100,14 +101,14 @@ def export_layer_casts(directory: Path, paths: Iterable[str], on_disk_name: Call
         raise ModelConfigError(f"{directory} declares no quantization: not a serving export", field="model")
     file_of = {}
     for file in weight_files(directory):
-        with safe_open(file, framework="pt") as handle:
+        with pinned_model_path(file) as pinned, safe_open(pinned, framework="pt") as handle:
             file_of.update(dict.fromkeys(handle.keys(), file))
     spec = cast_spec(input_cast, library=library, pow2_scales=pow2_scales) if input_cast else None
 
     def read(name: str) -> torch.Tensor:
         if name not in file_of:
             raise KeyError(name)
-        with safe_open(file_of[name], framework="pt") as handle:
+        with pinned_model_path(file_of[name]) as pinned, safe_open(pinned, framework="pt") as handle:
             return handle.get_tensor(name)
 
     out = {}

@@ -41,7 +41,7 @@ from converters.analysis.reasons import Reason
 from converters.artifact.files import copy_side_files, write_json
 from converters.calibration.emulation import cast_spec, db, fake_quantize
 from converters.model.experts import EXPERT_GEMMS, parse_unit_path, unit_path
-from converters.model.files import INDEX_NAME, FileConfinement
+from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
 from converters.model.finite import check_converted
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
 from converters.serving.loads_in import loads_in, loads_in_warnings
@@ -362,7 +362,7 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
     if (source_dir / INDEX_NAME).is_file():
         write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         written.append(INDEX_NAME)
-    config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+    config = json.loads(read_model_text(source_dir / "config.json", confinement))
     config["quantization_config"] = fmt.quantization_config(plan)
     write_json(directory / "config.json", config)
     written.append("config.json")

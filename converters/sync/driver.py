@@ -30,7 +30,7 @@ from converters.artifact.files import copy_side_files, write_json, write_manifes
 from converters.artifact.layout import staging_dir_for
 from converters.errors import ArtifactError, ConversionError, RequestError
 from converters.model.checkpoint import weight_files
-from converters.model.files import INDEX_NAME, FileConfinement
+from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
 from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
 from converters.modelfree.driver import serving_plan
 from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, decide
@@ -116,7 +116,7 @@ def _training_block(artifact: Path) -> tuple[dict[str, Any], Any]:
 
 def _config(directory: Path) -> dict[str, Any]:
     try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(read_model_text(directory / "config.json"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ArtifactError(f"{directory / 'config.json'}: cannot read it as JSON: {exc}") from exc
     if not isinstance(config, dict):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.errors import ModelConfigError, ModelNotFoundError
-from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME
+from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, read_model_text
 from converters.model.quantized.source import Scheme, SourceQuantization
 from converters.model.safetensors_stream import read_tensor_index
 
@@ -43,7 +43,7 @@ def _refuse(what: str) -> ModelConfigError:
 
 def _json(path: Path) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(read_model_text(path))
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot read {path.name}: {exc}", field="model") from exc
     if not isinstance(value, dict):
