@@ -34,6 +34,7 @@ from converters.recipes.presets import RECIPE_NAMES
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode
 from service.jobs import Job, JobStatus, Stage, TaskStatus, public_worker_name
+from service.store.host_faults import public_host_name
 
 if TYPE_CHECKING:
     from service.api.auth import Caller
@@ -348,8 +349,9 @@ class TaskPublic(BaseModel):
     max_attempts: int
     worker: str | None = Field(..., description="The opaque name of the worker that ran it last (as worker_id "
                                                 "in a job's body).")
-    host: str | None = Field(..., description="The host that ran it last; for admins (and servers without API "
-                                              "keys) only, null for everyone else.")
+    host: str | None = Field(..., description="The host that ran it last: its name for admins (and on a server "
+                                              "without API keys), for everyone else a stable opaque name (as in "
+                                              "the job's events) that tells hosts apart.")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -363,7 +365,8 @@ class TaskPublic(BaseModel):
         return cls(
             name=row["shard"] or row["kind"], kind=row["kind"], shard=row["shard"], status=row["status"],
             attempt=row["attempt"], max_attempts=row["max_attempts"], worker=public_worker_name(row["worker_id"]),
-            host=row["host"] if caller.local or caller.admin else None, created_at=_ts(row["created_at"]),
+            host=row["host"] if caller.local or caller.admin else public_host_name(row["host"]),
+            created_at=_ts(row["created_at"]),
             started_at=_ts(started), finished_at=_ts(finished),
             seconds=round(end - started, 3) if started is not None and end is not None else None,
             error=ErrorPublic(code=row["error_code"], message=row["error_message"] or "")

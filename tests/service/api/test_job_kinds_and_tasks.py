@@ -16,6 +16,7 @@ import pytest
 from service.api.auth import key_entry
 from service.config import Settings
 from service.jobs import JobStatus, TaskStatus, public_worker_name
+from service.store.host_faults import public_host_name
 from service.store import JobStore
 from tests.service_helpers import live_app, publish_job
 
@@ -124,7 +125,7 @@ def test_tasks_of_a_job_not_split_are_an_empty_list_and_an_unknown_job_is_404(cl
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "job_not_found"
 
 
-def test_a_host_name_is_shown_to_admins_only(tmp_path: Path) -> None:
+def test_a_host_name_is_shown_to_admins_and_an_opaque_one_to_others(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path / "data", workers=0, api_keys=(
         key_entry("alice", "user", TOKENS["alice"]), key_entry("root", "admin", TOKENS["root"])))
     with live_app(settings) as client:
@@ -140,7 +141,8 @@ def test_a_host_name_is_shown_to_admins_only(tmp_path: Path) -> None:
         admin = client.get(f"/v1/jobs/{job['id']}/tasks",
                            headers={"Authorization": f"Bearer {TOKENS['root']}"}).json()["data"]
     assert [t["worker"] for t in mine] == [public_worker_name("host-a:101"), None]
-    assert [t["host"] for t in mine] == [None, None]  # which machines run the service is the operator's to know
+    # which machines run the service is the operator's to know; others see which tasks shared a host
+    assert [t["host"] for t in mine] == [public_host_name("host-a"), None]
     assert [t["host"] for t in admin] == ["host-a", None]
 
 
