@@ -29,11 +29,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from converters.analysis.comparison import identical_groups, recipe_exclusions, why_identical
 from converters.analysis.reasons import Reason
 from converters.analysis.totals import refresh_totals
 from converters.calibration.emulation import cast_spec
 from converters.calibration.sqnr_meter import DEFAULT_ROWS_PER_LAYER, DelayedParams, RecipeCasts, SqnrMeter
 from converters.recipes.presets import _value, parse_compare_recipe, recipe_label
+from converters.recipes.registry import recipe_from_dict
 
 __all__ = [
     "SQNR_DEFINITION",
@@ -125,6 +127,8 @@ def relabel_comparison(report: dict[str, Any], labels: Sequence[str | None]) -> 
         recipe["label"] = renamed[recipe["label"]]
     for row in report["comparison"]["layers"]:
         row["sqnr_db"] = {renamed[label]: value for label, value in row["sqnr_db"].items()}
+    for group in report["comparison"].get("identical", []):
+        group["labels"] = [renamed[label] for label in group["labels"]]
     job = report["sensitivity"]["recipe"]
     job["label"] = renamed.get(job["label"], job["label"])
 
@@ -154,15 +158,30 @@ def report_sqnr(report: dict[str, Any], meter: SqnrMeter, label: str, *, min_sqn
 
 
 def _comparison(report: dict[str, Any], meter: SqnrMeter, min_sqnr_db: float | None) -> dict[str, Any]:
+    """The table of compared recipes; a layer a recipe's shape rule keeps in high precision has no figure under it,
+    only ``excluded`` (the analysis's reason code): it would not be converted (converters.analysis.comparison)."""
     measured = set(meter.paths())
-    rows = [{"path": layer["path"], "sqnr_db": {label: meter.result(layer["path"], label) for label in meter.compared}}
-            for layer in report["layers"] if layer["path"] in measured]
+    layers = [layer for layer in report["layers"] if layer["path"] in measured]
     recipes = [c.describe() for c in meter.recipes if c.label in meter.compared]
+    for recipe in recipes:
+        recipe["excluded"] = recipe_exclusions(layers, recipe_from_dict(recipe["recipe"]))
+    rows = [{"path": layer["path"], "sqnr_db": {r["label"]: _figures(meter, layer["path"], r) for r in recipes}}
+            for layer in layers]
     if min_sqnr_db is not None:
         for recipe in recipes:
             outputs = [(row["path"], row["sqnr_db"][recipe["label"]]["output"]) for row in rows]
             recipe["below_min_sqnr_db"] = [path for path, value in outputs if value is not None and value < min_sqnr_db]
-    return {"recipes": recipes, "layers": rows}
+    by_label = {recipe["label"]: recipe for recipe in recipes}
+    identical = [{"labels": group, "why": why_identical([by_label[label] for label in group])}
+                 for group in identical_groups(rows, [recipe["label"] for recipe in recipes])]
+    return {"recipes": recipes, "layers": rows, "identical": identical}
+
+
+def _figures(meter: SqnrMeter, path: str, recipe: dict[str, Any]) -> dict[str, Any]:
+    reason = recipe["excluded"].get(path)
+    if reason is None:
+        return meter.result(path, recipe["label"])
+    return {"weight": None, "input": None, "output": None, "excluded": reason}
 
 
 def exclude_low_sqnr(report: dict[str, Any], min_sqnr_db: float) -> list[str]:

@@ -94,7 +94,10 @@ def add_comparison_quality(run: Run) -> None:
     texts = run.request.quality_texts
     try:
         source = load_source(run.resolved.directory, run.sources, tokenizer=run.tokenizer)
-        variants = {recipe["label"]: recipe_layer_casts(recipe_from_dict(recipe["recipe"]), _linears(run),
+        # each recipe scored on the layers it would convert: those its shape rule excludes stay in high precision
+        variants = {recipe["label"]: recipe_layer_casts(recipe_from_dict(recipe["recipe"]),
+                                                        [path for path in _linears(run)
+                                                         if path not in recipe.get("excluded", {})],
                                                         run.calibration.amax)
                     for recipe in comparison["recipes"]}
         figures = measure_qualities(source, variants, list(texts) if texts is not None else None,

@@ -87,6 +87,15 @@ class Unit:
         rule = recipe_of(precision).shape_rule()
         return not any(rule.fails(inp, out) for out, inp in self.shapes)
 
+    def excluded(self, precision: str) -> dict[str, str]:
+        """Member -> why ``precision`` cannot hold it: the shape rule's reason code (the analysis's) for a member that
+        breaks the rule, ``fused_group_not_fully_eligible:<unit>`` for the others of a group one member breaks."""
+        if self.fits(precision):
+            return {}
+        rule = recipe_of(precision).shape_rule()
+        return {member: rule.reason if rule.fails(inp, out) else f"fused_group_not_fully_eligible:{self.name}"
+                for member, (out, inp) in zip(self.members, self.shapes, strict=True)}
+
     def bytes(self, precision: str) -> int:
         return sum(weight_bytes(precision, out, inp) for out, inp in self.shapes)
 

@@ -171,23 +171,31 @@ def _layer_rows(units: Mapping[str, Unit], kept: Mapping[str, tuple[str, tuple[i
                 ) -> list[dict[str, Any]]:
     """One row per Linear: its unit, precision, why, its SQNR and its unit's contribution per precision, its cost."""
     rows = []
+    candidates = list(next(iter(sqnr.values()), {}))  # every comparison row holds the GPU's precisions
     for name, unit in units.items():
         precision = choice[name]
         why = explain_unit(unit, precision, steps, fits[name], sqnr, contributions.get(name, {}), target, limit,
                            shared)
+        excluded = {p: unit.excluded(p) for p in candidates}
         for member, shape in zip(unit.members, unit.shapes, strict=True):
-            rows.append(_row(member, name, precision, why, shape, sqnr, contributions.get(name, {}), planned=True))
+            rows.append(_row(member, name, precision, why, shape, sqnr, contributions.get(name, {}), planned=True,
+                             excluded={p: why_not[member] for p, why_not in excluded.items() if member in why_not}))
     for path, (reason, shape) in kept.items():
-        rows.append(_row(path, path, BF16, reason, shape, sqnr, {}, planned=False))
+        alone = Unit(path, (path,), (shape,))
+        rows.append(_row(path, path, BF16, reason, shape, sqnr, {}, planned=False,
+                         excluded={p: alone.excluded(p)[path] for p in candidates if alone.excluded(p)}))
     return rows
 
 
 def _row(path: str, unit: str, precision: str, why: str, shape: tuple[int, int], sqnr: Mapping[str, Any],
-         contribution: Mapping[str, float], *, planned: bool) -> dict[str, Any]:
+         contribution: Mapping[str, float], *, planned: bool, excluded: Mapping[str, str]) -> dict[str, Any]:
+    """A plan row; a candidate whose shape rule (or fused group) excludes the layer has no SQNR, only its reason in
+    ``excluded``: the plan could not choose it, so its figure would compare what will not happen."""
     out, inp = shape
+    figures = {p: (None if p in excluded else value) for p, value in sqnr.get(path, {}).items()}
     return {"path": path, "unit": unit, "precision": precision, "planned": planned, "why": why,
-            "out_features": out, "in_features": inp,
-            "sqnr_db": dict(sqnr.get(path, {})), "contribution": dict(contribution),
+            "out_features": out, "in_features": inp, "excluded": dict(excluded),
+            "sqnr_db": figures, "contribution": dict(contribution),
             "bytes": weight_bytes(precision, out, inp), "bytes_bf16": weight_bytes(BF16, out, inp),
             "flops_per_token": 2 * out * inp}
 

@@ -100,7 +100,8 @@ def format_comparison(report: dict[str, Any], metric: str = "output", width: int
     columns: dict[str, list[float]] = {label: [] for label in labels}
     for row in comparison["layers"]:
         values = [row["sqnr_db"][label][metric] for label in labels]
-        rows.append([row["path"], *(_cell(value, threshold) for value in values)])
+        rows.append([row["path"], *("excl" if "excluded" in row["sqnr_db"][label] else _cell(value, threshold)
+                                    for label, value in zip(labels, values, strict=True))])
         for label, value in zip(labels, values, strict=True):
             if value is not None:
                 columns[label].append(value)
@@ -121,8 +122,30 @@ def format_comparison(report: dict[str, Any], metric: str = "output", width: int
         note = f"; not emulated: {'; '.join(recipe['not_emulated'])}" if recipe["not_emulated"] else ""
         text = (f"{recipe['label']}: weight {recipe['weight_format']}, input {recipe['input_format']}"
                 f"{', delayed scaling' if recipe['delayed'] else ''}{note}")
-        lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ") if width else ["  " + text]
-    return "\n".join(lines + _comparison_quality(report, width))
+        lines += _wrapped(text, width)
+    return "\n".join(lines + _comparison_notes(comparison, width) + _comparison_quality(report, width))
+
+
+def _wrapped(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ") if width else ["  " + text]
+
+
+def _comparison_notes(comparison: dict[str, Any], width: int) -> list[str]:
+    """What the ``excl`` cells mean, per recipe; and which recipes measured alike, and why."""
+    lines = []
+    excluded = [(recipe["label"], recipe.get("excluded", {})) for recipe in comparison["recipes"]]
+    if any(paths for _, paths in excluded):
+        header = ("excl: kept in high precision by the recipe's shape rule (the analysis's reason), so not measured "
+                  "and not in its end-to-end figures:")
+        lines += ["", *(textwrap.wrap(header, width) if width else [header])]
+        for label, paths in excluded:
+            for reason in sorted(set(paths.values())):
+                count = sum(1 for value in paths.values() if value == reason)
+                lines += _wrapped(f"{label}: {count} layers {reason}", width)
+    for group in comparison.get("identical", []):
+        lines += ["", *_wrapped(f"{', '.join(group['labels'])}: the same figures on every layer: {group['why']}",
+                                width)]
+    return lines
 
 
 def _comparison_quality(report: dict[str, Any], width: int) -> list[str]:

@@ -101,3 +101,17 @@ def test_plan_settings_module_is_torch_free():
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[3])
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_unit_says_which_candidates_exclude_which_member_and_why():
+    from converters.plan.candidates import Unit
+
+    # the case: a 688-wide down_proj (16 x 43) fits FP8 per tensor (16), not MXFP8 (32) or block FP8 (128)
+    down = Unit("mlp.down_proj", ("mlp.down_proj",), ((256, 688),))
+    assert down.excluded("fp8-current") == {}
+    assert down.excluded("mxfp8") == {"mlp.down_proj": "dim_not_divisible_by_32_for_mxfp8"}
+    assert down.excluded("fp8-block") == {"mlp.down_proj": "dim_not_divisible_by_128_for_fp8_block"}
+    qkv = Unit("attn.qkv", ("attn.q_proj", "attn.k_proj"), ((128, 128), (64, 128)))
+    assert qkv.excluded("fp8-block") == {"attn.q_proj": "fused_group_not_fully_eligible:attn.qkv",
+                                         "attn.k_proj": "dim_not_divisible_by_128_for_fp8_block"}
+    assert qkv.excluded("mxfp8") == {}

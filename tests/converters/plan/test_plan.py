@@ -167,3 +167,19 @@ def test_a_conversion_job_writes_its_plan_beside_the_artifact(tmp_path):
     listed = {entry["name"] for entry in result.manifest}
     assert set(plan["files"]) <= listed and "plan/megatron_te_precision.yaml" in listed
     assert torch.isfinite(torch.tensor(plan["measured"]["plan"]["kl_mean"]))
+
+
+def test_a_candidate_a_layer_cannot_take_shows_no_sqnr_but_its_reason(planned):
+    """k/v are 128 -> 64: block FP8 and NVFP4 (both dims % 128) cannot hold them, nor q, fused with them; the plan's
+    SQNR per candidate leaves those cells empty and says why, instead of a figure for a choice it could not make."""
+    _, plan, _ = planned
+    rows = {row["path"]: row for row in plan["layers"]}
+    k, q = rows["model.layers.1.self_attn.k_proj"], rows["model.layers.1.self_attn.q_proj"]
+    assert k["excluded"] == {"fp8-block": "dim_not_divisible_by_128_for_fp8_block",
+                             "nvfp4": "dim_not_divisible_by_128_for_nvfp4"}
+    assert k["sqnr_db"]["fp8-block"] is None and k["sqnr_db"]["nvfp4"] is None
+    assert k["sqnr_db"]["mxfp8"] is not None and k["sqnr_db"]["fp8-current"] is not None
+    assert set(q["excluded"]) == {"fp8-block", "nvfp4"} and q["sqnr_db"]["fp8-block"] is None
+    assert all(reason.startswith("fused_group_not_fully_eligible:") for reason in q["excluded"].values())
+    gate = rows["model.layers.1.mlp.gate_proj"]
+    assert gate["excluded"] == {} and None not in gate["sqnr_db"].values()

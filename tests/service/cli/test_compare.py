@@ -110,12 +110,15 @@ def test_compare_table_on_the_tiny_llama_demo_with_a_recipe_file(demo_cache, tmp
     columns = _columns(out)
     assert list(columns) == [*RECIPE_NAMES, "margin2"]
     for label, cells in columns.items():
-        values = {path: float(cell.rstrip("!")) for path, cell in cells.items() if path.startswith("model.layers.")}
-        assert len(values) == 13 and all(math.isfinite(v) for v in values.values())
+        values = {path: float(cell.rstrip("!")) for path, cell in cells.items()
+                  if path.startswith("model.layers.") and cell != "excl"}
+        # block FP8 and NVFP4 (both dims % 128) would keep the four 64-wide k/v projections in high precision
+        assert len(values) == (9 if label in ("te-float8-block", "te-nvfp4") else 13)
+        assert all(math.isfinite(v) for v in values.values())
         if label == "te-nvfp4":  # FP4 falls below 25 dB
-            assert all(cell.endswith("!") for path, cell in cells.items() if path.startswith("model.layers."))
+            assert all(cell.endswith("!") for path, cell in cells.items() if path in values)
         assert {"min", "median", "below 25"} <= set(cells)
-    assert columns["te-nvfp4"]["below 25"] == "13"
+    assert columns["te-nvfp4"]["below 25"] == "9"
     assert "margin2: weight e4m3_tensor, input e4m3_tensor, delayed scaling" in out
 
     code, wide, err = run_cli(capsys, "compare", "demo/tiny-llama", "--recipes", "all", "--width", "0", *SMALL)
@@ -186,7 +189,11 @@ def test_analyze_with_calibration_over_http(client):
     assert report["sensitivity"]["recipe"]["label"] == "te-delayed" and report["sensitivity"]["min_sqnr_db"] == 20
     recipes = {recipe["label"]: recipe for recipe in report["comparison"]["recipes"]}
     assert list(recipes) == ["te-mxfp8", "te-nvfp4", "ao-rowwise"]
-    assert len(recipes["te-nvfp4"]["below_min_sqnr_db"]) == 13 and recipes["te-mxfp8"]["below_min_sqnr_db"] == []
+    # NVFP4 (both dims % 128) would keep the 64-wide k/v in high precision: not compared there, not counted below
+    assert set(recipes["te-nvfp4"]["excluded"].values()) == {"dim_not_divisible_by_128_for_nvfp4"}
+    assert len(recipes["te-nvfp4"]["excluded"]) == 4 and recipes["te-mxfp8"]["excluded"] == {}
+    assert len(recipes["te-nvfp4"]["below_min_sqnr_db"]) == 9 and recipes["te-mxfp8"]["below_min_sqnr_db"] == []
+    assert [group["labels"] for group in report["comparison"]["identical"]] == [["te-mxfp8", "ao-rowwise"]]
     assert report["calibration"]["steps"] == 2 and report["calibration"]["pipeline"]["mode"] == "layer_sequential"
     plain = client.post("/v1/analyze", json={"model": "demo/tiny-llama"}).json()
     assert "sensitivity" not in plain and not any("sqnr_db" in layer for layer in plain["layers"])
@@ -223,3 +230,65 @@ def test_the_schema_states_the_synchronous_bounds(client):
     compare = analyze["compare_recipes"]["anyOf"][0]
     assert compare["items"]["enum"] == list(RECIPE_NAMES) and compare["uniqueItems"] is True
     assert analyze["min_sqnr_db"]["anyOf"][0]["maximum"] == 300
+
+
+def test_a_recipe_is_compared_only_on_the_layers_it_would_convert(demo_cache, tmp_path, capsys):
+    """te-float8-block and te-nvfp4 keep the tiny Llama's 64-wide k/v projections in high precision (both dims
+    % 128): the comparison shows no figure there, with the analysis's own reason, and scores each recipe's
+    end-to-end quality with only the layers it would convert."""
+    names = ("te-delayed", "te-mxfp8", "te-float8-block", "te-nvfp4")
+    code, out, err = run_cli(capsys, "compare", "demo/tiny-llama", "--recipes", ",".join(names), "--json", *SMALL)
+    assert code == 0, err
+    report = json.loads(out)
+    reasons = {}
+    for name in ("te-float8-block", "te-nvfp4"):
+        recipe = tmp_path / f"{name}.json"
+        recipe.write_text(json.dumps(RECIPE_NAMES[name]))
+        code, analysis, err = run_cli(capsys, "analyze", "demo/tiny-llama", "--recipe", str(recipe), "--json")
+        assert code == 0, err
+        reasons[name] = {layer["path"]: layer["reasons"] for layer in json.loads(analysis)["layers"]}
+    excluded = {name: {} for name in names}
+    for row in report["comparison"]["layers"]:
+        for name in names:
+            cell = row["sqnr_db"][name]
+            if "excluded" in cell:
+                assert (cell["weight"], cell["input"], cell["output"]) == (None, None, None)
+                assert [cell["excluded"]] == reasons[name][row["path"]]  # the analysis's own reason code
+                excluded[name][row["path"]] = cell["excluded"]
+            else:
+                assert cell["output"] is not None
+    kv = {f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "kv"}
+    assert set(excluded["te-float8-block"]) == set(excluded["te-nvfp4"]) == kv
+    assert set(excluded["te-float8-block"].values()) == {"dim_not_divisible_by_128_for_fp8_block"}
+    assert set(excluded["te-nvfp4"].values()) == {"dim_not_divisible_by_128_for_nvfp4"}
+    assert excluded["te-mxfp8"] == excluded["te-delayed"] == {}
+    recipes = {recipe["label"]: recipe for recipe in report["comparison"]["recipes"]}
+    assert recipes["te-float8-block"]["excluded"] == excluded["te-float8-block"]
+    # block FP8 scored with k/v in bf16, MXFP8 (whose casts are the same on this model) with them in FP8
+    assert recipes["te-float8-block"]["quality"] != recipes["te-mxfp8"]["quality"]
+
+    code, text, err = run_cli(capsys, "compare", "demo/tiny-llama", "--recipes", ",".join(names), *SMALL)
+    assert code == 0, err
+    columns = _columns(text)
+    assert columns["te-float8-block"]["model.layers.1.self_attn.k_proj"] == "excl"
+    assert "excl: kept in high precision by the recipe's shape rule" in text
+    assert "te-float8-block: 4 layers dim_not_divisible_by_128_for_fp8_block" in text
+
+
+def test_recipes_that_measure_alike_are_said_to_be_alike_and_why(demo_cache, capsys):
+    """Power-of-two scales only shift E4M3's exponent: MXFP8, torchao rowwise and its training op cast this model
+    alike, to the last digit; the comparison says so instead of leaving six equal columns unexplained."""
+    names = ("te-current", "ao-tensorwise", "te-mxfp8", "ao-rowwise", "ao-float8-op", "ao-mxfp8-op")
+    code, out, err = run_cli(capsys, "compare", "demo/tiny-llama", "--recipes", ",".join(names), "--json", *SMALL)
+    assert code == 0, err
+    report = json.loads(out)
+    groups = {tuple(group["labels"]): group["why"] for group in report["comparison"]["identical"]}
+    pow2 = ("te-mxfp8", "ao-rowwise", "ao-float8-op", "ao-mxfp8-op")
+    assert pow2 in groups and "power of two" in groups[pow2]
+    for row in report["comparison"]["layers"]:
+        assert len({json.dumps(row["sqnr_db"][label], sort_keys=True) for label in pow2}) == 1
+    assert not any("te-current" in labels and "te-mxfp8" in labels for labels in groups)
+    code, text, err = run_cli(capsys, "compare", "demo/tiny-llama", "--recipes", ",".join(names), *SMALL)
+    assert code == 0, err
+    assert "te-mxfp8, ao-rowwise, ao-float8-op, ao-mxfp8-op: the same figures on every layer" in " ".join(
+        text.split())
