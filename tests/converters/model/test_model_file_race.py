@@ -32,6 +32,7 @@ from converters.model.files import (
     staged_model_directory,
 )
 from converters.model.safetensors_stream import read_tensor, read_tensor_index
+from converters.pipeline.state import NullSink
 
 SECRET = b"alice:user:" + b"5e" * 32 + b"\n"
 DECOY = b"a decoy tokenizer inside the allowed root\n"
@@ -151,3 +152,59 @@ def test_weight_tokenizer_and_config_readers_under_the_race_never_read_the_priva
     for name, counts in outcomes.items():
         assert set(counts) == {"decoy", "refused"}, (name, counts)
 
+
+
+class _RaceFromAnalyze(NullSink):
+    """A progress sink that starts the swap loop once the job has resolved (and checked) its model directory, as
+    a tenant would once the job is running; ``stop()`` ends it."""
+
+    def __init__(self, layout: dict[str, Path]) -> None:
+        super().__init__()
+        self.layout, self.race = layout, None
+
+    def stage(self, name: str) -> None:
+        if name != "resolve" and self.race is None:
+            self.race = racing(self.layout)
+            self.race.__enter__()
+
+    def stop(self) -> None:
+        if self.race is not None:
+            self.race.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the swap needs Linux's renameat2")
+def test_a_job_under_the_race_publishes_the_decoy_or_fails_never_the_private_file(layout, tmp_path: Path) -> None:
+    """The issue's job: a tokenizer side file links to the decoy, the swap runs from the analyze stage on. Each
+    run either succeeds with the decoy's bytes in its artifact or fails with invalid_model_reference."""
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import ConversionRequest
+    from tests.models import save_tiny_model
+
+    for name in ("model.safetensors", "tokenizer.json"):  # the fixture's links: this job converts real weights
+        (layout["model"] / name).unlink()
+    model = save_tiny_model("llama", layout["model"])
+    (model / "vocab.txt").symlink_to(layout["d"] / "api_keys")
+    sources = ModelSourceOptions(allowed_roots=(layout["models"],), private_paths=(layout["data"],),
+                                 cache_dir=tmp_path / "hf-cache", offline=True)
+    request = ConversionRequest.from_dict({"model": str(model), "recipe": {"backend": "ao"},
+                                           "calibration": {"steps": 1, "batch_size": 1, "seq_len": 8}})
+    outcomes = []
+    for attempt in range(3):
+        sink = _RaceFromAnalyze(layout)
+        try:
+            result = run_conversion(request, tmp_path / f"out{attempt}", sources, sink)
+        except ModelReferenceError as exc:
+            assert str(layout["data"]) not in exc.message
+            outcomes.append(exc.message)
+        else:
+            assert (result.out_dir / "vocab.txt").read_bytes() == DECOY
+            outcomes.append("decoy")
+        finally:
+            sink.stop()
+    written = [Path(top) / name for top, _, names in os.walk(tmp_path) if not top.startswith(str(layout["data"]))
+               for name in names]  # os.walk follows no link
+    assert not [path for path in written if path.is_file() and not path.is_symlink()
+                and path.stat().st_size < 1 << 20 and SECRET in path.read_bytes()]
+    assert sink.race is not None and all(outcome == "decoy" or "'vocab.txt'" in outcome for outcome in outcomes)
