@@ -65,8 +65,11 @@ def read_fp8_block(directory: Path, backend: str) -> dict[str, Any]:
         raise ArtifactError(f"{config_path}: cannot read it as JSON: {exc}") from exc
     block = config.get("fp8") if isinstance(config, dict) else None
     if not isinstance(block, dict):
-        raise ArtifactError(f"{directory} is not an fp8forge artifact: config.json has no fp8 block "
-                            f"(convert the model with the {backend} backend first)")
+        # callers that read the backend from this very block pass what they found: "None"
+        flag = f"--backend {backend}`" if backend in ("te", "ao") else "--backend ao` (torchao runs on a CPU)"
+        raise ArtifactError(f"{directory} is a plain model, not an fp8forge artifact (its config.json has no fp8 "
+                            f"block): convert it first, e.g. `fp8forge convert {directory} --out DIR {flag}, then "
+                            "point at DIR")
     if block.get("backend") != backend:
         raise ArtifactError(f"{directory} is an fp8forge artifact for backend {block.get('backend')!r}, not "
                             f"{backend}; load it with load_{block.get('backend')}()")

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from converters.errors import CalibrationDataError
+from converters.errors import CalibrationDataError, RecipeError
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.request import MIN_SQNR_DB_RANGE, CalibrationSettings
 from converters.recipes import load_recipe_file, recipe_from_dict
+from converters.recipes.presets import RECIPE_NAMES
 from service.config import load_settings
 
 __all__ = ["add_source_arguments", "add_selection_arguments", "add_calibration_arguments", "add_min_sqnr_argument",
@@ -71,9 +72,9 @@ def source_options_from_args(args: argparse.Namespace) -> ModelSourceOptions:
 
 
 def add_calibration_arguments(parser: argparse.ArgumentParser, *, backward: bool = True) -> None:
-    parser.add_argument("--calib-steps", type=int, default=None, help="calibration steps (default 16)")
-    parser.add_argument("--calib-batch-size", type=int, default=None, help="sequences per step (default 2)")
-    parser.add_argument("--calib-seq-len", type=int, default=None, help="tokens per sequence (default 128)")
+    parser.add_argument("--calib-steps", type=int, default=None, help="calibration steps (default: 16)")
+    parser.add_argument("--calib-batch-size", type=int, default=None, help="sequences per step (default: 2)")
+    parser.add_argument("--calib-seq-len", type=int, default=None, help="tokens per sequence (default: 128)")
     parser.add_argument("--calib-texts", type=Path, help="text file, one calibration sample per paragraph")
     if backward:
         parser.add_argument("--calib-backward", action="store_true", help="also record gradient amax")
@@ -116,11 +117,17 @@ def calibration_from_args(args: argparse.Namespace):
 
 
 def recipe_file(path: Path) -> tuple[dict[str, Any], list[str]]:
-    """A recipe file as the request's recipe object, and the warnings only the file can give.
+    """A recipe file (or a recipe's short name, :data:`RECIPE_NAMES`) as the request's recipe object, and the
+    warnings only the file can give.
 
     An Accelerate config's keys that do not apply (the delayed-scaling keys beside ``use_mxfp8_block_scaling``)
     are dropped from the recorded recipe, so the pipeline, which sees only that object, cannot name them.
     """
+    if str(path) in RECIPE_NAMES and not path.exists():  # a short name, as `fp8forge compare` prints them
+        return recipe_from_dict(RECIPE_NAMES[str(path)]).to_dict(), []
+    if not path.exists() and path.suffix not in (".json", ".yaml", ".yml"):
+        raise RecipeError(f"--recipe {path}: no such recipe file, nor a recipe name; give a JSON or Accelerate YAML "
+                          f"file, or one of {', '.join(RECIPE_NAMES)}", field="recipe")
     parsed = load_recipe_file(path)
     recipe = parsed.to_dict()
     recorded = set(recipe_from_dict(recipe).warnings())

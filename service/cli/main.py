@@ -15,6 +15,7 @@ from pathlib import Path
 from converters.analysis.render import format_analysis
 from converters.errors import Fp8ForgeError, ModelNotFoundError, ModelReferenceError, RequestError
 from converters.pipeline.request import KV_CACHE_DTYPES, KV_CACHE_FORMAT_NAMES, SERVING_FORMAT_NAMES
+from converters.recipes.presets import RECIPE_NAMES
 from converters.third_party_noise import silence_third_party_noise
 from service.cli import check, compare, convert, keys, plan, requantize, serve, sync
 from service.cli.args import (
@@ -25,6 +26,7 @@ from service.cli.args import (
     recipe_file_warned,
     source_options_from_args,
 )
+from service.cli.help import finish_help
 from service.cli.wording import error_in_cli_words, local_directory_hint
 from service.config import SettingsError
 
@@ -69,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="convert a model to FP8 and write safetensors artifacts")
     convert.add_argument("model", help="org/name[@revision] or a local model directory")
     convert.add_argument("--out", required=True, type=Path, help="output directory (must not exist)")
-    convert.add_argument("--recipe", type=Path, help="recipe file: JSON, or an Accelerate config.yaml")
+    convert.add_argument("--recipe", type=Path, metavar="FILE|NAME",
+                         help="recipe file (JSON, or an Accelerate config.yaml), or a recipe name as `fp8forge "
+                              "compare` prints them: " + ", ".join(RECIPE_NAMES)
+                              + " (default: --backend's default recipe)")
     add_selection_arguments(convert)
     add_calibration_arguments(convert)
     add_min_sqnr_argument(convert, "keep in high precision")
@@ -95,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve.register(commands)
     keys.register(commands)
+    finish_help(parser)
     return parser
 
 
