@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -11,9 +13,11 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from converters.model.limits import ConfigLimits
 
-__all__ = ["Settings", "SettingsError", "load_settings"]
+__all__ = ["Settings", "SettingsError", "load_settings", "make_private_dir", "make_private_file"]
 
 ENV_PREFIX = "FP8FORGE_"
+
+logger = logging.getLogger(__name__)
 
 
 class SettingsError(ValueError):
@@ -222,3 +226,44 @@ def load_settings(**overrides: Any) -> Settings:
             for err in exc.errors()
         )
         raise SettingsError(f"invalid settings: {problems}") from exc
+
+
+def make_private_dir(path: Path) -> Path:
+    """Create ``path`` and its missing parents readable by this user alone (0700, whatever the umask); returns it.
+
+    The data dir holds every tenant's jobs (calibration texts, reports, weights) and the database: under the usual
+    umask (022) a plain ``mkdir`` lets any local user read them. A directory that already exists keeps its mode
+    (an operator may have chosen it, a shared mount for one); one that others can enter is logged as a warning.
+    """
+    missing = []
+    directory = Path(path)
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:  # another process of this service made it first, with this same mode
+            continue
+        os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask; this one is exact
+    if not missing and stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+        logger.warning("%s is open to other local users (mode %o): chmod 700 it to keep jobs and the database "
+                       "private", path, stat.S_IMODE(os.stat(path).st_mode))
+    return path
+
+
+def make_private_file(path: Path) -> Path:
+    """Create ``path`` empty if it is missing, readable and writable by this user alone (0600), and take group
+    and other access away from it if it exists (the SQLite database: SQLite creates files 0644 less the umask, and
+    gives its -wal and -shm files the database's own mode). Returns ``path``.
+
+    Raises:
+        OSError: the file cannot be created, or exists and belongs to another user (chmod refused).
+    """
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        if mode & 0o077:
+            os.chmod(path, mode & 0o700)
+    return path

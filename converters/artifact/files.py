@@ -27,6 +27,8 @@ __all__ = [
     "write_json",
     "write_manifest",
     "verify_manifest",
+    "new_file_mode",
+    "set_artifact_modes",
 ]
 
 
@@ -77,14 +79,42 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapp
     os.replace(temporary, path)
 
 
-def new_file_mode() -> int:
-    """The mode ``open()`` gives a new file here: 0666 less the process umask (read without changing it)."""
+#: the most an artifact's files allow: owner read/write, group read, others nothing. An artifact holds a tenant's
+#: calibration and quality texts and weights; the usual umask (022) would let any local user read them (0644).
+ARTIFACT_FILE_MODE = 0o640
+#: the same for its directories (group may list them)
+ARTIFACT_DIR_MODE = 0o750
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (``os.umask`` sets it, racing other threads' file creation)."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
-            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
     except (OSError, StopIteration, ValueError):  # not Linux: the usual umask
-        umask = 0o022
-    return 0o666 & ~umask
+        return 0o022
+
+
+def new_file_mode() -> int:
+    """The mode of an artifact's files: :data:`ARTIFACT_FILE_MODE` less the process umask (0640 under the usual
+    umask, 0600 under 077), never more whatever the umask."""
+    return ARTIFACT_FILE_MODE & ~_umask()
+
+
+def set_artifact_modes(directory: Path, names: Iterable[str]) -> None:
+    """Give the files ``names`` (relative POSIX paths under ``directory``), the directories that hold them and
+    ``directory`` itself the artifact modes (:func:`new_file_mode`; directories 0750 less the umask), whoever
+    wrote them: copies keep no source mode (a 0600 tokenizer file), ``open()`` follows the umask."""
+    umask = _umask()
+    directories = {Path(directory)}
+    for name in names:
+        path = Path(directory) / name
+        if path.is_symlink():  # no writer makes one; its target is not the artifact's to change
+            continue
+        os.chmod(path, ARTIFACT_FILE_MODE & ~umask)
+        directories.update(path.parents[:len(Path(name).parts) - 1])
+    for path in directories:
+        os.chmod(path, ARTIFACT_DIR_MODE & ~umask)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -112,6 +142,8 @@ def write_manifest(directory: Path, known: Mapping[str, str] | None = None) -> l
         if name != MANIFEST_NAME and not any(part.startswith(".") for part in name.split("/"))
     ]
     write_json(directory / MANIFEST_NAME, {"version": 1, "files": entries})
+    # every writer (copies, safetensors, JSON, other workers' shards) ends here: one place gives them one mode
+    set_artifact_modes(directory, [*(entry["name"] for entry in entries), MANIFEST_NAME])
     return entries
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from converters.artifact.layout import sha256_file, staging_dir_for
 from service.artifacts.base import Leftover, listed_entry
+from service.config import make_private_dir
 from service.errors import ArtifactNotFound
 from service.jobs import Job
 
@@ -40,7 +41,8 @@ class ArtifactDirs:
         self.root = jobs_dir
 
     def ensure(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Create the jobs directory (and the data dir above it) private to this user: see make_private_dir."""
+        make_private_dir(self.root)
 
     def check(self) -> None:
         """Nothing to reach: the directory is created by :meth:`ensure`."""

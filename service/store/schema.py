@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
+from service.config import make_private_dir, make_private_file
 from service.jobs import JobStatus
 
 __all__ = [
@@ -241,6 +242,16 @@ def brief(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def _private_database(database: Path) -> None:
+    """The SQLite file (and the directory it is created in) readable by this user alone: it holds every tenant's
+    jobs. SQLite gives the -wal and -shm files the database's mode; ones left by an older, looser start follow."""
+    make_private_dir(database.parent)
+    make_private_file(database)
+    for side in (database.with_name(f"{database.name}-wal"), database.with_name(f"{database.name}-shm")):
+        if side.exists():
+            make_private_file(side)
+
+
 def make_engine(url: str, timeouts: StoreTimeouts | None = None) -> Engine:
     """An engine for ``url``: connect and lock timeouts for a server, WAL and a busy timeout for a SQLite file."""
     timeouts = timeouts or StoreTimeouts()
@@ -251,8 +262,8 @@ def make_engine(url: str, timeouts: StoreTimeouts | None = None) -> Engine:
         # options given in the URL come last, so they win over these defaults
         connect_args["options"] = " ".join([timeouts.session_options(), *_as_list(parsed.query.get("options"))])
         return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
-    if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    if parsed.database and parsed.database != ":memory:" and not parsed.database.startswith("file:"):
+        _private_database(Path(parsed.database))
     # As many pooled connections as the API runs threads (anyio's default limiter: 40): with SQLAlchemy's default 5
     # (+10 overflow) the threads beyond fifteen queued for a connection (40 threads reading: 2.3x slower). The
     # overflow covers the rest: the event loop's inline reads (JobStore.reads_inline) and the reaper's thread, so a
