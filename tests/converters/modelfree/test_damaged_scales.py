@@ -44,12 +44,11 @@ DAMAGES = {
 }
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama requantized to fp8-block (a sound source), and one copy of it per damage."""
+def build_damaged_sources(root: Path) -> Path:
+    """In ``root``: the tiny Llama (``llama``), it requantized to fp8-block (``sound``), and one copy of that per
+    damage, named after it."""
     from converters.model.demo import build_tiny_llama
 
-    root = tmp_path_factory.mktemp("damaged-scales")
     convert_model_free(build_tiny_llama(root / "llama"), root / "sound", "fp8-block")
     for name, (damage, _, _) in DAMAGES.items():
         shutil.copytree(root / "sound", root / name)
@@ -57,6 +56,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         damage(tensors)
         save_file(tensors, root / name / "model.safetensors", metadata={"format": "pt"})
     return root
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_damaged_sources(tmp_path_factory.mktemp("damaged-scales"))
 
 
 @pytest.mark.parametrize("target", ["bf16", "fp8-block"])
