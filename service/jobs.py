@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from converters.pipeline.state import STAGES, Stage  # the pipeline's own stage list
+from converters.pipeline.state import STAGES, Stage, job_stages  # the pipeline's own stage list
 from service.errors import InvalidTransition
 
 __all__ = ["JobStatus", "Stage", "STAGES", "TRANSITIONS", "transition", "Job", "JobEvent", "TaskStatus", "Task",
@@ -94,13 +94,16 @@ class Job:
 
     @property
     def progress(self) -> float:
-        """Overall fraction done: finished stages plus the fraction of the current one."""
+        """Overall fraction done: finished stages plus the fraction of the current one, of the stages this job
+        runs (``job_stages``: a requantize job runs three, a conversion the quality stage too, a plan's the plan)."""
         if self.status is JobStatus.SUCCEEDED:
             return 1.0
         if self.stage is None:
             return 0.0
+        stages = job_stages(self.request)
+        stages = stages if self.stage in stages else STAGES
         within = self.stage_done / self.stage_total if self.stage_total > 0 else 0.0
-        return round((STAGES.index(self.stage) + min(within, 1.0)) / len(STAGES), 4)
+        return round((stages.index(self.stage) + min(within, 1.0)) / len(stages), 4)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,3 +45,19 @@ def llama_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("llama")
     build_tiny_llama(root / "llama")
     return root
+
+
+@pytest.fixture(scope="module")
+def sharded_llama(tmp_path_factory) -> Path:
+    """The tiny test Llama (``TINY_CONFIGS["llama"]``) saved in several weight files, alone under an allowed root of
+    its own (its parent); one per test module."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import tiny_config
+
+    directory = tmp_path_factory.mktemp("sharded") / "llama"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(directory, max_shard_size="60KB")
+    assert len(list(directory.glob("*.safetensors"))) >= 4
+    return directory

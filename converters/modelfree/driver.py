@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -33,14 +33,18 @@ from converters.modelfree.eligibility import ModelFreeOptions, decide
 from converters.modelfree.source import SourceView, source_view
 from converters.modelfree.targets import model_free_target, scale_dtype_of
 from converters.modelfree.tasks import (
+    AmaxResult,
     AmaxTask,
     WriteResult,
     WriteTask,
     inventory_shard,
+    planned_shard_bytes,
     reduce_weight_amax,
     shard_weight_amax,
     write_shard,
 )
+from converters.pipeline.progress import Unit
+from converters.pipeline.state import NullSink, ProgressSink, Stage
 from converters.serving.plan import ServingPlan
 
 __all__ = ["REPORT_NAME", "check_plan", "convert_model_free", "finish", "plan_model_free", "serving_plan",
@@ -88,12 +92,14 @@ def _plan(source_dir: Path, target: str, options: ModelFreeOptions, pool: Execut
 
 def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, include: Iterable[str] = (),
                        exclude: Iterable[str] = (), skip_first_last: bool = True, workers: int = 1,
-                       confinement: FileConfinement | None = None) -> dict[str, Any]:
+                       confinement: FileConfinement | None = None, sink: ProgressSink | None = None
+                       ) -> dict[str, Any]:
     """Convert ``source_dir`` (safetensors + config.json) to ``format_name`` in ``out_dir``, shard by shard.
 
     ``workers`` > 1 runs the shard tasks in that many processes; the bytes written do not depend on it. Side files
     (tokenizer, generation config) are read only inside ``confinement`` (default: ``source_dir``). Returns the
-    report (also written to ``out_dir/requantize_report.json``).
+    report (also written to ``out_dir/requantize_report.json``). ``sink`` sees the stages and progress a
+    requantize job's events show: analyze (the plan), convert (tasks done, shards and bytes written), export.
 
     Raises:
         Fp8ForgeError: ``out_dir`` exists or its parent does not, bad options or target (see
@@ -107,16 +113,25 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
     if not isinstance(workers, int) or workers < 1:
         raise RequestError(f"workers must be a positive integer, got {workers!r}", field="workers")
     options = ModelFreeOptions(include=tuple(include), exclude=tuple(exclude), skip_first_last=skip_first_last)
+    sink = sink or NullSink()
     with _pool(workers, source_dir, confinement) as pool:
+        sink.stage(Stage.ANALYZE.value)
+        sink.progress(0, 1, Unit.TASK)
         report, view = _plan(source_dir, format_name, options, pool)
         check_plan(report, view)
         staging = staging_dir_for(out_dir)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
-            results = _write_shards(source_dir, staging, report, view, pool)
+            amax_tasks, write_tasks = shard_tasks(source_dir, staging, report, view)
+            sink.progress(1, 1, Unit.TASK)
+            progress = _ShardProgress(sink, amax_tasks, write_tasks)
+            results = _write_shards(report, amax_tasks, write_tasks, pool, progress)
+            sink.stage(Stage.EXPORT.value)
+            sink.progress(0, 1, Unit.TASK, **progress.counts())
             finish(source_dir, staging, report, results,
                     confinement or FileConfinement(roots=(source_dir.resolve(),)))
+            sink.progress(1, 1, Unit.TASK, **progress.counts())
             os.replace(staging, out_dir)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -142,7 +157,8 @@ def shard_tasks(source_dir: Path, staging: Path, report: dict[str, Any], view: S
                 ) -> tuple[list[AmaxTask], list[WriteTask]]:
     """The weight amax tasks (none unless the format needs them) and the write tasks, one per shard.
 
-    The write tasks' ``weight_amax`` is empty: :func:`with_weight_amax` fills it from the reduced amax.
+    The write tasks' ``weight_amax`` is empty: :func:`with_weight_amax` fills it from the reduced amax; their
+    ``planned_bytes`` are read from the shards' headers.
     """
     fmt = model_free_target(report["format"])
     by_shard: dict[str, list[str]] = {shard: [] for shard in report["shards"]}
@@ -160,7 +176,7 @@ def shard_tasks(source_dir: Path, staging: Path, report: dict[str, Any], view: S
                              scale_dtype=report["scale_dtype"], convert=keys,
                              drop=sorted(name for name, where in view.drop.items() if where == shard),
                              **view.task_fields(dequantized[shard])) for shard, keys in by_shard.items()]
-    return amax_tasks, write_tasks
+    return amax_tasks, [dataclasses.replace(task, planned_bytes=planned_shard_bytes(task)) for task in write_tasks]
 
 
 def with_weight_amax(task: WriteTask, amax: dict[str, float]) -> WriteTask:
@@ -168,12 +184,39 @@ def with_weight_amax(task: WriteTask, amax: dict[str, float]) -> WriteTask:
     return dataclasses.replace(task, weight_amax={key: amax[key] for key in task.convert if key in amax})
 
 
-def _write_shards(source_dir: Path, staging: Path, report: dict[str, Any], view: SourceView,
-                  pool: Executor | None) -> list[WriteResult]:
-    """Map the weight amax (where the format needs it), reduce it over fused groups, then map the writes."""
-    amax_tasks, write_tasks = shard_tasks(source_dir, staging, report, view)
-    amax = reduce_weight_amax(_map(shard_weight_amax, amax_tasks, pool), report["quantized"]) if amax_tasks else {}
-    return _map(write_shard, [with_weight_amax(task, amax) for task in write_tasks], pool)
+def _write_shards(report: dict[str, Any], amax_tasks: list[AmaxTask], write_tasks: list[WriteTask],
+                  pool: Executor | None, progress: _ShardProgress) -> list[WriteResult]:
+    """Map the weight amax (where the format needs it), reduce it over fused groups, then map the writes; the
+    convert stage, its progress reported as each task ends."""
+    progress.sink.stage(Stage.CONVERT.value)
+    progress.report()
+    amax = {}
+    if amax_tasks:
+        amax = reduce_weight_amax(_map(shard_weight_amax, amax_tasks, pool, on_done=progress.report),
+                                  report["quantized"])
+    return _map(write_shard, [with_weight_amax(task, amax) for task in write_tasks], pool, on_done=progress.report)
+
+
+class _ShardProgress:
+    """The convert stage's count, as a requantize job's events give it (``service.store.tasks``): tasks done of
+    the stage's tasks (weight amax and shard writes), shards written and their tensor bytes."""
+
+    def __init__(self, sink: ProgressSink, amax_tasks: list[AmaxTask], write_tasks: list[WriteTask]) -> None:
+        self.sink, self.done, self.total = sink, 0, len(amax_tasks) + len(write_tasks)
+        self.shards_done, self.shards_total = 0, len(write_tasks)
+        self.bytes_done, self.bytes_total = 0, sum(task.planned_bytes for task in write_tasks)
+
+    def report(self, result: AmaxResult | WriteResult | None = None) -> None:
+        """After ``result`` (a task's; None: before the first)."""
+        if result is not None:
+            self.done += 1
+        if isinstance(result, WriteResult):
+            self.shards_done, self.bytes_done = self.shards_done + 1, self.bytes_done + result.bytes
+        self.sink.progress(self.done, self.total, Unit.TASK, **self.counts())
+
+    def counts(self) -> dict[str, int]:
+        return {"shards_done": self.shards_done, "shards_total": self.shards_total, "bytes_done": self.bytes_done,
+                "bytes_total": self.bytes_total}
 
 
 @contextlib.contextmanager
@@ -192,13 +235,21 @@ def _pool(workers: int, source_dir: Path | None = None, confinement: FileConfine
         yield pool
 
 
-def _map(function: Callable[..., Any], tasks: list[Any], pool: Executor | None, *, star: bool = False) -> list[Any]:
-    """``function`` over ``tasks``, results in task order: in this process, or in ``pool``."""
+def _map(function: Callable[..., Any], tasks: list[Any], pool: Executor | None, *, star: bool = False,
+         on_done: Callable[[Any], None] | None = None) -> list[Any]:
+    """``function`` over ``tasks``, results in task order: in this process, or in ``pool``; ``on_done(result)`` as
+    each task ends (in the order they end)."""
+    on_done = on_done or (lambda result: None)
     if pool is None or len(tasks) < 2:
-        return [function(*task) if star else function(task) for task in tasks]
-    if star:
-        return list(pool.map(function, *zip(*tasks, strict=True)))
-    return list(pool.map(function, tasks))
+        results = []
+        for task in tasks:
+            results.append(function(*task) if star else function(task))
+            on_done(results[-1])
+        return results
+    futures = [pool.submit(function, *task) if star else pool.submit(function, task) for task in tasks]
+    for future in as_completed(futures):
+        on_done(future.result())
+    return [future.result() for future in futures]
 
 
 def serving_plan(report: dict[str, Any]) -> ServingPlan:

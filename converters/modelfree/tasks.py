@@ -24,8 +24,8 @@ from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
 from converters.serving.plan import layer_stats
 
-__all__ = ["AmaxResult", "AmaxTask", "WriteResult", "WriteTask", "inventory_shard", "reduce_weight_amax",
-           "shard_weight_amax", "write_shard"]
+__all__ = ["AmaxResult", "AmaxTask", "WriteResult", "WriteTask", "inventory_shard", "planned_shard_bytes",
+           "reduce_weight_amax", "shard_weight_amax", "write_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class WriteTask(_Wire):
     stored: dict[str, str] = field(default_factory=dict)  #: weight stored quantized in the source -> stored tensor
     reads: dict[str, str] = field(default_factory=dict)  #: those weights' stored tensors -> their shards
     drop: list[str] = field(default_factory=list)  #: this shard's companions and KV-cache scales, not copied
+    planned_bytes: int = 0  #: the tensor bytes the output shard will hold (progress counts them; 0: not planned)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,16 +131,7 @@ def write_shard(task: WriteTask) -> WriteResult:
     missing = sorted({*task.stored.values(), *drop, *(set(convert) - set(task.stored))} - set(tensors))
     if missing:
         raise ValueError(f"{task.shard}: the task names tensors the shard does not hold: {missing[:3]}")
-    entries: dict[str, Any] = {}
-    for name, tensor in tensors.items():
-        key = key_of.get(name, name)
-        shape = reader.stored_shape(key, name) if name in key_of else tensor.shape
-        if key in convert:
-            entries.update(fmt.planned_tensors(key, _Shaped(shape), scale_dtype))
-        elif name in key_of:
-            entries[key] = StreamingWriter.entry(scale_dtype, shape)
-        elif name not in drop:
-            entries[name] = tensor
+    entries = _planned_entries(task, reader, tensors)
     stats = {}
     with StreamingWriter(Path(task.out_dir) / task.shard, entries, metadata) as writer:
         for name, tensor in tensors.items():
@@ -162,6 +154,33 @@ def write_shard(task: WriteTask) -> WriteResult:
     logger.info("%s: %d weights converted", task.shard, len(convert))
     return WriteResult(shard=task.shard, tensors=list(entries), bytes=sum(writer.planned[n].nbytes for n in entries),
                        converted=sorted(convert), layer_stats=stats)
+
+
+def planned_shard_bytes(task: WriteTask) -> int:
+    """The tensor bytes :func:`write_shard` writes for ``task`` (what its result's ``bytes`` will say), from the
+    shard's header alone: what a job's progress counts its written bytes against."""
+    reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
+    tensors, _ = read_tensor_index(Path(task.source_dir) / task.shard)
+    return sum(entry.nbytes for entry in _planned_entries(task, reader, tensors).values())
+
+
+def _planned_entries(task: WriteTask, reader: ShardReader, tensors: dict[str, Any]) -> dict[str, Any]:
+    """The output shard's tensors in file order: name -> planned entry (converted or dequantized) or source
+    tensor (copied as bytes)."""
+    fmt, scale_dtype = model_free_target(task.target), getattr(torch, task.scale_dtype)
+    key_of = {stored: key for key, stored in task.stored.items()}
+    convert, drop = set(task.convert), set(task.drop)
+    entries: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        key = key_of.get(name, name)
+        shape = reader.stored_shape(key, name) if name in key_of else tensor.shape
+        if key in convert:
+            entries.update(fmt.planned_tensors(key, _Shaped(shape), scale_dtype))
+        elif name in key_of:
+            entries[key] = StreamingWriter.entry(scale_dtype, shape)
+        elif name not in drop:
+            entries[name] = tensor
+    return entries
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The conversion pipeline: resolve -> analyze -> calibrate -> convert -> export.
+"""The conversion pipeline: resolve -> analyze -> calibrate -> convert -> export -> quality (-> plan).
 
 Calibration comes before the swap because it measures the high-precision tensors (see
 ``stages.calibrate``). Where the model's layers form one module list, calibration loads one layer at a
@@ -6,9 +6,11 @@ time (``converters.calibration.sequential``); otherwise ``resolve`` loads the wh
 are copied, never decoded (``converters.artifact.layout``).
 
 Each stage is a small function over one :class:`~converters.pipeline.state.Run` that returns its record (stored
-in the run once) and reports its progress to a :class:`ProgressSink`; the driver checks for cancellation between
-stages. The output is staged in a hidden sibling directory and renamed into place only when every file
-is written, so a failed or cancelled run leaves nothing behind.
+in the run once) and reports its progress to a :class:`ProgressSink`; the driver announces and times each one and
+checks for cancellation between them. The report, config and manifest are written after the last stage
+(:func:`~converters.pipeline.artifact_stages.finish`), so the report holds every stage's time. The output is
+staged in a hidden sibling directory and renamed into place only when every file is written, so a failed or
+cancelled run leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -19,20 +21,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from converters.analysis.eligibility import converted_expert_gemms
 from converters.artifact.layout import REPORT_FILE, staging_dir_for
 from converters.errors import Fp8ForgeError
 from converters.model.checkpoint import weight_files
 from converters.model.sources import ModelSourceOptions, confinement_for
+from converters.pipeline.artifact_stages import export, finish, precision_plan, quality
 from converters.pipeline.request import ConversionRequest
 from converters.pipeline.serving_export import ServingShardRunner
-from converters.pipeline.stages import STAGE_FUNCTIONS, export, start
+from converters.pipeline.stages import STAGE_FUNCTIONS, start
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
 from converters.pipeline.weight_copy import BackgroundWeightCopy
 
-__all__ = ["ConversionResult", "run_stages", "run_conversion"]
+__all__ = ["ConversionResult", "run_stages", "run_stage", "run_conversion"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,15 +57,22 @@ def run_stages(run: Run, *, stop_after: Stage, after_resolve: Callable[[Run], No
     calibrate. Each stage's record is stored in the run under the stage's field, once."""
     start(run)
     for stage, function, record_field in STAGE_FUNCTIONS:
-        run.check_stop()
-        run.sink.stage(stage.value)
-        started = time.perf_counter()
-        setattr(run, record_field, function(run))
-        run.stage_seconds[stage.value] = round(time.perf_counter() - started, 3)
+        setattr(run, record_field, run_stage(run, stage, function, run))
         if stage is Stage.RESOLVE and after_resolve is not None:
             after_resolve(run)
         if stage is stop_after:
             return
+
+
+def run_stage(run: Run, stage: Stage, function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` as ``stage``: after a cancellation check, announced to the sink and timed into
+    ``run.stage_seconds``; returns what it returns."""
+    run.check_stop()
+    run.sink.stage(stage.value)
+    started = time.perf_counter()
+    result = function(*args)
+    run.stage_seconds[stage.value] = round(time.perf_counter() - started, 3)
+    return result
 
 
 def run_conversion(
@@ -95,10 +107,12 @@ def run_conversion(
 
     try:
         run_stages(run, stop_after=Stage.CONVERT, after_resolve=start_weight_copy)
+        written = run_stage(run, Stage.EXPORT, export, run, staging, serving_shards)
+        run.quality = run_stage(run, Stage.QUALITY, quality, run, staging)
+        if run.request.plan is not None:
+            written += run_stage(run, Stage.PLAN, precision_plan, run, staging)
         run.check_stop()
-        run.sink.stage(Stage.EXPORT.value)
-        run.export_started = time.perf_counter()  # export records its own time in the report it writes
-        files, manifest = export(run, staging, serving_shards)
+        files, manifest = finish(run, staging, written)
         run.check_stop()
         os.replace(staging, out_dir)
     except BaseException:

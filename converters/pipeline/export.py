@@ -22,7 +22,6 @@ from converters.model.files import read_model_text
 from converters.model.quantized.stored import write_dequantized_files
 from converters.model.sources import confinement_for
 from converters.pipeline.state import Run
-from converters.plan.job import plan_for_job
 from converters.recipes.requirements import requirements
 
 __all__ = [
@@ -145,8 +144,6 @@ def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
         config.pop("compression_config", None)
     config["fp8"] = fp8_block(run)
     write_json(staging / "config.json", config)
-    plan_block, plan_files = plan_for_job(run, staging)  # with a plan in the request: plan/ and its block
-    written = [*written, *plan_files]
     report = {
         "version": FP8_BLOCK_VERSION,
         "model": run.request.model,
@@ -162,7 +159,7 @@ def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
         "recipe_requirements": requirements(run.recipe),
         "calibration": _calibration_report(run),
         "amax_swing": amax_swing(run.calibration.amax, stateless=not run.recipe.stateful),
-        "plan": plan_block,
+        "plan": run.plan_block,  # the plan stage's (None without a plan in the request)
         "quality": run.quality,
         "serving": {name: plan.report() for name, plan in run.serving.items()},
         "files": sorted(written),

@@ -9,6 +9,7 @@ walk) gets ``measured: false`` and the reason; the job goes on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,9 @@ __all__ = ["TRAINING", "COMPARISON_COLUMNS", "COMPARISON_MAX_TOKENS", "quality_b
 TRAINING = "training"
 
 
-def quality_block(run: Run, staging: Path) -> dict[str, Any]:
-    """``report["quality"]`` for this job (its serving exports already written under ``staging/serving``)."""
+def quality_block(run: Run, staging: Path, on_layer: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """``report["quality"]`` for this job (its serving exports already written under ``staging/serving``);
+    ``on_layer(done, total)`` after each layer of the pass (and its head)."""
     if not run.request.measure:
         return {"measured": False, "reason": "the request turned the measurement off (measure: false)",
                 "definition": QUALITY_DEFINITION}
@@ -49,7 +51,7 @@ def quality_block(run: Run, staging: Path) -> dict[str, Any]:
         texts = run.request.quality_texts
         figures = measure_qualities(source, variants, list(texts) if texts is not None else None,
                                     max_tokens=DEFAULT_MAX_TOKENS, seq_len=DEFAULT_SEQ_LEN,
-                                    should_stop=run.sink.should_stop)
+                                    should_stop=run.sink.should_stop, on_layer=on_layer)
     except (QualityUnavailable, SequentialUnsupported) as exc:
         run.warn(f"end-to-end quality not measured: {exc}")
         return {"measured": False, "reason": str(exc), "definition": QUALITY_DEFINITION}
@@ -84,9 +86,10 @@ COMPARISON_MAX_TOKENS = 64
 COMPARISON_COLUMNS = ("perplexity", "kl_mean", "kl_max", "top1_agreement")
 
 
-def add_comparison_quality(run: Run) -> None:
+def add_comparison_quality(run: Run, on_layer: Callable[[int, int], None] | None = None) -> None:
     """Each compared recipe of ``run.report["comparison"]`` gains ``quality`` (its figures; None when the model
-    cannot be scored) and the report a ``quality`` block (held-out texts, the source's perplexity, or the reason)."""
+    cannot be scored) and the report a ``quality`` block (held-out texts, the source's perplexity, or the reason);
+    ``on_layer(done, total)`` after each layer of the pass."""
     comparison = run.report.get("comparison")
     if not comparison:
         return
@@ -102,7 +105,7 @@ def add_comparison_quality(run: Run) -> None:
                     for recipe in comparison["recipes"]}
         figures = measure_qualities(source, variants, list(texts) if texts is not None else None,
                                     max_tokens=COMPARISON_MAX_TOKENS, seq_len=DEFAULT_SEQ_LEN,
-                                    should_stop=run.sink.should_stop)
+                                    should_stop=run.sink.should_stop, on_layer=on_layer)
     except (QualityUnavailable, SequentialUnsupported) as exc:
         for recipe in comparison["recipes"]:
             recipe["quality"] = None

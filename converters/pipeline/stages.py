@@ -1,16 +1,14 @@
-"""The five pipeline stages. Each takes the run state, reports progress, and returns its record; the driver stores
-it in the run (``STAGE_FUNCTIONS`` names the field), and export returns the files it wrote."""
+"""The pipeline stages before export. Each takes the run state, reports progress, and returns its record; the
+driver stores it in the run (``STAGE_FUNCTIONS`` names the field). The stages that write the artifact (export,
+quality, plan) are :mod:`converters.pipeline.artifact_stages`."""
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 
-import converters.pipeline.export as writers
 from converters.analysis.eligibility import (
     AnalysisOptions,
     analyze_model,
@@ -19,7 +17,6 @@ from converters.analysis.eligibility import (
     eligible_expert_units,
     eligible_paths,
 )
-from converters.artifact.files import copy_side_files, write_manifest
 from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.backends import backend_for
 from converters.backends.base import ConversionPlan, Converted
@@ -41,26 +38,25 @@ from converters.model.checkpoint import Checkpoint, load_dequantized_model
 from converters.model.experts import parse_unit_path
 from converters.model.sources import (
     build_meta_model,
-    confinement_for,
     load_config,
     load_model,
     load_tokenizer,
     model_dtype,
     resolve_model_dir,
 )
-from converters.pipeline.quality_report import quality_block
-from converters.pipeline.serving_export import (
-    ServingShardRunner,
-    plan_serving_formats,
-    serving_casts,
-    serving_sqnr,
-    write_serving_exports,
-)
+from converters.pipeline.progress import Unit
+from converters.pipeline.serving_export import plan_serving_formats, serving_casts, serving_sqnr
 from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.plan.candidates import plan_compare_recipes
 from converters.quality.held_out import calibration_part
 
-__all__ = ["STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "export", "model_inputs"]
+__all__ = ["RESOLVE_STEPS", "STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "model_inputs"]
+
+#: What resolve does, in order, as its progress names each step (the whole-model mode adds LOAD_STEP). Reading the
+#: config is where transformers' model code is imported: on a small model, most of the stage.
+RESOLVE_STEPS = ("finding the model files", "reading config.json (imports the model's transformers code)",
+                 "building the model on the meta device", "indexing the weight files")
+LOAD_STEP = "loading the weights"
 
 
 def start(run: Run) -> None:
@@ -82,7 +78,13 @@ def resolve(run: Run) -> ResolvedModel:
     """
     if run.request.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES:
         run.warn("max_shard_bytes has no effect: the artifact keeps the source's weight files as they are")
+    total = len(RESOLVE_STEPS)
+    def step(done: int) -> None:
+        run.sink.progress(done, total, Unit.STEP, step=RESOLVE_STEPS[done])
+
+    step(0)
     directory = resolve_model_dir(run.request.model, run.sources, with_weights=True)
+    step(1)
     config = load_config(directory, run.sources)
     max_positions = getattr(_text_config(config), "max_position_embeddings", None)
     if max_positions and run.request.calibration.seq_len > max_positions:
@@ -91,18 +93,21 @@ def resolve(run: Run) -> ResolvedModel:
             f"max_position_embeddings {max_positions}",
             field="calibration.seq_len",
         )
+    step(2)
     meta_model = build_meta_model(config, run.sources)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    step(3)
     checkpoint = Checkpoint(directory, meta_model, dtype=model_dtype(config), device=device)
     stack, mode, reason = choose_mode(meta_model, config, backward=run.request.calibration.backward,
                                           te_extra_state=run.request.te_extra_state)
     resolved = ResolvedModel(directory=directory, config=config, meta_model=meta_model, checkpoint=checkpoint,
                              stack=stack, tied_weights=dict(checkpoint.tied), mode=mode, mode_reason=reason,
                              device=device)
-    run.sink.progress(1, 2)
     if mode == WHOLE_MODEL:
+        total += 1
+        run.sink.progress(total - 1, total, Unit.STEP, step=LOAD_STEP)
         _load_whole_model(run, resolved)
-    run.sink.progress(2, 2)
+    run.sink.progress(total, total, Unit.STEP)
     return resolved
 
 
@@ -322,7 +327,8 @@ def _warn_if_shorter_than_a_window(run: Run, first_mask: torch.Tensor) -> None:
 def _calibrate_whole_model(run: Run, batches: list[dict[str, Any]], paths: list[str]) -> dict[str, Any]:
     try:
         return record_amax(run.model, paths, batches, backward=run.request.calibration.backward,
-                           on_step=run.sink.progress, should_stop=run.sink.should_stop)
+                           on_step=lambda done, total: run.sink.progress(done, total, Unit.STEP),
+                           should_stop=run.sink.should_stop)
     except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
         raise CalibrationDataError(
             f"{type(run.model).__name__} cannot be calibrated from token batches: {exc}", field="model"
@@ -338,7 +344,8 @@ def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: li
     try:
         amax = calibrate_layer_by_layer(
             run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, paths,
-            on_layer=run.sink.progress, should_stop=run.sink.should_stop, after_layer=after_layer, stats=stats,
+            on_layer=lambda done, total: run.sink.progress(done, total, Unit.LAYER),
+            should_stop=run.sink.should_stop, after_layer=after_layer, stats=stats,
         )
     except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
         raise CalibrationDataError(
@@ -379,29 +386,6 @@ def _scaling_states(run: Run, amax: dict[str, Any]) -> dict[str, dict[str, torch
         path: {"scale_fwd_per_step": torch.where(layer.forward > 0, E4M3_MAX / layer.forward, torch.ones(()))}
         for path, layer in amax.items()
     }
-
-
-def export(run: Run, staging: Path, serving_shards: ServingShardRunner | None = None
-           ) -> tuple[list[str], list[dict[str, Any]]]:
-    """Write weights (copied), FP8 state, calibration, config, report and manifest into ``staging``
-    (``serving_shards``: who writes the serving exports' weight files, see ``write_serving_exports``)."""
-    written = writers.write_weight_files(run, staging)
-    run.sink.progress(1, 3)
-    run.check_stop()
-    written += writers.write_state_file(run, staging)
-    written += writers.write_calibration_file(run, staging)
-    written += copy_side_files(run.resolved.directory, staging, confinement_for(run.sources))
-    written += write_serving_exports(run, staging, serving_shards)
-    run.quality = quality_block(run, staging)
-    # the report is written here, so export's time stops before it: every weight, state and serving file is in
-    # it; the two JSON files and the manifest's checksums (read back from disk) come after
-    run.stage_seconds["export"] = round(time.perf_counter() - run.export_started, 3)
-    written += writers.write_json_files(run, staging, written)
-    run.sink.progress(2, 3)
-
-    manifest = write_manifest(staging, known=run.weight_copy.digests() if run.weight_copy is not None else None)
-    run.sink.progress(3, 3)
-    return sorted({*written, "manifest.json"}), manifest
 
 
 #: The stages before export, in order, each with the function that runs it and the Run field its record goes to

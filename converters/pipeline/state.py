@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from converters.calibration.result import NO_TE_CHECK, CalibrationResult
 from converters.errors import ConversionCancelled
 from converters.model.sources import ModelSourceOptions
+from converters.pipeline.progress import Unit
 from converters.pipeline.request import ConversionRequest
 
 if TYPE_CHECKING:
@@ -27,22 +29,33 @@ if TYPE_CHECKING:
     from converters.recipes import Recipe
     from converters.serving.plan import ServingPlan
 
-__all__ = ["Stage", "STAGES", "ProgressSink", "NullSink", "ResolvedModel", "Run"]
+__all__ = ["Stage", "STAGES", "ProgressSink", "NullSink", "ResolvedModel", "Run", "job_stages"]
 
 logger = logging.getLogger(__name__)
 
 
 class Stage(str, enum.Enum):
-    """Pipeline stages, in the order they run."""
+    """Pipeline stages, in the order they run (a requantize job runs analyze, convert and export alone)."""
 
     RESOLVE = "resolve"
     ANALYZE = "analyze"
     CALIBRATE = "calibrate"  # in high precision, before the swap
     CONVERT = "convert"
-    EXPORT = "export"
+    EXPORT = "export"  # the weight, state, calibration and serving files
+    QUALITY = "quality"  # the end-to-end quality pass: it reads the serving exports back
+    PLAN = "plan"  # the precision plan's search and files, when the request asks for one
 
 
 STAGES: tuple[Stage, ...] = tuple(Stage)
+_MODEL_FREE_STAGES = (Stage.ANALYZE, Stage.CONVERT, Stage.EXPORT)
+
+
+def job_stages(request: Mapping[str, Any]) -> tuple[Stage, ...]:
+    """The stages a job of ``request`` (its stored dict) runs, in order: a requantize job's plan, shards and finish
+    count as analyze, convert and export; a conversion runs plan only when it asks for one."""
+    if request.get("requantize") is not None:
+        return _MODEL_FREE_STAGES
+    return tuple(stage for stage in STAGES if stage is not Stage.PLAN or request.get("plan") is not None)
 
 
 class ProgressSink(Protocol):
@@ -50,7 +63,9 @@ class ProgressSink(Protocol):
 
     def stage(self, name: str) -> None: ...
 
-    def progress(self, done: int, total: int) -> None: ...
+    def progress(self, done: int, total: int, unit: Unit | str = Unit.STEP, **detail: Any) -> None:
+        """``done`` of ``total`` counted in ``unit``; ``detail``: the optional fields of
+        :func:`converters.pipeline.progress.progress_event` (``step``, shards, bytes)."""
 
     def warning(self, message: str) -> None: ...
 
@@ -66,7 +81,7 @@ class NullSink:
     def stage(self, name: str) -> None:
         logger.info("stage %s", name)
 
-    def progress(self, done: int, total: int) -> None:
+    def progress(self, done: int, total: int, unit: Unit | str = Unit.STEP, **detail: Any) -> None:
         pass
 
     def warning(self, message: str) -> None:
@@ -118,9 +133,12 @@ class Run:
     #: format name -> its plan; set by analyze, planned again by calibrate when min_sqnr_db drops layers
     serving: dict[str, ServingPlan] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    export_started: float = 0.0  #: time.perf_counter() when the export stage began
-    #: set by export after the serving exports are written: the report's end-to-end quality block
+    #: the quality stage's record: the report's end-to-end quality block
     quality: dict[str, Any] | None = None
+    #: set by the plan stage (a request with ``plan``): the report's plan block
+    plan_block: dict[str, Any] | None = None
+    #: each artifact file's sha256 by name, as the stage that wrote it computed it (for the manifest)
+    digests: dict[str, str] = field(default_factory=dict)
     #: set by calibrate when it loads one: the model's tokenizer, which the quality pass reads again
     tokenizer: Any = None
     warnings: list[str] = field(default_factory=list)
@@ -128,7 +146,7 @@ class Run:
     #: what one stage makes and the later stages only read: set once (a second assignment is a bug, raised)
     SET_ONCE: ClassVar[frozenset[str]] = frozenset({
         "backend", "recipe", "resolved", "model", "report", "calibration", "plan", "conversion", "mode_fallback",
-        "quality"})
+        "quality", "plan_block"})
 
     @property
     def pipeline(self) -> dict[str, Any]:

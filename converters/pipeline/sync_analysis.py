@@ -9,7 +9,8 @@ from typing import Any
 
 from converters.analysis.eligibility import analyze_model_reference
 from converters.errors import RequestError
-from converters.pipeline.driver import run_stages
+from converters.pipeline.driver import run_stage, run_stages
+from converters.pipeline.progress import Unit
 from converters.pipeline.quality_report import add_comparison_quality
 from converters.pipeline.request import SYNC_MAX_PARAMETERS
 from converters.pipeline.state import NullSink, Run, Stage
@@ -45,7 +46,9 @@ def calibrated_analysis(request: Any, sources: Any, *, sink: Any = None, max_par
         return plain
     run = Run(request=request, sources=sources, sink=sink or NullSink())
     run_stages(run, stop_after=Stage.CALIBRATE)
-    add_comparison_quality(run)  # compare_recipes: each recipe's end-to-end quality on held-out texts
+    if run.report.get("comparison"):  # compare_recipes: each recipe's end-to-end quality on held-out texts
+        run_stage(run, Stage.QUALITY, add_comparison_quality, run,
+                  lambda done, total: run.sink.progress(done, total, Unit.LAYER))
     settings = request.calibration
     run.report["calibration"] = {"steps": settings.steps, "batch_size": settings.batch_size,
                                  "seq_len": settings.seq_len, "data_source": run.calibration.data_source,

@@ -143,6 +143,8 @@ def measure_qualities(source: Path | QualitySource, variants: Mapping[str, Mappi
     runs = {name: variants[name] for name in unique.values()}
     streams, passes = _run_layers(source, batches, runs, should_stop, on_layer, share_unchanged_layers)
     scores = _score_heads(source, batches, streams, passes, runs)
+    if on_layer is not None:  # the head pass, counted as one more layer (as the layers' reports count it)
+        on_layer(source.stack.count + 1, source.stack.count + 1)
     return {name: scores[unique[frozenset((path, cast) for path, cast in casts.items() if cast is not None)]]
             .figures(texts=len(batches), held_out=held_out) for name, casts in variants.items()}
 

@@ -7,6 +7,7 @@ import sys
 import textwrap
 from typing import Any
 
+from converters.pipeline.progress import Unit, progress_event
 from service.cli.wording import in_cli_words
 
 __all__ = ["BarSink", "METRICS", "DEFAULT_WIDTH", "format_comparison", "format_serving_exports", "format_sqnr_layers",
@@ -15,27 +16,34 @@ __all__ = ["BarSink", "METRICS", "DEFAULT_WIDTH", "format_comparison", "format_s
 METRICS = ("output", "input", "weight")
 #: what the comparison tables fit into unless --width says otherwise (a terminal's 80 leaves too few recipes)
 DEFAULT_WIDTH = 100
+#: a stage's bar: the progress event's words first (what the API's events say), then the bar and the time spent
+_BAR_FORMAT = "{desc}  {percentage:3.0f}%|{bar:20}| {elapsed}"
 
 
 class BarSink:
-    """Draws one tqdm bar per pipeline stage on stderr; warnings are printed as they come."""
+    """Draws one tqdm bar per pipeline stage on stderr, worded as the API's progress events are (``text``:
+    :func:`converters.pipeline.progress.progress_event`); warnings are printed as they come."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.bar = None
+        self.stage_name = ""
         self.warnings: list[str] = []
 
     def stage(self, name: str) -> None:
         self._close()
+        self.stage_name = name
         if self.enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=1, desc=f"{name:<9}", unit="step", file=sys.stderr, leave=True)
+            self.bar = tqdm(total=1, desc=f"{name}:", bar_format=_BAR_FORMAT, file=sys.stderr, leave=True)
 
-    def progress(self, done: int, total: int) -> None:
+    def progress(self, done: int, total: int, unit: Unit | str = Unit.STEP, **detail: Any) -> None:
         if self.bar is not None:
-            self.bar.total = total
+            self.bar.total = max(total, 1)
             self.bar.n = done
+            self.bar.set_description_str(progress_event(self.stage_name, done, total, unit, **detail)["text"],
+                                         refresh=False)
             self.bar.refresh()
 
     def warning(self, message: str) -> None:

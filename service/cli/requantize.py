@@ -12,6 +12,7 @@ from pathlib import Path
 
 from converters.errors import RequestError
 from service.cli.args import add_source_arguments, source_options_from_args
+from service.cli.render import BarSink
 
 __all__ = ["register", "run_requantize_command"]
 
@@ -36,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--exclude", action="append", default=[], metavar="PAT", help="never convert matching layers")
     parser.add_argument("--no-skip-first-last", action="store_true", help="also convert the first and last Linear")
     parser.add_argument("--workers", type=int, default=1, help="shard tasks run in this many processes (default 1)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (by default each stage's bar counts the shards and bytes written)")
     add_source_arguments(parser)
     parser.set_defaults(func=_run)
 
@@ -54,15 +57,18 @@ def run_requantize_command(args: argparse.Namespace, sources) -> int:
     created = [] if args.out.exists() else _missing_parents(args.out)
     for parent in reversed(created):
         parent.mkdir()
+    sink = BarSink(enabled=not args.no_progress)  # the stages and words of a requantize job's events
     try:
         report = convert_model_free(directory, args.out, args.to, include=args.include, exclude=args.exclude,
                                     skip_first_last=not args.no_skip_first_last, workers=args.workers,
-                                    confinement=confinement_for(sources))
+                                    confinement=confinement_for(sources), sink=sink)
     except BaseException:
         for parent in created:  # a failed run leaves no directory behind, parents included
             with contextlib.suppress(OSError):
                 parent.rmdir()
         raise
+    finally:
+        sink.close()
     kept = sum(1 for layer in report["layers"] if not layer["eligible"])
     print(f"{args.to}: converted {len(report['quantized'])} weights in {len(report['shards'])} shard(s); "
           f"{kept} kept in high precision")

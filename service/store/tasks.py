@@ -26,6 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from converters.pipeline.progress import Unit, progress_event
 from service.jobs import JobStatus, Stage, Task, TaskStatus
 from service.store.events import EventLog
 from service.store.host_faults import avoided_by, charge, live_hosts, public_host_name, this_host
@@ -313,10 +314,29 @@ class TaskQueue:
         previous = row.stage
         conn.execute(sa.update(j).where(j.c.id == job_id, j.c.status == JobStatus.RUNNING.value).values(
             stage=stage.value, stage_done=done, stage_total=total))
+        written = {"shards_done": shards_done, "shards_total": shards_total, **self._bytes_written(conn, job_id)}
         if previous != stage.value:
+            ended = [kind for kind, of in _STAGE_OF.items() if of.value == previous and kind in counts]
+            if ended:  # the stage just ended, at its full count: the CLI's bar of it ends so too
+                tasks = sum(counts[kind][1] for kind in ended)
+                shards = written if set(ended) & set(_SHARD_KINDS) else {}
+                self._events.append(conn, job_id, "progress", progress_event(
+                    previous, tasks, tasks, Unit.TASK, **shards), now)
             self._events.append(conn, job_id, "stage", {"stage": stage.value, "tasks": total}, now)
-        self._events.append(conn, job_id, "progress", {"stage": stage.value, "done": done, "total": total,
-                                                       "shards_done": shards_done, "shards_total": shards_total}, now)
+        self._events.append(conn, job_id, "progress", progress_event(stage.value, done, total, Unit.TASK, **written),
+                            now)
+
+    def _bytes_written(self, conn: sa.Connection, job_id: str) -> dict[str, int]:
+        """``bytes_done`` / ``bytes_total``: the tensor bytes of the job's written shards, of all its shards, as its
+        plan put them in each write task (``planned_bytes``); none when a write task has no such figure."""
+        t = self._tasks
+        rows = conn.execute(sa.select(t.c.status, t.c.payload).where(
+            t.c.job_id == job_id, t.c.kind == "write", t.c.status != TaskStatus.CANCELLED.value)).all()
+        planned = [(status, json.loads(payload).get("planned_bytes")) for status, payload in rows]
+        if not planned or any(size is None for _, size in planned):
+            return {}
+        return {"bytes_done": sum(size for status, size in planned if status == TaskStatus.SUCCEEDED.value),
+                "bytes_total": sum(size for _, size in planned)}
 
 
 def _task(row: Mapping[str, Any]) -> Task:

@@ -118,8 +118,8 @@ class PipeSink:
     def stage(self, name: str) -> None:
         self._conn.send(StageStarted(str(name)))
 
-    def progress(self, done: int, total: int) -> None:
-        self._conn.send(Progress(int(done), int(total)))
+    def progress(self, done: int, total: int, unit: str = "step", **detail: Any) -> None:
+        self._conn.send(Progress(int(done), int(total), str(getattr(unit, "value", unit)), detail))
 
     def warning(self, message: str) -> None:
         self._conn.send(Warned(without_server_paths(str(message), self._directories)))

@@ -26,6 +26,8 @@ class StageStarted:
 class Progress:
     done: int
     total: int
+    unit: str = "step"  #: what done / total count (``converters.pipeline.progress.Unit``)
+    detail: dict[str, Any] = field(default_factory=dict)  #: the event's optional fields (``step``, shards, bytes)
 
 
 @dataclass(frozen=True)

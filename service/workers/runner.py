@@ -24,6 +24,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from converters.pipeline.progress import progress_event
 from service.artifacts import ArtifactStorage
 from service.config import Settings
 from service.jobs import Job, JobStatus, Stage
@@ -148,13 +149,15 @@ class JobRun:
                 w.last_progress_event = 0.0  # the first step of every stage is always reported
                 self._emit("stage", {"stage": w.stage.value})
                 self._heartbeat()
-            case Progress(done=done, total=total):
+            case Progress(done=done, total=total, unit=unit, detail=detail):
                 w.done, w.total = done, total
                 now = time.monotonic()
-                if now - w.last_progress_event >= _PROGRESS_EVENT_EVERY_S or w.done >= w.total:
-                    w.last_progress_event = now
-                    stage = w.stage.value if w.stage else None
-                    self._emit("progress", {"stage": stage, "done": w.done, "total": w.total})
+                step = detail.get("step")  # what the stage does now: each new one is reported, however soon
+                if now - w.last_progress_event >= _PROGRESS_EVENT_EVERY_S or w.done >= w.total \
+                        or step != w.last_progress_step:
+                    w.last_progress_event, w.last_progress_step = now, step
+                    stage = w.stage.value if w.stage else ""
+                    self._emit("progress", progress_event(stage, w.done, w.total, unit, **detail))
             case Warned(message=message):
                 self._emit("warning", {"message": message})
             case Succeeded() | Failed():

@@ -26,5 +26,6 @@ class RunWatch:
     shutdown_at: float | None = None
     lost: bool = False
     last_progress_event: float = 0.0
+    last_progress_step: str | None = None  #: the ``step`` the last progress event named (a new one is always sent)
     store_failing_since: float | None = None
     pending_events: deque[tuple[str, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=PENDING_EVENTS))

@@ -158,7 +158,7 @@ def test_partly_fp8_fused_groups_are_explained_for_serving_and_export_is_timed(d
                            *FAST)
     assert code == 0 and "fused group" not in err  # q_proj (first_linear) changes nothing for a training artifact
     report = json.loads((tmp_path / "train" / "fp8_report.json").read_text())
-    assert list(report["stage_seconds"]) == ["resolve", "analyze", "calibrate", "convert", "export"]
+    assert list(report["stage_seconds"]) == ["resolve", "analyze", "calibrate", "convert", "export", "quality"]
     assert report["stage_seconds"]["export"] > 0
 
     code, _, err = run_cli(capsys, "convert", "demo/tiny-llama", "--out", tmp_path / "served", "--backend", "ao",
