@@ -68,6 +68,11 @@ def load_yaml(text: str) -> Any:
         raise YamlRefused(f"Not valid YAML: {exc}") from exc
     except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python converts
         raise YamlRefused(f"A value cannot be read: {str(exc)[:200]}") from exc
+    except (AttributeError, TypeError, LookupError) as exc:
+        # an explicit tag on a value that is not of its type: PyYAML's constructor fails with an error of its own
+        # (``!!timestamp x`` raises AttributeError), never a YAMLError
+        raise YamlRefused(f"A value cannot be read as the type its tag ('!!...') names; remove the tag or fix the "
+                          f"value ({type(exc).__name__})") from exc
     except RecursionError as exc:  # defence in depth: the depth bound above should stop it first
         raise YamlRefused("The document nests too deeply") from exc
     finally:
