@@ -123,7 +123,7 @@ class StopAfterFirstLayer(NullSink):
     def stage(self, name):
         self.current = name
 
-    def progress(self, done, total):
+    def progress(self, done, total, unit="step", **detail):
         self.events.append((self.current, done, total))
 
     def should_stop(self):

@@ -179,7 +179,7 @@ class CountingSink(NullSink):
     def stage(self, name):
         self.stage_name = name
 
-    def progress(self, done, total):
+    def progress(self, done, total, unit="step", **detail):
         self.calibration_events += self.stage_name == "calibrate"
 
 
