@@ -115,10 +115,10 @@ def test_keyboard_submission_live_progress_and_report(keyed_server, tab):
             t.screenshot("job_running")
         time.sleep(0.05)
     expect(page.locator("#job-percent")).to_have_text("100%")
-    # progress reaches 1 when export ends; the job then publishes its files (seconds on a loaded host)
+    # progress reaches 1 when the quality pass ends; the job then publishes its files (seconds on a loaded host)
     expect(page.locator("#job-status")).to_have_text("succeeded", timeout=60_000)
     assert any(v < 1 and 2 <= n < 10 for v, n in samples), samples  # events arrived while the job ran
-    assert page.locator('#events li[data-kind="stage"]').count() == 5
+    assert page.locator('#events li[data-kind="stage"]').count() == 6  # resolve ... export, quality
     assert page.locator('#events li[data-kind="progress"]').count() >= 1
     streams = [r for r in requests if r.url.endswith(f"/v1/jobs/{job_id}/events")]
     assert len(streams) == 1 and streams[0].headers["authorization"] == f"Bearer {TOKEN}"

@@ -151,12 +151,16 @@
   const FINISHED = config.finished;
 
   // The server's Job.progress: finished stages plus the fraction of the current one, over all stages.
-  function progressFraction(status, stage, done, total) {
+  // The fraction done, of the stages the job runs (as the API's Job.progress counts them: job_stages in
+  // converters/pipeline/state.py): a requantize job runs analyze, convert and export; plan only when asked.
+  function progressFraction(status, stage, done, total, request) {
     if (status === 'succeeded') return 1;
-    const index = STAGES.indexOf(stage);
+    const stages = request && request.requantize ? ['analyze', 'convert', 'export']
+      : STAGES.filter(function (name) { return name !== 'plan' || (request && request.plan); });
+    const index = stages.indexOf(stage);
     if (index < 0) return 0;
     const within = total > 0 ? Math.min(done / total, 1) : 0;
-    return (index + within) / STAGES.length;
+    return (index + within) / stages.length;
   }
 
   function isFinished(status) { return FINISHED.indexOf(status) >= 0; }
@@ -258,11 +262,11 @@
       if (data.status === 'queued') { job.stage = null; job.progress = { fraction: 0, stage_done: 0, stage_total: 0 }; }
     } else if (kind === 'stage') {
       job.stage = data.stage;
-      job.progress = { fraction: progressFraction(job.status, data.stage, 0, 0), stage_done: 0, stage_total: 0 };
+      job.progress = { fraction: progressFraction(job.status, data.stage, 0, 0, job.request), stage_done: 0, stage_total: 0 };
     } else if (kind === 'progress') {
       job.stage = data.stage || job.stage;
       job.progress = {
-        fraction: progressFraction(job.status, job.stage, data.done, data.total),
+        fraction: progressFraction(job.status, job.stage, data.done, data.total, job.request),
         stage_done: data.done, stage_total: data.total,
       };
     }

@@ -23,7 +23,7 @@
   function describe(kind, data) {
     if (kind === 'status') return data.status + (data.reason ? ' (' + data.reason + ')' : '') + (data.message ? ': ' + data.message : '');
     if (kind === 'stage') return data.stage;
-    if (kind === 'progress') return data.stage + ' ' + data.done + '/' + data.total;
+    if (kind === 'progress') return data.text || data.stage + ' ' + data.done + '/' + data.total;  // the CLI's words
     if (kind === 'warning') return data.message;
     return JSON.stringify(data);
   }
