@@ -115,6 +115,7 @@ def test_report_shows_sqnr_quality_plan_and_swing_and_points_lead_to_rows(server
     page.select_option("#reason-filter", "first_linear")
     target = worst[-1]["path"]
     point = page.locator(f'#sqnr-chart a.point:has(circle[data-name="{target}"])').first
+    page.locator("#sqnr-box summary").click()  # the chart is folded on the job page
     point.click()
     assert page.url.endswith(f"#layer-{target}")
     row = page.locator(f'#analysis-table tr[data-path="{target}"]')

@@ -237,7 +237,7 @@
     job.progressLabel = 'Progress of job ' + job.short + ': ' + job.percent;
     const requantize = job.request && job.request.requantize;
     // a requantize job has no recipe (nothing is calibrated): its one export is its target format
-    job.recipeText = !job.request ? '' : requantize ? 'none (from the files)' : recipeText(job.request.recipe || { backend: 'te' });
+    job.recipeText = !job.request ? '' : requantize ? 'no recipe' : recipeText(job.request.recipe || { backend: 'te' });
     job.exportsText = !job.request ? '' : requantize ? requantize.to : (job.request.serving_formats || []).join(', ') || '—';
     job.duration = '';
     if (job.started_at) {

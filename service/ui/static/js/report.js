@@ -131,7 +131,7 @@
           const kept = skipped.map(function (path) { return path + ' (' + plan.skipped[path] + ')'; }).join('; ') || '—';
           return {
             format: name, quantized: (plan.quantized || []).length, skipped: kept,
-            skippedShort: skipped.length ? skipped.length + ' layers: ' + skipped.slice(0, 3).join(', ') + (skipped.length > 3 ? ', …' : '') : '—',
+            skippedShort: skipped.length ? skipped.length + ' layers (hover for which)' : '—',
             loadsIn: window.fp8requantize.loadsInRows(plan.loads_in),
             sqnr: sqnr.length ? sqnr[0].db.toFixed(1) + ' / ' + sqnr[Math.floor(sqnr.length / 2)].db.toFixed(1) : '—',
             layers: sqnr.map(function (row) {

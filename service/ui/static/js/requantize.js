@@ -53,10 +53,13 @@
     });
   }
 
-  // {consumer, status, note} cells (converters/serving/loads_in.py) as rows: "loads" is plain, anything else is marked.
+  // {consumer, status, note} cells (converters/serving/loads_in.py) as rows: "not loaded" is marked as an error,
+  // a consumer that loads the export only by dequantizing it as a warning.
   function loadsInRows(cells) {
     return (cells || []).map(function (cell) {
-      return { consumer: cell.consumer, status: cell.status, note: cell.note || '', bad: cell.status !== 'loads' };
+      const status = String(cell.status || '');
+      const level = status.startsWith('not') ? 'not-loaded' : status === 'loads' ? '' : 'dequantized';
+      return { consumer: cell.consumer, status: status, note: cell.note || '', level: level, bad: level === 'not-loaded' };
     });
   }
 
