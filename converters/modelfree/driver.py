@@ -124,8 +124,8 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
         staging.mkdir()
         try:
             amax_tasks, write_tasks = shard_tasks(source_dir, staging, report, view)
-            sink.progress(1, 1, Unit.TASK)
             progress = _ShardProgress(sink, amax_tasks, write_tasks)
+            sink.progress(1, 1, Unit.TASK, **progress.counts())  # the plan done: the shards and bytes to write
             results = _write_shards(report, amax_tasks, write_tasks, pool, progress)
             sink.stage(Stage.EXPORT.value)
             sink.progress(0, 1, Unit.TASK, **progress.counts())

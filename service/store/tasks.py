@@ -319,9 +319,8 @@ class TaskQueue:
             ended = [kind for kind, of in _STAGE_OF.items() if of.value == previous and kind in counts]
             if ended:  # the stage just ended, at its full count: the CLI's bar of it ends so too
                 tasks = sum(counts[kind][1] for kind in ended)
-                shards = written if set(ended) & set(_SHARD_KINDS) else {}
                 self._events.append(conn, job_id, "progress", progress_event(
-                    previous, tasks, tasks, Unit.TASK, **shards), now)
+                    previous, tasks, tasks, Unit.TASK, **written), now)
             self._events.append(conn, job_id, "stage", {"stage": stage.value, "tasks": total}, now)
         self._events.append(conn, job_id, "progress", progress_event(stage.value, done, total, Unit.TASK, **written),
                             now)

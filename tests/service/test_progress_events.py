@@ -77,8 +77,9 @@ def test_events_show_resolve_steps_layers_quality_and_shard_bytes(tmp_path: Path
                    if data["stage"] == "convert"]
         assert [count for count, _, _ in written] == list(range(shards + 1)), written  # from the plan's end on
         assert [data["text"] for data in progress if data["stage"] != "convert"] == [
-            "analyze: 1/1 task", f"export: 0/1 task, {shards}/{shards} shards, {human_bytes(total)} of "
-            f"{human_bytes(total)} written"]  # what `fp8forge requantize` prints, as the CLI test shows
+            f"analyze: 1/1 task, 0/{shards} shards, 0 B of {human_bytes(total)} written",
+            f"export: 0/1 task, {shards}/{shards} shards, {human_bytes(total)} of {human_bytes(total)} written",
+        ]  # what `fp8forge requantize` prints, as the CLI test shows
         assert {size for _, _, size in written} == {total} and written[-1][1] == total
         sizes = [done for _, done, _ in written]
         assert sizes == sorted(set(sizes)), written  # each shard adds its bytes

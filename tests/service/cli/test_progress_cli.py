@@ -39,8 +39,9 @@ def test_requantize_prints_each_shard_and_the_bytes_written(sharded_llama: Path,
     total = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     shown = _bar_texts(done.stderr)
     # the plan, then one line per shard written (bytes so far of the total), then the finish
-    assert any(text.startswith(progress_text({"stage": "analyze", "done": 1, "total": 1, "unit": "task"}))
-               for text in shown), done.stderr
+    first = {"stage": "analyze", "done": 1, "total": 1, "unit": "task", "shards_done": 0, "shards_total": shards,
+             "bytes_done": 0, "bytes_total": total}  # the plan done: what is to be written
+    assert any(text.startswith(progress_text(first)) for text in shown), done.stderr
     for count in range(1, shards + 1):
         assert any(text.startswith(f"convert: {count}/{shards} shards, ") for text in shown), (count, done.stderr)
     last = {"stage": "convert", "done": shards, "total": shards, "unit": "task", "shards_done": shards,
