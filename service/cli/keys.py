@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from service.config import SettingsError, load_settings
+from service.config import SettingsError, load_settings, make_private_dir
 
 __all__ = ["register", "create_first_key"]
 
@@ -53,7 +53,7 @@ def _append_key(path, name: str, role: str) -> str:
 
     token = new_token()
     entry = key_entry(name, role, token)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(path.parent)  # the data dir, when this is the first thing to create it
     # the file holds hashes only, yet nobody else needs to read it
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a", encoding="utf-8") as fh:

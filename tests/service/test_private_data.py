@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.service_helpers import ServeProcess, wait_for
+from tests.service_helpers import ServeProcess, fp8forge_command, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,3 +60,17 @@ def test_a_service_under_umask_022_keeps_its_data_private(tmp_path: Path, llama_
         assert loose == {}, (kind, loose)
         folders = [artifact, *(path for path in artifact.rglob("*") if path.is_dir())]
         assert {path.name: oct(_mode(path)) for path in folders if _mode(path) & 0o027} == {}, kind
+
+
+def test_keys_create_makes_a_missing_data_dir_private(tmp_path: Path) -> None:
+    """`fp8forge keys create` is often the first command of a deployment: the data dir it creates is 0700 too."""
+    data = tmp_path / "data"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FP8FORGE_")}
+    previous = os.umask(0o022)
+    try:
+        made = subprocess.run([*fp8forge_command(), "keys", "create", "carol"], capture_output=True, text=True,
+                              timeout=120, env={**clean, "FP8FORGE_DATA_DIR": str(data)})
+    finally:
+        os.umask(previous)
+    assert made.returncode == 0, made.stderr
+    assert _mode(data) == 0o700 and _mode(data / "api_keys") == 0o600
