@@ -16,8 +16,8 @@ import pytest
 from service.api.auth import key_entry
 from service.config import Settings
 from service.jobs import JobStatus, TaskStatus, public_worker_name
-from service.store.host_faults import public_host_name
 from service.store import JobStore
+from service.store.host_faults import public_host_name
 from tests.service_helpers import live_app, publish_job
 
 CALIBRATED = {"model": "demo/tiny-llama", "recipe": {"backend": "ao"}}
