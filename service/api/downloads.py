@@ -166,11 +166,15 @@ class ArchiveResponse(ReadAheadResponse):
 
     def _read_file(self, size: int) -> bytes:
         member = self.members[self.index - 1]
-        if self.source is None:
-            self.source = member.open_source()
-        piece = self.source.read(min(size, self.left))
+        try:
+            if self.source is None:
+                self.source = member.open_source()
+            piece = self.source.read(min(size, self.left))
+        except Exception:  # noqa: BLE001 - the disk or the store failed mid-archive: the 200 has gone out already
+            logger.warning("reading %s failed mid-archive", member.name, exc_info=True)
+            piece = b""
         if not piece:
-            logger.warning("%s ended early in job archive; the client gets a short body", member.name)
+            logger.warning("%s ended early in a job's archive; the client gets a short body", member.name)
             self.broken = True
         self.left -= len(piece)
         if not self.left:
