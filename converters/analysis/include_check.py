@@ -11,7 +11,6 @@ output head (``lm_head`` is not stored); the worker's analysis checks those.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,11 @@ from typing import Any
 from converters.analysis.patterns import PatternError, matches
 from converters.errors import ModelNotFoundError
 from converters.model.demo import DEMO_MODEL_REF
-from converters.model.files import pinned_model_path, read_model_text
-from converters.model.sources import parse_model_reference
+from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, model_file_reader
+from converters.model.limits import read_config_file, read_index_file, read_safetensors_header
+from converters.model.sources import parse_model_reference, validate_model_reference
 
-__all__ = ["check_include_on_disk", "local_checkpoint_dir", "stored_module_paths"]
+__all__ = ["check_include_on_disk", "check_local_model", "local_checkpoint_dir", "stored_module_paths"]
 
 #: config.json keys that declare experts (Mixtral, Qwen-MoE, DeepSeek, gpt-oss, ...)
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -43,23 +43,48 @@ def local_checkpoint_dir(ref: str, sources: Any) -> Path | None:
     return None
 
 
-def check_include_on_disk(directory: Path | None, include: Iterable[str]) -> None:
+def check_local_model(ref: str, sources: Any, include: Iterable[str] = ()) -> None:
+    """What the service checks of a local model's files before it queues a job or builds an analysis: config.json
+    within ``sources.config_limits`` (``converters.model.limits.read_config_file``), then the include patterns
+    (:func:`check_include_on_disk`). Every read is bounded; the API runs this in its analysis processes, never in
+    its own. ``ref`` must have passed ``model_sources.validate_model_reference``.
+
+    Raises:
+        ModelConfigError (422): config.json, the index or a header out of bounds, naming the file and the limit.
+        PatternError (422): an include pattern that matches no stored module path.
+    """
+    validate_model_reference(ref, sources)  # in this process too: its reads keep to the confinement checked here
+    reference = parse_model_reference(ref, sources)
+    config = None
+    if reference.kind == "local" and reference.path is not None and (reference.path / "config.json").is_file():
+        config = read_config_file(reference.path / "config.json", sources.config_limits)
+    directory = local_checkpoint_dir(ref, sources) if include else None
+    if directory is not None and config is None and (directory / "config.json").is_file():
+        config = read_config_file(directory / "config.json", sources.config_limits)  # the demo model's
+    check_include_on_disk(directory, include, config)
+
+
+def check_include_on_disk(directory: Path | None, include: Iterable[str], config: dict[str, Any] | None) -> None:
     """Refuse an include pattern that matches no module path stored in the checkpoint in ``directory``.
 
-    Does nothing when ``directory`` is None or not a readable safetensors checkpoint, or for an MoE model.
+    Does nothing when ``directory`` or ``config`` is None, when ``directory`` is not a readable safetensors
+    checkpoint, or for an MoE model.
+
+    Args:
+        config: the checkpoint's config.json as ``converters.model.limits.read_config_file`` read it.
 
     Raises:
         PatternError: naming ``include[i]`` and the pattern, with one of the checkpoint's paths as an example.
+        ModelConfigError: the index or a header is larger than ``converters.model.limits`` allows.
     """
     include = list(include)
-    if not include or directory is None:
+    if not include or directory is None or config is None:
         return
     try:
-        config = json.loads(read_model_text(directory / "config.json"))
         paths = stored_module_paths(directory)
-    except (OSError, ValueError, ModelNotFoundError):
+    except (OSError, ModelNotFoundError):
         return  # the worker reports what is wrong with the files
-    if not isinstance(config, dict) or _has_experts(config) or not paths:
+    if _has_experts(config) or not paths:
         return
     for index, pattern in enumerate(include):
         if _matches_tied_head(pattern, config) or any(matches(pattern, path) for path in paths):
@@ -82,29 +107,23 @@ def _matches_tied_head(pattern: str, config: dict[str, Any]) -> bool:
 
 
 def stored_module_paths(directory: Path) -> set[str]:
-    """The module paths (tensor names less their last segment) of the checkpoint's safetensors files.
+    """The module paths (tensor names less their last segment) of the checkpoint's safetensors files: the index's
+    names, else the single file's header's, each read within ``converters.model.limits``' bounds.
 
     Raises:
         ModelNotFoundError: an index or file that is not a safetensors checkpoint.
+        ModelConfigError: an index or header larger than the limits.
         OSError: a file cannot be read.
     """
-    from safetensors import SafetensorError, safe_open
-
-    index = directory / "model.safetensors.index.json"
+    index = directory / INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(read_model_text(index)).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelNotFoundError(f"{index.name} has no weight_map object")
-        names: Iterable[Any] = weight_map
+        names: Iterable[Any] = read_index_file(index)["weight_map"]
     else:
-        single = directory / "model.safetensors"
+        single = directory / SINGLE_FILE_NAME
         if not single.is_file():
             return set()
-        try:  # the header only: the library reads and checks it, and maps no tensor
-            with pinned_model_path(single) as pinned, safe_open(pinned, framework="numpy") as handle:
-                names = list(handle.keys())
-        except SafetensorError as exc:
-            raise ModelNotFoundError(f"{single.name} is not a safetensors file: {exc}") from exc
+        with model_file_reader(single) as handle:  # the header only
+            names = [name for name in read_safetensors_header(handle, name=single.name)[0] if name != "__metadata__"]
     return {name.rsplit(".", 1)[0] for name in names if isinstance(name, str) and "." in name}
 
 

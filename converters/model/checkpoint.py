@@ -18,7 +18,6 @@ goes to the kernel's readahead instead).
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +30,8 @@ from torch import nn
 
 from converters.errors import ModelNotFoundError
 from converters.model.consistency import check_against_model, check_index, check_stored_dtype
-from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, open_model_file, pinned_model_path, read_model_text
+from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, open_model_file, pinned_model_path
+from converters.model.limits import read_index_file
 from converters.model.quantized import source_quantization
 from converters.model.quantized.stored import StoredWeights
 from converters.model.safetensors_stream import SourceTensor, read_tensor, read_tensor_index
@@ -59,7 +59,7 @@ def weight_files(directory: Path) -> list[Path]:
             "written by save_pretrained"
         )
     try:
-        names = sorted(set(json.loads(read_model_text(index))["weight_map"].values()))
+        names = sorted(set(read_index_file(index)["weight_map"].values()))  # bounded: converters.model.limits
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ModelNotFoundError(f"{index}: not a safetensors index (needs a weight_map object): {exc}") from exc
     for name in names:

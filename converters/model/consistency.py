@@ -10,14 +10,14 @@ model-free path, which has only config.json, and so checks only the projections 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from converters.errors import ModelConfigError, ModelNotFoundError
-from converters.model.files import INDEX_NAME, read_model_text
+from converters.model.files import INDEX_NAME
+from converters.model.limits import read_index_file
 
 __all__ = ["HIGH_PRECISION_DTYPES", "check_against_config", "check_against_model", "check_index", "check_stored_dtype"]
 
@@ -40,7 +40,7 @@ def check_index(directory: Path, found: Mapping[str, Iterable[str]]) -> None:
     path = Path(directory) / INDEX_NAME
     if not path.is_file():
         return
-    weight_map = json.loads(read_model_text(path)).get("weight_map") or {}
+    weight_map = read_index_file(path)["weight_map"]
     holders: dict[str, list[str]] = {}
     for shard, names in found.items():
         for name in names:

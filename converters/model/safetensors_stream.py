@@ -22,6 +22,7 @@ import torch
 
 from converters.errors import ModelNotFoundError
 from converters.model.files import model_file_reader
+from converters.model.limits import read_safetensors_header, weight_file_error
 
 __all__ = ["SourceTensor", "read_tensor_index", "read_tensor", "dtype_name", "StreamingWriter"]
 
@@ -76,42 +77,27 @@ def read_tensor_index(path: Path) -> tuple[dict[str, SourceTensor], dict[str, st
     """The tensors of a safetensors file (in file order) and its metadata, from the header alone.
 
     The header is checked against the file before it is trusted: its length, every tensor's dtype, shape and
-    byte range (inside the data, the size the dtype and shape need, no two overlapping), string metadata.
+    byte range (inside the data, the size the dtype and shape need, no two overlapping), string metadata; it is
+    read within ``converters.model.limits``' bounds (bytes, tensors) before it is parsed.
 
     Raises:
         ModelNotFoundError: the file is not a well-formed safetensors file; the message names the file (by
             its name, not its server path) and what is wrong.
+        ModelConfigError: a header over the limits (``read_safetensors_header``).
     """
     path = Path(path)
     with model_file_reader(path) as handle:
         size = os.fstat(handle.fileno()).st_size
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise _corrupt(path, f"{size} bytes is shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > min(MAX_HEADER_BYTES, size - 8):
-            raise _corrupt(path, f"its header claims {length} bytes, more than the file's {size - 8} after the "
-                                 f"length (at most {MAX_HEADER_BYTES} are accepted)")
-        try:
-            header = json.loads(handle.read(length))
-        except (ValueError, RecursionError) as exc:
-            raise _corrupt(path, f"its header is not JSON ({type(exc).__name__})") from exc
-    if not isinstance(header, dict):
-        raise _corrupt(path, "its header is not a JSON object")
+        header, base = read_safetensors_header(handle, name=path.name)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _corrupt(path, "its __metadata__ is not an object of strings")
-    base = 8 + length
     tensors = {name: _source_tensor(path, name, info, base, size) for name, info in header.items()}
     ordered = sorted(tensors.items(), key=lambda item: (item[1].start, item[1].end))
     for (_, before), (name, after) in zip(ordered, ordered[1:], strict=False):
         if after.start < before.end:
             raise _corrupt(path, f"tensor {name!r} overlaps the bytes of another tensor")
     return dict(ordered), metadata
-
-
-#: The safetensors library refuses headers over 100 MB; so does this reader.
-MAX_HEADER_BYTES = 100_000_000
 
 
 def _source_tensor(path: Path, name: str, info: object, base: int, size: int) -> SourceTensor:
@@ -135,8 +121,7 @@ def _source_tensor(path: Path, name: str, info: object, base: int, size: int) ->
 
 
 def _corrupt(path: Path, why: str) -> ModelNotFoundError:
-    return ModelNotFoundError(f"weight file {path.name!r} is not a valid safetensors file: {why}; replace it with "
-                              "an intact copy (e.g. download it again)")
+    return weight_file_error(path.name, why)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from converters.artifact.layout import MANIFEST_NAME, staging_dir_for
 from converters.errors import ConversionError, Fp8ForgeError, RequestError
 from converters.model.checkpoint import weight_files
 from converters.model.files import INDEX_NAME, FileConfinement, check_model_directory, read_model_text
+from converters.model.limits import read_config_json
 from converters.modelfree.eligibility import ModelFreeOptions, decide
 from converters.modelfree.source import SourceView, source_view
 from converters.modelfree.targets import model_free_target, scale_dtype_of
@@ -72,7 +73,7 @@ def plan_model_free(source_dir: Path, target: str, options: ModelFreeOptions, *,
 def _plan(source_dir: Path, target: str, options: ModelFreeOptions, pool: Executor | None
           ) -> tuple[dict[str, Any], SourceView]:
     fmt = model_free_target(target)
-    config = json.loads(read_model_text(source_dir / "config.json"))
+    config = read_config_json(source_dir / "config.json")
     scale_dtype = scale_dtype_of(config)
     shards = [path.name for path in weight_files(source_dir)]
     inventories = _map(inventory_shard, [(str(source_dir), shard) for shard in shards], pool, star=True)

@@ -9,14 +9,13 @@ A weight's companions may lie in another shard than the weight itself; a task re
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from converters.model.consistency import check_against_config, check_index, check_stored_dtype
-from converters.model.files import read_model_text
+from converters.model.limits import read_config_json
 from converters.model.quantized import source_quantization
 from converters.model.safetensors_stream import SourceTensor, dtype_name, read_tensor, read_tensor_index
 from converters.modelfree.eligibility import TensorInfo
@@ -95,7 +94,7 @@ def _check(source_dir: Path, view: SourceView) -> None:
         packed = info.dtype in ("U8", "I8") and len(info.shape) == 2 and info.key.endswith(("weight", "weight_packed"))
         if (info.dtype.startswith("F8") or packed) and info.key not in view.stored:
             check_stored_dtype(info.shard, info.key, info.dtype, quantized=False)
-    config = json.loads(read_model_text(Path(source_dir) / "config.json"))
+    config = read_config_json(Path(source_dir) / "config.json")
     check_against_config(config, ((info.shard, info.key, info.shape) for info in view.tensors))
 
 

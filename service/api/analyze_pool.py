@@ -23,10 +23,9 @@ from anyio import to_thread
 
 from converters.errors import Fp8ForgeError
 from service.errors import AnalysisAborted, AnalyzeBusy
-from service.workers.child import limit_threads, thread_budget
 from service.workers.procs import die_with_parent
 
-__all__ = ["AnalysisPool", "as_json"]
+__all__ = ["AnalysisPool", "as_json", "model_checks"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +38,16 @@ RETRY_AFTER_S = 5
 class AnalysisPool:
     """Runs ``fn(*args)`` in one of ``workers`` spawned children, ``queue_depth`` requests waiting at most.
 
-    Use it from the event loop only (``await pool.run(...)``); children start on first use.
+    Use it from the event loop only (``await pool.run(...)``); children start on first use. With ``preload``
+    False a child imports nothing ahead (no torch): a pool of such children runs the checks of a job's model files
+    (:func:`model_checks`), which must not wait seconds for a child's start.
     """
 
-    def __init__(self, *, workers: int, queue_depth: int, timeout_s: float, threads: int | None = None) -> None:
+    def __init__(self, *, workers: int, queue_depth: int, timeout_s: float, threads: int | None = None,
+                 preload: bool = True, busy: str | None = None, late: str | None = None) -> None:
         self._workers = workers
+        self._preload = preload
+        self._busy, self._late = busy, late  # what a refused or stopped request is told, when not an analysis
         self._capacity = workers + queue_depth
         self._timeout_s = timeout_s
         self._threads = threads
@@ -61,19 +65,21 @@ class AnalysisPool:
             whatever ``fn`` raised.
         """
         if self._closed or self._pending >= self._capacity:
-            raise AnalyzeBusy(
+            raise AnalyzeBusy(self._busy or (
                 f"all {self._workers} analysis processes are busy and {self._capacity - self._workers} requests "
                 "wait already; retry after a few seconds (the operator can raise FP8FORGE_ANALYZE_WORKERS or "
-                "FP8FORGE_ANALYZE_QUEUE_DEPTH)", headers={"Retry-After": str(RETRY_AFTER_S)})
+                "FP8FORGE_ANALYZE_QUEUE_DEPTH)"), headers={"Retry-After": str(RETRY_AFTER_S)})
         if self._free is None:
             self._free = asyncio.Semaphore(self._workers)
+            if not self._preload:  # light children all start with the first request: no later one waits for a start
+                self._idle.extend(_Child(self._threads, self._preload) for _ in range(self._workers))
         self._pending += 1
         try:
             async with self._free:
-                child = self._idle.pop() if self._idle else _Child(self._threads)
+                child = self._idle.pop() if self._idle else _Child(self._threads, self._preload)
                 answered = False
                 try:
-                    status, value = await child.call(fn, args, self._timeout_s)
+                    status, value = await child.call(fn, args, self._timeout_s, self._late)
                     answered = True
                 finally:
                     if answered and not self._closed:
@@ -95,6 +101,26 @@ class AnalysisPool:
             self._idle.pop().kill()
 
 
+#: Processes that check the model files of submitted jobs and analyses (config, index, headers): each check reads
+#: bounded files in milliseconds to a second, so two keep up with any submission rate the database allows.
+CHECK_WORKERS = 2
+#: Submissions that may wait for a check process: a waiting one holds no thread, only its request.
+CHECK_QUEUE_DEPTH = 256
+#: A check reads at most a config, an index and one header, each bounded (``converters.model.limits``).
+CHECK_TIMEOUT_S = 60.0
+
+
+def model_checks() -> AnalysisPool:
+    """The pool that runs the checks of a local model's files (``include_check.check_local_model``) for the API:
+    those reads are bounded, but a bounded read of a client's file still costs up to a second and a hundred
+    megabytes, which the API's own threads and memory must not pay."""
+    return AnalysisPool(
+        workers=CHECK_WORKERS, queue_depth=CHECK_QUEUE_DEPTH, timeout_s=CHECK_TIMEOUT_S, threads=1, preload=False,
+        busy=f"the server is checking the model files of {CHECK_QUEUE_DEPTH} other requests; retry after a few seconds",
+        late=f"checking the model's files took more than {CHECK_TIMEOUT_S:g} s and was stopped; make sure its "
+             "config.json, index and safetensors headers are the ones saved with the model, then retry")
+
+
 def as_json(fn: Callable[..., Any], *args: Any) -> bytes:
     """``fn(*args)`` as the JSON body the API sends (Starlette's JSONResponse encoding), made in the child: a large
     report encoded on the API's event loop would hold every other request for as long."""
@@ -104,16 +130,17 @@ def as_json(fn: Callable[..., Any], *args: Any) -> bytes:
 class _Child:
     """One spawned process and the pipe to it; it reports ``ready`` once its imports are done."""
 
-    def __init__(self, threads: int | None) -> None:
+    def __init__(self, threads: int | None, preload: bool) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, theirs = context.Pipe()
-        self.process = context.Process(target=_child_main, args=(theirs, os.getpid(), threads),
+        self.process = context.Process(target=_child_main, args=(theirs, os.getpid(), threads, preload),
                                        name="fp8forge-analyze", daemon=True)
         self.process.start()
         theirs.close()
         self.ready = False
 
-    async def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> tuple[str, Any]:
+    async def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, late: str | None = None
+                   ) -> tuple[str, Any]:
         """The child's answer to ``fn(*args)``: ``("ok", result)``, ``("error", exception)`` or ``("crash", text)``.
 
         Raises:
@@ -124,8 +151,9 @@ class _Child:
             self.ready = True
         await to_thread.run_sync(self.conn.send, (fn, args))
         return await self._receive(
-            timeout_s, f"the analysis did not finish within {timeout_s:g} s and was stopped; analyze a model this "
-            "large with a conversion job or `fp8forge analyze` (the operator can raise FP8FORGE_ANALYZE_TIMEOUT_S)")
+            timeout_s, late or f"the analysis did not finish within {timeout_s:g} s and was stopped; analyze a "
+            "model this large with a conversion job or `fp8forge analyze` (the operator can raise "
+            "FP8FORGE_ANALYZE_TIMEOUT_S)")
 
     async def _receive(self, timeout_s: float, late: str) -> Any:
         """The child's next message, waited for on the event loop (no thread is held while the child works);
@@ -154,16 +182,19 @@ class _Child:
         self.conn.close()
 
 
-def _child_main(conn: Connection, parent_pid: int, threads: int | None) -> None:
+def _child_main(conn: Connection, parent_pid: int, threads: int | None, preload: bool = True) -> None:
     """Answer ``(fn, args)`` messages with ``("ok", result)``, ``("error", exception)`` or ``("crash", text)``
     until the pipe closes."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `fp8forge serve` is the API's to handle
-    limit_threads(thread_budget(threads))
-    # torch and transformers' model code load now, not in the first request (whose time bound they would use up)
-    import transformers.modeling_utils  # noqa: F401
+    if preload:  # a checks child imports neither torch nor the workers' modules: it starts in a fraction of a second
+        from service.workers.child import limit_threads, thread_budget
 
-    import converters.analysis.eligibility  # noqa: F401
+        limit_threads(thread_budget(threads))
+        # torch and transformers' model code load now, not in the first request (whose time bound they would use up)
+        import transformers.modeling_utils  # noqa: F401
+
+        import converters.analysis.eligibility  # noqa: F401
 
     conn.send("ready")
     while True:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from converters import errors
 from converters.analysis import include_check
-from converters.model import limits as model_limits
 from converters.model import sources as model_sources
 from converters.pipeline.request import SYNC_DEFAULTS, CalibrationSettings, ConversionRequest, check_sync_calibration
 from service.api.analyze_pool import AnalysisPool, as_json
@@ -28,14 +28,14 @@ __all__ = ["check_request", "submit_job", "cancel_job", "delete_job", "analyze"]
 
 
 def check_request(request: Mapping[str, Any], settings: Settings) -> None:
-    """Validate a conversion request as far as possible without loading the model.
+    """Validate a conversion request as far as possible without reading the model's files (the reference, the
+    recipe, the calibration); :func:`submit_job` has the files checked in an analysis process.
 
     Raises:
         converters.errors.Fp8ForgeError: with ``field`` naming the culprit (HTTP 422).
     """
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
     _check_reference(request["model"], sources)
-    _check_local_config(request["model"], sources)
     try:
         ConversionRequest.from_dict(request)
     except (errors.RecipeError, errors.CalibrationDataError) as exc:
@@ -44,9 +44,6 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
         if exc.field and not exc.field.startswith((section, "model", "include", "exclude")):
             exc.field = f"{section}.{exc.field}"
         raise
-    # an include pattern that selects nothing, refused now rather than by the worker (from the files' headers)
-    include_check.check_include_on_disk(include_check.local_checkpoint_dir(request["model"], sources),
-                                        request.get("include") or ())
 
 
 def _check_reference(ref: str, sources: Any) -> None:
@@ -57,34 +54,42 @@ def _check_reference(ref: str, sources: Any) -> None:
         raise
 
 
-def _check_local_config(ref: str, sources: Any) -> None:
-    """A local model's config.json against ``sources.config_limits``, read now (a JSON walk, no transformers), so
-    a config of 10,000 layers is refused in milliseconds instead of being built by a worker or analysis process.
+async def _check_model_files(checks: AnalysisPool, ref: str, sources: Any, include: tuple[str, ...] = ()) -> None:
+    """A local model's config.json against ``sources.config_limits``, and the include patterns against its stored
+    tensor names, read in one of ``checks``' processes (``include_check.check_local_model``): every read is
+    bounded, but a bounded read of a client's file still costs up to a second and a hundred megabytes, which the
+    API's threads and memory must not pay. A config of 10,000 layers is refused in milliseconds, not built.
 
     Raises:
-        ModelConfigError (422): the message names the config field, its value, the limit and the setting.
+        ModelConfigError (422): naming the file, the field or count, the limit and the fix. PatternError (422).
+        AnalyzeBusy, AnalysisAborted (503).
     """
-    reference = model_sources.parse_model_reference(ref, sources)
-    if reference.kind == "local" and reference.path is not None and (reference.path / "config.json").is_file():
-        model_limits.read_config_file(reference.path / "config.json", sources.config_limits)
+    await checks.run(include_check.check_local_model, ref, sources, include)
 
 
-def submit_job(
+async def submit_job(
     store: JobStore, settings: Settings, body: JobCreate, idempotency_key: str | None, caller: Caller,
+    checks: AnalysisPool,
 ) -> Job:
-    """Validate and queue a conversion job for ``caller``, honouring ``Idempotency-Key``.
+    """Validate and queue a conversion job for ``caller``, honouring ``Idempotency-Key``; the model's files are
+    checked in one of ``checks``' processes.
 
     Raises:
-        Fp8ForgeError (422), InvalidRequest (422), IdempotencyConflict (409), TooManyJobs (429).
+        Fp8ForgeError (422), InvalidRequest (422), IdempotencyConflict (409), TooManyJobs (429),
+        AnalyzeBusy or AnalysisAborted (503).
     """
+    from anyio import to_thread
+
     if idempotency_key is not None and not (idempotency_key.isascii() and idempotency_key.isprintable()):
         raise InvalidRequest("Idempotency-Key must be printable ASCII", field="Idempotency-Key")
     request = body.to_request()
-    check_request(request, settings)
+    await to_thread.run_sync(check_request, request, settings)  # the reference's checks list its directory
+    sources = model_sources.ModelSourceOptions(**settings.model_sources())
+    await _check_model_files(checks, request["model"], sources, tuple(request.get("include") or ()))
     digest = hashlib.sha256(json.dumps(request, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    job, _ = store.create_job(request, request_hash=digest, idempotency_key=idempotency_key or None,
-                              max_attempts=settings.max_attempts, owner=caller.owner,
-                              max_queued=settings.max_queued_jobs_per_key)
+    job, _ = await to_thread.run_sync(partial(
+        store.create_job, request, request_hash=digest, idempotency_key=idempotency_key or None,
+        max_attempts=settings.max_attempts, owner=caller.owner, max_queued=settings.max_queued_jobs_per_key))
     return job
 
 
@@ -120,13 +125,14 @@ def delete_job(store: JobStore, storage: ArtifactStorage, job_id: str) -> None:
     storage.remove(job_id)
 
 
-async def analyze(settings: Settings, body: AnalyzeCreate, pool: AnalysisPool) -> bytes:
+async def analyze(settings: Settings, body: AnalyzeCreate, pool: AnalysisPool, checks: AnalysisPool) -> bytes:
     """The eligibility report of a model reference (as JSON), built on the meta device (no weights are read).
 
     With a calibration (``body.calibrates()``) the weights are loaded layer by layer and a short calibration
-    measures each eligible layer's SQNR (``converters.pipeline.sync_analysis.calibrated_analysis``). The reference,
-    a local model's config and the calibration bounds are checked here; the model is built in one of ``pool``'s
-    processes (``converters.pipeline.sync_analysis.analysis_report``), never in the API's.
+    measures each eligible layer's SQNR (``converters.pipeline.sync_analysis.calibrated_analysis``). The reference
+    and the calibration bounds are checked here, a local model's config in one of ``checks``' processes; the model
+    is built in one of ``pool``'s processes (``converters.pipeline.sync_analysis.analysis_report``), never in the
+    API's.
 
     Raises:
         Fp8ForgeError: bad reference (422), model not found (422), a config out of bounds (422), bad calibration
@@ -136,10 +142,10 @@ async def analyze(settings: Settings, body: AnalyzeCreate, pool: AnalysisPool) -
     """
     from anyio import to_thread
 
-
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
-    # the checks read the model directory: a thread's work, though short, not the event loop's
+    # the checks list the model directory: a thread's work, though short, not the event loop's
     request = await to_thread.run_sync(_check_analysis, body, sources)
+    await _check_model_files(checks, body.model, sources)
     options = {"ref": body.model, "backend": _analysis_backend(body), "include": tuple(body.include),
                "exclude": tuple(body.exclude), "skip_first_last": body.skip_first_last,
                "convert_router_gates": body.convert_router_gates, "recipe": body.recipe_json()}
@@ -158,9 +164,9 @@ def _analysis_backend(body: AnalyzeCreate) -> str:
 
 
 def _check_analysis(body: AnalyzeCreate, sources: Any) -> Any:
-    """Check what can be checked without building the model; returns the calibrated analysis's request, if any."""
+    """Check what can be checked without reading the model's files; returns the calibrated analysis's request, if
+    any."""
     _check_reference(body.model, sources)
-    _check_local_config(body.model, sources)
     return _calibration_request(body) if body.calibrates() else None
 
 

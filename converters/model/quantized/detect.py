@@ -13,6 +13,7 @@ from typing import Any
 
 from converters.errors import ModelConfigError, ModelNotFoundError
 from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, read_model_text
+from converters.model.limits import read_index_file
 from converters.model.quantized.source import Scheme, SourceQuantization
 from converters.model.safetensors_stream import read_tensor_index
 
@@ -158,7 +159,7 @@ def checkpoint_tensor_names(directory: Path) -> list[str] | None:
     when it holds no weights (an analysis of a hub model downloads only config.json)."""
     index = Path(directory) / INDEX_NAME
     if index.is_file():
-        return list(_json(index).get("weight_map") or {})
+        return list(read_index_file(index)["weight_map"])
     single = Path(directory) / SINGLE_FILE_NAME
     if single.is_file():
         return list(read_tensor_index(single)[0])

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from converters.model.files import INDEX_NAME, read_model_text
+from converters.model.files import INDEX_NAME
+from converters.model.limits import read_index_file
 from converters.model.quantized.source import SourceQuantization
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
 
@@ -94,7 +95,7 @@ def write_dequantized_files(files: list[Path], directory: Path, stored: StoredWe
         total += sum(writer.planned[key].nbytes for key in plan)
         written.append(path.name)
     if files and (files[0].parent / INDEX_NAME).is_file():
-        index = json.loads(read_model_text(files[0].parent / INDEX_NAME))
+        index = read_index_file(files[0].parent / INDEX_NAME)
         index["weight_map"] = weight_map
         index["metadata"] = {**(index.get("metadata") or {}), "total_size": total}
         temporary = directory / f".{INDEX_NAME}.tmp"

@@ -11,13 +11,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
 from service.api import operations
-from service.api.analyze_pool import AnalysisPool
+from service.api.analyze_pool import AnalysisPool, model_checks
 from service.api.deps import SettingsDep
 from service.api.routes import error_responses
 from service.api.schemas import AnalyzeCreate
 from service.workers.child import thread_budget
 
-__all__ = ["router"]
+__all__ = ["ModelChecksDep", "router"]
 
 
 @asynccontextmanager
@@ -27,14 +27,24 @@ async def _analysis_processes(app: FastAPI) -> AsyncIterator[None]:
                         timeout_s=settings.analyze_timeout_s,
                         threads=thread_budget(None, conversions=settings.analyze_workers))
     app.state.analysis_pool = pool
+    app.state.model_checks = checks = model_checks()  # POST /v1/jobs's too
     try:
         yield
     finally:
         pool.close()
+        checks.close()
 
 
 async def _get_pool(request: Request) -> AnalysisPool:
     return request.app.state.analysis_pool
+
+
+async def _get_checks(request: Request) -> AnalysisPool:
+    return request.app.state.model_checks
+
+
+#: The processes that check a local model's files (config, index, headers) before a job or an analysis.
+ModelChecksDep = Annotated[AnalysisPool, Depends(_get_checks)]
 
 
 router = APIRouter(prefix="/v1", tags=["analyze"], lifespan=_analysis_processes)
@@ -44,6 +54,7 @@ router = APIRouter(prefix="/v1", tags=["analyze"], lifespan=_analysis_processes)
              responses=error_responses(400, 413, 422, 503))
 async def analyze_model(
     body: AnalyzeCreate, settings: SettingsDep, pool: Annotated[AnalysisPool, Depends(_get_pool)],
+    checks: ModelChecksDep,
 ) -> Response:
     """Which Linear layers would be converted, and why the others would not (no weights are loaded).
 
@@ -55,4 +66,4 @@ async def analyze_model(
     or whose process dies, is 503 `analysis_aborted`.
     """
     # the analysis process sends the report as JSON already: the event loop only passes it on
-    return Response(await operations.analyze(settings, body, pool), media_type="application/json")
+    return Response(await operations.analyze(settings, body, pool, checks), media_type="application/json")

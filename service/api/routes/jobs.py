@@ -15,6 +15,7 @@ from service.api.deps import JobDep, SettingsDep, StorageDep, StoreDep, read_sto
 from service.api.events import LastEventIdHeader, event_stream_response
 from service.api.limits import stream_slots
 from service.api.routes import error_responses
+from service.api.routes.analyze import ModelChecksDep
 from service.api.schemas import JobCreate, JobPublic, JobsPublic, TaskPublic, TasksPublic
 from service.jobs import JobStatus
 
@@ -23,17 +24,20 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
-@router.post("", status_code=202, operation_id="createJob", responses=error_responses(400, 409, 413, 422, 429))
-def create_job(
-    body: JobCreate, store: StoreDep, settings: SettingsDep, caller: CallerDep,
+@router.post("", status_code=202, operation_id="createJob",
+             responses=error_responses(400, 409, 413, 422, 429, 503))
+async def create_job(
+    body: JobCreate, store: StoreDep, settings: SettingsDep, caller: CallerDep, checks: ModelChecksDep,
     idempotency_key: Annotated[str, Header(alias="Idempotency-Key", max_length=200, pattern=r"^[ -~]*$",
                                            description="Printable ASCII; same key and body, same job.")] = None,
 ) -> JobPublic:
     """Queue a conversion job. The same Idempotency-Key with the same body returns the same job.
 
-    A key with as many queued jobs as it may have gets 429 with ``Retry-After``.
+    A key with as many queued jobs as it may have gets 429 with ``Retry-After``. A local model's files (config,
+    index, headers) are checked in the server's check processes: 503 when they are all busy.
     """
-    return JobPublic.from_job(operations.submit_job(store, settings, body, idempotency_key, caller), caller)
+    job = await operations.submit_job(store, settings, body, idempotency_key, caller, checks)
+    return JobPublic.from_job(job, caller)
 
 
 @router.get("", operation_id="listJobs", response_model=JobsPublic, responses=error_responses(422))

@@ -70,8 +70,10 @@ def test_an_analysis_that_dies_or_runs_too_long_is_503_and_its_process_replaced(
     # was too tight for the small model on a loaded machine)
     endless = _model(tmp_path / "models", "endless", {**TINY, "num_hidden_layers": 5000})
     settings = _settings(tmp_path, analyze_workers=1, analyze_timeout_s=5.0, max_model_layers=5000)
-    before = set(children_of(os.getpid()))
     with live_app(settings) as client:
+        # a job's submission starts the processes that check model files: children too, but not analyses
+        assert client.post("/v1/jobs", json={"model": str(small), "recipe": {"backend": "ao"}}).status_code == 202
+        before = set(children_of(os.getpid()))
         answer: list[httpx.Response] = []
         thread = threading.Thread(target=lambda: answer.append(_analyze(client, endless)))
         thread.start()
