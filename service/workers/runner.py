@@ -100,6 +100,8 @@ class JobRun:
         eof = False
         while True:
             eof = eof or self._drain(receiver)
+            if self.watch.result is not None:
+                return  # the child's last message: its exit (torch's teardown, seconds) is not waited for
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + self._check_every
