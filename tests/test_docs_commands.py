@@ -44,6 +44,9 @@ BLOCK_TIMEOUT_S = 240
 #: blocks marked not-run, per document: change these only together with the markers
 NOT_RUN = {"README.md": 2, "docs/deployment.md": 1, "docs/service.md": 2, "docs/quality.md": 3}
 
+#: where the sessions may write (.venv is the test's link): out/ and the server's data/, both in .gitignore
+OUTPUT_DIRS = (".venv", "out", "data")
+
 _MARKER = re.compile(r"^<!--\s*(not-run|needs):\s*(.*?)\s*-->$")
 
 
@@ -183,3 +186,7 @@ def test_the_docs_sessions_run_as_written(doc, tmp_path):
             done = run_block(block, workdir, env, port)
         print(f"{block}: exit {done.returncode} in {time.monotonic() - started:.1f} s")
         assert done.returncode == 0, f"{block} failed (exit {done.returncode}):\n{done.stdout[-6000:]}"
+    # a reader runs these at the repository root: what they write goes under out/ (or the server's data/), both
+    # ignored by git, never beside the sources
+    left = sorted(path.name for path in workdir.iterdir() if path.name not in OUTPUT_DIRS)
+    assert left == [], f"{doc}'s commands leave {left} in the directory they run in; write under out/ instead"
