@@ -14,7 +14,7 @@ from typing import Any
 
 from converters.analysis.render import human_bytes
 
-__all__ = ["DETAIL_KEYS", "Unit", "progress_event", "progress_text"]
+__all__ = ["DETAIL_KEYS", "LOAD_STEP", "RESOLVE_STEPS", "START_STEP", "Unit", "progress_event", "progress_text"]
 
 
 class Unit(str, enum.Enum):
@@ -27,6 +27,14 @@ class Unit(str, enum.Enum):
 
 #: The optional fields of an event, in the order an event lists them.
 DETAIL_KEYS = ("step", "shards_done", "shards_total", "bytes_done", "bytes_total")
+
+#: What resolve does, in order, as its progress names each step (the whole-model mode adds ``LOAD_STEP``). Reading
+#: the config is where transformers' model code is imported: on a small model, most of the stage.
+RESOLVE_STEPS = ("finding the model files", "reading config.json (imports the model's transformers code)",
+                 "building the model on the meta device", "indexing the weight files")
+LOAD_STEP = "loading the weights"
+#: What a service's conversion process does before resolve's first step: it starts and imports torch.
+START_STEP = "starting the conversion process (imports torch)"
 
 
 def progress_event(stage: str, done: int, total: int, unit: Unit | str = Unit.STEP, **detail: Any) -> dict[str, Any]:

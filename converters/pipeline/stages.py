@@ -44,19 +44,13 @@ from converters.model.sources import (
     model_dtype,
     resolve_model_dir,
 )
-from converters.pipeline.progress import Unit
+from converters.pipeline.progress import LOAD_STEP, RESOLVE_STEPS, Unit
 from converters.pipeline.serving_export import plan_serving_formats, serving_casts, serving_sqnr
 from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.plan.candidates import plan_compare_recipes
 from converters.quality.held_out import calibration_part
 
-__all__ = ["RESOLVE_STEPS", "STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "model_inputs"]
-
-#: What resolve does, in order, as its progress names each step (the whole-model mode adds LOAD_STEP). Reading the
-#: config is where transformers' model code is imported: on a small model, most of the stage.
-RESOLVE_STEPS = ("finding the model files", "reading config.json (imports the model's transformers code)",
-                 "building the model on the meta device", "indexing the weight files")
-LOAD_STEP = "loading the weights"
+__all__ = ["STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "model_inputs"]
 
 
 def start(run: Run) -> None:

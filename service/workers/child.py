@@ -26,7 +26,9 @@ from typing import Any
 
 from converters.errors import Fp8ForgeError
 from converters.model.sources import ModelSourceOptions
+from converters.pipeline.progress import RESOLVE_STEPS, START_STEP, Unit
 from converters.pipeline.request import ConversionRequest
+from converters.pipeline.state import Stage
 from converters.third_party_noise import silence_third_party_noise
 from service.errors import disk_full
 from service.redaction import server_directories, without_server_paths
@@ -147,6 +149,10 @@ def child_main(
     silence_third_party_noise()  # a spawned process starts without the filters its worker set; before torch loads
     directories = hidden_directories(out_dir, sources)
     try:
+        # this process's first seconds are its imports (torch): resolve's, and said so (the pipeline's own start of
+        # resolve follows; its worker keeps this one)
+        conn.send(StageStarted(Stage.RESOLVE.value))
+        conn.send(Progress(0, len(RESOLVE_STEPS), Unit.STEP.value, {"step": START_STEP}))
         logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
         from converters.pipeline.driver import run_conversion  # imports torch: only in the process that converts
         from service.workers.serving_shards import QueuedServingShards  # torch as well

@@ -145,6 +145,8 @@ class JobRun:
     def _handle(self, msg: ChildMessage) -> None:
         w = self.watch
         match msg:
+            case StageStarted(stage=stage) if w.stage is not None and stage == w.stage.value:
+                pass  # resolve, which the child announced before its imports: it goes on
             case StageStarted(stage=stage):
                 self._end_stage()
                 w.stage, w.done, w.total, w.stage_started = Stage(stage), 0, 0, time.monotonic()

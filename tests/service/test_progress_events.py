@@ -58,9 +58,13 @@ def test_events_show_resolve_steps_layers_quality_and_shard_bytes(tmp_path: Path
 
         progress = [data for kind, data in events if kind == "progress"]
         assert all(data["text"] == progress_text(data) for data in progress), progress
+        # resolve from the conversion process's start: its imports, then each step of the stage
         steps = [data["step"] for data in progress if data["stage"] == "resolve" and data.get("step")]
-        assert steps == ["finding the model files", "reading config.json (imports the model's transformers code)",
+        assert steps == ["starting the conversion process (imports torch)", "finding the model files",
+                         "reading config.json (imports the model's transformers code)",
                          "building the model on the meta device", "indexing the weight files"], progress
+        running = next(data for kind, data in events if kind == "status" and data["status"] == "running")
+        assert _at(stages[0]) - _at(running) < 2.5, events[:4]  # generous: the process's spawn, not its imports
         calibrate = [data for data in progress if data["stage"] == "calibrate"]
         assert calibrate and {data["unit"] for data in calibrate} == {"layer"}, calibrate
         assert calibrate[-1]["done"] == calibrate[-1]["total"] == 2  # two decoder layers (lm_head is left out)
