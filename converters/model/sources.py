@@ -310,7 +310,7 @@ def _cache_miss_message(reference: ModelReference, sources: ModelSourceOptions, 
 
 def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
     """Read ``config.json`` with transformers' ``AutoConfig``, from a private copy made without following a link
-    out of ``confinement_for(sources)`` (:func:`_staged`): the bytes checked are the bytes transformers reads.
+    out of the places models come from (:func:`_staged`): the bytes checked are the bytes transformers reads.
 
     Raises:
         ModelNotFoundError: the config names an unknown architecture, or needs remote code while
@@ -330,9 +330,14 @@ def load_config(directory: Path, sources: ModelSourceOptions) -> Any:
 def _staged(directory: Path, sources: ModelSourceOptions, names: list[str], links: Iterable[str] = ()
             ) -> AbstractContextManager[Path]:
     """:func:`~converters.model.files.staged_model_directory` of ``directory`` with ``names`` copied (and the
-    model's own code, when remote code is allowed) and ``links`` pinned, confined to ``confinement_for(sources)``."""
+    model's own code, when remote code is allowed) and ``links`` pinned, confined to ``confinement_for(sources)``;
+    a directory outside it (one a caller built, not reached through ``sources``: a test's, an artifact) is
+    confined as ``converters.model.files.open_model_file`` confines a file it is given no confinement for."""
     code = sorted(path.name for path in Path(directory).glob("*.py")) if sources.trust_remote_code else []
-    return staged_model_directory(directory, confinement_for(sources), copies=[*names, *code], links=links)
+    confinement = confinement_for(sources)
+    if not confinement.allows(Path(os.path.realpath(directory))):
+        confinement = None
+    return staged_model_directory(directory, confinement, copies=[*names, *code], links=links)
 
 
 def model_class(config: Any, sources: ModelSourceOptions) -> Any:
@@ -421,7 +426,7 @@ def load_tokenizer(directory: Path, sources: ModelSourceOptions) -> Any | None:
     """The model's own tokenizer, or ``None`` when the directory ships none (or one transformers cannot load).
 
     It is read from private copies of its files made without following a link out of
-    ``confinement_for(sources)`` (:func:`_staged`).
+    the places models come from (:func:`_staged`).
 
     Raises:
         ModelReferenceError: a tokenizer file links out of the confinement or changed while it was copied.
