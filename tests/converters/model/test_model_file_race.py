@@ -28,7 +28,9 @@ from converters.model.files import (
     FileConfinement,
     check_model_directory,
     copy_model_file,
+    open_model_file,
     pinned_model_path,
+    read_model_text,
     staged_model_directory,
 )
 from converters.model.safetensors_stream import read_tensor, read_tensor_index
@@ -152,6 +154,21 @@ def test_weight_tokenizer_and_config_readers_under_the_race_never_read_the_priva
     for name, counts in outcomes.items():
         assert set(counts) == {"decoy", "refused"}, (name, counts)
 
+
+
+def test_a_reader_given_no_confinement_keeps_to_the_one_its_directory_was_checked_against(layout, tmp_path) -> None:
+    """The weight and index readers get a path only: they use the confinement this process checked the model
+    directory against, and for a file in no checked directory follow no link out of its own directory."""
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "tokenizer.json").symlink_to(layout["d"] / "api_keys")
+    with pytest.raises(ModelReferenceError, match="'tokenizer.json' is a link to a file outside"):
+        open_model_file(loose / "tokenizer.json")
+    check_model_directory(layout["model"], _confinement(layout), shown="m")
+    assert read_model_text(layout["model"] / "tokenizer.json").encode() == DECOY
+    (layout["model"] / "vocab.txt").symlink_to(layout["data"] / "api_keys")  # made after the check
+    with pytest.raises(ModelReferenceError, match="'vocab.txt' is a link to a file outside"):
+        read_model_text(layout["model"] / "vocab.txt")
 
 
 class _RaceFromAnalyze(NullSink):
