@@ -67,7 +67,8 @@ def _loaded_by_transformers(directory: Path, reference: torch.Tensor, ids: torch
     if cosine(logits, reference) < 0.9:
         return LoadStatus.NOT_LOADED, " ".join(records)
     dtypes = {module.weight.dtype for module in model.modules() if isinstance(module, torch.nn.Linear)}
-    return (LoadStatus.DEQUANTIZES if dtypes <= {torch.bfloat16, torch.float32} else LoadStatus.LOADS), " ".join(records)
+    status = LoadStatus.DEQUANTIZES if dtypes <= {torch.bfloat16, torch.float32} else LoadStatus.LOADS
+    return status, " ".join(records)
 
 
 @pytest.mark.parametrize("name", ONE_PER_LAYOUT)
