@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.config import Settings
 from service.jobs import JobStatus
@@ -58,9 +59,38 @@ def test_health_ready_and_metrics(client, store) -> None:
     assert client.post("/v1/jobs", json=GOOD).status_code == 202
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
-    assert 'fp8forge_jobs{status="queued"} 1' in metrics.text
-    assert "fp8forge_workers 1" in metrics.text
-    assert 'fp8forge_stage_duration_seconds_count{stage="calibrate"} 0' in metrics.text
+    samples = _metric_samples(metrics.text)
+    assert samples[("fp8forge_jobs", (("status", "queued"),))] == 1
+    assert samples[("fp8forge_workers", ())] == 1
+    assert samples[("fp8forge_stage_duration_seconds_count", (("stage", "calibrate"),))] == 0
+
+
+def test_metrics_count_outcomes_retries_stage_seconds_and_bytes(client, store) -> None:
+    ids = [client.post("/v1/jobs", json={**GOOD, "calibration": {"steps": i + 1}}).json()["id"] for i in range(3)]
+    for _ in ids:
+        assert store.claim_next("w-test") is not None
+    store.set_status(ids[0], JobStatus.SUCCEEDED, artifacts=[{"name": "a.safetensors", "bytes": 1000, "sha256": "0"},
+                                                            {"name": "fp8_report.json", "bytes": 24, "sha256": "1"}])
+    store.set_status(ids[1], JobStatus.FAILED, error_code="out_of_memory", error_message="killed")
+    store.timings.record(ids[0], [("calibrate", 3.0), ("export", 100.0)])
+    with store.engine.begin() as conn:
+        conn.execute(store.tables.jobs.update().where(store.tables.jobs.c.id == ids[0]).values(attempt=3))
+    samples = _metric_samples(client.get("/metrics").text)
+    assert samples[("fp8forge_jobs_finished_total", (("error_code", ""), ("status", "succeeded")))] == 1
+    assert samples[("fp8forge_jobs_finished_total", (("error_code", "out_of_memory"), ("status", "failed")))] == 1
+    assert samples[("fp8forge_retries_total", (("of", "job"),))] == 2
+    assert samples[("fp8forge_artifact_bytes_total", ())] == 1024
+    calibrate = (("stage", "calibrate"),)
+    assert samples[("fp8forge_stage_duration_seconds_bucket", (("le", "1.0"), *calibrate))] == 0
+    assert samples[("fp8forge_stage_duration_seconds_bucket", (("le", "5.0"), *calibrate))] == 1
+    assert samples[("fp8forge_stage_duration_seconds_bucket", (("le", "60.0"), ("stage", "export")))] == 0
+    assert samples[("fp8forge_stage_duration_seconds_sum", (("stage", "export"),))] == 100.0
+
+
+def _metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition, read by prometheus_client's own parser (so the text must be valid)."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_submit_get_list_and_idempotency(client) -> None:
