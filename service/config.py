@@ -124,6 +124,36 @@ class Settings(BaseSettings):
     analyze_timeout_s: float = Field(
         300.0, gt=0, description="Time one analysis may take; its process is then replaced and the request gets 503."
     )
+    executor: Literal["local", "slurm"] = Field(
+        "local", description="Who runs jobs: 'local' (the worker processes `fp8forge serve` starts) or 'slurm' (each "
+                             "job a Slurm batch job, a requantize job a Slurm array; docs/deployment.md)."
+    )
+    slurm_partition: str = Field("", description="Slurm partition jobs go to; empty: the cluster's default.")
+    slurm_account: str = Field("", description="Slurm account charged for the jobs; empty: the user's default.")
+    slurm_nodes: int = Field(1, ge=1, le=4096, description="Nodes of a calibrated job's Slurm allocation.")
+    slurm_gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs per node a Slurm job asks for (0: none).")
+    slurm_ranks_per_node: int | None = Field(
+        None, ge=1, le=256, description="torch.distributed ranks per node of a calibrated job; unset: one per GPU, "
+                                        "or one. More needs the data-parallel calibration (docs/distributed.md)."
+    )
+    slurm_cpus_per_rank: int | None = Field(
+        None, ge=1, le=1024, description="CPUs each rank (and each requantize array task) asks for; unset: Slurm's."
+    )
+    slurm_time_limit: str = Field(
+        "", pattern=r"^$|^(\d+-)?\d+(:\d{1,2}){0,2}$",
+        description="Wall-time limit of each Slurm job (minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]); a job still "
+                    "running at the limit is requeued and runs again in a new allocation. Empty: the partition's."
+    )
+    slurm_array_tasks: int = Field(
+        4, ge=1, le=10_000, description="Array tasks of a requantize job's Slurm array (each a worker of its shards)."
+    )
+    slurm_work_dir: Path | None = Field(
+        None, description="Directory every Slurm node reads (settings of the ranks, Slurm's output files); "
+                          "unset: <data dir>/slurm."
+    )
+    slurm_python: str = Field(
+        "", description="Python of the fp8forge install on the Slurm nodes; empty: the one running the service."
+    )
     max_event_streams_per_key: int = Field(
         16, ge=1, le=10_000, description="Open event streams (GET /v1/jobs/{id}/events) per API key; more get 429."
     )
@@ -181,6 +211,11 @@ class Settings(BaseSettings):
     @property
     def jobs_dir(self) -> Path:
         return self.data_dir / "jobs"
+
+    @property
+    def slurm_dir(self) -> Path:
+        """Where the Slurm executor writes what its jobs read on the nodes (a directory they share)."""
+        return self.slurm_work_dir or self.data_dir / "slurm"
 
     @property
     def demo_dir(self) -> Path:

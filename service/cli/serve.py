@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from service.main import create_app  # the service stack (fastapi, sqlalchemy): not at the CLI's start-up
     from service.store import JobStore  # the service stack (sqlalchemy): not at the CLI's start-up
-    from service.workers.pool import WorkerPool, default_worker_count  # the service stack: not at the CLI's start-up
+    from service.workers.pool import default_worker_count, make_executor  # the service stack: not at the CLI's start-up
 
     configure_logging(args.log_level, "api")
     try:
@@ -105,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     JobStore.from_settings(settings).close()  # create the schema once, before several processes race to
     count = settings.workers if settings.workers is not None else default_worker_count()
-    pool = WorkerPool(settings, count, log_level=args.log_level)
+    pool = make_executor(settings, count, log_level=args.log_level)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:

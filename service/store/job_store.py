@@ -228,7 +228,7 @@ class JobStore:
         return counts
 
     def claim_next(self, worker_id: str, *, host: str | None = None, live_within_s: float | None = None,
-                   max_running_per_owner: int | None = None) -> Job | None:
+                   max_running_per_owner: int | None = None, job_id: str | None = None) -> Job | None:
         """Atomically move the oldest queued job to running for ``worker_id`` on ``host``; None when none is queued.
 
         With ``max_running_per_owner``, jobs of an owner who already has that many running wait their turn. On
@@ -241,6 +241,8 @@ class JobStore:
         now = time.time()
         c = self._jobs.c
         claimable = sa.select(c.seq).where(c.status == JobStatus.QUEUED.value)
+        if job_id is not None:  # an executor's allocation made for this one job (service.executors)
+            claimable = claimable.where(c.id == job_id)
         if max_running_per_owner is not None:
             busy = sa.select(c.owner).where(c.status.in_(ACTIVE_STATUSES), c.owner.is_not(None)) \
                 .group_by(c.owner).having(sa.func.count() >= max_running_per_owner)

@@ -14,11 +14,12 @@ import threading
 from multiprocessing.process import BaseProcess
 
 from service.config import Settings
+from service.executors.slurm_dispatch import SlurmDispatcher
 from service.workers.child import thread_budget
 from service.workers.procs import visible_gpus
 from service.workers.worker import worker_process_main
 
-__all__ = ["WorkerPool", "default_worker_count"]
+__all__ = ["WorkerPool", "default_worker_count", "make_executor"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,14 @@ logger = logging.getLogger(__name__)
 def default_worker_count() -> int:
     """One worker per visible GPU, or one CPU worker where there is none."""
     return max(1, len(visible_gpus()))
+
+
+def make_executor(settings: Settings, count: int, *, log_level: str = "info") -> WorkerPool | SlurmDispatcher:
+    """What runs the jobs beside the API: ``count`` local workers, or with ``FP8FORGE_EXECUTOR=slurm`` the Slurm
+    dispatcher in their place (``service.executors``). Both have ``start``, ``begin_stop`` and ``stop``."""
+    if settings.executor == "slurm":
+        return SlurmDispatcher(settings)
+    return WorkerPool(settings, count, log_level=log_level)
 
 
 class WorkerPool:
