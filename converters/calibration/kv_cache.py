@@ -24,6 +24,15 @@ Calibration runs one prefill per batch, so the cache holds exactly the batch's o
 module object, the recording works whether the whole model runs (``record_amax``) or one decoder layer at a time
 (``calibrate_layer_by_layer``, which runs the same attention modules); the amax is the running max over all
 steps, as compressed-tensors' static observer keeps it.
+
+The recorder also keeps each layer's queries, keys and values and, once the layer has seen every step, chooses its
+scales by the attention-output error they cause (:mod:`converters.calibration.kv_search`). Layer-sequential
+calibration runs every step through one layer, then puts it back on the meta device (``release_layer``) and loads
+the next: when an attention module is called, any other module with kept calls whose parameters are on the meta
+device is done, and its search runs then (the kernels read only the module's attributes, not its weights), so at
+most two layers' calls are held. In a whole-model pass nothing is released and every layer's calls are held
+until :meth:`KvCacheRecorder.results` (at most :data:`SEARCH_BUFFER_BYTES` a layer: the calls past it add to
+the amax but not to the search, and the report says how many steps were searched).
 """
 
 from __future__ import annotations
@@ -39,9 +48,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from converters.calibration.kv_search import KvSearch, KvStep, search_kv_scales
 from converters.errors import CalibrationDataError
 
-__all__ = ["KvAmax", "KvCacheRecorder", "recording_kv_amax"]
+__all__ = ["KvAmax", "KvCacheRecorder", "SEARCH_BUFFER_BYTES", "recording_kv_amax"]
+
+#: the most bytes of one layer's queries, keys and values kept for its scale search (256 MiB: 4096 tokens of a
+#: 8192-wide model in fp32 with 8 KV heads of 128 fit)
+SEARCH_BUFFER_BYTES = 256 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +73,7 @@ class KvAmax:
     key: torch.Tensor  #: ``[kv_heads]``: each KV head's amax of the post-RoPE keys
     value: torch.Tensor  #: ``[kv_heads]``: each KV head's amax of the values
     dtype: torch.dtype  #: the dtype the keys and values had (the KV-cache scales are computed in it)
+    search: KvSearch | None = None  #: the clipping chosen by attention-output error (None: amax / 448)
 
     @property
     def key_amax(self) -> float:
@@ -68,17 +83,36 @@ class KvAmax:
     def value_amax(self) -> float:
         return float(self.value.max())
 
+    @property
+    def key_clip(self) -> float:
+        """The key amax the scale is computed from: ``key_amax * key_ratio`` in float32."""
+        return _clip(self.key_amax, self.search.key_ratio if self.search else 1.0)
+
+    @property
+    def value_clip(self) -> float:
+        return _clip(self.value_amax, self.search.value_ratio if self.search else 1.0)
+
+
+def _clip(amax: float, ratio: float) -> float:
+    return float(torch.tensor(amax, dtype=torch.float32) * torch.tensor(ratio, dtype=torch.float32))
+
 
 class KvCacheRecorder:
     """Running per-head amax of keys and values, per attention module path (see the module docstring)."""
 
-    def __init__(self, expected: list[str]) -> None:
+    def __init__(self, expected: list[str], modules: dict[str, nn.Module] | None = None) -> None:
         self.expected = expected  #: attention module paths that must be recorded (``*Attention`` classes)
+        self._modules = modules or {}  #: path -> module, to see a released (meta-device) layer
         self._key: dict[str, torch.Tensor] = {}
         self._value: dict[str, torch.Tensor] = {}
         self._dtype: dict[str, torch.dtype] = {}
+        self._steps: dict[str, list[KvStep]] = {}  #: calls kept for the scale search, until the layer is done
+        self._held: dict[str, int] = {}  #: bytes those calls hold
+        self._search: dict[str, KvSearch] = {}
 
-    def observe(self, path: str, key: torch.Tensor, value: torch.Tensor) -> None:
+    def observe(self, path: str, key: torch.Tensor, value: torch.Tensor, *, query: torch.Tensor | None = None,
+                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Add one attention call's keys and values to the amax and, with ``query`` and ``attend``, to the search."""
         if key.dim() != 4 or value.dim() != 4:
             raise CalibrationDataError(
                 f"{path}: the attention kernel received keys of shape {tuple(key.shape)}, not [batch, kv_heads, "
@@ -87,17 +121,42 @@ class KvCacheRecorder:
             amax = tensor.detach().abs().amax(dim=(0, 2, 3)).float().cpu()
             store[path] = amax if path not in store else torch.fmax(store[path], amax)
         self._dtype[path] = key.dtype
+        if query is None or attend is None:
+            return
+        for done in [other for other in self._steps if other != path and _released(self._modules.get(other))]:
+            self.finish(done)
+        size = sum(tensor.numel() * tensor.element_size() for tensor in (query, key, value))
+        if self._held.get(path, 0) + size <= SEARCH_BUFFER_BYTES or path not in self._steps:
+            self._steps.setdefault(path, []).append(KvStep(query.detach(), key.detach(), value.detach(), attend))
+            self._held[path] = self._held.get(path, 0) + size
+
+    def finish(self, path: str) -> None:
+        """Choose ``path``'s scales from the calls kept so far and let them go (its layer has seen every step)."""
+        steps = self._steps.pop(path, None)
+        self._held.pop(path, None)
+        if steps:
+            self._search[path] = search_kv_scales(steps, float(self._key[path].max()), float(self._value[path].max()))
 
     def results(self) -> dict[str, KvAmax]:
-        """Each recorded attention module's amax; raises CalibrationDataError when an expected one never ran."""
+        """Each recorded attention module's amax and chosen clipping; raises CalibrationDataError when an expected
+        one never ran."""
+        for path in list(self._steps):
+            self.finish(path)
         missing = [path for path in self.expected if path not in self._key]
         if missing or not self._key:
             raise CalibrationDataError(
                 f"no keys or values were recorded for {', '.join(missing) or 'any attention layer'}: its attention "
                 "does not call transformers' ALL_ATTENTION_FUNCTIONS, so fp8forge cannot compute KV-cache scales "
                 "for this model; convert without kv_cache", field="kv_cache")
-        return {path: KvAmax(key=self._key[path], value=self._value[path], dtype=self._dtype[path])
+        return {path: KvAmax(key=self._key[path], value=self._value[path], dtype=self._dtype[path],
+                             search=self._search.get(path))
                 for path in sorted(self._key, key=_natural)}
+
+
+def _released(module: nn.Module | None) -> bool:
+    """Whether layer-sequential calibration has put ``module`` back on the meta device (it will not run again)."""
+    parameter = next(module.parameters(), None) if module is not None else None
+    return parameter is not None and parameter.is_meta
 
 
 def _natural(path: str) -> list[Any]:
@@ -117,10 +176,14 @@ def _eager_of(module: nn.Module) -> Callable:
 def _recording(original: Callable | None) -> Callable:
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   *args: Any, **kwargs: Any) -> Any:
+        kernel = original or _eager_of(module)
         entry = _ACTIVE.get(module)
         if entry is not None:
-            entry[0].observe(entry[1], key, value)
-        return (original or _eager_of(module))(module, query, key, value, *args, **kwargs)
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return kernel(module, q, k, v, *args, **kwargs)[0]  # the same mask, scaling and window
+
+            entry[0].observe(entry[1], key, value, query=query, attend=attend)
+        return kernel(module, query, key, value, *args, **kwargs)
 
     return attention
 
@@ -167,7 +230,7 @@ def recording_kv_amax(model: nn.Module) -> Iterator[KvCacheRecorder]:
     """
     modules = {module: path for path, module in model.named_modules() if path}
     expected = [path for module, path in modules.items() if type(module).__name__.endswith("Attention")]
-    recorder = KvCacheRecorder(expected)
+    recorder = KvCacheRecorder(expected, {path: module for module, path in modules.items()})
     names = _implementations(model)
     with _LOCK:
         _install(names)

