@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["recipe_exclusions", "identical_groups", "why_identical"]
+__all__ = ["recipe_exclusions", "identical_groups", "recipes_converting", "why_identical"]
 
 #: scale rules (``converters.calibration.emulation.ScaleRule`` values) that are powers of two
 _POW2_RULES = {"pow2", "e8m0_rceil", "e8m0_floor"}
@@ -31,6 +31,22 @@ def recipe_exclusions(layers: Iterable[Mapping[str, Any]], recipe: Any) -> dict[
     rule = recipe.shape_rule()
     return {layer["path"]: rule.reason for layer in layers
             if layer.get("class") != "Conv1D" and rule.fails(layer["in_features"], layer["out_features"])}
+
+
+def recipes_converting(layers: Iterable[Mapping[str, Any]], recipe: Any, named: Mapping[str, Any]) -> dict[str, int]:
+    """Name -> how many layers each of the ``named`` recipes (short name -> recipe) would convert where ``recipe``
+    converts none, for those that would convert any: the layers ``recipe``'s shape rule alone kept out (every other
+    reason, an include/exclude pattern or a first/last layer, stays whatever the recipe), less those each other
+    recipe's own rule keeps out. A recipe with ``recipe``'s rule never appears: it would find the same nothing."""
+    own = recipe.shape_rule()
+    kept_out = [layer for layer in layers if list(layer.get("reasons") or ()) == [own.reason]]
+    counts = {}
+    for name, other in named.items():
+        if other.shape_rule() == own:
+            continue
+        excluded = recipe_exclusions(kept_out, other)
+        counts[name] = sum(layer["path"] not in excluded for layer in kept_out)
+    return {name: count for name, count in counts.items() if count}
 
 
 def identical_groups(rows: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> list[list[str]]:

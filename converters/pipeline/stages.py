@@ -4,11 +4,13 @@ quality, plan) are :mod:`converters.pipeline.artifact_stages`."""
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from converters.analysis.comparison import recipes_converting
 from converters.analysis.eligibility import (
     AnalysisOptions,
     analyze_model,
@@ -49,6 +51,8 @@ from converters.pipeline.serving_export import plan_serving_formats, serving_cas
 from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.plan.candidates import plan_compare_recipes
 from converters.quality.held_out import calibration_part
+from converters.recipes.presets import RECIPE_NAMES
+from converters.recipes.registry import recipe_from_dict
 
 __all__ = ["STAGE_FUNCTIONS", "start", "resolve", "analyze", "convert", "calibrate", "model_inputs"]
 
@@ -146,9 +150,20 @@ def _nothing_eligible(run: Run, report: dict[str, Any]) -> None:
     rule = run.recipe.shape_rule()
     reasons = sorted({reason for layer in report["layers"] for reason in layer["reasons"]})
     shape = rule.reason in reasons
-    fix = (f"the recipe ({run.recipe.library_class}) needs {rule.describe()}: choose a recipe whose rule this "
-           "model's dims meet (TE delayed or current scaling: 16) or another model"
-           if shape else "adjust include/exclude, skip_first_last or convert_router_gates")
+    fix = "adjust include/exclude, skip_first_last or convert_router_gates"
+    if shape:  # name only recipes whose own rule this model's dims meet: never the one in use
+        named = {name: recipe_from_dict(data) for name, data in RECIPE_NAMES.items()}
+        found = recipes_converting(report["layers"], run.recipe, named)
+        by_count: dict[int, list[str]] = {}
+        for name, count in found.items():
+            by_count.setdefault(count, []).append(name)
+        choices = "; ".join(f"{', '.join(names)} would convert {count} layer{'s' * (count > 1)}"
+                            for count, names in sorted(by_count.items(), reverse=True))
+        example = json.dumps(RECIPE_NAMES[next(iter(found))]) if found else ""
+        fix = (f"the recipe ({run.recipe.library_class}) needs {rule.describe()}, "
+               + (f"which no layer meets; choose a recipe whose rule this model's dims meet: {choices} (a name "
+                  f"stands for its recipe at defaults, e.g. {example})" if found else
+                  "and no recipe fp8forge knows has a rule this model's dims meet: convert another model"))
     raise RequestError(f"no layer is eligible for FP8 (reasons: {', '.join(reasons) or 'none'}; see `fp8forge "
                        f"analyze`): nothing to convert; {fix}", field="recipe" if shape else "include/exclude")
 
