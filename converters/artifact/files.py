@@ -75,8 +75,23 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapp
         raise TypeError(f"safetensors metadata must be strings; not strings: {bad}")
     temporary = path.with_name(f".{path.name}.tmp")
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, temporary, metadata=dict(metadata))
+    _sort_metadata(temporary)
     os.chmod(temporary, new_file_mode())  # safetensors creates 0600 files; an artifact's files share one mode
     os.replace(temporary, path)
+
+
+def _sort_metadata(path: Path) -> None:
+    """Put the header's metadata in key order: safetensors writes it from a hash map, in an order that changes from
+    one process to the next, so the same tensors would give different bytes (and sha256) in different runs."""
+    with open(path, "r+b") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        text = handle.read(size).decode("utf-8")
+        header = json.loads(text)
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        ordered = json.dumps(header, separators=(",", ":"), ensure_ascii=False)
+        if len(ordered.encode("utf-8")) == len(text.rstrip(" ").encode("utf-8")):  # the same JSON, reordered
+            handle.seek(8)
+            handle.write(ordered.encode("utf-8").ljust(size, b" "))
 
 
 #: the most an artifact's files allow: owner read/write, group read, others nothing. An artifact holds a tenant's

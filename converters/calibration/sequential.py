@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -64,6 +64,8 @@ __all__ = [
     "choose_mode",
     "SequentialUnsupported",
     "LayerPass",
+    "LayerBoundary",
+    "Resumed",
     "LayerTiming",
     "SequentialStats",
     "calibrate_layer_by_layer",
@@ -151,6 +153,30 @@ class LayerPass:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """Where a resumed calibration picks up: the layers before ``next_layer`` are done and not run again."""
+
+    next_layer: int
+    amax: dict[str, LayerAmax]  #: what the finished layers recorded, in the order a whole run returns it
+    hidden: list[torch.Tensor]  #: layer ``next_layer``'s input for each of this process's steps
+
+
+class LayerBoundary(Protocol):
+    """What a data-parallel or resumable walk does between layers (:mod:`converters.distributed`): which steps
+    this process runs, where it resumes, and the reduction and record after each layer (and the head)."""
+
+    world_size: int  #: the processes sharing the steps
+
+    def steps(self, total: int) -> list[int]: ...
+
+    def resume(self, layers: int) -> Resumed | None: ...
+
+    def layer_done(self, index: int, recorder: AmaxRecorder, outputs: list[torch.Tensor]) -> None: ...
+
+    def head_done(self, recorder: AmaxRecorder) -> None: ...
+
+
+@dataclass(frozen=True)
 class LayerTiming:
     """Wall seconds of one layer in pass 2."""
 
@@ -169,12 +195,16 @@ class SequentialStats:
     checkpoint_dtype: str = ""
     prefetch: bool = False
     layers: list[LayerTiming] = field(default_factory=list)
+    resumed_at: int | None = None  #: the first layer run when a resume record held the earlier ones
+    ranks: int = 1  #: processes that shared the calibration batches (torch.distributed ranks)
 
     def to_dict(self) -> dict[str, Any]:
-        """The report block: dtypes, why, prefetch and the per-layer seconds summed."""
+        """The report block: dtypes, why, prefetch, the per-layer seconds summed, ranks and any resume."""
         totals = {key: round(sum(getattr(t, key) for t in self.layers), 3) for key in ("wait_s", "load_s", "forward_s")}
+        resumed = {} if self.resumed_at is None else {"resumed_at_layer": self.resumed_at}
         return {"compute_dtype": self.compute_dtype, "compute_reason": self.compute_reason,
-                "checkpoint_dtype": self.checkpoint_dtype, "prefetch": self.prefetch, **totals}
+                "checkpoint_dtype": self.checkpoint_dtype, "prefetch": self.prefetch, **totals,
+                "ranks": self.ranks, "layers_run": [timing.index for timing in self.layers], **resumed}
 
     def timeline(self) -> list[dict[str, Any]]:
         return [asdict(timing) for timing in self.layers]
@@ -226,6 +256,9 @@ class LayerCalls:
     def __init__(self, count: int, steps: int) -> None:
         self.count = count
         self.step = 0
+        #: the calibration step (recorders' row) of each of these steps: a rank runs a share of a job's steps
+        self.global_steps = list(range(steps))
+        self.total_steps = steps
         self.replaying = False
         self.calls: list[list[tuple[tuple, dict] | None]] = [[None] * steps for _ in range(count)]
         self.hidden_in: list[torch.Tensor | None] = [None] * steps
@@ -274,13 +307,16 @@ def calibrate_layer_by_layer(
     compute_dtype: torch.dtype | None = None,
     prefetch: bool = True,
     stats: SequentialStats | None = None,
+    boundary: LayerBoundary | None = None,
 ) -> dict[str, LayerAmax]:
     """Record the amax of ``layer_paths`` over ``batches`` with one layer of ``model`` in memory at a time.
 
     ``model`` is the meta-device model ``checkpoint`` loads into; every tensor is back on the meta device
     when this returns. ``on_layer(done, total)`` reports progress after each layer (and the head pass);
     ``should_stop()`` is checked before each layer and raises ConversionCancelled. ``after_layer`` sees each
-    layer with its cached inputs and outputs before release (the TE check step uses it).
+    layer with its cached inputs and outputs before release (the TE check step uses it). ``boundary`` (a rank of a
+    data-parallel job, or a resumable one) picks this process's share of the steps, may resume past finished
+    layers, and reduces and records each layer as it ends; the amax returned are then the whole job's.
 
     ``compute_dtype`` is the dtype the layer forwards run in: None chooses (fp32 for a half-precision
     checkpoint on a CPU where a probe matmul runs clearly faster in fp32, else the checkpoint's dtype);
@@ -301,18 +337,28 @@ def calibrate_layer_by_layer(
     for path in layer_paths:
         by_layer.setdefault(stack.index_of(path), []).append(path)
     total = stack.count + (1 if None in by_layer else 0)
-    passes = LayerCalls(stack.count, len(batches))
-    inputs = [_to(batch, checkpoint.device) for batch in batches]
+    steps = boundary.steps(len(batches)) if boundary is not None else list(range(len(batches)))
+    passes = LayerCalls(stack.count, len(steps))
+    passes.global_steps, passes.total_steps = steps, len(batches)
+    inputs = [_to(batches[step], checkpoint.device) for step in steps]
+    resumed = boundary.resume(stack.count) if boundary is not None else None
+    first = resumed.next_layer if resumed is not None else 0
     stats = stats if stats is not None else SequentialStats()
     stats.prefetch, stats.checkpoint_dtype = prefetch, str(checkpoint.dtype).removeprefix("torch.")
+    stats.resumed_at = first if resumed is not None else None
+    stats.ranks = boundary.world_size if boundary is not None else 1
     prefetcher = LayerPrefetcher(checkpoint) if prefetch else None
     try:
-        if prefetcher is not None:
-            prefetcher.start(0, module_keys(real[0], f"{stack.path}.0"))
+        if prefetcher is not None and first < stack.count:
+            prefetcher.start(first, module_keys(real[first], f"{stack.path}.{first}"))
         embedded = record_layer_calls(model, stack, checkpoint, inputs, passes, head_path, embed_path,
                                       keep_embeddings=None in by_layer)
         choose_compute(passes, checkpoint, compute_dtype, stats)
-        for index in range(stack.count):
+        if resumed is not None:
+            passes.hidden_in = list(resumed.hidden)
+            if on_layer is not None and first:
+                on_layer(first, total)
+        for index in range(first, stack.count):
             if should_stop is not None and should_stop():
                 raise ConversionCancelled(f"the conversion was cancelled before layer {index} of {stack.count}")
             if prefetcher is not None and index + 1 < stack.count:
@@ -320,11 +366,14 @@ def calibrate_layer_by_layer(
                 prefetcher.start(index + 1, module_keys(real[index + 1], f"{stack.path}.{index + 1}"))
             take = (lambda i=index: prefetcher.take(i)) if prefetcher is not None else (lambda: None)
             stats.layers.append(_calibrate_layer(model, stack, checkpoint, passes, index, real[index],
-                                                 by_layer.get(index, []), after_layer, take))
+                                                 by_layer.get(index, []), after_layer, take, boundary))
             if on_layer is not None:
                 on_layer(index + 1, total)
         if None in by_layer:
-            _run_head(model, stack, checkpoint, inputs, passes, by_layer[None], head_path, embed_path, embedded)
+            head = _run_head(model, stack, checkpoint, inputs, passes, by_layer[None], head_path, embed_path,
+                             embedded)
+            if boundary is not None:
+                boundary.head_done(head)
             if on_layer is not None:
                 on_layer(total, total)
     finally:
@@ -333,7 +382,8 @@ def calibrate_layer_by_layer(
         for index, layer in enumerate(real):
             layers[index] = layer
         release(model)
-    return {path: amax for recorder in passes.recorders for path, amax in recorder.results().items()}
+    done = dict(resumed.amax) if resumed is not None else {}
+    return done | {path: amax for recorder in passes.recorders for path, amax in recorder.results().items()}
 
 
 def record_layer_calls(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, inputs: list[dict],
@@ -384,7 +434,8 @@ def choose_compute(passes: LayerCalls, checkpoint: Checkpoint, requested: torch.
 
 def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: LayerCalls, index: int,
                      layer: nn.Module, paths: list[str], after_layer: Callable[[LayerPass], None] | None,
-                     take: Callable[[], dict[str, torch.Tensor] | None]) -> LayerTiming:
+                     take: Callable[[], dict[str, torch.Tensor] | None], boundary: LayerBoundary | None = None
+                     ) -> LayerTiming:
     """Pass 2 for one layer: load it, run every cached batch through it with the hooks on, release it.
 
     ``take()`` waits for the layer's on-disk tensors from the prefetch (None without one; only this frame holds
@@ -400,20 +451,22 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
     checkpoint.load(unit_keys(model, lambda name: under(name, layer_path)), tensors=tensors)
     del tensors  # the layer's parameters hold them now
     loaded = time.perf_counter()
-    recorder = amax_recorder(model, paths, len(passes.hidden_in)) if paths else AmaxRecorder({}, 0)
+    recorder = amax_recorder(model, paths, passes.total_steps) if paths else AmaxRecorder({}, passes.total_steps)
     passes.recorders.append(recorder)
     outputs = []
     storage, compute = checkpoint.dtype, passes.compute or checkpoint.dtype
     # emulating() before attached(): its rounding hooks run first, so the recorder sees rounded tensors.
     with torch.no_grad(), emulating(layer, storage, compute), recorder.attached():
         for step, hidden in enumerate(passes.hidden_in):
-            recorder.step = step
+            recorder.step = passes.global_steps[step]
             output = passes.call(layer, index, step, hidden)
             if not isinstance(output, torch.Tensor):
                 raise SequentialUnsupported(
                     f"{stack.layer_class} returns a {type(output).__name__}, not its hidden states")
             outputs.append(output.to(storage))  # the hidden states between layers, rounded as the model rounds them
     forwarded = time.perf_counter()
+    if boundary is not None:  # before release: the SQNR meter measures what it gathered with the layer's weights
+        boundary.layer_done(index, recorder, outputs)
     if after_layer is not None:
         inputs = passes.hidden_in
         linear_paths = [path for path in paths if parse_unit_path(path) is None]  # experts are not swapped there
@@ -427,17 +480,20 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
 
 
 def _run_head(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, inputs: list[dict], passes: LayerCalls,
-              paths: list[str], head_path: str | None, embed_path: str | None, embedded: list[torch.Tensor]) -> None:
-    """Pass 3: the modules after the layers see the last layer's real outputs; hooks on the outer Linears."""
+              paths: list[str], head_path: str | None, embed_path: str | None, embedded: list[torch.Tensor]
+              ) -> AmaxRecorder:
+    """Pass 3: the modules after the layers see the last layer's real outputs; hooks on the outer Linears. Returns
+    the recorder (its amax: the head's)."""
     keys = unit_keys(model, lambda name: under(name, head_path)) if head_path else set()
     checkpoint.load(keys)
-    recorder = AmaxRecorder({path: model.get_submodule(path) for path in paths}, len(inputs))
+    recorder = AmaxRecorder({path: model.get_submodule(path) for path in paths}, passes.total_steps)
     passes.recorders.append(recorder)
     with replaying_outer_modules(model, stack, passes, embedded, passes.hidden_in), torch.no_grad(), \
             recorder.attached():
         for step, batch in enumerate(inputs):
-            passes.step = recorder.step = step
+            passes.step, recorder.step = step, passes.global_steps[step]
             model(**batch)
+    return recorder
 
 
 @contextmanager

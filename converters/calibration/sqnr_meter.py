@@ -5,7 +5,7 @@ measuring costs a fraction of the forward (see :class:`SqnrMeter`; what is measu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -124,10 +124,12 @@ class _Pending:
     weights: list[torch.Tensor] = field(default_factory=list)  #: per row, how many rows it stands for
     calls: list[tuple[float, dict[DelayedParams, float], int]] = field(default_factory=list)
     """per call: its whole input's amax, what delayed scaling's history held for it, and its rows gathered"""
+    steps: list[int] = field(default_factory=list)  #: per call, its calibration step
 
     def add(self, x: torch.Tensor, reference: torch.Tensor | None, weights: torch.Tensor, call_amax: float,
-            delayed: dict[DelayedParams, float]) -> None:
+            delayed: dict[DelayedParams, float], step: int = -1) -> None:
         rows = x.shape[0]
+        self.steps.append(step)
         self.x.append(x)
         self.own_output = self.own_output and reference is not None
         if reference is not None:
@@ -361,6 +363,30 @@ class SqnrMeter:
         self._last_input: _CallInput | None = None  # the last call's input (see input_rows)
         self._pending_bytes = 0  # held by the gathered rows (an input shared by several Linears counted for each)
 
+    def sums_of(self, owned: Callable[[str], bool]) -> list[tuple[str, str, str, float, float]]:
+        """``(path, label, what, signal, noise)`` of the layers ``owned(path)`` picks, as measured so far (the ranks
+        of a data-parallel calibration add them up; a resume record keeps them)."""
+        return [(*key, sums.signal, sums.noise) for key, sums in self._sums.items() if owned(key[0])]
+
+    def replace_sums(self, entries: Sequence[tuple[str, str, str, float, float]]) -> None:
+        """Set the sums :meth:`sums_of` gave (added over the ranks, or read back from a resume record)."""
+        for path, label, what, signal, noise in entries:
+            self._sums[(path, label, what)] = _Sums(signal=float(signal), noise=float(noise))
+
+    def use_step_amax(self, path: str, input_amax: torch.Tensor) -> None:
+        """Take what delayed scaling's history held for each waiting call of ``path`` from ``input_amax`` (``[steps]``:
+        every step's input amax, reduced over the ranks of a data-parallel calibration), since a rank's own history
+        lacks the steps the other ranks ran. A call with no earlier non-zero step keeps its own figure (its step's
+        running max, which the one rank that ran the step saw whole). Measure before any flush of ``path``."""
+        pending = self._pending.get(path)
+        if pending is None or not self._delayed_params:
+            return
+        amax = input_amax.tolist()
+        for number, (call_amax, delayed, rows) in enumerate(pending.calls):
+            history = _History(earlier=[value for value in amax[:pending.steps[number]] if value > 0][-4096:])
+            if history.earlier:
+                pending.calls[number] = (call_amax, {params: history.amax_for(params) for params in delayed}, rows)
+
     def expect_steps(self, steps: int) -> None:
         """The calibration calls each layer ``steps`` times: spread ``rows_per_layer`` over them (at most
         ``max_rows`` a call; no change without ``rows_per_layer``)."""
@@ -527,7 +553,7 @@ class SqnrMeter:
             if pending is None:  # the weight does not change during calibration: the first call's stands for all
                 pending = self._pending[path] = _Pending(weight=weight, bias=bias)
             pending.add(call.rows, reference, call.weights, call.amax,
-                        {params: history.amax_for(params) for params in self._delayed_params})
+                        {params: history.amax_for(params) for params in self._delayed_params}, step)
             self._pending_bytes += call.rows.nbytes + (0 if reference is None else reference.nbytes)
             if self._pending_bytes > self.pending_bytes:
                 self.flush()  # a whole-model pass holds every layer's rows until its end otherwise

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from converters.analysis.eligibility import converted_expert_gemms
 from converters.artifact.layout import REPORT_FILE, staging_dir_for
@@ -34,6 +34,9 @@ from converters.pipeline.serving_export import ServingShardRunner
 from converters.pipeline.stages import STAGE_FUNCTIONS, start
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
 from converters.pipeline.weight_copy import BackgroundWeightCopy
+
+if TYPE_CHECKING:
+    from converters.distributed.job import DistributedJob
 
 __all__ = ["ConversionResult", "run_stages", "run_stage", "run_conversion"]
 
@@ -78,13 +81,15 @@ def run_stage(run: Run, stage: Stage, function: Callable[..., T], *args: Any) ->
 def run_conversion(
     request: ConversionRequest, out_dir: Path, sources: ModelSourceOptions, sink: ProgressSink | None = None,
     *, notes: tuple[str, ...] | list[str] = (), serving_shards: ServingShardRunner | None = None,
+    distributed: DistributedJob | None = None,
 ) -> ConversionResult:
     """Convert ``request.model`` and write its artifacts to ``out_dir`` (which must not exist).
 
     ``notes`` are warnings the caller found before the run (a recipe file's keys that the request's recipe
     object no longer holds); they are reported first, and kept in the report with the pipeline's own.
     ``serving_shards``: who writes the serving exports' weight files, as tasks (``write_serving_exports``);
-    without it, the run writes them itself.
+    without it, the run writes them itself. ``distributed``: this process is rank 0 of a data-parallel or resumable
+    job (:func:`converters.distributed.run_ranked_conversion` passes it).
 
     Raises:
         Fp8ForgeError subclasses: bad input (``is_bad_input``), backend unavailable, inconsistent
@@ -95,7 +100,7 @@ def run_conversion(
         raise Fp8ForgeError(f"output directory {out_dir} already exists; choose a new one", field="out")
     if not out_dir.parent.is_dir():
         raise Fp8ForgeError(f"the parent of {out_dir} does not exist; create {out_dir.parent} first", field="out")
-    run = Run(request=request, sources=sources, sink=sink or NullSink())
+    run = Run(request=request, sources=sources, sink=sink or NullSink(), distributed=distributed)
     for note in notes:
         run.warn(note)
     staging = staging_dir_for(out_dir)

@@ -238,7 +238,10 @@ def calibrate(run: Run) -> CalibrationResult:
         if run.resolved.mode == LAYER_SEQUENTIAL:
             try:
                 with _kv_recording(run, run.resolved.meta_model) as kv:
-                    amax, te_check = _calibrate_layer_by_layer(run, batches, paths, forward)
+                    boundary = None if run.distributed is None else \
+                        run.distributed.layer_boundary(run.request.to_dict(), run.resolved.directory,
+                                                       run.resolved.stack, batches, paths, kv=kv, meter=meter)
+                    amax, te_check = _calibrate_layer_by_layer(run, batches, paths, forward, boundary)
             except SequentialUnsupported as exc:
                 run.mode_fallback = f"layer-sequential calibration stopped: {exc}"
                 run.warn(f"calibrated the whole model at once: {exc}")
@@ -344,8 +347,8 @@ def _calibrate_whole_model(run: Run, batches: list[dict[str, Any]], paths: list[
         ) from exc
 
 
-def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: list[str], stats: SequentialStats
-                              ) -> tuple[dict[str, Any], dict[str, Any]]:
+def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: list[str], stats: SequentialStats,
+                              boundary: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Each eligible layer's amax, and the TE check block of the per-layer check (where the backend has one);
     ``stats`` receives the compute dtype, prefetch and per-layer seconds."""
     after_layer, te_check = run.backend.layer_check(run.recipe)
@@ -354,7 +357,7 @@ def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: li
         amax = calibrate_layer_by_layer(
             run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, paths,
             on_layer=lambda done, total: run.sink.progress(done, total, Unit.LAYER),
-            should_stop=run.sink.should_stop, after_layer=after_layer, stats=stats,
+            should_stop=run.sink.should_stop, after_layer=after_layer, stats=stats, boundary=boundary,
         )
     except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
         raise CalibrationDataError(

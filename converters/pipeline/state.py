@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from converters.backends.base import Backend, ConversionPlan, Converted
     from converters.calibration.sequential import LayerStack
+    from converters.distributed.job import DistributedJob
     from converters.model.checkpoint import Checkpoint
     from converters.pipeline.weight_copy import BackgroundWeightCopy
     from converters.recipes import Recipe
@@ -141,6 +142,8 @@ class Run:
     digests: dict[str, str] = field(default_factory=dict)
     #: set by calibrate when it loads one: the model's tokenizer, which the quality pass reads again
     tokenizer: Any = None
+    #: set by the caller of a rank of a data-parallel or resumable job (converters.distributed): calibrate reads it
+    distributed: DistributedJob | None = None
     warnings: list[str] = field(default_factory=list)
 
     #: what one stage makes and the later stages only read: set once (a second assignment is a bug, raised)

@@ -1,0 +1,187 @@
+"""One rank's side of a data-parallel, resumable layer-sequential calibration (the ``boundary`` of
+:func:`converters.calibration.sequential.calibrate_layer_by_layer`).
+
+Each rank runs its share of the calibration steps (:func:`~converters.distributed.ranks.steps_of_rank`) through
+every layer. At each layer's end the ranks combine what the layer recorded, so that every rank holds the whole
+job's figures before the next layer:
+
+* **amax** (per Linear and per step, ``[steps, 3]``; a step is run by one rank and is 0 on the others): a MAX
+  all-reduce, which leaves every value exactly the one-rank run's; TE's delayed-scaling history is computed from
+  these per-step amax in step order afterwards, so it is the one-rank run's too. The tokens each expert received
+  per step: a SUM all-reduce (integers, exact).
+* **KV-cache amax** (per head, a running max over steps): a MAX all-reduce, exact.
+* **SQNR sums** (signal and noise per layer, recipe and operand): a SUM in rank order, equal to the one-rank run's
+  within float reordering (the dB figures are rounded to 0.01).
+
+Then the layer is written to the resume record (:mod:`converters.distributed.resume`) when there is one: every rank
+its steps' outputs, rank 0 the reduced record once all have. A restart (any number of ranks, any hosts reaching the
+record) reloads the finished layers instead of running them and continues at the first unfinished one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed
+
+from converters.calibration.amax import AmaxRecorder, LayerAmax
+from converters.calibration.sequential import Resumed, under
+from converters.distributed.ranks import RankInfo, steps_of_rank
+from converters.distributed.resume import LayerRecord, ResumeStore
+
+if TYPE_CHECKING:
+    from converters.calibration.kv_cache import KvCacheRecorder
+    from converters.calibration.sqnr_meter import SqnrMeter
+
+__all__ = ["RankedLayerWalk"]
+
+
+class RankedLayerWalk:
+    """The between-layers work of one rank (see the module docstring); ``store`` None: no resume record."""
+
+    def __init__(self, info: RankInfo, store: ResumeStore | None, stack_path: str, *,
+                 kv: KvCacheRecorder | None = None, meter: SqnrMeter | None = None) -> None:
+        self.info = info
+        self.world_size = info.world_size
+        self.store = store
+        self.stack_path = stack_path
+        self.kv = kv
+        self.meter = meter
+        if meter is not None and info.world_size > 1:
+            # a layer's sampled rows wait for the reduced history (use_step_amax): no flush before the layer's end
+            meter.flush_rows = meter.pending_bytes = sys.maxsize
+        self._steps: list[int] = []
+
+    def steps(self, total: int) -> list[int]:
+        self._steps = steps_of_rank(self.info.rank, self.info.world_size, total)
+        return self._steps
+
+    def resume(self, layers: int) -> Resumed | None:
+        """The finished layers of the record, restored into the KV recorder and the meter; None with none."""
+        if self.store is None:
+            return None
+        if self.info.leader:
+            self.store.open(writer=True)
+        self._barrier()  # the others read only after rank 0 has kept or replaced the record
+        records = self.store.finished(layers) if self.store.open(writer=False) else []
+        # every rank must start at the same layer: the fewest any of them found (all read the same files)
+        count = self._reduce_int(len(records), torch.distributed.ReduceOp.MIN if self.world_size > 1 else None)
+        records = records[:count]
+        if not records:
+            return None
+        amax: dict[str, LayerAmax] = {}
+        for record in records:
+            amax.update({path: LayerAmax(**parts) for path, parts in record.amax.items()})
+            if self.kv is not None:
+                _replace_kv(self.kv, {path: (key, value, getattr(torch, dtype))
+                                      for path, (key, value, dtype) in record.kv.items()})
+            if self.meter is not None:
+                self.meter.replace_sums(record.sqnr)
+        hidden = self.store.load_outputs(count - 1, self._steps)
+        return Resumed(next_layer=count, amax=amax, hidden=hidden)
+
+    def layer_done(self, index: int, recorder: AmaxRecorder, outputs: list[torch.Tensor]) -> None:
+        layer_path = f"{self.stack_path}.{index}"
+        self._reduce_recorder(recorder)
+        kv = self._reduce_kv(lambda path: under(path, layer_path))
+        sqnr = self._reduce_sqnr(recorder, lambda path: under(path, layer_path))
+        if self.store is None:
+            return
+        self.store.save_outputs(index, self._steps, outputs)
+        self._barrier()  # every rank's outputs are on disk before rank 0 says the layer is finished
+        if self.info.leader:
+            amax = {path: {name: getattr(layer, name) for name in ("forward", "backward", "tokens")
+                           if getattr(layer, name) is not None} for path, layer in recorder.results().items()}
+            self.store.save_layer(LayerRecord(index=index, amax=amax, sqnr=sqnr, kv={
+                path: (key, value, str(dtype).removeprefix("torch.")) for path, (key, value, dtype) in kv.items()}))
+
+    def head_done(self, recorder: AmaxRecorder) -> None:
+        """The head runs after the last layer and is not recorded: a restart past every layer runs it again."""
+        self._reduce_recorder(recorder)
+        layers = self.stack_path + "."
+        self._reduce_sqnr(recorder, lambda path: not path.startswith(layers))
+
+    def _reduce_recorder(self, recorder: AmaxRecorder) -> None:
+        """MAX over the ranks of every per-step amax, SUM of the experts' tokens, in place in ``recorder``."""
+        maxed = [*recorder.forward.values(), *(recorder.backward or {}).values()]
+        summed: list[torch.Tensor] = []
+        if recorder.experts is not None:
+            maxed += [*recorder.experts.forward.values(), *(recorder.experts.backward or {}).values()]
+            summed += list(recorder.experts.tokens.values())
+        if self.world_size == 1:
+            return
+        for tensors, op in ((maxed, torch.distributed.ReduceOp.MAX), (summed, torch.distributed.ReduceOp.SUM)):
+            if tensors:
+                flat = self._all_reduce(torch.cat([tensor.reshape(-1) for tensor in tensors]), op)
+                for tensor, part in zip(tensors, flat.split([tensor.numel() for tensor in tensors]), strict=True):
+                    tensor.copy_(part.reshape(tensor.shape))
+
+    def _reduce_kv(self, owned: Callable[[str], bool]) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
+        if self.kv is None:
+            return {}
+        recorded = _recorded_kv(self.kv, owned)
+        if self.world_size > 1 and recorded:
+            parts = [tensor for key, value, _ in recorded.values() for tensor in (key, value)]
+            flat = self._all_reduce(torch.cat(parts), torch.distributed.ReduceOp.MAX)
+            reduced = iter(flat.split([tensor.numel() for tensor in parts]))
+            recorded = {path: (next(reduced), next(reduced), dtype) for path, (_, _, dtype) in recorded.items()}
+            _replace_kv(self.kv, recorded)
+        return recorded
+
+    def _reduce_sqnr(self, recorder: AmaxRecorder, owned: Callable[[str], bool]
+                     ) -> list[tuple[str, str, str, float, float]]:
+        """This layer's SQNR sums over the ranks, added in rank order. The meter first measures what waits, with
+        delayed scaling's history taken from the reduced per-step input amax (``recorder``'s, already reduced)."""
+        if self.meter is None:
+            return []
+        if self.world_size > 1:
+            inputs = {**recorder.forward, **(recorder.experts.forward if recorder.experts is not None else {})}
+            for path, amax in inputs.items():
+                self.meter.use_step_amax(path, amax[:, 0])
+        self.meter.flush()
+        sums = self.meter.sums_of(owned)
+        if self.world_size == 1:
+            return sums
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, sums)
+        merged: dict[tuple[str, str, str], list[float]] = {}
+        for rank_sums in gathered:
+            for path, label, what, signal, noise in rank_sums:
+                total = merged.setdefault((path, label, what), [0.0, 0.0])
+                total[0], total[1] = total[0] + signal, total[1] + noise
+        sums = [(*key, signal, noise) for key, (signal, noise) in merged.items()]
+        self.meter.replace_sums(sums)
+        return sums
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
+        """``tensor`` reduced over the ranks, on the CPU (NCCL reduces on the rank's GPU)."""
+        if torch.distributed.get_backend() == "nccl":
+            on_device = tensor.to(f"cuda:{self.info.local_rank}")
+            torch.distributed.all_reduce(on_device, op=op)
+            return on_device.cpu()
+        torch.distributed.all_reduce(tensor, op=op)
+        return tensor
+
+    def _reduce_int(self, value: int, op: Any) -> int:
+        if op is None:
+            return value
+        return int(self._all_reduce(torch.tensor([value], dtype=torch.int64), op)[0])
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+
+# The KV recorder's running amax, read and replaced here: kv_cache.py (another owner's module, being extended for
+# a scale search) has no public pair for it yet; these two are the whole contract this module relies on.
+def _recorded_kv(kv: KvCacheRecorder, owned: Callable[[str], bool]
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
+    return {path: (kv._key[path], kv._value[path], kv._dtype[path]) for path in kv._key if owned(path)}
+
+
+def _replace_kv(kv: KvCacheRecorder, amax: dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]) -> None:
+    for path, (key, value, dtype) in amax.items():
+        kv._key[path], kv._value[path], kv._dtype[path] = key, value, dtype

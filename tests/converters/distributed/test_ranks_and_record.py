@@ -1,0 +1,110 @@
+"""The rank variables, each rank's share of the steps, and the resume record's files (no process group here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from converters.distributed.ranks import RankInfo, rank_from_environment, steps_of_rank
+from converters.distributed.resume import LayerRecord, ResumeStore, fingerprint
+from converters.errors import Fp8ForgeError
+
+FULL = {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_no_rank_variables_is_one_rank_of_one():
+    assert rank_from_environment({}) == RankInfo()
+    assert RankInfo().leader
+
+
+def test_the_launcher_variables_name_the_rank():
+    info = rank_from_environment(FULL)
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.master_port) == \
+        (1, 3, 1, "10.0.0.1", 29500)
+    assert not info.leader
+
+
+@pytest.mark.parametrize(("change", "named", "words"), [
+    ({"MASTER_ADDR": ""}, "MASTER_ADDR", "is not"),
+    ({"RANK": "3"}, "RANK", "not below WORLD_SIZE=3"),
+    ({"RANK": "one"}, "RANK", "not an integer"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE", "at least 1"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT", "TCP port"),
+])
+def test_a_wrong_rank_variable_is_named_with_the_fix(change, named, words):
+    with pytest.raises(Fp8ForgeError) as raised:
+        rank_from_environment({**FULL, **change})
+    assert raised.value.field == named and words in str(raised.value)
+
+
+@pytest.mark.parametrize(("world", "total"), [(1, 6), (2, 6), (3, 6), (4, 6), (3, 7), (5, 16)])
+def test_the_ranks_share_every_step_once_in_order(world, total):
+    shares = [steps_of_rank(rank, world, total) for rank in range(world)]
+    assert [step for share in shares for step in share] == list(range(total))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_more_ranks_than_steps_is_refused():
+    with pytest.raises(Fp8ForgeError, match="at most 4 ranks or raise calibration.steps"):
+        steps_of_rank(0, 5, 4)
+
+
+def _record(index: int) -> LayerRecord:
+    forward = torch.rand(6, 3)
+    return LayerRecord(index=index, amax={"model.layers.0.mlp.up_proj": {"forward": forward},
+                                          "model.layers.0.mlp.experts.1.down": {"forward": forward * 2,
+                                                                                "tokens": torch.arange(6)}},
+                       kv={"model.layers.0.self_attn": (torch.rand(2), torch.rand(2), "bfloat16")},
+                       sqnr=[("model.layers.0.mlp.up_proj", "te", "output", 0.1 + 0.2, 1e-300)])
+
+
+def test_a_layer_record_reads_back_exactly(tmp_path):
+    store = ResumeStore(tmp_path / "record", "job-a")
+    assert not store.open(writer=True)  # nothing to resume: a fresh record
+    record = _record(0)
+    store.save_layer(record)
+    (back,) = store.finished(4)
+    assert list(back.amax) == list(record.amax)  # the order of a whole run's result
+    for path, parts in record.amax.items():
+        assert all(torch.equal(back.amax[path][name], tensor) for name, tensor in parts.items())
+    assert back.sqnr == record.sqnr  # floats through JSON, bit for bit
+    key, value, dtype = back.kv["model.layers.0.self_attn"]
+    assert dtype == "bfloat16" and torch.equal(key, record.kv["model.layers.0.self_attn"][0])
+    assert not list(tmp_path.rglob("*.tmp"))  # written through a temporary name, renamed
+
+
+def test_only_the_finished_prefix_of_layers_is_resumed(tmp_path):
+    store = ResumeStore(tmp_path / "record", "job-a")
+    store.open(writer=True)
+    store.save_layer(_record(0))
+    store.save_layer(_record(2))  # layer 1 never finished: layer 2's record cannot be used
+    assert [record.index for record in store.finished(4)] == [0]
+
+
+def test_outputs_are_saved_per_step_and_the_previous_layers_dropped(tmp_path):
+    store = ResumeStore(tmp_path / "record", "job-a")
+    store.open(writer=True)
+    outputs = [torch.rand(2, 4, 8, dtype=torch.bfloat16) for _ in range(3)]
+    store.save_outputs(0, [3, 4, 5], outputs)
+    store.save_layer(_record(0))
+    store.save_outputs(1, [3, 4, 5], outputs)
+    store.save_layer(_record(1))
+    assert sorted(path.name for path in store.hidden_dir.iterdir()) == \
+        [f"layer-1-step-{step}.safetensors" for step in (3, 4, 5)]
+    assert all(torch.equal(a, b) for a, b in zip(store.load_outputs(1, [3, 4, 5]), outputs, strict=True))
+    with pytest.raises(Fp8ForgeError, match="lacks its output for step 0"):
+        store.load_outputs(1, [0])
+
+
+def test_a_record_left_by_another_job_is_started_over(tmp_path):
+    first = ResumeStore(tmp_path / "record", fingerprint([{"steps": 6}, torch.arange(4)]))
+    first.open(writer=True)
+    first.save_layer(_record(0))
+    same = ResumeStore(tmp_path / "record", fingerprint([{"steps": 6}, torch.arange(4)]))
+    assert same.open(writer=False) and len(same.finished(4)) == 1
+    other = ResumeStore(tmp_path / "record", fingerprint([{"steps": 6}, torch.arange(5)]))
+    assert not other.open(writer=True)
+    assert other.finished(4) == []
+    assert json.loads((tmp_path / "record" / "job.json").read_text())["job"] == other.job
