@@ -108,11 +108,13 @@ class SlurmDispatcher:
         allocated: dict[str, list[SlurmJob]] = {}
         for slurm_job in self.cli.jobs():
             allocated.setdefault(slurm_job.job_id, []).append(slurm_job)
+        submitted = set()  # in this pass: squeue's answer above predates them
         for job in self._jobs(JobStatus.QUEUED):
             if job.id not in allocated:
                 self._submit(job)
+                submitted.add(job.id)
         for job in self._jobs(JobStatus.RUNNING):
-            if job.id not in allocated and self.store.tasks.is_split(job.id):
+            if job.id not in allocated and job.id not in submitted and self.store.tasks.is_split(job.id):
                 self._submit_array(job, again=True)  # its array ended (time limit) with tasks left
         for job_id, slurm_jobs in allocated.items():
             self._end_if_over(job_id, slurm_jobs)

@@ -42,9 +42,10 @@ from service.workers.runner import JobRun, ensure_dead
 from service.workers.task_run import TaskRun
 from service.workers.task_server import start_task_server
 
-__all__ = ["main", "rendezvous_from_slurm"]
+__all__ = ["main", "rendezvous_from_slurm", "slurm_job_name"]
 
-logger = logging.getLogger(__name__)
+# by name: run as ``python -m`` this module is ``__main__``, outside the ``service`` loggers configure_logging sets
+logger = logging.getLogger("service.executors.slurm_rank")
 
 # How long a rank other than 0 waits for rank 0 to claim the job before it concludes there is nothing to join
 _JOIN_WITHIN_S = 120.0
@@ -58,6 +59,14 @@ def rendezvous_from_slurm(environ: dict[str, str] | os._Environ[str] = os.enviro
             "MASTER_ADDR": environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": environ.get("MASTER_PORT", "29500")}
 
 
+def slurm_job_name(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """This process's Slurm job as ``squeue`` shows it: ``<array id>_<task>`` in an array, else the job id (and the
+    rank), so an operator can tell from a worker's name in the store which allocation it was."""
+    if "SLURM_ARRAY_JOB_ID" in environ:
+        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ.get('SLURM_ARRAY_TASK_ID', '')}"
+    return f"{environ.get('SLURM_JOB_ID', 'none')}.{environ.get('SLURM_PROCID', '0')}"
+
+
 class _Member:
     """A worker identity in the store for this process, heartbeaten from its own thread until :meth:`close`."""
 
@@ -66,7 +75,7 @@ class _Member:
         self.store = JobStore.from_settings(settings)
         self.dirs = open_storage(settings)
         self.dirs.ensure()
-        self.worker_id = f"{WorkerRegistry.new_id()}:slurm-{os.environ.get('SLURM_JOB_ID', 'none')}"
+        self.worker_id = f"{WorkerRegistry.new_id()}:slurm-{slurm_job_name()}"
         self.host = this_host(settings.data_dir)
         self.stopping = threading.Event()
         self._done = threading.Event()

@@ -1,0 +1,169 @@
+"""`fp8forge serve` with FP8FORGE_EXECUTOR=slurm against the real test cluster (slurm_cluster.py): no local worker
+runs; each job is a Slurm job (sbatch), its ranks started by srun, and the store keeps its state, events and
+artifacts. A requantize job is a Slurm array whose tasks share its shards; a cancel through the API ends the Slurm
+job (scancel of one still pending; the ranks of a running one stop it and end)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.jobs import TaskStatus
+from service.store import JobStore
+from tests.service.executors.slurm_cluster import SlurmCluster
+from tests.service_helpers import ServeProcess, build_tiny_llama, leftovers, wait_for
+
+pytestmark = pytest.mark.slow
+
+_FINISHED = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-layer Llama (calibrated jobs) and a four-layer one in several shards (requantize jobs)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_llama(root / "tiny-llama")
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "sharded", max_shard_size="2MB")
+    return root
+
+
+@contextlib.contextmanager
+def serving(slurm: SlurmCluster, tmp_path: Path, models: Path, **settings: str) -> Iterator[httpx.Client]:
+    env = {"FP8FORGE_EXECUTOR": "slurm", **slurm.env, "FP8FORGE_ALLOWED_MODEL_ROOTS": str(models),
+           "FP8FORGE_HEARTBEAT_INTERVAL_S": "0.5", "FP8FORGE_HEARTBEAT_TIMEOUT_S": "10",
+           "FP8FORGE_POLL_INTERVAL_S": "0.3", "FP8FORGE_CONVERSION_THREADS": "1", **settings}
+    with ServeProcess(tmp_path / "data", workers=1, env=env) as server, server.client() as client:
+        client.server = server  # type: ignore[attr-defined]  # its log, for the failure messages
+        yield client
+
+
+def _calibrated(models: Path, steps: int = 4) -> dict:
+    return {"model": str(models / "tiny-llama"), "recipe": {"backend": "ao", "recipe_name": "tensorwise"},
+            "calibration": {"steps": steps, "batch_size": 1, "seq_len": 32},
+            "serving_formats": ["compressed-tensors-fp8"]}
+
+
+def _submit(client: httpx.Client, body: dict) -> str:
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def _finished(client: httpx.Client, job_id: str) -> dict | None:
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    return job if job["status"] in _FINISHED else None
+
+
+def _events(client: httpx.Client, job_id: str) -> list[dict]:
+    """The job's events as the store holds them (the API streams them; these tests look while the job runs)."""
+    store = JobStore(f"sqlite:///{client.server.data_dir / 'fp8forge.db'}")  # type: ignore[attr-defined]
+    try:
+        return [{"kind": e.kind, "data": e.data} for e in store.events.after(job_id, limit=100_000)]
+    finally:
+        store.close()
+
+
+def _slurm_ids(client: httpx.Client, job_id: str) -> list[str]:
+    """The Slurm jobs the service submitted for the job, from its ``executor`` events."""
+    return [e["data"]["slurm_job"] for e in _events(client, job_id) if e["kind"] == "executor"]
+
+
+def _tail(client: httpx.Client) -> str:
+    return client.server.tail()  # type: ignore[attr-defined]
+
+
+def test_a_calibrated_job_runs_as_a_slurm_batch_job_and_publishes_through_the_store(
+        slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    with serving(slurm, tmp_path, models) as client:
+        assert wait_for(lambda: client.get("/readyz").status_code == 200, timeout=30, what="the dispatcher")
+        job_id = _submit(client, _calibrated(models))
+        done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
+        assert done["status"] == "succeeded" and done["attempt"] == 1, (done, _tail(client))
+        [slurm_id] = _slurm_ids(client, job_id)
+        wait_for(lambda: slurm.job_states(slurm_id) == ["COMPLETED"], timeout=60,
+                 what=f"Slurm job {slurm_id} to complete: {slurm.job_states(slurm_id)}")  # its rank's exit
+        assert slurm.job_field(slurm_id, "JobName") == f"fp8forge-{job_id}"
+        kinds = [e["kind"] for e in _events(client, job_id)]
+        assert kinds.index("executor") < kinds.index("stage") and "progress" in kinds
+        listing = client.get(f"/v1/jobs/{job_id}/artifacts").json()["data"]
+        served = "serving/compressed-tensors-fp8/model.safetensors"
+        assert {"model.safetensors", "fp8_report.json", served} <= {entry["name"] for entry in listing}
+        (tmp_path / "served.safetensors").write_bytes(
+            client.get(next(e["url"] for e in listing if e["name"] == served)).content)
+        assert torch.float8_e4m3fn in {t.dtype for t in load_file(tmp_path / "served.safetensors").values()}
+        output = (tmp_path / "data" / "slurm" / job_id / f"slurm-{slurm_id}.out").read_text()
+        assert f"rank 0 of 1 (local rank 0), rendezvous 127.0.0.1:{20_000 + int(slurm_id) % 10_000}" in output
+        assert leftovers(tmp_path / "data" / "jobs") == []
+
+
+def test_a_requantize_job_runs_as_a_slurm_array_whose_tasks_share_its_shards(
+        slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
+    from converters.modelfree import convert_model_free
+
+    convert_model_free(models / "sharded", tmp_path / "local", "fp8-block")
+    expected = {path.name: path.read_bytes() for path in (tmp_path / "local").iterdir()}
+    with serving(slurm, tmp_path, models, FP8FORGE_SLURM_ARRAY_TASKS="3") as client:
+        job_id = _submit(client, {"model": str(models / "sharded"), "requantize": {"to": "fp8-block"}})
+        done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
+        assert done["status"] == "succeeded", (done, _tail(client))
+        listing = client.get(f"/v1/jobs/{job_id}/artifacts").json()["data"]
+        published = {entry["name"]: client.get(entry["url"]).content for entry in listing}
+        assert sorted(published) == sorted(expected)
+        assert [name for name in expected if published[name] != expected[name]] == []
+        [slurm_id] = _slurm_ids(client, job_id)
+        wait_for(lambda: set(slurm.job_states(slurm_id)) == {"COMPLETED"}, timeout=60,
+                 what=f"every task of array {slurm_id} to complete: {slurm.job_states(slurm_id)}")
+        assert len(slurm.job_states(slurm_id)) == 3
+    store = JobStore(f"sqlite:///{tmp_path / 'data' / 'fp8forge.db'}")
+    try:
+        tasks = store.tasks.of_job(job_id)
+    finally:
+        store.close()
+    assert {(t.status, t.attempt) for t in tasks} == {(TaskStatus.SUCCEEDED, 1)}
+    runners = {t.worker_id.rsplit(":slurm-", 1)[1] for t in tasks}
+    assert runners <= {f"{slurm_id}_{task}" for task in range(3)}, runners  # the array's tasks ran them all
+
+
+def test_cancel_through_the_api_scancels_a_pending_slurm_job(slurm: SlurmCluster, tmp_path: Path,
+                                                             models: Path) -> None:
+    slurm.run("scontrol", "update", "PartitionName=debug", "State=DOWN")  # jobs are taken and none starts
+    try:
+        with serving(slurm, tmp_path, models) as client:
+            job_id = _submit(client, _calibrated(models))
+            [slurm_id] = wait_for(lambda: _slurm_ids(client, job_id), timeout=30, what="the submission")
+            assert slurm.job_states(slurm_id) == ["PENDING"]
+            assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+            assert client.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
+            wait_for(lambda: slurm.job_states(slurm_id) == ["CANCELLED"], timeout=30,
+                     what=f"scancel of Slurm job {slurm_id}")
+            assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
+    finally:
+        slurm.run("scontrol", "update", "PartitionName=debug", "State=UP")
+
+
+def test_cancel_through_the_api_of_a_running_job_ends_its_slurm_job(slurm: SlurmCluster, tmp_path: Path,
+                                                                    models: Path) -> None:
+    with serving(slurm, tmp_path, models) as client:
+        job_id = _submit(client, _calibrated(models, steps=400))
+        wait_for(lambda: any(e["kind"] == "progress" and e["data"].get("stage") == "calibrate"
+                             for e in _events(client, job_id)), timeout=180, what="calibration to start")
+        [slurm_id] = _slurm_ids(client, job_id)
+        assert slurm.job_states(slurm_id) == ["RUNNING"]
+        assert client.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
+        done = wait_for(lambda: _finished(client, job_id), timeout=60, what="the cancel")
+        assert done["status"] == "cancelled", (done, _tail(client))
+        wait_for(lambda: slurm.job_states(slurm_id)[0] in ("COMPLETED", "CANCELLED"), timeout=60,
+                 what=f"Slurm job {slurm_id} to end: {slurm.job_states(slurm_id)}")
+        assert not [j for j in slurm.run("squeue", "--noheader", "--format=%i").split() if j == slurm_id]
+        assert leftovers(tmp_path / "data" / "jobs") == []
