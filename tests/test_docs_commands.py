@@ -42,7 +42,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK_TIMEOUT_S = 240
 
 #: blocks marked not-run, per document: change these only together with the markers
-NOT_RUN = {"README.md": 2, "docs/deployment.md": 1, "docs/service.md": 2, "docs/quality.md": 3}
+NOT_RUN = {"README.md": 1, "docs/benchmarks.md": 1, "docs/deployment.md": 1, "docs/service.md": 2, "docs/quality.md": 3}
 
 #: where the sessions may write (.venv is the test's link): out/ and the server's data/, both in .gitignore
 OUTPUT_DIRS = (".venv", "out", "data")
@@ -190,3 +190,27 @@ def test_the_docs_sessions_run_as_written(doc, tmp_path):
     # ignored by git, never beside the sources
     left = sorted(path.name for path in workdir.iterdir() if path.name not in OUTPUT_DIRS)
     assert left == [], f"{doc}'s commands leave {left} in the directory they run in; write under out/ instead"
+
+
+def test_the_readme_is_read_in_two_minutes_with_a_rest_session_near_its_top():
+    """README = what it is, the two set-up commands, `make install`, a quickstart with a REST session in its first
+    80 lines, the loads-in table and links; everything else lives in docs/ (issue #37, item 6)."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) < 200, f"README.md has {len(lines)} lines; move detail into docs/*.md and link it"
+    readme = [block for block in BLOCKS if block.doc == "README.md"]
+    assert readme[0].not_run and readme[0].text.split()[:2] == ["make", "serve"] and "make test" in readme[0].text
+    assert "`make install`" in "\n".join(lines)
+    rest = next(block for block in readme if block.needs == "make serve" and "/v1/jobs" in block.text)
+    assert rest.line <= 80, f"README's REST session starts at line {rest.line}; bring it within the first 80"
+
+
+def test_every_relative_link_of_the_docs_names_a_file_that_exists():
+    documents = [*DOCS, *sorted((ROOT / "docs" / "benchmarks").glob("*.md"))]
+    broken = []
+    for path in documents:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                continue  # a web address, or a heading of the same page
+            if not (path.parent / target.split("#")[0]).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert broken == [], f"links to files that do not exist: {broken}"
