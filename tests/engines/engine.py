@@ -1,0 +1,216 @@
+"""vLLM's CPU build as a reader of fp8forge's exports: run it (in its own venv, through vllm_driver.py) and compare
+what it loaded with the files and with the source.
+
+Shared by tests/engines/ and benchmarks/bench_engine.py. The vLLM venv is never a project dependency:
+``make vllm-venv`` builds it at .venv-vllm (VLLM_VENV overrides the path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+__all__ = ["ROOT", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm", "EngineRun", "load_problems",
+           "fidelity_problems"]
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+#: vLLM's Llama-family fused layers: checkpoint projection -> (vLLM's fused module, shard index)
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: KV-cache scale names in a checkpoint (compressed-tensors', then ModelOpt's) -> vLLM's attention parameter
+KV_NAMES = {".self_attn.k_scale": ".self_attn.attn.k_scale", ".self_attn.v_scale": ".self_attn.attn.v_scale",
+            ".self_attn.k_proj.k_scale": ".self_attn.attn.k_scale",
+            ".self_attn.v_proj.v_scale": ".self_attn.attn.v_scale"}
+#: the largest relative (Frobenius) error of a weight as vLLM multiplies it (FP8 values x scales) against the
+#: source's: E4M3 rounds to 3 mantissa bits (relative step 2^-4 at most, ~2-3% RMS on real and random weights);
+#: a scale off by 2x is 100%
+MAX_WEIGHT_ERROR = 0.08
+
+
+def vllm_missing() -> str | None:
+    """Why the engine cannot run here, or None."""
+    if not VLLM_PYTHON.exists():
+        return f"vLLM's CPU build is not installed at {VLLM_PYTHON.parent.parent}: `make vllm-venv` builds it"
+    return None
+
+
+@dataclass
+class EngineRun:
+    """What one vLLM run did (vllm_driver.py's JSON for it)."""
+
+    raw: dict[str, Any]
+
+    @property
+    def error(self) -> str | None:
+        return self.raw.get("error")
+
+    @property
+    def perplexity(self) -> float:
+        return self.raw["perplexity"]
+
+    @property
+    def generated(self) -> list[list[int]]:
+        return self.raw["generated"]
+
+    @property
+    def attention(self) -> dict[str, dict[str, Any]]:
+        return self.raw["attention"]
+
+    def loaded(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer as vLLM's loader filled them (before process_weights_after_loading)."""
+        with safe_open(self.raw["dump"], "pt") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys()}
+
+
+@dataclass
+class EngineRequest:
+    model: Path
+    kv_cache_dtype: str = "auto"
+    generate: list[list[int]] = field(default_factory=list)
+    max_tokens: int = 8
+    score: list[list[int]] = field(default_factory=list)
+    dump: bool = True
+
+
+def run_vllm(requests: list[EngineRequest], work: Path, *, timeout: float = 1800) -> list[EngineRun]:
+    """Run every request in one vLLM process (its import dominates a small run); raises with vLLM's stderr when
+    the process itself fails (a run that raises is reported in its EngineRun.error instead)."""
+    work.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for index, request in enumerate(requests):
+        run: dict[str, Any] = {"model": str(request.model), "kv_cache_dtype": request.kv_cache_dtype}
+        if request.generate:
+            run["generate"] = {"prompt_token_ids": request.generate, "max_tokens": request.max_tokens}
+        if request.score:
+            run["score"] = request.score
+        if request.dump:
+            run["dump"] = str(work / f"loaded-{index}.safetensors")
+        runs.append(run)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", dir=work, delete=False) as handle:
+        json.dump({"runs": runs}, handle)
+    log = work / "vllm.log"
+    with log.open("w") as stderr:
+        done = subprocess.run([str(VLLM_PYTHON), str(DRIVER), handle.name], stdout=subprocess.PIPE, stderr=stderr,
+                              text=True, timeout=timeout, cwd=work)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise RuntimeError(f"vllm_driver.py exited {done.returncode}; its log: {log}\n{log.read_text()[-4000:]}")
+    return [EngineRun(raw) for raw in json.loads(lines[-1])["runs"]]
+
+
+def _file_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
+    return tensors
+
+
+def _same(loaded: torch.Tensor, written: torch.Tensor, *, bf16_rounding: bool = False) -> bool:
+    """Equal values (FP8 compared bit for bit); ``bf16_rounding``: a float32 value held in bf16 counts as equal."""
+    if loaded.dtype == torch.float8_e4m3fn or written.dtype == torch.float8_e4m3fn:
+        return loaded.dtype == written.dtype and torch.equal(loaded.view(torch.uint8), written.view(torch.uint8))
+    loaded, written = loaded.float().reshape(-1), written.float().reshape(-1)
+    if loaded.shape != written.shape:
+        return False
+    return torch.equal(loaded, written) or (bf16_rounding and torch.equal(loaded, written.bfloat16().float()))
+
+
+def _target(name: str, written: dict[str, torch.Tensor]) -> tuple[str, int | None, slice | None]:
+    """The vLLM parameter a checkpoint tensor loads into: (name, per-tensor shard index, row slice)."""
+    for suffix, vllm_suffix in KV_NAMES.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + vllm_suffix, None, None
+    prefix, _, rest = name.rpartition(".")
+    module_prefix, _, projection = prefix.rpartition(".")
+    if projection not in PACKED:
+        return name, None, None
+    fused, shard = PACKED[projection]
+    siblings = [f"{module_prefix}.{sibling}.weight" for sibling in SHARDS[fused]]
+    rows = [written[sibling].shape[0] for sibling in siblings]
+    start = sum(rows[:shard])
+    tensor = written[name]
+    target = f"{module_prefix}.{fused}.{rest}"
+    if tensor.numel() == 1:  # a per-tensor scale: one element per shard
+        return target, shard, None
+    return target, None, slice(start, start + rows[shard])
+
+
+def load_problems(directory: Path, run: EngineRun) -> list[str]:
+    """What vLLM did not load as written: a checkpoint tensor that reached no parameter or a different value, and,
+    with an FP8 KV cache, an attention layer whose scales did not come from the file."""
+    if run.error:
+        return [f"vLLM failed to run {directory.name}: {run.error}"]
+    written, loaded = _file_tensors(directory), run.loaded()
+    problems = []
+    kv_written: dict[str, float] = {}
+    for name, tensor in written.items():
+        target, shard, rows = _target(name, written)
+        if target not in loaded:
+            problems.append(f"{name} reaches no vLLM parameter ({target} does not exist): vLLM drops it")
+            continue
+        value = loaded[target]
+        if shard is not None:
+            value = value.reshape(-1)[shard]
+        elif rows is not None:
+            value = value[rows]
+        kv = target.endswith((".attn.k_scale", ".attn.v_scale"))
+        if kv:
+            kv_written[target] = float(tensor.float().reshape(-1)[0])
+        # vLLM holds KV scales in float32; ModelOpt writes float32 ones and vLLM may round them through bf16
+        if not _same(value, tensor, bf16_rounding=kv):
+            problems.append(f"{name}: vLLM's {target} holds other values than the file")
+    if run.raw.get("kv_cache_dtype") == "fp8":
+        for layer, scales in run.attention.items():
+            for kind in ("k_scale", "v_scale"):
+                expected = kv_written.get(f"{layer}.{kind}")
+                if expected is None:
+                    problems.append(f"{layer} runs its FP8 KV cache with {kind} {scales[kind]} that no tensor of the "
+                                    "file gave it")
+                elif scales[kind] not in (expected, float(torch.tensor(expected).bfloat16())):
+                    problems.append(f"{layer} runs its FP8 KV cache with {kind} {scales[kind]}, the file says "
+                                    f"{expected}")
+    return problems
+
+
+def fidelity_problems(source: Path, run: EngineRun) -> list[str]:
+    """Each FP8 weight as vLLM multiplies it (its loaded FP8 values times its loaded scale) against the source's
+    bf16 weight: a relative error above MAX_WEIGHT_ERROR is a wrong scale or wrong values."""
+    if run.error:
+        return [f"vLLM failed to run: {run.error}"]
+    original, loaded = _file_tensors(source), run.loaded()
+    problems = []
+    for name, weight in loaded.items():
+        if weight.dtype != torch.float8_e4m3fn:
+            continue
+        module = name.removesuffix(".weight")
+        prefix, _, fused = module.rpartition(".")
+        shards = SHARDS.get(fused, (fused,))
+        scale = loaded[f"{module}.weight_scale"].float()
+        start = 0
+        for index, shard in enumerate(shards):
+            expected = original[f"{prefix}.{shard}.weight"].float()
+            rows = expected.shape[0]
+            values = weight[start:start + rows].float()
+            if scale.numel() == len(shards):
+                shard_scale = scale.reshape(-1)[index]
+            elif scale.numel() == 1:
+                shard_scale = scale.reshape(-1)[0]
+            else:
+                shard_scale = scale.reshape(-1, 1)[start:start + rows]
+            error = float((values * shard_scale - expected).norm() / expected.norm().clamp(min=1e-12))
+            if error > MAX_WEIGHT_ERROR:
+                problems.append(f"{prefix}.{shard}: the weight vLLM multiplies is {error:.0%} off the source's")
+            start += rows
+    return problems

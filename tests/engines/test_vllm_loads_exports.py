@@ -1,0 +1,149 @@
+"""vLLM's CPU build loads every fp8forge export it can run, with and without an FP8 KV cache, and uses it as
+written: it generates; every tensor of the file reaches a vLLM parameter with the file's value (FP8 weights bit for
+bit, weight and input scales exactly, KV scales to bf16 rounding); every attention layer of an FP8 KV cache runs
+with the file's scales; and each FP8 weight as vLLM multiplies it is the source's within FP8 rounding.
+
+The exports: the tiny Llama of tests/conftest.py (``llama_root``, with its tokenizer), written by two conversion
+jobs (without and with ``kv_cache: "fp8"``) in the three formats the CPU build has kernels for. Deliberately broken
+copies show that each check catches what it is for, and that the project's load audit (headers and config only)
+agrees with vLLM on whether the file loads as written. All runs share one vLLM process (tests/engines/engine.py).
+
+vLLM runs in its own venv: ``make vllm-venv`` builds it; without it these tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from converters.model.sources import ModelSourceOptions
+from converters.pipeline.driver import run_conversion
+from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.serving.audit import Rule, audit_export
+from tests.engines.engine import EngineRequest, fidelity_problems, load_problems, run_vllm, vllm_missing
+
+pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
+
+STATIC, DYNAMIC, MODELOPT = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8"
+#: the exports vLLM's CPU build has kernels for (fp8-block, mxfp8 and nvfp4: "Failed to find a kernel")
+RUNNABLE = (STATIC, DYNAMIC, MODELOPT)
+CASES = [(fmt, kv) for fmt in RUNNABLE for kv in (None, "fp8")]
+CALIBRATION = CalibrationSettings(steps=2, seq_len=16)
+TEXT = "The engine reads the scales the converter wrote, and the cache keeps its keys in eight bits."
+GENERATED = 8
+
+
+def rename_k_scale(tensors):
+    """A KV scale under a name no attention layer owns: vLLM ignores it and runs that layer's keys at scale 1.0."""
+    tensors["model.layers.1.mlp.k_scale"] = tensors.pop("model.layers.1.self_attn.k_scale")
+
+
+def double_weight_scale(tensors):
+    """A weight scale twice what the FP8 values were cast with: loads fine, multiplies the weight by 2."""
+    tensors["model.layers.1.self_attn.o_proj.weight_scale"] *= 2
+
+
+def drop_modelopt_v_scale(tensors):
+    """One layer's v_scale missing: vLLM's BaseKVCacheMethod.process_weights_after_loading (kv_cache.py) then runs
+    that layer's values with its k_scale (it duplicates a lone scale), silently."""
+    del tensors["model.layers.1.self_attn.v_proj.v_scale"]
+
+
+#: name -> (export it breaks, KV cache, edit, the rules the audit fires (an empty set: it passes
+#: the export), the engine check that must catch it)
+BROKEN = {
+    "kv-scale-renamed": (STATIC, "fp8", rename_k_scale, {Rule.SCALE_DROPPED}, "load"),
+    "weight-scale-doubled": (STATIC, None, double_weight_scale, set(), "fidelity"),
+    "modelopt-v-scale-dropped": (MODELOPT, "fp8", drop_modelopt_v_scale, set(), "load"),
+}
+
+
+@pytest.fixture(scope="module")
+def exports(llama_root):
+    """(format, kv_cache) -> the export directory, and the broken copies by name."""
+    done = {}
+    for kv in (None, "fp8"):
+        request = ConversionRequest(model=str(llama_root / "llama"), recipe={"backend": "te"}, calibration=CALIBRATION,
+                                    serving_formats=RUNNABLE, kv_cache=kv)
+        out = llama_root / f"out-{kv or 'no-kv'}"
+        run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_root,)))
+        done.update({(fmt, kv): out / "serving" / fmt for fmt in RUNNABLE})
+    for name, (fmt, kv, edit, _, _) in BROKEN.items():
+        broken = shutil.copytree(done[(fmt, kv)], llama_root / "broken" / name)
+        tensors = load_file(broken / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+        done[name] = broken
+    return done
+
+
+@pytest.fixture(scope="module")
+def tokens(llama_root):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(llama_root / "llama")(TEXT)["input_ids"]
+    assert len(ids) > 8
+    return ids
+
+
+@pytest.fixture(scope="module")
+def engine(llama_root, exports, tokens, tmp_path_factory):
+    """Key (a CASES entry, a BROKEN name or "source") -> vLLM's run of it; one vLLM process for all."""
+    keys = ["source", *CASES, *BROKEN]
+    requests = []
+    for key in keys:
+        if key == "source":
+            model, kv = llama_root / "llama", None
+        elif key in BROKEN:
+            model, kv = exports[key], BROKEN[key][1]
+        else:
+            model, kv = exports[key], key[1]
+        requests.append(EngineRequest(model=model, kv_cache_dtype=kv or "auto", generate=[tokens[:4]],
+                                      max_tokens=GENERATED, score=[tokens]))
+    runs = run_vllm(requests, tmp_path_factory.mktemp("vllm"))
+    return dict(zip(keys, runs, strict=True))
+
+
+def test_the_bf16_source_runs_in_vllm(engine):
+    run = engine["source"]
+    assert run.error is None
+    assert len(run.generated[0]) == GENERATED and run.perplexity > 1
+
+
+@pytest.mark.parametrize("fmt, kv", CASES, ids=[f"{fmt}-{kv or 'no-kv'}" for fmt, kv in CASES])
+def test_vllm_runs_the_export_as_written(llama_root, exports, engine, fmt, kv):
+    run = engine[(fmt, kv)]
+    assert load_problems(exports[(fmt, kv)], run) == []
+    assert fidelity_problems(llama_root / "llama", run) == []
+    assert audit_export(exports[(fmt, kv)]).ok
+    assert len(run.generated[0]) == GENERATED
+    # random weights predict near-uniformly: FP8 weights (and keys/values) move the perplexity by a few percent
+    assert run.perplexity == pytest.approx(engine["source"].perplexity, rel=0.1)
+    kv_dtypes = {scales["kv_cache_dtype"] for scales in run.attention.values()}
+    assert kv_dtypes == ({"fp8"} if kv else {"auto"})
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_a_broken_export_fails_the_engine_check(llama_root, exports, engine, name):
+    caught_by = BROKEN[name][4]
+    run = engine[name]
+    problems = (load_problems(exports[name], run) if caught_by == "load"
+                else fidelity_problems(llama_root / "llama", run))
+    assert problems, f"{name} passed the {caught_by} check"
+
+
+#: the audit misses this one today: it has no rule for a layer with one of its two KV scales
+AUDIT_GAP = pytest.mark.xfail(strict=True, reason="the load audit passes an export whose layer lacks one of k_scale/"
+                              "v_scale; vLLM then runs that cache with the other scale (product gap, reported)")
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=AUDIT_GAP) if name == "modelopt-v-scale-dropped" else name
+                                  for name in BROKEN])
+def test_the_audit_agrees_with_vllm_on_a_broken_export(exports, engine, name):
+    """The audit reads headers and config only: it says whether vLLM loads every tensor as written (a dropped or
+    renamed scale: no), not whether a value is right (a doubled scale loads as written; only the source shows it)."""
+    result = audit_export(exports[name])
+    assert result.rules() == BROKEN[name][3]
+    assert (not load_problems(exports[name], engine[name])) == result.ok

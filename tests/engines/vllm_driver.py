@@ -1,0 +1,197 @@
+"""Runs one export in vLLM's CPU build and prints what the engine did as one JSON line (the last line of stdout).
+
+Runs in the vLLM venv (`make vllm-venv` builds .venv-vllm), never in the project's: it imports vLLM, torch and
+safetensors only. Usage: ``.venv-vllm/bin/python tests/engines/vllm_driver.py REQUEST.json``; the request:
+
+- ``model``: the export (or bf16 source) directory; ``kv_cache_dtype``: "auto" or "fp8"; ``quantization``: null
+  (vLLM reads config.json) or a method name ("modelopt" for an export with only hf_quant_config.json);
+- ``generate``: token-id prompts and ``max_tokens``, greedy; ``score``: token-id texts scored with prompt logprobs
+  (the negative log-likelihood of each token after the first);
+- ``dump``: a safetensors path: every parameter and buffer of the model as vLLM's loader filled them, taken just
+  before ``process_weights_after_loading`` (which repacks, requantizes fused shards and folds scales), plus each
+  attention layer's ``_k_scale`` / ``_v_scale`` after it (the scales the KV cache is written with).
+
+The CPU build lacks two ops the FP8 paths call; :func:`install_stand_ins` replaces them with plain torch, test-only
+(docs/engines.md lists every line and why). Everything else is vLLM's own code: its config parsing, its
+quantization schemes' create_weights / weight loaders / process_weights_after_loading, its kernels' selection and
+its model code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+# In-process engine: its model is reachable for the dump, and no engine-core process is spawned.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the default sizes the cache to the machine
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# "auto" pins vLLM's OpenMP threads to cores; on a machine whose cores other processes share, a pinned thread waits
+# for its core: one 6-token scoring pass took 88 s pinned and 11 s unpinned here (load average 20 on 2 cores)
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+E4M3_MAX = 448.0
+
+
+def scaled_fp8_quant_in_torch(input, scale=None, num_token_padding=None, scale_ub=None,  # noqa: A002 (vLLM's name)
+                              use_per_token_if_dynamic=False, output=None, group_shape=None):
+    """Stand-in for vllm._custom_ops.scaled_fp8_quant, whose torch.ops._C kernels the CPU build lacks.
+
+    The same contract: a given ``scale`` quantizes statically (x / scale); without one the scale is computed
+    dynamically, amax/448 per tensor or per token, floored as vLLM's kernels floor it. Returns (fp8, scale)."""
+    import torch
+
+    dtype = torch.float8_e4m3fn
+    values = input.float()
+    if scale is None:
+        if use_per_token_if_dynamic:
+            amax = values.abs().amax(dim=-1, keepdim=True)
+            if scale_ub is not None:
+                amax = amax.clamp(max=scale_ub.float())
+            # the CUDA per-token kernel floors the scale at 1 / (448 * 512): an all-zero row divides by something
+            scale = (amax / E4M3_MAX).clamp(min=1.0 / (E4M3_MAX * 512.0))
+        else:
+            scale = values.abs().amax().reshape(1) / E4M3_MAX
+        scale = scale.to(torch.float32)
+    quantized = (values / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(dtype)
+    if num_token_padding is not None and quantized.shape[0] < num_token_padding:
+        padded = torch.zeros((num_token_padding, *quantized.shape[1:]), dtype=dtype, device=quantized.device)
+        padded[: quantized.shape[0]] = quantized
+        quantized = padded
+    if output is not None:
+        output.copy_(quantized)
+        quantized = output
+    return quantized, scale
+
+
+def install_stand_ins() -> list[str]:
+    """The two test-only replacements; returns what each one replaced."""
+    import vllm._custom_ops as custom_ops
+
+    replaced = []
+    custom_ops.scaled_fp8_quant = scaled_fp8_quant_in_torch
+    replaced.append("vllm._custom_ops.scaled_fp8_quant")
+    # (w8a8_utils, which requantizes fused q/k/v shards to one per-tensor scale, calls it as ops.scaled_fp8_quant:
+    # the module attribute, so this one assignment covers it)
+    # The fused SiLU-and-FP8-quant op is CUDA-only; with its registry empty the model runs SiLU, then the quant op.
+    from vllm.model_executor.layers.fusion import fused_act_quant
+
+    fused_act_quant._FUSED_ACT_QUANT.clear()
+    replaced.append("vllm.model_executor.layers.fusion.fused_act_quant._FUSED_ACT_QUANT")
+    return replaced
+
+
+def loaded_model(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+#: where the next load's snapshot goes (None: no dump asked for)
+_snapshot_into: list[dict | None] = [None]
+
+
+def snapshot_before_processing() -> None:
+    """Wrap vLLM's process_weights_after_loading so the dump sees the parameters exactly as the loader filled them."""
+    from vllm.model_executor.model_loader import base_loader, utils
+
+    original = utils.process_weights_after_loading
+
+    def snapshot_then_process(model, *args, **kwargs):
+        store = _snapshot_into[0]
+        if store is not None:
+            store.update({name: tensor.detach().to("cpu").clone() for name, tensor in model.state_dict().items()})
+        return original(model, *args, **kwargs)
+
+    utils.process_weights_after_loading = snapshot_then_process
+    if hasattr(base_loader, "process_weights_after_loading"):
+        base_loader.process_weights_after_loading = snapshot_then_process
+
+
+def attention_scales(model) -> dict[str, dict[str, float]]:
+    found = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "_k_scale") and hasattr(module, "_v_scale"):
+            found[name] = {"k_scale": float(module._k_scale.float().reshape(-1)[0]),
+                           "v_scale": float(module._v_scale.float().reshape(-1)[0]),
+                           "kv_cache_dtype": str(getattr(module, "kv_cache_dtype", "?"))}
+    return found
+
+
+def run_one(request: dict) -> dict:
+    """Build the engine for one model, generate, score and dump; the engine is torn down before returning."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    store: dict = {}
+    _snapshot_into[0] = store if request.get("dump") else None
+    kwargs = dict(model=request["model"], dtype="bfloat16", enforce_eager=True, distributed_executor_backend="uni",
+                  kv_cache_dtype=request.get("kv_cache_dtype", "auto"), skip_tokenizer_init=True,
+                  compilation_config={"custom_ops": ["none"]}, max_model_len=request.get("max_model_len"), seed=0)
+    if request.get("quantization"):
+        kwargs["quantization"] = request["quantization"]
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    seconds = {"load": time.perf_counter() - started}
+    model = loaded_model(llm)
+    result: dict = {"model": request["model"], "kv_cache_dtype": kwargs["kv_cache_dtype"]}
+    generate = request.get("generate")
+    if generate:
+        params = SamplingParams(temperature=0.0, max_tokens=generate["max_tokens"], ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in generate["prompt_token_ids"]], params,
+                               use_tqdm=False)
+        result["generated"] = [list(output.outputs[0].token_ids) for output in outputs]
+        seconds["generate"] = time.perf_counter() - started - sum(seconds.values())
+    texts = request.get("score")
+    if texts:
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in texts], params, use_tqdm=False)
+        scores = []
+        for ids, output in zip(texts, outputs, strict=True):
+            # prompt_logprobs[0] is None (nothing predicts the first token); with prompt_logprobs=0 each entry
+            # holds the prompt's own token
+            pairs = zip(ids[1:], output.prompt_logprobs[1:], strict=True)
+            nll = -sum(logprobs[token].logprob for token, logprobs in pairs)
+            scores.append({"nll": nll, "tokens": len(ids) - 1})
+        result["scores"] = scores
+        total = sum(score["tokens"] for score in scores)
+        result["perplexity"] = math.exp(sum(score["nll"] for score in scores) / total)
+        seconds["score"] = time.perf_counter() - started - sum(seconds.values())
+    if request.get("dump"):
+        from safetensors.torch import save_file
+
+        save_file({name: tensor.contiguous() for name, tensor in store.items()}, request["dump"])
+        result["dump"] = request["dump"]
+    result["attention"] = attention_scales(model)
+    result["quant_methods"] = sorted({type(module.quant_method).__name__ for module in model.modules()
+                                      if getattr(module, "quant_method", None) is not None})
+    result["seconds"] = seconds
+    del model, llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    return result
+
+
+def main(request_path: str) -> None:
+    """Runs every request of ``{"runs": [...]}`` in this one process (vLLM's import alone takes most of a
+    minute on a busy 2-core machine); a run that raises is reported with its error and the next one goes on."""
+    runs = json.loads(open(request_path, encoding="utf-8").read())["runs"]
+    stand_ins = install_stand_ins()
+    snapshot_before_processing()
+    results = []
+    for request in runs:
+        try:
+            results.append(run_one(request))
+        except Exception as exc:  # noqa: BLE001 (the caller asserts on it: the message is what it needs)
+            import traceback
+
+            results.append({"model": request["model"], "error": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback.format_exc(limit=8)})
+    print(json.dumps({"stand_ins": stand_ins, "runs": results}))
+
+
+if __name__ == "__main__":  # vLLM's engine may spawn: the guard keeps a child from re-running the driver
+    main(sys.argv[1])
