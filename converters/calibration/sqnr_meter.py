@@ -6,15 +6,31 @@ measuring costs a fraction of the forward (see :class:`SqnrMeter`; what is measu
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from converters.calibration.emulation import E4M3_MAX, db, fake_quantize, fake_quantize_factored, tensor_scale
+from converters.calibration.emulation import E4M3_MAX, tensor_scale
+from converters.calibration.sqnr_arithmetic import (
+    CHANNEL_BLOCK,
+    CallInput,
+    CastRows,
+    DelayedHistory,
+    DelayedParams,
+    MeasuredChannels,
+    PendingRows,
+    RecipeCasts,
+    Sums,
+    amax_per_row,
+    energy_per_row,
+    rows_in_blocks,
+    scaled_product,
+    stratified_sample,
+    weight_sqnr_sums,
+    weighted_sum,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from converters.calibration.emulation import CastSpec
 
 __all__ = ["DEFAULT_MAX_ROWS", "DEFAULT_ROWS_PER_LAYER", "DEFAULT_MAX_CHANNELS", "DelayedParams", "RecipeCasts",
            "SqnrMeter"]
@@ -32,271 +48,10 @@ DEFAULT_ROWS_PER_LAYER = 512
 _LEAST_ROWS_PER_SEQUENCE = 8
 #: output channels (weight rows) per layer on which weight and output SQNR are measured, in blocks of 128
 DEFAULT_MAX_CHANNELS = 512
-_CHANNEL_BLOCK = 128
 #: a layer with at most this many times ``max_channels`` output channels is measured whole (SqnrMeter)
 _WHOLE_UP_TO = 4
 #: a sampled layer is measured on at least one in this many of its output channels (SqnrMeter)
 _LEAST_SHARE = 8
-
-
-def _rows_in(blocks: Any, out: int) -> float:
-    """How many weight rows the 128-row ``blocks`` hold (the last block of ``out`` rows may be partial)."""
-    return float(sum(min(_CHANNEL_BLOCK, out - int(block) * _CHANNEL_BLOCK) for block in blocks))
-
-
-@dataclass(frozen=True, kw_only=True)
-class DelayedParams:
-    history_len: int = 1024
-    algo: str = "max"
-    margin: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecipeCasts:
-    """What one recipe does to a Linear's forward operands."""
-
-    label: str
-    recipe: dict[str, Any]  #: the recipe as data
-    weight: CastSpec
-    input: CastSpec | None  #: None: the input stays in high precision (a weight-only format)
-    delayed: DelayedParams | None = None  #: TE delayed scaling: per-tensor scales from the amax history
-    not_emulated: tuple[str, ...] = ()  #: options of the recipe the emulation leaves out
-
-    @property
-    def casts_key(self) -> tuple[Any, ...]:
-        """Equal for recipes whose forward casts are the same (measured once for all of them)."""
-        return self.weight, self.input, self.delayed
-
-    def describe(self) -> dict[str, Any]:
-        return {"label": self.label, "recipe": self.recipe, "weight_format": self.weight.name,
-                "input_format": self.input.name if self.input else None,
-                "scale_rule": {"weight": self.weight.scale.value,
-                               "input": self.input.scale.value if self.input else None},
-                "delayed": self.delayed is not None, "not_emulated": list(self.not_emulated)}
-
-
-@dataclass
-class _Sums:
-    signal: float = 0.0
-    noise: float = 0.0
-
-    def add(self, signal: Any, noise: Any) -> None:
-        self.signal += float(signal)
-        self.noise += float(noise)
-
-    def db(self) -> float | None:
-        value = db(self.signal, self.noise)
-        return None if value is None else round(value, 2)
-
-
-@dataclass
-class _History:
-    """A layer's input amax by step, for delayed scaling: earlier steps' non-zero amaxes, and the current step's."""
-
-    step: int = -1
-    current: float = 0.0
-    earlier: list[float] = field(default_factory=list)
-
-    def see(self, step: int, amax: float) -> None:
-        if step != self.step:
-            if self.current > 0:
-                self.earlier = (self.earlier + [self.current])[-4096:]
-            self.step, self.current = step, 0.0
-        self.current = max(self.current, amax)
-
-    def amax_for(self, params: DelayedParams) -> float:
-        window = self.earlier[-params.history_len:]
-        if not window:
-            return self.current  # no history yet: what a calibration-seeded state would hold
-        return max(window) if params.algo == "max" else window[-1]
-
-
-@dataclass
-class _Pending:
-    """A layer's sampled rows since its last flush, with what the recipes cast each row's call with."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    rows: int = 0
-    own_output: bool = True  #: every call came with the layer's own output (else it is computed at the flush)
-    x: list[torch.Tensor] = field(default_factory=list)
-    reference: list[torch.Tensor] = field(default_factory=list)
-    weights: list[torch.Tensor] = field(default_factory=list)  #: per row, how many rows it stands for
-    calls: list[tuple[float, dict[DelayedParams, float], int]] = field(default_factory=list)
-    """per call: its whole input's amax, what delayed scaling's history held for it, and its rows gathered"""
-    steps: list[int] = field(default_factory=list)  #: per call, its calibration step
-
-    def add(self, x: torch.Tensor, reference: torch.Tensor | None, weights: torch.Tensor, call_amax: float,
-            delayed: dict[DelayedParams, float], step: int = -1) -> None:
-        rows = x.shape[0]
-        self.steps.append(step)
-        self.x.append(x)
-        self.own_output = self.own_output and reference is not None
-        if reference is not None:
-            self.reference.append(reference)
-        self.weights.append(weights)
-        self.calls.append((call_amax, delayed, rows))
-        self.rows += rows
-
-    def call_amax(self) -> torch.Tensor:
-        """Per row, its call's whole-input amax (per-tensor current scaling and NVFP4's global scale)."""
-        return self._per_row([amax for amax, _, _ in self.calls])
-
-    def delayed_amax(self, params: DelayedParams | None) -> torch.Tensor | None:
-        """Per row, the amax delayed scaling under ``params`` cast its call's input with (None: not delayed)."""
-        return None if params is None else self._per_row([delayed[params] for _, delayed, _ in self.calls])
-
-    def _per_row(self, values: list[float]) -> torch.Tensor:
-        import torch
-
-        counts = torch.tensor([rows for _, _, rows in self.calls])
-        return torch.tensor(values, dtype=torch.float32).repeat_interleave(counts)
-
-
-@dataclass
-class _CallInput:
-    """A call's input as the meter uses it (see :meth:`SqnrMeter.input_rows`)."""
-
-    tensor: torch.Tensor  #: the input itself, kept so that the next call on it is recognized
-    version: int  #: its in-place version counter then
-    step: int
-    row_amax: torch.Tensor  #: each token row's max |x| (fp32)
-    amax: float  #: the whole input's
-    picked: torch.Tensor | None  #: the sampled rows (None: every row)
-    weights: torch.Tensor  #: per sampled row, how many rows it stands for
-    rows: torch.Tensor  #: the sampled rows of the input, ``[rows, in]``, in the input's dtype
-
-
-@dataclass(frozen=True)
-class _Cast:
-    """Rows cast under a spec: ``values * factor`` (``factor`` per row ``[rows, 1]``, per tensor, or None) are the
-    dequantized rows; ``exact``: the values are exact in bf16 (:func:`fake_quantize_factored`)."""
-
-    values: torch.Tensor
-    factor: torch.Tensor | None
-    exact: bool
-
-    @classmethod
-    def of(cls, x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | None = None,
-           tensor_amax: torch.Tensor | None = None, values_dtype: torch.dtype | None = None) -> _Cast:
-        """``x`` (any float dtype) cast; ``values_dtype``: exact values in that dtype (bf16, for a bf16 GEMM)
-        where the cast has them (None: fp32)."""
-        import torch
-
-        parts = fake_quantize_factored(x, spec, scale=scale, tensor_amax=tensor_amax,
-                                       values_dtype=values_dtype or torch.float32)
-        if parts is None:
-            return cls(values=fake_quantize(x, spec, scale=scale, tensor_amax=tensor_amax), factor=None, exact=False)
-        return cls(values=parts[0], factor=parts[1], exact=True)
-
-    def dequantized(self) -> torch.Tensor:
-        """The dequantized rows in fp32: a fresh tensor, except for fp32 values without a factor (the values)."""
-        values = self.values.float()
-        if self.factor is None:
-            return values
-        return values * self.factor if values is self.values else values.mul_(self.factor)
-
-    def compact(self) -> _Cast:
-        """The same cast with exact values held in bf16 (half the bytes of a cached weight cast)."""
-        import torch
-
-        if not self.exact or self.values.dtype == torch.bfloat16:
-            return self
-        return _Cast(values=self.values.to(torch.bfloat16), factor=self.factor, exact=True)
-
-    @property
-    def nbytes(self) -> int:
-        return self.values.nbytes + (0 if self.factor is None else self.factor.nbytes)
-
-
-def _scaled_product(x: _Cast, w: _Cast, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` in fp32 from a GEMM in ``dtype`` on the exact values, the factors applied after it (an
-    FP8 GEMM's own order: products of codes accumulated, then the scales). A fresh tensor (scaled in place)."""
-    from torch.nn.functional import linear
-
-    y = linear(x.values.to(dtype), w.values.to(dtype)).float()
-    if x.factor is not None:
-        y.mul_(x.factor)
-    if w.factor is not None:
-        y.mul_(w.factor.reshape(1, -1) if w.factor.dim() else w.factor)
-    return y if bias is None else y.add_(bias)
-
-
-def _stratified(amax: torch.Tensor, budget: int, offset: int = 0, *, by_score: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(top, rest, spread)``: the sampling rule for token rows and weight blocks alike. A quarter of the
-    ``budget`` goes to the units with the largest ``amax`` (outliers carry much of the signal and the noise,
-    so they are measured exactly); the rest of it is spread evenly (from ``offset``) over the ``rest``, each
-    sampled unit standing for ``len(rest) / len(spread)`` of them: in their order, or with ``by_score`` in the
-    order of ``amax`` (a systematic sample over the sorted scores, so large and small ones are both represented:
-    far less spread in the estimate where the units differ widely, as a vocabulary's logit blocks do).
-    Needs ``len(amax) > budget``."""
-    import numpy as np
-    import torch
-
-    top = amax.topk(max(1, budget // 4)).indices
-    # the index bookkeeping on a few hundred units in numpy: each torch op costs more to dispatch than to run,
-    # and this runs for every distinct input of every call
-    others = np.ones(amax.shape[0], dtype=bool)
-    others[top.cpu().numpy()] = False
-    rest = torch.from_numpy(np.flatnonzero(others)).to(amax.device)
-    stride = -(-rest.numel() // (budget - top.numel()))
-    if by_score:  # the middle unit of each stretch of the sorted order stands for it
-        rest = rest[amax[rest].argsort(descending=True)]
-        offset = stride // 2
-    return top, rest, rest[offset % stride::stride]
-
-
-#: a 16-bit float tensor up to this many elements takes its row amax from its bits (see _row_amax)
-_BITWISE_AMAX_ELEMENTS = 1 << 22
-
-
-def _row_amax(tensor: torch.Tensor) -> torch.Tensor:
-    """Each row's ``max |x|`` in fp32. A 16-bit float tensor of a call's size: the largest of its bit patterns with
-    the sign bit cleared, as integers (they order as the magnitudes do, a NaN above infinity, which it is as the float
-    maximum would propagate it): one reduction, 2 to 4 times faster than two float ones on a CPU for a
-    ``[256, 576]`` to ``[4096, 576]`` bf16 input. Otherwise (fp32, or a tensor of tens of millions of elements,
-    where the integer reduction is slower) two reductions, no ``|x|`` copy of the tensor."""
-    import torch
-
-    if tensor.dtype in (torch.bfloat16, torch.float16) and tensor.numel() <= _BITWISE_AMAX_ELEMENTS:
-        return (tensor.view(torch.int16) & 0x7FFF).amax(dim=1).view(tensor.dtype).float()
-    return torch.maximum(tensor.amax(dim=1), -tensor.amin(dim=1)).float()
-
-
-def _weight_sums(w: torch.Tensor, q: torch.Tensor, stands: torch.Tensor | None) -> tuple[float, float]:
-    """Signal and noise sums of fp32 weight rows ``w`` cast to ``q`` (each row standing for ``stands`` rows)."""
-    if stands is None:  # dot products: one pass each, no squared copy (half the time of square().sum())
-        import torch
-
-        error = (w - q).reshape(-1)
-        return float(torch.dot(w.reshape(-1), w.reshape(-1))), float(torch.dot(error, error))
-    return float(_weighted(_row_energy(w), stands)), float(_weighted(_row_energy(w - q), stands))
-
-
-def _row_energy(t: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's sum of squares in fp32 (``t`` of any float dtype, ``[rows, ...]``), each column counted
-    ``columns[column]`` times where given: a norm per row instead of a squared copy of ``t`` (the meter's sums
-    were as much of its time as its GEMMs)."""
-    import torch
-
-    if columns is not None:
-        return t.reshape(t.shape[0], -1).float().square().mv(columns)
-    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1, dtype=torch.float32).square()
-
-
-def _weighted(energy: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """The sum of the rows' ``energy`` (:func:`_row_energy`), each row counted ``weights[row]`` times."""
-    return energy.sum() if weights is None else (energy * weights).sum()
-
-
-@dataclass(frozen=True)
-class _Channels:
-    """The output channels (weight rows) of a layer that are measured, and what each stands for."""
-
-    rows: torch.Tensor | None  #: sorted row indices, whole 128-row blocks; None: every row
-    weights: torch.Tensor | None  #: per measured row, how many rows it stands for; None: one each
-    amax: torch.Tensor  #: the whole weight's amax (per-tensor and NVFP4 global scales come from it)
 
 
 class SqnrMeter:
@@ -333,8 +88,8 @@ class SqnrMeter:
             raise ValueError(f"max_rows must be at least 1 or None, got {max_rows}")
         if rows_per_layer is not None and rows_per_layer < 1:
             raise ValueError(f"rows_per_layer must be at least 1 or None, got {rows_per_layer}")
-        if max_channels is not None and max_channels < 2 * _CHANNEL_BLOCK:
-            raise ValueError(f"max_channels must be at least {2 * _CHANNEL_BLOCK} or None, got {max_channels}")
+        if max_channels is not None and max_channels < 2 * CHANNEL_BLOCK:
+            raise ValueError(f"max_channels must be at least {2 * CHANNEL_BLOCK} or None, got {max_channels}")
         self.max_channels = max_channels
         self.recipes = list(recipes)
         self.compared = list(compared)
@@ -353,14 +108,14 @@ class SqnrMeter:
         self.reset()
 
     def reset(self) -> None:
-        self._sums: dict[tuple[str, str, str], _Sums] = {}
-        self._history: dict[str, _History] = {}
+        self._sums: dict[tuple[str, str, str], Sums] = {}
+        self._history: dict[str, DelayedHistory] = {}
         self._weighed: set[str] = set()  # layers whose weight SQNR is recorded
-        self._cache: dict[str, list[list[_Cast]]] = {}  # path -> per group, the cast slices; oldest first
+        self._cache: dict[str, list[list[CastRows]]] = {}  # path -> per group, the cast slices; oldest first
         self._floats: dict[str, torch.Tensor] = {}  # path -> the measured rows in fp32, kept with the cast slices
-        self._channels: dict[str, _Channels] = {}  # path -> the rows measured (the weight does not change)
-        self._pending: dict[str, _Pending] = {}  # path -> its sampled rows not yet measured
-        self._last_input: _CallInput | None = None  # the last call's input (see input_rows)
+        self._channels: dict[str, MeasuredChannels] = {}  # path -> the rows measured (the weight does not change)
+        self._pending: dict[str, PendingRows] = {}  # path -> its sampled rows not yet measured
+        self._last_input: CallInput | None = None  # the last call's input (see input_rows)
         self._pending_bytes = 0  # held by the gathered rows (an input shared by several Linears counted for each)
 
     def sums_of(self, owned: Callable[[str], bool]) -> list[tuple[str, str, str, float, float]]:
@@ -371,7 +126,7 @@ class SqnrMeter:
     def replace_sums(self, entries: Sequence[tuple[str, str, str, float, float]]) -> None:
         """Set the sums :meth:`sums_of` gave (added over the ranks, or read back from a resume record)."""
         for path, label, what, signal, noise in entries:
-            self._sums[(path, label, what)] = _Sums(signal=float(signal), noise=float(noise))
+            self._sums[(path, label, what)] = Sums(signal=float(signal), noise=float(noise))
 
     def use_step_amax(self, path: str, input_amax: torch.Tensor) -> None:
         """Take what delayed scaling's history held for each waiting call of ``path`` from ``input_amax`` (``[steps]``:
@@ -383,7 +138,7 @@ class SqnrMeter:
             return
         amax = input_amax.tolist()
         for number, (call_amax, delayed, rows) in enumerate(pending.calls):
-            history = _History(earlier=[value for value in amax[:pending.steps[number]] if value > 0][-4096:])
+            history = DelayedHistory(earlier=[value for value in amax[:pending.steps[number]] if value > 0][-4096:])
             if history.earlier:
                 pending.calls[number] = (call_amax, {params: history.amax_for(params) for params in delayed}, rows)
 
@@ -401,7 +156,7 @@ class SqnrMeter:
         self._floats.clear()
         self._last_input = None
 
-    def _channels_of(self, path: str, weight: torch.Tensor, output: torch.Tensor | None = None) -> _Channels:
+    def _channels_of(self, path: str, weight: torch.Tensor, output: torch.Tensor | None = None) -> MeasuredChannels:
         """The output channels measured for ``path``, chosen once: by the energy of each 128-row block in the
         layer's first output seen (``output``, ``[rows, out]``; a block carrying an outlier channel, such as a
         residual stream's massive activation, holds most of the output signal and is measured exactly), else by
@@ -412,22 +167,22 @@ class SqnrMeter:
 
         if path in self._channels:
             return self._channels[path]
-        row_amax = _row_amax(weight.detach())
+        row_amax = amax_per_row(weight.detach())
         out = row_amax.shape[0]
-        chosen = _Channels(rows=None, weights=None, amax=row_amax.max())
+        chosen = MeasuredChannels(rows=None, weights=None, amax=row_amax.max())
         if self.max_channels is not None and out > _WHOLE_UP_TO * self.max_channels:
-            blocks = -(-out // _CHANNEL_BLOCK)
+            blocks = -(-out // CHANNEL_BLOCK)
             score = row_amax if output is None else output.detach().float().square().sum(dim=0)
-            score = torch.nn.functional.pad(score, (0, blocks * _CHANNEL_BLOCK - out)).reshape(blocks, -1)
-            budget = max(self.max_channels // _CHANNEL_BLOCK, blocks // _LEAST_SHARE)
-            top, rest, spread = _stratified(score.amax(dim=1) if output is None else score.sum(dim=1), budget,
+            score = torch.nn.functional.pad(score, (0, blocks * CHANNEL_BLOCK - out)).reshape(blocks, -1)
+            budget = max(self.max_channels // CHANNEL_BLOCK, blocks // _LEAST_SHARE)
+            top, rest, spread = stratified_sample(score.amax(dim=1) if output is None else score.sum(dim=1), budget,
                                             by_score=True)
             picked = torch.cat([top, spread]).sort().values
-            starts = picked * _CHANNEL_BLOCK
-            rows = torch.cat([torch.arange(int(start), min(int(start) + _CHANNEL_BLOCK, out)) for start in starts])
-            standing = _rows_in(rest, out) / _rows_in(spread, out)  # each spread row stands for this many
-            weights = torch.where(torch.isin(rows // _CHANNEL_BLOCK, top), torch.ones(()), torch.tensor(standing))
-            chosen = _Channels(rows=rows, weights=weights.float(), amax=chosen.amax)
+            starts = picked * CHANNEL_BLOCK
+            rows = torch.cat([torch.arange(int(start), min(int(start) + CHANNEL_BLOCK, out)) for start in starts])
+            standing = rows_in_blocks(rest, out) / rows_in_blocks(spread, out)  # each spread row stands for this many
+            weights = torch.where(torch.isin(rows // CHANNEL_BLOCK, top), torch.ones(()), torch.tensor(standing))
+            chosen = MeasuredChannels(rows=rows, weights=weights.float(), amax=chosen.amax)
         self._channels[path] = chosen
         return chosen
 
@@ -447,14 +202,14 @@ class SqnrMeter:
     def _add(self, path: str, group: list[RecipeCasts], what: str, signal: Any, noise: Any) -> None:
         signal, noise = float(signal), float(noise)
         for casts in group:
-            self._sums.setdefault((path, casts.label, what), _Sums()).add(signal, noise)
+            self._sums.setdefault((path, casts.label, what), Sums()).add(signal, noise)
 
     def _slices(self, weight: torch.Tensor) -> list[slice]:
         out_features, in_features = weight.shape
         rows = max(128, self.slice_elements // max(in_features, 1) // 128 * 128)  # whole 128-row blocks
         return [slice(start, min(start + rows, out_features)) for start in range(0, out_features, rows)]
 
-    def _cast_weights(self, path: str, weight: torch.Tensor) -> list[list[_Cast]] | None:
+    def _cast_weights(self, path: str, weight: torch.Tensor) -> list[list[CastRows]] | None:
         """Per group, the weight's cast row slices: from the cache, else cast now (and cached if they fit)."""
         if path in self._cache:
             return self._cache[path]
@@ -493,13 +248,13 @@ class SqnrMeter:
                     w = measured[rows]
                     q = (cached[index][number] if cached is not None
                          else self._cast_weight(group[0], w, channels.amax)).dequantized()
-                    part_signal, part_noise = _weight_sums(w, q, None if channels.weights is None
+                    part_signal, part_noise = weight_sqnr_sums(w, q, None if channels.weights is None
                                                            else channels.weights[rows])
                     signal, noise = signal + part_signal, noise + part_noise
                 self._add(path, group, "weight", signal, noise)
         self._weighed.add(path)
 
-    def input_rows(self, x: torch.Tensor, in_features: int, step: int) -> _CallInput:
+    def input_rows(self, x: torch.Tensor, in_features: int, step: int) -> CallInput:
         """What a call's input gives the meter: its token rows' amax, the rows sampled and those rows gathered.
         Derived once for the Linears called one after another on the same tensor at a step (q, k and v; gate and
         up): the last input is kept (a reference, so its memory cannot be reused while it is) and reused while it
@@ -510,11 +265,11 @@ class SqnrMeter:
         if last is not None and last.tensor is x and last.version == x._version and last.step == step:
             return last
         rows = x.detach().reshape(-1, in_features)
-        row_amax = _row_amax(rows)
+        row_amax = amax_per_row(rows)
         sequences = x.shape[0] if x.dim() > 2 else 1
         picked, weights = self._sampled_rows(row_amax, step, sequences)
         count = rows.shape[0] if picked is None else picked.numel()
-        self._last_input = _CallInput(
+        self._last_input = CallInput(
             tensor=x, version=x._version, step=step, row_amax=row_amax,
             amax=float(row_amax.max()) if row_amax.numel() else 0.0, picked=picked,
             weights=torch.ones(count) if weights is None else weights,
@@ -538,7 +293,7 @@ class SqnrMeter:
             self._channels_of(path, weight, output.reshape(-1, weight.shape[0]))
         with torch.no_grad():
             call = self.input_rows(x, weight.shape[1], step)
-            history = self._history.setdefault(path, _History())
+            history = self._history.setdefault(path, DelayedHistory())
             history.see(step, call.amax)
             if call.rows.shape[0] == 0:
                 self.observe_weight(path, weight)  # no rows to measure it with at a flush
@@ -551,7 +306,7 @@ class SqnrMeter:
                 reference = reference if channels.rows is None else reference.index_select(1, channels.rows)
             pending = self._pending.get(path)
             if pending is None:  # the weight does not change during calibration: the first call's stands for all
-                pending = self._pending[path] = _Pending(weight=weight, bias=bias)
+                pending = self._pending[path] = PendingRows(weight=weight, bias=bias)
             pending.add(call.rows, reference, call.weights, call.amax,
                         {params: history.amax_for(params) for params in self._delayed_params}, step)
             self._pending_bytes += call.rows.nbytes + (0 if reference is None else reference.nbytes)
@@ -597,29 +352,31 @@ class SqnrMeter:
             # fake_quantize_factored); otherwise (fp16's range would overflow), and for casts without such a
             # split, in fp32.
             half = torch.bfloat16 if pending.x[0].dtype == torch.bfloat16 else None
-            x_signal, y_signal = _weighted(_row_energy(x), weights), _weighted(_row_energy(reference, stands), weights)
+            x_signal = weighted_sum(energy_per_row(x), weights)
+            y_signal = weighted_sum(energy_per_row(reference, stands), weights)
             # the weight's own SQNR from the same casts, the first time the layer is measured (one cast of the
             # weight per layer and recipe when the cast slices are not cached)
             weigh = path not in self._weighed
             for index, group in enumerate(self._groups.values()):
                 cx = self._cast_input(group[0], x, call_amax, pending.delayed_amax(group[0].delayed), half)
                 qx = cx.dequantized()
-                self._add(path, group, "input", x_signal, _weighted(_row_energy(x - qx), weights))
+                self._add(path, group, "input", x_signal, weighted_sum(energy_per_row(x - qx), weights))
                 noise = w_signal = w_noise = 0.0
                 for number, rows in enumerate(slices):
                     cw = cached[index][number] if cached is not None else \
                         self._cast_weight(group[0], measured[rows], channels.amax, half)
                     if weigh:
-                        part_signal, part_noise = _weight_sums(measured[rows], cw.dequantized(),
+                        part_signal, part_noise = weight_sqnr_sums(measured[rows], cw.dequantized(),
                                                                None if stands is None else stands[rows])
                         w_signal, w_noise = w_signal + part_signal, w_noise + part_noise
                     if half is not None and cx.exact and cw.exact:
-                        y = _scaled_product(cx, cw, half, None if b is None else b[rows])
+                        y = scaled_product(cx, cw, half, None if b is None else b[rows])
                     else:
                         y = linear(qx, cw.dequantized(), None if b is None else b[rows])
                     # the error in place of the emulated output (a fresh tensor of either path)
                     error = y.sub_(reference[:, rows])
-                    noise += float(_weighted(_row_energy(error, None if stands is None else stands[rows]), weights))
+                    columns = None if stands is None else stands[rows]
+                    noise += float(weighted_sum(energy_per_row(error, columns), weights))
                 self._add(path, group, "output", y_signal, noise)
                 if weigh:
                     self._add(path, group, "weight", w_signal, w_noise)
@@ -627,18 +384,18 @@ class SqnrMeter:
 
     @staticmethod
     def _cast_weight(casts: RecipeCasts, w: torch.Tensor, amax: torch.Tensor, values_dtype: torch.dtype | None = None
-                     ) -> _Cast:
+                     ) -> CastRows:
         """Rows of a weight cast under ``casts``; ``amax`` is the whole weight's (per-tensor and NVFP4 scales)."""
         if casts.delayed is None:
-            return _Cast.of(w, casts.weight, tensor_amax=amax, values_dtype=values_dtype)
-        return _Cast.of(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin),
+            return CastRows.of(w, casts.weight, tensor_amax=amax, values_dtype=values_dtype)
+        return CastRows.of(w, casts.weight, scale=tensor_scale(amax, E4M3_MAX * 2.0 ** -casts.delayed.margin),
                         values_dtype=values_dtype)
 
     def _sampled_rows(self, row_amax: torch.Tensor, step: int, sequences: int = 1
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The rows of a call that are measured and each one's weight in the sums (None, None: every row, once).
 
-        :func:`_stratified` picks them: outlier tokens (such as a sequence's first one) exactly, an even spread
+        :func:`stratified_sample` picks them: outlier tokens (such as a sequence's first one) exactly, an even spread
         of the others (starting at a different row each step) weighted, so the weighted sums estimate the full
         ones without bias.
         """
@@ -649,21 +406,21 @@ class SqnrMeter:
         budget = min(self.max_rows, max(self._call_rows, _LEAST_ROWS_PER_SEQUENCE * sequences))
         if row_amax.shape[0] <= budget:
             return None, None
-        outliers, rest, spread = _stratified(row_amax, budget, offset=step)
+        outliers, rest, spread = stratified_sample(row_amax, budget, offset=step)
         weights = torch.ones(outliers.numel() + spread.numel())
         weights[outliers.numel():] = rest.numel() / max(spread.numel(), 1)
         return torch.cat([outliers, spread]), weights
 
     @staticmethod
     def _cast_input(casts: RecipeCasts, x: torch.Tensor, call_amax: torch.Tensor, delayed_amax: torch.Tensor | None,
-                    values_dtype: torch.dtype | None = None) -> _Cast:
+                    values_dtype: torch.dtype | None = None) -> CastRows:
         """Gathered input rows cast under ``casts``; ``call_amax[row]`` is the amax of the whole input of the row's
         call (per-tensor and NVFP4 scales), ``delayed_amax[row]`` what delayed scaling's history held then."""
         if casts.input is None:
-            return _Cast(values=x, factor=None, exact=True)  # gathered from the layer's own (half) inputs
+            return CastRows(values=x, factor=None, exact=True)  # gathered from the layer's own (half) inputs
         if casts.delayed is None:
-            return _Cast.of(x, casts.input, tensor_amax=call_amax, values_dtype=values_dtype)
-        return _Cast.of(x, casts.input, scale=tensor_scale(delayed_amax, E4M3_MAX * 2.0 ** -casts.delayed.margin),
+            return CastRows.of(x, casts.input, tensor_amax=call_amax, values_dtype=values_dtype)
+        return CastRows.of(x, casts.input, scale=tensor_scale(delayed_amax, E4M3_MAX * 2.0 ** -casts.delayed.margin),
                         values_dtype=values_dtype)
 
     def result(self, path: str, label: str) -> dict[str, float | None]:

@@ -201,7 +201,7 @@ def test_a_meter_without_cached_casts_measures_the_same(recipe):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_row_amax_from_the_bits_equals_the_largest_magnitude(dtype):
-    from converters.calibration.sqnr_meter import _row_amax
+    from converters.calibration.sqnr_arithmetic import amax_per_row as _row_amax
 
     generator = torch.Generator().manual_seed(3)
     x = (torch.randn(64, 300, generator=generator) * 40).to(dtype)
