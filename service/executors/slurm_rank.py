@@ -53,9 +53,13 @@ _JOIN_WITHIN_S = 120.0
 
 def rendezvous_from_slurm(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
     """The torch.distributed variables of this rank, from the ones ``srun`` sets (and the batch script's
-    MASTER_ADDR / MASTER_PORT); a process outside ``srun`` is the one rank of one."""
-    return {"RANK": environ.get("SLURM_PROCID", "0"), "WORLD_SIZE": environ.get("SLURM_NTASKS", "1"),
-            "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+    MASTER_ADDR / MASTER_PORT); outside ``srun``, the standard ones another launcher set (a JobSet's pods,
+    torchrun), else the one rank of one."""
+    def pick(slurm: str, standard: str, default: str) -> str:
+        return environ.get(slurm) or environ.get(standard) or default
+
+    return {"RANK": pick("SLURM_PROCID", "RANK", "0"), "WORLD_SIZE": pick("SLURM_NTASKS", "WORLD_SIZE", "1"),
+            "LOCAL_RANK": pick("SLURM_LOCALID", "LOCAL_RANK", "0"),
             "MASTER_ADDR": environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": environ.get("MASTER_PORT", "29500")}
 
 
