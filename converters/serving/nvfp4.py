@@ -35,6 +35,7 @@ a report from another rule would let through; its reason is ``in_features_not_di
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -45,13 +46,18 @@ from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.plan import ServingPlan
 
-__all__ = ["GROUP", "NVFP4", "NVFP4_A16", "CompressedTensorsNVFP4", "nvfp4_rule", "pack_e2m1"]
+__all__ = ["GROUP", "NVFP4", "NVFP4_A16", "SCALE_SEARCHES", "CompressedTensorsNVFP4", "block_errors", "nvfp4_rule",
+           "pack_e2m1", "quantize_nvfp4", "searched_block_scales"]
 
 GROUP = 16
 FORMAT = "nvfp4-pack-quantized"
 _E4M3_EPS = 0.125  # compressed-tensors' _get_dtype_eps(float8_e4m3fn)
 # |code value| * 2 for the magnitude codes 0..7, to find a code by exact match
 _DOUBLED_GRID = torch.tensor([2 * value for value in E2M1_GRID])
+#: how block scales are chosen: "rtn" maps each block's amax to 6 (compressed-tensors'), "mse" searches E4M3 values
+SCALE_SEARCHES = ("rtn", "mse")
+_SEARCH_OFFSETS = (-4, -3, -2, -1, 1, 2, 3, 4, 5)  # E4M3 codes around RTN's: ~0.7x to ~1.6x (see searched_...)
+_E4M3_MAX_CODE = 0x7E  # 448; 0x7F is NaN
 
 
 def nvfp4_rule(in_features: int, out_features: int) -> str | None:
@@ -76,18 +82,72 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32).reshape(1)
 
 
-def quantize_nvfp4(weight: torch.Tensor, weight_amax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight`` (``[out, in]``, in the model's dtype) as (packed, E4M3 block scales, fp32 global scale)."""
+def quantize_nvfp4(weight: torch.Tensor, weight_amax: float, *, scale_search: str = "rtn"
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` (``[out, in]``, in the model's dtype) as (packed, E4M3 block scales, fp32 global scale).
+
+    ``scale_search="rtn"`` is compressed-tensors' arithmetic, byte for byte; ``"mse"`` keeps its global scale and
+    replaces each block's scale by the one of :func:`searched_block_scales` (never a larger block error).
+    """
+    if scale_search not in SCALE_SEARCHES:
+        raise ValueError(f"scale_search must be one of {', '.join(SCALE_SEARCHES)}, got {scale_search!r}")
     rows, columns = weight.shape
     scale_global = global_scale(torch.tensor([weight_amax], dtype=weight.dtype))
     blocks = weight.unflatten(-1, (columns // GROUP, GROUP))
-    block_amax = blocks.abs().amax(dim=-1)
-    scale = scale_global * (block_amax / torch.tensor(E2M1_MAX, dtype=weight.dtype))
-    scale = scale.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-    scale = torch.where(scale == 0, torch.tensor(_E4M3_EPS), scale)
+    scale = rtn_block_scales(blocks, scale_global)
+    if scale_search == "mse":
+        scale = searched_block_scales(blocks, scale, scale_global)
     scaled = (blocks / (scale / scale_global).unsqueeze(-1)).reshape(rows, columns)
     values = round_to_e2m1(scaled.clamp(-E2M1_MAX, E2M1_MAX))
     return pack_e2m1(values, scaled < 0), scale.to(torch.float8_e4m3fn), scale_global
+
+
+def rtn_block_scales(blocks: torch.Tensor, scale_global: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' E4M3 block scales (as fp32 values) of ``blocks`` (``[out, in/16, 16]``, model dtype)."""
+    block_amax = blocks.abs().amax(dim=-1)
+    scale = scale_global * (block_amax / torch.tensor(E2M1_MAX, dtype=blocks.dtype))
+    scale = scale.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return torch.where(scale == 0, torch.tensor(_E4M3_EPS), scale)
+
+
+def block_errors(blocks: torch.Tensor, scale: torch.Tensor, scale_global: torch.Tensor) -> torch.Tensor:
+    """Each block's squared reconstruction error (fp32 ``[out, in/16]``) under E4M3 block scales ``scale`` (fp32).
+
+    The dequantization is the engines': ``e2m1_code * (scale / global)``.
+    """
+    step = (scale / scale_global).unsqueeze(-1)
+    dequantized = round_to_e2m1((blocks / step).clamp(-E2M1_MAX, E2M1_MAX)) * step
+    return (dequantized - blocks.float()).square().sum(dim=-1)
+
+
+def searched_block_scales(blocks: torch.Tensor, rtn_scale: torch.Tensor, scale_global: torch.Tensor
+                          ) -> torch.Tensor:
+    """Each block's E4M3 scale of least squared reconstruction error among its candidates (fp32, E4M3 values).
+
+    The candidates are E4M3 values themselves, so the error compared is the one the file will hold (llm-compressor's
+    MSE observer compares unrounded shrunk scales, then rounds). They are the round-to-nearest scale (maps the
+    block's amax to 6) and its E4M3 neighbours from four codes below (about 0.7x: clipping the block's largest
+    values, as the shrink factors of llm-compressor's and ModelOpt's MSE search) to five above (about 1.6x), which
+    holds the "four over six" scale (maps the amax to 4, where E2M1's 3-4 step is half its 4-6 step; Cook et al.
+    2025) wherever it is exact in the format: not above E4M3's 448, so the few blocks at the top of a tensor
+    whose 4-scale would overflow keep the candidates below it. Positive E4M3 values are ordered as their byte
+    codes, so neighbours are codes +-1. A block keeps the round-to-nearest scale unless a candidate is strictly
+    better, hence never a larger error than RTN, block by block; all-zero blocks (eps scale) are left as they are.
+    """
+    best_scale, best_error = rtn_scale, block_errors(blocks, rtn_scale, scale_global)
+    searchable = rtn_scale != _E4M3_EPS
+    rtn_code = rtn_scale.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16)
+    four_scale = (scale_global * (blocks.abs().amax(dim=-1).float() / 4)).clamp(max=E4M3_MAX)
+    four_code = four_scale.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16)
+    candidates = [rtn_code + offset for offset in _SEARCH_OFFSETS] + [four_code]
+    for code in candidates:
+        valid = searchable & (code >= 1) & (code <= _E4M3_MAX_CODE)
+        scale = code.clamp(1, _E4M3_MAX_CODE).to(torch.uint8).view(torch.float8_e4m3fn).float()
+        error = block_errors(blocks, scale, scale_global)
+        better = valid & (error < best_error)
+        best_scale = torch.where(better, scale, best_scale)
+        best_error = torch.where(better, error, best_error)
+    return best_scale
 
 
 class CompressedTensorsNVFP4:
@@ -95,15 +155,23 @@ class CompressedTensorsNVFP4:
 
     needs_weight_amax = True
 
-    def __init__(self, *, name: str, activations: bool) -> None:
+    def __init__(self, *, name: str, activations: bool, scale_search: str = "rtn") -> None:
+        if scale_search not in SCALE_SEARCHES:
+            raise ValueError(f"scale_search must be one of {', '.join(SCALE_SEARCHES)}, got {scale_search!r}")
         self.name = name
         self.activations = activations
+        self.scale_search = scale_search  #: how the E4M3 block scales are chosen (see quantize_nvfp4)
         self.needs_calibration = activations
         self.weight_cast = "nvfp4_block16"  #: the emulated cast of the report's weight SQNR (plan.layer_stats)
         self.input_cast = "nvfp4_block16" if activations else None  #: and of the input (None: high precision)
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         return nvfp4_rule(in_features, out_features)
+
+    def with_scale_search(self, scale_search: str) -> CompressedTensorsNVFP4:
+        """The same scheme with block scales chosen by ``scale_search`` (one of :data:`SCALE_SEARCHES`)."""
+        kind = SearchedNVFP4 if scale_search != "rtn" else CompressedTensorsNVFP4
+        return kind(name=self.name, activations=self.activations, scale_search=scale_search)
 
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
         prefix = weight_key.removesuffix("weight")
@@ -119,7 +187,7 @@ class CompressedTensorsNVFP4:
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype, *,
                  weight_amax: float) -> list[torch.Tensor]:
-        tensors = list(quantize_nvfp4(weight.to(scale_dtype), weight_amax))
+        tensors = list(quantize_nvfp4(weight.to(scale_dtype), weight_amax, scale_search=self.scale_search))
         if self.activations:
             tensors.append(global_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
         return tensors
@@ -132,12 +200,14 @@ class CompressedTensorsNVFP4:
                     "observer_kwargs": {}}
 
         inputs = args(dynamic="local", observer="static_minmax") if self.activations else None
+        # informational for readers (engines ignore it): llm-compressor's name for a searched weight scale
+        weight_observer = "memoryless_minmax" if self.scale_search == "rtn" else "memoryless_mse"
         return {
             "quant_method": "compressed-tensors",
             "format": FORMAT,
             "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"],
-                                          "weights": args(dynamic=False, observer="memoryless_minmax"),
+                                          "weights": args(dynamic=False, observer=weight_observer),
                                           "input_activations": inputs, "output_activations": None,
                                           "format": FORMAT}},
             "ignore": ignore_list(plan),
@@ -146,6 +216,26 @@ class CompressedTensorsNVFP4:
             "sparsity_config": {},
             "transform_config": {},
         }
+
+
+class SearchedNVFP4(CompressedTensorsNVFP4):
+    """A scheme whose block scales were searched: the report's weight SQNR is the written tensors', beside RTN's
+    (the emulated cast of ``weight_cast`` rounds to nearest, so it would show RTN's figure for a searched export)."""
+
+    def layer_stats(self, weight: torch.Tensor, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        _, scale, scale_global = tensors[:3]
+        blocks = weight.unflatten(-1, (weight.shape[1] // GROUP, GROUP))
+        rtn_scale = rtn_block_scales(blocks, scale_global)
+        signal = float(weight.float().square().sum())
+        searched = float(block_errors(blocks, scale.float(), scale_global).sum())
+        rounded = float(block_errors(blocks, rtn_scale, scale_global).sum())
+        return {"weight_sqnr_db": _db(signal, searched), "rtn_weight_sqnr_db": _db(signal, rounded),
+                "searched_blocks_changed": float((scale.float() != rtn_scale).float().mean()),
+                "scale_search": self.scale_search}
+
+
+def _db(signal: float, noise: float) -> float | None:
+    return None if noise <= 0 or signal <= 0 else 10 * math.log10(signal / noise)
 
 
 NVFP4 = CompressedTensorsNVFP4(name="nvfp4", activations=True)
