@@ -20,9 +20,12 @@ from converters.quality import (
     BUILT_IN_HELD_OUT,
     DEFAULT_MAX_TOKENS,
     DEFAULT_SEQ_LEN,
+    KV_ROUNDING_NEAREST,
     QUALITY_DEFINITION,
     REQUEST_TEXTS,
+    ExportFiles,
     QualityUnavailable,
+    export_kv_casts,
     export_layer_casts,
     load_source,
     measure_qualities,
@@ -34,6 +37,8 @@ from converters.serving import serving_format
 __all__ = ["TRAINING", "COMPARISON_COLUMNS", "COMPARISON_MAX_TOKENS", "quality_block", "add_comparison_quality"]
 
 TRAINING = "training"
+#: the suffix of an export's variant that keeps its KV cache in high precision (what FP8 KV costs on its own)
+_WITHOUT_KV = ":without-fp8-kv"
 
 
 def quality_block(run: Run, staging: Path, on_layer: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -47,7 +52,10 @@ def quality_block(run: Run, staging: Path, on_layer: Callable[[int, int], None] 
         source = load_source(run.resolved.directory, run.sources, tokenizer=run.tokenizer)
         variants = {TRAINING: recipe_layer_casts(run.recipe, _linears(run), run.calibration.amax)}
         for name in run.serving:
-            variants[f"serving:{name}"] = _export_casts(run, staging / "serving" / name)
+            linears, kv = _export_casts(run, source, staging / "serving" / name)
+            variants[f"serving:{name}"] = {**linears, **kv}
+            if kv:
+                variants[f"serving:{name}{_WITHOUT_KV}"] = linears
         texts = run.request.quality_texts
         figures = measure_qualities(source, variants, list(texts) if texts is not None else None,
                                     max_tokens=DEFAULT_MAX_TOKENS, seq_len=DEFAULT_SEQ_LEN,
@@ -62,7 +70,7 @@ def quality_block(run: Run, staging: Path, on_layer: Callable[[int, int], None] 
                      "tokens": training.tokens, "max_tokens": DEFAULT_MAX_TOKENS, "seq_len": DEFAULT_SEQ_LEN},
         "reference": {"perplexity": training.perplexity_reference},
         "training": {"recipe": run.recipe.to_dict(), "emulated": True, **training.to_dict()},
-        "serving": {name: figures[f"serving:{name}"].to_dict() for name in run.serving},
+        "serving": {name: _serving_figures(figures, name) for name in run.serving},
         "seconds": round(time.perf_counter() - started, 3),
     }
 
@@ -72,12 +80,37 @@ def _linears(run: Run) -> list[str]:
     return eligible_paths(run.report)
 
 
-def _export_casts(run: Run, directory: Path) -> dict[str, Any]:
+def _export_casts(run: Run, source: Any, directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The export's Linears as the engine runs them, and its attention modules' FP8 KV cache ({} without one),
+    both read from its files."""
     fmt = serving_format(directory.name)
     library = "torchao" if run.recipe.backend.value == "ao" else "te"
-    return export_layer_casts(directory, _linears(run), run.resolved.checkpoint.on_disk_name,
-                              input_cast=getattr(fmt, "input_cast", None), library=library,
-                              pow2_scales=getattr(fmt, "pow2_scales", False))
+    files = ExportFiles(directory)
+    on_disk_name = run.resolved.checkpoint.on_disk_name
+    linears = export_layer_casts(directory, _linears(run), on_disk_name, input_cast=getattr(fmt, "input_cast", None),
+                                 library=library, pow2_scales=getattr(fmt, "pow2_scales", False), files=files)
+    try:
+        kv = export_kv_casts(directory, source.model, on_disk_name, files.read, files.file_of,
+                             source.checkpoint.dtype, rounding=KV_ROUNDING_NEAREST)
+    except ValueError as exc:
+        raise QualityUnavailable(f"the FP8 KV cache of {directory.name} cannot be emulated: {exc}",
+                                 field="kv_cache") from None
+    return linears, kv
+
+
+def _serving_figures(figures: dict[str, Any], name: str) -> dict[str, Any]:
+    """An export's figures as the engine runs it; with an FP8 KV cache, also without it and what it costs."""
+    engine = figures[f"serving:{name}"]
+    out = engine.to_dict()
+    without = figures.get(f"serving:{name}{_WITHOUT_KV}")
+    if without is not None:
+        out["kv_cache"] = {
+            "dtype": "fp8_e4m3", "keys": "after RoPE", "rounding": KV_ROUNDING_NEAREST,
+            "without_fp8_kv": without.to_dict(),
+            # the FP8 KV cache's share of the export's loss: the figures with it over those without it
+            "perplexity_increase": engine.perplexity / without.perplexity - 1.0,
+            "kl_mean_increase": engine.kl_mean - without.kl_mean}
+    return out
 
 
 #: positions a synchronous analysis scores per compared recipe: the answer stays within seconds for a small model

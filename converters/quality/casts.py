@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from converters.calibration.emulation import (
+    E2M1_MAX,
     CastSpec,
+    ScaleRule,
     cast_spec,
     fake_quantize,
     fake_quantize_per_tensor,
@@ -32,8 +34,10 @@ from converters.errors import ModelConfigError
 from converters.model.checkpoint import weight_files
 from converters.model.files import pinned_model_path
 from converters.model.quantized import source_quantization
+from converters.quality.engine_load import fused_groups, requantizing_reader
 
-__all__ = ["LayerCast", "recipe_layer_casts", "export_layer_casts", "cast_linear_weight", "casting_linears"]
+__all__ = ["ExportFiles", "LayerCast", "recipe_layer_casts", "export_layer_casts", "cast_linear_weight",
+           "casting_linears"]
 
 _CAST_SLICE_ELEMENTS = 2 * 2**20  #: weight elements cast at a time (cast_linear_weight)
 
@@ -52,6 +56,9 @@ class LayerCast:
     read_weight: Callable[[torch.dtype], torch.Tensor] | None = None
     input: CastSpec | None = None
     input_scale: float | None = None
+    #: NVFP4 input: the fixed tensor amax its global scale comes from (an export's input global scale, as the
+    #: engine applies it); None: each call's own amax
+    input_amax: float | None = None
     weight_scale_margin: int | None = None  #: TE delayed scaling: the weight's scale is fp8_max * 2**-margin / amax
 
     def __post_init__(self) -> None:
@@ -59,6 +66,8 @@ class LayerCast:
             raise ValueError("a LayerCast takes exactly one of weight (a cast spec) and read_weight (written weights)")
         if self.input_scale is not None and (self.input is None or not self.input.per_tensor):
             raise ValueError("input_scale needs a per-tensor input spec")
+        if self.input_amax is not None and (self.input is None or self.input.scale is not ScaleRule.NVFP4):
+            raise ValueError("input_amax (a fixed NVFP4 global scale) needs an NVFP4 input spec")
 
 
 def recipe_layer_casts(recipe: Any, paths: Iterable[str], amax: Mapping[str, Any] | None = None
@@ -82,48 +91,79 @@ def recipe_layer_casts(recipe: Any, paths: Iterable[str], amax: Mapping[str, Any
     return out
 
 
+class ExportFiles:
+    """A serving export's tensors by name, read one at a time (each file opened per read: no handle kept)."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open  # deferred: torch-only importers of this module never read an export
+
+        self.directory, self._open = directory, safe_open
+        self.file_of: dict[str, Path] = {}
+        for file in weight_files(directory):
+            with pinned_model_path(file) as pinned, safe_open(pinned, framework="pt") as handle:
+                self.file_of.update(dict.fromkeys(handle.keys(), file))
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self.file_of:
+            raise KeyError(name)
+        with pinned_model_path(self.file_of[name]) as pinned, self._open(pinned, framework="pt") as handle:
+            return handle.get_tensor(name)
+
+
 def export_layer_casts(directory: Path, paths: Iterable[str], on_disk_name: Callable[[str], str | None],
-                       *, input_cast: str | None, library: str = "te", pow2_scales: bool = False
-                       ) -> dict[str, LayerCast]:
+                       *, input_cast: str | None, library: str = "te", pow2_scales: bool = False,
+                       files: ExportFiles | None = None) -> dict[str, LayerCast]:
     """The Linears among ``paths`` that the export in ``directory`` stores quantized, with their weights read back.
 
     ``on_disk_name(module_path + ".weight")`` gives the source's key for a weight (exports keep the source's
     names). The weight is dequantized with :meth:`SourceQuantization.dequantize` (the references' arithmetic);
     a stored ``input_scale`` (static activation scheme) fixes the input's scale, else ``input_cast`` (a spec
-    name, the format's dynamic input cast; None: weight-only) scales per call.
+    name, the format's dynamic input cast; None: weight-only) scales per call. ``files``: the export's tensors,
+    already listed (None: listed here).
     Raises ModelConfigError when ``directory`` holds no quantized checkpoint fp8forge reads.
     """
-    from safetensors import safe_open
-
-
     scheme = source_quantization(directory)
     if scheme is None:
         raise ModelConfigError(f"{directory} declares no quantization: not a serving export", field="model")
-    file_of = {}
-    for file in weight_files(directory):
-        with pinned_model_path(file) as pinned, safe_open(pinned, framework="pt") as handle:
-            file_of.update(dict.fromkeys(handle.keys(), file))
+    files = files or ExportFiles(directory)
+    file_of, read = files.file_of, files.read
     spec = cast_spec(input_cast, library=library, pow2_scales=pow2_scales) if input_cast else None
 
-    def read(name: str) -> torch.Tensor:
-        if name not in file_of:
-            raise KeyError(name)
-        with pinned_model_path(file_of[name]) as pinned, safe_open(pinned, framework="pt") as handle:
-            return handle.get_tensor(name)
-
+    keys = {path: on_disk_name(f"{path}.weight") or f"{path}.weight" for path in paths}
+    keys = {path: key for path, key in keys.items() if scheme.is_quantized(key, file_of)}
+    # what the engine holds for each fused group (vLLM's qkv_proj, gate_up_proj): one input scale, and for
+    # per-tensor FP8 weights one weight scale, the shards' largest (converters.quality.engine_load)
+    group_of = {path: group for group in fused_groups(keys) for path in group}
     out = {}
-    for path in paths:
-        key = on_disk_name(f"{path}.weight") or f"{path}.weight"
-        if not scheme.is_quantized(key, file_of):
-            continue
-        prefix = key.removesuffix("weight")
-        input_scale = None
-        if spec is not None and spec.per_tensor and f"{prefix}input_scale" in file_of:
-            input_scale = 1.0 / float(read(f"{prefix}input_scale").float().reshape(-1)[0])
-        # dequantized in fp32 and rounded to the dtype asked for: the same bits as an fp32 read rounded after
-        out[path] = LayerCast(read_weight=lambda dtype, key=key: scheme.dequantize(key, read, dtype),
-                              input=spec, input_scale=input_scale)
+    for path, key in keys.items():
+        shards = [keys[member].removesuffix("weight") for member in group_of.get(path, [path])]
+        read_weight = lambda dtype, key=key: scheme.dequantize(key, read, dtype)  # noqa: E731 - one per Linear
+        weight_scales = [f"{shard}weight_scale" for shard in shards]
+        if len(shards) > 1 and all(name in file_of and read(name).numel() == 1 for name in weight_scales):
+            scales = [float(read(name).float().reshape(())) for name in weight_scales]
+            own = scales[shards.index(key.removesuffix("weight"))]
+            read_weight = requantizing_reader(key, read, own, max(scales))
+        input_scale = input_amax = None
+        if spec is not None and spec.per_tensor:
+            stored = _largest(read, file_of, [f"{shard}input_scale" for shard in shards])
+            input_scale = 1.0 / stored if stored is not None else None
+        elif spec is not None and spec.scale is ScaleRule.NVFP4:
+            # compressed-tensors stores the encode multiplier 448 * 6 / amax, ModelOpt the amax / (448 * 6)
+            encode = _largest(read, file_of, [f"{shard}input_global_scale" for shard in shards])
+            decode = _largest(read, file_of, [f"{shard}input_scale" for shard in shards])
+            if encode is not None:
+                input_amax = E4M3_MAX * E2M1_MAX / encode
+            elif decode is not None:
+                input_amax = decode * E4M3_MAX * E2M1_MAX
+        out[path] = LayerCast(read_weight=read_weight, input=spec, input_scale=input_scale, input_amax=input_amax)
     return out
+
+
+def _largest(read: Callable[[str], torch.Tensor], names: Mapping[str, Any], keys: list[str]) -> float | None:
+    """The largest of the stored one-number tensors ``keys`` (a fused group's shards), None when one is missing."""
+    if not all(key in names for key in keys):
+        return None
+    return max(float(read(key).float().reshape(-1)[0]) for key in keys)
 
 
 def cast_linear_weight(cast: LayerCast, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -157,15 +197,21 @@ def cast_linear_weight(cast: LayerCast, weight: torch.Tensor, dtype: torch.dtype
     return out
 
 
-def _cast_input(x: torch.Tensor, spec: CastSpec, scale: float | None) -> torch.Tensor:
-    """A call's input cast with ``spec`` (``scale``: a fixed per-tensor one; None: from the input itself) and
-    dequantized, in the input's dtype (the dtype the layer computes in)."""
+def _cast_input(x: torch.Tensor, spec: CastSpec, scale: float | None, amax: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """A call's input cast with ``spec`` (``scale``: a fixed per-tensor one; ``amax``: a fixed NVFP4 global amax;
+    None: from the input itself) and dequantized, in the input's dtype (the dtype the layer computes in)."""
     flat = x.reshape(-1, x.shape[-1])
     if per_tensor_fp8(spec) is None or flat.numel() == 0:
-        return fake_quantize(flat, spec, scale=scale).reshape(x.shape).to(x.dtype)
+        return fake_quantize(flat, spec, scale=scale, tensor_amax=amax).reshape(x.shape).to(x.dtype)
     given = torch.tensor(scale, dtype=torch.float32) if scale is not None else \
         per_tensor_scale(spec, max_abs(flat).float())
     return fake_quantize_per_tensor(flat, spec, given, x.dtype).reshape(x.shape)
+
+
+def input_amax(cast: LayerCast) -> torch.Tensor | None:
+    """``cast.input_amax`` as the fp32 tensor ``fake_quantize`` takes (None: each call's own amax)."""
+    return None if cast.input_amax is None else torch.tensor(cast.input_amax, dtype=torch.float32)
 
 
 class _CastForward:
@@ -186,7 +232,7 @@ class _CastForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         cast = self.cast
         if cast.input is not None:
-            x = _cast_input(x, cast.input, cast.input_scale)
+            x = _cast_input(x, cast.input, cast.input_scale, input_amax(cast))
         if self.weight is None:
             return nn.functional.linear(x, self.module.weight, self.module.bias)
         if self.weight.dtype != x.dtype:

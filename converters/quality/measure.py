@@ -40,9 +40,10 @@ from converters.calibration.sequential import (
 from converters.errors import ConversionCancelled, Fp8ForgeError
 from converters.model.checkpoint import Checkpoint, release, return_freed_memory, unit_keys
 from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_tokenizer, model_dtype
-from converters.quality.casts import LayerCast, cast_linear_weight, casting_linears
+from converters.quality.casts import LayerCast, cast_linear_weight, casting_linears, input_amax
 from converters.quality.figures import QualityFigures, ReferenceLogits, TokenScores
 from converters.quality.held_out import BUILT_IN_HELD_OUT, REQUEST_TEXTS, held_out_part
+from converters.quality.kv_cache import KvCast, attention_paths, quantizing_kv_cache
 
 __all__ = ["QualitySource", "QualityUnavailable", "load_source", "measure_quality", "measure_qualities",
            "DEFAULT_MAX_TOKENS", "DEFAULT_SEQ_LEN"]
@@ -97,17 +98,18 @@ def load_source(directory: Path, sources: Any = None, *, tokenizer: Any = None) 
     return QualitySource(model=model, checkpoint=checkpoint, stack=stack, tokenizer=tokenizer)
 
 
-def measure_quality(source: Path | QualitySource, layer_casts: Mapping[str, LayerCast | None],
+def measure_quality(source: Path | QualitySource, layer_casts: Mapping[str, LayerCast | KvCast | None],
                     texts: Sequence[str] | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                     seq_len: int = DEFAULT_SEQ_LEN, should_stop: Callable[[], bool] | None = None) -> QualityFigures:
-    """The FP8 model given by ``layer_casts`` (Linear path -> its cast; None or absent: high precision) against
-    its source, on ``texts`` (None: the built-in held-out part), at most ``max_tokens`` scored positions, each
-    text cut to ``seq_len`` tokens. See :func:`measure_qualities` for what it raises."""
+    """The FP8 model given by ``layer_casts`` (Linear path -> its cast; None or absent: high precision; an
+    attention module's path -> a :class:`KvCast`: its FP8 KV cache) against its source, on ``texts`` (None: the
+    built-in held-out part), at most ``max_tokens`` scored positions, each text cut to ``seq_len`` tokens. See
+    :func:`measure_qualities` for what it raises."""
     return measure_qualities(source, {"fp8": layer_casts}, texts, max_tokens=max_tokens, seq_len=seq_len,
                              should_stop=should_stop)["fp8"]
 
 
-def measure_qualities(source: Path | QualitySource, variants: Mapping[str, Mapping[str, LayerCast | None]],
+def measure_qualities(source: Path | QualitySource, variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]],
                       texts: Sequence[str] | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                       seq_len: int = DEFAULT_SEQ_LEN, should_stop: Callable[[], bool] | None = None,
                       on_layer: Callable[[int, int], None] | None = None, share_unchanged_layers: bool = True
@@ -131,10 +133,13 @@ def measure_qualities(source: Path | QualitySource, variants: Mapping[str, Mappi
     batches = _token_batches(source, list(texts) if texts is not None else held_out_part(), max_tokens, seq_len)
     model = source.model
     known = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    attention = set(attention_paths(model))
     for casts in variants.values():
-        unknown = sorted(set(casts) - known)
+        unknown = sorted(path for path, cast in casts.items()
+                         if path not in (attention if isinstance(cast, KvCast) else known))
         if unknown:
-            raise ValueError(f"layer_casts names modules that are not Linears of the model: {unknown[:5]}")
+            raise ValueError(f"layer_casts names modules that are not Linears of the model (or, for a KvCast, not "
+                             f"attention modules): {unknown[:5]}")
     # Variants with the same casts (TE delayed without calibrated amax and TE current; a recipe compared with
     # itself) run once.
     unique: dict[frozenset, str] = {}
@@ -174,7 +179,7 @@ def _token_batches(source: QualitySource, texts: list[str], max_tokens: int, seq
 
 
 def _run_layers(source: QualitySource, batches: list[dict[str, Any]],
-                variants: Mapping[str, Mapping[str, LayerCast | None]], should_stop: Callable[[], bool] | None,
+                variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]], should_stop: Callable[[], bool] | None,
                 on_layer: Callable[[int, int], None] | None, share: bool
                 ) -> tuple[dict[str | None, list[torch.Tensor]], LayerCalls]:
     """Passes 1 and 2: each stream's hidden states after the last layer (``None``: the reference's; a variant that
@@ -212,7 +217,7 @@ def _run_layers(source: QualitySource, batches: list[dict[str, Any]],
     return streams, passes
 
 
-def _first_cast_layer(stack: LayerStack, casts: Mapping[str, LayerCast | None]) -> int:
+def _first_cast_layer(stack: LayerStack, casts: Mapping[str, LayerCast | KvCast | None]) -> int:
     """The first layer where ``casts`` casts a Linear (``stack.count``: none; the head lies outside the layers)."""
     indices = [stack.index_of(path) for path, cast in casts.items() if cast is not None]
     return min((index for index in indices if index is not None), default=stack.count)
@@ -220,7 +225,7 @@ def _first_cast_layer(stack: LayerStack, casts: Mapping[str, LayerCast | None]) 
 
 def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: LayerCalls, index: int,
                layer: nn.Module, streams: dict[str | None, list[torch.Tensor]],
-               variants: Mapping[str, Mapping[str, LayerCast | None]], first_cast: Mapping[str, int]) -> None:
+               variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]], first_cast: Mapping[str, int]) -> None:
     """Every stream through layer ``index``; a variant before its first cast layer takes the reference's output.
 
     A variant's cast weights take the place of the source's in the layer (one copy of the layer's weights at a
@@ -240,7 +245,8 @@ def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, pass
                     _load_source_weights(model, checkpoint, replaced, compute)
                     replaced = []
                 casts = {} if name is None else {p: c for p, c in variants[name].items() if under(p, layer_path)}
-                with casting_linears(model, casts, in_place=True) as cast:
+                kv = {path: casts.pop(path) for path in list(casts) if isinstance(casts[path], KvCast)}
+                with casting_linears(model, casts, in_place=True) as cast, quantizing_kv_cache(model, kv):
                     replaced = list(cast.casts)
                     streams[name] = [_output(passes.call(layer, index, step, hidden), stack).to(storage)
                                      for step, hidden in enumerate(streams[name])]
@@ -269,7 +275,7 @@ def _output(output: Any, stack: LayerStack) -> torch.Tensor:
 
 def _score_heads(source: QualitySource, batches: list[dict[str, Any]],
                  streams: dict[str | None, list[torch.Tensor]], passes: LayerCalls,
-                 variants: Mapping[str, Mapping[str, LayerCast | None]]) -> dict[str, TokenScores]:
+                 variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]]) -> dict[str, TokenScores]:
     """The head pass: each stream through the final norm (the model's own forward, layers replayed), then the head.
     Streams that share their hidden states (the same list) go through the norm once."""
     model, stack, checkpoint = source.model, source.stack, source.checkpoint
@@ -309,7 +315,7 @@ def _score_heads(source: QualitySource, batches: list[dict[str, Any]],
 
 
 def _score(head: nn.Module, head_path: str, batches: list[dict[str, Any]], finals: dict[str | None, list[torch.Tensor]],
-           variants: Mapping[str, Mapping[str, LayerCast | None]]) -> dict[str, TokenScores]:
+           variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]]) -> dict[str, TokenScores]:
     weight = head.weight.detach()
     bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
     head_casts = {name: casts.get(head_path) for name, casts in variants.items()}
@@ -354,7 +360,7 @@ def _head_input(hidden: list[torch.Tensor], batches: list[dict[str, Any]], cast:
     for states, batch in zip(hidden, batches, strict=True):
         x = states.float()
         if cast is not None and cast.input is not None:
-            x = fake_quantize(x, cast.input, scale=cast.input_scale)
+            x = fake_quantize(x, cast.input, scale=cast.input_scale, tensor_amax=input_amax(cast))
         parts.append(x[: batch["input_ids"].shape[1] - 1])
     return torch.cat(parts)
 
