@@ -12,23 +12,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import multiprocessing
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from converters.artifact.files import copy_side_files, write_json, write_manifest
-from converters.artifact.layout import MANIFEST_NAME, staging_dir_for
+from converters.artifact.layout import staging_dir_for
 from converters.errors import ConversionError, Fp8ForgeError, RequestError
 from converters.model.checkpoint import weight_files
-from converters.model.files import INDEX_NAME, FileConfinement, check_model_directory, read_model_text
+from converters.model.files import FileConfinement, check_model_directory
 from converters.model.limits import read_config_json
 from converters.modelfree.eligibility import ModelFreeOptions, decide
 from converters.modelfree.source import SourceView, source_view
@@ -46,6 +44,7 @@ from converters.modelfree.tasks import (
 )
 from converters.pipeline.progress import Unit
 from converters.pipeline.state import NullSink, ProgressSink, Stage
+from converters.rewrite import REMOVE, finish_checkpoint
 from converters.serving.plan import ServingPlan
 
 __all__ = ["REPORT_NAME", "check_plan", "convert_model_free", "finish", "plan_model_free", "serving_plan",
@@ -289,22 +288,10 @@ def finish(source_dir: Path, staging: Path, report: dict[str, Any], results: lis
     entry, one that is there is not hashed again. Returns the manifest's entries.
     """
     fmt = model_free_target(report["format"])
-    if (source_dir / INDEX_NAME).is_file():
-        weight_map = {name: result.shard for result in results for name in result.tensors}
-        write_json(staging / INDEX_NAME, {"metadata": {"total_size": sum(result.bytes for result in results)},
-                                          "weight_map": weight_map})
-    config = json.loads(read_model_text(source_dir / "config.json", confinement))
     plan = serving_plan(report)
     quantization_config = fmt.quantization_config(plan)
-    if quantization_config is None:
-        config.pop("quantization_config", None)
-    else:
-        config["quantization_config"] = quantization_config
-    write_json(staging / "config.json", config)
-    copy_side_files(source_dir, staging, confinement)
     side_files = getattr(fmt, "side_files", None)
-    for name, content in (side_files(plan) if side_files is not None else {}).items():
-        write_json(staging / name, content)
+    json_files = dict(side_files(plan)) if side_files is not None else {}
     kept: dict[str, dict[str, str]] = {}
     for layer in report["layers"]:
         if not layer["eligible"]:
@@ -312,13 +299,9 @@ def finish(source_dir: Path, staging: Path, report: dict[str, Any], results: lis
     report["per_shard"] = {result.shard: {"converted": result.converted, "kept": kept.get(result.shard, {}),
                                           "bytes": result.bytes} for result in results}
     report["layer_stats"] = {name: stats for result in results for name, stats in result.layer_stats.items()}
-    write_json(staging / REPORT_NAME, report)
-    entries = {entry["name"]: entry for entry in shard_files}
-    local = write_manifest(staging, {name: entry["sha256"] for name, entry in entries.items()})
-    elsewhere = [entry for name, entry in entries.items() if not (staging / name).is_file()]
-    if not elsewhere:
-        return local
-    files = sorted([*local, *elsewhere], key=lambda entry: PurePosixPath(entry["name"]).parts)
-    write_json(staging / MANIFEST_NAME, {"version": 1, "files": files})
-    return files
+    json_files[REPORT_NAME] = report
+    hashed = [result.file for result in results if result.file]
+    return finish_checkpoint(source_dir, staging, results, confinement=confinement, json_files=json_files,
+                             quantization_config=REMOVE if quantization_config is None else quantization_config,
+                             manifest=True, shard_files=[*hashed, *shard_files])
 

@@ -20,7 +20,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from converters.artifact.layout import sha256_file
 from converters.model.files import FileConfinement
 from converters.modelfree.driver import _plan, check_plan, finish, shard_tasks, with_weight_amax
 from converters.modelfree.eligibility import ModelFreeOptions
@@ -69,10 +68,7 @@ def run_stored_task(kind: str, payload: dict[str, Any], inputs: dict[str, Any], 
                                   inputs.get("quantized", {}))
         task = with_weight_amax(WriteTask.from_dict({**payload, "source_dir": str(source_dir),
                                                      "out_dir": str(out_dir)}), amax)
-        result = write_shard(task).to_dict()
-        path = out_dir / task.shard
-        result["file"] = {"name": task.shard, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-        return result
+        return write_shard(task).to_dict()  # its "file": the manifest's entry of the shard, hashed as it was written
     if kind == "finish":
         return _finish_task(source_dir, out_dir, inputs, confinement)
     raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(PHASES)}")
@@ -102,8 +98,8 @@ def _finish_task(source_dir: Path, out_dir: Path, inputs: dict[str, Any], confin
     What a killed writer left in ``out_dir`` (a temporary file, a shard no task wrote) is removed first, so the
     directory then holds exactly what the manifest lists.
     """
-    results = [WriteResult.from_dict({k: v for k, v in result.items() if k != "file"}) for result in inputs["writes"]]
-    shard_files = [result["file"] for result in inputs["writes"]]
+    results = [WriteResult.from_dict(result) for result in inputs["writes"]]
+    shard_files = [result.file for result in results]
     out_dir.mkdir(parents=True, exist_ok=True)
     wanted = {entry["name"]: entry["bytes"] for entry in shard_files}
     for path in out_dir.iterdir():

@@ -9,6 +9,7 @@ groups' shared weight amax) are made between the phases from the tasks' results
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -19,9 +20,11 @@ import torch
 
 from converters.errors import ModelConfigError
 from converters.model.finite import check_converted
-from converters.model.safetensors_stream import StreamingWriter, read_tensor_index
+from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor_index
 from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
+from converters.rewrite import Compute, Copy, planned_bytes
+from converters.rewrite import write_shard as rewrite_shard
 from converters.serving.plan import layer_stats
 
 __all__ = ["AmaxResult", "AmaxTask", "WriteResult", "WriteTask", "inventory_shard", "planned_shard_bytes",
@@ -85,6 +88,7 @@ class WriteResult(_Wire):
     bytes: int  #: the tensors' bytes (the index's total_size counts these)
     converted: list[str]
     layer_stats: dict[str, dict[str, Any]]
+    file: dict[str, Any] = field(default_factory=dict)  #: the manifest's entry of the file (name, bytes, sha256)
 
 
 def inventory_shard(source_dir: str, shard: str) -> list[list[Any]]:
@@ -120,67 +124,65 @@ def write_shard(task: WriteTask) -> WriteResult:
     """Write ``task.shard`` of the converted checkpoint into ``task.out_dir`` (via a temporary name).
 
     A weight the source stores quantized is dequantized to ``task.scale_dtype`` first; one that is not converted is
-    written in that dtype (the target keeps it in high precision).
+    written in that dtype (the target keeps it in high precision). Every other tensor is copied as its bytes.
     """
-    fmt = model_free_target(task.target)
-    scale_dtype = getattr(torch, task.scale_dtype)
-    reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
     tensors, metadata = read_tensor_index(Path(task.source_dir) / task.shard)
-    key_of = {stored: key for key, stored in task.stored.items()}
-    convert, drop = set(task.convert), set(task.drop)
-    missing = sorted({*task.stored.values(), *drop, *(set(convert) - set(task.stored))} - set(tensors))
-    if missing:
-        raise ValueError(f"{task.shard}: the task names tensors the shard does not hold: {missing[:3]}")
-    entries = _planned_entries(task, reader, tensors)
-    stats = {}
-    with StreamingWriter(Path(task.out_dir) / task.shard, entries, metadata) as writer:
-        for name, tensor in tensors.items():
-            key = key_of.get(name, name)
-            if name in drop:
-                continue
-            if key not in convert:
-                writer.write(key, reader.weight(key, name, scale_dtype) if name in key_of else tensor)
-                continue
-            weight = reader.weight(key, task.stored.get(key), scale_dtype)
-            amax = task.weight_amax.get(key)
-            options = {"weight_amax": amax} if getattr(fmt, "needs_weight_amax", False) else {}
-            replacement = fmt.quantize(weight, None, scale_dtype, **options)
-            planned = dict(zip(fmt.planned_tensors(key, _Shaped(tuple(weight.shape)), scale_dtype), replacement,
-                               strict=True))
-            check_converted(key, weight, planned, fmt.name, check_weight=key not in task.stored)
-            for name_out, value in planned.items():
-                writer.write(name_out, value)
-            stats[key.removesuffix(".weight")] = layer_stats(fmt, weight, replacement, amax)
-    logger.info("%s: %d weights converted", task.shard, len(convert))
-    return WriteResult(shard=task.shard, tensors=list(entries), bytes=sum(writer.planned[n].nbytes for n in entries),
-                       converted=sorted(convert), layer_stats=stats)
+    written = rewrite_shard(Path(task.out_dir) / task.shard, _steps(task, tensors), metadata)
+    stats = dict(note for note in written.notes if note is not None)
+    logger.info("%s: %d weights converted", task.shard, len(task.convert))
+    return WriteResult(shard=task.shard, tensors=written.tensors, bytes=written.bytes, converted=sorted(task.convert),
+                       layer_stats=stats, file=written.file_entry())
 
 
 def planned_shard_bytes(task: WriteTask) -> int:
     """The tensor bytes :func:`write_shard` writes for ``task`` (what its result's ``bytes`` will say), from the
     shard's header alone: what a job's progress counts its written bytes against."""
-    reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
     tensors, _ = read_tensor_index(Path(task.source_dir) / task.shard)
-    return sum(entry.nbytes for entry in _planned_entries(task, reader, tensors).values())
+    return planned_bytes(_steps(task, tensors))
 
 
-def _planned_entries(task: WriteTask, reader: ShardReader, tensors: dict[str, Any]) -> dict[str, Any]:
-    """The output shard's tensors in file order: name -> planned entry (converted or dequantized) or source
-    tensor (copied as bytes)."""
+def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Compute]:
+    """The output shard's tensors in file order: each converted weight (or a dequantized one kept in high
+    precision) computed, every other tensor copied as bytes, the companions in ``drop`` left out.
+
+    Raises:
+        ValueError: the task names tensors the shard does not hold.
+    """
     fmt, scale_dtype = model_free_target(task.target), getattr(torch, task.scale_dtype)
+    reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
     key_of = {stored: key for key, stored in task.stored.items()}
     convert, drop = set(task.convert), set(task.drop)
-    entries: dict[str, Any] = {}
+    missing = sorted({*task.stored.values(), *drop, *(convert - set(task.stored))} - set(tensors))
+    if missing:
+        raise ValueError(f"{task.shard}: the task names tensors the shard does not hold: {missing[:3]}")
+    steps: list[Copy | Compute] = []
     for name, tensor in tensors.items():
         key = key_of.get(name, name)
-        shape = reader.stored_shape(key, name) if name in key_of else tensor.shape
+        if name in drop:
+            continue
+        read = functools.partial(reader.weight, key, name if name in key_of else None, scale_dtype)
         if key in convert:
-            entries.update(fmt.planned_tensors(key, _Shaped(shape), scale_dtype))
+            shape = reader.stored_shape(key, name) if name in key_of else tensor.shape
+            outputs = fmt.planned_tensors(key, _Shaped(tuple(shape)), scale_dtype)
+            quantize = functools.partial(_quantize, fmt, key, outputs, task.weight_amax.get(key), scale_dtype,
+                                         key not in task.stored)
+            steps.append(Compute(outputs=outputs, read=read, convert=quantize))
         elif name in key_of:
-            entries[key] = StreamingWriter.entry(scale_dtype, shape)
-        elif name not in drop:
-            entries[name] = tensor
-    return entries
+            shape = reader.stored_shape(key, name)
+            steps.append(Compute(outputs={key: StreamingWriter.entry(scale_dtype, shape)}, read=read,
+                                 convert=lambda weight: ([weight], None)))
+        else:
+            steps.append(Copy(name, tensor))
+    return steps
+
+
+def _quantize(fmt: Any, key: str, outputs: dict[str, Any], amax: float | None, scale_dtype: torch.dtype,
+              check_weight: bool, weight: torch.Tensor) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]]]:
+    """One weight quantized to ``fmt``, checked finite; the note is its layer's figures for the report."""
+    options = {"weight_amax": amax} if getattr(fmt, "needs_weight_amax", False) else {}
+    replacement = fmt.quantize(weight, None, scale_dtype, **options)
+    check_converted(key, weight, dict(zip(outputs, replacement, strict=True)), fmt.name, check_weight=check_weight)
+    return replacement, (key.removesuffix(".weight"), layer_stats(fmt, weight, replacement, amax))
 
 
 @dataclass(frozen=True)
