@@ -167,3 +167,30 @@ def test_cancel_through_the_api_of_a_running_job_ends_its_slurm_job(slurm: Slurm
                  what=f"Slurm job {slurm_id} to end: {slurm.job_states(slurm_id)}")
         assert not [j for j in slurm.run("squeue", "--noheader", "--format=%i").split() if j == slurm_id]
         assert leftovers(tmp_path / "data" / "jobs") == []
+
+
+def test_a_job_that_outlives_its_slurm_time_limit_goes_back_to_the_queue_and_is_submitted_again(
+        slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
+    """Slurm's own time limit (one minute, the shortest it has) ends the first allocation: its rank hands the attempt
+    back without using it up, and the dispatcher submits the job again; the new allocation claims it."""
+    # the four-layer, 256-wide model over the most tokens a job may calibrate on: minutes on one thread here
+    long_calibration = {**_calibrated(models), "model": str(models / "sharded"),
+                        "calibration": {"steps": 1024, "batch_size": 1, "seq_len": 512}}
+    with serving(slurm, tmp_path, models, FP8FORGE_SLURM_TIME_LIMIT="1") as client:
+        job_id = _submit(client, long_calibration)
+        [first] = wait_for(lambda: _slurm_ids(client, job_id), timeout=30, what="the submission")
+        wait_for(lambda: slurm.job_states(first)[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
+                 timeout=300, what=f"Slurm's time limit to end job {first}", interval=1)
+        assert slurm.job_states(first) == ["TIMEOUT"], _tail(client)
+        second = wait_for(lambda: _slurm_ids(client, job_id)[1:], timeout=60, what="the job submitted again")
+        claims = lambda: [e["data"] for e in _events(client, job_id)  # noqa: E731
+                          if e["kind"] == "status" and e["data"]["status"] == "running"]
+        wait_for(lambda: len(claims()) == 2, timeout=120, what="the second allocation to claim the job")
+        handed_back = [e["data"] for e in _events(client, job_id)
+                       if e["kind"] == "status" and e["data"]["status"] == "queued" and "reason" in e["data"]]
+        assert [event["reason"] for event in handed_back] == ["worker_shutdown"], handed_back
+        assert [claim["attempt"] for claim in claims()] == [1, 1]  # the time limit used up no attempt
+        assert client.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
+        assert wait_for(lambda: _finished(client, job_id), timeout=60, what="the cancel")["status"] == "cancelled"
+        wait_for(lambda: slurm.job_states(second[0])[0] in ("COMPLETED", "CANCELLED"), timeout=60,
+                 what=f"Slurm job {second[0]} to end")
