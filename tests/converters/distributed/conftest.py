@@ -1,0 +1,93 @@
+"""A four-layer tiny random Llama, a calibrated request for it, and a launcher that starts N ranks as torchrun and
+Slurm's srun do (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in each rank's environment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.service_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+LAYERS = 4
+
+
+@dataclass
+class Ranks:
+    processes: list[subprocess.Popen]
+    logs: list[Path]
+
+    def wait(self, timeout: float = 240) -> list[int]:
+        return [process.wait(timeout=timeout) for process in self.processes]
+
+    def log(self, rank: int) -> str:
+        return self.logs[rank].read_text(encoding="utf-8", errors="replace")
+
+
+@dataclass
+class Job:
+    root: Path
+    request: Path
+
+    def start(self, world_size: int, out: Path, *, script: list[str] | None = None,
+              extra_env: dict[str, str] | None = None) -> Ranks:
+        """``world_size`` ranks of the job writing ``out``, each with one intra-op thread (so that no rank count
+        changes a kernel's threading)."""
+        port = str(free_port())
+        processes, logs = [], []
+        for rank in range(world_size):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+                   "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})}
+            log = out.parent / f"{out.name}.rank{rank}.log"
+            command = [sys.executable, *(script or ["-m", "converters.distributed"]), "--request", str(self.request),
+                       "--out", str(out), "--allow-root", str(self.root)]
+            with open(log, "wb") as handle:
+                processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle,
+                                                  stderr=subprocess.STDOUT))
+            logs.append(log)
+        return Ranks(processes, logs)
+
+
+@pytest.fixture(scope="package")
+def job(tmp_path_factory) -> Job:
+    """The request every test of the package converts: TE delayed scaling (scales and amax history from the
+    per-step amax), the SQNR meter on, and a compressed-tensors serving export."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
+    from tests.models import tiny_config
+
+    root = tmp_path_factory.mktemp("distributed")
+    config = tiny_config("llama")
+    config.num_hidden_layers = LAYERS
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "llama4")
+    request = ConversionRequest(model=str(root / "llama4"), recipe={"backend": "te"},
+                                calibration=CalibrationSettings(steps=6, batch_size=2, seq_len=16),
+                                serving_formats=("compressed-tensors-fp8",))
+    path = root / "request.json"
+    path.write_text(json.dumps(request.to_dict()), encoding="utf-8")
+    return Job(root=root, request=path)
+
+
+@pytest.fixture(scope="package")
+def one_rank(job) -> Path:
+    """The job run the ordinary way: one process, no rank variables, no resume record (run_conversion itself)."""
+    out = job.root / "one-rank"
+    code = ("import json, sys; from pathlib import Path; from converters.model.sources import ModelSourceOptions; "
+            "from converters.pipeline.driver import run_conversion; "
+            "from converters.pipeline.request import ConversionRequest; "
+            "request = ConversionRequest.from_dict(json.loads(Path(sys.argv[1]).read_text())); "
+            "run_conversion(request, Path(sys.argv[2]), ModelSourceOptions(allowed_roots=(Path(sys.argv[3]),)))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", code, str(job.request), str(out), str(job.root)], cwd=ROOT, env=env,
+                   check=True, timeout=240)
+    return out
