@@ -250,8 +250,11 @@ def format_quality(report: dict[str, Any]) -> str:
         return f"end-to-end quality not measured: {quality['reason']}"
     rows = [["", "perplexity", "kl_mean", "kl_max", "top1_agreement"],
             ["source", f"{quality['reference']['perplexity']:.3f}", "", "", ""]]
-    for name, figures in [("training (emulated)", quality["training"]),
-                          *((f"serving/{name}", figures) for name, figures in quality["serving"].items())]:
+    serving = [(f"serving/{name}", figures) for name, figures in quality["serving"].items()]
+    # an export with an FP8 KV cache: its figures without it too, the FP8 KV cache's own cost
+    serving = [row for name, figures in serving for row in [(name, figures)] + (
+        [(f"{name} without FP8 KV", figures["kv_cache"]["without_fp8_kv"])] if "kv_cache" in figures else [])]
+    for name, figures in [("training (emulated)", quality["training"]), *serving]:
         rows.append([name, f"{figures['perplexity']:.3f}", f"{figures['kl_mean']:.4g}", f"{figures['kl_max']:.4g}",
                      f"{figures['top1_agreement']:.3f}"])
     held = quality["held_out"]
