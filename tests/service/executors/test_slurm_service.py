@@ -42,6 +42,8 @@ def serving(slurm: SlurmCluster, tmp_path: Path, models: Path, **settings: str) 
            "FP8FORGE_POLL_INTERVAL_S": "0.3", "FP8FORGE_CONVERSION_THREADS": "1", **settings}
     with ServeProcess(tmp_path / "data", workers=1, env=env) as server, server.client() as client:
         client.server = server  # type: ignore[attr-defined]  # its log, for the failure messages
+        client.store_url = env.get(  # type: ignore[attr-defined]
+            "FP8FORGE_DATABASE_URL", f"sqlite:///{tmp_path / 'data' / 'fp8forge.db'}")
         yield client
 
 
@@ -64,7 +66,7 @@ def _finished(client: httpx.Client, job_id: str) -> dict | None:
 
 def _events(client: httpx.Client, job_id: str) -> list[dict]:
     """The job's events as the store holds them (the API streams them; these tests look while the job runs)."""
-    store = JobStore(f"sqlite:///{client.server.data_dir / 'fp8forge.db'}")  # type: ignore[attr-defined]
+    store = JobStore(client.store_url)  # type: ignore[attr-defined]
     try:
         return [{"kind": e.kind, "data": e.data} for e in store.events.after(job_id, limit=100_000)]
     finally:
@@ -194,3 +196,35 @@ def test_a_job_that_outlives_its_slurm_time_limit_goes_back_to_the_queue_and_is_
         assert wait_for(lambda: _finished(client, job_id), timeout=60, what="the cancel")["status"] == "cancelled"
         wait_for(lambda: slurm.job_states(second[0])[0] in ("COMPLETED", "CANCELLED"), timeout=60,
                  what=f"Slurm job {second[0]} to end")
+
+
+@pytest.mark.postgres
+def test_both_kinds_of_job_on_postgresql_and_the_object_store(slurm: SlurmCluster, tmp_path: Path,
+                                                              models: Path) -> None:
+    """The deployment docs/deployment.md describes: the ranks and array tasks reach the store and the bucket
+    themselves (no shared data dir), and the API serves what they published."""
+    from converters.modelfree import convert_model_free
+    from tests.object_store_server import AWS_ENV, bucket_keys, moto_server, new_bucket
+    from tests.service.workers.test_multi_host import fresh_database
+
+    convert_model_free(models / "sharded", tmp_path / "local", "fp8-block")
+    expected = {path.name: path.read_bytes() for path in (tmp_path / "local").iterdir()}
+    with fresh_database() as db_url, moto_server(tmp_path / "moto.log") as moto:
+        bucket = new_bucket(moto)
+        settings = {**AWS_ENV, "FP8FORGE_DATABASE_URL": db_url, "FP8FORGE_ARTIFACT_STORE": "s3",
+                    "FP8FORGE_S3_BUCKET": bucket, "FP8FORGE_S3_ENDPOINT_URL": moto.endpoint,
+                    "FP8FORGE_S3_PREFIX": "fp8forge", "FP8FORGE_SLURM_ARRAY_TASKS": "2"}
+        with serving(slurm, tmp_path, models, **settings) as client:
+            calibrated = _submit(client, _calibrated(models))
+            requantize = _submit(client, {"model": str(models / "sharded"), "requantize": {"to": "fp8-block"}})
+            for job_id in (calibrated, requantize):
+                done = wait_for(lambda job_id=job_id: _finished(client, job_id), timeout=400, what="the jobs")
+                assert done["status"] == "succeeded", (done, _tail(client))
+                assert len(_slurm_ids(client, job_id)) == 1
+            listing = client.get(f"/v1/jobs/{requantize}/artifacts").json()["data"]
+            published = {entry["name"]: client.get(entry["url"]).content for entry in listing}
+            assert published == expected
+            served = [e["name"] for e in client.get(f"/v1/jobs/{calibrated}/artifacts").json()["data"]]
+            keys = bucket_keys(moto, bucket)
+            assert {f"fp8forge/jobs/{calibrated}/a1/{name}" for name in served} <= set(keys), keys[:10]
+            assert {f"fp8forge/jobs/{requantize}/a1/{name}" for name in expected} <= set(keys), keys[:10]
