@@ -11,8 +11,6 @@ output head (``lm_head`` is not stored); the worker's analysis checks those.
 
 from __future__ import annotations
 
-import difflib
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,14 +20,10 @@ from converters.errors import ModelNotFoundError
 from converters.model.demo import DEMO_MODEL_REF
 from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, model_file_reader
 from converters.model.limits import read_config_file, read_index_file, read_safetensors_header
-from converters.model.sources import ModelReference, confinement_for, parse_model_reference, validate_model_reference
+from converters.model.presence import check_local_model_present
+from converters.model.sources import confinement_for, parse_model_reference, validate_model_reference
 
-__all__ = ["check_include_on_disk", "check_local_model", "check_local_model_present", "local_checkpoint_dir",
-           "stored_module_paths"]
-
-#: How many entries of a missing model's parent directory are compared with its name for a "did you mean": a
-#: client's typo must not make the check list a directory of a million files.
-_NEAR_NAME_SCAN = 2000
+__all__ = ["check_include_on_disk", "check_local_model", "local_checkpoint_dir", "stored_module_paths"]
 
 #: config.json keys that declare experts (Mixtral, Qwen-MoE, DeepSeek, gpt-oss, ...)
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -63,7 +57,8 @@ def check_local_model(ref: str, sources: Any, include: Iterable[str] = ()) -> No
     """
     validate_model_reference(ref, sources)  # in this process too: its reads keep to the confinement checked here
     reference = parse_model_reference(ref, sources)
-    check_local_model_present(reference, sources)
+    if reference.kind == "local" and reference.path is not None:  # a typo is a 422 now, not a failed job later
+        check_local_model_present(reference.path, reference.text, confinement_for(sources))
     config = None
     if reference.kind == "local" and reference.path is not None and (reference.path / "config.json").is_file():
         config = read_config_file(reference.path / "config.json", sources.config_limits)
@@ -71,57 +66,6 @@ def check_local_model(ref: str, sources: Any, include: Iterable[str] = ()) -> No
     if directory is not None and config is None and (directory / "config.json").is_file():
         config = read_config_file(directory / "config.json", sources.config_limits)  # the demo model's
     check_include_on_disk(directory, include, config)
-
-
-def check_local_model_present(reference: ModelReference, sources: Any) -> None:
-    """Refuse a local reference that names no readable model directory, so a typo is a 422 on arrival and not a
-    job that fails in a worker seconds later. Only a reference that passed the allowed-root rules gets here: a
-    path outside them keeps that refusal, and nothing is said of what exists there.
-
-    Raises:
-        ModelNotFoundError: naming the path as the client wrote it, what is wrong with it and the fix; a typo
-            gets the nearest model directory beside it ("did you mean").
-    """
-    if reference.kind != "local" or reference.path is None:
-        return
-    path, shown = reference.path, reference.text
-    if not path.exists():
-        near = _near_model_dir(reference, sources)
-        hint = f"did you mean {near!r}? " if near else ""
-        raise ModelNotFoundError(
-            f"local model directory {shown!r} does not exist on this server; {hint}check the spelling: the path must "
-            "name a directory written by save_pretrained (with its config.json), below an allowed root",
-            field="model")
-    if not path.is_dir():
-        raise ModelNotFoundError(f"local model {shown!r} is a file, not a model directory; give the directory that "
-                                 "holds config.json and the safetensors files", field="model")
-    config = path / "config.json"
-    if not os.access(path, os.R_OK | os.X_OK) or (config.exists() and not os.access(config, os.R_OK)):
-        raise ModelNotFoundError(f"local model directory {shown!r} cannot be read by the server (permission "
-                                 "denied); make it and its files readable by the user the server runs as",
-                                 field="model")
-    if not config.is_file():
-        raise ModelNotFoundError(f"local model directory {shown!r} has no config.json; point at a Hugging Face model "
-                                 "directory (one written by save_pretrained)", field="model")
-
-
-def _near_model_dir(reference: ModelReference, sources: Any) -> str | None:
-    """The reference, in the client's spelling, with its last segment replaced by the closest name of a model
-    directory beside it, when that directory lies where this server may read models; else None."""
-    parent, name = reference.path.parent, reference.path.name
-    confinement = confinement_for(sources)
-    if not parent.is_dir() or not confinement.allows(parent):
-        return None
-    try:
-        with os.scandir(parent) as entries:
-            names = [entry.name for _, entry in zip(range(_NEAR_NAME_SCAN), entries, strict=False)]
-    except OSError:
-        return None
-    for candidate in difflib.get_close_matches(name, names, n=3, cutoff=0.75):
-        real = (parent / candidate).resolve()
-        if confinement.allows(real) and (real / "config.json").is_file():
-            return os.path.join(os.path.dirname(reference.text.rstrip("/\\")), candidate)
-    return None
 
 
 def check_include_on_disk(directory: Path | None, include: Iterable[str], config: dict[str, Any] | None) -> None:

@@ -24,6 +24,7 @@ from converters.errors import ModelNotFoundError, ModelReferenceError
 from converters.model.demo import DEMO_MODEL_REF, ensure_demo_model
 from converters.model.files import INDEX_NAME, FileConfinement, check_model_directory, staged_model_directory
 from converters.model.limits import load_checked_config
+from converters.model.presence import check_local_model_present
 from converters.third_party_noise import transformers_progress_off
 
 if TYPE_CHECKING:
@@ -233,8 +234,8 @@ def resolve_model_dir(ref: str, sources: ModelSourceOptions, *, with_weights: bo
         directory = ensure_demo_model(reference.path)
     elif reference.kind == "local":
         directory = reference.path
-        if not directory.is_dir():
-            raise ModelNotFoundError(f"local model directory {reference.text!r} does not exist")
+        if not directory.is_dir():  # missing or a file: say which, with the nearest model directory beside it
+            check_local_model_present(directory, reference.text, confinement_for(sources))
     else:
         directory = _download_hub_model(reference, sources, with_weights=with_weights)
     if reference.kind == "local":

@@ -188,7 +188,7 @@ def _child_main(conn: Connection, parent_pid: int, threads: int | None, preload:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `fp8forge serve` is the API's to handle
     if preload:  # a checks child imports neither torch nor the workers' modules: it starts in a fraction of a second
-        from service.workers.child import limit_threads, thread_budget
+        from service.workers.child import limit_threads, thread_budget  # the workers' stack: not in a checks child
 
         limit_threads(thread_budget(threads))
         # torch and transformers' model code load now, not in the first request (whose time bound they would use up)
