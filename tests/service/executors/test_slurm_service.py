@@ -228,3 +228,25 @@ def test_both_kinds_of_job_on_postgresql_and_the_object_store(slurm: SlurmCluste
             keys = bucket_keys(moto, bucket)
             assert {f"fp8forge/jobs/{calibrated}/a1/{name}" for name in served} <= set(keys), keys[:10]
             assert {f"fp8forge/jobs/{requantize}/a1/{name}" for name in expected} <= set(keys), keys[:10]
+
+
+def test_a_calibrated_job_on_two_nodes_runs_a_rank_on_each_and_rank_0_alone_records_it(
+        slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
+    """Two nodes, one rank each: rank 0 claims and publishes; rank 1 runs the same conversion entry point beside
+    it with the same rendezvous (until the child runs the data-parallel calibration, a whole conversion into its
+    scratch, which it removes) and ends with the job."""
+    with serving(slurm, tmp_path, models, FP8FORGE_SLURM_NODES="2") as client:
+        job_id = _submit(client, _calibrated(models))
+        done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
+        assert done["status"] == "succeeded" and done["attempt"] == 1, (done, _tail(client))
+        [slurm_id] = _slurm_ids(client, job_id)
+        wait_for(lambda: slurm.job_states(slurm_id) == ["COMPLETED"], timeout=120,
+                 what=f"Slurm job {slurm_id} to complete: {slurm.job_states(slurm_id)}")
+        assert slurm.job_field(slurm_id, "NodeList") == "node[1-2]"
+        output = (tmp_path / "data" / "slurm" / job_id / f"slurm-{slurm_id}.out").read_text()
+        rendezvous = f"rendezvous 127.0.0.1:{20_000 + int(slurm_id) % 10_000}"
+        for rank in (0, 1):
+            assert f"rank {rank} of 2 (local rank 0), {rendezvous}" in output, output
+        claims = [e for e in _events(client, job_id) if e["kind"] == "status" and e["data"]["status"] == "running"]
+        assert len(claims) == 1  # rank 1 never claims
+        assert [p.name for p in (tmp_path / "data" / "slurm" / job_id).iterdir() if p.name.startswith("rank-")] == []
