@@ -9,7 +9,7 @@ analysis calls eligible, all in one pass on ``--tokens`` held-out positions) and
 smollm.serving_jobs) and read back from their files by each job's own quality pass (the job's 256 held-out
 positions), plus each job's training artifact; a recipe or format that converts no Linear of this model gets the
 reason code its analysis (or serving plan) gives. The jobs calibrate on ``--calib-steps`` x ``--calib-batch-size``
-windows of 128 tokens. Prints one markdown table (the one README.md and docs/quality.md show) and writes the rows
+windows of 128 tokens. Prints one markdown table (the one docs/quality.md shows) and writes the rows
 as JSON with ``--json``.
 
 ``scale``: Llama-shaped models with random bf16 weights (benchmarks/bench_scale.py's models: hidden 2048,

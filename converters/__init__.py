@@ -1,6 +1,6 @@
 """fp8forge's conversion library: analysis, recipes, calibration, conversion and export.
 
-The public API (see README "Python API")::
+The public API (see docs/cli.md, "Python API")::
 
     import converters
     report = converters.analyze("org/name", recipe={"backend": "te"})

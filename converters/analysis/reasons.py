@@ -9,7 +9,7 @@ __all__ = ["Reason"]
 
 
 class Reason(str, enum.Enum):
-    """Reason codes a layer carries when it is not eligible (stable strings, documented in README)."""
+    """Reason codes a layer carries when it is not eligible (stable strings, documented in docs/cli.md)."""
 
     DIM_NOT_DIVISIBLE = "dim_not_divisible_by_16"
     # Each recipe's own shape rule (converters.recipes.requirements: TE's block sizes and alignments)
