@@ -143,7 +143,7 @@ class SlurmDispatcher:
         script = calibrated_script(job.id, self.resources, python=self.python, settings_file=self._settings_file(),
                                    output_dir=output_dir)
         slurm_id = self.cli.submit(script)
-        self._record(job, slurm_id, output_dir / f"slurm-{slurm_id}.out", "batch job")
+        self._record(job, slurm_id, f"slurm-{slurm_id}.out", "batch job")
 
     def _submit_array(self, job: Job, *, again: bool = False) -> None:
         if again and self._gave_up(job):
@@ -152,7 +152,7 @@ class SlurmDispatcher:
         script = array_script(job.id, self.resources, python=self.python, settings_file=self._settings_file(),
                               output_dir=output_dir)
         slurm_id = self.cli.submit(script)
-        self._record(job, slurm_id, output_dir / f"slurm-{slurm_id}_*.out",
+        self._record(job, slurm_id, f"slurm-{slurm_id}_*.out",
                      f"array of {self.resources.array_tasks} tasks")
 
     def _gave_up(self, job: Job) -> bool:
@@ -168,10 +168,12 @@ class SlurmDispatcher:
             after = events[-1].seq
         if streak < _FAILED_STARTS:
             return False
-        message = (f"{streak} Slurm jobs in a row ended without this job moving on; Slurm's output ({output}) says "
-                   "why (a node without the fp8forge install at FP8FORGE_SLURM_PYTHON, or without "
-                   "FP8FORGE_SLURM_WORK_DIR mounted, or a time limit too short for one step)")
-        logger.error("job %s: %s", job.id, message)
+        # the file's name only: clients never learn the server's directories (its full path goes to the log)
+        message = (f"{streak} Slurm jobs in a row ended without this job moving on; Slurm's output ({output} in "
+                   f"FP8FORGE_SLURM_WORK_DIR/{job.id}/ on the service host) says why: a node without the fp8forge "
+                   "install at FP8FORGE_SLURM_PYTHON, or without FP8FORGE_SLURM_WORK_DIR mounted, or a time limit "
+                   "too short for one step")
+        logger.error("job %s: %s (%s)", job.id, message, self.settings.slurm_dir / job.id / output)
         if job.status is JobStatus.RUNNING:
             fail_job(self.store, self.dirs, job.id, "executor_failed", message)
             return True
@@ -185,11 +187,11 @@ class SlurmDispatcher:
                 pass
         return True
 
-    def _record(self, job: Job, slurm_id: str, output: Path, what: str) -> None:
+    def _record(self, job: Job, slurm_id: str, output: str, what: str) -> None:
         logger.info("job %s: submitted to Slurm as %s %s", job.id, what, slurm_id)
         self.store.events.add(job.id, EXECUTOR_EVENT, {
             "engine": "slurm", "slurm_job": slurm_id, "message": f"submitted to Slurm as {what} {slurm_id}",
-            "output": str(output)})
+            "output": output})  # a name in the job's directory of FP8FORGE_SLURM_WORK_DIR
 
     def _job_dir(self, job_id: str) -> Path:
         """Where Slurm writes the job's output files: Slurm does not create the directory itself."""

@@ -72,3 +72,10 @@ def _wait_done(slurm: SlurmCluster, slurm_id: str, timeout: float = 120) -> None
     while set(slurm.job_states(slurm_id)) - {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}:
         assert time.monotonic() < deadline, f"Slurm job {slurm_id} still {slurm.job_states(slurm_id)}"
         time.sleep(0.5)
+
+
+def test_a_service_host_without_slurm_clients_is_told_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch there
+    with pytest.raises(SlurmError, match=r"sbatch is not on PATH.*apt-get install slurm-client.*SLURM_CONF"):
+        SlurmCli().submit("#!/bin/bash\ntrue\n")

@@ -250,3 +250,57 @@ def test_a_calibrated_job_on_two_nodes_runs_a_rank_on_each_and_rank_0_alone_reco
         claims = [e for e in _events(client, job_id) if e["kind"] == "status" and e["data"]["status"] == "running"]
         assert len(claims) == 1  # rank 1 never claims
         assert [p.name for p in (tmp_path / "data" / "slurm" / job_id).iterdir() if p.name.startswith("rank-")] == []
+
+
+def _rank_pids(job_id: str) -> list[int]:
+    """The rank processes of the job (``python -m service.executors.slurm_rank ... JOB_ID``), not srun's."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"service.executors.slurm_rank" in argv and job_id.encode() in argv and b"srun" not in argv[0]:
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+def test_kill_9_of_a_rank_ends_its_allocation_and_the_job_runs_again_in_a_new_one(
+        slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
+    import os
+    import signal
+
+    with serving(slurm, tmp_path, models) as client:
+        job_id = _submit(client, _calibrated(models, steps=200))
+        wait_for(lambda: any(e["kind"] == "stage" for e in _events(client, job_id)), timeout=180,
+                 what="the rank to start the conversion")
+        [first] = _slurm_ids(client, job_id)
+        [rank] = _rank_pids(job_id)
+        os.kill(rank, signal.SIGKILL)
+        wait_for(lambda: slurm.job_states(first)[0] not in ("RUNNING", "COMPLETING"), timeout=60,
+                 what=f"srun to end Slurm job {first}")
+        assert slurm.job_states(first) == ["FAILED"]
+        done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
+        assert done["status"] == "succeeded" and done["attempt"] == 2, (done, _tail(client))
+        [second] = _slurm_ids(client, job_id)[1:]
+        reasons = [e["data"].get("reason") for e in _events(client, job_id)
+                   if e["kind"] == "status" and e["data"]["status"] == "queued"]
+        assert reasons == [None, "worker_lost"]  # submitted, then handed back by the reaper once
+        wait_for(lambda: slurm.job_states(second) == ["COMPLETED"], timeout=60, what=f"Slurm job {second}")
+        assert leftovers(tmp_path / "data" / "jobs") == []
+
+
+def test_a_node_that_cannot_start_the_rank_fails_the_job_after_three_slurm_jobs_naming_their_output(
+        slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
+    with serving(slurm, tmp_path, models, FP8FORGE_SLURM_PYTHON="/opt/no-such-fp8forge/bin/python") as client:
+        job_id = _submit(client, _calibrated(models))
+        done = wait_for(lambda: _finished(client, job_id), timeout=120, what="the job to fail")
+        assert done["status"] == "failed" and done["error"]["code"] == "executor_failed", done
+        slurm_ids = _slurm_ids(client, job_id)
+        assert len(slurm_ids) == 3 and all(slurm.job_states(i) == ["FAILED"] for i in slurm_ids)
+        message = done["error"]["message"]
+        assert "3 Slurm jobs in a row" in message and "FP8FORGE_SLURM_PYTHON" in message, message
+        assert str(tmp_path) not in message  # the server's directories stay out of what clients read
+        output = tmp_path / "data" / "slurm" / job_id / f"slurm-{slurm_ids[-1]}.out"
+        assert f"slurm-{slurm_ids[-1]}.out in FP8FORGE_SLURM_WORK_DIR/{job_id}/" in message, message
+        assert "/opt/no-such-fp8forge/bin/python" in output.read_text()
