@@ -27,6 +27,7 @@ from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransitio
 from service.jobs import Job, JobStatus, Stage, public_worker_name, transition
 from service.store.events import EventLog
 from service.store.host_faults import HostFault, avoided_by, charge, live_hosts, public_host_name
+from service.store.migrations import version_table
 from service.store.probe import Probe
 from service.store.schema import (
     ACTIVE_STATUSES,
@@ -70,7 +71,8 @@ class JobStore:
     def __init__(self, url: str, *, table_prefix: str = "", timeouts: StoreTimeouts | None = None) -> None:
         self.engine = make_engine(url, timeouts)
         self.tables = tables(table_prefix)
-        create_schema(self.engine, self.tables)
+        create_schema(self.engine, self.tables, table_prefix)
+        self._prefix = table_prefix
         self._jobs = self.tables.jobs
         # built once: a status poll runs it on every request, and building the SELECT is a good part of its cost
         self._by_id = sa.select(self._jobs).where(self._jobs.c.id == sa.bindparam("job_id"))
@@ -99,6 +101,8 @@ class JobStore:
     def drop_all(self) -> None:
         """Drop this store's tables (tests use it to clean up their own prefix)."""
         self.tables.metadata.drop_all(self.engine)
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(f'DROP TABLE IF EXISTS "{version_table(self._prefix)}"'))
         self.engine.dispose()
 
     def readiness(self, *, within_s: float, worker_timeout_s: float) -> int | None:

@@ -14,9 +14,10 @@ from sqlalchemy.engine import Engine, make_url
 
 from service.config import make_private_dir, make_private_file
 from service.jobs import JobStatus
+from service.store.migrations import upgrade_schema
 
 __all__ = [
-    "ACTIVE_STATUSES", "StoreTimeouts", "Tables", "add_missing_columns", "brief", "create_schema", "db_now",
+    "ACTIVE_STATUSES", "StoreTimeouts", "Tables", "brief", "create_schema", "db_now",
     "lock_refused", "make_engine", "tables",
 ]
 
@@ -127,46 +128,26 @@ def _host_fault_columns() -> list[sa.Column]:
             sa.Column("retry_after", sa.Double)]
 
 
-_HOST_FAULT_DDL = (("failed_hosts", "TEXT", False), ("host_faults", "INTEGER NOT NULL DEFAULT 0", False),
-                   ("retry_after", "DOUBLE PRECISION", False))
-# Columns added after the first release, with their DDL type and whether they are indexed: ``add_missing_columns``
-# adds them to an older database in place (create_all creates missing tables, never missing columns).
-_ADDED_COLUMNS = {"jobs": (("owner", "VARCHAR(64)", True), *_HOST_FAULT_DDL, ("host", "VARCHAR(255)", False)),
-                  "tasks": _HOST_FAULT_DDL, "workers": (("host", "VARCHAR(255)", False),)}
-
-
-def create_schema(engine: Engine, t: Tables) -> None:
-    """Create the tables that are missing and add the columns that are (idempotent).
+def create_schema(engine: Engine, t: Tables, prefix: str) -> None:
+    """Bring the database to the newest schema (service.store.migrations; idempotent).
 
     On PostgreSQL this runs in one transaction under an advisory lock named after the tables: processes that
     start at once against a fresh database (an API, its workers) take turns, where each would otherwise see the
-    tables missing and all but one would crash creating them.
+    tables missing and all but one would crash creating them. SQLite has no such lock and its driver runs DDL
+    outside the transaction: a start that loses the race to another (a table or version row already there) runs
+    the upgrade again and finds nothing left to do.
     """
-    with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtext(f"fp8forge-schema:{t.jobs.name}"))))
-        t.metadata.create_all(conn)
-        add_missing_columns(conn, t)
-
-
-def add_missing_columns(conn: sa.Connection, t: Tables) -> None:
-    """Bring tables created by an earlier version up to date (idempotent; safe with concurrent starts)."""
-    inspector = sa.inspect(conn)
-    for short, columns in _ADDED_COLUMNS.items():
-        table: sa.Table = getattr(t, short)
-        present = {c["name"] for c in inspector.get_columns(table.name)}
-        for name, ddl, indexed in columns:
-            if name in present:
-                continue
-            try:
-                conn.execute(sa.text(f'ALTER TABLE "{table.name}" ADD COLUMN "{name}" {ddl}'))
-            except sa.exc.DBAPIError:  # SQLite (no schema lock): another process added it first
-                if name not in {c["name"] for c in sa.inspect(conn).get_columns(table.name)}:
-                    raise
-            if not indexed:
-                continue
-            index = f'"ix_{table.name}_{name}" ON "{table.name}" ("{name}")'
-            conn.execute(sa.text(f"CREATE INDEX IF NOT EXISTS {index}"))
+    for attempt in range(3):
+        try:
+            with engine.begin() as conn:
+                if engine.dialect.name == "postgresql":
+                    lock = sa.func.hashtext(f"fp8forge-schema:{t.jobs.name}")
+                    conn.execute(sa.select(sa.func.pg_advisory_xact_lock(lock)))
+                upgrade_schema(conn, prefix)
+            return
+        except sa.exc.DBAPIError:
+            if engine.dialect.name != "sqlite" or attempt == 2:
+                raise
 
 
 def db_now(engine: Engine) -> sa.ColumnElement[float]:

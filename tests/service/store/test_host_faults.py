@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
 from service.jobs import JobStatus, TaskStatus
 from service.store import JobStore
@@ -117,25 +116,3 @@ def test_a_job_of_a_lost_worker_is_retried_on_another_host(kind: str, tmp_path: 
         assert requeued["reason"] == "worker_lost" and requeued["host"] == public_host_name("lost")
         retried = store.claim_next("other", host="other")
         assert retried.id == job.id and (retried.attempt, retried.max_attempts) == (2, 2)
-
-
-def test_an_older_database_gains_the_host_fault_columns(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'old.db'}"
-    store = JobStore(url)
-    with store.engine.begin() as conn:  # as the previous release created them
-        for table, column in (("jobs", "failed_hosts"), ("jobs", "host_faults"), ("jobs", "retry_after"),
-                              ("jobs", "host"), ("job_tasks", "failed_hosts"), ("job_tasks", "host_faults"),
-                              ("job_tasks", "retry_after"), ("workers", "host")):
-            conn.execute(sa.text(f'ALTER TABLE "{table}" DROP COLUMN "{column}"'))
-    store.close()
-    store = JobStore(url)
-    try:
-        _live(store, "full", "roomy")
-        job, _ = store.create_job({"model": "org/a"}, request_hash="h")
-        store.claim_next("worker-on-full", host="full", live_within_s=LIVE_S)
-        fault = store.host_fault(job.id)
-        store.set_status(job.id, JobStatus.QUEUED, owner="worker-on-full", worker_id=None, **fault.values)
-        assert store.claim_next("worker-on-full", host="full", live_within_s=LIVE_S) is None
-        assert store.claim_next("worker-on-roomy", host="roomy", live_within_s=LIVE_S).id == job.id
-    finally:
-        store.close()

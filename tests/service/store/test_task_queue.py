@@ -51,7 +51,11 @@ def test_phases_gate_claims_and_progress_counts_shards(kind: str, tmp_path: Path
         finish = store.tasks.claim("w3", "host-c")
         assert finish is not None and finish.kind == "finish"
         progress = [e.data for e in store.events.after(job_id) if e.kind == "progress"]
-        assert [(p["shards_done"], p["shards_total"]) for p in progress] == [(0, 2), (1, 2), (2, 2)]
+        convert = [(p["shards_done"], p["shards_total"]) for p in progress if p["stage"] == Stage.CONVERT.value]
+        assert convert == [(0, 2), (1, 2), (2, 2)]
+        # every progress event of a split job says where its shards stand, the plan's end and the finish's too
+        assert [p["stage"] for p in progress] == ["analyze", "convert", "convert", "convert", "export"]
+        assert {p["shards_total"] for p in progress} == {2}
         assert store.tasks.results(job_id, "write") == [{"n": 0}, {"n": 1}]
 
 
