@@ -1,6 +1,7 @@
 """The command every rank of a data-parallel conversion runs (docs/distributed.md)::
 
     python -m converters.distributed --request REQUEST.json --out DIR [--allow-root DIR]... [--offline]
+                                     [--resume-dir DIR | --no-resume]
 
 with the launcher's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its environment (torchrun, srun).
 REQUEST.json holds a conversion request as the service stores it (``ConversionRequest.to_dict``). Rank 0 prints one
@@ -30,6 +31,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--allow-root", type=Path, action="append", default=[],
                         help="a directory below which local models are accepted (default: the current directory)")
     parser.add_argument("--offline", action="store_true", help="use the hub cache alone")
+    parser.add_argument("--resume-dir", type=Path, default=None,
+                        help="where the per-layer resume record lives (default: .<out name>.resume beside --out)")
     parser.add_argument("--no-resume", action="store_true", help="keep no per-layer resume record")
     return parser.parse_args(argv)
 
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         sources = ModelSourceOptions(allowed_roots=tuple(args.allow_root) or (Path.cwd(),), offline=args.offline,
                                      reveal_roots=True)
         result = run_ranked_conversion(ConversionRequest.from_dict(body), args.out, sources, info=info,
-                                       resume=not args.no_resume)
+                                       resume_dir=args.resume_dir, resume=not args.no_resume)
     except Fp8ForgeError as exc:
         print(f"rank {_rank_name()}: {exc}", file=sys.stderr)
         return 2 if exc.is_bad_input else 1

@@ -10,6 +10,7 @@ and removed once the artifact is published.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from converters.distributed.job import DistributedJob
@@ -18,6 +19,7 @@ from converters.distributed.resume import ResumeStore, resume_dir_for
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.driver import ConversionResult, run_conversion, run_stages
 from converters.pipeline.request import ConversionRequest
+from converters.pipeline.serving_export import ServingShardRunner
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
 
 __all__ = ["run_ranked_conversion"]
@@ -25,18 +27,27 @@ __all__ = ["run_ranked_conversion"]
 
 def run_ranked_conversion(request: ConversionRequest, out_dir: Path, sources: ModelSourceOptions,
                           sink: ProgressSink | None = None, *, info: RankInfo | None = None,
-                          resume: bool = True) -> ConversionResult | None:
+                          resume_dir: Path | None = None, resume: bool = True,
+                          serving_shards: ServingShardRunner | None = None) -> ConversionResult | None:
     """Run this process's part of converting ``request`` into ``out_dir``: the whole conversion on rank 0 (returns
     its result), calibration alone on the others (returns None). ``info`` defaults to the rank the environment
-    names (:func:`~converters.distributed.ranks.rank_from_environment`: one of one without the variables); the
-    process group is joined and left here. ``resume``: keep a resume record and continue from it.
+    names (:func:`~converters.distributed.ranks.rank_from_environment`); the process group is joined and left here.
+
+    ``resume_dir``: where the resume record lives (default: beside ``out_dir``, :func:`resume_dir_for`); a caller
+    whose attempts write different ``out_dir`` (the service) passes one per job so that a new attempt finds it. Only
+    rank 0's counts: the others are told it. ``resume`` False keeps no record. A process with no rank variables,
+    no ``info`` and no ``resume_dir`` is the ordinary one-process run (no record). ``serving_shards``: as for
+    :func:`~converters.pipeline.driver.run_conversion` (rank 0).
 
     Raises what :func:`~converters.pipeline.driver.run_conversion` raises, and Fp8ForgeError for rank variables
     that are wrong or a rank count above the calibration steps.
     """
-    info = info if info is not None else rank_from_environment()
     out_dir = Path(out_dir)
-    job = DistributedJob(info=info, resume_dir=resume_dir_for(out_dir) if resume else None)
+    if info is None and resume_dir is None and "WORLD_SIZE" not in os.environ:
+        return run_conversion(request, out_dir, sources, sink, serving_shards=serving_shards)
+    info = info if info is not None else rank_from_environment()
+    record = (Path(resume_dir) if resume_dir is not None else resume_dir_for(out_dir)) if resume else None
+    job = DistributedJob(info=info, resume_dir=record)
     start_group(info)
     try:
         if not info.leader:
@@ -44,9 +55,9 @@ def run_ranked_conversion(request: ConversionRequest, out_dir: Path, sources: Mo
             run.distributed = job
             run_stages(run, stop_after=Stage.CALIBRATE)
             return None
-        result = run_conversion(request, out_dir, sources, sink, distributed=job)
-        if job.resume_dir is not None:  # published: a restart has nothing left to resume
-            ResumeStore(job.resume_dir, "").remove()
+        result = run_conversion(request, out_dir, sources, sink, serving_shards=serving_shards, distributed=job)
+        if record is not None:  # published: a restart has nothing left to resume
+            ResumeStore(record, "").remove()
         return result
     finally:
         end_group()

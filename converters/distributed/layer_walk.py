@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,6 +66,10 @@ class RankedLayerWalk:
             return None
         if self.info.leader:
             self.store.open(writer=True)
+        if self.world_size > 1:  # rank 0's record is the job's, wherever the others' output would have put theirs
+            shared = [str(self.store.directory)]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            self.store = ResumeStore(Path(shared[0]), self.store.job)
         self._barrier()  # the others read only after rank 0 has kept or replaced the record
         records = self.store.finished(layers) if self.store.open(writer=False) else []
         # every rank must start at the same layer: the fewest any of them found (all read the same files)

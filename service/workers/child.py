@@ -133,13 +133,16 @@ class PipeSink:
 def child_main(
     request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Connection, stop: Event,
     parent_pid: int, threads: int | None = None, log_level: str = "info",
-    shard_export: ShardExportOptions | None = None,
+    shard_export: ShardExportOptions | None = None, resume_dir: str | None = None,
 ) -> None:
     """Run ``converters.pipeline.driver.run_conversion`` for one job with ``threads`` CPU threads; never raises.
 
     ``threads`` None: every CPU this process may use but one (see :func:`thread_budget`). fp8forge's own loggers
     log from ``log_level`` up. A full disk is reported as ``disk_full``, which the worker retries elsewhere.
     ``shard_export``: the serving export's weight files as shard tasks (``service.workers.serving_shards``).
+    Started as a rank (RANK, WORLD_SIZE, ... in the environment: the Slurm executor's ranks) or with ``resume_dir``,
+    the run is ``converters.distributed.run_ranked_conversion`` (docs/distributed.md): ranks other than 0 calibrate
+    their share and report success with no files; ``resume_dir`` keeps the per-layer resume record across attempts.
     """
     die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the worker decides how this run stops.
@@ -154,14 +157,15 @@ def child_main(
         conn.send(StageStarted(Stage.RESOLVE.value))
         conn.send(Progress(0, len(RESOLVE_STEPS), Unit.STEP.value, {"step": START_STEP}))
         logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
-        from converters.pipeline.driver import run_conversion  # imports torch: only in the process that converts
+        from converters.distributed import run_ranked_conversion  # imports torch: only in the process that converts
         from service.workers.serving_shards import QueuedServingShards  # torch as well
 
         options = ModelSourceOptions(**sources)
         shards = QueuedServingShards(shard_export, Path(out_dir), options, stop) if shard_export else None
-        result = run_conversion(ConversionRequest.from_dict(request), Path(out_dir), options,
-                                PipeSink(conn, stop, directories), serving_shards=shards)
-        conn.send(Succeeded([dict(m) for m in result.manifest]))
+        result = run_ranked_conversion(ConversionRequest.from_dict(request), Path(out_dir), options,
+                                       PipeSink(conn, stop, directories), serving_shards=shards,
+                                       resume_dir=Path(resume_dir) if resume_dir else None)
+        conn.send(Succeeded([dict(m) for m in result.manifest] if result is not None else []))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
         failure = failure_of(exc)
         conn.send(dataclasses.replace(failure, message=without_server_paths(failure.message, directories)))

@@ -36,9 +36,9 @@ class Job:
     request: Path
 
     def start(self, world_size: int, out: Path, *, script: list[str] | None = None,
-              extra_env: dict[str, str] | None = None) -> Ranks:
+              extra_env: dict[str, str] | None = None, rank_args: dict[int, list[str]] | None = None) -> Ranks:
         """``world_size`` ranks of the job writing ``out``, each with one intra-op thread (so that no rank count
-        changes a kernel's threading)."""
+        changes a kernel's threading); ``rank_args``: more arguments for some ranks."""
         port = str(free_port())
         processes, logs = [], []
         for rank in range(world_size):
@@ -47,7 +47,7 @@ class Job:
                    "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})}
             log = out.parent / f"{out.name}.rank{rank}.log"
             command = [sys.executable, *(script or ["-m", "converters.distributed"]), "--request", str(self.request),
-                       "--out", str(out), "--allow-root", str(self.root)]
+                       "--out", str(out), "--allow-root", str(self.root), *(rank_args or {}).get(rank, [])]
             with open(log, "wb") as handle:
                 processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle,
                                                   stderr=subprocess.STDOUT))

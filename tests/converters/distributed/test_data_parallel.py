@@ -73,10 +73,14 @@ def test_ranks_publish_the_one_process_bytes(job, one_rank, world_size):
 
 
 def test_a_killed_rank_resumes_at_the_first_unfinished_layer(job, one_rank):
+    """The record is where rank 0's --resume-dir says (a service keeps one per job, across attempts); another
+    rank's own --resume-dir does not count."""
     out = job.root / "killed"
-    record = job.root / f".{out.name}.resume"
+    record = job.root / "record-of-the-job"
+    where = {0: ["--resume-dir", str(record)], 1: ["--resume-dir", str(job.root / "not-used")],
+             2: ["--resume-dir", str(job.root / "not-used")]}
     ranks = job.start(2, out, script=["tests/converters/distributed/killed_rank.py"],
-                      extra_env={"KILL_AFTER_LAYER": "1"})
+                      extra_env={"KILL_AFTER_LAYER": "1"}, rank_args=where)
     codes = ranks.wait()
     # rank 1 died by SIGKILL after layer 1; rank 0 lost its peer at layer 2's reduction and failed
     assert codes[1] == -signal.SIGKILL and codes[0] != 0, ranks.log(0)[-2000:]
@@ -85,10 +89,10 @@ def test_a_killed_rank_resumes_at_the_first_unfinished_layer(job, one_rank):
         ["layer-0.safetensors", "layer-1.safetensors"]
     finished = {path: path.stat().st_mtime_ns for path in record.glob("layer-*.safetensors")}
 
-    restarted = job.start(3, out)  # another allocation: another number of ranks
+    restarted = job.start(3, out, rank_args=where)  # another allocation: another number of ranks
     assert restarted.wait() == [0, 0, 0], restarted.log(0)[-2000:]
     report = assert_same_result(out, one_rank)
     forward = report["calibration"]["forward"]
     assert forward["resumed_at_layer"] == 2 and forward["layers_run"] == [2, 3] and forward["ranks"] == 3
     assert all(not path.exists() or path.stat().st_mtime_ns == mtime for path, mtime in finished.items())
-    assert not record.exists()
+    assert not record.exists() and not (job.root / "not-used").exists()
