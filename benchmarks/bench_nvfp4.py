@@ -1,0 +1,322 @@
+"""NVFP4 (W4A4, compressed-tensors nvfp4-pack-quantized) on the real SmolLM2-135M: fp8forge round to nearest, fp8forge
+with block scales searched by reconstruction error (``scale_search="mse"``) and llm-compressor's RTN, from the same
+calibration tokens, scored by the same emulated W4A4 forward on the same held-out tokens.
+
+What runs:
+  fp8forge   a real conversion job (run_conversion: backend ao, serving format nvfp4, skip_first_last off, lm_head
+             excluded, measure off) on ``--steps`` windows of 128 tokens of the built-in corpus' calibration part
+             (what a job reads without texts); its export is "fp8forge rtn".
+  mse        the same export with each quantized weight requantized by converters.serving.nvfp4.quantize_nvfp4(...,
+             scale_search="mse") from the source weight and its fused group's amax; the RTN requantization is first
+             checked byte-identical to the job's file, so only the block scales differ; input global scales kept.
+  peer       llm-compressor 0.14.0.1 oneshot(QuantizationModifier(scheme="NVFP4", ignore=["lm_head"])) in its own
+             virtualenv (bench_serving's, built on first use, ~3 minutes) on the same token rows as the job (written
+             from the job's own calibration_batches call), saved compressed.
+  swaps      fp8forge's weights with the peer's input global scales and the peer's weights with fp8forge's: which
+             half of a difference comes from the calibration and which from the weights.
+Scoring: the bf16 model with, for every Linear an export quantizes, the weight read back from the export
+(``code * weight_scale / weight_global_scale``) and its input cast to NVFP4 as the engines' W4A4 kernels cast it
+(per-16 E4M3 block scales under the file's ``input_global_scale``: converters.calibration.emulation "nvfp4_block16").
+Perplexity over ``--tokens`` held-out tokens (the corpus' held-out part, windows of 256), next to the bf16 model's;
+"loss" is perplexity / bf16 perplexity - 1. Also printed: each fp8forge input global scale over the peer's
+(median, min with its layer), the weight SQNR of RTN and MSE, and how many block scales the search changed.
+Figures only, nothing asserted; ratios against llm-compressor RTN measured in the same run.
+
+Run:  .venv/bin/python benchmarks/bench_nvfp4.py [--steps 32] [--tokens 1024] [--skip-peer] [--keep DIR]
+      (--keep DIR of an earlier run reuses its fp8forge export; --peer-export DIR scores an existing peer export)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+from bench_serving import DEFAULT_PEER_VENV, ensure_peer_venv, venv_python  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from converters.calibration.emulation import E2M1_GRID, cast_spec, fake_quantize  # noqa: E402
+from converters.serving.nvfp4 import GROUP, block_errors, quantize_nvfp4  # noqa: E402
+
+SEQ_LEN = 128  # calibration window
+EVAL_WINDOW = 256
+FUSED = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # members share weight_global_scale
+NVFP4_INPUT = cast_spec("nvfp4_block16")
+_E2M1 = torch.tensor(E2M1_GRID)
+
+
+def job_batches(model_dir: Path, steps: int, *, whole_corpus: bool = False) -> tuple[list[dict], str]:
+    """The job's calibration windows (the corpus' calibration part); ``whole_corpus``: the windows
+    bench_serving.write_calibration_tokens gave the peer until 2026-12-03 (held-out part included)."""
+    from transformers import AutoTokenizer
+
+    from converters.calibration.amax import calibration_batches
+    from converters.quality.held_out import calibration_part
+
+    return calibration_batches(AutoTokenizer.from_pretrained(model_dir), vocab_size=49152, steps=steps, batch_size=1,
+                               texts=None if whole_corpus else calibration_part(), seq_len=SEQ_LEN)
+
+
+def observed_input_amax(model, batches: list[dict], paths: list[str]) -> dict[str, tuple[float, float]]:
+    """Each Linear's input amax on the bf16 model over ``batches`` (what llm-compressor's static_minmax observer
+    sees: its sequential pipeline calibrates with quantization disabled), and the same without each window's
+    first position (where attention-sink models put their massive activations)."""
+    seen = {path: [0.0, 0.0] for path in paths}
+    handles = []
+    for path in paths:
+        def hook(module, args, path=path):
+            magnitude = args[0].detach().float().abs()
+            seen[path][0] = max(seen[path][0], float(magnitude.max()))
+            seen[path][1] = max(seen[path][1], float(magnitude[:, 1:].max()))
+        handles.append(model.get_submodule(path).register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {path: (values[0], values[1]) for path, values in seen.items()}
+
+
+def print_calibration_diagnosis(model, model_dir: Path, steps: int, layers: dict) -> None:
+    """fp8forge's calibrated input amax (from the export) against the bf16 model's own, on the job's windows and
+    on the whole-corpus windows; the layers whose amax moves most between the two, and position 0's part."""
+    paths = sorted(layers)
+    written = {p: 2688 / float(layers[p]["input_global_scale"]) for p in paths}
+    job = observed_input_amax(model, job_batches(model_dir, steps)[0], paths)
+    whole = observed_input_amax(model, job_batches(model_dir, steps, whole_corpus=True)[0], paths)
+    same = statistics.median(written[p] / job[p][0] for p in paths)
+    print(f"input amax: fp8forge's export / the bf16 model's on the same windows: median {same:.4f}, range "
+          f"{min(written[p] / job[p][0] for p in paths):.4f}-{max(written[p] / job[p][0] for p in paths):.4f}")
+    ratios = sorted((job[p][0] / whole[p][0], p) for p in paths)
+    print(f"input amax, job windows / whole-corpus windows (the peer's tokens in bench_serving until now): median "
+          f"{statistics.median(r for r, _ in ratios):.3f}; largest:")
+    for ratio, path in ratios[-4:]:
+        print(f"  {path}: {ratio:.2f} (job {job[path][0]:.2f}, without position 0 {job[path][1]:.2f}; whole corpus "
+              f"{whole[path][0]:.2f}, without position 0 {whole[path][1]:.2f})")
+    first = sum(job[p][0] > job[p][1] for p in paths)
+    print(f"Linears whose job amax is set by a window's first position: {first} of {len(paths)}")
+
+
+def fp8forge_export(model_dir: Path, out: Path, steps: int) -> Path:
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.driver import NullSink, run_conversion
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
+
+    request = ConversionRequest(model=str(model_dir), recipe={"backend": "ao"}, skip_first_last=False,
+                                exclude=("lm_head",), serving_formats=("nvfp4",), measure=False,
+                                calibration=CalibrationSettings(steps=steps, batch_size=1, seq_len=SEQ_LEN))
+    run_conversion(request, out, ModelSourceOptions(allowed_roots=(model_dir.parent, out.parent)), NullSink())
+    return out / "serving" / "nvfp4"
+
+
+def peer_export(model_dir: Path, rows_file: Path, out: Path, venv: Path) -> Path:
+    ensure_peer_venv(venv)
+    params = {"model_dir": str(model_dir), "tokens": str(rows_file), "recipe": {"scheme": "NVFP4"},
+              "seq_len": SEQ_LEN, "batch_size": 1, "out_dir": str(out)}
+    done = subprocess.run([str(venv_python(venv)), str(ROOT / "benchmarks" / "bench_serving.py"), "--child",
+                           "peer-export", json.dumps(params)], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"llm-compressor's export failed:\n{done.stderr[-3000:]}")
+    return out
+
+
+def read_export(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Module path -> its NVFP4 tensors (weight_packed, weight_scale, weight_global_scale, input_global_scale)."""
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            for key in handle.keys():
+                path, _, name = key.rpartition(".")
+                if name in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+                    layers.setdefault(path, {})[name] = handle.get_tensor(key)
+    return layers
+
+
+def dequantize(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``code * weight_scale / weight_global_scale`` (fp32), the even column in the low nibble."""
+    packed = tensors["weight_packed"]
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+    values = _E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    step = tensors["weight_scale"].float() / tensors["weight_global_scale"].float()
+    return (values.unflatten(-1, (-1, GROUP)) * step.unsqueeze(-1)).flatten(-2)
+
+
+def requantized(source: dict[str, torch.Tensor], layers: dict[str, dict[str, torch.Tensor]], scale_search: str
+                ) -> dict[str, dict[str, torch.Tensor]]:
+    """The export's layers requantized from the source weights (each fused group's amax) by ``scale_search``."""
+    def group_amax(path: str) -> float:
+        parent, _, name = path.rpartition(".")
+        members = next((group for group in FUSED if name in group), {name})
+        return max(float(source[f"{parent}.{member}.weight"].float().abs().max()) for member in members
+                   if f"{parent}.{member}" in layers)
+
+    result = {}
+    for path, tensors in layers.items():
+        packed, scale, gparam = quantize_nvfp4(source[f"{path}.weight"], group_amax(path), scale_search=scale_search)
+        result[path] = {**tensors, "weight_packed": packed, "weight_scale": scale, "weight_global_scale": gparam}
+    return result
+
+
+def eval_ids(model_dir: Path, tokens: int) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    from converters.quality.held_out import held_out_part
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stream = [i for text in held_out_part() for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    windows = min(tokens, len(stream)) // EVAL_WINDOW
+    return torch.tensor(stream[: windows * EVAL_WINDOW]).view(windows, EVAL_WINDOW)
+
+
+def perplexity(model, ids: torch.Tensor, layers: dict[str, dict[str, torch.Tensor]] | None) -> float:
+    """The model's perplexity on ``ids`` with ``layers``' weights read back and their inputs cast to NVFP4."""
+    originals, handles = {}, []
+    for path, tensors in (layers or {}).items():
+        module = model.get_submodule(path)
+        originals[path] = module.weight.data
+        module.weight.data = dequantize(tensors).to(module.weight.dtype)
+        amax = 2688 / tensors["input_global_scale"].float()  # the amax the file's input global scale came from
+
+        def cast_input(module, args, amax=amax):
+            x = args[0]
+            flat = fake_quantize(x.reshape(-1, x.shape[-1]).float(), NVFP4_INPUT, tensor_amax=amax.reshape(()))
+            return (flat.reshape(x.shape).to(x.dtype),)
+
+        handles.append(module.register_forward_pre_hook(cast_input))
+    try:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for row in ids:
+                logits = model(input_ids=row[None]).logits[0, :-1].float()
+                total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
+                count += row.numel() - 1
+        return math.exp(total / count)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for path, weight in originals.items():
+            model.get_submodule(path).weight.data = weight
+
+
+def weight_figures(source: dict[str, torch.Tensor], rtn: dict, mse: dict) -> tuple[float, float, float]:
+    """Weight SQNR (dB, all layers' errors summed) of RTN and MSE, and the fraction of block scales MSE changed."""
+    signal = noise_rtn = noise_mse = changed = blocks_total = 0.0
+    for path in rtn:
+        weight = source[f"{path}.weight"]
+        blocks = weight.unflatten(-1, (-1, GROUP))
+        signal += float(weight.float().square().sum())
+        noise_rtn += float(block_errors(blocks, rtn[path]["weight_scale"].float(), rtn[path]["weight_global_scale"])
+                           .sum())
+        noise_mse += float(block_errors(blocks, mse[path]["weight_scale"].float(), mse[path]["weight_global_scale"])
+                           .sum())
+        changed += float((rtn[path]["weight_scale"].view(torch.uint8) != mse[path]["weight_scale"].view(torch.uint8))
+                         .sum())
+        blocks_total += rtn[path]["weight_scale"].numel()
+    return 10 * math.log10(signal / noise_rtn), 10 * math.log10(signal / noise_mse), changed / blocks_total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=32, help="calibration windows of 128 tokens (default 32)")
+    parser.add_argument("--tokens", type=int, default=1024, help="held-out tokens scored (default 1024)")
+    parser.add_argument("--skip-peer", action="store_true", help="fp8forge's rows only")
+    parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
+    parser.add_argument("--peer-export", type=Path, help="an llm-compressor NVFP4 export made on the same tokens")
+    parser.add_argument("--keep", type=Path, help="write the exports here and keep them")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.converters.quality.smollm import smollm_dir
+
+    model_dir = smollm_dir()
+    work = args.keep or Path(tempfile.mkdtemp(prefix="bench_nvfp4-"))
+    work.mkdir(parents=True, exist_ok=True)
+    batches, data_source = job_batches(model_dir, args.steps)
+    rows_file = work / "calibration_rows.json"
+    rows_file.write_text(json.dumps({key: [row for batch in batches for row in batch[key].tolist()]
+                                     for key in ("input_ids", "attention_mask")}))
+    print(f"SmolLM2-135M-Instruct ({model_dir}); calibration: {data_source}; {args.tokens} held-out tokens scored")
+
+    started = time.perf_counter()
+    kept = work / "fp8forge" / "serving" / "nvfp4"
+    if (kept / "config.json").is_file():  # a --keep directory of an earlier run: its export is reused
+        ours = read_export(kept)
+        print(f"fp8forge export: reused {kept}, {len(ours)} Linears in NVFP4")
+    else:
+        ours = read_export(fp8forge_export(model_dir, work / "fp8forge", args.steps))
+        print(f"fp8forge export: {time.perf_counter() - started:.0f} s, {len(ours)} Linears in NVFP4")
+    with safe_open(model_dir / "model.safetensors", "pt") as handle:
+        source = {key: handle.get_tensor(key) for key in handle.keys()}
+    started = time.perf_counter()
+    rtn, mse = requantized(source, ours, "rtn"), requantized(source, ours, "mse")
+    search_seconds = time.perf_counter() - started
+    identical = all(torch.equal(rtn[p]["weight_packed"], ours[p]["weight_packed"]) and
+                    torch.equal(rtn[p]["weight_scale"].view(torch.uint8), ours[p]["weight_scale"].view(torch.uint8))
+                    and torch.equal(rtn[p]["weight_global_scale"], ours[p]["weight_global_scale"]) for p in ours)
+    sqnr_rtn, sqnr_mse, changed = weight_figures(source, rtn, mse)
+    print(f"RTN requantized here equals the job's file byte for byte: {identical}; RTN + MSE requantization "
+          f"{search_seconds:.0f} s (2 cores, shared)")
+    print(f"weight SQNR: RTN {sqnr_rtn:.2f} dB, MSE {sqnr_mse:.2f} dB ({sqnr_mse - sqnr_rtn:+.2f} dB); "
+          f"block scales the search changed: {changed:.1%}")
+
+    peer = None
+    if args.peer_export is not None:
+        if not (args.peer_export / "config.json").is_file():
+            raise SystemExit(f"--peer-export {args.peer_export} holds no config.json: give a finished export")
+        peer = read_export(args.peer_export)
+    elif not args.skip_peer:
+        started = time.perf_counter()
+        peer = read_export(peer_export(model_dir, rows_file, work / "llm-compressor", args.peer_venv))
+        print(f"llm-compressor export: {time.perf_counter() - started:.0f} s, {len(peer)} Linears in NVFP4")
+
+    variants: dict[str, dict | None] = {"bf16": None, "fp8forge rtn": ours, "fp8forge mse": mse}
+    if peer is not None:
+        shared = sorted(set(ours) & set(peer))
+        ratios = sorted((float(ours[p]["input_global_scale"] / peer[p]["input_global_scale"]), p) for p in shared)
+        same_weights = sum(torch.equal(ours[p]["weight_packed"], peer[p]["weight_packed"]) for p in shared)
+        print(f"input_global_scale fp8forge / llm-compressor over {len(shared)} shared Linears: median "
+              f"{statistics.median(r for r, _ in ratios):.3f}, min {ratios[0][0]:.3f} ({ratios[0][1]}), max "
+              f"{ratios[-1][0]:.3f} ({ratios[-1][1]}); packed weights identical in {same_weights}")
+        variants["llm-compressor rtn"] = peer
+        variants["fp8forge rtn, peer's input scales"] = {
+            p: {**t, "input_global_scale": peer[p]["input_global_scale"]} if p in peer else t for p, t in ours.items()}
+        variants["fp8forge mse, peer's input scales"] = {
+            p: {**t, "input_global_scale": peer[p]["input_global_scale"]} if p in peer else t for p, t in mse.items()}
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    print_calibration_diagnosis(model, model_dir, args.steps, ours)
+    ids = eval_ids(model_dir, args.tokens)
+    scores = {}
+    for name, layers in variants.items():
+        started = time.perf_counter()
+        scores[name] = perplexity(model, ids, layers)
+        print(f"  scored {name} in {time.perf_counter() - started:.0f} s", flush=True)
+    base = scores["bf16"]
+    reference = scores.get("llm-compressor rtn")
+    print("\n| export | Linears | perplexity | loss vs bf16 | loss / llm-compressor RTN's |\n|---|---|---|---|---|")
+    for name, value in scores.items():
+        loss = value / base - 1
+        versus = f"{loss / (reference / base - 1):.2f}x" if reference and name != "bf16" else ""
+        count = len(variants[name]) if variants[name] else 0
+        print(f"| {name} | {count} | {value:.3f} | {loss:+.2%} | {versus} |")
+    if args.keep is None:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
