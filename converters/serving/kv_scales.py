@@ -160,8 +160,9 @@ def attach_kv_scales(plan: ServingPlan, amax: Mapping[str, KvAmax], target_of: M
 
     ``amax`` is :meth:`KvCacheRecorder.results` (attention module path -> amax); ``dtype`` the model's;
     ``convention`` the names and arithmetic (the format's ``kv_scale_convention``). Returns the report block: the
-    scheme, and per on-disk attention prefix its module path, the key and value amax (per tensor and per KV head)
-    and the scales written.
+    scheme, how the scales were chosen, the layers to keep in high precision (and a warning naming them, or None),
+    and per on-disk attention prefix its module path, the key and value amax (per tensor and per KV head), the
+    clipping ratios and attention-output errors of the search, and the scales written.
     Raises ConversionError (see :func:`_disk_prefix`).
     """
     layers: dict[str, Any] = {}
@@ -176,6 +177,7 @@ def attach_kv_scales(plan: ServingPlan, amax: Mapping[str, KvAmax], target_of: M
                           "k_amax_per_head": layer.key.tolist(), "v_amax_per_head": layer.value.tolist()}
     plan.kv_cache = KV_CACHE_FP8
     scale_dtype = torch.float32 if convention.float32 else dtype
-    return {"dtype": "float8_e4m3fn", "strategy": "tensor", "scale_dtype": str(scale_dtype).removeprefix("torch."),
-            "convention": convention.name, "scale_choice": scale_choice(amax),
-            "high_precision": high_precision_layers(amax), "layers": layers}
+    block = {"dtype": "float8_e4m3fn", "strategy": "tensor", "scale_dtype": str(scale_dtype).removeprefix("torch."),
+             "convention": convention.name, "scale_choice": scale_choice(amax),
+             "high_precision": high_precision_layers(amax), "layers": layers}
+    return {**block, "warning": high_precision_warning(block)}
