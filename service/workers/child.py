@@ -142,7 +142,8 @@ def child_main(
     ``shard_export``: the serving export's weight files as shard tasks (``service.workers.serving_shards``).
     Started as a rank (RANK, WORLD_SIZE, ... in the environment: the Slurm executor's ranks) or with ``resume_dir``,
     the run is ``converters.distributed.run_ranked_conversion`` (docs/distributed.md): ranks other than 0 calibrate
-    their share and report success with no files; ``resume_dir`` keeps the per-layer resume record across attempts.
+    their share and report success with no files. ``resume_dir`` (one per job) keeps the per-layer resume record
+    across attempts; without it there is none.
     """
     die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the worker decides how this run stops.
@@ -164,7 +165,8 @@ def child_main(
         shards = QueuedServingShards(shard_export, Path(out_dir), options, stop) if shard_export else None
         result = run_ranked_conversion(ConversionRequest.from_dict(request), Path(out_dir), options,
                                        PipeSink(conn, stop, directories), serving_shards=shards,
-                                       resume_dir=Path(resume_dir) if resume_dir else None)
+                                       resume_dir=Path(resume_dir) if resume_dir else None,
+                                       resume=resume_dir is not None)  # out_dir is per attempt: no record beside it
         conn.send(Succeeded([dict(m) for m in result.manifest] if result is not None else []))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
         failure = failure_of(exc)

@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from converters.calibration.sequential import LayerStack
+from converters.distributed.job import DistributedJob
 from converters.distributed.ranks import RankInfo, rank_from_environment, steps_of_rank
 from converters.distributed.resume import LayerRecord, ResumeStore, fingerprint
 from converters.errors import Fp8ForgeError
@@ -108,3 +110,19 @@ def test_a_record_left_by_another_job_is_started_over(tmp_path):
     assert not other.open(writer=True)
     assert other.finished(4) == []
     assert json.loads((tmp_path / "record" / "job.json").read_text())["job"] == other.job
+
+
+def test_a_kv_cache_job_on_several_ranks_is_refused_naming_the_fix(tmp_path):
+    job = DistributedJob(info=rank_from_environment(FULL), resume_dir=tmp_path / "record")
+    stack = LayerStack(path="model.layers", count=4, layer_class="LlamaDecoderLayer")
+    with pytest.raises(Fp8ForgeError, match="run a kv_cache job on one rank") as raised:
+        job.layer_boundary({}, tmp_path, stack, [], [], kv=object(), meter=None)
+    assert raised.value.field == "kv_cache"
+
+
+def test_a_kv_cache_job_on_one_rank_keeps_no_record(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    job = DistributedJob(info=RankInfo(), resume_dir=tmp_path / "record")
+    stack = LayerStack(path="model.layers", count=4, layer_class="LlamaDecoderLayer")
+    assert job.layer_boundary({}, tmp_path, stack, [], [], kv=object(), meter=None).store is None
+    assert job.layer_boundary({}, tmp_path, stack, [], [], kv=None, meter=None).store is not None
