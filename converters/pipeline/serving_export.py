@@ -11,7 +11,6 @@ and side files from the shards' results. The bytes are those of the one-process 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -19,14 +18,14 @@ from typing import Any, Protocol
 
 import torch
 
-from converters.artifact.files import copy_side_files, write_json
 from converters.calibration.emulation import cast_spec
 from converters.calibration.sqnr_meter import RecipeCasts, SqnrMeter
 from converters.errors import ConversionError
 from converters.model.checkpoint import weight_files
-from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
+from converters.model.files import FileConfinement
 from converters.model.sources import confinement_for, model_dtype
 from converters.pipeline.state import Run
+from converters.rewrite import finish_checkpoint
 from converters.serving import serving_format
 from converters.serving.audit import audit_export
 from converters.serving.kv_scales import attach_kv_scales
@@ -237,22 +236,11 @@ def finish_serving_export(plan: ServingPlan, source_dir: Path, shards: list[dict
     their results, in the source's file order); the shards' figures go into the plan. Returns every file name."""
     for shard in shards:
         plan.layer_stats.update(shard["layer_stats"])
-    written = [shard["file"] for shard in shards]
-    if (source_dir / INDEX_NAME).is_file():
-        weight_map = {name: shard["file"] for shard in shards for name in shard["tensors"]}
-        write_json(directory / INDEX_NAME, {"metadata": {"total_size": sum(shard["bytes"] for shard in shards)},
-                                            "weight_map": weight_map})
-        written.append(INDEX_NAME)
-    config = json.loads(read_model_text(source_dir / "config.json", confinement))
-    config["quantization_config"] = serving_format(plan.format).quantization_config(plan)
-    write_json(directory / "config.json", config)
-    written.append("config.json")
-    written += copy_side_files(source_dir, directory, confinement)
-    side_files = getattr(serving_format(plan.format), "side_files", None)
-    for name, content in (side_files(plan) if side_files is not None else {}).items():
-        write_json(directory / name, content)
-        written.append(name)
-    return written
+    fmt = serving_format(plan.format)
+    side_files = getattr(fmt, "side_files", None)
+    return [shard["file"] for shard in shards] + finish_checkpoint(
+        source_dir, directory, shards, quantization_config=fmt.quantization_config(plan), confinement=confinement,
+        json_files=side_files(plan) if side_files is not None else None)
 
 
 def _add_measured_sqnr(plan: ServingPlan, measured: dict[str, dict[str, float | None]]) -> None:

@@ -28,18 +28,19 @@ def finish_checkpoint(source_dir: Path, directory: Path, shards: Iterable[Any], 
     without one), the tokenizer files and generation config, ``json_files`` (name -> JSON value: a format's side
     files, a report) into ``directory``, then, with ``manifest``, the manifest over all of them.
 
-    ``shards``: each written shard's ``name`` (or ``shard``), ``tensors`` (in file order) and ``bytes`` (tensor
-    bytes), in index order. ``shard_files``: manifest entries (name, bytes, sha256) of shards their writers hashed;
-    one that is not in ``directory`` (written on another machine and uploaded) is listed from its entry.
+    ``shards``: each written shard's name (``name`` or ``shard``; ``file`` in a mapping), ``tensors`` (in file
+    order) and ``bytes`` (tensor bytes), as attributes or mapping keys, in index order. ``shard_files``: manifest
+    entries (name, bytes, sha256) of shards their writers hashed; one that is not in ``directory`` (written on
+    another machine and uploaded) is listed from its entry.
 
     Returns the names written (without ``manifest``), else the manifest's entries. Nothing is read outside
     ``confinement``.
     """
-    shards = list(shards)
+    shards = [_shard_fields(shard) for shard in shards]
     written = []
     if (Path(source_dir) / INDEX_NAME).is_file():
-        weight_map = {name: _shard_name(shard) for shard in shards for name in shard.tensors}
-        write_json(directory / INDEX_NAME, {"metadata": {"total_size": sum(shard.bytes for shard in shards)},
+        weight_map = {name: file for file, tensors, _ in shards for name in tensors}
+        write_json(directory / INDEX_NAME, {"metadata": {"total_size": sum(size for _, _, size in shards)},
                                             "weight_map": weight_map})
         written.append(INDEX_NAME)
     config = json.loads(read_model_text(Path(source_dir) / "config.json", confinement))
@@ -65,5 +66,9 @@ def finish_checkpoint(source_dir: Path, directory: Path, shards: Iterable[Any], 
     return files
 
 
-def _shard_name(shard: Any) -> str:
-    return getattr(shard, "name", None) or shard.shard
+def _shard_fields(shard: Any) -> tuple[str, list[str], int]:
+    """(file name, tensor names, tensor bytes) of a shard record: a ``ShardWritten``, a requantize ``WriteResult``
+    or a serving export's result mapping."""
+    if isinstance(shard, Mapping):
+        return shard["file"], shard["tensors"], shard["bytes"]
+    return getattr(shard, "name", None) or shard.shard, shard.tensors, shard.bytes

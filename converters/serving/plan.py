@@ -29,7 +29,7 @@ the largest input amax of the other experts of its GEMM (vLLM takes the max over
 
 from __future__ import annotations
 
-import json
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,12 +38,13 @@ from typing import Any, Protocol
 import torch
 
 from converters.analysis.reasons import Reason
-from converters.artifact.files import copy_side_files, write_json
 from converters.calibration.emulation import cast_spec, db, fake_quantize
 from converters.model.experts import EXPERT_GEMMS, parse_unit_path, unit_path
-from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
+from converters.model.files import FileConfinement
 from converters.model.finite import check_converted
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
+from converters.model.safetensors_stream import SourceTensor, read_tensor, read_tensor_index
+from converters.rewrite import Compute, Copy, finish_checkpoint
+from converters.rewrite import write_shard as rewrite_shard
 from converters.serving.loads_in import loads_in, loads_in_warnings
 
 __all__ = [
@@ -350,28 +351,15 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
     directory.mkdir(parents=True, exist_ok=True)
     if getattr(fmt, "needs_weight_amax", False):
         set_weight_amax(plan, weight_files)
-    weight_map: dict[str, str] = {}
-    total = 0
+    shards = []
     for source in weight_files:
-        shard = write_serving_file(fmt, plan, source, directory, scale_dtype, check_stop=check_stop,
-                                   emulated_stats=emulated_stats)
-        plan.layer_stats.update(shard["layer_stats"])
-        weight_map.update({name: source.name for name in shard["tensors"]})
-        total += shard["bytes"]
-    written = [source.name for source in weight_files]
-    if (source_dir / INDEX_NAME).is_file():
-        write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        written.append(INDEX_NAME)
-    config = json.loads(read_model_text(source_dir / "config.json", confinement))
-    config["quantization_config"] = fmt.quantization_config(plan)
-    write_json(directory / "config.json", config)
-    written.append("config.json")
-    written += copy_side_files(source_dir, directory, confinement)
+        shards.append(write_serving_file(fmt, plan, source, directory, scale_dtype, check_stop=check_stop,
+                                         emulated_stats=emulated_stats))
+        plan.layer_stats.update(shards[-1]["layer_stats"])
     side_files = getattr(fmt, "side_files", None)
-    for name, content in (side_files(plan) if side_files is not None else {}).items():
-        write_json(directory / name, content)
-        written.append(name)
-    return written
+    return [source.name for source in weight_files] + finish_checkpoint(
+        source_dir, directory, shards, quantization_config=fmt.quantization_config(plan), confinement=confinement,
+        json_files=side_files(plan) if side_files is not None else None)
 
 
 def write_serving_file(fmt: ServingFormat, plan: ServingPlan, source: Path, directory: Path, scale_dtype: torch.dtype,
@@ -389,32 +377,34 @@ def write_serving_file(fmt: ServingFormat, plan: ServingPlan, source: Path, dire
     for name, (anchor, value) in plan.extra_tensors.items():
         added_after.setdefault(anchor, {})[name] = value
     tensors, metadata = read_tensor_index(source)
-    entries: dict[str, Any] = {}
+    steps: list[Copy | Compute] = []
     for name, tensor in tensors.items():
-        entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in path_of else {name: tensor})
-        for extra, value in added_after.get(name, {}).items():
-            entries[extra] = StreamingWriter.entry(value.dtype, tuple(value.shape))
-    stats: dict[str, dict[str, Any]] = {}
+        if name not in path_of:
+            steps.append(Copy(name, tensor))
+        else:
+            # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
+            amax = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
+            label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
+            stats = emulated_stats or getattr(fmt, "layer_stats", None) is not None
+            outputs = fmt.planned_tensors(name, tensor, scale_dtype)
+            quantize = functools.partial(_quantize_weight, fmt, name, outputs, plan.input_amax.get(path_of[name]),
+                                         scale_dtype, amax, label if stats else None)
+            steps.append(Compute(outputs=outputs, read=functools.partial(read_tensor, tensor), convert=quantize))
+        for added, value in added_after.get(name, {}).items():
+            steps.append(Compute(outputs={added: value}, read=lambda: None,
+                                 convert=lambda _, value=value: ([value], None)))
     directory.mkdir(parents=True, exist_ok=True)
-    with StreamingWriter(directory / source.name, entries, metadata) as writer:
-        for name, tensor in tensors.items():
-            if check_stop is not None:
-                check_stop()
-            if name not in path_of:
-                writer.write(name, tensor)
-            else:
-                # Read with pread, not a mapped file: the pages of a whole shard would otherwise stay resident.
-                weight = read_tensor(tensor)
-                options = {"weight_amax": plan.weight_amax[path_of[name]]} if needs_weight_amax else {}
-                replacement = fmt.quantize(weight, plan.input_amax.get(path_of[name]), scale_dtype, **options)
-                planned = dict(zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True))
-                check_converted(name, weight, planned, fmt.name)
-                for key, value in planned.items():
-                    writer.write(key, value)
-                label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
-                if emulated_stats or getattr(fmt, "layer_stats", None) is not None:
-                    stats[label] = layer_stats(fmt, weight, replacement, options.get("weight_amax"))
-            for added, value in added_after.get(name, {}).items():
-                writer.write(added, value)
-    return {"file": source.name, "tensors": list(entries), "bytes": sum(writer.planned[n].nbytes for n in entries),
-            "layer_stats": stats}
+    written = rewrite_shard(directory / source.name, steps, metadata, check_stop=check_stop)
+    return {"file": source.name, "tensors": written.tensors, "bytes": written.bytes,
+            "layer_stats": dict(note for note in written.notes if note is not None)}
+
+
+def _quantize_weight(fmt: ServingFormat, name: str, outputs: dict[str, Any], input_amax: float | None,
+                     scale_dtype: torch.dtype, options: dict[str, float], label: str | None, weight: torch.Tensor
+                     ) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]] | None]:
+    """One weight quantized, checked finite; the note is its figures under ``label`` (None: no figures)."""
+    replacement = fmt.quantize(weight, input_amax, scale_dtype, **options)
+    check_converted(name, weight, dict(zip(outputs, replacement, strict=True)), fmt.name)
+    if label is None:
+        return replacement, None
+    return replacement, (label, layer_stats(fmt, weight, replacement, options.get("weight_amax")))
