@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -118,6 +119,22 @@ class SlurmDispatcher:
                 self._submit_array(job, again=True)  # its array ended (time limit) with tasks left
         for job_id, slurm_jobs in allocated.items():
             self._end_if_over(job_id, slurm_jobs)
+        self._drop_resume_records(allocated)
+
+    def _drop_resume_records(self, allocated: dict[str, list[SlurmJob]]) -> None:
+        """Remove the per-layer resume record of each job that ended without publishing (a publish removes its
+        own): cancelled, failed or deleted, with no Slurm job of it left. Slurm's output files stay."""
+        for record in self.settings.slurm_dir.glob("*/resume"):
+            job_id = record.parent.name
+            if job_id in allocated:
+                continue
+            try:
+                if not self.store.get_job(job_id).status.is_finished:
+                    continue
+            except JobNotFound:
+                pass
+            shutil.rmtree(record, ignore_errors=True)
+            logger.info("job %s: its resume record is removed", job_id)
 
     def _jobs(self, status: JobStatus) -> list[Job]:
         """Every job with ``status``, oldest first."""

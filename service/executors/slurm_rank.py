@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from sqlalchemy.exc import DBAPIError
@@ -42,7 +43,7 @@ from service.workers.runner import JobRun, ensure_dead
 from service.workers.task_run import TaskRun
 from service.workers.task_server import start_task_server
 
-__all__ = ["main", "rendezvous_from_slurm", "slurm_job_name"]
+__all__ = ["main", "rendezvous_from_slurm", "resume_dir_of", "slurm_job_name"]
 
 # by name: run as ``python -m`` this module is ``__main__``, outside the ``service`` loggers configure_logging sets
 logger = logging.getLogger("service.executors.slurm_rank")
@@ -69,6 +70,12 @@ def slurm_job_name(environ: dict[str, str] | os._Environ[str] = os.environ) -> s
     if "SLURM_ARRAY_JOB_ID" in environ:
         return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ.get('SLURM_ARRAY_TASK_ID', '')}"
     return f"{environ.get('SLURM_JOB_ID', 'none')}.{environ.get('SLURM_PROCID', '0')}"
+
+
+def resume_dir_of(settings: Settings, job_id: str) -> Path:
+    """The job's per-layer resume record (docs/distributed.md): one per job, on the directory every node shares, so
+    the allocation after a time limit or a lost node continues at the first unfinished layer."""
+    return settings.slurm_dir / job_id / "resume"
 
 
 class _Member:
@@ -115,7 +122,8 @@ def run_calibrated(member: _Member, rank: int) -> int:
         logger.info("job %s: not queued (%s); nothing to run", member.job_id, store.get_job(member.job_id).status.value)
         return 0
     logger.info("job %s: claimed, attempt %d of %d", job.id, job.attempt, job.max_attempts)
-    status = JobRun(settings, store, member.dirs, member.worker_id, job, member.stopping, log_level="info").execute()
+    status = JobRun(settings, store, member.dirs, member.worker_id, job, member.stopping, log_level="info",
+                    resume_dir=resume_dir_of(settings, job.id)).execute()
     logger.info("job %s: %s", job.id, status.value if status else "lost")
     return 0
 
@@ -139,14 +147,17 @@ def _join(member: _Member, settings: Settings) -> int:
     stop = ctx.Event()
     proc = ctx.Process(target=child_main, name=f"fp8forge-rank-{os.environ['RANK']}",
                        args=(dict(job.request), str(scratch), settings.model_sources(), sender, stop, os.getpid()),
-                       kwargs={"log_level": "info", **({"threads": settings.conversion_threads}
-                                                       if settings.conversion_threads else {})})
+                       kwargs={"log_level": "info", "resume_dir": str(resume_dir_of(settings, job_id)),
+                               **({"threads": settings.conversion_threads} if settings.conversion_threads else {})})
     proc.start()
     sender.close()
     try:
         while proc.is_alive():
-            while receiver.poll(settings.poll_interval_s):
-                logger.debug("rank: %r", receiver.recv())  # rank 0 reports the job; these are its echo
+            # rank 0 reports the job; these are its echo. Drained for a bounded time, so a child reporting every
+            # step cannot keep this loop from noticing that the attempt ended.
+            until = time.monotonic() + settings.poll_interval_s
+            while receiver.poll(max(0.0, until - time.monotonic())) and time.monotonic() < until:
+                logger.debug("rank: %r", receiver.recv())
             now = store.get_job(job_id)
             if member.stopping.is_set() or now.status is not JobStatus.RUNNING or now.attempt != job.attempt:
                 stop.set()

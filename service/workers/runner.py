@@ -20,6 +20,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -49,11 +50,14 @@ class JobRun:
 
     def __init__(
         self, settings: Settings, store: JobStore, dirs: ArtifactStorage, worker_id: str, job: Job,
-        stopping: threading.Event, *, log_level: str | None = None,
+        stopping: threading.Event, *, log_level: str | None = None, resume_dir: Path | None = None,
     ) -> None:
         self.settings, self.store, self.dirs = settings, store, dirs
         self.worker_id, self.job, self.stopping = worker_id, job, stopping
         self.log_level = log_level
+        # one per job, kept across attempts (the Slurm executor's): the conversion resumes at its first unfinished
+        # layer (docs/distributed.md); None: no resume record
+        self.resume_dir = resume_dir
         self.watch = RunWatch()
         self._check_every = min(settings.heartbeat_interval_s, 0.5)
 
@@ -70,7 +74,8 @@ class JobRun:
         # Unset, the child works its budget out from the CPUs it may use (the worker's, which it inherits), and
         # logs at its own default level.
         options = {"threads": self.settings.conversion_threads, "log_level": self.log_level,
-                   "shard_export": shard_export_options(self.settings, self.job, self.worker_id)}
+                   "shard_export": shard_export_options(self.settings, self.job, self.worker_id),
+                   "resume_dir": str(self.resume_dir) if self.resume_dir else None}
         proc = ctx.Process(
             target=child_main, name=f"fp8forge-job-{job_id[:8]}",
             args=(dict(self.job.request), str(self.dirs.attempt_dir(job_id, attempt)),

@@ -192,10 +192,14 @@ def test_a_job_that_outlives_its_slurm_time_limit_goes_back_to_the_queue_and_is_
                        if e["kind"] == "status" and e["data"]["status"] == "queued" and "reason" in e["data"]]
         assert [event["reason"] for event in handed_back] == ["worker_shutdown"], handed_back
         assert [claim["attempt"] for claim in claims()] == [1, 1]  # the time limit used up no attempt
+        # the job's resume record (docs/distributed.md) outlives the first allocation, for the second to continue
+        record = tmp_path / "data" / "slurm" / job_id / "resume"
+        assert record.is_dir() and any(record.iterdir()), sorted(p.name for p in record.parent.iterdir())
         assert client.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
         assert wait_for(lambda: _finished(client, job_id), timeout=60, what="the cancel")["status"] == "cancelled"
         wait_for(lambda: slurm.job_states(second[0])[0] in ("COMPLETED", "CANCELLED"), timeout=60,
                  what=f"Slurm job {second[0]} to end")
+        wait_for(lambda: not record.exists(), timeout=30, what="the cancelled job's resume record to go")
 
 
 @pytest.mark.postgres
