@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.api.auth import LOCAL_CALLER
-from service.api.operations import submit_job
 from service.api.schemas import JobCreate
 from service.artifacts import ArtifactDirs
 from service.config import Settings
@@ -14,14 +12,20 @@ from service.workers.worker import Worker
 from tests.service_helpers import leftovers
 
 
+def _queue(worker: Worker, body: JobCreate):
+    """Queue ``body`` as the API would once its checks passed (the API's own checks are tests/service/api's)."""
+    return worker.store.create_job(body.to_request(), request_hash=body.model_dump_json(), max_attempts=worker.settings.max_attempts)[0]
+
+
 def test_a_failing_run_is_recorded_with_its_error_and_leaves_nothing(tmp_path: Path) -> None:
     models = tmp_path / "models"
     models.mkdir()
     settings = Settings(data_dir=tmp_path / "data", allowed_model_roots=(models,), heartbeat_interval_s=0.5)
     worker = Worker(settings)
+    # a model that was there when the job was queued and is gone when a worker runs it
     body = JobCreate(model=str(models / "not-there"), recipe={"backend": "ao"},
                      calibration={"steps": 1, "batch_size": 1, "seq_len": 8})
-    job = submit_job(worker.store, settings, body, None, LOCAL_CALLER)
+    job = _queue(worker, body)
 
     assert worker.run_once() is True
     failed = worker.store.get_job(job.id)
@@ -46,7 +50,7 @@ def test_stopping_a_worker_requeues_its_job_without_using_an_attempt(tmp_path: P
     worker = Worker(settings)
     body = JobCreate(model=str(models / "tiny-llama"), recipe={"backend": "ao"},
                      calibration={"steps": 50, "batch_size": 1, "seq_len": 16})
-    job = submit_job(worker.store, settings, body, None, LOCAL_CALLER)
+    job = _queue(worker, body)
     before = set(children_of(os.getpid()))
     thread = threading.Thread(target=worker.run)
     thread.start()
