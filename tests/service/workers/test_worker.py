@@ -14,7 +14,9 @@ from tests.service_helpers import leftovers
 
 def _queue(worker: Worker, body: JobCreate):
     """Queue ``body`` as the API would once its checks passed (the API's own checks are tests/service/api's)."""
-    return worker.store.create_job(body.to_request(), request_hash=body.model_dump_json(), max_attempts=worker.settings.max_attempts)[0]
+    job, _ = worker.store.create_job(body.to_request(), request_hash=body.model_dump_json(),
+                                     max_attempts=worker.settings.max_attempts)
+    return job
 
 
 def test_a_failing_run_is_recorded_with_its_error_and_leaves_nothing(tmp_path: Path) -> None:
