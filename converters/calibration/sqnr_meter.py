@@ -98,6 +98,9 @@ class SqnrMeter:
         self.max_rows = max_rows
         self.rows_per_layer = rows_per_layer
         self._call_rows = max_rows  # a call's budget of token rows (expect_steps lowers it)
+        #: ``(path, chosen) -> chosen``: the ranks of a data-parallel calibration take rank 0's choice of a sampled
+        #: layer's channels (made from step 0's output, as one process makes it); None: this meter's own
+        self.agree_channels: Callable[[str, MeasuredChannels], MeasuredChannels] | None = None
         # recipes with the same forward casts (torchao's three rowwise ones) are computed once
         self._groups: dict[tuple[Any, ...], list[RecipeCasts]] = {}
         for casts in self.recipes:
@@ -183,6 +186,8 @@ class SqnrMeter:
             standing = rows_in_blocks(rest, out) / rows_in_blocks(spread, out)  # each spread row stands for this many
             weights = torch.where(torch.isin(rows // CHANNEL_BLOCK, top), torch.ones(()), torch.tensor(standing))
             chosen = MeasuredChannels(rows=rows, weights=weights.float(), amax=chosen.amax)
+            if self.agree_channels is not None:
+                chosen = self.agree_channels(path, chosen)
         self._channels[path] = chosen
         return chosen
 

@@ -30,8 +30,10 @@ import torch.distributed
 
 from converters.calibration.amax import AmaxRecorder, LayerAmax
 from converters.calibration.sequential import Resumed, under
+from converters.calibration.sqnr_arithmetic import MeasuredChannels
 from converters.distributed.ranks import RankInfo, steps_of_rank
 from converters.distributed.resume import LayerRecord, ResumeStore
+from converters.model.experts import parse_unit_path
 
 if TYPE_CHECKING:
     from converters.calibration.kv_cache import KvCacheRecorder
@@ -54,6 +56,7 @@ class RankedLayerWalk:
         if meter is not None and info.world_size > 1:
             # a layer's sampled rows wait for the reduced history (use_step_amax): no flush before the layer's end
             meter.flush_rows = meter.pending_bytes = sys.maxsize
+            meter.agree_channels = self._agree_channels
         self._steps: list[int] = []
 
     def steps(self, total: int) -> list[int]:
@@ -108,6 +111,17 @@ class RankedLayerWalk:
         self._reduce_recorder(recorder)
         layers = self.stack_path + "."
         self._reduce_sqnr(recorder, lambda path: not path.startswith(layers))
+
+    def _agree_channels(self, path: str, chosen: MeasuredChannels) -> MeasuredChannels:
+        """Rank 0's choice of the channels the meter samples in a wide Linear: it made it from step 0's output, as
+        the one-process run does. Every rank calls a Linear at its first step, in the same order, so this collective
+        inside the forward lines up; an experts unit keeps its own choice (a rank may route no token to an expert,
+        and would miss the collective)."""
+        if parse_unit_path(path) is not None:
+            return chosen
+        shared = [chosen.rows, chosen.weights]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        return MeasuredChannels(rows=shared[0], weights=shared[1], amax=chosen.amax)
 
     def _reduce_recorder(self, recorder: AmaxRecorder) -> None:
         """MAX over the ranks of every per-step amax, SUM of the experts' tokens, in place in ``recorder``."""

@@ -58,7 +58,8 @@ class Job:
 @pytest.fixture(scope="package")
 def job(tmp_path_factory) -> Job:
     """The request every test of the package converts: TE delayed scaling (scales and amax history from the
-    per-step amax), the SQNR meter on, and a compressed-tensors serving export."""
+    per-step amax), the SQNR meter on (sampling token rows, 64 a call, and the channels of gate/up: the choices a
+    rank must make as the one process does), and a compressed-tensors serving export."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -68,10 +69,11 @@ def job(tmp_path_factory) -> Job:
     root = tmp_path_factory.mktemp("distributed")
     config = tiny_config("llama")
     config.num_hidden_layers = LAYERS
+    config.intermediate_size = 2304  # gate/up wider than 4 x 512: the SQNR meter samples their channels
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "llama4")
     request = ConversionRequest(model=str(root / "llama4"), recipe={"backend": "te"},
-                                calibration=CalibrationSettings(steps=6, batch_size=2, seq_len=16),
+                                calibration=CalibrationSettings(steps=6, batch_size=2, seq_len=32),
                                 serving_formats=("compressed-tensors-fp8",))
     path = root / "request.json"
     path.write_text(json.dumps(request.to_dict()), encoding="utf-8")
