@@ -1,0 +1,220 @@
+"""`fp8forge requantize` beside a copy of the same files and llm-compressor's `model_free_ptq`, interleaved, in one run.
+
+The checkpoint: Llama-shaped, bf16, random weights, 8 layers, hidden 2048, intermediate 5632, 16 heads, 4 KV
+heads, vocab 32000, untied head: ~0.94 GB in 4 shards (the embedding in the first, the head in the last). Made by
+this script in ``--workdir``; its bytes are read once before anything is timed, so every run reads a warm page cache.
+
+Per round and per format, in this order (each a fresh process):
+
+  copy        ``cp -r`` of the source directory: the physical limit of reading and writing those bytes here;
+  fp8forge    ``convert_model_free(source, out, format, workers=1)`` (what ``fp8forge requantize`` runs), its
+              work timed inside the process; the process's start (imports) is measured apart by an import-only child;
+  peer        llm-compressor 0.14 ``model_free_ptq(source, out, scheme, device="cpu", max_workers=1)`` in its own
+              venv (never a project dependency; the venv of bench_serving.py, built by it), timed the same way.
+
+Both tools are told the same work: every Linear of the decoder quantized, ``lm_head`` kept in bf16
+(fp8forge ``--no-skip-first-last --exclude lm_head``; the peer ``ignore=["lm_head"]``). Formats and the peer's
+schemes: fp8-block (FP8_BLOCK), compressed-tensors-fp8-dynamic (FP8_DYNAMIC), mxfp8 (MXFP8), nvfp4-a16 (NVFP4A16).
+
+Printed: each run's work seconds, whole-process seconds and peak RSS; per format the fastest of the rounds, and
+the ratios fp8forge / copy and peer / fp8forge. Targets (issue #38): fp8forge <= 2x a copy, the peer >= 2x fp8forge.
+
+    .venv/bin/python benchmarks/bench_requantize.py                      # 2 rounds, all four formats
+    .venv/bin/python benchmarks/bench_requantize.py --rounds 1 --formats fp8-block --skip-peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB, SHARDS = 2048, 5632, 8, 16, 4, 32000, 4
+FORMATS = {"fp8-block": "FP8_BLOCK", "compressed-tensors-fp8-dynamic": "FP8_DYNAMIC", "mxfp8": "MXFP8",
+           "nvfp4-a16": "NVFP4A16"}
+DEFAULT_PEER_VENV = Path.home() / ".cache" / "fp8forge-bench" / "llmcompressor-venv"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tensor_shapes() -> dict[str, tuple[int, ...]]:
+    head_dim = HIDDEN // HEADS
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        prefix = f"model.layers.{i}."
+        shapes.update({prefix + "input_layernorm.weight": (HIDDEN,),
+                       prefix + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+                       prefix + "self_attn.k_proj.weight": (KV_HEADS * head_dim, HIDDEN),
+                       prefix + "self_attn.v_proj.weight": (KV_HEADS * head_dim, HIDDEN),
+                       prefix + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+                       prefix + "post_attention_layernorm.weight": (HIDDEN,),
+                       prefix + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
+                       prefix + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+                       prefix + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE)})
+    shapes.update({"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)})
+    return shapes
+
+
+def build_model(directory: Path) -> int:
+    """Write the checkpoint (tensors split evenly by count over the shards); returns its bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    shapes = _tensor_shapes()
+    names = list(shapes)
+    per_shard = math.ceil(len(names) / SHARDS)
+    # 16M random values tiled: the casts cost the same whatever the values, and drawing 0.5G samples would not
+    pool = (torch.randn(1 << 24, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    directory.mkdir(parents=True)
+    weight_map = {}
+    for n in range(SHARDS):
+        file = f"model-{n + 1:05d}-of-{SHARDS:05d}.safetensors"
+        keys = names[n * per_shard:(n + 1) * per_shard]
+        tensors = {key: pool.repeat(-(-math.prod(shapes[key]) // pool.numel()))[:math.prod(shapes[key])]
+                   .view(shapes[key]).clone() for key in keys}
+        save_file(tensors, directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, file))
+        del tensors
+    total = sum(math.prod(shape) * 2 for shape in shapes.values())
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+              "intermediate_size": INTERMEDIATE, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+              "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "hidden_act": "silu"}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return sum(path.stat().st_size for path in directory.iterdir())
+
+
+# ---- the measured children (``bench_requantize.py --child ROLE ...``, in either venv) -----------------------
+
+
+def child(role: str, fmt: str, source: str, out: str) -> None:
+    """One measured run: imports, then the work timed; prints one JSON line."""
+    started = time.perf_counter()
+    if role == "fp8forge":
+        from converters.modelfree import ModelFreeOptions, convert_model_free  # noqa: F401  (the start's imports)
+    elif role == "peer":
+        from llmcompressor import model_free_ptq  # noqa: F401
+    imported = time.perf_counter()
+    if role == "fp8forge":
+        convert_model_free(Path(source), Path(out), fmt, exclude=("lm_head",), skip_first_last=False)
+    elif role == "peer":
+        model_free_ptq(source, out, scheme=FORMATS[fmt], ignore=["lm_head"], max_workers=1, device="cpu")
+    done = time.perf_counter()
+    print(json.dumps({"imports_s": imported - started, "work_s": done - imported,
+                      "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def _run(python: Path, role: str, fmt: str, source: Path, out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.perf_counter()
+    result = subprocess.run([str(python), __file__, "--child", role, fmt, str(source), str(out)], capture_output=True,
+                            text=True, cwd=ROOT, env={**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
+                                                      "PYTHONPATH": str(ROOT)})
+    seconds = time.perf_counter() - started
+    if result.returncode:
+        if role == "fp8forge":
+            raise SystemExit(f"{role} {fmt} failed:\n{result.stderr[-3000:]}")
+        # the peer's own failure is a result: recorded and shown, the run goes on
+        error = (result.stderr.strip().splitlines() or ["no message"])[-1]
+        shutil.rmtree(out, ignore_errors=True)
+        return {"failed": error[:300], "work_s": math.nan, "process_s": seconds, "imports_s": math.nan,
+                "rss_mb": math.nan}
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    measured |= {"process_s": seconds, "written_mb": _tree_bytes(out) / 1e6}
+    shutil.rmtree(out, ignore_errors=True)
+    return measured
+
+
+def _copy(source: Path, out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.perf_counter()
+    subprocess.run(["cp", "-r", str(source), str(out)], check=True)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(out, ignore_errors=True)
+    return {"work_s": seconds, "process_s": seconds, "imports_s": 0.0, "rss_mb": 0.0}
+
+
+def _tree_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def _warm(source: Path) -> None:
+    for path in source.iterdir():
+        with open(path, "rb") as handle:
+            while handle.read(64 << 20):
+                pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp8forge-bench-requantize"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of: " + ", ".join(FORMATS))
+    parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
+    parser.add_argument("--skip-peer", action="store_true")
+    args = parser.parse_args()
+    formats = [name for name in args.formats.split(",") if name]
+    unknown = [name for name in formats if name not in FORMATS]
+    if unknown:
+        raise SystemExit(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
+    peer_python = args.peer_venv / "bin" / "python"
+    run_peer = not args.skip_peer and peer_python.exists()
+    if not args.skip_peer and not run_peer:
+        print(f"no peer venv at {args.peer_venv}: build it with benchmarks/bench_serving.py (its first run installs "
+              "llm-compressor there), or pass --skip-peer; measuring without the peer")
+    source = args.workdir / "source"
+    if not source.is_dir():
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        print(f"building the checkpoint in {source}", flush=True)
+        build_model(source)
+    size = _tree_bytes(source)
+    print(f"checkpoint: {size / 1e9:.2f} GB in {SHARDS} shards, {LAYERS} layers, hidden {HIDDEN}; "
+          f"cpus {os.cpu_count()}; rounds {args.rounds}", flush=True)
+    _warm(source)
+    out = args.workdir / "out"
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for round_ in range(args.rounds):
+        for fmt in formats:
+            tools = [("copy", None), ("fp8forge", Path(sys.executable))] + ([("peer", peer_python)] if run_peer else [])
+            for tool, python in tools:
+                measured = _copy(source, out) if python is None else _run(python, tool, fmt, source, out)
+                runs.setdefault((fmt, tool), []).append(measured)
+                if "failed" in measured:
+                    print(f"round {round_ + 1} {fmt:32s} {tool:9s} FAILED: {measured['failed']}", flush=True)
+                    continue
+                print(f"round {round_ + 1} {fmt:32s} {tool:9s} work {measured['work_s']:6.2f} s  process "
+                      f"{measured['process_s']:6.2f} s  (imports {measured['imports_s']:.2f} s)  peak RSS "
+                      f"{measured['rss_mb']:7.0f} MB", flush=True)
+    print("\nfastest of the rounds (work: the process's start apart)")
+    print(f"{'format':32s} {'copy s':>7s} {'fp8forge s':>10s} {'peer s':>7s} {'fp8forge/copy':>13s} "
+          f"{'peer/fp8forge':>13s} {'fp8forge MB/s':>13s} {'RSS MB':>7s} {'peer RSS':>8s}")
+    for fmt in formats:
+        best = {tool: min(ok, key=lambda run: run["work_s"]) for tool in ("copy", "fp8forge", "peer")
+                if (ok := [run for run in runs.get((fmt, tool), []) if "failed" not in run])}
+        ours, copy = best["fp8forge"], best["copy"]
+        peer = best.get("peer")
+        print(f"{fmt:32s} {copy['work_s']:7.2f} {ours['work_s']:10.2f} "
+              f"{peer['work_s'] if peer else float('nan'):7.2f} {ours['work_s'] / copy['work_s']:13.2f} "
+              f"{peer['work_s'] / ours['work_s'] if peer else float('nan'):13.2f} {size / 1e6 / ours['work_s']:13.0f} "
+              f"{max(run['rss_mb'] for run in runs[(fmt, 'fp8forge')]):7.0f} "
+              f"{peer['rss_mb'] if peer else float('nan'):8.0f}" + ("" if peer or not run_peer else "  (peer failed)"))
+    starts = {tool: min(run["imports_s"] for (fmt, name), group in runs.items() if name == tool for run in group
+                        if "failed" not in run)
+              for tool in ("fp8forge", "peer") if any(name == tool for _, name in runs)}
+    print("process start (imports), fastest: " + ", ".join(f"{tool} {value:.2f} s" for tool, value in starts.items()))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(*sys.argv[2:6])
+    else:
+        main()
