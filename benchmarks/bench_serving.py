@@ -13,9 +13,10 @@ activations (llm-compressor's `FP8` scheme) of every decoder Linear, lm_head lef
              for this recipe is "sequential": every layer runs the calibration batches twice (calibrate, then
              propagate the quantized outputs).
 Both calibrate on the same tokens: `--steps` batches of `--batch-size` x `--seq-len` (default 8 x 2 x 128 = 16
-samples, 2,048 tokens) built once by converters.calibration.amax.calibration_batches from the built-in corpus with
-the model's tokenizer and seed 0 (exactly what fp8forge builds inside its job), saved to a JSON file that the
-peer turns into a `datasets.Dataset` of input_ids and attention_mask (oneshot batch_size = `--batch-size`).
+samples, 2,048 tokens) built once by converters.calibration.amax.calibration_batches from the built-in corpus'
+calibration part with the model's tokenizer and seed 0 (exactly what fp8forge builds inside its job), saved to a
+JSON file that the peer turns into a `datasets.Dataset` of input_ids and attention_mask (oneshot batch_size =
+`--batch-size`).
 
 Each export is a fresh child process measured by benchmarks/measure.py: the in-process seconds (load +
 calibrate + save, after the imports) and the process wall; its peak RSS is printed above the same tool's
@@ -176,14 +177,18 @@ def ensure_peer_venv(venv: Path) -> tuple[dict, float | None]:
 
 
 def write_calibration_tokens(model_dir: Path, vocab_size: int, calibration: Calibration, path: Path) -> str:
-    """Build the batches as fp8forge's job does (its tokenizer, built-in corpus, seed 0) and save their rows."""
+    """Build the batches as fp8forge's job does (its tokenizer, the built-in corpus' calibration part, seed 0) and
+    save their rows. The job reads the corpus less its held-out part (stages._calibration_batches); rows from the
+    whole corpus were other windows than the job's, so the two tools' static input scales were calibrated on
+    different tokens (docs/benchmarks/nvfp4-2026-12-03.md)."""
     from transformers import AutoTokenizer
 
     from converters.calibration.amax import calibration_batches
+    from converters.quality.held_out import calibration_part
 
     batches, source = calibration_batches(
-        AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab_size, steps=calibration.steps,
-        batch_size=calibration.batch_size, seq_len=calibration.seq_len,
+        AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab_size, texts=calibration_part(),
+        steps=calibration.steps, batch_size=calibration.batch_size, seq_len=calibration.seq_len,
     )
     rows = {key: [row for batch in batches for row in batch[key].tolist()] for key in ("input_ids", "attention_mask")}
     path.write_text(json.dumps(rows))
