@@ -24,6 +24,7 @@ A precision a layout has no writer for (block FP8 in both: fp8forge's block FP8 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ import torch
 from converters.artifact.files import copy_side_files, write_json
 from converters.errors import Fp8ForgeError
 from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
-from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
+from converters.model.safetensors_stream import read_tensor, read_tensor_index
 from converters.plan.candidates import BF16
+from converters.rewrite import Compute, Copy
+from converters.rewrite import write_shard as rewrite_shard
 from converters.serving.compressed_tensors import STATIC
 from converters.serving.modelopt import HF_QUANT_CONFIG, MODELOPT_FP8, MODELOPT_NVFP4, MODELOPT_VERSION
 from converters.serving.mxfp8 import MXFP8
@@ -197,23 +200,23 @@ def _write_weights(layout: MixedLayout, plans: Mapping[str, ServingPlan], weight
     total = 0
     for source in weight_files:
         tensors, metadata = read_tensor_index(source)
-        entries: dict[str, Any] = {}
+        steps: list[Copy | Compute] = []
         for name, tensor in tensors.items():
-            entries.update(format_of[name][0].planned_tensors(name, tensor, scale_dtype) if name in format_of
-                           else {name: tensor})
-        with StreamingWriter(directory / source.name, entries, metadata) as writer:
-            for name, tensor in tensors.items():
-                if check_stop is not None:
-                    check_stop()
-                if name not in format_of:
-                    writer.write(name, tensor)  # bf16 Linears and every other tensor: the source's bytes
-                    continue
-                fmt, serving, path = format_of[name]
-                options = {"weight_amax": serving.weight_amax[path]} if getattr(fmt, "needs_weight_amax", False) \
-                    else {}
-                replacement = fmt.quantize(read_tensor(tensor), serving.input_amax.get(path), scale_dtype, **options)
-                for key, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
-                    writer.write(key, value)
-        weight_map.update(dict.fromkeys(entries, source.name))
-        total += sum(writer.planned[name].nbytes for name in entries)
+            if name not in format_of:
+                steps.append(Copy(name, tensor))  # bf16 Linears and every other tensor: the source's bytes
+                continue
+            fmt, serving, path = format_of[name]
+            options = {"weight_amax": serving.weight_amax[path]} if getattr(fmt, "needs_weight_amax", False) else {}
+            steps.append(Compute(outputs=fmt.planned_tensors(name, tensor, scale_dtype),
+                                 read=functools.partial(read_tensor, tensor),
+                                 convert=functools.partial(_cast, fmt, serving.input_amax.get(path), scale_dtype,
+                                                           options)))
+        written = rewrite_shard(directory / source.name, steps, metadata, check_stop=check_stop)
+        weight_map.update(dict.fromkeys(written.tensors, source.name))
+        total += written.bytes
     return weight_map, total
+
+
+def _cast(fmt: Any, input_amax: float | None, scale_dtype: torch.dtype, options: dict[str, float],
+          weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:
+    return fmt.quantize(weight, input_amax, scale_dtype, **options), None

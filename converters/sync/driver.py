@@ -16,6 +16,7 @@ ignore list with its reason. Expert weights of MoE models are not synced (they s
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -31,11 +32,13 @@ from converters.artifact.layout import staging_dir_for
 from converters.errors import ArtifactError, ConversionError, RequestError
 from converters.model.checkpoint import weight_files
 from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
-from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
+from converters.model.safetensors_stream import read_tensor, read_tensor_index
 from converters.modelfree.driver import serving_plan
 from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, decide
 from converters.modelfree.targets import model_free_target, scale_dtype_of
 from converters.recipes import recipe_from_dict
+from converters.rewrite import Compute, Copy
+from converters.rewrite import write_shard as rewrite_shard
 from converters.sync.twins import training_twin, twin_report
 
 __all__ = ["SYNC_REPORT_NAME", "sync_serving"]
@@ -177,19 +180,17 @@ def _write_shard(path: Path, header: dict[str, Any], staging: Path, fmt: Any, co
                  scale_dtype: torch.dtype) -> dict[str, Any]:
     """One output shard: converted weights cast, ``_extra_state`` left out, every other tensor copied as bytes."""
     kept = {name: tensor for name, tensor in header.items() if not name.endswith(_EXTRA_STATE)}
-    entries: dict[str, Any] = {}
-    for name, tensor in kept.items():
-        entries.update(fmt.planned_tensors(name, tensor, scale_dtype) if name in convert else {name: tensor})
     _, metadata = read_tensor_index(path)
-    with StreamingWriter(staging / path.name, entries, metadata) as writer:
-        for name, tensor in kept.items():
-            if name not in convert:
-                writer.write(name, tensor)
-                continue
-            replacement = fmt.quantize(read_tensor(tensor), None, scale_dtype)
-            for planned, value in zip(fmt.planned_tensors(name, tensor, scale_dtype), replacement, strict=True):
-                writer.write(planned, value)
-    return {"shard": path.name, "tensors": list(entries), "bytes": sum(writer.planned[n].nbytes for n in entries)}
+    steps: list[Copy | Compute] = [
+        Compute(outputs=fmt.planned_tensors(name, tensor, scale_dtype), read=functools.partial(read_tensor, tensor),
+                convert=functools.partial(_cast, fmt, scale_dtype)) if name in convert else Copy(name, tensor)
+        for name, tensor in kept.items()]
+    written = rewrite_shard(staging / path.name, steps, metadata)
+    return {"shard": path.name, "tensors": written.tensors, "bytes": written.bytes}
+
+
+def _cast(fmt: Any, scale_dtype: torch.dtype, weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:
+    return fmt.quantize(weight, None, scale_dtype), None
 
 
 def _finish(artifact: Path, source: Path, staging: Path, config: dict[str, Any], fmt: Any, report: dict[str, Any],
