@@ -36,6 +36,7 @@ KV_NAMES = {".self_attn.k_scale": ".self_attn.attn.k_scale", ".self_attn.v_scale
 #: source's: E4M3 rounds to 3 mantissa bits (relative step 2^-4 at most, ~2-3% RMS on real and random weights);
 #: a scale off by 2x is 100%
 MAX_WEIGHT_ERROR = 0.08
+MX_BLOCK = 32  #: elements per MXFP8 scale
 
 
 def vllm_missing() -> str | None:
@@ -137,8 +138,9 @@ def _target(name: str, written: dict[str, torch.Tensor]) -> tuple[str, int | Non
     if projection not in PACKED:
         return name, None, None
     fused, shard = PACKED[projection]
-    siblings = [f"{module_prefix}.{sibling}.weight" for sibling in SHARDS[fused]]
-    rows = [written[sibling].shape[0] for sibling in siblings]
+    # compressed-tensors' NVFP4 names the packed weight weight_packed; its rows are the output features all the same
+    rows = [next(written[f"{module_prefix}.{sibling}.{kind}"] for kind in ("weight", "weight_packed")
+                 if f"{module_prefix}.{sibling}.{kind}" in written).shape[0] for sibling in SHARDS[fused]]
     start = sum(rows[:shard])
     tensor = written[name]
     target = f"{module_prefix}.{fused}.{rest}"
@@ -184,31 +186,40 @@ def load_problems(directory: Path, run: EngineRun) -> list[str]:
     return problems
 
 
+def _shard_scale(scale: torch.Tensor, shards: int, index: int, start: int, rows: int) -> torch.Tensor:
+    """One shard's scale, broadcastable over its [rows, in] FP8 values: per tensor (one per shard, or one for the
+    layer), per channel ([out, 1]) or MX blocks of 32 (uint8 E8M0 exponents, [out, in/32], expanded)."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale[start:start + rows].float() - 127).repeat_interleave(MX_BLOCK, dim=1)
+    scale = scale.float()
+    if scale.numel() == shards:
+        return scale.reshape(-1)[index]
+    if scale.numel() == 1:
+        return scale.reshape(-1)[0]
+    return scale.reshape(-1, 1)[start:start + rows]
+
+
 def fidelity_problems(source: Path, run: EngineRun) -> list[str]:
     """Each FP8 weight as vLLM multiplies it (its loaded FP8 values times its loaded scale) against the source's
-    bf16 weight: a relative error above MAX_WEIGHT_ERROR is a wrong scale or wrong values."""
+    bf16 weight: a relative error above MAX_WEIGHT_ERROR is a wrong scale or wrong values. FP4 (packed uint8)
+    weights are not dequantized here: their load check alone covers them."""
     if run.error:
         return [f"vLLM failed to run: {run.error}"]
     original, loaded = _file_tensors(source), run.loaded()
     problems = []
     for name, weight in loaded.items():
-        if weight.dtype != torch.float8_e4m3fn:
+        if weight.dtype != torch.float8_e4m3fn or not name.endswith(".weight"):
             continue
         module = name.removesuffix(".weight")
         prefix, _, fused = module.rpartition(".")
         shards = SHARDS.get(fused, (fused,))
-        scale = loaded[f"{module}.weight_scale"].float()
+        scale = loaded[f"{module}.weight_scale"]
         start = 0
         for index, shard in enumerate(shards):
             expected = original[f"{prefix}.{shard}.weight"].float()
             rows = expected.shape[0]
             values = weight[start:start + rows].float()
-            if scale.numel() == len(shards):
-                shard_scale = scale.reshape(-1)[index]
-            elif scale.numel() == 1:
-                shard_scale = scale.reshape(-1)[0]
-            else:
-                shard_scale = scale.reshape(-1, 1)[start:start + rows]
+            shard_scale = _shard_scale(scale, len(shards), index, start, rows)
             error = float((values * shard_scale - expected).norm() / expected.norm().clamp(min=1e-12))
             if error > MAX_WEIGHT_ERROR:
                 problems.append(f"{prefix}.{shard}: the weight vLLM multiplies is {error:.0%} off the source's")

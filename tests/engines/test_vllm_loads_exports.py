@@ -4,7 +4,8 @@ bit, weight and input scales exactly, KV scales to bf16 rounding); every attenti
 with the file's scales; and each FP8 weight as vLLM multiplies it is the source's within FP8 rounding.
 
 The exports: the tiny Llama of tests/conftest.py (``llama_root``, with its tokenizer), written by two conversion
-jobs (without and with ``kv_cache: "fp8"``) in the three formats the CPU build has kernels for. Deliberately broken
+jobs (without and with ``kv_cache: "fp8"``) in the three formats the CPU build has kernels for and the three it runs
+with vLLM's own emulation kernels listed for the CPU (mxfp8, nvfp4, modelopt-nvfp4). Deliberately broken
 copies show that each check catches what it is for, and that the project's load audit (headers and config only)
 agrees with vLLM on whether the file loads as written. All runs share one vLLM process (tests/engines/engine.py).
 
@@ -27,9 +28,14 @@ from tests.engines.engine import EngineRequest, fidelity_problems, load_problems
 pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
 
 STATIC, DYNAMIC, MODELOPT = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8"
-#: the exports vLLM's CPU build has kernels for (fp8-block, mxfp8 and nvfp4: "Failed to find a kernel")
+MXFP8, NVFP4, MODELOPT_NVFP4 = "mxfp8", "nvfp4", "modelopt-nvfp4"
+#: the exports vLLM's CPU build has kernels for
 RUNNABLE = (STATIC, DYNAMIC, MODELOPT)
-CASES = [(fmt, kv) for fmt in RUNNABLE for kv in (None, "fp8")]
+#: the exports it runs with its own emulation kernels listed for the CPU (vllm_driver.install_stand_ins). Not
+#: run: fp8-block (its CPU kernels need AMX, which this Zen 4 lacks) and nvfp4-a16 (vLLM forces Marlin for W4A16)
+EMULATED = (MXFP8, NVFP4, MODELOPT_NVFP4)
+KV_FORMATS = (STATIC, DYNAMIC, MODELOPT, MODELOPT_NVFP4)
+CASES = [(fmt, kv) for fmt in RUNNABLE + EMULATED for kv in (None, "fp8") if kv is None or fmt in KV_FORMATS]
 CALIBRATION = CalibrationSettings(steps=2, seq_len=16)
 TEXT = "The engine reads the scales the converter wrote, and the cache keeps its keys in eight bits."
 GENERATED = 8
@@ -45,6 +51,12 @@ def double_weight_scale(tensors):
     tensors["model.layers.1.self_attn.o_proj.weight_scale"] *= 2
 
 
+def raise_mx_exponent(tensors):
+    """Each row's first MXFP8 block exponent one step up: the first 32 inputs of every output come out twice as
+    large. vLLM loads it as written; only the source shows it."""
+    tensors["model.layers.1.mlp.down_proj.weight_scale"][:, 0] += 1
+
+
 def drop_modelopt_v_scale(tensors):
     """One layer's v_scale missing: vLLM's BaseKVCacheMethod.process_weights_after_loading (kv_cache.py) then runs
     that layer's values with its k_scale (it duplicates a lone scale), silently."""
@@ -57,6 +69,7 @@ BROKEN = {
     "kv-scale-renamed": (STATIC, "fp8", rename_k_scale, {Rule.SCALE_DROPPED}, "load"),
     "weight-scale-doubled": (STATIC, None, double_weight_scale, set(), "fidelity"),
     "modelopt-v-scale-dropped": (MODELOPT, "fp8", drop_modelopt_v_scale, set(), "load"),
+    "mx-exponents-raised": (MXFP8, None, raise_mx_exponent, set(), "fidelity"),
 }
 
 
@@ -65,11 +78,12 @@ def exports(llama_root):
     """(format, kv_cache) -> the export directory, and the broken copies by name."""
     done = {}
     for kv in (None, "fp8"):
+        formats = tuple(fmt for fmt, case_kv in CASES if case_kv == kv)
         request = ConversionRequest(model=str(llama_root / "llama"), recipe={"backend": "te"}, calibration=CALIBRATION,
-                                    serving_formats=RUNNABLE, kv_cache=kv)
+                                    serving_formats=formats, kv_cache=kv)
         out = llama_root / f"out-{kv or 'no-kv'}"
         run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_root,)))
-        done.update({(fmt, kv): out / "serving" / fmt for fmt in RUNNABLE})
+        done.update({(fmt, kv): out / "serving" / fmt for fmt in formats})
     for name, (fmt, kv, edit, _, _) in BROKEN.items():
         broken = shutil.copytree(done[(fmt, kv)], llama_root / "broken" / name)
         tensors = load_file(broken / "model.safetensors")

@@ -81,6 +81,19 @@ def install_stand_ins() -> list[str]:
 
     fused_act_quant._FUSED_ACT_QUANT.clear()
     replaced.append("vllm.model_executor.layers.fusion.fused_act_quant._FUSED_ACT_QUANT")
+    # vLLM's own emulation kernels for MXFP8 and NVFP4 (dequantize to bf16, then a bf16 GEMM; their is_supported
+    # says "always available") are listed for CUDA/ROCm/XPU only: listed for the CPU too, vLLM's own schemes,
+    # weight loaders, process_weights_after_loading and model code run on these exports. Appended, so a real CPU
+    # kernel, if a later build has one, still comes first.
+    from vllm.model_executor.kernels.linear import register_linear_kernel
+    from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+    from vllm.platforms import PlatformEnum
+
+    register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
+    register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+    replaced += ["kernels.linear._POSSIBLE_MXFP8_KERNELS[CPU] += EmulationMxfp8LinearKernel",
+                 "kernels.linear._POSSIBLE_NVFP4_KERNELS[CPU] += EmulationNvFp4LinearKernel"]
     return replaced
 
 
