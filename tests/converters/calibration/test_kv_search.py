@@ -3,11 +3,16 @@ attention output's error, on constructed outliers and on the real SmolLM2-135M."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from converters.calibration.amax import calibration_batches
+from converters.calibration.kv_cache import recording_kv_amax
 from converters.calibration.kv_search import CLIP_RATIOS, KvStep, fake_quantize_e4m3, search_kv_scales
+from converters.quality.held_out import calibration_part
 
 
 def test_e4m3_storage_saturates_at_448_and_rounds_like_the_cast():
@@ -65,3 +70,29 @@ def test_the_search_refuses_no_steps_and_bad_ratios():
     step = KvStep(*(torch.ones(1, 1, 2, 4) for _ in range(3)), _attend)
     with pytest.raises(ValueError, match="start at 1.0"):
         search_kv_scales([step], 1.0, 1.0, ratios=(0.5, 1.0))
+
+
+def test_on_smollm2_every_layer_s_searched_scales_are_finite_positive_and_no_worse_than_amax():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.converters.quality.smollm import smollm_dir
+
+    directory = smollm_dir()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    # float32 holds the bf16 checkpoint exactly and runs several times faster on a CPU without bf16 GEMMs
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa").eval()
+    batches, _ = calibration_batches(tokenizer, vocab_size=model.config.vocab_size, texts=calibration_part(),
+                                     steps=2, batch_size=2, seq_len=128)
+    with torch.no_grad(), recording_kv_amax(model) as recorder:
+        for batch in batches:
+            model(**batch)
+        results = recorder.results()
+    assert len(results) == model.config.num_hidden_layers
+    for path, layer in results.items():
+        found = layer.search
+        assert found is not None and found.steps == len(batches), path
+        assert math.isfinite(layer.key_clip) and math.isfinite(layer.value_clip), path
+        assert 0 < layer.key_clip <= layer.key_amax and 0 < layer.value_clip <= layer.value_amax, path
+        assert 0 <= found.error_chosen <= found.error_at_amax, path
+        ratios = (found.key_ratio, found.value_ratio)
+        assert ratios == (1.0, 1.0) or found.error_chosen < found.error_at_amax, path  # clipped only where it helps
