@@ -132,7 +132,7 @@ def main() -> None:
                         help="also run the calibration pass without the search, to print what the search costs")
     args = parser.parse_args()
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # eight processes share two cores here: one thread spins on no OpenMP barrier
     directory = smollm_dir()
     tokenizer = AutoTokenizer.from_pretrained(directory)
     # float32 compute: this CPU has no fast bf16 GEMM (the pipeline's layer-sequential pass upcasts too); the
