@@ -19,6 +19,7 @@ from converters.model.sources import ModelSourceOptions, build_meta_model, load_
 from converters.pipeline.driver import run_conversion
 from converters.pipeline.request import KV_CACHE_FORMAT_NAMES, CalibrationSettings, ConversionRequest
 from converters.pipeline.stages import model_inputs
+from converters.serving.audit import audit_export
 from converters.serving.kv_scales import attach_kv_scales
 from converters.serving.plan import ServingPlan
 from tests.models import save_tiny_model
@@ -143,6 +144,8 @@ def test_every_attention_layer_has_vllm_mappable_scales_equal_to_clipped_amax_ov
         assert torch.isfinite(value).all() and value.item() > 0
         assert 0 <= layer["attention_error"] <= layer["attention_error_at_amax"]  # the search never loses
         assert layer["searched_steps"] == CALIBRATION.steps
+    audit = audit_export(exports[name])  # vLLM's loading rules replayed: every scale lands on its Attention layer
+    assert audit.ok and audit.kv_scales_found == len(scales), audit.to_dict()
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -236,3 +239,17 @@ def test_formats_that_write_kv_scales_match_the_registry():
 
     declared = tuple(name for name, fmt in SERVING_FORMATS.items() if getattr(fmt, "supports_kv_cache", False))
     assert declared == KV_CACHE_FORMAT_NAMES
+
+
+def test_without_kv_cache_the_export_is_the_same_bytes_less_the_kv_scales(kv_root, exports):
+    # The search only runs where kv_cache asks for scales, and touches nothing else the export writes.
+    request = ConversionRequest(model=str(kv_root / "llama"), recipe={"backend": "ao"}, calibration=CALIBRATION,
+                                serving_formats=(FORMAT,))
+    run_conversion(request, kv_root / "llama-plain", ModelSourceOptions(allowed_roots=(kv_root,)))
+    plain = _export_tensors(kv_root / "llama-plain" / "serving" / FORMAT)
+    with_kv = _export_tensors(exports["llama"])
+    assert not any(key.endswith(("k_scale", "v_scale")) for key in plain)
+    assert sorted(plain) == sorted(key for key in with_kv if not key.endswith((".k_scale", ".v_scale")))
+    for key, tensor in plain.items():
+        assert tensor.dtype == with_kv[key].dtype and torch.equal(tensor.view(torch.uint8), with_kv[key].view(
+            torch.uint8)), key
