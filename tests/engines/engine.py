@@ -107,6 +107,7 @@ def run_vllm(requests: list[EngineRequest], work: Path, *, timeout: float = 1800
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
         raise RuntimeError(f"vllm_driver.py exited {done.returncode}; its log: {log}\n{log.read_text()[-4000:]}")
+    (work / "runs.json").write_text(lines[-1])  # what the engine said, kept beside its log for a failed assertion
     return [EngineRun(raw) for raw in json.loads(lines[-1])["runs"]]
 
 
