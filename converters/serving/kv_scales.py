@@ -101,8 +101,9 @@ def kv_scale(amax: float, dtype: torch.dtype) -> torch.Tensor:
 def scale_choice(amax: Mapping[str, KvAmax]) -> str:
     """How the scales were chosen, for the report."""
     if amax and all(layer.search is not None for layer in amax.values()):
-        return ("clipped: amax * ratio / 448, the ratio (1.0 to 0.3) chosen per layer, keys and values apart, by the "
-                "attention output's relative squared error over the calibration tokens")
+        return ("amax * ratio / 448, the ratio (1.0 to 0.3) chosen per layer, keys and values apart, by the attention "
+                "output's relative squared error: fitted on the even calibration steps, kept only where it leaves at "
+                "most half of amax/448's error on the odd ones, else 1.0")
     return "amax / 448"
 
 
