@@ -162,6 +162,9 @@ def main() -> None:
         exports, figures = {}, {}
         for kv in (None, "fp8"):
             part = f"fp8forge-{kv or 'no-kv'}"
+            if part not in parts and not (work / part / "fp8_report.json").is_file():
+                print(f"{part}: no job in {work}, left out", file=sys.stderr, flush=True)
+                continue
             if part in parts or "engine" in parts:
                 made, reported = fp8forge_exports(model, settings, work, kv, convert=part in parts)
                 exports.update(made)

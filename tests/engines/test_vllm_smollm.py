@@ -25,7 +25,7 @@ RUNNABLE = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelop
 CALIBRATION = CalibrationSettings(steps=2, batch_size=1, seq_len=64)
 TOKENS = 128
 #: the most a trained 135M model's perplexity may grow with FP8 weights, activations and KV cache on 128 tokens:
-#: bench_engine.py measured at most +12% on 256 positions (docs/benchmarks/engine-2026-12-03.md); a scale off by
+#: issue #36's engine table measured at most +11.5% on 512 positions (fp8forge static + FP8 KV); a scale off by
 #: 2x or a dropped KV scale costs far more
 MAX_RATIO = 1.25
 
