@@ -68,7 +68,7 @@ def drop_modelopt_v_scale(tensors):
 BROKEN = {
     "kv-scale-renamed": (STATIC, "fp8", rename_k_scale, {Rule.SCALE_DROPPED}, "load"),
     "weight-scale-doubled": (STATIC, None, double_weight_scale, set(), "fidelity"),
-    "modelopt-v-scale-dropped": (MODELOPT, "fp8", drop_modelopt_v_scale, set(), "load"),
+    "modelopt-v-scale-dropped": (MODELOPT, "fp8", drop_modelopt_v_scale, {Rule.MISSING_SCALE}, "load"),
     "mx-exponents-raised": (MXFP8, None, raise_mx_exponent, set(), "fidelity"),
 }
 
@@ -148,13 +148,7 @@ def test_a_broken_export_fails_the_engine_check(llama_root, exports, engine, nam
     assert problems, f"{name} passed the {caught_by} check"
 
 
-#: the audit misses this one today: it has no rule for a layer with one of its two KV scales
-AUDIT_GAP = pytest.mark.xfail(strict=True, reason="the load audit passes an export whose layer lacks one of k_scale/"
-                              "v_scale; vLLM then runs that cache with the other scale (product gap, reported)")
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=AUDIT_GAP) if name == "modelopt-v-scale-dropped" else name
-                                  for name in BROKEN])
+@pytest.mark.parametrize("name", BROKEN)
 def test_the_audit_agrees_with_vllm_on_a_broken_export(exports, engine, name):
     """The audit reads headers and config only: it says whether vLLM loads every tensor as written (a dropped or
     renamed scale: no), not whether a value is right (a doubled scale loads as written; only the source shows it)."""

@@ -281,6 +281,7 @@ class Audit:
 
     def _check_kv_scales(self, attention: set[str]) -> None:
         self.result.kv_scales_found = len(self.kv_keys)
+        cache_scales: dict[str, set[str]] = {}
         for key in self.kv_keys:
             target = key
             for pattern, replacement in KV_REGEX:
@@ -297,6 +298,16 @@ class Audit:
                              f"vLLM remaps {key} to {target}, which no attention layer has: the loader drops it "
                              "silently (a KV-cache scale suffix) and the KV cache runs at scale 1.0. Name it "
                              "'<layer>.self_attn.k_scale' / 'v_scale'.")
+            elif scale in ("k_scale", "v_scale"):
+                cache_scales.setdefault(module, set()).add(scale)
+        for module, found in sorted(cache_scales.items()):
+            if len(found) == 1:
+                (have,) = found
+                lacking = "v_scale" if have == "k_scale" else "k_scale"
+                # vLLM's BaseKVCacheMethod.process_weights_after_loading copies the one scale it got to the other
+                self.problem(Rule.MISSING_SCALE, module,
+                             f"{module} has a KV-cache {have} but no {lacking}: vLLM loads it and runs both keys and "
+                             f"values on {have}, silently. Write both scales for every attention layer, or neither.")
         if self.kv_keys and not self.quant.kv_cache:
             self.result.notes.append("KV-cache scales present but the config declares no KV-cache quantization "
                                      "(kv_cache_scheme / kv_cache_quant_algo): vLLM loads them and uses them only when "

@@ -141,8 +141,20 @@ def test_kv_scale_outside_attention_is_dropped(llama_out, tmp_path):
     rewrite_tensors(directory, lambda t: t.__setitem__("model.layers.1.mlp.k_scale", t.pop(
         "model.layers.1.self_attn.k_scale")))
     result = audit_export(directory)
-    assert fired(result) == {(Rule.SCALE_DROPPED, "model.layers.1.mlp.k_scale")}
-    assert "model.layers.1.mlp.attn.k_scale" in result.problems[0].message
+    # and the attention layer it was taken from is left with its v_scale alone
+    assert fired(result) == {(Rule.SCALE_DROPPED, "model.layers.1.mlp.k_scale"),
+                             (Rule.MISSING_SCALE, "model.layers.1.self_attn")}
+    assert any("model.layers.1.mlp.attn.k_scale" in p.message for p in result.problems)
+
+
+@pytest.mark.parametrize("scale, kept", [("v_scale", "k_scale"), ("k_scale", "v_scale")])
+def test_an_attention_layer_with_one_of_its_two_kv_scales_is_missing_the_other(llama_out, tmp_path, scale, kept):
+    """vLLM loads such a layer and runs keys and values on the one scale it has (tests/engines shows it)."""
+    directory = copy(llama_out / STATIC, tmp_path)
+    rewrite_tensors(directory, lambda t: t.pop(f"model.layers.0.self_attn.{scale}"))
+    result = audit_export(directory)
+    assert fired(result) == {(Rule.MISSING_SCALE, "model.layers.0.self_attn")}
+    assert f"no {scale}" in result.problems[0].message and f"on {kept}" in result.problems[0].message
 
 
 def test_kv_scales_without_a_kv_cache_scheme_get_a_note(llama_out, tmp_path):
