@@ -286,11 +286,17 @@ def test_kill_9_of_a_rank_ends_its_allocation_and_the_job_runs_again_in_a_new_on
         assert slurm.job_states(first) == ["FAILED"]
         done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
         assert done["status"] == "succeeded" and done["attempt"] == 2, (done, _tail(client))
-        [second] = _slurm_ids(client, job_id)[1:]
+        later = _slurm_ids(client, job_id)[1:]
+        assert later, _tail(client)
         reasons = [e["data"].get("reason") for e in _events(client, job_id)
                    if e["kind"] == "status" and e["data"]["status"] == "queued"]
         assert reasons == [None, "worker_lost"]  # submitted, then handed back by the reaper once
-        wait_for(lambda: slurm.job_states(second) == ["COMPLETED"], timeout=60, what=f"Slurm job {second}")
+        # one later allocation ran the job; on a loaded machine the dispatcher may have submitted a spare one that
+        # found nothing to claim: every one of them ends
+        wait_for(lambda: any(slurm.job_states(j) == ["COMPLETED"] for j in later), timeout=60,
+                 what=f"one of Slurm jobs {later} to complete")
+        wait_for(lambda: all(slurm.job_states(j)[0] not in ("PENDING", "RUNNING", "COMPLETING") for j in later),
+                 timeout=120, what=f"Slurm jobs {later} to end")
         assert leftovers(tmp_path / "data" / "jobs") == []
 
 
