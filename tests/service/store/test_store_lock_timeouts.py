@@ -145,13 +145,14 @@ def test_a_stopped_worker_holding_its_row_stalls_neither_the_reaper_nor_other_ke
             assert time.monotonic() - started < 2 * LOCK_S + 1
 
             worker = Worker(_settings(tmp_path), store=store)
+                # a job runs in a child process: on a busy 2-core machine (three test processes) it can take a while
             with running(worker):
-                done = wait_for(lambda: _finished(store, other.id), timeout=30, what="another key's job to finish")
+                done = wait_for(lambda: _finished(store, other.id), timeout=120, what="another key's job to finish")
                 assert done.status is JobStatus.SUCCEEDED and done.worker_id == worker.worker_id
                 assert store.get_job(stalled.id).status is JobStatus.RUNNING  # still the stopped worker's
 
                 # the server ends the stopped worker's idle session, its lock with it: the job is retried
-                again = wait_for(lambda: _finished(store, stalled.id), timeout=30,
+                again = wait_for(lambda: _finished(store, stalled.id), timeout=120,
                                  what="the stalled job to be reaped and retried")
                 assert again.status is JobStatus.SUCCEEDED and again.attempt == 2
     finally:
@@ -171,9 +172,9 @@ def test_a_worker_whose_own_row_is_held_goes_on_with_other_jobs(
         with holding_the_row(store, held.id, write=False):  # e.g. an API process stopped inside a cancel
             other, _ = store.create_job({"model": "fake"}, request_hash="b", owner="bob")
             go.touch()  # the run ends while its worker cannot write the job's row
-            done = wait_for(lambda: _finished(store, other.id), timeout=30, what="the worker to go on")
+            done = wait_for(lambda: _finished(store, other.id), timeout=120, what="the worker to go on")
             assert done.status is JobStatus.SUCCEEDED and thread.is_alive()
-        again = wait_for(lambda: _finished(store, held.id), timeout=30, what="the held job to be retried")
+        again = wait_for(lambda: _finished(store, held.id), timeout=120, what="the held job to be retried")
         assert again.status is JobStatus.SUCCEEDED
     records = [r for r in caplog.records if r.name.startswith("service.")]
     assert any("lock timeout" in r.getMessage() for r in records), [r.getMessage() for r in records]
