@@ -145,7 +145,7 @@ def test_a_stopped_worker_holding_its_row_stalls_neither_the_reaper_nor_other_ke
             assert time.monotonic() - started < 2 * LOCK_S + 1
 
             worker = Worker(_settings(tmp_path), store=store)
-                # a job runs in a child process: on a busy 2-core machine (three test processes) it can take a while
+            # a job runs in a child process: on a busy 2-core machine (three test processes) it can take a while
             with running(worker):
                 done = wait_for(lambda: _finished(store, other.id), timeout=120, what="another key's job to finish")
                 assert done.status is JobStatus.SUCCEEDED and done.worker_id == worker.worker_id
