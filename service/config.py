@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from converters.model.limits import ConfigLimits
+from converters.model.config_checks import ConfigLimits
 
 __all__ = ["Settings", "SettingsError", "load_settings", "make_private_dir", "make_private_file"]
 
@@ -236,7 +236,7 @@ class Settings(BaseSettings):
         }
 
     def config_limits(self) -> Any:
-        """``converters.model.limits.ConfigLimits`` from the ``max_model_*`` settings."""
+        """``converters.model.config_checks.ConfigLimits`` from the ``max_model_*`` settings."""
         return ConfigLimits(max_layers=self.max_model_layers, max_dim=self.max_model_dim,
                             max_experts=self.max_model_experts, max_vocab=self.max_model_vocab,
                             max_parameters=self.max_model_parameters)

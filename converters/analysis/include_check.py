@@ -17,9 +17,10 @@ from typing import Any
 
 from converters.analysis.patterns import PatternError, matches
 from converters.errors import ModelNotFoundError
+from converters.model.config_checks import read_config_file
 from converters.model.demo import DEMO_MODEL_REF
 from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, model_file_reader
-from converters.model.limits import read_config_file, read_index_file, read_safetensors_header
+from converters.model.limits import read_index_file, read_safetensors_header
 from converters.model.presence import check_local_model_present
 from converters.model.sources import confinement_for, parse_model_reference, validate_model_reference
 
@@ -46,7 +47,7 @@ def local_checkpoint_dir(ref: str, sources: Any) -> Path | None:
 
 def check_local_model(ref: str, sources: Any, include: Iterable[str] = ()) -> None:
     """What the service checks of a local model's files before it queues a job or builds an analysis: config.json
-    within ``sources.config_limits`` (``converters.model.limits.read_config_file``), then the include patterns
+    within ``sources.config_limits`` (``converters.model.config_checks.read_config_file``), then the include patterns
     (:func:`check_include_on_disk`). Every read is bounded; the API runs this in its analysis processes, never in
     its own. ``ref`` must have passed ``model_sources.validate_model_reference``.
 
@@ -75,7 +76,7 @@ def check_include_on_disk(directory: Path | None, include: Iterable[str], config
     checkpoint, or for an MoE model.
 
     Args:
-        config: the checkpoint's config.json as ``converters.model.limits.read_config_file`` read it.
+        config: the checkpoint's config.json as ``converters.model.config_checks.read_config_file`` read it.
 
     Raises:
         PatternError: naming ``include[i]`` and the pattern, with one of the checkpoint's paths as an example.

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from converters.errors import ModelNotFoundError, ModelReferenceError
+from converters.model.config_checks import load_checked_config
 from converters.model.demo import DEMO_MODEL_REF, ensure_demo_model
 from converters.model.files import INDEX_NAME, FileConfinement, check_model_directory, staged_model_directory
-from converters.model.limits import load_checked_config
 from converters.model.presence import check_local_model_present
 from converters.third_party_noise import transformers_progress_off
 
@@ -101,7 +101,7 @@ class ModelSourceOptions:
             learn its directory layout).
         private_paths: files and directories no model file may resolve into, even below an allowed root (the
             service's data directory and key file); the demo directory is exempt.
-        config_limits: what a config.json may declare (``converters.model.limits.ConfigLimits``; None: defaults).
+        config_limits: what a config.json may declare (``converters.model.config_checks.ConfigLimits``; None: defaults).
     """
 
     allowed_roots: tuple[Path, ...] = ()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from converters.errors import ModelConfigError
-from converters.model.limits import ConfigLimits, check_config, estimate_parameters, read_config_file
+from converters.model.config_checks import ConfigLimits, check_config, estimate_parameters, read_config_file
 from service.config import Settings
 from tests.service_helpers import keepalive_requests, live_app
 
