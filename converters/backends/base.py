@@ -23,11 +23,11 @@ if TYPE_CHECKING:
     from converters.calibration.sequential import LayerPass
     from converters.recipes import Recipe
 
-__all__ = ["Backend", "ConversionPlan", "Converted", "LayerCheck"]
+__all__ = ["Backend", "ConversionTargets", "Converted", "LayerCheck"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConversionPlan:
+class ConversionTargets:
     """What to convert: the recipe, the model, the report's eligible layers."""
 
     recipe: Recipe
@@ -65,14 +65,14 @@ class Backend(Protocol):
     def layer_check(self, recipe: Recipe) -> LayerCheck:
         """The per-layer check of the layer-sequential calibration, if any."""
 
-    def convert(self, plan: ConversionPlan, calibration: CalibrationResult) -> Converted:
+    def convert(self, targets: ConversionTargets, calibration: CalibrationResult) -> Converted:
         """Convert (or record) the eligible layers."""
 
-    def state_tensors(self, plan: ConversionPlan, converted: Converted,
+    def state_tensors(self, targets: ConversionTargets, converted: Converted,
                       calibration: CalibrationResult) -> dict[str, torch.Tensor]:
         """The FP8 state stored in ``fp8_state.safetensors`` (empty: no state file)."""
 
-    def block_fields(self, plan: ConversionPlan, converted: Converted) -> dict[str, Any]:
+    def block_fields(self, targets: ConversionTargets, converted: Converted) -> dict[str, Any]:
         """What this backend adds to config.json's ``fp8`` block."""
 
     def library_versions(self) -> dict[str, str]:

@@ -62,7 +62,7 @@ def write_weight_files(run: Run, staging: Path) -> list[str]:
 def write_state_file(run: Run, staging: Path) -> list[str]:
     """``fp8_state.safetensors`` for recipes that carry state (TE delayed scaling); nothing otherwise."""
 
-    tensors = run.backend.state_tensors(run.plan, run.conversion, run.calibration)
+    tensors = run.backend.state_tensors(run.targets, run.conversion, run.calibration)
     if not tensors:
         return []
     metadata = {
@@ -105,7 +105,7 @@ def fp8_block(run: Run) -> dict[str, Any]:
     }
     if run.resolved.checkpoint.stored is not None:  # what the source's weights were dequantized from
         block["dequantized_from"] = run.resolved.checkpoint.stored.quantization.describe()
-    block.update(run.backend.block_fields(run.plan, run.conversion))
+    block.update(run.backend.block_fields(run.targets, run.conversion))
     return block
 
 

@@ -21,7 +21,7 @@ from converters.analysis.eligibility import (
 )
 from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.backends import backend_for
-from converters.backends.base import ConversionPlan, Converted
+from converters.backends.base import ConversionTargets, Converted
 from converters.calibration.amax import calibration_batches, measuring_sqnr, record_amax, te_scaling_state
 from converters.calibration.kv_cache import recording_kv_amax
 from converters.calibration.result import NO_TE_CHECK, CalibrationResult
@@ -200,10 +200,11 @@ def convert(run: Run) -> Converted:
                            "(see the report's sensitivity block): nothing is left to convert; lower min_sqnr_db",
                            field="min_sqnr_db")
     run.weights_on_disk = _renamed_weights(run, eligible)
-    run.plan = ConversionPlan(recipe=run.recipe, model=run.model if run.model is not None else run.resolved.meta_model,
-                              whole_model=run.model is not None, eligible=tuple(eligible), report=run.report,
-                              te_extra_state=run.request.te_extra_state)
-    conversion = run.backend.convert(run.plan, run.calibration)
+    model = run.model if run.model is not None else run.resolved.meta_model
+    run.targets = ConversionTargets(recipe=run.recipe, model=model, whole_model=run.model is not None,
+                                    eligible=tuple(eligible), report=run.report,
+                                    te_extra_state=run.request.te_extra_state)
+    conversion = run.backend.convert(run.targets, run.calibration)
     for message in conversion.warnings:
         run.warn(message)
     run.sink.progress(1, 1)

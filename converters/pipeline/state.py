@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig
 
-    from converters.backends.base import Backend, ConversionPlan, Converted
+    from converters.backends.base import Backend, ConversionTargets, Converted
     from converters.calibration.sequential import LayerStack
     from converters.distributed.job import DistributedJob
     from converters.model.checkpoint import Checkpoint
@@ -125,7 +125,7 @@ class Run:
     report: dict[str, Any] | None = None  #: analyze's record (calibrate adds the SQNR and experts blocks to it)
     calibration: CalibrationResult | None = None  #: calibrate's record
     conversion: Converted | None = None  #: convert's record: what the backend did
-    plan: ConversionPlan | None = None  #: set by convert: what the backend was asked to convert
+    targets: ConversionTargets | None = None  #: set by convert: what the backend was asked to convert
     model: nn.Module | None = None  #: the loaded model, whole-model mode only (resolve, or calibrate's fallback)
     mode_fallback: str | None = None  #: set by calibrate: why layer-sequential calibration gave way to whole-model
     weights_on_disk: dict[str, str] = field(default_factory=dict)  #: set by convert
@@ -148,7 +148,7 @@ class Run:
 
     #: what one stage makes and the later stages only read: set once (a second assignment is a bug, raised)
     SET_ONCE: ClassVar[frozenset[str]] = frozenset({
-        "backend", "recipe", "resolved", "model", "report", "calibration", "plan", "conversion", "mode_fallback",
+        "backend", "recipe", "resolved", "model", "report", "calibration", "targets", "conversion", "mode_fallback",
         "quality", "plan_block"})
 
     @property

@@ -15,15 +15,15 @@ from typing import Any
 
 import yaml
 
-from converters.artifact.training.plan import LinearDecision, TrainingPlan
+from converters.artifact.training.decisions import LinearDecision, TrainingDecisions
 from converters.recipes import AORecipeName, TEDelayedScalingRecipe, TEMXFP8BlockScalingRecipe, TorchAORecipe
 
 __all__ = ["accelerate_config", "accelerate_unsupported", "accelerate_selection"]
 
 
-def accelerate_unsupported(plan: TrainingPlan) -> str | None:
+def accelerate_unsupported(decisions: TrainingDecisions) -> str | None:
     """Why Accelerate cannot run the artifact's recipe (None when it can)."""
-    recipe = plan.recipe
+    recipe = decisions.recipe
     if isinstance(recipe, (TEDelayedScalingRecipe, TEMXFP8BlockScalingRecipe)):
         return None
     if isinstance(recipe, TorchAORecipe) and recipe.recipe_name is AORecipeName.TENSORWISE:
@@ -32,17 +32,18 @@ def accelerate_unsupported(plan: TrainingPlan) -> str | None:
             f"Float8LinearConfig; this artifact's recipe is {recipe.library_class}")
 
 
-def accelerate_selection(plan: TrainingPlan) -> set[str]:
+def accelerate_selection(decisions: TrainingDecisions) -> set[str]:
     """The Linears Accelerate's own conversion would put in FP8 (its rules in the module docstring)."""
-    divisible = [linear for linear in plan.linears if linear.in_features % 16 == 0 and linear.out_features % 16 == 0]
-    if plan.recipe.backend.value == "te":
+    divisible = [linear for linear in decisions.linears
+                 if linear.in_features % 16 == 0 and linear.out_features % 16 == 0]
+    if decisions.recipe.backend.value == "te":
         return {linear.path for linear in divisible}
-    ends = {plan.linears[0].path, plan.linears[-1].path} if plan.linears else set()
+    ends = {decisions.linears[0].path, decisions.linears[-1].path} if decisions.linears else set()
     return {linear.path for linear in divisible if linear.path not in ends}
 
 
-def _fp8_config(plan: TrainingPlan) -> dict[str, Any]:
-    recipe = plan.recipe
+def _fp8_config(decisions: TrainingDecisions) -> dict[str, Any]:
+    recipe = decisions.recipe
     if isinstance(recipe, TorchAORecipe):
         return {"backend": "AO", "pad_inner_dim": recipe.pad_inner_dim,
                 "enable_fsdp_float8_all_gather": recipe.enable_fsdp_float8_all_gather}
@@ -54,29 +55,30 @@ def _fp8_config(plan: TrainingPlan) -> dict[str, Any]:
             "margin": recipe.margin, "use_autocast_during_eval": recipe.use_autocast_during_eval}
 
 
-def accelerate_config(plan: TrainingPlan) -> str | None:
+def accelerate_config(decisions: TrainingDecisions) -> str | None:
     """The ``config.yaml`` text (comments first), or None where Accelerate cannot express the recipe."""
-    if accelerate_unsupported(plan) is not None:
+    if accelerate_unsupported(decisions) is not None:
         return None
     document = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_processes": 1,
-                "mixed_precision": "fp8", "fp8_config": _fp8_config(plan)}
-    return "".join(f"# {line}\n" if line else "#\n" for line in _comments(plan)) + yaml.safe_dump(
+                "mixed_precision": "fp8", "fp8_config": _fp8_config(decisions)}
+    return "".join(f"# {line}\n" if line else "#\n" for line in _comments(decisions)) + yaml.safe_dump(
         document, sort_keys=False)
 
 
-def _comments(plan: TrainingPlan) -> list[str]:
-    ours = {linear.path for linear in plan.linears if linear.fp8}
-    theirs = accelerate_selection(plan)
-    lines = [f"Accelerate config for {plan.recipe.library_class}, written by fp8forge from this artifact's recipe.",
+def _comments(decisions: TrainingDecisions) -> list[str]:
+    ours = {linear.path for linear in decisions.linears if linear.fp8}
+    theirs = accelerate_selection(decisions)
+    lines = [f"Accelerate config for {decisions.recipe.library_class}, written by fp8forge from this artifact's "
+             "recipe.",
              "Use it to train the source checkpoint with Accelerate's own FP8 conversion (accelerate launch",
              "--config_file accelerate_config.yaml train.py). Accelerate has no per-layer key: "
              + ("its TE path converts every Linear whose dimensions divide by 16."
-                if plan.recipe.backend.value == "te" else
+                if decisions.recipe.backend.value == "te" else
                 "its torchao path keeps the first and last Linear and any Linear with a dimension not divisible "
                 "by 16 in high precision."),
              "Not expressible here, so not applied by Accelerate:"]
     lines += [f"  Accelerate converts {path}, which the artifact keeps in high precision "
-              f"({', '.join(_reasons(plan, path))})" for path in sorted(theirs - ours)]
+              f"({', '.join(_reasons(decisions, path))})" for path in sorted(theirs - ours)]
     lines += [f"  Accelerate keeps {path} in high precision; the artifact trains it in FP8" for path in
               sorted(ours - theirs)]
     if theirs == ours:
@@ -85,6 +87,6 @@ def _comments(plan: TrainingPlan) -> list[str]:
     return lines
 
 
-def _reasons(plan: TrainingPlan, path: str) -> tuple[str, ...]:
-    found: LinearDecision = next(linear for linear in plan.linears if linear.path == path)
+def _reasons(decisions: TrainingDecisions, path: str) -> tuple[str, ...]:
+    found: LinearDecision = next(linear for linear in decisions.linears if linear.path == path)
     return found.reasons or ("excluded",)

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from converters.artifact.training.plan import TrainingPlan, block_index
+from converters.artifact.training.decisions import TrainingDecisions, block_index
 from converters.recipes import (
     TECurrentScalingRecipe,
     TEDelayedScalingRecipe,
@@ -40,16 +40,16 @@ _RECIPE_NAMES = {TEDelayedScalingRecipe: "delayed", TECurrentScalingRecipe: "ten
                  TEMXFP8BlockScalingRecipe: "mxfp8", TEFloat8BlockScalingRecipe: "blockwise"}
 
 
-def megatron_unsupported(plan: TrainingPlan) -> str | None:
+def megatron_unsupported(decisions: TrainingDecisions) -> str | None:
     """Why no Megatron-Bridge settings are written (None when they are)."""
-    if plan.recipe.backend.value != "te":
+    if decisions.recipe.backend.value != "te":
         return "Megatron-Bridge trains with TransformerEngine; this is a torchao artifact"
     return None
 
 
-def megatron_mixed_precision(plan: TrainingPlan) -> tuple[dict[str, Any], list[str]]:
+def megatron_mixed_precision(decisions: TrainingDecisions) -> tuple[dict[str, Any], list[str]]:
     """The ``mixed_precision`` fields and the notes on what they cannot say."""
-    recipe, notes = plan.recipe, []
+    recipe, notes = decisions.recipe, []
     if isinstance(recipe, TENVFP4BlockScalingRecipe):
         fields: dict[str, Any] = {"fp4": "e2m1", "fp4_recipe": "nvfp4"}
         notes.append("NVFP4BlockScaling's options (disable_rht, disable_stochastic_rounding, 4over6, ...) have no "
@@ -65,38 +65,39 @@ def megatron_mixed_precision(plan: TrainingPlan) -> tuple[dict[str, Any], list[s
                          + (", which this artifact's use_f32_scales needs" if recipe.use_f32_scales else "") + ")")
         elif isinstance(recipe, TEMXFP8BlockScalingRecipe) and (recipe.margin or recipe.enable_2d_quantization):
             notes.append("MXFP8BlockScaling's margin / enable_2d_quantization have no Megatron-Bridge field")
-    start, end = _bf16_blocks(plan)
+    start, end = _bf16_blocks(decisions)
     fields |= {"first_last_layers_bf16": bool(start or end), "num_layers_at_start_in_bf16": start,
                "num_layers_at_end_in_bf16": end}
     return fields, notes
 
 
-def _bf16_blocks(plan: TrainingPlan) -> tuple[int, int]:
+def _bf16_blocks(decisions: TrainingDecisions) -> tuple[int, int]:
     """Leading and trailing decoder blocks whose every Linear stays in high precision."""
-    if not plan.num_blocks:
+    if not decisions.num_blocks:
         return 0, 0
     start = 0
-    while start < plan.num_blocks and plan.block_all_high_precision(start):
+    while start < decisions.num_blocks and decisions.block_all_high_precision(start):
         start += 1
     end = 0
-    while end < plan.num_blocks - start and plan.block_all_high_precision(plan.num_blocks - 1 - end):
+    while end < decisions.num_blocks - start and decisions.block_all_high_precision(decisions.num_blocks - 1 - end):
         end += 1
     return start, end
 
 
-def megatron_precision_file(plan: TrainingPlan) -> tuple[dict[str, Any] | None, list[str]]:
+def megatron_precision_file(decisions: TrainingDecisions) -> tuple[dict[str, Any] | None, list[str]]:
     """The per-module TE precision file (``configs`` + ``matchers``) keeping the artifact's other high-precision
     Linears in BF16, and notes; None when nothing is left to override or the names cannot be mapped."""
-    start, end = _bf16_blocks(plan)
-    blocks = plan.num_blocks or 0
-    kept = [linear for linear in plan.kept_high_precision
+    start, end = _bf16_blocks(decisions)
+    blocks = decisions.num_blocks or 0
+    kept = [linear for linear in decisions.kept_high_precision
             if (index := block_index(linear.path)) is None or start <= index < blocks - end]
     notes: list[str] = []
     if not kept:
         return None, notes
-    if plan.model_type not in _LLAMA_FAMILY:
+    if decisions.model_type not in _LLAMA_FAMILY:
         notes.append(f"no per-module file: fp8forge maps Hugging Face names to Megatron's for "
-                     f"{', '.join(_LLAMA_FAMILY)} models, and this is a {plan.model_type!r}; keep in BF16 by hand: "
+                     f"{', '.join(_LLAMA_FAMILY)} models, and this is a {decisions.model_type!r}; keep in BF16 by "
+                     "hand: "
                      + ", ".join(linear.path for linear in kept))
         return None, notes
     patterns: dict[str, list[str]] = {}
@@ -109,7 +110,7 @@ def megatron_precision_file(plan: TrainingPlan) -> tuple[dict[str, Any] | None, 
             notes.append(f"{linear.path} has no Megatron counterpart fp8forge knows; it is not overridden")
             continue
         patterns.setdefault(f"decoder.layers.{index}.{MEGATRON_NAMES[inner]}", []).append(linear.path)
-    fp8_paths = {linear.path for linear in plan.linears if linear.fp8}
+    fp8_paths = {linear.path for linear in decisions.linears if linear.fp8}
     for pattern, members in patterns.items():
         fused = sorted(path for path in fp8_paths if _megatron_name(path) == pattern)
         if fused:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from converters.artifact.training.plan import TrainingPlan
+from converters.artifact.training.decisions import TrainingDecisions
 
 __all__ = ["train_one_step_script"]
 
@@ -33,9 +33,9 @@ print(f"trained one step, loss {{loss.item():.4f}}")
 '''
 
 
-def train_one_step_script(plan: TrainingPlan) -> str:
+def train_one_step_script(decisions: TrainingDecisions) -> str:
     """The script's text for the artifact's backend and model kind."""
-    causal = any(name.endswith("ForCausalLM") for name in plan.architectures)
+    causal = any(name.endswith("ForCausalLM") for name in decisions.architectures)
     loss = "model(input_ids=ids, labels=ids).loss" if causal else "model(input_ids=ids)[0].float().square().mean()"
-    template = _TE if plan.recipe.backend.value == "te" else _AO
-    return template.format(recipe=plan.recipe.library_class, loss=loss)
+    template = _TE if decisions.recipe.backend.value == "te" else _AO
+    return template.format(recipe=decisions.recipe.library_class, loss=loss)

@@ -10,7 +10,7 @@ torchtitan's own Llama 3 state-dict adapter (``models/llama3/state_dict_adapter.
 
 from __future__ import annotations
 
-from converters.artifact.training.plan import TrainingPlan
+from converters.artifact.training.decisions import TrainingDecisions
 from converters.recipes import AOFloat8TrainingOpRecipe, AOMXFP8TrainingOpRecipe, AORecipeName, TorchAORecipe
 
 __all__ = ["TORCHTITAN_NAMES", "torchtitan_converters", "torchtitan_unsupported", "torchtitan_fqn",
@@ -28,13 +28,13 @@ TORCHTITAN_NAMES = {"model.layers.{}.self_attn.q_proj": "layers.{}.attention.qkv
 _LLAMA_FAMILY = ("llama",)
 
 
-def torchtitan_unsupported(plan: TrainingPlan) -> str | None:
+def torchtitan_unsupported(decisions: TrainingDecisions) -> str | None:
     """Why no torchtitan settings are written (None when they are)."""
-    if plan.recipe.backend.value != "ao":
+    if decisions.recipe.backend.value != "ao":
         return "torchtitan trains with torchao; this is a TransformerEngine artifact"
-    if plan.model_type not in _LLAMA_FAMILY:
+    if decisions.model_type not in _LLAMA_FAMILY:
         return (f"fp8forge maps Hugging Face names to torchtitan's for Llama models (torchtitan's Llama 3 adapter); "
-                f"this is a {plan.model_type!r}")
+                f"this is a {decisions.model_type!r}")
     return None
 
 
@@ -47,14 +47,14 @@ def torchtitan_fqn(path: str) -> str | None:
     return name.format(index) if name is not None and "{}" in name else name
 
 
-def torchtitan_converters(plan: TrainingPlan) -> str | None:
+def torchtitan_converters(decisions: TrainingDecisions) -> str | None:
     """The Python text of ``torchtitan_converters.py`` (None where :func:`torchtitan_unsupported` says why not)."""
-    if torchtitan_unsupported(plan) is not None:
+    if torchtitan_unsupported(decisions) is not None:
         return None
-    recipe, notes = plan.recipe, []
-    fp8 = [torchtitan_fqn(linear.path) for linear in plan.linears if linear.fp8]
-    kept = [torchtitan_fqn(linear.path) for linear in plan.kept_high_precision]
-    unmapped = [linear.path for linear in plan.linears if torchtitan_fqn(linear.path) is None]
+    recipe, notes = decisions.recipe, []
+    fp8 = [torchtitan_fqn(linear.path) for linear in decisions.linears if linear.fp8]
+    kept = [torchtitan_fqn(linear.path) for linear in decisions.kept_high_precision]
+    unmapped = [linear.path for linear in decisions.linears if torchtitan_fqn(linear.path) is None]
     if unmapped:
         notes.append(f"no torchtitan name for {', '.join(unmapped)}: torchtitan's Llama 3 has no such module")
     if isinstance(recipe, AOMXFP8TrainingOpRecipe):
@@ -83,10 +83,10 @@ def torchtitan_converters(plan: TrainingPlan) -> str | None:
     return "\n".join(header)
 
 
-def torchtitan_note(plan: TrainingPlan) -> str | None:
+def torchtitan_note(decisions: TrainingDecisions) -> str | None:
     """Why the torchtitan file was not written, for the README (None when it was)."""
-    why = torchtitan_unsupported(plan)
-    if why is None and torchtitan_converters(plan) is None:
+    why = torchtitan_unsupported(decisions)
+    if why is None and torchtitan_converters(decisions) is None:
         why = ("torchtitan 0.3's Float8LinearConverter accepts recipe_name rowwise or rowwise_with_gw_hp only "
                "(tensorwise only through emulate=True): it cannot express this tensorwise artifact")
     return why

@@ -6,13 +6,13 @@ import os
 from pathlib import Path
 
 from converters.artifact.training.accelerate import accelerate_config, accelerate_unsupported
+from converters.artifact.training.decisions import TrainingDecisions, read_training_decisions
 from converters.artifact.training.megatron import (
     dump_with_comments,
     megatron_mixed_precision,
     megatron_precision_file,
     megatron_unsupported,
 )
-from converters.artifact.training.plan import TrainingPlan, read_training_plan
 from converters.artifact.training.snippet import train_one_step_script
 from converters.artifact.training.torchtitan import torchtitan_converters, torchtitan_note
 
@@ -26,18 +26,19 @@ TORCHTITAN_FILE = "torchtitan_converters.py"
 SNIPPET_FILE = "train_one_step.py"
 
 
-def training_files(plan: TrainingPlan) -> tuple[dict[str, str], list[str]]:
-    """File name -> text of every config that expresses the plan, and the notes on what is not written and why."""
-    files = {SNIPPET_FILE: train_one_step_script(plan)}
+def training_files(decisions: TrainingDecisions) -> tuple[dict[str, str], list[str]]:
+    """File name -> text of every config that expresses these decisions, and notes on what is not written and why."""
+    files = {SNIPPET_FILE: train_one_step_script(decisions)}
     notes: list[str] = []
-    if (text := accelerate_config(plan)) is not None:
+    if (text := accelerate_config(decisions)) is not None:
         files[ACCELERATE_FILE] = text
     else:
-        notes.append(f"{ACCELERATE_FILE}: not written: {accelerate_unsupported(plan)}")
-    if (why := megatron_unsupported(plan)) is None:
-        fields, mp_notes = megatron_mixed_precision(plan)
-        precision, file_notes = megatron_precision_file(plan)
-        comments = [f"Megatron-Bridge ConfigContainer override for {plan.recipe.library_class}, written by fp8forge.",
+        notes.append(f"{ACCELERATE_FILE}: not written: {accelerate_unsupported(decisions)}")
+    if (why := megatron_unsupported(decisions)) is None:
+        fields, mp_notes = megatron_mixed_precision(decisions)
+        precision, file_notes = megatron_precision_file(decisions)
+        comments = [f"Megatron-Bridge ConfigContainer override for {decisions.recipe.library_class}, written by "
+                    "fp8forge.",
                     "Merge into your recipe's YAML overrides; the fields are MixedPrecisionConfig's.", *mp_notes,
                     *file_notes]
         if precision is not None:
@@ -49,11 +50,11 @@ def training_files(plan: TrainingPlan) -> tuple[dict[str, str], list[str]]:
         files[MEGATRON_FILE] = dump_with_comments({"mixed_precision": fields}, comments)
     else:
         notes.append(f"{MEGATRON_FILE}: not written: {why}")
-    if (text := torchtitan_converters(plan)) is not None:
+    if (text := torchtitan_converters(decisions)) is not None:
         files[TORCHTITAN_FILE] = text
     else:
-        notes.append(f"{TORCHTITAN_FILE}: not written: {torchtitan_note(plan)}")
-    files["README.md"] = _readme(plan, files, notes)
+        notes.append(f"{TORCHTITAN_FILE}: not written: {torchtitan_note(decisions)}")
+    files["README.md"] = _readme(decisions, files, notes)
     return files, notes
 
 
@@ -64,7 +65,7 @@ def write_training_configs(directory: str | Path) -> list[str]:
     Raises ArtifactError when the artifact's config or report cannot be read.
     """
     directory = Path(directory)
-    files, _ = training_files(read_training_plan(directory))
+    files, _ = training_files(read_training_decisions(directory))
     target = directory / TRAINING_DIR
     target.mkdir(exist_ok=True)
     for name, text in files.items():
@@ -74,12 +75,12 @@ def write_training_configs(directory: str | Path) -> list[str]:
     return [f"{TRAINING_DIR}/{name}" for name in sorted(files)]
 
 
-def _readme(plan: TrainingPlan, files: dict[str, str], notes: list[str]) -> str:
-    kept = plan.kept_high_precision
-    lines = [f"# Training this artifact ({plan.recipe.library_class})", "",
+def _readme(decisions: TrainingDecisions, files: dict[str, str], notes: list[str]) -> str:
+    kept = decisions.kept_high_precision
+    lines = [f"# Training this artifact ({decisions.recipe.library_class})", "",
              "Written by fp8forge from the artifact's recipe and per-layer decisions.", "",
              *(f"- `{name}`" for name in sorted(files) if name != "README.md"), "",
-             f"{len(plan.linears) - len(kept)} Linears train in FP8, {len(kept)} in high precision:", "",
+             f"{len(decisions.linears) - len(kept)} Linears train in FP8, {len(kept)} in high precision:", "",
              *(f"- `{linear.path}`: {', '.join(linear.reasons)}" for linear in kept), ""]
     if notes:
         lines += ["Not written:", "", *(f"- {note}" for note in notes), ""]

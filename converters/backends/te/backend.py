@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from converters.artifact.layout import STATE_FILE
-from converters.backends.base import ConversionPlan, Converted, LayerCheck
+from converters.backends.base import ConversionTargets, Converted, LayerCheck
 from converters.backends.te.check_step import fp8_check_step
 from converters.backends.te.layer_check import (
     LayerChecks,
@@ -79,17 +79,17 @@ class TEBackend:
             return LayerCheck(None, {"ran": False, "reason": _unchecked_reason(recipe)})
         return LayerCheck(LayerChecks(recipe))
 
-    def convert(self, plan: ConversionPlan, calibration: CalibrationResult) -> Converted:
+    def convert(self, targets: ConversionTargets, calibration: CalibrationResult) -> Converted:
         available, why = te_status()
-        recipe = plan.recipe
-        if available and not plan.whole_model and recipe.per_tensor_te:  # swapped and checked as it calibrated
-            return Converted(modules=list(plan.eligible), te_modules_built=True)
-        if available and not plan.whole_model:  # layer-sequential (never with te_extra_state): nothing to check
-            return Converted(modules=list(plan.eligible),
+        recipe = targets.recipe
+        if available and not targets.whole_model and recipe.per_tensor_te:  # swapped and checked as it calibrated
+            return Converted(modules=list(targets.eligible), te_modules_built=True)
+        if available and not targets.whole_model:  # layer-sequential (never with te_extra_state): nothing to check
+            return Converted(modules=list(targets.eligible),
                              warnings=[f"the FP8 check step did not run: {_unchecked_reason(recipe)}"])
         if available:
-            return self._convert_whole_model(plan, calibration)
-        if plan.te_extra_state:
+            return self._convert_whole_model(targets, calibration)
+        if targets.te_extra_state:
             raise BackendUnavailableError(
                 f"te_extra_state needs TransformerEngine to write its own _extra_state, and {why}; "
                 "drop te_extra_state (the plain-tensor state is complete) or run on a CUDA worker with TE"
@@ -98,14 +98,14 @@ class TEBackend:
         state = ("delayed-scaling state computed from the recorded calibration as TE's own update would"
                  if recipe.stateful else f"no state to seed: {recipe.te_class_name} computes scales from each "
                                          "tensor as it is cast")
-        return Converted(modules=list(plan.eligible), warnings=[
+        return Converted(modules=list(targets.eligible), warnings=[
             f"TransformerEngine modules were not built here ({'; '.join(te_missing())}), so no FP8 check "
             f"step ran; the TE checkpoint is complete ({state}) and load_te() loads it with "
             f"{recipe.te_class_name} where TE runs it (CUDA, {recipe.hardware().needs})"])
 
-    def _convert_whole_model(self, plan: ConversionPlan, calibration: CalibrationResult) -> Converted:
-        recipe = plan.recipe
-        modules = convert_to_te(plan.model, list(plan.eligible))
+    def _convert_whole_model(self, targets: ConversionTargets, calibration: CalibrationResult) -> Converted:
+        recipe = targets.recipe
+        modules = convert_to_te(targets.model, list(targets.eligible))
         if not recipe.per_tensor_te:
             reason = _unchecked_reason(recipe)
             return Converted(modules=modules, te_modules_built=True, te_check={"ran": False, "reason": reason},
@@ -114,9 +114,9 @@ class TEBackend:
             # experts keep their transformers module for the check step; the artifact's loader builds their
             # GroupedLinear (converters.backends.te.grouped) from the grouped state written at export
             linears = {path: state for path, state in calibration.states.items() if parse_unit_path(path) is None}
-            apply_scaling_state(plan.model, linears, recipe)
+            apply_scaling_state(targets.model, linears, recipe)
         try:
-            te_check = fp8_check_step(plan.model, calibration.check_batch, recipe)
+            te_check = fp8_check_step(targets.model, calibration.check_batch, recipe)
             warnings = []
         except BackendUnavailableError as exc:  # TE imports, but this GPU cannot execute FP8 (before sm89)
             te_check = {"ran": False, "reason": exc.message}
@@ -129,10 +129,10 @@ class TEBackend:
             reset_te_global_state()
         return Converted(modules=modules, te_modules_built=True, te_check=te_check, warnings=warnings)
 
-    def state_tensors(self, plan: ConversionPlan, converted: Converted,
+    def state_tensors(self, targets: ConversionTargets, converted: Converted,
                       calibration: CalibrationResult) -> dict[str, torch.Tensor]:
         tensors = {}
-        if plan.recipe.stateful:
+        if targets.recipe.stateful:
             experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = {}
             for path, state in calibration.states.items():
                 unit = parse_unit_path(path)
@@ -140,14 +140,14 @@ class TEBackend:
                     tensors.update({state_key(path, name): value.float() for name, value in state.items()})
                 else:
                     experts.setdefault((unit.module, unit.gemm), {})[unit.index] = state
-            tensors.update(_grouped_expert_state(plan.report, experts))
-        if plan.te_extra_state and converted.te_modules_built:
+            tensors.update(_grouped_expert_state(targets.report, experts))
+        if targets.te_extra_state and converted.te_modules_built:
             for path in converted.modules:
-                tensors[f"{path}._extra_state"] = te_extra_state_tensor(plan.model.get_submodule(path))
+                tensors[f"{path}._extra_state"] = te_extra_state_tensor(targets.model.get_submodule(path))
         return tensors
 
-    def block_fields(self, plan: ConversionPlan, converted: Converted) -> dict[str, Any]:
-        recipe = plan.recipe
+    def block_fields(self, targets: ConversionTargets, converted: Converted) -> dict[str, Any]:
+        recipe = targets.recipe
         fields: dict[str, Any] = {"te_recipe": te_recipe_spec(recipe), "state": recipe.state_note()}
         if not recipe.stateful:
             return fields | {"te_modules_built": converted.te_modules_built}

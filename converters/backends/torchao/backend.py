@@ -22,7 +22,7 @@ import torch
 
 from converters.analysis.eligibility import converted_expert_gemms
 from converters.artifact.layout import read_fp8_block
-from converters.backends.base import ConversionPlan, Converted, LayerCheck
+from converters.backends.base import ConversionTargets, Converted, LayerCheck
 from converters.backends.torchao.config import (
     float8_config_dict,
     float8_linear_config,
@@ -77,31 +77,31 @@ class TorchAOBackend:
     def layer_check(self, recipe: Recipe) -> LayerCheck:
         return LayerCheck(None)
 
-    def convert(self, plan: ConversionPlan, calibration: CalibrationResult) -> Converted:
-        gemms = converted_expert_gemms(plan.report)
+    def convert(self, targets: ConversionTargets, calibration: CalibrationResult) -> Converted:
+        gemms = converted_expert_gemms(targets.report)
         if gemms:  # a check that the recorded experts config applies to exactly these weights (before any Linear
             # weight is wrapped by a training config: the experts check counts every wrapped parameter)
-            convert_experts_to_torchao(plan.model, gemms,
-                                       experts_config_from_dict(_experts_fields(plan.recipe, plan.model, gemms)))
-        if plan.recipe.training_op:
-            modules = convert_to_training_op(plan.model, list(plan.eligible), training_op_config(plan.recipe))
+            convert_experts_to_torchao(targets.model, gemms,
+                                       experts_config_from_dict(_experts_fields(targets.recipe, targets.model, gemms)))
+        if targets.recipe.training_op:
+            modules = convert_to_training_op(targets.model, list(targets.eligible), training_op_config(targets.recipe))
         else:
-            modules = convert_to_torchao(plan.model, list(plan.eligible), float8_linear_config(plan.recipe))
+            modules = convert_to_torchao(targets.model, list(targets.eligible), float8_linear_config(targets.recipe))
         return Converted(modules=modules)
 
-    def state_tensors(self, plan: ConversionPlan, converted: Converted,
+    def state_tensors(self, targets: ConversionTargets, converted: Converted,
                       calibration: CalibrationResult) -> dict[str, Any]:
         return {}
 
-    def block_fields(self, plan: ConversionPlan, converted: Converted) -> dict[str, Any]:
-        fields: dict[str, Any] = {"state": plan.recipe.state_note()}
-        if plan.recipe.training_op:
-            fields["training_op_config"] = plan.recipe.config_fields()
+    def block_fields(self, targets: ConversionTargets, converted: Converted) -> dict[str, Any]:
+        fields: dict[str, Any] = {"state": targets.recipe.state_note()}
+        if targets.recipe.training_op:
+            fields["training_op_config"] = targets.recipe.config_fields()
         else:
-            fields["float8_linear_config"] = float8_config_dict(plan.recipe)
-        gemms = converted_expert_gemms(plan.report)
+            fields["float8_linear_config"] = float8_config_dict(targets.recipe)
+        gemms = converted_expert_gemms(targets.report)
         if gemms:
-            fields["experts_config"] = _experts_fields(plan.recipe, plan.model, gemms)
+            fields["experts_config"] = _experts_fields(targets.recipe, targets.model, gemms)
         return fields
 
     def library_versions(self) -> dict[str, str]:

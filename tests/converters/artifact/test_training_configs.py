@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from converters.artifact.files import verify_manifest
-from converters.artifact.training import read_training_plan, training_files
+from converters.artifact.training import read_training_decisions, training_files
 from converters.artifact.training.accelerate import accelerate_selection
 from converters.artifact.training.torchtitan import TORCHTITAN_NAMES
 from converters.recipes import (
@@ -77,7 +77,7 @@ def test_accelerate_reads_the_te_config(artifacts):
     loaded = load_config_from_file(str(path))
     assert loaded.mixed_precision == "fp8" and loaded.fp8_config["backend"] == "TE"
     env = accelerate_env(path)
-    recipe = read_training_plan(artifacts["te"]).recipe
+    recipe = read_training_decisions(artifacts["te"]).recipe
     assert env["ACCELERATE_FP8_BACKEND"] == "TE" and env["ACCELERATE_FP8_FORMAT"] == recipe.fp8_format.value
     assert env["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == str(recipe.amax_history_len)
     assert env["ACCELERATE_FP8_AMAX_COMPUTE_ALGO"] == recipe.amax_compute_algo.value  # Accelerate's default differs
@@ -96,7 +96,7 @@ def test_accelerate_builds_its_te_recipe_kwargs_where_te_imports(artifacts, monk
         pytest.skip("Accelerate's TERecipeKwargs raises ImportError without TransformerEngine (CUDA only)")
     for name, value in accelerate_env(artifacts["te"] / "training" / "accelerate_config.yaml").items():
         monkeypatch.setenv(name, value)
-    kwargs, recipe = TERecipeKwargs(), read_training_plan(artifacts["te"]).recipe
+    kwargs, recipe = TERecipeKwargs(), read_training_decisions(artifacts["te"]).recipe
     assert (kwargs.fp8_format, kwargs.amax_history_len, kwargs.amax_compute_algo, kwargs.margin) == (
         recipe.fp8_format.value, recipe.amax_history_len, recipe.amax_compute_algo.value, recipe.margin)
 
@@ -113,7 +113,7 @@ def test_accelerate_builds_its_torchao_recipe_from_the_ao_config(artifacts, monk
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     kwargs = AORecipeKwargs()  # reads the ACCELERATE_FP8_* variables the launcher exported
-    recipe = read_training_plan(artifacts["ao"]).recipe
+    recipe = read_training_decisions(artifacts["ao"]).recipe
     assert env["ACCELERATE_FP8_BACKEND"] == "AO"
     assert (kwargs.config.pad_inner_dim, kwargs.config.enable_fsdp_float8_all_gather) == (
         recipe.pad_inner_dim, recipe.enable_fsdp_float8_all_gather)
@@ -122,13 +122,13 @@ def test_accelerate_builds_its_torchao_recipe_from_the_ao_config(artifacts, monk
     first, last = find_first_last_linear_layers(model)
     theirs = {name for name, module in model.named_modules()
               if isinstance(module, nn.Linear) and filter_linear_layers(module, name, layers_to_filter=[first, last])}
-    assert theirs == accelerate_selection(read_training_plan(artifacts["ao"]))
+    assert theirs == accelerate_selection(read_training_decisions(artifacts["ao"]))
     assert "nothing: Accelerate's own layer choice equals the artifact's" in path.read_text()
 
 
 def test_accelerate_mxfp8_config_and_the_recipes_it_cannot_express(artifacts):
-    plan = read_training_plan(artifacts["te"])
-    mxfp8 = dataclasses.replace(plan, recipe=TEMXFP8BlockScalingRecipe(margin=1))
+    decisions = read_training_decisions(artifacts["te"])
+    mxfp8 = dataclasses.replace(decisions, recipe=TEMXFP8BlockScalingRecipe(margin=1))
     files, _ = training_files(mxfp8)
     document = yaml.safe_load(files["accelerate_config.yaml"])
     assert document["fp8_config"] == {"backend": "TE", "use_mxfp8_block_scaling": True, "fp8_format": "E4M3",
@@ -136,29 +136,30 @@ def test_accelerate_mxfp8_config_and_the_recipes_it_cannot_express(artifacts):
     assert recipe_from_accelerate_yaml(files["accelerate_config.yaml"]) == TEMXFP8BlockScalingRecipe(margin=1)
     for recipe in (TECurrentScalingRecipe(), TENVFP4BlockScalingRecipe(), TorchAORecipe(recipe_name="rowwise"),
                    AOMXFP8TrainingOpRecipe()):
-        files, notes = training_files(dataclasses.replace(plan, recipe=recipe))
+        files, notes = training_files(dataclasses.replace(decisions, recipe=recipe))
         assert "accelerate_config.yaml" not in files
         assert any(note.startswith("accelerate_config.yaml: not written") and recipe.library_class in note
                    for note in notes)
 
 
 def test_megatron_override_uses_mixed_precision_config_fields(artifacts):
-    plan = read_training_plan(artifacts["te"])
-    for recipe in (plan.recipe, TECurrentScalingRecipe(), TEMXFP8BlockScalingRecipe(), TENVFP4BlockScalingRecipe()):
-        files, _ = training_files(dataclasses.replace(plan, recipe=recipe))
+    decisions = read_training_decisions(artifacts["te"])
+    for recipe in (decisions.recipe, TECurrentScalingRecipe(), TEMXFP8BlockScalingRecipe(),
+                   TENVFP4BlockScalingRecipe()):
+        files, _ = training_files(dataclasses.replace(decisions, recipe=recipe))
         fields = yaml.safe_load(files["megatron_bridge.yaml"])["mixed_precision"]
         for name, value in fields.items():
             allowed = MEGATRON_FIELDS[name]
             assert value in allowed if isinstance(allowed, set) else type(value) is allowed, (name, value)
-    fields = yaml.safe_load(training_files(plan)[0]["megatron_bridge.yaml"])["mixed_precision"]
-    assert fields["fp8_recipe"] == "delayed" and fields["fp8_amax_history_len"] == plan.recipe.amax_history_len
+    fields = yaml.safe_load(training_files(decisions)[0]["megatron_bridge.yaml"])["mixed_precision"]
+    assert fields["fp8_recipe"] == "delayed" and fields["fp8_amax_history_len"] == decisions.recipe.amax_history_len
 
 
 def test_whole_blocks_in_high_precision_become_megatron_block_counts(artifacts):
-    plan = read_training_plan(artifacts["te"])
+    decisions = read_training_decisions(artifacts["te"])
     last_block = [dataclasses.replace(linear, fp8=False, reasons=("excluded",)) if ".layers.1." in linear.path
-                  else linear for linear in plan.linears]
-    files, _ = training_files(dataclasses.replace(plan, linears=tuple(last_block)))
+                  else linear for linear in decisions.linears]
+    files, _ = training_files(dataclasses.replace(decisions, linears=tuple(last_block)))
     fields = yaml.safe_load(files["megatron_bridge.yaml"])["mixed_precision"]
     assert (fields["first_last_layers_bf16"], fields["num_layers_at_start_in_bf16"],
             fields["num_layers_at_end_in_bf16"]) == (True, 0, 1)
@@ -194,11 +195,11 @@ def test_megatron_core_parses_the_te_precision_file(artifacts):
 
 
 def test_torchtitan_converters_for_rowwise_and_mxfp8(artifacts):
-    plan = read_training_plan(artifacts["ao"])
-    assert "torchtitan_converters.py" not in training_files(plan)[0]  # tensorwise: torchtitan has no such recipe
+    decisions = read_training_decisions(artifacts["ao"])
+    assert "torchtitan_converters.py" not in training_files(decisions)[0]  # tensorwise: torchtitan has no such recipe
     for recipe, cls in ((TorchAORecipe(recipe_name="rowwise"), "Float8LinearConverter"),
                         (AOMXFP8TrainingOpRecipe(), "MXFP8LinearConverter")):
-        text = training_files(dataclasses.replace(plan, recipe=recipe))[0]["torchtitan_converters.py"]
+        text = training_files(dataclasses.replace(decisions, recipe=recipe))[0]["torchtitan_converters.py"]
         call = next(node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Call))
         assert ast.unparse(call.func) == f"{cls}.Config"
         keywords = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}

@@ -14,7 +14,7 @@ from converters.artifact.layout import REPORT_FILE, read_fp8_block
 from converters.errors import ArtifactError
 from converters.recipes import Recipe, recipe_from_dict
 
-__all__ = ["LinearDecision", "TrainingPlan", "read_training_plan", "block_index"]
+__all__ = ["LinearDecision", "TrainingDecisions", "read_training_decisions", "block_index"]
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -31,7 +31,7 @@ class LinearDecision:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainingPlan:
+class TrainingDecisions:
     directory: Path
     recipe: Recipe
     model_type: str  #: config.json's ``model_type``
@@ -55,8 +55,8 @@ def block_index(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def read_training_plan(directory: str | Path) -> TrainingPlan:
-    """The plan of the artifact in ``directory`` (config.json's ``fp8`` block and the report's analysis).
+def read_training_decisions(directory: str | Path) -> TrainingDecisions:
+    """The decisions of the artifact in ``directory`` (config.json's ``fp8`` block and the report's analysis).
 
     Raises ArtifactError when config.json or fp8_report.json is missing, unreadable, or does not list the Linears.
     """
@@ -74,7 +74,7 @@ def read_training_plan(directory: str | Path) -> TrainingPlan:
                        reasons=tuple(layer.get("reasons") or (() if layer["path"] in converted else ("excluded",))))
         for layer in layers if isinstance(layer, dict) and "in_features" in layer)
     blocks = config.get("num_hidden_layers", config.get("n_layer"))
-    return TrainingPlan(directory=directory, recipe=recipe, model_type=str(config.get("model_type", "")),
+    return TrainingDecisions(directory=directory, recipe=recipe, model_type=str(config.get("model_type", "")),
                         architectures=tuple(config.get("architectures") or ()),
                         num_blocks=blocks if isinstance(blocks, int) else None, linears=linears)
 
