@@ -49,7 +49,7 @@ def ensure_model(root: Path, layers: int) -> Path:
 def run_once(directory: Path, args: argparse.Namespace, compute: str | None, prefetch: bool, hooked: bool):
     import torch
 
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
     from converters.calibration.sequential import SequentialStats, calibrate_layer_by_layer, find_layer_stack
     from converters.model.checkpoint import Checkpoint
     from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, model_dtype

@@ -100,7 +100,7 @@ def peer_exports(model: Path, settings, work: Path, *, convert: bool) -> tuple[d
     from bench_serving_formats import KV_CACHE_SCHEME_STATIC
     from transformers import AutoTokenizer
 
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
     from converters.quality import calibration_part
 
     versions, _ = ensure_peer_venv(DEFAULT_PEER_VENV)

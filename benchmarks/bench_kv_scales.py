@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-from converters.calibration.amax import calibration_batches  # noqa: E402
+from converters.calibration.batches import calibration_batches  # noqa: E402
 from converters.calibration.kv_cache import KvCacheRecorder, recording_kv_amax  # noqa: E402
 from converters.calibration.scaling import E4M3_MAX  # noqa: E402
 from converters.pipeline.request import CalibrationSettings  # noqa: E402

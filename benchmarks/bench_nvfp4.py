@@ -60,7 +60,7 @@ def job_batches(model_dir: Path, steps: int, *, whole_corpus: bool = False) -> t
     bench_serving.write_calibration_tokens gave the peer until 2026-12-03 (held-out part included)."""
     from transformers import AutoTokenizer
 
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
     from converters.quality.held_out import calibration_part
 
     return calibration_batches(AutoTokenizer.from_pretrained(model_dir), vocab_size=49152, steps=steps, batch_size=1,

@@ -160,7 +160,7 @@ def peer(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from converters.api import local_sources
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
     from converters.pipeline.driver import run_conversion
     from converters.pipeline.request import CalibrationSettings, ConversionRequest
     from converters.quality import calibration_part, export_layer_casts, load_source, measure_qualities
@@ -216,7 +216,7 @@ def peer(args: argparse.Namespace) -> None:
 def child_calibration(params: dict) -> dict:
     from torch import nn
 
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
     from converters.calibration.sequential import calibrate_layer_by_layer, find_layer_stack
     from converters.model.checkpoint import Checkpoint
     from converters.model.sources import (

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def run_once(directory: Path, args: argparse.Namespace, record: Path | None):
     import torch
 
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
     from converters.calibration.sequential import calibrate_layer_by_layer, find_layer_stack
     from converters.distributed.layer_walk import RankedLayerWalk
     from converters.distributed.ranks import RankInfo

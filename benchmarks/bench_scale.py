@@ -12,7 +12,7 @@ For each size, each measurement is a fresh process (peak RSS is its own, see ben
   copy-only     copies the shards and the index with shutil.copyfile
   convert       run_conversion(backend "te", `--steps` calibration batches of `--batch-size` x `--seq-len`)
   forward-only  loads the model with from_pretrained and runs the same calibration batches (built by
-                converters.calibration.amax.calibration_batches) through it under no_grad; only the forward
+                converters.calibration.batches.calibration_batches) through it under no_grad; only the forward
                 passes are timed. Its peak RSS is what holding the whole model costs.
 Times are measured inside each process around the work alone (imports and start-up excluded); the
 process wall times are printed too. The page cache cannot be dropped without root, so every weight file
@@ -351,7 +351,7 @@ def child_forward(params: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
 
     model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=torch.bfloat16)
     model.eval()

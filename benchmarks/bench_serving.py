@@ -13,7 +13,7 @@ activations (llm-compressor's `FP8` scheme) of every decoder Linear, lm_head lef
              for this recipe is "sequential": every layer runs the calibration batches twice (calibrate, then
              propagate the quantized outputs).
 Both calibrate on the same tokens: `--steps` batches of `--batch-size` x `--seq-len` (default 8 x 2 x 128 = 16
-samples, 2,048 tokens) built once by converters.calibration.amax.calibration_batches from the built-in corpus'
+samples, 2,048 tokens) built once by converters.calibration.batches.calibration_batches from the built-in corpus'
 calibration part with the model's tokenizer and seed 0 (exactly what fp8forge builds inside its job), saved to a
 JSON file that the peer turns into a `datasets.Dataset` of input_ids and attention_mask (oneshot batch_size =
 `--batch-size`).
@@ -183,7 +183,7 @@ def write_calibration_tokens(model_dir: Path, vocab_size: int, calibration: Cali
     different tokens (docs/benchmarks/nvfp4-2026-12-03.md)."""
     from transformers import AutoTokenizer
 
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
     from converters.quality.held_out import calibration_part
 
     batches, source = calibration_batches(
@@ -321,7 +321,7 @@ def child_check(params: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
 
     batches, _ = calibration_batches(AutoTokenizer.from_pretrained(params["model_dir"]), vocab_size=params["vocab"],
                                      steps=1, batch_size=2, seq_len=params["seq_len"], seed=1)

@@ -430,7 +430,7 @@ def logits_cosines(params: dict, layout: Layout) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from converters.calibration.amax import calibration_batches
+    from converters.calibration.batches import calibration_batches
 
     batches, _ = calibration_batches(AutoTokenizer.from_pretrained(params["model_dir"]), vocab_size=params["vocab"],
                                      steps=1, batch_size=2, seq_len=params["seq_len"], seed=1)

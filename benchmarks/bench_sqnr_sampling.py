@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from converters.calibration.amax import calibration_batches, measuring_sqnr, record_amax  # noqa: E402
+from converters.calibration.amax import measuring_sqnr, record_amax
+from converters.calibration.batches import calibration_batches  # noqa: E402
 from converters.calibration.sensitivity import recipe_casts  # noqa: E402
 from converters.calibration.sqnr_meter import DEFAULT_MAX_ROWS, DEFAULT_ROWS_PER_LAYER, SqnrMeter  # noqa: E402
 from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer  # noqa: E402

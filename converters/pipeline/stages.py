@@ -22,7 +22,8 @@ from converters.analysis.eligibility import (
 from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.backends import backend_for
 from converters.backends.base import ConversionTargets, Converted
-from converters.calibration.amax import calibration_batches, measuring_sqnr, record_amax, te_scaling_state
+from converters.calibration.amax import measuring_sqnr, record_amax, te_scaling_state
+from converters.calibration.batches import calibration_batches
 from converters.calibration.kv_cache import recording_kv_amax
 from converters.calibration.result import NO_TE_CHECK, CalibrationResult
 from converters.calibration.scaling import E4M3_MAX

@@ -6,7 +6,7 @@ the texts the scales were fitted to would flatter them.
 
 from __future__ import annotations
 
-from converters.calibration.amax import load_corpus
+from converters.calibration.batches import load_corpus
 
 __all__ = ["HELD_OUT_EVERY", "held_out_part", "calibration_part", "BUILT_IN_HELD_OUT", "REQUEST_TEXTS"]
 

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from converters.calibration.amax import calibration_batches, record_amax, te_scaling_state
+from converters.calibration.amax import record_amax, te_scaling_state
+from converters.calibration.batches import calibration_batches
 from converters.errors import ConversionError
 from converters.recipes import TEDelayedScalingRecipe
 

@@ -13,7 +13,8 @@ from converters.artifact.files import write_manifest
 from converters.backends.te.layout import TE_STATE_NAMES, state_key
 from converters.backends.te.loader import read_te_artifact
 from converters.backends.te.resume import reseeded_scaling_state
-from converters.calibration.amax import LayerAmax, calibration_batches, te_scaling_state
+from converters.calibration.amax import LayerAmax, te_scaling_state
+from converters.calibration.batches import calibration_batches
 from converters.calibration.scaling import E4M3_MAX
 from converters.errors import ConversionError
 from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.calibration.amax import (
-    CORPUS_PATH,
-    LayerAmax,
-    calibration_batches,
-    load_corpus,
-    record_amax,
-    te_scaling_state,
-)
+from converters.calibration.amax import LayerAmax, record_amax, te_scaling_state
+from converters.calibration.batches import CORPUS_PATH, calibration_batches, load_corpus
 from converters.calibration.scaling import delayed_scaling_state
 from converters.errors import CalibrationDataError, ConversionCancelled, RecipeError
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from converters.calibration.amax import calibration_batches, record_amax
+from converters.calibration.amax import record_amax
+from converters.calibration.batches import calibration_batches
 from converters.calibration.kv_cache import recording_kv_amax
 from converters.calibration.kv_search import CLIP_RATIOS
 from converters.calibration.sequential import calibrate_layer_by_layer, find_layer_stack

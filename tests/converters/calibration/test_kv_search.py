@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from converters.calibration.amax import calibration_batches
+from converters.calibration.batches import calibration_batches
 from converters.calibration.kv_cache import recording_kv_amax
 from converters.calibration.kv_search import CLIP_RATIOS, KvStep, fake_quantize_e4m3, search_kv_scales
 from converters.quality.held_out import calibration_part

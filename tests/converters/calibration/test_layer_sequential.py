@@ -10,7 +10,8 @@ from torch import nn
 
 from converters.artifact.layout import sha256_file, staging_dir_for
 from converters.backends.te.runtime import te_status
-from converters.calibration.amax import calibration_batches, record_amax
+from converters.calibration.amax import record_amax
+from converters.calibration.batches import calibration_batches
 from converters.calibration.sequential import LAYER_SEQUENTIAL, calibrate_layer_by_layer, find_layer_stack
 from converters.errors import ConversionCancelled
 from converters.model.checkpoint import Checkpoint

@@ -15,7 +15,8 @@ from torch import nn
 
 from converters.analysis.eligibility import analyze_model, eligible_expert_units
 from converters.backends.te.layout import state_key
-from converters.calibration.amax import LayerAmax, calibration_batches, record_amax, te_scaling_state
+from converters.calibration.amax import LayerAmax, record_amax, te_scaling_state
+from converters.calibration.batches import calibration_batches
 from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_model, load_tokenizer
 from converters.pipeline.driver import ConversionRequest, run_conversion
 from converters.pipeline.request import CalibrationSettings

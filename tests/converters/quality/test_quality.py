@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from converters.artifact.layout import REPORT_FILE
-from converters.calibration.amax import load_corpus
+from converters.calibration.batches import load_corpus
 from converters.model.demo import build_tiny_llama
 from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer
 from converters.quality import (
