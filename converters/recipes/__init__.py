@@ -4,7 +4,8 @@ torchao, no backend imports (the torchao configs are built in :mod:`converters.b
 Modules: ``base`` (enums, bounds, field checks), ``requirements`` (shape rules, GPUs), ``te`` / ``te_block``
 (TransformerEngine recipes), ``torchao`` / ``torchao_training`` (torchao recipes), ``registry`` ((backend,
 scaling) -> class, the ``Recipe`` union, ``recipe_from_dict``), ``parse`` (JSON and Accelerate YAML files),
-``presets`` (the named recipes of ``--compare``), ``safe_yaml``. A new recipe is one class plus one registry line.
+``presets`` (the named recipes of ``--compare``), ``safe_yaml``, ``serving_options`` (what every recipe
+carries for its job's serving exports). A new recipe is one class plus one registry line.
 """
 
 from converters.recipes.base import (
@@ -21,6 +22,7 @@ from converters.recipes.base import (
     MXScaleCalculationMode,
     NVFP4ErrMode,
     NVFP4Scope,
+    NVFP4WeightScales,
     TEScaling,
     check_bool,
 )
@@ -52,6 +54,7 @@ __all__ = [
     "AOTrainingOp",
     "NVFP4Scope",
     "NVFP4ErrMode",
+    "NVFP4WeightScales",
     "MXKernelPreference",
     "MXScaleCalculationMode",
     "TEDelayedScalingRecipe",

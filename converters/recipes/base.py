@@ -23,6 +23,7 @@ __all__ = [
     "AOTrainingOp",
     "NVFP4Scope",
     "NVFP4ErrMode",
+    "NVFP4WeightScales",
     "MXKernelPreference",
     "MXScaleCalculationMode",
     "allowed",
@@ -108,6 +109,15 @@ class NVFP4ErrMode(str, enum.Enum):
 
     MAE = "MAE"
     MSE = "MSE"
+
+
+class NVFP4WeightScales(str, enum.Enum):
+    """How the ``nvfp4`` / ``nvfp4-a16`` serving exports choose their E4M3 weight block scales
+    (:mod:`converters.serving.nvfp4`)."""
+
+    RTN = "rtn"  #: each block's amax maps to E2M1's 6, compressed-tensors' and llm-compressor's bytes
+    MSE = "mse"  #: per block, the E4M3 scale of least squared error among RTN's neighbours and the 4-scale
+    FOUR_OVER_SIX = "four_over_six"  #: per block, the amax maps to 6 or to 4, whichever errs less (Cook et al.)
 
 
 class MXKernelPreference(str, enum.Enum):

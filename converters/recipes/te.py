@@ -24,6 +24,7 @@ from converters.recipes.base import (
 )
 from converters.recipes.registry import register_recipe, typed_from_dict
 from converters.recipes.requirements import FP8_GPU, FP8_RULE, Hardware, ShapeRule, stateless_note
+from converters.recipes.serving_options import ServingOptions
 
 __all__ = ["TEDelayedScalingRecipe", "TECurrentScalingRecipe"]
 
@@ -57,7 +58,7 @@ class _PerTensorFP8:
 
 @register_recipe(Backend.TE, TEScaling.DELAYED)
 @dataclass(frozen=True, kw_only=True)
-class TEDelayedScalingRecipe(_PerTensorFP8):
+class TEDelayedScalingRecipe(_PerTensorFP8, ServingOptions):
     """TransformerEngine ``DelayedScaling``: per-tensor scales from an amax history.
 
     ``interval`` and ``override_linear_precision`` are Accelerate keys that TransformerEngine no longer
@@ -77,6 +78,7 @@ class TEDelayedScalingRecipe(_PerTensorFP8):
     use_autocast_during_eval: bool = False
 
     def __post_init__(self) -> None:
+        self._check_serving_options()
         object.__setattr__(self, "fp8_format", check_fp8_format(self.fp8_format))
         object.__setattr__(
             self,
@@ -155,13 +157,14 @@ class TEDelayedScalingRecipe(_PerTensorFP8):
             "interval": self.interval,
             "override_linear_precision": list(olp) if olp is not None else None,
             "use_autocast_during_eval": self.use_autocast_during_eval,
+            **self.serving_options(),
         }
 
 
 
 @register_recipe(Backend.TE, TEScaling.CURRENT)
 @dataclass(frozen=True, kw_only=True)
-class TECurrentScalingRecipe(_PerTensorFP8):
+class TECurrentScalingRecipe(_PerTensorFP8, ServingOptions):
     """TransformerEngine ``Float8CurrentScaling``: stateless, each cast scales by its own amax."""
 
     te_class_name: ClassVar[str] = "Float8CurrentScaling"
@@ -170,6 +173,7 @@ class TECurrentScalingRecipe(_PerTensorFP8):
     fp8_format: Fp8Format = Fp8Format.HYBRID
 
     def __post_init__(self) -> None:
+        self._check_serving_options()
         object.__setattr__(self, "fp8_format", check_fp8_format(self.fp8_format))
 
     @property
@@ -204,4 +208,5 @@ class TECurrentScalingRecipe(_PerTensorFP8):
             "backend": self.backend.value,
             "scaling": self.scaling.value,
             "fp8_format": self.fp8_format.value,
+            **self.serving_options(),
         }

@@ -45,6 +45,7 @@ from converters.recipes.requirements import (
     ShapeRule,
     stateless_note,
 )
+from converters.recipes.serving_options import SERVING_KEY, ServingOptions
 
 __all__ = ["TEMXFP8BlockScalingRecipe", "TEFloat8BlockScalingRecipe", "TENVFP4BlockScalingRecipe"]
 
@@ -96,16 +97,17 @@ class _TEBlockRecipe:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": RECIPE_VERSION, "backend": self.backend.value, "scaling": self.scaling.value,
-                **self.te_recipe_kwargs()}
+                **self.te_recipe_kwargs(), **self.serving_options()}
 
     def _fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("recipe_key", True)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("recipe_key", True)
+                and not f.metadata.get(SERVING_KEY)}
 
 
 
 @register_recipe(Backend.TE, TEScaling.MXFP8_BLOCK)
 @dataclass(frozen=True, kw_only=True)
-class TEMXFP8BlockScalingRecipe(_TEBlockRecipe):
+class TEMXFP8BlockScalingRecipe(_TEBlockRecipe, ServingOptions):
     """TransformerEngine ``MXFP8BlockScaling``: E4M3 values in blocks of 32 consecutive elements, each block with
     its own E8M0 (power-of-two) scale; TE casts a tensor and its transpose separately from high precision.
 
@@ -122,6 +124,7 @@ class TEMXFP8BlockScalingRecipe(_TEBlockRecipe):
     accelerate_ignored: tuple[str, ...] = field(default=(), compare=False, repr=False, metadata={"recipe_key": False})
 
     def __post_init__(self) -> None:
+        self._check_serving_options()
         object.__setattr__(self, "fp8_format", check_fp8_format(self.fp8_format))
         check_int(self.margin, "margin", minimum=0, maximum=MAX_MARGIN)
         check_bool(self.enable_2d_quantization, "enable_2d_quantization")
@@ -145,7 +148,7 @@ class TEMXFP8BlockScalingRecipe(_TEBlockRecipe):
 
 @register_recipe(Backend.TE, TEScaling.FLOAT8_BLOCK)
 @dataclass(frozen=True, kw_only=True)
-class TEFloat8BlockScalingRecipe(_TEBlockRecipe):
+class TEFloat8BlockScalingRecipe(_TEBlockRecipe, ServingOptions):
     """TransformerEngine ``Float8BlockScaling``: E4M3 values with one fp32 scale per block of 128 values (1x128,
     ``*_block_scaling_dim`` 1) or 128x128 values (dim 2); by default activations and gradients 1x128, weights
     128x128, scales rounded to powers of two.
@@ -162,6 +165,7 @@ class TEFloat8BlockScalingRecipe(_TEBlockRecipe):
     grad_block_scaling_dim: int = 1
 
     def __post_init__(self) -> None:
+        self._check_serving_options()
         object.__setattr__(self, "fp8_format", check_fp8_format(self.fp8_format))
         check_bool(self.use_f32_scales, "use_f32_scales")
         dims = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
@@ -193,7 +197,7 @@ class TEFloat8BlockScalingRecipe(_TEBlockRecipe):
 
 @register_recipe(Backend.TE, TEScaling.NVFP4_BLOCK)
 @dataclass(frozen=True, kw_only=True)
-class TENVFP4BlockScalingRecipe(_TEBlockRecipe):
+class TENVFP4BlockScalingRecipe(_TEBlockRecipe, ServingOptions):
     """TransformerEngine ``NVFP4BlockScaling``: FP4 (E2M1) values, one E4M3 scale per 16 values and one fp32 scale
     per tensor; by default 16x16 blocks for weights, random Hadamard transforms on the wgrad operands and
     stochastic rounding for gradients (``fp4_format`` E2M1 and ``fp8_format`` E4M3 are the only values TE takes).
@@ -211,6 +215,7 @@ class TENVFP4BlockScalingRecipe(_TEBlockRecipe):
     nvfp4_4over6_err_mode: NVFP4ErrMode = NVFP4ErrMode.MAE
 
     def __post_init__(self) -> None:
+        self._check_serving_options()
         for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "row_scaled_activation"):
             check_bool(getattr(self, name), name)
         for name in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):

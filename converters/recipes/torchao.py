@@ -13,6 +13,7 @@ from converters.errors import RecipeError
 from converters.recipes.base import RECIPE_VERSION, AORecipeName, Backend, check_bool, coerce_enum
 from converters.recipes.registry import register_recipe, typed_from_dict
 from converters.recipes.requirements import ANY_DEVICE, FP8_RULE, TORCH_FP8_GPU, Hardware, ShapeRule, stateless_note
+from converters.recipes.serving_options import ServingOptions
 from converters.recipes.torchao_training import AO_LINEAR_CAST_FORMATS
 
 __all__ = ["TorchAORecipe"]
@@ -20,7 +21,7 @@ __all__ = ["TorchAORecipe"]
 
 @register_recipe(Backend.AO, None)
 @dataclass(frozen=True, kw_only=True)
-class TorchAORecipe:
+class TorchAORecipe(ServingOptions):
     """torchao ``Float8LinearConfig.from_recipe_name(recipe_name)`` plus per-linear options."""
 
     stateful: ClassVar[bool] = False
@@ -33,6 +34,7 @@ class TorchAORecipe:
     emulate: bool = False
 
     def __post_init__(self) -> None:
+        self._check_serving_options()
         object.__setattr__(
             self, "recipe_name", coerce_enum(self.recipe_name, AORecipeName, "recipe_name", upper=False)
         )
@@ -89,4 +91,5 @@ class TorchAORecipe:
             "pad_inner_dim": self.pad_inner_dim,
             "enable_fsdp_float8_all_gather": self.enable_fsdp_float8_all_gather,
             "emulate": self.emulate,
+            **self.serving_options(),
         }

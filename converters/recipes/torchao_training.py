@@ -41,6 +41,7 @@ from converters.recipes.requirements import (
     ShapeRule,
     stateless_note,
 )
+from converters.recipes.serving_options import SERVING_KEY, ServingOptions
 
 __all__ = ["AOFloat8TrainingOpRecipe", "AOMXFP8TrainingOpRecipe", "AO_LINEAR_CAST_FORMATS"]
 
@@ -89,17 +90,18 @@ class _AOTrainingOpRecipe:
         return []
 
     def _fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get(SERVING_KEY)}
 
     def to_dict(self) -> dict[str, Any]:
         fields = {name: getattr(value, "value", value) for name, value in self._fields().items()}
-        return {"version": RECIPE_VERSION, "backend": self.backend.value, "scaling": self.scaling.value, **fields}
+        return {"version": RECIPE_VERSION, "backend": self.backend.value, "scaling": self.scaling.value, **fields,
+                **self.serving_options()}
 
 
 
 @register_recipe(Backend.AO, AOTrainingOp.FLOAT8)
 @dataclass(frozen=True, kw_only=True)
-class AOFloat8TrainingOpRecipe(_AOTrainingOpRecipe):
+class AOFloat8TrainingOpRecipe(_AOTrainingOpRecipe, ServingOptions):
     """torchao ``Float8TrainingOpConfig`` applied with ``quantize_`` to the eligible Linear weights."""
 
     config_name: ClassVar[str] = "Float8TrainingOpConfig"
@@ -109,6 +111,7 @@ class AOFloat8TrainingOpRecipe(_AOTrainingOpRecipe):
     pad_token_groups_for_grouped_mm: bool = False
 
     def __post_init__(self) -> None:
+        self._check_serving_options()
         object.__setattr__(self, "float8_linear_recipe",
                            coerce_enum(self.float8_linear_recipe, AORecipeName, "float8_linear_recipe", upper=False))
         check_bool(self.pad_token_groups_for_grouped_mm, "pad_token_groups_for_grouped_mm")
@@ -132,7 +135,7 @@ class AOFloat8TrainingOpRecipe(_AOTrainingOpRecipe):
 
 @register_recipe(Backend.AO, AOTrainingOp.MXFP8)
 @dataclass(frozen=True, kw_only=True)
-class AOMXFP8TrainingOpRecipe(_AOTrainingOpRecipe):
+class AOMXFP8TrainingOpRecipe(_AOTrainingOpRecipe, ServingOptions):
     """torchao ``MXFP8TrainingOpConfig`` applied with ``quantize_`` to the eligible Linear weights."""
 
     config_name: ClassVar[str] = "MXFP8TrainingOpConfig"
@@ -144,6 +147,7 @@ class AOMXFP8TrainingOpRecipe(_AOTrainingOpRecipe):
     pad_token_groups_for_grouped_mm: bool = False
 
     def __post_init__(self) -> None:
+        self._check_serving_options()
         object.__setattr__(self, "kernel_preference",
                            coerce_enum(self.kernel_preference, MXKernelPreference, "kernel_preference", upper=False))
         object.__setattr__(self, "scale_calculation_mode", coerce_enum(

@@ -55,7 +55,9 @@ _E4M3_EPS = 0.125  # compressed-tensors' _get_dtype_eps(float8_e4m3fn)
 # |code value| * 2 for the magnitude codes 0..7, to find a code by exact match
 _DOUBLED_GRID = torch.tensor([2 * value for value in E2M1_GRID])
 #: how block scales are chosen: "rtn" maps each block's amax to 6 (compressed-tensors'), "mse" searches E4M3 values
-SCALE_SEARCHES = ("rtn", "mse")
+#: around it, "four_over_six" maps each block's amax to 6 or to 4, whichever errs less (the recipe's
+#: ``nvfp4_weight_scales``, converters.recipes.NVFP4WeightScales, names the same three)
+SCALE_SEARCHES = ("rtn", "mse", "four_over_six")
 _SEARCH_OFFSETS = (-4, -3, -2, -1, 1, 2, 3, 4, 5)  # E4M3 codes around RTN's: ~0.7x to ~1.6x (see searched_...)
 _E4M3_MAX_CODE = 0x7E  # 448; 0x7F is NaN
 
@@ -95,8 +97,8 @@ def quantize_nvfp4(weight: torch.Tensor, weight_amax: float, *, scale_search: st
     scale_global = global_scale(torch.tensor([weight_amax], dtype=weight.dtype))
     blocks = weight.unflatten(-1, (columns // GROUP, GROUP))
     scale = rtn_block_scales(blocks, scale_global)
-    if scale_search == "mse":
-        scale = searched_block_scales(blocks, scale, scale_global)
+    if scale_search != "rtn":
+        scale = searched_block_scales(blocks, scale, scale_global, four_over_six_only=scale_search == "four_over_six")
     scaled = (blocks / (scale / scale_global).unsqueeze(-1)).reshape(rows, columns)
     values = round_to_e2m1(scaled.clamp(-E2M1_MAX, E2M1_MAX))
     return pack_e2m1(values, scaled < 0), scale.to(torch.float8_e4m3fn), scale_global
@@ -120,8 +122,8 @@ def block_errors(blocks: torch.Tensor, scale: torch.Tensor, scale_global: torch.
     return (dequantized - blocks.float()).square().sum(dim=-1)
 
 
-def searched_block_scales(blocks: torch.Tensor, rtn_scale: torch.Tensor, scale_global: torch.Tensor
-                          ) -> torch.Tensor:
+def searched_block_scales(blocks: torch.Tensor, rtn_scale: torch.Tensor, scale_global: torch.Tensor, *,
+                          four_over_six_only: bool = False) -> torch.Tensor:
     """Each block's E4M3 scale of least squared reconstruction error among its candidates (fp32, E4M3 values).
 
     The candidates are E4M3 values themselves, so the error compared is the one the file will hold (llm-compressor's
@@ -133,13 +135,14 @@ def searched_block_scales(blocks: torch.Tensor, rtn_scale: torch.Tensor, scale_g
     whose 4-scale would overflow keep the candidates below it. Positive E4M3 values are ordered as their byte
     codes, so neighbours are codes +-1. A block keeps the round-to-nearest scale unless a candidate is strictly
     better, hence never a larger error than RTN, block by block; all-zero blocks (eps scale) are left as they are.
+    ``four_over_six_only``: the 4-scale is the one candidate (fouroversix's choice between 6 and 4, per block).
     """
     best_scale, best_error = rtn_scale, block_errors(blocks, rtn_scale, scale_global)
     searchable = rtn_scale != _E4M3_EPS
     rtn_code = rtn_scale.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16)
     four_scale = (scale_global * (blocks.abs().amax(dim=-1).float() / 4)).clamp(max=E4M3_MAX)
     four_code = four_scale.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16)
-    candidates = [rtn_code + offset for offset in _SEARCH_OFFSETS] + [four_code]
+    candidates = [four_code] if four_over_six_only else [rtn_code + offset for offset in _SEARCH_OFFSETS] + [four_code]
     for code in candidates:
         valid = searchable & (code >= 1) & (code <= _E4M3_MAX_CODE)
         scale = code.clamp(1, _E4M3_MAX_CODE).to(torch.uint8).view(torch.float8_e4m3fn).float()

@@ -1,0 +1,38 @@
+"""What every recipe carries for the serving exports written from its calibration (``serving_formats``).
+
+A job's serving checkpoints are quantized from the same calibration whatever its training recipe, so these
+fields sit on every recipe class (a frozen dataclass base each recipe dataclass inherits). A field left at its
+default is left out of ``to_dict()``: a recipe recorded before the field existed and one that leaves it at the
+default are the same dictionary, so artifacts and request hashes stay as they were and the version stays 1
+(a version bump is for a dictionary whose meaning changes; an older fp8forge refuses the unknown key by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from converters.recipes.base import NVFP4WeightScales, coerce_enum
+
+__all__ = ["SERVING_KEY", "ServingOptions"]
+
+#: field metadata marking a serving option: a recipe key, but never an argument of the training library's class
+SERVING_KEY = "serving_option"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingOptions:
+    """Serving-export options shared by every recipe class; subclasses call :meth:`_check_serving_options`."""
+
+    #: how the NVFP4 serving exports choose their weight block scales (rtn: the peers' bytes)
+    nvfp4_weight_scales: NVFP4WeightScales = field(default=NVFP4WeightScales.RTN, metadata={SERVING_KEY: True})
+
+    def _check_serving_options(self) -> None:
+        object.__setattr__(self, "nvfp4_weight_scales", coerce_enum(
+            self.nvfp4_weight_scales, NVFP4WeightScales, "nvfp4_weight_scales", upper=False))
+
+    def serving_options(self) -> dict[str, Any]:
+        """The serving options that differ from their defaults, as ``to_dict()`` records them."""
+        if self.nvfp4_weight_scales is NVFP4WeightScales.RTN:
+            return {}
+        return {"nvfp4_weight_scales": self.nvfp4_weight_scales.value}
