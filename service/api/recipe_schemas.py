@@ -34,6 +34,7 @@ from converters.recipes import (
     MXScaleCalculationMode,
     NVFP4ErrMode,
     NVFP4Scope,
+    NVFP4WeightScales,
     TEDelayedScalingRecipe,
     TEFloat8BlockScalingRecipe,
     TEMXFP8BlockScalingRecipe,
@@ -77,6 +78,11 @@ class _RecipeCreate(BaseModel):
 
     model_config = STRICT
     version: Version = RECIPE_VERSION
+    nvfp4_weight_scales: NVFP4WeightScales = Field(
+        NVFP4WeightScales.RTN, strict=False,
+        description="How the nvfp4 / nvfp4-a16 serving exports choose their E4M3 weight block scales: rtn (block "
+                    "amax to 6, llm-compressor's bytes), mse (least squared error among nearby E4M3 scales), "
+                    "four_over_six (block amax to 6 or to 4, whichever errs less). docs/recipes.md.")
 
 
 class TEDelayedRecipeCreate(_RecipeCreate):
