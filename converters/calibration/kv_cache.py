@@ -33,6 +33,11 @@ device is done, and its search runs then (the kernels read only the module's att
 most two layers' calls are held. In a whole-model pass nothing is released and every layer's calls are held
 until :meth:`KvCacheRecorder.results` (at most :data:`SEARCH_BUFFER_BYTES` a layer: the calls past it add to
 the amax but not to the search, and the report says how many steps were searched).
+
+A rank of a data-parallel job (:mod:`converters.distributed`) runs its share of the steps: at each layer's end it
+exchanges :meth:`KvCacheRecorder.state` with the other ranks, folds theirs in with :meth:`KvCacheRecorder.merge`
+(the amax: a max, exact) and runs the layer's search with :meth:`KvCacheRecorder.finish` given its steps' numbers
+and a gather over the ranks (:func:`~converters.calibration.kv_search.search_kv_scales`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.calibration.kv_search import KvSearch, KvStep, search_kv_scales
+from converters.calibration.kv_search import Gather, KvSearch, KvStep, search_kv_scales
 from converters.errors import CalibrationDataError
 
 __all__ = ["KvAmax", "KvCacheRecorder", "SEARCH_BUFFER_BYTES", "recording_kv_amax"]
@@ -108,6 +113,7 @@ class KvCacheRecorder:
         self._dtype: dict[str, torch.dtype] = {}
         self._steps: dict[str, list[KvStep]] = {}  #: calls kept for the scale search, until the layer is done
         self._held: dict[str, int] = {}  #: bytes those calls hold
+        self._full: set[str] = set()  #: paths whose buffer a call did not fit: later calls are not kept either
         self._search: dict[str, KvSearch] = {}
 
     def observe(self, path: str, key: torch.Tensor, value: torch.Tensor, *, query: torch.Tensor | None = None,
@@ -126,16 +132,53 @@ class KvCacheRecorder:
         for done in [other for other in self._steps if other != path and _released(self._modules.get(other))]:
             self.finish(done)
         size = sum(tensor.numel() * tensor.element_size() for tensor in (query, key, value))
-        if self._held.get(path, 0) + size <= SEARCH_BUFFER_BYTES or path not in self._steps:
+        # the first calls, up to the first that does not fit: a prefix of the steps, which the ranks of a
+        # data-parallel job can cut again to the one process's prefix (kv_search._within)
+        if path not in self._steps or (path not in self._full and self._held[path] + size <= SEARCH_BUFFER_BYTES):
             self._steps.setdefault(path, []).append(KvStep(query.detach(), key.detach(), value.detach(), attend))
             self._held[path] = self._held.get(path, 0) + size
+        else:
+            self._full.add(path)
 
-    def finish(self, path: str) -> None:
-        """Choose ``path``'s scales from the calls kept so far and let them go (its layer has seen every step)."""
-        steps = self._steps.pop(path, None)
+    def finish(self, path: str, *, numbers: list[int] | None = None, gather: Gather | None = None) -> None:
+        """Choose ``path``'s scales from the calls kept so far and let them go (its layer has seen every step).
+
+        A rank of a data-parallel job passes the job's numbers of its steps (the calls were its steps in that
+        order) and a ``gather`` over the ranks, after :meth:`merge` made the amax the job's; every rank must call
+        it, in the same order of paths (a collective)."""
+        steps = self._steps.pop(path, [])
         self._held.pop(path, None)
-        if steps:
+        self._full.discard(path)
+        if gather is not None:
+            numbers = list(range(len(steps))) if numbers is None else numbers[:len(steps)]
+            self._search[path] = search_kv_scales(steps, float(self._key[path].max()), float(self._value[path].max()),
+                                                  numbers=numbers, budget=SEARCH_BUFFER_BYTES, gather=gather)
+        elif steps:
             self._search[path] = search_kv_scales(steps, float(self._key[path].max()), float(self._value[path].max()))
+
+    def state(self, owned: Callable[[str], bool] = lambda path: True) -> dict[str, KvAmax]:
+        """What was recorded so far for the attention paths ``owned`` selects: amax, dtype and the search where it
+        ran (the values are this recorder's own tensors: copy before changing them)."""
+        return {path: KvAmax(key=self._key[path], value=self._value[path], dtype=self._dtype[path],
+                             search=self._search.get(path)) for path in self._key if owned(path)}
+
+    def merge(self, states: list[dict[str, KvAmax]]) -> None:
+        """Fold other recorders' :meth:`state` into this one: each path's amax the max of all (exact, whatever the
+        order), and a search a state carries replaces this one's (a resume record's finished layer). Raises
+        ValueError for a path whose head count or dtype differs between states (the states of another model)."""
+        for state in states:
+            for path, amax in state.items():
+                if path in self._key:
+                    if amax.key.shape != self._key[path].shape or amax.dtype != self._dtype[path]:
+                        raise ValueError(f"{path}: a KV state of {tuple(amax.key.shape)} heads in {amax.dtype} "
+                                         f"cannot merge into {tuple(self._key[path].shape)} in {self._dtype[path]}")
+                    self._key[path] = torch.fmax(self._key[path], amax.key)
+                    self._value[path] = torch.fmax(self._value[path], amax.value)
+                else:
+                    self._key[path], self._value[path] = amax.key.clone(), amax.value.clone()
+                    self._dtype[path] = amax.dtype
+                if amax.search is not None:
+                    self._search[path] = amax.search
 
     def results(self) -> dict[str, KvAmax]:
         """Each recorded attention module's amax and chosen clipping; raises CalibrationDataError when an expected

@@ -22,6 +22,10 @@ convert with ``__NV_SATFINITE``; vLLM 0.32's CPU ``cpu_attn_reshape_and_cache``,
 The search runs the layer's own attention kernel (the function transformers dispatched to, with the call's
 mask and scaling) on the recorded queries, keys and values, so it measures exactly the attention the model
 computes. Its cost per layer is ``(2 * len(CLIP_RATIOS) + 2)`` attention calls per calibration step.
+
+Across the ranks of a data-parallel job each rank measures its own steps, and the per-step error sums
+(:class:`KvStepErrors`) are gathered and added in the job's step order: the even/odd split and every sum are then
+those of one process that ran all the steps, so the scales do not depend on the rank count.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import torch
 
 from converters.calibration.scaling import E4M3_MAX
 
-__all__ = ["CLIP_RATIOS", "MIN_GAIN", "KvSearch", "KvStep", "fake_quantize_e4m3", "search_kv_scales"]
+__all__ = ["CLIP_RATIOS", "MIN_GAIN", "Gather", "KvSearch", "KvStep", "KvStepErrors", "fake_quantize_e4m3",
+           "search_kv_scales"]
 
 #: candidate fractions of the amax, 1.0 first: a ratio replaces 1.0 only when its error is strictly lower
 CLIP_RATIOS: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35, 0.3)
@@ -122,29 +127,95 @@ def _total(errors: Sequence[float], energy: Sequence[float]) -> float:
     return sum(errors) / sum(energy) if sum(energy) > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class KvStepErrors:
+    """What one calibration step contributes to a layer's search: plain numbers, so that the ranks of a
+    data-parallel job can exchange them (:func:`search_kv_scales`'s ``gather``)."""
+
+    step: int  #: the calibration step (the job's numbering: the search sums in this order)
+    size: int  #: bytes its queries, keys and values held (the search's buffer limit counts them)
+    energy: float  #: ``sum(out^2)`` of the high-precision attention output
+    key: tuple[float, ...]  #: per ratio: squared error with the keys in FP8 (values not)
+    value: tuple[float, ...]
+    pair: float  #: squared error with both at the scales asked for (``amax / 448`` in the first round)
+
+
+#: every rank's items, concatenated (a one-process search: the items themselves)
+Gather = Callable[[list[KvStepErrors]], list[KvStepErrors]]
+
+
+def _alone(items: list[KvStepErrors]) -> list[KvStepErrors]:
+    return items
+
+
+def _within(items: list[KvStepErrors], budget: int | None) -> list[KvStepErrors]:
+    """``items`` in step order, up to the first one past ``budget`` bytes (the first always): the steps one
+    process would have kept, whatever the ranks each kept (each keeps a superset of its part of them)."""
+    items, kept, held = sorted(items, key=lambda item: item.step), [], 0
+    for item in items:
+        if kept and budget is not None and held + item.size > budget:
+            break
+        kept.append(item)
+        held += item.size
+    return kept
+
+
 def search_kv_scales(steps: Sequence[KvStep], key_amax: float, value_amax: float,
-                     ratios: Sequence[float] = CLIP_RATIOS) -> KvSearch:
+                     ratios: Sequence[float] = CLIP_RATIOS, *, numbers: Sequence[int] | None = None,
+                     budget: int | None = None, gather: Gather = _alone) -> KvSearch:
     """Choose the key and value clipping ratios of one attention layer by its attention-output error.
 
     ``steps`` are the layer's recorded attention calls; ``key_amax``/``value_amax`` the per-tensor amax over all
-    of them. Raises ValueError for no steps or a ratio outside (0, 1] (a caller's mistake, not a user's).
+    of them (over every rank's). A rank of a data-parallel job passes its steps' ``numbers`` in the job, the
+    buffer ``budget`` in bytes and a ``gather`` that all-gathers the :class:`KvStepErrors` of every rank: the
+    errors are then summed over the job's steps in step order, so the choice and every figure are the ones a
+    single process computes from all the steps, whatever the rank count. Every rank must call it (a rank may have
+    no steps). Raises ValueError for no steps on any rank, ``numbers`` not matching ``steps``, or a ratio outside
+    (0, 1] (a caller's mistake, not a user's).
     """
-    if not steps:
-        raise ValueError("search_kv_scales needs at least one recorded attention call")
     if not ratios or ratios[0] != 1.0 or any(not 0 < ratio <= 1 for ratio in ratios):
         raise ValueError(f"clipping ratios must start at 1.0 and lie in (0, 1], got {tuple(ratios)}")
+    numbers = list(range(len(steps))) if numbers is None else list(numbers)
+    if len(numbers) != len(steps):
+        raise ValueError(f"{len(numbers)} step numbers for {len(steps)} recorded attention calls")
     with torch.no_grad():
         references = [step.attend(step.query, step.key, step.value).float() for step in steps]
-        energy = [float(reference.square().sum()) for reference in references]
-        key_errors = [_step_errors(steps, references, clipped_scale(key_amax, ratio), None) for ratio in ratios]
-        value_errors = [_step_errors(steps, references, None, clipped_scale(value_amax, ratio)) for ratio in ratios]
+        at_amax = (clipped_scale(key_amax, 1.0), clipped_scale(value_amax, 1.0))
+        mine = _measure(steps, references, numbers, ratios, key_amax, value_amax, at_amax)
+        every = _within(gather(mine), budget)
+        if not every:
+            raise ValueError("search_kv_scales needs at least one recorded attention call")
+        energy = [item.energy for item in every]
+        key_errors = [[item.key[index] for item in every] for index in range(len(ratios))]
+        value_errors = [[item.value[index] for item in every] for index in range(len(ratios))]
         key_ratio, value_ratio = ratios[_ratio(key_errors, energy)], ratios[_ratio(value_errors, energy)]
-        at_amax = _total(_step_errors(steps, references, clipped_scale(key_amax, 1.0),
-                                      clipped_scale(value_amax, 1.0)), energy)
-        chosen = at_amax if key_ratio == value_ratio == 1.0 else _total(_step_errors(
-            steps, references, clipped_scale(key_amax, key_ratio), clipped_scale(value_amax, value_ratio)), energy)
-        if chosen > at_amax:  # each choice helped alone but not together: keep amax/448 for both
-            key_ratio, value_ratio, chosen = 1.0, 1.0, at_amax
-    return KvSearch(key_ratio=key_ratio, value_ratio=value_ratio, error_at_amax=at_amax, error_chosen=chosen,
+        error_at_amax = _total([item.pair for item in every], energy)
+        chosen = error_at_amax
+        if not key_ratio == value_ratio == 1.0:  # every rank takes this branch: the same numbers chose the ratios
+            searched = {item.step for item in every}
+            pair = (clipped_scale(key_amax, key_ratio), clipped_scale(value_amax, value_ratio))
+            kept = [(step, reference, number) for step, reference, number in zip(steps, references, numbers,
+                                                                                  strict=True) if number in searched]
+            errors = _step_errors([s for s, _, _ in kept], [r for _, r, _ in kept], *pair)
+            items = gather([KvStepErrors(number, 0, 0.0, (), (), error)
+                            for (_, _, number), error in zip(kept, errors, strict=True)])
+            chosen = _total([item.pair for item in sorted(items, key=lambda item: item.step)], energy)
+        if chosen > error_at_amax:  # each choice helped alone but not together: keep amax/448 for both
+            key_ratio, value_ratio, chosen = 1.0, 1.0, error_at_amax
+    return KvSearch(key_ratio=key_ratio, value_ratio=value_ratio, error_at_amax=error_at_amax, error_chosen=chosen,
                     key_errors=tuple(_total(per_step, energy) for per_step in key_errors),
-                    value_errors=tuple(_total(per_step, energy) for per_step in value_errors), steps=len(steps))
+                    value_errors=tuple(_total(per_step, energy) for per_step in value_errors), steps=len(every))
+
+
+def _measure(steps: Sequence[KvStep], references: Sequence[torch.Tensor], numbers: Sequence[int],
+             ratios: Sequence[float], key_amax: float, value_amax: float,
+             at_amax: tuple[torch.Tensor, torch.Tensor]) -> list[KvStepErrors]:
+    """The first round's errors of each of this process's steps."""
+    key_errors = [_step_errors(steps, references, clipped_scale(key_amax, ratio), None) for ratio in ratios]
+    value_errors = [_step_errors(steps, references, None, clipped_scale(value_amax, ratio)) for ratio in ratios]
+    pair = _step_errors(steps, references, *at_amax)
+    return [KvStepErrors(step=number, size=sum(t.numel() * t.element_size() for t in (s.query, s.key, s.value)),
+                         energy=float(reference.square().sum()),
+                         key=tuple(errors[index] for errors in key_errors),
+                         value=tuple(errors[index] for errors in value_errors), pair=pair[index])
+            for index, (s, reference, number) in enumerate(zip(steps, references, numbers, strict=True))]

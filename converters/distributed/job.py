@@ -13,7 +13,6 @@ from converters.calibration.sequential import LayerStack
 from converters.distributed.layer_walk import RankedLayerWalk
 from converters.distributed.ranks import RankInfo
 from converters.distributed.resume import ResumeStore, fingerprint
-from converters.errors import Fp8ForgeError
 from converters.model.checkpoint import weight_files
 
 __all__ = ["DistributedJob"]
@@ -32,17 +31,11 @@ class DistributedJob:
         ``request`` (as a dict), the model's weight files in ``model_dir`` (names and sizes), the layer list, the
         layers calibrated and the batches' tokens; a record left by anything else is started over.
 
-        A job with a KV recorder (``kv_cache``) keeps no record, and is refused on more than one rank: the KV scale
-        search (:mod:`converters.calibration.kv_search`) runs over the steps one process saw, and its choices are
-        neither combined across ranks nor recorded per layer yet, so either would change the KV scales.
+        A job with a KV recorder (``kv_cache``) reduces its KV amax and runs each attention layer's scale search
+        over every rank's steps at the layer's end, and records both per layer: its scales are the one-rank run's.
         """
-        if kv is not None and self.info.world_size > 1:
-            raise Fp8ForgeError(f"kv_cache on {self.info.world_size} ranks: the KV-cache scale search is not combined "
-                                "across ranks yet, so the scales would depend on the rank count; run a kv_cache job "
-                                "on one rank (WORLD_SIZE=1, one Slurm task) or convert without kv_cache",
-                                field="kv_cache")
         files = [(path.name, path.stat().st_size) for path in weight_files(model_dir)]
         tokens = [value for batch in batches for _, value in sorted(batch.items()) if hasattr(value, "numel")]
         job = fingerprint([dict(request), files, stack.path, stack.count, paths, *tokens])
-        store = ResumeStore(self.resume_dir, job) if self.resume_dir is not None and kv is None else None
+        store = ResumeStore(self.resume_dir, job) if self.resume_dir is not None else None
         return RankedLayerWalk(self.info, store, stack.path, kv=kv, meter=meter)

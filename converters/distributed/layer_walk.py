@@ -9,7 +9,9 @@ job's figures before the next layer:
   all-reduce, which leaves every value exactly the one-rank run's; TE's delayed-scaling history is computed from
   these per-step amax in step order afterwards, so it is the one-rank run's too. The tokens each expert received
   per step: a SUM all-reduce (integers, exact).
-* **KV-cache amax** (per head, a running max over steps): a MAX all-reduce, exact.
+* **KV-cache amax** (per head, a running max over steps): a MAX all-reduce, exact. Then each attention layer's
+  clipping search (:mod:`converters.calibration.kv_search`) runs here, every rank on its own steps: the per-step
+  error sums of all ranks are gathered and added in step order, so the chosen KV scales are the one-rank run's.
 * **SQNR sums** (signal and noise per layer, recipe and operand): a SUM in rank order, equal to the one-rank run's
   within float reordering (the dB figures are rounded to 0.01).
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed
 
 from converters.calibration.amax import AmaxRecorder, LayerAmax
+from converters.calibration.kv_cache import KvAmax, KvCacheRecorder
 from converters.calibration.sequential import Resumed, under
 from converters.calibration.sqnr_arithmetic import MeasuredChannels
 from converters.distributed.ranks import RankInfo, steps_of_rank
@@ -36,7 +39,6 @@ from converters.distributed.resume import LayerRecord, ResumeStore
 from converters.model.experts import parse_unit_path
 
 if TYPE_CHECKING:
-    from converters.calibration.kv_cache import KvCacheRecorder
     from converters.calibration.sqnr_meter import SqnrMeter
 
 __all__ = ["RankedLayerWalk"]
@@ -84,8 +86,7 @@ class RankedLayerWalk:
         for record in records:
             amax.update({path: LayerAmax(**parts) for path, parts in record.amax.items()})
             if self.kv is not None:
-                _replace_kv(self.kv, {path: (key, value, getattr(torch, dtype))
-                                      for path, (key, value, dtype) in record.kv.items()})
+                self.kv.merge([record.kv])
             if self.meter is not None:
                 self.meter.replace_sums(record.sqnr)
         hidden = self.store.load_outputs(count - 1, self._steps)
@@ -103,8 +104,7 @@ class RankedLayerWalk:
         if self.info.leader:
             amax = {path: {name: getattr(layer, name) for name in ("forward", "backward", "tokens")
                            if getattr(layer, name) is not None} for path, layer in recorder.results().items()}
-            self.store.save_layer(LayerRecord(index=index, amax=amax, sqnr=sqnr, kv={
-                path: (key, value, str(dtype).removeprefix("torch.")) for path, (key, value, dtype) in kv.items()}))
+            self.store.save_layer(LayerRecord(index=index, amax=amax, sqnr=sqnr, kv=kv))
 
     def head_done(self, recorder: AmaxRecorder) -> None:
         """The head runs after the last layer and is not recorded: a restart past every layer runs it again."""
@@ -138,17 +138,29 @@ class RankedLayerWalk:
                 for tensor, part in zip(tensors, flat.split([tensor.numel() for tensor in tensors]), strict=True):
                     tensor.copy_(part.reshape(tensor.shape))
 
-    def _reduce_kv(self, owned: Callable[[str], bool]) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
+    def _reduce_kv(self, owned: Callable[[str], bool]) -> dict[str, KvAmax]:
+        """This layer's KV amax, MAX over the ranks, then its attention layers' scale searches over every rank's
+        steps (collectives: every rank runs the layer's attention paths in the same, sorted order)."""
         if self.kv is None:
             return {}
-        recorded = _recorded_kv(self.kv, owned)
+        recorded = self.kv.state(owned)
         if self.world_size > 1 and recorded:
-            parts = [tensor for key, value, _ in recorded.values() for tensor in (key, value)]
+            parts = [tensor.clone() for amax in recorded.values() for tensor in (amax.key, amax.value)]
             flat = self._all_reduce(torch.cat(parts), torch.distributed.ReduceOp.MAX)
             reduced = iter(flat.split([tensor.numel() for tensor in parts]))
-            recorded = {path: (next(reduced), next(reduced), dtype) for path, (_, _, dtype) in recorded.items()}
-            _replace_kv(self.kv, recorded)
-        return recorded
+            self.kv.merge([{path: KvAmax(key=next(reduced), value=next(reduced), dtype=amax.dtype)
+                            for path, amax in recorded.items()}])
+        for path in sorted(recorded):
+            self.kv.finish(path, numbers=self._steps, gather=self._gather_all)
+        return self.kv.state(owned)
+
+    def _gather_all(self, items: list[Any]) -> list[Any]:
+        """Every rank's ``items``, concatenated in rank order."""
+        if self.world_size == 1:
+            return items
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, items)
+        return [item for rank_items in gathered for item in rank_items]
 
     def _reduce_sqnr(self, recorder: AmaxRecorder, owned: Callable[[str], bool]
                      ) -> list[tuple[str, str, str, float, float]]:
@@ -192,15 +204,3 @@ class RankedLayerWalk:
     def _barrier(self) -> None:
         if self.world_size > 1:
             torch.distributed.barrier()
-
-
-# The KV recorder's running amax, read and replaced here: kv_cache.py (another owner's module, being extended for
-# a scale search) has no public pair for it yet; these two are the whole contract this module relies on.
-def _recorded_kv(kv: KvCacheRecorder, owned: Callable[[str], bool]
-                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
-    return {path: (kv._key[path], kv._value[path], kv._dtype[path]) for path in kv._key if owned(path)}
-
-
-def _replace_kv(kv: KvCacheRecorder, amax: dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]) -> None:
-    for path, (key, value, dtype) in amax.items():
-        kv._key[path], kv._value[path], kv._dtype[path] = key, value, dtype

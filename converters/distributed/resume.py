@@ -6,7 +6,8 @@ rank can reach (a cluster's shared file system). After each layer:
 * every rank writes its steps' outputs of that layer, ``hidden/layer-<i>-step-<s>.safetensors`` (one file a step,
   so that a restart with another number of ranks reads its own share);
 * then, once all ranks have written theirs, rank 0 writes ``layer-<i>.safetensors``: the layer's amax (reduced over
-  the ranks), its attention layers' KV amax and its SQNR sums; that file is what says the layer is finished. The
+  the ranks), its attention layers' KV amax and KV scale search, and its SQNR sums; that file is what says the layer
+  is finished. The
   previous layer's outputs are then removed.
 
 Every file is written to a temporary name, fsynced and renamed into place, so a reader never sees half of one.
@@ -21,13 +22,15 @@ import json
 import os
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load, save
 
+from converters.calibration.kv_cache import KvAmax
+from converters.calibration.kv_search import KvSearch
 from converters.errors import Fp8ForgeError
 
 __all__ = ["LayerRecord", "ResumeStore", "resume_dir_for", "atomic_write"]
@@ -63,18 +66,20 @@ class LayerRecord:
 
     index: int
     amax: dict[str, dict[str, torch.Tensor]]  #: path -> {"forward", and "backward", "tokens" where recorded}
-    kv: dict[str, tuple[torch.Tensor, torch.Tensor, str]]  #: attention path -> (key amax, value amax, dtype name)
+    kv: dict[str, KvAmax]  #: attention path -> its KV amax, dtype and chosen clipping
     sqnr: list[tuple[str, str, str, float, float]]  #: (path, label, what, signal, noise)
 
     def to_bytes(self) -> bytes:
         tensors = {f"amax/{path}/{name}": tensor.contiguous() for path, parts in self.amax.items()
                    for name, tensor in parts.items()}
-        tensors.update({f"kv/{path}/{name}": tensor.contiguous() for path, (key, value, _) in self.kv.items()
-                        for name, tensor in (("key", key), ("value", value))})
+        tensors.update({f"kv/{path}/{name}": tensor.contiguous() for path, amax in self.kv.items()
+                        for name, tensor in (("key", amax.key), ("value", amax.value))})
         # safetensors keeps no order: the amax order (that of a whole run's result) is in the metadata
         metadata = {"format": str(_FORMAT), "layer": str(self.index),
                     "amax": json.dumps({path: list(parts) for path, parts in self.amax.items()}),
-                    "kv": json.dumps({path: dtype for path, (_, _, dtype) in self.kv.items()}),
+                    "kv": json.dumps({path: str(amax.dtype).removeprefix("torch.") for path, amax in self.kv.items()}),
+                    "kv_search": json.dumps({path: asdict(amax.search) for path, amax in self.kv.items()
+                                             if amax.search is not None}),
                     "sqnr": json.dumps(self.sqnr)}  # Python floats print and parse back exactly
         return save(tensors, metadata=metadata)
 
@@ -85,7 +90,11 @@ class LayerRecord:
         metadata = _metadata(data)
         amax = {name: {part: tensors[f"amax/{name}/{part}"] for part in parts}
                 for name, parts in json.loads(metadata["amax"]).items()}
-        kv = {name: (tensors[f"kv/{name}/key"], tensors[f"kv/{name}/value"], dtype)
+        searches = {name: KvSearch(**{field: tuple(value) if isinstance(value, list) else value
+                                      for field, value in search.items()})
+                    for name, search in json.loads(metadata.get("kv_search", "{}")).items()}
+        kv = {name: KvAmax(key=tensors[f"kv/{name}/key"], value=tensors[f"kv/{name}/value"],
+                           dtype=getattr(torch, dtype), search=searches.get(name))
               for name, dtype in json.loads(metadata["kv"]).items()}
         sqnr = [tuple(entry) for entry in json.loads(metadata["sqnr"])]
         return cls(index=int(metadata["layer"]), amax=amax, kv=kv, sqnr=sqnr)

@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from converters.calibration.kv_cache import KvAmax
+from converters.calibration.kv_search import KvSearch
 from converters.calibration.sequential import LayerStack
 from converters.distributed.job import DistributedJob
 from converters.distributed.ranks import RankInfo, rank_from_environment, steps_of_rank
@@ -53,12 +55,17 @@ def test_more_ranks_than_steps_is_refused():
         steps_of_rank(0, 5, 4)
 
 
+_SEARCH = KvSearch(key_ratio=0.85, value_ratio=1.0, error_at_amax=0.1 + 0.2, error_chosen=1e-300,
+                   key_errors=(0.3, 0.1), value_errors=(0.2, 0.25), steps=3)
+
+
 def _record(index: int) -> LayerRecord:
     forward = torch.rand(6, 3)
     return LayerRecord(index=index, amax={"model.layers.0.mlp.up_proj": {"forward": forward},
                                           "model.layers.0.mlp.experts.1.down": {"forward": forward * 2,
                                                                                 "tokens": torch.arange(6)}},
-                       kv={"model.layers.0.self_attn": (torch.rand(2), torch.rand(2), "bfloat16")},
+                       kv={"model.layers.0.self_attn": KvAmax(key=torch.rand(2), value=torch.rand(2),
+                                                              dtype=torch.bfloat16, search=_SEARCH)},
                        sqnr=[("model.layers.0.mlp.up_proj", "te", "output", 0.1 + 0.2, 1e-300)])
 
 
@@ -72,8 +79,9 @@ def test_a_layer_record_reads_back_exactly(tmp_path):
     for path, parts in record.amax.items():
         assert all(torch.equal(back.amax[path][name], tensor) for name, tensor in parts.items())
     assert back.sqnr == record.sqnr  # floats through JSON, bit for bit
-    key, value, dtype = back.kv["model.layers.0.self_attn"]
-    assert dtype == "bfloat16" and torch.equal(key, record.kv["model.layers.0.self_attn"][0])
+    kv = back.kv["model.layers.0.self_attn"]
+    assert kv.dtype == torch.bfloat16 and torch.equal(kv.key, record.kv["model.layers.0.self_attn"].key)
+    assert kv.search == _SEARCH  # the chosen clipping and its error figures, floats bit for bit
     assert not list(tmp_path.rglob("*.tmp"))  # written through a temporary name, renamed
 
 
@@ -112,17 +120,9 @@ def test_a_record_left_by_another_job_is_started_over(tmp_path):
     assert json.loads((tmp_path / "record" / "job.json").read_text())["job"] == other.job
 
 
-def test_a_kv_cache_job_on_several_ranks_is_refused_naming_the_fix(tmp_path):
-    job = DistributedJob(info=rank_from_environment(FULL), resume_dir=tmp_path / "record")
-    stack = LayerStack(path="model.layers", count=4, layer_class="LlamaDecoderLayer")
-    with pytest.raises(Fp8ForgeError, match="run a kv_cache job on one rank") as raised:
-        job.layer_boundary({}, tmp_path, stack, [], [], kv=object(), meter=None)
-    assert raised.value.field == "kv_cache"
-
-
-def test_a_kv_cache_job_on_one_rank_keeps_no_record(tmp_path):
+def test_a_kv_cache_job_keeps_a_record_on_any_rank_count(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    job = DistributedJob(info=RankInfo(), resume_dir=tmp_path / "record")
     stack = LayerStack(path="model.layers", count=4, layer_class="LlamaDecoderLayer")
-    assert job.layer_boundary({}, tmp_path, stack, [], [], kv=object(), meter=None).store is None
-    assert job.layer_boundary({}, tmp_path, stack, [], [], kv=None, meter=None).store is not None
+    for info in (RankInfo(), rank_from_environment(FULL)):
+        job = DistributedJob(info=info, resume_dir=tmp_path / "record")
+        assert job.layer_boundary({}, tmp_path, stack, [], [], kv=object(), meter=None).store is not None
