@@ -11,7 +11,6 @@ _EXPORTS = {
     "CALIBRATION_FILE": "converters.artifact.layout",
     "REPORT_FILE": "converters.artifact.layout",
     "MANIFEST_NAME": "converters.artifact.layout",
-    "DEFAULT_MAX_SHARD_BYTES": "converters.artifact.layout",
     "staging_dir_for": "converters.artifact.layout",
     "sha256_file": "converters.artifact.layout",
     "read_fp8_block": "converters.artifact.layout",

@@ -26,7 +26,7 @@ from typing import Any
 from converters.errors import ArtifactError
 
 __all__ = ["FP8_BLOCK_VERSION", "STATE_FILE", "CALIBRATION_FILE", "REPORT_FILE", "MANIFEST_NAME",
-           "DEFAULT_MAX_SHARD_BYTES", "staging_dir_for", "sha256_file", "read_fp8_block"]
+           "staging_dir_for", "sha256_file", "read_fp8_block"]
 
 # Version 2: the weights are the source's files, untouched; the TE state lives in its own file.
 FP8_BLOCK_VERSION = 2
@@ -34,8 +34,6 @@ STATE_FILE = "fp8_state.safetensors"
 CALIBRATION_FILE = "fp8_calibration.safetensors"
 REPORT_FILE = "fp8_report.json"
 MANIFEST_NAME = "manifest.json"
-#: ``max_shard_bytes``' default (the weights are the source's files, so it has no effect; the report says so).
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
 def staging_dir_for(out_dir: Path) -> Path:

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from converters.analysis.patterns import check_patterns
-from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.errors import CalibrationDataError, RecipeError, RequestError
 from converters.plan.settings import PlanSettings
 from converters.recipes import Recipe, recipe_from_dict
 from converters.recipes.presets import MAX_COMPARE_RECIPES, parse_compare_recipe
+from converters.serving_names import KV_CACHE_FORMAT_NAMES, SERVING_FORMAT_NAMES, UNCALIBRATED_FORMAT_NAMES, format_spec
 
 __all__ = [
     "SYNC_LIMITS",
@@ -33,12 +33,12 @@ __all__ = [
     "MAX_CALIBRATION_TOKENS",
     "MAX_TEXT_CHARS",
     "MAX_TEXTS_CHARS",
-    "SHARD_BYTES",
     "SERVING_FORMAT_NAMES",
     "KV_CACHE_DTYPES",
     "KV_CACHE_FORMAT_NAMES",
     "NOT_BLANK",
     "MIN_SQNR_DB_RANGE",
+    "REMOVED_FIELDS",
     "REQUANTIZE_TARGETS",
     "check_requantize",
 ]
@@ -54,21 +54,8 @@ MAX_CALIBRATION_TOKENS = 2**19
 #: One calibration text, and all of them together (about 1M tokens: twice what the largest run reads).
 MAX_TEXT_CHARS = 1_000_000
 MAX_TEXTS_CHARS = 4_000_000
-#: Patterns in ``include`` and in ``exclude`` each (every one is matched against every Linear of the model).
-#: ``max_shard_bytes`` range; the value has no effect on today's artifacts (their weight files are the
-#: source's) and the top, 1 TiB, only keeps it an exact integer in every JSON reader.
-SHARD_BYTES = (65536, 2**40)
 #: ``kv_cache`` values: the KV-cache dtype whose scales a serving export carries (converters.serving.kv_scales).
 KV_CACHE_DTYPES = ("fp8",)
-#: The serving formats that write KV-cache scales (``supports_kv_cache`` in the registry; tests keep the two equal).
-KV_CACHE_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8", "modelopt-nvfp4")
-#: Names in ``converters.serving.SERVING_FORMATS`` (that registry imports torch; tests keep the two equal).
-SERVING_FORMAT_NAMES = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0",
-                        "mxfp8", "nvfp4", "nvfp4-a16", "modelopt-fp8", "modelopt-nvfp4",
-                        # the training twins (docs/sync.md): a training recipe's own weight casts
-                        "fp8-block-te", "fp8-block-ue8m0-te", "mxfp8-te", "mxfp8-rceil", "mxfp8-floor",
-                        "compressed-tensors-fp8-torchao-tensorwise", "compressed-tensors-fp8-torchao-rowwise",
-                        "compressed-tensors-fp8-te-tensorwise")
 #: A calibration text must contain a character this regex finds: anything but what ``str.isspace`` calls
 #: whitespace (so "\u00a0\u3000" is blank too). Written with escapes only, which Python, pydantic's Rust regex and
 #: the OpenAPI schema's ECMAScript readers all read alike.
@@ -79,13 +66,18 @@ MIN_SQNR_DB_RANGE = (0.0, 300.0)
 
 _REQUEST_KEYS = (
     "model", "recipe", "calibration", "include", "exclude", "skip_first_last", "convert_router_gates",
-    "max_shard_bytes", "te_extra_state", "serving_formats", "min_sqnr_db", "compare_recipes",
+    "te_extra_state", "serving_formats", "min_sqnr_db", "compare_recipes",
     "kv_cache", "measure", "requantize", "plan", "quality_texts",
 )
+#: Fields a request no longer takes -> why, and what to do instead: an old client that sends one is told, never
+#: silently converted differently than it asked.
+REMOVED_FIELDS = {
+    "max_shard_bytes": "max_shard_bytes was removed: it never had an effect (an artifact keeps the source's weight "
+                       "files as they are, shards included); drop it from the request",
+}
 #: ``requantize.to`` values: the targets of model-free conversion (converters.modelfree.targets; tests keep the
-#: two equal), formats that need no calibration, and bf16.
-REQUANTIZE_TARGETS = ("compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0", "mxfp8", "nvfp4-a16", "bf16",
-                      *SERVING_FORMAT_NAMES[9:])  # the training twins: dynamic activations, no calibration
+#: two equal), the formats that need no calibration, and bf16.
+REQUANTIZE_TARGETS = (*UNCALIBRATED_FORMAT_NAMES, "bf16")
 #: The fields a requantize job reads besides ``requantize`` itself; every other one belongs to a calibrated job.
 _REQUANTIZE_KEYS = ("model", "requantize", "include", "exclude", "skip_first_last")
 _CALIBRATION_KEYS = ("steps", "batch_size", "seq_len", "texts", "backward")
@@ -195,7 +187,6 @@ class ConversionRequest:
     exclude: tuple[str, ...] = ()
     skip_first_last: bool = True
     convert_router_gates: bool = False
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     te_extra_state: bool = False
     serving_formats: tuple[str, ...] = ()  #: names in converters.serving.SERVING_FORMATS, each its own subdirectory
     #: keep layers whose output SQNR under the recipe is below this many dB in high precision
@@ -223,9 +214,6 @@ class ConversionRequest:
         for name in ("skip_first_last", "convert_router_gates", "te_extra_state", "measure"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false", field=name)
-        low, high = SHARD_BYTES
-        if not _is_int(self.max_shard_bytes) or not low <= self.max_shard_bytes <= high:
-            raise RequestError(f"max_shard_bytes must be an integer from {low} to {high}", field="max_shard_bytes")
         self._check_serving_formats()
         self._check_sensitivity()
         self._check_kv_cache()
@@ -314,6 +302,9 @@ class ConversionRequest:
         """Build from a JSON body; raises Fp8ForgeError subclasses with ``field`` set to a dotted path."""
         if not isinstance(body, Mapping):
             raise RequestError("the request body must be a JSON object", field="body")
+        removed = sorted(set(body) & set(REMOVED_FIELDS), key=str)
+        if removed:
+            raise RequestError(REMOVED_FIELDS[removed[0]], field=removed[0])
         unknown = sorted(set(body) - set(_REQUEST_KEYS), key=str)
         if unknown:
             raise RequestError(f"unknown field {unknown[0]!r}; allowed: {', '.join(_REQUEST_KEYS)}", field=unknown[0])
@@ -343,7 +334,6 @@ class ConversionRequest:
             "exclude": list(self.exclude),
             "skip_first_last": self.skip_first_last,
             "convert_router_gates": self.convert_router_gates,
-            "max_shard_bytes": self.max_shard_bytes,
             "te_extra_state": self.te_extra_state,
             "serving_formats": list(self.serving_formats),
             "min_sqnr_db": self.min_sqnr_db,
@@ -397,7 +387,7 @@ def check_requantize(body: Mapping[str, Any]) -> str:
     if not isinstance(spec, Mapping) or set(spec) != {"to"}:
         raise RequestError('requantize must be an object like {"to": "fp8-block"}', field="requantize")
     target = spec["to"]
-    if target in SERVING_FORMAT_NAMES and target not in REQUANTIZE_TARGETS:
+    if target in SERVING_FORMAT_NAMES and format_spec(target).calibrated:
         raise RequestError(f"{target} needs static input scales from a calibration, which a requantize job does not "
                            f"run: submit a conversion job with serving_formats [{target!r}] instead, or pick one of "
                            f"{', '.join(REQUANTIZE_TARGETS)}", field="requantize.to")

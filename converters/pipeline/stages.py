@@ -19,7 +19,6 @@ from converters.analysis.eligibility import (
     eligible_expert_units,
     eligible_paths,
 )
-from converters.artifact.layout import DEFAULT_MAX_SHARD_BYTES
 from converters.backends import backend_for
 from converters.backends.base import ConversionTargets, Converted
 from converters.calibration.amax import measuring_sqnr, record_amax, te_scaling_state
@@ -75,8 +74,6 @@ def resolve(run: Run) -> ResolvedModel:
     mode loads weights here, onto the GPU if there is one (``run.model``); the layer-sequential mode loads them
     layer by layer during calibration.
     """
-    if run.request.max_shard_bytes != DEFAULT_MAX_SHARD_BYTES:
-        run.warn("max_shard_bytes has no effect: the artifact keeps the source's weight files as they are")
     total = len(RESOLVE_STEPS)
     def step(done: int) -> None:
         run.sink.progress(done, total, Unit.STEP, step=RESOLVE_STEPS[done])

@@ -28,6 +28,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from converters.serving_names import SERVING_FORMAT_SPECS
+
 __all__ = ["CONSUMERS", "LAYOUT_OF", "LoadStatus", "LoadsIn", "loads_in", "loads_in_markdown", "loads_in_warnings"]
 
 
@@ -145,20 +147,8 @@ _TABLE: dict[str, dict[str, tuple[LoadStatus, str, str]]] = {
     },
 }
 
-#: serving format name -> the layout it writes (a row of the table)
-LAYOUT_OF: dict[str, str] = {
-    "compressed-tensors-fp8": "compressed-tensors-fp8",
-    "compressed-tensors-fp8-dynamic": "compressed-tensors-fp8-dynamic",
-    "fp8-block": "fp8-block", "fp8-block-te": "fp8-block",
-    "fp8-block-ue8m0": "fp8-block-ue8m0", "fp8-block-ue8m0-te": "fp8-block-ue8m0",
-    "mxfp8": "mxfp8", "mxfp8-te": "mxfp8", "mxfp8-rceil": "mxfp8", "mxfp8-floor": "mxfp8",
-    "nvfp4": "nvfp4", "nvfp4-a16": "nvfp4-a16",
-    "modelopt-fp8": "modelopt-fp8", "modelopt-nvfp4": "modelopt-nvfp4",
-    # torchao / TE twins: compressed-tensors float-quantized with dynamic per-token activations
-    "compressed-tensors-fp8-torchao-tensorwise": "compressed-tensors-fp8-per-tensor-dynamic",
-    "compressed-tensors-fp8-te-tensorwise": "compressed-tensors-fp8-per-tensor-dynamic",
-    "compressed-tensors-fp8-torchao-rowwise": "compressed-tensors-fp8-dynamic",
-}
+#: serving format name -> the layout it writes (a row of the table; a training twin writes its parent's layout)
+LAYOUT_OF: dict[str, str] = {spec.name: spec.layout.value for spec in SERVING_FORMAT_SPECS}
 
 
 def loads_in(format_name: str) -> list[LoadsIn]:

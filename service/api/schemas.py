@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
 
 from converters.analysis.patterns import MAX_PATTERN_CHARS, MAX_PATTERNS, PATTERN_REGEX
 from converters.artifact.layout import REPORT_FILE
@@ -20,9 +22,9 @@ from converters.pipeline.request import (
     MAX_TOKENS_PER_STEP,
     MIN_SQNR_DB_RANGE,
     NOT_BLANK,
+    REMOVED_FIELDS,
     REQUANTIZE_TARGETS,
     SERVING_FORMAT_NAMES,
-    SHARD_BYTES,
     SYNC_DEFAULTS,
     SYNC_LIMITS,
     SYNC_MAX_PARAMETERS,
@@ -144,8 +146,6 @@ class JobCreate(BaseModel):
     exclude: Patterns | None = Field(None, description="Module-name patterns never to convert.")
     skip_first_last: bool | None = Field(None, description="Keep the first and last Linear in high precision.")
     convert_router_gates: bool | None = Field(None, description="Also convert MoE router gates.")
-    max_shard_bytes: json_int(*SHARD_BYTES) | None = Field(
-        None, description="Largest safetensors shard (default 5 GiB; no effect on today's artifacts).")
     te_extra_state: bool | None = Field(None, description="Store TE's _extra_state (scaling state) too.")
     serving_formats: ServingFormats | None = Field(
         None, description="Serving checkpoints to write as well, each in serving/<name>/, each at most once: "
@@ -168,6 +168,15 @@ class JobCreate(BaseModel):
     requantize: RequantizeCreate | None = Field(
         None, description="Convert from the files alone instead of calibrating (docs/requantize.md): no recipe, "
                     "calibration or serving_formats; each shard is a task any worker may run.")
+
+    #: removed (converters.pipeline.request.REMOVED_FIELDS): kept out of the schema and refused by name, so that an
+    #: old client that still sends it reads why and what to do instead of "extra inputs are not permitted"
+    max_shard_bytes: SkipJsonSchema[Any] = Field(None, exclude=True)
+
+    @field_validator("max_shard_bytes", mode="before")
+    @classmethod
+    def _refuse_removed(cls, value: Any, info: Any) -> Any:
+        raise PydanticCustomError("removed_field", REMOVED_FIELDS[info.field_name])
 
     def to_request(self) -> dict[str, Any]:
         """The body as the conversion library reads it (unset optional fields left out; the recipe as sent)."""

@@ -11,16 +11,16 @@ import contextlib
 from pathlib import Path
 
 from converters.errors import RequestError
+from converters.pipeline.request import REQUANTIZE_TARGETS
 from service.cli.args import add_source_arguments, source_options_from_args
 from service.cli.render import BarSink
 
 __all__ = ["register", "run_requantize_command"]
 
-#: what --to takes, in the order its error lists them: converters.modelfree.targets.MODEL_FREE_TARGETS, written out
-#: here so that --help imports no torch (tests/service/cli/test_first_steps.py checks the two are one list)
-_TARGETS = ("compressed-tensors-fp8-dynamic", "fp8-block", "fp8-block-ue8m0", "mxfp8", "nvfp4-a16", "fp8-block-te",
-            "fp8-block-ue8m0-te", "mxfp8-te", "mxfp8-rceil", "mxfp8-floor", "compressed-tensors-fp8-torchao-tensorwise",
-            "compressed-tensors-fp8-torchao-rowwise", "compressed-tensors-fp8-te-tensorwise", "bf16")
+#: what --to takes, in the order its error lists them (converters.modelfree.targets.MODEL_FREE_TARGETS, which imports
+#: torch; tests/service/cli/test_first_steps.py checks the two are one list): read from the torch-free request module
+#: so that --help imports no torch
+_TARGETS = REQUANTIZE_TARGETS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

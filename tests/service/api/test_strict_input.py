@@ -70,7 +70,6 @@ COERCIONS = [  # (dotted path, a value of the wrong JSON type that used to be co
     ("skip_first_last", 0),
     ("convert_router_gates", "true"),
     ("te_extra_state", "false"),
-    ("max_shard_bytes", "70000"),
     ("model", 123),
     ("include", "layers.0"),
     ("serving_formats", "fp8-block"),
@@ -176,8 +175,22 @@ def test_a_body_that_is_not_json_is_400_without_a_field(client, path: str, conte
 
 
 def test_bad_values_get_documented_codes_never_the_generic_one(client) -> None:
-    assert _error(client.post("/v1/jobs", json=_with("max_shard_bytes", 1)), 422)["code"] == "invalid_request"
+    assert _error(client.post("/v1/jobs", json=_with("serving_formats", ["gguf"])), 422)["code"] == "invalid_request"
     assert _error(client.post("/v1/analyze", json={"model": MODEL, "backend": "xx"}), 422)["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize("value", [5 * 2**30, None, "5GB"])
+def test_a_removed_field_is_refused_by_name_with_what_to_do(client, value) -> None:
+    before = _queued(client)
+    error = _error(client.post("/v1/jobs", json=_with("max_shard_bytes", value)), 422, "invalid_request")
+    assert error["field"] == "max_shard_bytes"
+    assert "max_shard_bytes was removed" in error["message"] and "drop it" in error["message"]
+    assert _queued(client) == before
+    with pytest.raises(RequestError, match="max_shard_bytes was removed") as info:  # the library and the CLI too
+        ConversionRequest.from_dict({"model": MODEL, "max_shard_bytes": value})
+    assert info.value.field == "max_shard_bytes"
+    assert "max_shard_bytes" not in client.get("/openapi.json").json()["components"]["schemas"]["JobCreate"][
+        "properties"]
 
 
 def test_every_error_class_has_a_documented_code() -> None:
@@ -221,7 +234,7 @@ def test_the_library_is_as_strict_as_the_api() -> None:
              ({"model": MODEL, "skip_first_last": "no"}, "skip_first_last"),
              ({"model": MODEL, "recipe": {"backend": "ao", "recipe_nam": "x"}}, "recipe.recipe_nam"),
              ({"model": MODEL, "recipe": {"backend": "te", "margin": True}}, "recipe.margin"),
-             ({"model": MODEL, "max_shard_bytes": 1}, "max_shard_bytes")]
+             ({"model": MODEL, "max_shard_bytes": 5 * 2**30}, "max_shard_bytes")]
     for body, field in cases:
         with pytest.raises(Fp8ForgeError) as info:
             ConversionRequest.from_dict(body)
