@@ -14,19 +14,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.analysis.patterns import PatternError, check_patterns, matches
+from converters.analysis.decision import (
+    DecisionOptions,
+    LayerDecision,
+    LayerKind,
+    LayerRecord,
+    check_include,
+    decide,
+    is_router_name,
+    with_groups,
+)
+from converters.analysis.patterns import check_patterns
 from converters.analysis.reasons import Reason
 from converters.analysis.totals import compute_totals, count_parameters, dtype_name
 from converters.errors import ConversionError, Fp8ForgeError, ModelConfigError, RecipeError, RequestError
-from converters.model.experts import EXPERT_GEMMS, ExpertsModule, find_experts, unit_path
+from converters.model.experts import EXPERT_GEMMS, ExpertsModule, ExpertUnit, find_experts, unit_path
 from converters.model.quantized import describe_source_quantization
 from converters.model.sources import build_meta_model, load_config, resolve_model_dir
 from converters.recipes import default_recipe, recipe_from_dict
 from converters.recipes.registry import is_recipe
-from converters.recipes.requirements import ShapeRule, requirements
+from converters.recipes.requirements import requirements
 
 __all__ = [
-    "FUSED_GROUPS",
     "AnalysisOptions",
     "analyze_model",
     "analyze_model_reference",
@@ -35,6 +44,7 @@ __all__ = [
     "converted_expert_gemms",
     "eligible_expert_units",
     "eligible_paths",
+    "layer_records",
     "options_recipe",
     "REPORT_VERSION",
 ]
@@ -43,16 +53,6 @@ __all__ = [
 REPORT_VERSION = 1
 
 
-# Sibling projections that inference engines and TE fuse into one GEMM: a group must agree.
-FUSED_GROUPS = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "gate_up": ("gate_proj", "up_proj"),
-    "bert_qkv": ("query", "key", "value"),
-    "w1_w3": ("w1", "w3"),
-    # DeepSeek-V2/V3 MLA with q_lora_rank: vLLM loads both into one fused_qkv_a_proj
-    "mla_qkv_a": ("q_a_proj", "kv_a_proj_with_mqa"),
-}
-_ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 _BACKENDS = ("te", "ao")
 
 
@@ -121,28 +121,12 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
     rule = recipe.shape_rule()
     # One walk over the module tree serves every rule: on a 70B config the walk dominates the cost.
     named = list(model.named_modules())
-    modules = dict(named)
-    linear_paths = [path for path, module in named if isinstance(module, nn.Linear)]
-    first = linear_paths[0] if linear_paths else None
-    last = linear_paths[-1] if linear_paths else None
-    tied = _tied_head_paths(model, named)
     experts = {block.path: block for block in find_experts(named)}
-
-    layers: list[dict[str, Any]] = []
-    for path, module in named:
-        if path in experts:
-            layers += _expert_entries(experts[path], module, options, rule)
-        elif isinstance(module, nn.Linear):
-            entry = _layer_entry(path, module, module.in_features, module.out_features)
-            entry["reasons"] = _linear_reasons(path, modules, options, rule, first=first, last=last, tied=tied)
-            entry["eligible"] = not entry["reasons"]
-            layers.append(entry)
-        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-            in_features, out_features = module.weight.shape
-            entry = _layer_entry(path, module, int(in_features), int(out_features))
-            entry["reasons"] = [Reason.NOT_LINEAR.value]
-            layers.append(entry)
-
+    records, groups = with_groups(layer_records(model, named, experts))
+    decisions = decide(records, DecisionOptions(
+        format=recipe.library_class, shape_rule=rule, include=options.include, exclude=options.exclude,
+        skip_first_last=options.skip_first_last, convert_router_gates=options.convert_router_gates))
+    layers = [decision.to_dict() for decision in decisions]
     report = {
         "version": REPORT_VERSION,
         "model_class": type(model).__name__,
@@ -151,7 +135,7 @@ def analyze_model(model: nn.Module, options: AnalysisOptions | None = None) -> d
         "recipe_requirements": requirements(recipe),
         "layers": layers,
         "other_weights": _other_matmul_weights(named, set(experts)),
-        "fused_groups": _fused_groups(layers) + _expert_groups(layers, experts.values()),
+        "fused_groups": _group_rows(groups, decisions) + _expert_groups(experts.values(), decisions),
         "moe": [_moe_entry(block) for block in experts.values()],
     }
     report["totals"] = compute_totals(count_parameters(named), report)
@@ -168,46 +152,66 @@ def eligible_expert_units(report: dict[str, Any]) -> list[str]:
     return [layer["path"] for layer in report["layers"] if layer["eligible"] and "expert" in layer]
 
 
-def _expert_entries(block: ExpertsModule, module: nn.Module, options: AnalysisOptions,
-                    rule: ShapeRule) -> list[dict[str, Any]]:
-    """One entry per expert GEMM, with the Linear rules that apply to a GEMM (shape, include, exclude)."""
+def layer_records(model: nn.Module, named: list[tuple[str, nn.Module]], experts: dict[str, ExpertsModule]
+                  ) -> list[LayerRecord]:
+    """What each Linear, Conv1D and expert GEMM of ``model`` is, in module order (experts: expert by expert)."""
+    modules = dict(named)
+    linear_paths = [path for path, module in named if isinstance(module, nn.Linear)]
+    ends = (linear_paths[0], linear_paths[-1]) if linear_paths else (None, None)
+    tied = _tied_head_paths(model, named)
+    records: list[LayerRecord] = []
+    for path, module in named:
+        if path in experts:
+            records += _expert_records(experts[path], module)
+        elif isinstance(module, nn.Linear):
+            records.append(_module_record(path, module, LayerKind.LINEAR, module.in_features, module.out_features,
+                                          first=path == ends[0], last=path == ends[1], tied=path in tied,
+                                          router=_is_router_gate(path, modules)))
+        elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+            in_features, out_features = module.weight.shape
+            records.append(_module_record(path, module, LayerKind.CONV1D, int(in_features), int(out_features)))
+    return records
+
+
+def _module_record(path: str, module: nn.Module, kind: LayerKind, in_features: int, out_features: int,
+                   **flags: bool) -> LayerRecord:
+    bias = getattr(module, "bias", None)
+    return LayerRecord(name=path, kind=kind, shape=tuple(module.weight.shape), in_features=in_features,
+                       out_features=out_features, dtype=dtype_name(module.weight.dtype),
+                       parameters=module.weight.numel() + (bias.numel() if bias is not None else 0),
+                       cls=type(module).__name__, **flags)
+
+
+def _expert_records(block: ExpertsModule, module: nn.Module) -> list[LayerRecord]:
+    """One record per expert GEMM (the GEMM's own dims: the rules apply per GEMM)."""
     dtype = dtype_name(module.gate_up_proj.dtype)
-    entries = []
+    records = []
     for e in range(block.num_experts):
         for gemm in EXPERT_GEMMS:
             in_features, out_features = block.features(gemm)
-            path = unit_path(block.path, e, gemm)
-            reasons = []
-            if not block.supported:
-                reasons.append(Reason.EXPERT_LAYOUT.value)
-            if rule.fails(in_features, out_features):
-                reasons.append(rule.reason)
-            if options.include and not any(matches(pattern, path) for pattern in options.include):
-                reasons.append(Reason.NOT_INCLUDED.value)
-            if any(matches(pattern, path) for pattern in options.exclude):
-                reasons.append(Reason.EXCLUDED.value)
-            entries.append({
-                "path": path, "class": block.cls, "in_features": in_features, "out_features": out_features,
-                "parameters": in_features * out_features, "dtype": dtype, "eligible": not reasons,
-                "reasons": reasons, "group": None, "expert": {"module": block.path, "index": e, "gemm": gemm},
-            })
-    return entries
+            records.append(LayerRecord(
+                name=unit_path(block.path, e, gemm), kind=LayerKind.EXPERT, shape=(out_features, in_features),
+                in_features=in_features, out_features=out_features, dtype=dtype,
+                parameters=in_features * out_features, layout_supported=block.supported, experts=block.path,
+                cls=block.cls, expert=ExpertUnit(module=block.path, index=e, gemm=gemm)))
+    return records
 
 
-def _expert_groups(layers: list[dict[str, Any]], blocks: Any) -> list[dict[str, Any]]:
+def _group_rows(groups: dict[str, list[str]], decisions: list[LayerDecision]) -> list[dict[str, Any]]:
+    """The report's fused groups: q/k/v, gate/up and the like, which serving engines run as one GEMM."""
+    eligible = {decision.name for decision in decisions if decision.eligible}
+    rows = []
+    for name, members in groups.items():
+        members_eligible = [member for member in members if member in eligible]
+        rows.append({"name": name, "members": members, "eligible_members": members_eligible,
+                     "partly_eligible": 0 < len(members_eligible) < len(members)})
+    return rows
+
+
+def _expert_groups(blocks: Any, decisions: list[LayerDecision]) -> list[dict[str, Any]]:
     """One group per experts module and GEMM kind: TE and serving engines run it as one grouped GEMM."""
-    by_path = {layer["path"]: layer for layer in layers}
-    groups = []
-    for block in blocks:
-        for gemm in EXPERT_GEMMS:
-            name = f"{block.path}.{gemm}"
-            members = [unit_path(block.path, e, gemm) for e in range(block.num_experts)]
-            for member in members:
-                by_path[member]["group"] = name
-            eligible = [member for member in members if by_path[member]["eligible"]]
-            groups.append({"name": name, "members": members, "eligible_members": eligible,
-                           "partly_eligible": 0 < len(eligible) < len(members)})
-    return groups
+    return _group_rows({f"{block.path}.{gemm}": [unit_path(block.path, e, gemm) for e in range(block.num_experts)]
+                        for block in blocks for gemm in EXPERT_GEMMS}, decisions)
 
 
 def converted_expert_gemms(report: dict[str, Any]) -> list[str]:
@@ -233,53 +237,7 @@ def check_include_patterns(report: dict[str, Any]) -> None:
         PatternError: naming ``include[i]`` and the pattern, with a path of this model as an example.
     """
     paths = [layer["path"] for layer in report["layers"] if Reason.NOT_LINEAR.value not in layer["reasons"]]
-    for index, pattern in enumerate(report["options"]["include"]):
-        if any(matches(pattern, path) for path in paths):
-            continue
-        example = f"its Linear layers have paths like {paths[len(paths) // 2]!r}" if paths else "it has no nn.Linear"
-        raise PatternError(
-            f"include[{index}]: pattern {pattern!r} matches no Linear layer of this model ({example}); "
-            "patterns match whole dotted path segments",
-            field=f"include[{index}]",
-        )
-
-
-def _layer_entry(path: str, module: nn.Module, in_features: int, out_features: int) -> dict[str, Any]:
-    bias = getattr(module, "bias", None)
-    return {
-        "path": path,
-        "class": type(module).__name__,
-        "in_features": in_features,
-        "out_features": out_features,
-        "parameters": module.weight.numel() + (bias.numel() if bias is not None else 0),
-        "dtype": dtype_name(module.weight.dtype),
-        "eligible": False,
-        "reasons": [],
-        "group": None,
-    }
-
-
-def _linear_reasons(
-    path: str, modules: dict[str, nn.Module], options: AnalysisOptions, rule: ShapeRule, *, first: str, last: str,
-    tied: set[str]
-) -> list[str]:
-    module = modules[path]
-    reasons = []
-    if rule.fails(module.in_features, module.out_features):
-        reasons.append(rule.reason)
-    if options.skip_first_last and path == first:
-        reasons.append(Reason.FIRST_LINEAR.value)
-    if options.skip_first_last and path == last:
-        reasons.append(Reason.LAST_LINEAR.value)
-    if path in tied:
-        reasons.append(Reason.TIED_HEAD.value)
-    if not options.convert_router_gates and _is_router_gate(path, modules):
-        reasons.append(Reason.ROUTER_GATE.value)
-    if options.include and not any(matches(pattern, path) for pattern in options.include):
-        reasons.append(Reason.NOT_INCLUDED.value)
-    if any(matches(pattern, path) for pattern in options.exclude):
-        reasons.append(Reason.EXCLUDED.value)
-    return reasons
+    check_include(report["options"]["include"], paths, where="this model", noun="paths")
 
 
 def _is_router_gate(path: str, modules: dict[str, nn.Module]) -> bool:
@@ -287,7 +245,7 @@ def _is_router_gate(path: str, modules: dict[str, nn.Module]) -> bool:
     parent = modules.get(parent_path)
     if parent is None or not hasattr(parent, "experts"):
         return False
-    return name in _ROUTER_NAMES or "router" in name
+    return is_router_name(name)
 
 
 def _tied_head_paths(model: nn.Module, named: list[tuple[str, nn.Module]]) -> set[str]:
@@ -299,32 +257,6 @@ def _tied_head_paths(model: nn.Module, named: list[tuple[str, nn.Module]]) -> se
     if embedding is None or not hasattr(embedding, "weight"):
         return set()
     return {path for path, module in named if isinstance(module, nn.Linear) and module.weight is embedding.weight}
-
-
-def _fused_groups(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_path = {layer["path"]: layer for layer in layers}
-    groups = []
-    for layer in layers:
-        parent, _, name = layer["path"].rpartition(".")
-        for kind, members in FUSED_GROUPS.items():
-            if name != members[0]:
-                continue
-            paths = [f"{parent}.{member}" if parent else member for member in members]
-            if not all(path in by_path for path in paths):
-                continue
-            group_name = f"{parent}.{kind}" if parent else kind
-            for path in paths:
-                by_path[path]["group"] = group_name
-            eligible = [path for path in paths if by_path[path]["eligible"]]
-            groups.append(
-                {
-                    "name": group_name,
-                    "members": paths,
-                    "eligible_members": eligible,
-                    "partly_eligible": 0 < len(eligible) < len(paths),
-                }
-            )
-    return groups
 
 
 def _other_matmul_weights(named: list[tuple[str, nn.Module]], experts: set[str]) -> list[dict[str, Any]]:

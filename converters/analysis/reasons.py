@@ -33,3 +33,13 @@ class Reason(str, enum.Enum):
     #: (converters.serving.nvfp4)
     SERVING_NVFP4 = "in_features_not_divisible_by_16_for_nvfp4"
     LOW_SQNR = "low_sqnr"  #: output SQNR under the recipe below min_sqnr_db (converters.calibration.sensitivity)
+    #: eligible itself, but another member of its fused group (q/k/v, gate/up, an expert's w1/w3) or of its experts
+    #: module is not: engines run the group as one GEMM of one scheme. Written with the unit: see :meth:`at`.
+    FUSED_GROUP_PARTIAL = "fused_group_not_fully_eligible"
+    # Stored tensors a model-free job keeps in high precision, listed apart from the Linear weights
+    EMBEDDING = "embedding"  #: an embedding table (a lookup, not a matmul weight)
+    NORM = "norm"  #: a norm's scale vector or matrix
+
+    def at(self, unit: str) -> str:
+        """The code with the unit it concerns, ``code:unit`` (e.g. the fused group that held a layer back)."""
+        return f"{self.value}:{unit}"

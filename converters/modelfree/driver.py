@@ -1,10 +1,11 @@
 """``convert_model_free``: a checkpoint converted shard by shard from its files and config.json alone.
 
 Phases, each a function of plain data (:mod:`converters.modelfree.tasks`), so a job queue can later run the shard
-tasks on many workers: inventory (map: each shard's header) -> decide (:func:`~converters.modelfree.eligibility.decide`,
-global, headers only) -> weight amax (map, formats with ``needs_weight_amax``) -> shared amax (reduce: a fused
-group's members may lie in different shards) -> write (map: one output shard per task) -> finish (index, config,
-side files, report, manifest). Everything is written into a staging directory renamed into place at the end.
+tasks on many workers: inventory (map: each shard's header) -> decide
+(:func:`~converters.modelfree.eligibility.report_from_headers`, global, headers only) -> weight amax (map, formats
+with ``needs_weight_amax``) -> shared amax (reduce: a fused group's members may lie in different shards) -> write
+(map: one output shard per task) -> finish (index, config, side files, report, manifest). Everything is written
+into a staging directory renamed into place at the end.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from converters.errors import ConversionError, Fp8ForgeError, RequestError
 from converters.model.checkpoint import weight_files
 from converters.model.files import FileConfinement, check_model_directory
 from converters.model.limits import read_config_json
-from converters.modelfree.eligibility import ModelFreeOptions, decide
+from converters.modelfree.eligibility import ModelFreeOptions, report_from_headers
 from converters.modelfree.source import SourceView, source_view
 from converters.modelfree.targets import model_free_target, scale_dtype_of
 from converters.modelfree.tasks import (
@@ -83,7 +84,7 @@ def _plan(source_dir: Path, target: str, options: ModelFreeOptions, pool: Execut
         report = {"options": options.to_dict(), "layers": layers, "other": [], "fused_groups": [],
                   "quantized": {key: key for key in view.stored}}
     else:
-        report = decide(view.tensors, config, options, fmt.layer_rule)
+        report = report_from_headers(view.tensors, config, options, fmt)
     report.update({"version": REPORT_VERSION, "format": fmt.name, "scale_dtype": scale_dtype, "shards": shards,
                    "model_type": config.get("model_type"), "source_quantization": view.scheme,
                    "dequantized": sorted(view.stored), "dropped": sorted(view.drop)})

@@ -1,12 +1,12 @@
-"""Which weights a model-free conversion quantizes, decided from the tensor headers and config.json alone.
+"""Which weights a model-free conversion quantizes, from the tensor headers and config.json alone.
 
-The analysis (:mod:`converters.analysis.eligibility`) walks a model built on the meta device; a model-free job
-has no model class, only names, dtypes and shapes. A stored tensor counts as a Linear's weight when it is a 2-D
-floating ``*.weight`` that is not an embedding, a norm or a router; it then gets the analysis' reason codes
-(:class:`~converters.analysis.reasons.Reason`) and the serving format's own ``layer_rule``. The first and last
-Linear are found by the order the analysis sees them in: decoder layer index, then attention before MLP and each
-block's projections in the order model code defines them (q, k, v, o; gate, up, down), with the head (``lm_head``)
-last even when it is tied and not stored. Fused groups (q/k/v, gate/up, an expert's w1/w3) and experts modules are
+The analysis walks a model built on the meta device; a model-free job has no model class, only names, dtypes and
+shapes. This walk turns the headers into the same :class:`~converters.analysis.decision.LayerRecord` the analysis
+makes and leaves the rules to :func:`~converters.analysis.decision.decide`. A stored tensor counts as a Linear's
+weight when it is a 2-D floating ``*.weight`` that is not an embedding or a norm. The first and last Linear are
+found by the order the analysis sees them in: decoder layer index, then attention before MLP and each block's
+projections in the order model code defines them (q, k, v, o; gate, up, down), with the head (``lm_head``) last
+even when it is tied and not stored. Fused groups (q/k/v, gate/up, an expert's w1/w3) and experts modules are
 quantized whole or not at all, as :func:`converters.serving.plan.plan_serving` decides.
 
 Differences from the analysis: include/exclude match on-disk names (Mixtral's ``block_sparse_moe.experts.3.w1``,
@@ -18,19 +18,27 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from converters.analysis.eligibility import FUSED_GROUPS
-from converters.analysis.patterns import PatternError, check_patterns, matches
+from converters.analysis.decision import (
+    DecisionOptions,
+    LayerKind,
+    LayerRecord,
+    check_include,
+    decide,
+    is_router_name,
+    with_groups,
+)
+from converters.analysis.patterns import check_patterns
 from converters.analysis.reasons import Reason
+from converters.recipes.requirements import FP8_RULE
 
-__all__ = ["ModelFreeOptions", "TensorInfo", "decide", "order_key"]
+__all__ = ["ModelFreeOptions", "TensorInfo", "order_key", "report_from_headers", "stored_records"]
 
 _FLOAT_DTYPES = {"F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2"}
 _EMBEDDINGS = ("embed", "wte", "wpe", "word_embeddings", "position_embeddings", "token_type_embeddings", "shared")
 _HEADS = ("lm_head", "embed_out", "output")
-_ROUTERS = ("gate", "router", "shared_expert_gate")
 _EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<index>\d+)\.(?P<leaf>[^.]+)$")
 #: the order model code defines a block's projections in (what decides the first Linear of a layer)
 _LEAF_ORDER = ("q_proj", "query", "qkv_proj", "query_key_value", "Wqkv", "c_attn", "k_proj", "key", "v_proj",
@@ -38,7 +46,6 @@ _LEAF_ORDER = ("q_proj", "query", "qkv_proj", "query_key_value", "Wqkv", "c_attn
                "fc1", "c_fc", "dense_h_to_4h", "down_proj", "w2", "fc2", "dense_4h_to_h")
 #: model types whose 2-D projection weights belong to transformers' Conv1D, not nn.Linear
 _CONV1D_MODEL_TYPES = ("gpt2",)
-_DIVISOR = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,152 +87,94 @@ def order_key(module: str) -> tuple[int, int, int, int, str]:
     return (1, index, block, leaf, module)
 
 
-def _kind(info: TensorInfo, moe_blocks: set[str], config: Mapping[str, Any]) -> tuple[str, str | None]:
-    """``("linear" | "expert" | "other" | "ignored", reason)`` of one stored tensor."""
-    module, _, leaf = info.key.rpartition(".")
-    if leaf != "weight" or info.dtype not in _FLOAT_DTYPES:
-        return "ignored", None
-    last = module.rpartition(".")[2]
-    if len(info.shape) != 2:
-        if len(info.shape) > 2 and "expert" in module:
-            return "other", Reason.FUSED_EXPERTS.value
-        return "ignored", None
-    if any(word in last for word in _EMBEDDINGS) and last not in _HEADS:
-        return "other", "embedding"
-    if "norm" in last.lower() or "ln" in last.split("_"):
-        return "other", "norm"
-    parent = module.rpartition(".")[0]
-    if (last in _ROUTERS and parent in moe_blocks) or "router" in last:
-        return "linear", Reason.ROUTER_GATE.value
-    if _EXPERT.match(module):
-        return "expert", None
-    if config.get("model_type") in _CONV1D_MODEL_TYPES and last.startswith("c_"):
-        return "linear", Reason.NOT_LINEAR.value
-    return "linear", None
-
-
-def decide(tensors: list[TensorInfo], config: Mapping[str, Any], options: ModelFreeOptions,
-           layer_rule: Any) -> dict[str, Any]:
+def report_from_headers(tensors: list[TensorInfo], config: Mapping[str, Any], options: ModelFreeOptions,
+                        fmt: Any) -> dict[str, Any]:
     """The model-free eligibility report: every Linear-like weight eligible or with reasons, and what quantizes.
 
-    ``layer_rule(in_features, out_features)`` is the serving format's own shape rule (reason or None).
+    ``fmt`` is the target format (its ``name`` and ``layer_rule(in_features, out_features)``, a reason or None).
     Returns a JSON-able dict: ``layers`` (module order), ``other`` (embeddings, norms, fused expert tensors),
-    ``fused_groups``, ``quantized`` (weight key -> amax group: the key itself, the fused group or the expert's
-    gate/up unit).
+    ``fused_groups``, ``quantized`` (weight key -> amax group: the key's module itself or its fused group).
 
     Raises:
         PatternError: an include pattern matches no Linear weight (``include[i]``).
     """
-    # the modules holding an ``experts`` list: their ``gate`` is the router
-    moe_blocks = {found["module"].removesuffix(".experts") for found in map(_EXPERT.match, (
-        info.key.rpartition(".")[0] for info in tensors)) if found}
-    layers, other = [], []
-    for info in tensors:
-        kind, reason = _kind(info, moe_blocks, config)
-        if kind == "other":
-            other.append({"key": info.key, "shard": info.shard, "reason": reason})
-        elif kind in ("linear", "expert"):
-            layers.append(_entry(info, kind, reason, options, layer_rule))
-    _check_include(layers, options)
-    layers.sort(key=lambda layer: order_key(layer["module"]))
-    _first_last(layers, config, options)
-    for layer in layers:
-        layer["reasons"] = [reason for reason in layer["reasons"] if reason]
-        layer["eligible"] = not layer["reasons"]
-    groups = _fused_groups(layers)
-    quantized = _resolve_groups(layers, groups)
-    return {"options": options.to_dict(), "layers": layers, "other": other, "quantized": quantized,
+    records, other = stored_records(tensors, config)
+    records, groups = with_groups(records)
+    check_include(options.include, [record.name for record in records if record.kind is not LayerKind.CONV1D],
+                  where="this checkpoint", noun="stored names")
+    decisions = decide(records, DecisionOptions(
+        format=fmt.name, shape_rule=FP8_RULE, include=options.include, exclude=options.exclude,
+        skip_first_last=options.skip_first_last, format_rule=fmt.layer_rule, whole_groups=True))
+    return {"options": options.to_dict(), "layers": [decision.to_stored_dict() for decision in decisions],
+            "other": other,
+            "quantized": {decision.record.key: decision.scale_group for decision in decisions if decision.eligible},
             "fused_groups": [{"name": name, "members": members} for name, members in groups.items()]}
 
 
-def _entry(info: TensorInfo, kind: str, reason: str | None, options: ModelFreeOptions, layer_rule: Any
-           ) -> dict[str, Any]:
-    module = info.key.removesuffix(".weight")
-    out_features, in_features = info.shape
-    if reason == Reason.NOT_LINEAR.value:
-        checks = [reason]
+def stored_records(tensors: list[TensorInfo], config: Mapping[str, Any]
+                   ) -> tuple[list[LayerRecord], list[dict[str, Any]]]:
+    """The Linear-like weights of the headers as records, in module order, and the other tensors the job keeps in
+    high precision (``key``, ``shard``, ``reason``)."""
+    # the modules holding experts (a list of them or fused tensors): a router is a gate beside them
+    moe_blocks = {info.key.partition(".experts.")[0] for info in tensors if ".experts." in info.key}
+    conv1d = config.get("model_type") in _CONV1D_MODEL_TYPES
+    records, other = [], []
+    for info in tensors:
+        module, _, leaf = info.key.rpartition(".")
+        if leaf != "weight" or info.dtype not in _FLOAT_DTYPES:
+            continue
+        reason = _kept_reason(info, module)
+        if reason is not None:
+            other.append({"key": info.key, "shard": info.shard, "reason": reason.value})
+        elif len(info.shape) == 2:
+            records.append(_record(info, module, moe_blocks, conv1d))
+    records.sort(key=lambda record: order_key(record.name))
+    return _with_ends(records, config), other
+
+
+def _kept_reason(info: TensorInfo, module: str) -> Reason | None:
+    """Why a stored floating weight is no Linear's: fused experts, an embedding, a norm; None for the others."""
+    last = module.rpartition(".")[2]
+    if len(info.shape) > 2 and "expert" in module:
+        return Reason.FUSED_EXPERTS
+    if len(info.shape) != 2:
+        return None
+    if any(word in last for word in _EMBEDDINGS) and last not in _HEADS:
+        return Reason.EMBEDDING
+    if "norm" in last.lower() or "ln" in last.split("_"):
+        return Reason.NORM
+    return None
+
+
+def _record(info: TensorInfo, module: str, moe_blocks: set[str], conv1d: bool) -> LayerRecord:
+    parent, _, last = module.rpartition(".")
+    router = is_router_name(last) and parent in moe_blocks
+    expert = None if router else _EXPERT.match(module)
+    if router or expert:
+        kind = LayerKind.EXPERT if expert else LayerKind.LINEAR
     else:
-        # In the analysis' order of reasons: shape, first, last, tied, router, include, exclude.
-        checks = [Reason.DIM_NOT_DIVISIBLE.value if in_features % _DIVISOR or out_features % _DIVISOR else None,
-                  None, None, None, reason,
-                  Reason.NOT_INCLUDED.value if options.include and not any(
-                      matches(pattern, module) for pattern in options.include) else None,
-                  Reason.EXCLUDED.value if any(matches(pattern, module) for pattern in options.exclude) else None]
-    return {**asdict(info), "shape": list(info.shape), "module": module, "kind": kind,
-            "in_features": in_features, "out_features": out_features, "reasons": checks,
-            "format_rule": layer_rule(in_features, out_features), "group": None, "eligible": False}
+        kind = LayerKind.CONV1D if conv1d and last.startswith("c_") else LayerKind.LINEAR
+    out_features, in_features = info.shape
+    return LayerRecord(name=module, kind=kind, shape=tuple(info.shape), in_features=in_features,
+                       out_features=out_features, dtype=info.dtype, parameters=in_features * out_features,
+                       router=router, experts=expert["module"] if expert else None, key=info.key, shard=info.shard)
 
 
-def _check_include(layers: list[dict[str, Any]], options: ModelFreeOptions) -> None:
-    for index, pattern in enumerate(options.include):
-        if not any(matches(pattern, layer["module"]) for layer in layers):
-            raise PatternError(f"include[{index}]: pattern {pattern!r} matches no Linear weight of this checkpoint; "
-                               "patterns match whole dotted segments of the stored names", field=f"include[{index}]")
-
-
-def _first_last(layers: list[dict[str, Any]], config: Mapping[str, Any], options: ModelFreeOptions) -> None:
-    """The analysis' first/last rule (slots 1 and 2 of the reasons); a tied head (slot 3) is the last Linear even
-    where the files do not store it."""
-    linears = [layer for layer in layers if layer["kind"] == "linear" and len(layer["reasons"]) > 1]
+def _with_ends(records: list[LayerRecord], config: Mapping[str, Any]) -> list[LayerRecord]:
+    """The first and last Linear and a tied head flagged; a head the files do not store (tied) is the last Linear,
+    so no stored one is."""
+    linears = [index for index, record in enumerate(records) if record.kind is LayerKind.LINEAR]
     tied = bool(config.get("tie_word_embeddings", False))
-    for layer in linears:
-        if tied and layer["module"].rpartition(".")[2] in _HEADS:
-            layer["reasons"][3] = Reason.TIED_HEAD.value
-    if not options.skip_first_last or not linears:
-        return
-    linears[0]["reasons"][1] = Reason.FIRST_LINEAR.value
-    head_stored = any(layer["module"].rpartition(".")[2] in _HEADS for layer in linears)
-    if head_stored or not _has_head(config):
-        linears[-1]["reasons"][2] = Reason.LAST_LINEAR.value
+    heads = [index for index in linears if records[index].name.rpartition(".")[2] in _HEADS]
+    records = [replace(records[index], tied=True) if tied and index in heads else records[index]
+               for index in range(len(records))]
+    if linears:
+        records[linears[0]] = replace(records[linears[0]], first=True)
+        if heads or not _has_head(config):
+            records[linears[-1]] = replace(records[linears[-1]], last=True)
+    return records
 
 
 def _has_head(config: Mapping[str, Any]) -> bool:
     return any(str(name).endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
                for name in config.get("architectures") or [])
-
-
-def _fused_groups(layers: list[dict[str, Any]]) -> dict[str, list[str]]:
-    """q/k/v, gate/up, w1/w3 siblings (an expert's gate and up matrices too): they share one weight amax."""
-    by_module = {layer["module"]: layer for layer in layers}
-    groups: dict[str, list[str]] = {}
-    for layer in layers:
-        parent, _, leaf = layer["module"].rpartition(".")
-        for kind, members in FUSED_GROUPS.items():
-            paths = [f"{parent}.{member}" if parent else member for member in members]
-            if leaf == members[0] and all(path in by_module for path in paths):
-                groups[f"{parent}.{kind}" if parent else kind] = paths
-                for path in paths:
-                    by_module[path]["group"] = f"{parent}.{kind}" if parent else kind
-    return groups
-
-
-def _resolve_groups(layers: list[dict[str, Any]], groups: dict[str, list[str]]) -> dict[str, str]:
-    """Eligible and fitting the format, whole groups and whole experts modules only: weight key -> the name its
-    weight amax is shared under (its fused group's, or its own module path)."""
-    by_module = {layer["module"]: layer for layer in layers}
-    for layer in layers:
-        if layer["eligible"] and layer["format_rule"]:
-            layer["eligible"] = False
-            layer["reasons"].append(layer["format_rule"])
-    experts: dict[str, list[str]] = {}
-    for layer in layers:
-        if layer["kind"] == "expert":
-            experts.setdefault(_EXPERT.match(layer["module"])["module"], []).append(layer["module"])
-    # An engine runs an experts module as one fused MoE layer of one scheme: all of it or none.
-    for module, members in experts.items():
-        failed = next((by_module[m] for m in members if not by_module[m]["eligible"]), None)
-        if failed is not None:
-            leaf = _EXPERT.match(failed["module"])["leaf"]
-            _drop(by_module, members, f"fused_group_not_fully_eligible:{module}.{leaf}")
-    for name, members in groups.items():
-        if not all(by_module[member]["eligible"] for member in members):
-            _drop(by_module, members, f"fused_group_not_fully_eligible:{name}")
-    shared = {member: name for name, members in groups.items() for member in members}
-    return {layer["key"]: shared.get(layer["module"], layer["module"]) for layer in layers if layer["eligible"]}
-
-
-def _drop(by_module: dict[str, dict[str, Any]], members: list[str], reason: str) -> None:
-    for member in members:
-        if by_module[member]["eligible"]:
-            by_module[member]["eligible"] = False
-            by_module[member]["reasons"].append(reason)

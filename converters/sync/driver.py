@@ -34,7 +34,7 @@ from converters.model.checkpoint import weight_files
 from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
 from converters.model.safetensors_stream import read_tensor, read_tensor_index
 from converters.modelfree.driver import serving_plan
-from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, decide
+from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, report_from_headers
 from converters.modelfree.targets import model_free_target, scale_dtype_of
 from converters.recipes import recipe_from_dict
 from converters.rewrite import Compute, Copy
@@ -140,7 +140,7 @@ def _decide(headers: dict[str, dict[str, Any]], config: dict[str, Any], block: d
     tensors = [TensorInfo(key=name, shard=shard, dtype=tensor.dtype, shape=tuple(tensor.shape))
                for shard, header in headers.items() for name, tensor in header.items()
                if not name.endswith(_EXTRA_STATE)]
-    report = decide(tensors, config, ModelFreeOptions(skip_first_last=False), fmt.layer_rule)
+    report = report_from_headers(tensors, config, ModelFreeOptions(skip_first_last=False), fmt)
     converted = set(block["converted_modules"])
     by_module = {layer["module"]: layer for layer in report["layers"]}
     for layer in report["layers"]:
