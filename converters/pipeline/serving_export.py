@@ -40,9 +40,9 @@ from converters.serving.plan import (
     write_serving_file,
 )
 
-__all__ = ["SERVING_LABEL", "ServingShardRunner", "finish_serving_export", "plan_from_wire", "plan_serving_formats",
-           "plan_to_wire", "prepare_serving_plan", "run_serving_task", "serving_casts", "serving_shard_tasks",
-           "serving_sqnr", "write_serving_exports", "write_serving_shard"]
+__all__ = ["SERVING_LABEL", "ServingShardRunner", "finish_serving_export", "job_format", "plan_from_wire",
+           "plan_serving_formats", "plan_to_wire", "prepare_serving_plan", "run_serving_task", "serving_casts",
+           "serving_shard_tasks", "serving_sqnr", "write_serving_exports", "write_serving_shard"]
 
 #: the SQNR meter's label for a serving format's casts: this prefix and the format's name
 SERVING_LABEL = "serving:"
@@ -122,7 +122,7 @@ def write_serving_exports(run: Run, staging: Path, shards: ServingShardRunner | 
         directory = staging / "serving" / name
         source = run.resolved.directory
         files = serving_sources(run, staging)
-        files = write_serving_checkpoint(serving_format(name), plan, source, files, directory,
+        files = write_serving_checkpoint(job_format(name, run.recipe), plan, source, files, directory,
                                          model_dtype(run.resolved.config), confinement_for(run.sources),
                                          check_stop=run.check_stop, emulated_stats=False)
         _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))
@@ -140,11 +140,25 @@ def _write_serving_exports_as_tasks(run: Run, staging: Path, shards: ServingShar
         directory = staging / "serving" / name
         own = [result for task, result in zip(writes, results, strict=True)
                if task["payload"]["plan"]["format"] == name]
-        files = finish_serving_export(plan, run.resolved.directory, own, directory, confinement_for(run.sources))
+        files = finish_serving_export(plan, run.resolved.directory, own, directory, confinement_for(run.sources),
+                                      weight_scales=run.recipe.nvfp4_weight_scales.value)
         _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))
         _audit(run, name, plan, directory)
         written += [f"serving/{name}/{file}" for file in files]
     return written
+
+
+def job_format(name: str, recipe: Any) -> Any:
+    """The serving format ``name`` as the job's recipe asks for it: NVFP4's block scales by the recipe's
+    ``nvfp4_weight_scales`` (converters.serving.nvfp4); every other format as registered."""
+    fmt = serving_format(name)
+    with_scale_search = getattr(fmt, "with_scale_search", None)
+    return with_scale_search(recipe.nvfp4_weight_scales.value) if with_scale_search is not None else fmt
+
+
+def _format_of(plan: ServingPlan, weight_scales: str) -> Any:
+    fmt = serving_format(plan.format)
+    return fmt.with_scale_search(weight_scales) if hasattr(fmt, "with_scale_search") else fmt
 
 
 def prepare_serving_plan(run: Run, name: str, plan: ServingPlan) -> None:
@@ -196,9 +210,11 @@ def serving_shard_tasks(run: Run, staging: Path) -> list[dict[str, Any]]:
             set_weight_amax(plan, files)
         wire = plan_to_wire(plan)
         from_artifact = run.resolved.checkpoint.stored is not None  # the dequantized copies, not the source's files
+        scales = run.recipe.nvfp4_weight_scales.value  # the recipe's NVFP4 block-scale method (job_format)
         tasks += [{"kind": "serving_write", "shard": path.name,
-                   "payload": {"plan": wire, "scale_dtype": dtype, "from_artifact": from_artifact}} for path in files]
-        tasks.append({"kind": "serving_finish", "shard": None, "payload": {"plan": wire}})
+                   "payload": {"plan": wire, "scale_dtype": dtype, "from_artifact": from_artifact,
+                               "weight_scales": scales}} for path in files]
+        tasks.append({"kind": "serving_finish", "shard": None, "payload": {"plan": wire, "weight_scales": scales}})
     return tasks
 
 
@@ -214,29 +230,31 @@ def run_serving_task(kind: str, shard: str | None, payload: dict[str, Any], inpu
             raise ConversionError(f"serving task for {shard}: the run's output directory is not on this machine; "
                                   "run the serving export's tasks where its directory is (a shared disk)")
         source = (out_dir if payload["from_artifact"] else source_dir) / str(shard)
-        return write_serving_shard(plan, source, directory, getattr(torch, payload["scale_dtype"]))
+        return write_serving_shard(plan, source, directory, getattr(torch, payload["scale_dtype"]),
+                                   weight_scales=payload.get("weight_scales", "rtn"))
     if kind == "serving_finish":
-        files = finish_serving_export(plan, source_dir, inputs, directory, confinement)
+        files = finish_serving_export(plan, source_dir, inputs, directory, confinement,
+                                      weight_scales=payload.get("weight_scales", "rtn"))
         return {"files": files, "layer_stats": plan.layer_stats}
     raise ValueError(f"unknown serving task kind {kind!r}; known: serving_write, serving_finish")
 
 
 def write_serving_shard(plan: ServingPlan, source: Path, directory: Path, scale_dtype: torch.dtype, *,
-                        check_stop: Callable[[], None] | None = None) -> dict[str, Any]:
+                        check_stop: Callable[[], None] | None = None, weight_scales: str = "rtn") -> dict[str, Any]:
     """Write ``source``'s file of the plan's export into ``directory`` (byte for byte ``write_serving_checkpoint``'s
     file, the weight amax taken from the plan); returns the file's tensors, their bytes and each quantized
     weight's figures (the format's own ``layer_stats`` where it has one: the SQNR comes from calibration)."""
-    return write_serving_file(serving_format(plan.format), plan, source, directory, scale_dtype,
+    return write_serving_file(_format_of(plan, weight_scales), plan, source, directory, scale_dtype,
                               check_stop=check_stop, emulated_stats=False)
 
 
 def finish_serving_export(plan: ServingPlan, source_dir: Path, shards: list[dict[str, Any]], directory: Path,
-                          confinement: FileConfinement) -> list[str]:
+                          confinement: FileConfinement, *, weight_scales: str = "rtn") -> list[str]:
     """Index, config and side files of an export whose weight files :func:`write_serving_shard` wrote (``shards``:
     their results, in the source's file order); the shards' figures go into the plan. Returns every file name."""
     for shard in shards:
         plan.layer_stats.update(shard["layer_stats"])
-    fmt = serving_format(plan.format)
+    fmt = _format_of(plan, weight_scales)
     side_files = getattr(fmt, "side_files", None)
     return [shard["file"] for shard in shards] + finish_checkpoint(
         source_dir, directory, shards, quantization_config=fmt.quantization_config(plan), confinement=confinement,
