@@ -21,6 +21,7 @@ from service.api.schemas import AnalyzeCreate, JobCreate
 from service.artifacts import ArtifactStorage
 from service.config import Settings
 from service.errors import InvalidRequest, InvalidTransition
+from service.executors.slurm_options import check_slurm_options, conversion_fields
 from service.jobs import Job, JobStatus
 from service.store import JobStore
 
@@ -34,10 +35,11 @@ def check_request(request: Mapping[str, Any], settings: Settings) -> None:
     Raises:
         converters.errors.Fp8ForgeError: with ``field`` naming the culprit (HTTP 422).
     """
+    check_slurm_options(request, settings)
     sources = model_sources.ModelSourceOptions(**settings.model_sources())
     _check_reference(request["model"], sources)
     try:
-        ConversionRequest.from_dict(request)
+        ConversionRequest.from_dict(conversion_fields(request))
     except (errors.RecipeError, errors.CalibrationDataError) as exc:
         # name the field by its full path in the request body
         section = "recipe" if isinstance(exc, errors.RecipeError) else "calibration"

@@ -35,6 +35,7 @@ from converters.plan.settings import GPUS, OBJECTIVES, TARGETS
 from converters.recipes.presets import RECIPE_NAMES
 from service.api.recipe_schemas import STRICT, RecipeCreate, json_int
 from service.errors import ErrorCode
+from service.executors.slurm_options import SlurmCreate
 from service.jobs import Job, JobStatus, Stage, TaskStatus, public_worker_name
 from service.store.host_faults import public_host_name
 
@@ -168,6 +169,9 @@ class JobCreate(BaseModel):
     requantize: RequantizeCreate | None = Field(
         None, description="Convert from the files alone instead of calibrating (docs/requantize.md): no recipe, "
                     "calibration or serving_formats; each shard is a task any worker may run.")
+    slurm: SlurmCreate | None = Field(
+        None, description="This job's Slurm allocation over the server's FP8FORGE_SLURM_* settings (docs/deployment.md"
+                    "); only on a server whose executor is slurm.")
 
     #: removed (converters.pipeline.request.REMOVED_FIELDS): kept out of the schema and refused by name, so that an
     #: old client that still sends it reads why and what to do instead of "extra inputs are not permitted"

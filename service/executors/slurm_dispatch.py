@@ -3,7 +3,8 @@
 One thread in ``fp8forge serve`` (in place of the local worker pool) looks at the store and at ``squeue`` every
 ``poll_interval_s``:
 
-- a queued job without an allocation is submitted: a calibrated job as one batch job whose ranks ``srun`` starts
+- a queued job without an allocation is submitted, with the ``slurm_*`` settings or the request's own ``slurm``
+  values (:mod:`service.executors.slurm_options`): a calibrated job as one batch job whose ranks ``srun`` starts
   (``service.executors.slurm_rank``), a requantize job, once split into its tasks here, as a Slurm array whose
   tasks claim them; an ``executor`` event names the Slurm job;
 - a running requantize job whose array has ended with work left (its time limit) gets a new array;
@@ -34,6 +35,7 @@ from service.artifacts import ArtifactStorage, open_storage
 from service.config import Settings, make_private_dir
 from service.errors import InvalidTransition, JobNotFound
 from service.executors.slurm_cli import SlurmCli, SlurmError, SlurmJob, SlurmResources, array_script, calibrated_script
+from service.executors.slurm_options import job_resources
 from service.jobs import Job, JobStatus
 from service.store import JobStore
 from service.store.workers import WorkerRegistry
@@ -157,8 +159,8 @@ class SlurmDispatcher:
             self._submit_array(claimed)
             return
         output_dir = self._job_dir(job.id)
-        script = calibrated_script(job.id, self.resources, python=self.python, settings_file=self._settings_file(),
-                                   output_dir=output_dir)
+        script = calibrated_script(job.id, job_resources(self.resources, job.request, self.settings),
+                                   python=self.python, settings_file=self._settings_file(), output_dir=output_dir)
         slurm_id = self.cli.submit(script)
         self._record(job, slurm_id, f"slurm-{slurm_id}.out", "batch job")
 
@@ -166,11 +168,11 @@ class SlurmDispatcher:
         if again and self._gave_up(job):
             return
         output_dir = self._job_dir(job.id)
-        script = array_script(job.id, self.resources, python=self.python, settings_file=self._settings_file(),
+        resources = job_resources(self.resources, job.request, self.settings)
+        script = array_script(job.id, resources, python=self.python, settings_file=self._settings_file(),
                               output_dir=output_dir)
         slurm_id = self.cli.submit(script)
-        self._record(job, slurm_id, f"slurm-{slurm_id}_*.out",
-                     f"array of {self.resources.array_tasks} tasks")
+        self._record(job, slurm_id, f"slurm-{slurm_id}_*.out", f"array of {resources.array_tasks} tasks")
 
     def _gave_up(self, job: Job) -> bool:
         """Fail the job when its last ``_FAILED_STARTS`` Slurm jobs all ended without it moving on (no claim, no

@@ -32,6 +32,7 @@ from sqlalchemy.exc import DBAPIError
 
 from service.artifacts import open_storage
 from service.config import Settings
+from service.executors.slurm_options import conversion_fields
 from service.jobs import JobStatus
 from service.store import JobStore
 from service.store.schema import brief
@@ -146,7 +147,8 @@ def _join(member: _Member, settings: Settings) -> int:
     receiver, sender = ctx.Pipe(duplex=False)
     stop = ctx.Event()
     proc = ctx.Process(target=child_main, name=f"fp8forge-rank-{os.environ['RANK']}",
-                       args=(dict(job.request), str(scratch), settings.model_sources(), sender, stop, os.getpid()),
+                       args=(conversion_fields(job.request), str(scratch), settings.model_sources(), sender, stop,
+                             os.getpid()),
                        kwargs={"log_level": "info", "resume_dir": str(resume_dir_of(settings, job_id)),
                                **({"threads": settings.conversion_threads} if settings.conversion_threads else {})})
     proc.start()
