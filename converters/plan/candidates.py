@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from converters.analysis.reasons import Reason
 from converters.plan.settings import GPUS
 from converters.recipes.presets import RECIPE_NAMES
 from converters.recipes.registry import recipe_from_dict
@@ -89,11 +90,11 @@ class Unit:
 
     def excluded(self, precision: str) -> dict[str, str]:
         """Member -> why ``precision`` cannot hold it: the shape rule's reason code (the analysis's) for a member that
-        breaks the rule, ``fused_group_not_fully_eligible:<unit>`` for the others of a group one member breaks."""
+        breaks the rule, ``Reason.FUSED_GROUP_PARTIAL`` with the unit for the others of a group one member breaks."""
         if self.fits(precision):
             return {}
         rule = recipe_of(precision).shape_rule()
-        return {member: rule.reason if rule.fails(inp, out) else f"fused_group_not_fully_eligible:{self.name}"
+        return {member: rule.reason if rule.fails(inp, out) else Reason.FUSED_GROUP_PARTIAL.at(self.name)
                 for member, (out, inp) in zip(self.members, self.shapes, strict=True)}
 
     def bytes(self, precision: str) -> int:
