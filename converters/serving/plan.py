@@ -161,7 +161,7 @@ def plan_serving(fmt: ServingFormat, report: Mapping[str, Any], on_disk_name: Ca
             for member in group["members"]:
                 if member in candidates:
                     del candidates[member]
-                    plan.skipped[member] = f"fused_group_not_fully_eligible:{group['name']}"
+                    plan.skipped[member] = Reason.FUSED_GROUP_PARTIAL.at(group["name"])
     plan.quantized = candidates
     plan.fused_groups = [list(group["members"]) for group in report["fused_groups"]
                          if all(member in candidates for member in group["members"])]
@@ -184,7 +184,7 @@ def _plan_experts(plan: ServingPlan, fmt: ServingFormat, report: Mapping[str, An
             continue
         group = f"{module}.{parse_unit_path(failed).gemm}"
         for path in paths:
-            plan.skipped[path] = reasons[path] or f"fused_group_not_fully_eligible:{group}"
+            plan.skipped[path] = reasons[path] or Reason.FUSED_GROUP_PARTIAL.at(group)
         plan.unquantized_experts[module] = _disk_prefix(expert_keys.get(paths[0]), module)
 
 
