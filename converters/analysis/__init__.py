@@ -1,5 +1,6 @@
 """Eligibility analysis: every Linear of a model, eligible for FP8 or with its reason codes (``Reason``), built
-on the meta device; include/exclude patterns; the text rendering of a report.
+on the meta device; the one rule table both it and model-free jobs apply (``decide``); include/exclude patterns;
+the text rendering of a report.
 """
 
 from converters._lazy import lazy_exports
@@ -10,6 +11,11 @@ _EXPORTS = {
     "analyze_model": "converters.analysis.eligibility",
     "analyze_model_reference": "converters.analysis.eligibility",
     "Reason": "converters.analysis.reasons",
+    "DecisionOptions": "converters.analysis.decision",
+    "LayerDecision": "converters.analysis.decision",
+    "LayerKind": "converters.analysis.decision",
+    "LayerRecord": "converters.analysis.decision",
+    "decide": "converters.analysis.decision",
     "eligible_paths": "converters.analysis.eligibility",
     "eligible_expert_units": "converters.analysis.eligibility",
     "converted_expert_gemms": "converters.analysis.eligibility",
