@@ -9,9 +9,11 @@ groups' shared weight amax) are made between the phases from the tasks' results
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from converters.model.finite import check_converted
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor_index
 from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
-from converters.rewrite import Compute, Copy, planned_bytes
+from converters.rewrite import Compute, Copy, cast_in_strips, planned_bytes, strip_rows
 from converters.rewrite import write_shard as rewrite_shard
 from converters.serving.plan import layer_stats
 
@@ -101,7 +103,9 @@ def shard_weight_amax(task: AmaxTask) -> AmaxResult:
     """Each listed weight's largest magnitude, exact in float32, reading one weight at a time."""
     reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
     dtype = getattr(torch, task.scale_dtype)
-    amax = {key: float(reader.weight(key, task.stored.get(key), dtype).float().abs().amax()) for key in task.keys}
+    with _one_thread():
+        amax = {key: float(reader.weight(key, task.stored.get(key), dtype).float().abs().amax())
+                for key in task.keys}
     for key, value in amax.items():
         if not math.isfinite(value):  # amax propagates NaN: one number says whether the whole weight is finite
             raise ModelConfigError(f"{key} in {task.shard} holds NaN or infinite values, which no quantized "
@@ -127,7 +131,8 @@ def write_shard(task: WriteTask) -> WriteResult:
     written in that dtype (the target keeps it in high precision). Every other tensor is copied as its bytes.
     """
     tensors, metadata = read_tensor_index(Path(task.source_dir) / task.shard)
-    written = rewrite_shard(Path(task.out_dir) / task.shard, _steps(task, tensors), metadata)
+    with _one_thread():
+        written = rewrite_shard(Path(task.out_dir) / task.shard, _steps(task, tensors), metadata)
     stats = dict(note for note in written.notes if note is not None)
     logger.info("%s: %d weights converted", task.shard, len(task.convert))
     return WriteResult(shard=task.shard, tensors=written.tensors, bytes=written.bytes, converted=sorted(task.convert),
@@ -180,9 +185,30 @@ def _quantize(fmt: Any, key: str, outputs: dict[str, Any], amax: float | None, s
               check_weight: bool, weight: torch.Tensor) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]]]:
     """One weight quantized to ``fmt``, checked finite; the note is its layer's figures for the report."""
     options = {"weight_amax": amax} if getattr(fmt, "needs_weight_amax", False) else {}
-    replacement = fmt.quantize(weight, None, scale_dtype, **options)
-    check_converted(key, weight, dict(zip(outputs, replacement, strict=True)), fmt.name, check_weight=check_weight)
-    return replacement, (key.removesuffix(".weight"), layer_stats(fmt, weight, replacement, amax))
+    cast = functools.partial(_cast, fmt, scale_dtype, options)
+    step = strip_rows(fmt, weight)
+    replacement = cast(weight) if step is None else cast_in_strips(cast, weight, step, outputs)
+    written = dict(zip(outputs, replacement, strict=True))
+    check_converted(key, weight, written, fmt.name, check_weight=check_weight)
+    return replacement, (key.removesuffix(".weight"), layer_stats(fmt, weight, written))
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's intra-op threads set to one for a task (restored after): a task's parallelism is the job's workers,
+    one process each, and intra-op threads on top of them oversubscribe the cores; on a machine whose cores other
+    jobs share, every op on more than 32 Ki elements then waits at its threads' barrier for a time slice (a
+    weight's SQNR took 0.5-1.7 s on two threads against 0.05-0.19 s on one, load 14 on two cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cast(fmt: Any, scale_dtype: torch.dtype, options: dict[str, Any], weight: torch.Tensor) -> list[torch.Tensor]:
+    return fmt.quantize(weight, None, scale_dtype, **options)
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,11 @@ from typing import Any
 import torch
 
 from converters.analysis.reasons import Reason
-from converters.calibration.emulation import db
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.plan import ServingPlan
+from converters.serving.written_sqnr import written_weight_sqnr
 
 __all__ = ["BLOCK", "FP8Block", "FP8_BLOCK", "FP8_BLOCK_TE", "FP8_BLOCK_UE8M0", "FP8_BLOCK_UE8M0_TE", "ScaleArithmetic",
            "ScaleFormat", "pow2_scale_inv", "te_block_scales"]
@@ -190,16 +190,11 @@ def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat,
 
 
 def _weight_sqnr(weight: torch.Tensor, tensors: list[torch.Tensor]) -> float | None:
-    """SQNR in dB of ``weight * weight_scale_inv`` (block-wise) against ``weight``; None for an all-zero weight."""
+    """SQNR in dB of ``weight * weight_scale_inv`` (block-wise) against ``weight``; None for an all-zero weight.
+    Read from the written tensors in cache-sized strips, in fp64 where fp32 would overflow (a weight near bf16's
+    largest value with power-of-two scales: 448 times its scale exceeds fp32's range)."""
     quantized, scale = tensors
-    rows, columns = weight.shape
-    dequantized = quantized.float().reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK) \
-        * scale.reshape(rows // BLOCK, 1, columns // BLOCK, 1)
-    # the difference of two fp32 values within a factor of two of each other (or one of them 0) is exact in fp32
-    # (Sterbenz), and a rounded value lies that close to its source: only the squares and their sum need fp64
-    error = dequantized.reshape(rows, columns).sub_(weight).double()
-    source = weight.double()
-    return db(float(torch.dot(source.flatten(), source.flatten())), float(torch.dot(error.flatten(), error.flatten())))
+    return written_weight_sqnr(weight, {"weight": quantized, "weight_scale_inv": scale})
 
 
 def _not_converted(plan: ServingPlan) -> list[str]:

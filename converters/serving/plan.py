@@ -38,14 +38,14 @@ from typing import Any, Protocol
 import torch
 
 from converters.analysis.reasons import Reason
-from converters.calibration.emulation import cast_spec, db, fake_quantize
 from converters.model.experts import EXPERT_GEMMS, parse_unit_path, unit_path
 from converters.model.files import FileConfinement
 from converters.model.finite import check_converted
 from converters.model.safetensors_stream import SourceTensor, read_tensor, read_tensor_index
-from converters.rewrite import Compute, Copy, finish_checkpoint
+from converters.rewrite import Compute, Copy, cast_in_strips, finish_checkpoint, strip_rows
 from converters.rewrite import write_shard as rewrite_shard
 from converters.serving.loads_in import loads_in, loads_in_warnings
+from converters.serving.written_sqnr import written_weight_sqnr
 
 __all__ = [
     "ServingFormat",
@@ -314,24 +314,19 @@ def set_weight_amax(plan: ServingPlan, weight_files: list[Path]) -> None:
     plan.weight_amax = amax
 
 
-def layer_stats(fmt: ServingFormat, weight: torch.Tensor, tensors: list[torch.Tensor],
-                weight_amax: float | None = None) -> dict[str, Any]:
+def layer_stats(fmt: ServingFormat, weight: torch.Tensor, written: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """One quantized weight's figures for the report: the format's own ``layer_stats(weight, tensors)`` where it
-    has one, else the weight SQNR (dB) under the emulated cast its ``weight_cast`` names (a spec of
-    :mod:`converters.calibration.emulation`; the per-tensor and NVFP4 global scales from ``weight_amax`` where the
-    format shares it across a fused group), else nothing."""
+    has one, else the SQNR (dB) of the weight the ``written`` tensors (name -> tensor, in the format's order) hold,
+    read from them without a second cast (:mod:`converters.serving.written_sqnr`), else nothing (a format without
+    a ``weight_cast``, or a layout that module does not read)."""
     own = getattr(fmt, "layer_stats", None)
     if own is not None:
         return {key: round(value, 3) if isinstance(value, float) else value
-                for key, value in own(weight, tensors).items()}
-    spec = getattr(fmt, "weight_cast", None)
-    if spec is None:
+                for key, value in own(weight, list(written.values())).items()}
+    if getattr(fmt, "weight_cast", None) is None:
         return {}
-    w = weight.float().reshape(weight.shape[0], -1)
-    amax = torch.tensor(weight_amax, dtype=torch.float32) if weight_amax is not None else w.abs().amax()
-    noise = (w - fake_quantize(w, cast_spec(spec), tensor_amax=amax)).square().sum()
-    value = db(float(w.square().sum()), float(noise))
-    return {"weight_sqnr_db": None if value is None else round(value, 2), "emulated_cast": spec}
+    value = written_weight_sqnr(weight, written)
+    return {"weight_sqnr_db": None if value is None else round(value, 2), "measured_on": "written_tensors"}
 
 
 def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: Path, weight_files: list[Path],
@@ -403,8 +398,15 @@ def _quantize_weight(fmt: ServingFormat, name: str, outputs: dict[str, Any], inp
                      scale_dtype: torch.dtype, options: dict[str, float], label: str | None, weight: torch.Tensor
                      ) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]] | None]:
     """One weight quantized, checked finite; the note is its figures under ``label`` (None: no figures)."""
-    replacement = fmt.quantize(weight, input_amax, scale_dtype, **options)
+    cast = functools.partial(_cast, fmt, input_amax, scale_dtype, options)
+    step = strip_rows(fmt, weight)
+    replacement = cast(weight) if step is None else cast_in_strips(cast, weight, step, outputs)
     check_converted(name, weight, dict(zip(outputs, replacement, strict=True)), fmt.name)
     if label is None:
         return replacement, None
-    return replacement, (label, layer_stats(fmt, weight, replacement, options.get("weight_amax")))
+    return replacement, (label, layer_stats(fmt, weight, dict(zip(outputs, replacement, strict=True))))
+
+
+def _cast(fmt: ServingFormat, input_amax: float | None, scale_dtype: torch.dtype, options: dict[str, float],
+          weight: torch.Tensor) -> list[torch.Tensor]:
+    return fmt.quantize(weight, input_amax, scale_dtype, **options)

@@ -1,0 +1,69 @@
+"""A weight cast in strips of rows whose temporaries stay in cache, joined into the tensors a whole cast gives.
+
+A format's cast is a handful of whole-tensor torch ops (``|w|``, block amax, divide, clamp, round), each a pass
+over memory through fp32 temporaries four times the bf16 weight's size, freshly allocated (page faults included).
+Where every scale of the cast covers whole rows (128-row blocks, one row, groups along a row) and nothing is
+computed from the whole tensor, the same cast applied to a strip of rows gives that strip's part of every output,
+bit for bit: a strip of about a MiB keeps the temporaries in a core's cache (fp8-block 3x faster, NVFP4 2x,
+measured in docs/benchmarks/requantize-2026-12-03b.md).
+
+Which formats: the rows of the format's ``weight_cast`` block (:mod:`converters.calibration.emulation`); a per-tensor
+scale (``e4m3_tensor``) needs the whole tensor, and so does NVFP4's global scale unless the format receives it
+(``needs_weight_amax``: the fused group's amax is given, not read from the weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from converters.calibration.emulation import ScaleRule, cast_spec
+
+__all__ = ["cast_in_strips", "strip_rows"]
+
+#: weight elements cast at a time: a bf16 strip of 512 KiB, its fp32 temporaries 1 MiB each
+STRIP_ELEMENTS = 1 << 18
+
+
+def strip_rows(fmt: Any, weight: torch.Tensor) -> int | None:
+    """Rows per strip for ``fmt``'s cast of ``weight`` (a multiple of its scale blocks' rows), or None where the
+    cast needs the whole tensor (a per-tensor scale, a tensor that is not 2-D or not whole blocks) or a single strip
+    would hold it all."""
+    spec_name = getattr(fmt, "weight_cast", None)
+    if spec_name is None or weight.dim() != 2:
+        return None
+    spec = cast_spec(spec_name)
+    unit = spec.block[0]
+    if unit is None or (spec.scale is ScaleRule.NVFP4 and not getattr(fmt, "needs_weight_amax", False)):
+        return None
+    rows, columns = weight.shape
+    step = max(unit, STRIP_ELEMENTS // max(1, columns) // unit * unit)
+    return step if rows % unit == 0 and step < rows else None
+
+
+def cast_in_strips(cast: Callable[[torch.Tensor], Sequence[torch.Tensor]], weight: torch.Tensor, step: int,
+                   planned: Mapping[str, Any]) -> list[torch.Tensor]:
+    """``cast(weight)``'s tensors, computed strip by strip of ``step`` rows and joined: an output whose planned
+    first dim is the sum of the strips' is concatenated along it; any other (a per-tensor scale) must be the same
+    in every strip and is taken once.
+
+    Raises:
+        ValueError: a per-tensor output differs between strips (the cast reads the whole tensor: it cannot be
+            cast in strips), or a strip gave another number of tensors than ``planned`` names.
+    """
+    parts = [list(cast(weight[start:start + step])) for start in range(0, weight.shape[0], step)]
+    joined = []
+    for index, (name, entry) in enumerate(planned.items()):
+        pieces = [part[index] for part in parts if index < len(part)]
+        if len(pieces) != len(parts) or any(len(part) != len(planned) for part in parts):
+            raise ValueError(f"{name}: a strip's cast gave {len(parts[0])} tensors, the plan names {len(planned)}")
+        if pieces[0].dim() and sum(piece.shape[0] for piece in pieces) == tuple(entry.shape)[0]:
+            joined.append(torch.cat(pieces))
+        elif all(torch.equal(piece, pieces[0]) for piece in pieces[1:]):
+            joined.append(pieces[0])
+        else:
+            raise ValueError(f"{name}: the strips of the weight gave different values of a per-tensor output; this "
+                             f"format's cast reads the whole tensor and cannot be cast in strips")
+    return joined
