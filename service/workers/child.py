@@ -94,9 +94,8 @@ def limit_threads(configured: int | None) -> int:
     threads = thread_budget(configured)
     for name in _THREAD_VARIABLES:
         os.environ[name] = str(threads)
-    # OpenMP threads that spin at each barrier burn the time slices of a host whose cores are shared: a
-    # layer-sequential calibration of a 576-wide model took 117-137 s with 2 spinning threads at load 17-20, and
-    # 27 s passive; on a quiet host the two are alike (40.8 / 43.1 s, benchmarks/bench_scale.py --real-smollm).
+    # OpenMP threads that spin at each barrier burn the time slices of a host whose cores are shared (several times
+    # slower on a loaded host, alike on a quiet one: docs/benchmarks/calibration-speed-2026-12-02.md).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
