@@ -16,8 +16,10 @@ Both tools are told the same work: every Linear of the decoder quantized, ``lm_h
 (fp8forge ``--no-skip-first-last --exclude lm_head``; the peer ``ignore=["lm_head"]``). Formats and the peer's
 schemes: fp8-block (FP8_BLOCK), compressed-tensors-fp8-dynamic (FP8_DYNAMIC), mxfp8 (MXFP8), nvfp4-a16 (NVFP4A16).
 
-Printed: each run's work seconds, whole-process seconds and peak RSS; per format the fastest of the rounds, and
-the ratios fp8forge / copy and peer / fp8forge. Targets (issue #38): fp8forge <= 2x a copy, the peer >= 2x fp8forge.
+Printed: each run's work seconds, whole-process seconds and peak RSS (and its RSS once imported); per format the
+fastest of the rounds, and the ratios fp8forge / copy and peer / fp8forge; fp8forge's largest peak RSS above its
+imports' next to the largest converted weight. Targets: fp8forge <= 2x a copy, the peer >= 2x fp8forge, fp8forge's
+memory one weight's worth plus a fixed buffer.
 
     .venv/bin/python benchmarks/bench_requantize.py                      # 2 rounds, all four formats
     .venv/bin/python benchmarks/bench_requantize.py --rounds 1 --formats fp8-block --skip-peer
@@ -104,12 +106,13 @@ def child(role: str, fmt: str, source: str, out: str) -> None:
     elif role == "peer":
         from llmcompressor import model_free_ptq  # noqa: F401
     imported = time.perf_counter()
+    imports_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if role == "fp8forge":
         convert_model_free(Path(source), Path(out), fmt, exclude=("lm_head",), skip_first_last=False)
     elif role == "peer":
         model_free_ptq(source, out, scheme=FORMATS[fmt], ignore=["lm_head"], max_workers=1, device="cpu")
     done = time.perf_counter()
-    print(json.dumps({"imports_s": imported - started, "work_s": done - imported,
+    print(json.dumps({"imports_s": imported - started, "work_s": done - imported, "imports_rss_mb": imports_rss,
                       "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
@@ -127,7 +130,7 @@ def _run(python: Path, role: str, fmt: str, source: Path, out: Path) -> dict:
         error = (result.stderr.strip().splitlines() or ["no message"])[-1]
         shutil.rmtree(out, ignore_errors=True)
         return {"failed": error[:300], "work_s": math.nan, "process_s": seconds, "imports_s": math.nan,
-                "rss_mb": math.nan}
+                "rss_mb": math.nan, "imports_rss_mb": math.nan}
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     measured |= {"process_s": seconds, "written_mb": _tree_bytes(out) / 1e6}
     shutil.rmtree(out, ignore_errors=True)
@@ -140,7 +143,7 @@ def _copy(source: Path, out: Path) -> dict:
     subprocess.run(["cp", "-r", str(source), str(out)], check=True)
     seconds = time.perf_counter() - started
     shutil.rmtree(out, ignore_errors=True)
-    return {"work_s": seconds, "process_s": seconds, "imports_s": 0.0, "rss_mb": 0.0}
+    return {"work_s": seconds, "process_s": seconds, "imports_s": 0.0, "rss_mb": 0.0, "imports_rss_mb": 0.0}
 
 
 def _tree_bytes(directory: Path) -> int:
@@ -193,7 +196,7 @@ def main() -> None:
                     continue
                 print(f"round {round_ + 1} {fmt:32s} {tool:9s} work {measured['work_s']:6.2f} s  process "
                       f"{measured['process_s']:6.2f} s  (imports {measured['imports_s']:.2f} s)  peak RSS "
-                      f"{measured['rss_mb']:7.0f} MB", flush=True)
+                      f"{measured['rss_mb']:7.0f} MB (after imports {measured['imports_rss_mb']:.0f} MB)", flush=True)
     print("\nfastest of the rounds (work: the process's start apart)")
     print(f"{'format':32s} {'copy s':>7s} {'fp8forge s':>10s} {'peer s':>7s} {'fp8forge/copy':>13s} "
           f"{'peer/fp8forge':>13s} {'fp8forge MB/s':>13s} {'RSS MB':>7s} {'peer RSS':>8s}")
@@ -210,6 +213,11 @@ def main() -> None:
     starts = {tool: min(run["imports_s"] for (fmt, name), group in runs.items() if name == tool for run in group
                         if "failed" not in run)
               for tool in ("fp8forge", "peer") if any(name == tool for _, name in runs)}
+    largest = max(math.prod(shape) * 2 for key, shape in _tensor_shapes().items() if key.endswith("proj.weight"))
+    growth = max((run["rss_mb"] - run["imports_rss_mb"]) for (_, tool), group in runs.items() if tool == "fp8forge"
+                 for run in group)
+    print(f"fp8forge peak RSS above its imports' {growth:.0f} MB (the largest converted weight: "
+          f"{largest / 1e6:.0f} MB)")
     print("process start (imports), fastest: " + ", ".join(f"{tool} {value:.2f} s" for tool, value in starts.items()))
 
 
