@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from converters.analysis.reasons import Reason
 from converters.artifact.layout import staging_dir_for
 from converters.errors import ConversionError, Fp8ForgeError, RequestError
 from converters.model.checkpoint import weight_files
@@ -266,9 +267,9 @@ def serving_plan(report: dict[str, Any]) -> ServingPlan:
             else:
                 prefix = module.rpartition(".")[0].rpartition(".")[0]
                 experts_kept[prefix] = prefix
-        elif "moe_router_gate" in layer["reasons"]:
+        elif Reason.ROUTER_GATE.value in layer["reasons"]:
             plan.router_gates.append(module)
-        elif "not_nn_linear" not in layer["reasons"]:
+        elif Reason.NOT_LINEAR.value not in layer["reasons"]:
             plan.linear_paths.append(module)
             if layer["key"] in quantized:
                 plan.quantized[module] = layer["key"]
