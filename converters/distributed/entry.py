@@ -3,7 +3,8 @@
 
 Every rank resolves and analyzes the model and builds the calibration batches (the same on all of them), then
 runs the layer-sequential calibration on its share of the steps (:mod:`converters.distributed.layer_walk`). Rank 0
-alone goes on to convert, export, measure quality and publish the artifact; the others end after calibration. The
+alone goes on to convert, export and publish the artifact; the others wait for its quality pass, score their share
+of its texts (:mod:`converters.distributed.quality`) and end once it has published. The
 resume record beside the output (:func:`~converters.distributed.resume.resume_dir_for`) is written after each layer
 and removed once the artifact is published.
 """
@@ -14,6 +15,7 @@ import os
 from pathlib import Path
 
 from converters.distributed.job import DistributedJob
+from converters.distributed.quality import end_quality, follow_quality, start_quality_group
 from converters.distributed.ranks import RankInfo, end_group, rank_from_environment, start_group
 from converters.distributed.resume import ResumeStore, resume_dir_for
 from converters.model.sources import ModelSourceOptions
@@ -50,14 +52,18 @@ def run_ranked_conversion(request: ConversionRequest, out_dir: Path, sources: Mo
     job = DistributedJob(info=info, resume_dir=record)
     start_group(info)
     try:
+        if info.world_size > 1:
+            start_quality_group()
         if not info.leader:
             run = Run(request=request, sources=sources, sink=sink or NullSink())
             run.distributed = job
             run_stages(run, stop_after=Stage.CALIBRATE)
+            follow_quality(run)
             return None
         result = run_conversion(request, out_dir, sources, sink, serving_shards=serving_shards, distributed=job)
         if record is not None:  # published: a restart has nothing left to resume
             ResumeStore(record, "").remove()
+        end_quality(info)
         return result
     finally:
         end_group()

@@ -63,9 +63,10 @@ def quality_block(run: Run, staging: Path, on_layer: Callable[[int, int], None] 
                 variants[f"serving:{name}{_KV_TRUNCATED}"] = {
                     **linears, **{path: replace(cast, rounding=KV_ROUNDING_TRUNCATE) for path, cast in kv.items()}}
         texts = run.request.quality_texts
+        share = run.distributed.quality_share(run, staging) if run.distributed is not None else None
         figures = measure_qualities(source, variants, list(texts) if texts is not None else None,
                                     max_tokens=DEFAULT_MAX_TOKENS, seq_len=DEFAULT_SEQ_LEN,
-                                    should_stop=run.sink.should_stop, on_layer=on_layer)
+                                    should_stop=run.sink.should_stop, on_layer=on_layer, share=share)
     except (QualityUnavailable, SequentialUnsupported) as exc:
         run.warn(f"end-to-end quality not measured: {exc}")
         return {"measured": False, "reason": str(exc), "definition": QUALITY_DEFINITION}

@@ -7,6 +7,10 @@ hidden states from the layer before, with its Linears cast (:mod:`converters.qua
 nothing up to a layer shares the reference's hidden states there instead of computing them again. The head pass
 replays the final hidden states of each stream through the model's final norm, and the output head scores
 them a slice of positions at a time: no ``[tokens, vocab]`` tensor of the whole text, and never the whole model.
+
+Across the ranks of a data-parallel job (:class:`QualityShare`) each rank scores a contiguous block of the texts and
+the sums of every variant are added over the ranks in rank order (text order): the figures are the one-process
+run's up to float summation order and the head's GEMM blocking (a block of positions spans texts).
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from converters.quality.casts import LayerCast, cast_linear_weight, casting_line
 from converters.quality.figures import QualityFigures, ReferenceLogits, TokenScores
 from converters.quality.held_out import BUILT_IN_HELD_OUT, REQUEST_TEXTS, held_out_part
 from converters.quality.kv_cache import KvCast, attention_paths, quantizing_kv_cache
+from converters.quality.ranks import QualityShare, summed_over_ranks
 
-__all__ = ["QualitySource", "QualityUnavailable", "load_source", "measure_quality", "measure_qualities",
+__all__ = ["QualityShare", "QualitySource", "QualityUnavailable", "load_source", "measure_quality", "measure_qualities",
            "DEFAULT_MAX_TOKENS", "DEFAULT_SEQ_LEN"]
 
 DEFAULT_MAX_TOKENS = 256
@@ -112,19 +117,35 @@ def measure_quality(source: Path | QualitySource, layer_casts: Mapping[str, Laye
 def measure_qualities(source: Path | QualitySource, variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]],
                       texts: Sequence[str] | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                       seq_len: int = DEFAULT_SEQ_LEN, should_stop: Callable[[], bool] | None = None,
-                      on_layer: Callable[[int, int], None] | None = None, share_unchanged_layers: bool = True
-                      ) -> dict[str, QualityFigures]:
+                      on_layer: Callable[[int, int], None] | None = None, share_unchanged_layers: bool = True,
+                      share: QualityShare | None = None) -> dict[str, QualityFigures]:
     """Several FP8 variants in one pass: the reference runs once; each variant's stream runs beside it.
 
     A variant's stream is the reference's up to the first layer where it casts a Linear: with
     ``share_unchanged_layers`` (the default) it uses the reference's hidden states until then instead of
     computing the same ones again (the figures are the same either way; False computes every stream through
-    every layer). A precision plan's variants, one cast unit each, skip about half the layers so.
+    every layer). A precision plan's variants, one cast unit each, skip about half the layers so. ``share``: this
+    process is one rank of a data-parallel job (see :class:`QualityShare`); every rank gets the whole job's figures.
 
     Raises QualityUnavailable (see :func:`load_source`; also texts that give fewer than two tokens),
     ConversionCancelled when ``should_stop()`` turns true between layers, ValueError for a cast on a module
     that is not a Linear of the model.
     """
+    if share is None:
+        return _measure(source, variants, texts, max_tokens, seq_len, should_stop, on_layer, share_unchanged_layers)
+    try:
+        return _measure(source, variants, texts, max_tokens, seq_len, should_stop, on_layer, share_unchanged_layers,
+                        share)
+    except Exception as exc:
+        if not share.gathered:  # the others wait in the gather: they get this rank's reason and stop too
+            share.gather(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _measure(source: Path | QualitySource, variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]],
+             texts: Sequence[str] | None, max_tokens: int, seq_len: int, should_stop: Callable[[], bool] | None,
+             on_layer: Callable[[int, int], None] | None, share_unchanged_layers: bool,
+             share: QualityShare | None = None) -> dict[str, QualityFigures]:
     if isinstance(source, (str, Path)):
         source = load_source(Path(source))
     if max_tokens < 1 or seq_len < 2:
@@ -146,8 +167,14 @@ def measure_qualities(source: Path | QualitySource, variants: Mapping[str, Mappi
     for name, casts in variants.items():
         unique.setdefault(frozenset((path, cast) for path, cast in casts.items() if cast is not None), name)
     runs = {name: variants[name] for name in unique.values()}
-    streams, passes = _run_layers(source, batches, runs, should_stop, on_layer, share_unchanged_layers)
-    scores = _score_heads(source, batches, streams, passes, runs)
+    mine = [batches[index] for index in share.texts(len(batches))] if share is not None else batches
+    if mine:
+        streams, passes = _run_layers(source, mine, runs, should_stop, on_layer, share_unchanged_layers)
+        scores = _score_heads(source, mine, streams, passes, runs)
+    else:
+        scores = {name: TokenScores() for name in runs}
+    if share is not None:
+        scores = summed_over_ranks(share, scores)
     if on_layer is not None:  # the head pass, counted as one more layer (as the layers' reports count it)
         on_layer(source.stack.count + 1, source.stack.count + 1)
     return {name: scores[unique[frozenset((path, cast) for path, cast in casts.items() if cast is not None)]]

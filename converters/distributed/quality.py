@@ -1,0 +1,104 @@
+"""The quality pass of a data-parallel job, shared by its ranks (docs/distributed.md).
+
+Rank 0 alone converts and writes the exports; the quality pass reads them back, so the other ranks, once they
+have calibrated, wait for rank 0 to reach it (:func:`follow_quality`). When rank 0's pass starts
+(:func:`quality_share`) it sends them where its staged exports are, on storage every rank reaches (the resume
+record's condition), and the report and serving plans the pass reads; every rank then builds the same variants,
+scores its block of the texts and the sums are added over the ranks (:class:`~converters.quality.measure.
+QualityShare`). After publishing, rank 0 sends the end (:func:`end_quality`). These exchanges go through a gloo group
+without the calibration's timeout: the others wait through rank 0's conversion and export, which take longer than a
+layer does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from converters.distributed.ranks import RankInfo
+from converters.quality.ranks import QualityShare
+
+if TYPE_CHECKING:
+    from converters.pipeline.state import Run
+
+__all__ = ["QUALITY_WAIT_S", "end_quality", "follow_quality", "quality_share", "start_quality_group"]
+
+logger = logging.getLogger(__name__)
+
+#: how long a rank waits for rank 0 to reach its quality pass (its conversion and export of a 671B model included)
+QUALITY_WAIT_S = 24 * 3600
+
+_GROUP: list[Any] = []  #: the gloo group of these exchanges, once joined (start_quality_group)
+_LAST: list[_Gather] = []  #: the gather of the pass this process last started (quality_share)
+
+
+def start_quality_group() -> None:
+    """Join the exchanges' group: every rank, right after the job's group (a collective)."""
+    import torch.distributed as dist
+
+    _GROUP[:] = [dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=QUALITY_WAIT_S))]
+
+
+def _group() -> Any:
+    return _GROUP[0] if _GROUP else None
+
+
+def _broadcast(message: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=_group())
+    return box[0]
+
+
+class _Gather:
+    """An all-gather of objects over the job's ranks, which remembers whether it ran."""
+
+    def __init__(self) -> None:
+        self.ran = False
+
+    def __call__(self, mine: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        self.ran = True
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine, group=_group())
+        return gathered
+
+
+def quality_share(info: RankInfo, run: Run, staging: Path) -> QualityShare:
+    """This rank's share of the quality pass about to run; rank 0 first tells the waiting ranks where its
+    exports are (``staging``), with the report and serving plans the pass reads."""
+    if info.world_size == 1:
+        return QualityShare(rank=0, world_size=1, gather=lambda mine: [mine])
+    if info.leader:
+        _broadcast({"staging": str(staging), "report": run.report, "serving": run.serving})
+    _LAST[:] = [_Gather()]  # follow_quality checks that it ran
+    return QualityShare(rank=info.rank, world_size=info.world_size, gather=_LAST[0])
+
+
+def follow_quality(run: Run) -> None:
+    """A rank other than 0, after calibrating: run each quality pass rank 0 announces, until it says the job is
+    published. Raises what the pass raises past its own handling, and a lost rank 0's error."""
+    from converters.pipeline.quality_report import quality_block
+
+    while (message := _broadcast(None)) is not None:
+        # rank 0's, as its convert stage left them (the report is set once: its contents are replaced)
+        run.report.clear()
+        run.report.update(message["report"])
+        run.serving = message["serving"]
+        _LAST.clear()
+        block = quality_block(run, Path(message["staging"]))
+        if not _LAST or not _LAST[0].ran:
+            # this rank stopped before the pass that rank 0 runs: its reason makes the figures unavailable there
+            reason = block.get("reason", "the pass did not start")
+            logger.warning("quality pass not run on this rank: %s", reason)
+            _Gather()(reason)
+
+
+def end_quality(info: RankInfo) -> None:
+    """Rank 0, once the artifact is published: the waiting ranks may end."""
+    if info.world_size > 1 and info.leader:
+        _broadcast(None)
