@@ -18,6 +18,7 @@ attempt goes back to queued without using up an attempt, and the service submits
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -123,6 +124,8 @@ def run_calibrated(member: _Member, rank: int) -> int:
         logger.info("job %s: not queued (%s); nothing to run", member.job_id, store.get_job(member.job_id).status.value)
         return 0
     logger.info("job %s: claimed, attempt %d of %d", job.id, job.attempt, job.max_attempts)
+    # the conversion child takes the conversion's fields alone (the request's slurm object was this executor's)
+    job = dataclasses.replace(job, request=conversion_fields(job.request))
     status = JobRun(settings, store, member.dirs, member.worker_id, job, member.stopping, log_level="info",
                     resume_dir=resume_dir_of(settings, job.id)).execute()
     logger.info("job %s: %s", job.id, status.value if status else "lost")
