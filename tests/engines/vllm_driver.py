@@ -9,7 +9,10 @@ safetensors only. Usage: ``.venv-vllm/bin/python tests/engines/vllm_driver.py RE
   (the negative log-likelihood of each token after the first);
 - ``dump``: a safetensors path: every parameter and buffer of the model as vLLM's loader filled them, taken just
   before ``process_weights_after_loading`` (which repacks, requantizes fused shards and folds scales), plus each
-  attention layer's ``_k_scale`` / ``_v_scale`` after it (the scales the KV cache is written with).
+  attention layer's ``_k_scale`` / ``_v_scale`` after it (the scales the KV cache is written with);
+- ``instrument``: true adds ``instrument`` to the run's JSON (:mod:`vllm_probe`): the linear kernel each quantized
+  layer selected, the activation casts and ``torch._scaled_mm`` calls per forward, the stand-in's calls at load
+  and per forward, and whether the prompt pass reads its keys back from the KV cache.
 
 The CPU build lacks two ops the FP8 paths call; :func:`install_stand_ins` replaces them with plain torch, test-only
 (docs/engines.md lists every line and why). Everything else is vLLM's own code: its config parsing, its
@@ -97,6 +100,98 @@ def install_stand_ins() -> list[str]:
     return replaced
 
 
+class Counters:
+    """What the FP8 Linears execute, counted by wrapping the functions they call (installed before the engine is
+    built: a CustomOp binds its forward when it is created). Test-only, like the stand-ins."""
+
+    def __init__(self) -> None:
+        self.phase = "load"
+        self.calls: dict[str, dict[str, int]] = {"load": {}, "score": {}}
+        self.forwards = 0
+        self.kernels: dict[str, int] = {}
+        self._undo: list = []
+
+    def _count(self, key: str) -> None:
+        table = self.calls[self.phase]
+        table[key] = table.get(key, 0) + 1
+
+    def install(self) -> None:
+        import torch
+        import vllm._custom_ops as custom_ops
+        from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+
+        stand_in, native, scaled_mm = custom_ops.scaled_fp8_quant, QuantFP8.forward_native, torch._scaled_mm
+
+        def counted_stand_in(input, scale=None, *args, **kwargs):  # noqa: A002 (vLLM's name)
+            per_token = kwargs.get("use_per_token_if_dynamic", False)
+            self._count(f"scaled_fp8_quant stand-in ({'static' if scale is not None else 'dynamic'}"
+                        f"{', per token' if per_token and scale is None else ''}, {input.dtype})")
+            return stand_in(input, scale, *args, **kwargs)
+
+        def counted_native(quant, x, scale=None, *args, **kwargs):
+            kind = "static per-tensor" if quant.static else f"dynamic {quant.group_shape}"
+            self._count(f"QuantFP8.forward_native ({kind}, input {x.dtype})")
+            return native(quant, x, scale, *args, **kwargs)
+
+        def counted_scaled_mm(a, b, *args, **kwargs):
+            scale_a = kwargs.get("scale_a")
+            self._count(f"torch._scaled_mm ({a.dtype} x {b.dtype} -> {kwargs.get('out_dtype')}, scale_a "
+                        f"{tuple(scale_a.shape) if scale_a is not None else None})")
+            return scaled_mm(a, b, *args, **kwargs)
+
+        custom_ops.scaled_fp8_quant, QuantFP8.forward_native, torch._scaled_mm = \
+            counted_stand_in, counted_native, counted_scaled_mm
+        self._undo = [(custom_ops, "scaled_fp8_quant", stand_in), (QuantFP8, "forward_native", native),
+                      (torch, "_scaled_mm", scaled_mm)]
+
+    def loaded(self, model) -> None:
+        """After the load: the kernel class each quantized layer selected; then count per scoring forward."""
+        for module in model.modules():
+            holders = [getattr(module, "quant_method", None), getattr(module, "scheme", None)]
+            for holder in filter(None, holders):
+                for value in vars(holder).values():
+                    if type(value).__name__.endswith("Kernel"):
+                        name = type(value).__name__
+                        self.kernels[name] = self.kernels.get(name, 0) + 1
+        original = model.forward
+
+        def counted_forward(*args, **kwargs):
+            self.forwards += 1
+            return original(*args, **kwargs)
+
+        model.forward = counted_forward
+        self.phase = "score"
+
+    def uninstall(self) -> None:
+        for owner, name, value in self._undo:
+            setattr(owner, name, value)
+
+    def report(self) -> dict:
+        forwards = max(self.forwards, 1)
+        return {"kernels": self.kernels, "at_load": self.calls["load"], "scoring_forwards": self.forwards,
+                "per_forward": {key: count / forwards for key, count in self.calls["score"].items()}}
+
+
+def prefill_reads_cache(llm, texts: list[list[int]], scores: list[dict], score) -> dict:
+    """Score ``texts`` again with every key written to the KV cache halved: if the prompt pass attends over what it
+    wrote to the cache (not over the K/V tensors it computed), its log-likelihoods change."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    original = CPUAttentionBackendImpl.do_kv_cache_update
+
+    def halved_keys(self, layer, key, value, kv_cache, slot_mapping):
+        return original(self, layer, key * 0.5, value, kv_cache, slot_mapping)
+
+    CPUAttentionBackendImpl.do_kv_cache_update = halved_keys
+    try:
+        again = score(llm, texts)
+    finally:
+        CPUAttentionBackendImpl.do_kv_cache_update = original
+    change = max(abs(a - b) for first, second in zip(scores, again, strict=True)
+                 for a, b in zip(first["per_token"], second["per_token"], strict=True))
+    return {"prefill_reads_cache": change > 1e-3, "nll_change_with_halved_cached_keys": change}
+
+
 def loaded_model(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
@@ -132,6 +227,22 @@ def attention_scales(model) -> dict[str, dict[str, float]]:
     return found
 
 
+def score_texts(llm, texts: list[list[int]]) -> list[dict]:
+    """Each token-id text's negative log-likelihood (of every token after the first) from prompt logprobs."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in texts], params, use_tqdm=False)
+    scores = []
+    for ids, output in zip(texts, outputs, strict=True):
+        # prompt_logprobs[0] is None (nothing predicts the first token); with prompt_logprobs=0 each entry holds the
+        # prompt's own token
+        pairs = zip(ids[1:], output.prompt_logprobs[1:], strict=True)
+        nll = [-logprobs[token].logprob for token, logprobs in pairs]
+        scores.append({"nll": sum(nll), "tokens": len(ids) - 1, "per_token": nll})
+    return scores
+
+
 def run_one(request: dict) -> dict:
     """Build the engine for one model, generate, score and dump; the engine is torn down before returning."""
     import gc
@@ -141,6 +252,10 @@ def run_one(request: dict) -> dict:
 
     store: dict = {}
     _snapshot_into[0] = store if request.get("dump") else None
+    counters = None
+    if request.get("instrument"):
+        counters = Counters()
+        counters.install()
     kwargs = dict(model=request["model"], dtype="bfloat16", enforce_eager=True, distributed_executor_backend="uni",
                   kv_cache_dtype=request.get("kv_cache_dtype", "auto"), skip_tokenizer_init=True,
                   compilation_config={"custom_ops": ["none"]}, max_model_len=request.get("max_model_len"), seed=0)
@@ -150,6 +265,8 @@ def run_one(request: dict) -> dict:
     llm = LLM(**kwargs)
     seconds = {"load": time.perf_counter() - started}
     model = loaded_model(llm)
+    if counters is not None:
+        counters.loaded(model)
     result: dict = {"model": request["model"], "kv_cache_dtype": kwargs["kv_cache_dtype"]}
     generate = request.get("generate")
     if generate:
@@ -160,19 +277,14 @@ def run_one(request: dict) -> dict:
         seconds["generate"] = time.perf_counter() - started - sum(seconds.values())
     texts = request.get("score")
     if texts:
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in texts], params, use_tqdm=False)
-        scores = []
-        for ids, output in zip(texts, outputs, strict=True):
-            # prompt_logprobs[0] is None (nothing predicts the first token); with prompt_logprobs=0 each entry
-            # holds the prompt's own token
-            pairs = zip(ids[1:], output.prompt_logprobs[1:], strict=True)
-            nll = -sum(logprobs[token].logprob for token, logprobs in pairs)
-            scores.append({"nll": nll, "tokens": len(ids) - 1})
+        scores = score_texts(llm, texts)
         result["scores"] = scores
         total = sum(score["tokens"] for score in scores)
         result["perplexity"] = math.exp(sum(score["nll"] for score in scores) / total)
         seconds["score"] = time.perf_counter() - started - sum(seconds.values())
+    if counters is not None and texts:
+        result["instrument"] = {**counters.report(), **prefill_reads_cache(llm, texts[:1], scores[:1], score_texts)}
+        counters.uninstall()
     if request.get("dump"):
         from safetensors.torch import save_file
 
