@@ -39,6 +39,11 @@ class Reason(str, enum.Enum):
     # Stored tensors a model-free job keeps in high precision, listed apart from the Linear weights
     EMBEDDING = "embedding"  #: an embedding table (a lookup, not a matmul weight)
     NORM = "norm"  #: a norm's scale vector or matrix
+    # A training artifact's serving export (converters.sync) writes only what the training run converted
+    NOT_CONVERTED_IN_TRAINING = "not_converted_in_training"  #: the artifact keeps this Linear in high precision
+    EXPERTS_NOT_SYNCED = "experts_not_synced"  #: expert weights: no training library here converts them
+    #: converted in training, but another member of its fused group was not: written with the unit (:meth:`at`)
+    FUSED_GROUP_NOT_CONVERTED = "fused_group_not_fully_converted"
 
     def at(self, unit: str) -> str:
         """The code with the unit it concerns, ``code:unit`` (e.g. the fused group that held a layer back)."""

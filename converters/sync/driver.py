@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from converters.analysis.reasons import Reason
 from converters.artifact.files import copy_side_files, write_json, write_manifest
 from converters.artifact.layout import staging_dir_for
 from converters.errors import ArtifactError, ConversionError, RequestError
@@ -48,8 +49,6 @@ logger = logging.getLogger(__name__)
 SYNC_REPORT_NAME = "sync_report.json"
 _REPORT_VERSION = 1
 _EXTRA_STATE = "._extra_state"  # TE modules' serialized FP8 metadata in a state dict: no engine reads it
-_NOT_CONVERTED = "not_converted_in_training"
-_EXPERTS = "experts_not_synced"
 
 
 def sync_serving(artifact: Path, out: Path, *, format_name: str | None = None, weights: Path | None = None
@@ -144,7 +143,8 @@ def _decide(headers: dict[str, dict[str, Any]], config: dict[str, Any], block: d
     converted = set(block["converted_modules"])
     by_module = {layer["module"]: layer for layer in report["layers"]}
     for layer in report["layers"]:
-        reason = _EXPERTS if layer["kind"] == "expert" else None if layer["module"] in converted else _NOT_CONVERTED
+        reason = (Reason.EXPERTS_NOT_SYNCED.value if layer["kind"] == "expert" else None
+                  if layer["module"] in converted else Reason.NOT_CONVERTED_IN_TRAINING.value)
         if reason and reason not in layer["reasons"]:
             layer["reasons"].append(reason)
         layer["eligible"] = not layer["reasons"]
@@ -153,7 +153,7 @@ def _decide(headers: dict[str, dict[str, Any]], config: dict[str, Any], block: d
             for member in group["members"]:
                 if by_module[member]["eligible"]:
                     by_module[member]["eligible"] = False
-                    by_module[member]["reasons"].append(f"fused_group_not_fully_converted:{group['name']}")
+                    by_module[member]["reasons"].append(Reason.FUSED_GROUP_NOT_CONVERTED.at(group["name"]))
     shared = {member: group["name"] for group in report["fused_groups"] for member in group["members"]}
     report["quantized"] = {layer["key"]: shared.get(layer["module"], layer["module"])
                            for layer in report["layers"] if layer["eligible"]}
