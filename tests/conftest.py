@@ -48,6 +48,13 @@ def llama_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def llama_dir(llama_root) -> Path:
+    """The tiny bf16 Llama with a tokenizer of ``llama_root``; its parent is the module's allowed root, where its
+    tests write their artifacts (``llama_dir.parent / "out"``)."""
+    return llama_root / "llama"
+
+
+@pytest.fixture(scope="module")
 def sharded_llama(tmp_path_factory) -> Path:
     """The tiny test Llama (``TINY_CONFIGS["llama"]``) saved in several weight files, alone under an allowed root of
     its own (its parent); one per test module."""

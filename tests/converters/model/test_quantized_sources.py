@@ -32,13 +32,6 @@ MODELOPT_E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2,
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    from converters.model.demo import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("quantized_sources") / "llama")  # bf16
-
-
-@pytest.fixture(scope="module")
 def exports(llama_dir):
     out = llama_dir.parent / "out"
     request = ConversionRequest(model=str(llama_dir), recipe={"backend": "te"},

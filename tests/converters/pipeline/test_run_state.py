@@ -7,17 +7,11 @@ import dataclasses
 import pytest
 
 from converters.calibration.result import CalibrationResult
-from converters.model.demo import build_tiny_llama
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.driver import run_stages
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.pipeline.stages import STAGE_FUNCTIONS, analyze, resolve, start
 from converters.pipeline.state import NullSink, ResolvedModel, Run, Stage
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("run_state") / "llama")
 
 
 def _run(llama_dir) -> Run:

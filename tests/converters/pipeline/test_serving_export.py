@@ -8,7 +8,6 @@ import json
 import pytest
 
 from converters.errors import ConversionError
-from converters.model.demo import build_tiny_llama
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.driver import run_conversion
 from converters.pipeline.request import (
@@ -20,11 +19,6 @@ from converters.pipeline.request import (
 from converters.serving import serving_format
 
 CALIBRATION = CalibrationSettings(steps=2, seq_len=32)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("serving_export") / "llama")
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,12 @@ import pytest
 
 import converters.artifact.files as artifact_files
 from converters.errors import ConversionCancelled
-from converters.model.demo import build_tiny_llama
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.driver import run_conversion
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.pipeline.state import NullSink
 
 REQUEST = {"recipe": {"backend": "ao"}, "calibration": CalibrationSettings(steps=2, seq_len=32)}
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("weight_copy") / "llama")
 
 
 class StageClock(NullSink):

@@ -22,17 +22,12 @@ from converters.plan.mixed_export import (
     not_expressible,
     write_mixed_checkpoint,
 )
-from tests.converters.serving.exports import cosine, export, tiny_llama
+from tests.converters.serving.exports import cosine, export
 
 #: per layout, the single-format export of each precision, written by the same job (same calibration)
 SINGLE = {layout.name: {precision: fmt.name for precision, fmt in layout.serving_of.items()}
           for layout in MIXED_LAYOUTS}
 MIN_SQNR_DB = 18.0
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory, "mixed")
 
 
 @pytest.fixture(scope="module")

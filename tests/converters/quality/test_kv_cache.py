@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from converters.artifact.layout import REPORT_FILE
-from converters.model.demo import build_tiny_llama
 from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer
 from converters.quality import (
     KV_ROUNDING_NEAREST,
@@ -33,11 +32,6 @@ from converters.quality.kv_cache import attention_paths
 from tests.converters.serving.exports import export
 
 TEXT = "The harbor town woke slowly on the first cold morning of autumn, and the gulls argued over the boats."
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("kv") / "llama")
 
 
 def _recorded_kernel_inputs(model, ids, casts, monkeypatch):

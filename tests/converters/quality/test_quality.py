@@ -32,11 +32,6 @@ TEXTS = ["The harbor town woke slowly on the first cold morning of autumn, and t
          "Delayed scaling derives the scale of this step from the amax history of earlier steps, one per tensor."]
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("quality") / "llama")
-
-
 def _linears(directory):
     source = load_source(directory)
     return source, [name for name, module in source.model.named_modules()

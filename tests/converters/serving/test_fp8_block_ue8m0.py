@@ -11,14 +11,9 @@ from safetensors import safe_open
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.pipeline.request import CalibrationSettings
 from converters.serving.fp8_block import FP8_BLOCK, FP8_BLOCK_UE8M0, pow2_scale_inv
-from tests.converters.serving.exports import export, tiny_llama
+from tests.converters.serving.exports import export
 
 BLOCK, UE8M0 = "fp8-block", "fp8-block-ue8m0"
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory, "ue8m0")
 
 
 @pytest.fixture(scope="module")

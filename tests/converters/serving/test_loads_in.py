@@ -13,17 +13,12 @@ import torch
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.serving import SERVING_FORMATS
 from converters.serving.loads_in import CONSUMERS, LAYOUT_OF, LoadStatus, loads_in, loads_in_markdown
-from tests.converters.serving.exports import cosine, export, tiny_llama
+from tests.converters.serving.exports import cosine, export
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 START, END = "<!-- loads-in table", "<!-- end of loads-in table -->"
 #: one format per layout of the table (a training twin writes its parent's layout)
 ONE_PER_LAYOUT = tuple({layout: name for name, layout in reversed(LAYOUT_OF.items())}.values())
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory, "loads-in")
 
 
 @pytest.fixture(scope="module")

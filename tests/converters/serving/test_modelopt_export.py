@@ -20,7 +20,7 @@ from converters.serving import plan_serving
 from converters.serving.modelopt import MODELOPT_FP8, MODELOPT_NVFP4
 from tests.converters.calibration.test_kv_cache_scales import CALIBRATION as KV_CALIBRATION
 from tests.converters.calibration.test_kv_cache_scales import _batches, independent_amax
-from tests.converters.serving.exports import cosine, export, tiny_llama
+from tests.converters.serving.exports import cosine, export
 from tests.models import save_tiny_model
 
 FP8, NVFP4 = "modelopt-fp8", "modelopt-nvfp4"
@@ -33,11 +33,6 @@ MODELOPT_KV_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_proj\.(
 #: nvidia-modelopt 0.47.0 in a separate environment (its torch differs from this project's); tests that run
 #: ModelOpt's own code skip without it
 MODELOPT_PYTHON = Path("/tmp/modelopt-venv/bin/python")
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory, "modelopt")
 
 
 @pytest.fixture(scope="module")

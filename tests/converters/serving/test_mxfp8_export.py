@@ -11,7 +11,7 @@ from safetensors import safe_open
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.pipeline.request import CalibrationSettings
 from converters.serving.mxfp8 import MXFP8
-from tests.converters.serving.exports import export, tiny_llama
+from tests.converters.serving.exports import export
 
 NAME = "mxfp8"
 CALIBRATION = CalibrationSettings(steps=2, seq_len=16)
@@ -19,11 +19,6 @@ CALIBRATION = CalibrationSettings(steps=2, seq_len=16)
 
 def convert(model_dir):
     return export(model_dir, (NAME,), calibration=CALIBRATION)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory, "mxfp8")
 
 
 @pytest.fixture(scope="module")

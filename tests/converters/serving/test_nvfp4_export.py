@@ -13,17 +13,12 @@ from converters.model.sources import ModelSourceOptions, load_model
 from converters.pipeline.request import CalibrationSettings
 from converters.serving import SERVING_FORMATS, plan_serving
 from converters.serving.nvfp4 import NVFP4, global_scale, quantize_nvfp4
-from tests.converters.serving.exports import cosine, export, tiny_llama
+from tests.converters.serving.exports import cosine, export
 
 W4A4, A16 = "nvfp4", "nvfp4-a16"
 CALIBRATION = CalibrationSettings(steps=3, seq_len=32)
 QKV = [f"model.layers.1.self_attn.{name}_proj" for name in "qkv"]
 GATE_UP = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory, "nvfp4")
 
 
 @pytest.fixture(scope="module")

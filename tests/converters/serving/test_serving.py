@@ -22,13 +22,6 @@ CALIBRATION = CalibrationSettings(steps=3, seq_len=32)
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    from converters.model.demo import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("serving") / "llama")  # bf16, with a tokenizer
-
-
-@pytest.fixture(scope="module")
 def llama_out(llama_dir):
     out = llama_dir.parent / "out"
     request = ConversionRequest(model=str(llama_dir), recipe={"backend": "te"}, calibration=CALIBRATION,
