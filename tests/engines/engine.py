@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-__all__ = ["ROOT", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm", "EngineRun", "load_problems",
+__all__ = ["ROOT", "VLLM_VENV", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm", "EngineRun", "load_problems",
            "fidelity_problems"]
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+VLLM_VENV = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm")  # a relative path is the repository's
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 #: vLLM's Llama-family fused layers: checkpoint projection -> (vLLM's fused module, shard index)
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -41,8 +42,11 @@ MX_BLOCK = 32  #: elements per MXFP8 scale
 
 def vllm_missing() -> str | None:
     """Why the engine cannot run here, or None."""
-    if not VLLM_PYTHON.exists():
-        return f"vLLM's CPU build is not installed at {VLLM_PYTHON.parent.parent}: `make vllm-venv` builds it"
+    # the Makefile's stamp, written once `import vllm` worked: a build that failed half-way leaves bin/python
+    if not VLLM_PYTHON.exists() or not any(VLLM_VENV.glob(".installed-*")):
+        log = os.environ.get("VLLM_BUILD_LOG")
+        built = f"its build failed: see {log}" if log else "`make vllm-venv` builds it"
+        return f"vLLM's CPU build is not installed at {VLLM_VENV}: {built}"
     return None
 
 
