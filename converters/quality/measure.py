@@ -268,17 +268,24 @@ def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, pass
                 if name is not None and index < first_cast[name]:
                     streams[name] = streams[None]  # the reference's own list: computed once, for both
                     continue
-                if replaced:
-                    _load_source_weights(model, checkpoint, replaced, compute)
-                    replaced = []
                 casts = {} if name is None else {p: c for p, c in variants[name].items() if under(p, layer_path)}
                 kv = {path: casts.pop(path) for path in list(casts) if isinstance(casts[path], KvCast)}
+                # a Linear this stream reads from an export's written weight needs no source weight (only its
+                # shape): reloading it would read the layer's bytes again for nothing
+                _load_source_weights(model, checkpoint, [path for path in replaced if not _reads_written(casts, path)],
+                                     compute)
+                replaced = []
                 with casting_linears(model, casts, in_place=True) as cast, quantizing_kv_cache(model, kv):
                     replaced = list(cast.casts)
                     streams[name] = [_output(passes.call(layer, index, step, hidden), stack).to(storage)
                                      for step, hidden in enumerate(streams[name])]
     finally:
         release_layer(layer, dtypes)
+
+
+def _reads_written(casts: Mapping[str, LayerCast | KvCast | None], path: str) -> bool:
+    cast = casts.get(path)
+    return isinstance(cast, LayerCast) and cast.read_weight is not None
 
 
 def _load_source_weights(model: nn.Module, checkpoint: Checkpoint, paths: list[str], compute: torch.dtype) -> None:
