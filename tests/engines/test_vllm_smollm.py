@@ -6,8 +6,8 @@ the bf16 source's in the same engine (benchmarks/bench_engine.py measures it on 
 
 vLLM's CPU attention keeps an FP8 KV cache only on x86 with AVX-512 or AMX (``cpu_attn._get_attn_isa`` raises
 "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"; the AVX2 build of its kernels has no FP8 cache case): on
-an AVX2-only CPU the exports run with a bf16 cache (their KV scales loaded, unused) and the FP8-cache assertions
-are left out.
+an AVX2-only CPU the exports run with ``kv_cache_dtype="bfloat16"`` (their KV scales loaded, unused; "auto" would
+take the export's kv_cache_scheme and ask for the FP8 cache).
 
 vLLM runs in its own venv: ``make vllm-venv`` builds it; without it these tests skip and say so.
 """
@@ -35,7 +35,7 @@ TOKENS = 128
 #: 2x or a dropped KV scale costs far more
 MAX_RATIO = 1.25
 #: the KV cache the exports run with: vLLM's CPU build stores an FP8 one only with AVX-512 or AMX
-KV_CACHE = "fp8" if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported() else "auto"
+KV_CACHE = "fp8" if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported() else "bfloat16"
 
 
 @pytest.fixture(scope="module")
