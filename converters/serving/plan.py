@@ -336,8 +336,8 @@ def write_serving_checkpoint(fmt: ServingFormat, plan: ServingPlan, source_dir: 
     """Write ``fmt``'s checkpoint of the source into ``directory``: weight files, index, config, side files.
 
     Each quantized weight's figures go into ``plan.layer_stats`` (:func:`layer_stats`); ``emulated_stats`` False
-    leaves out the emulated weight SQNR (a second pass over every weight) where the caller has the figure
-    already, from its calibration's meter, or was asked not to measure; a format's own ``layer_stats`` stays.
+    leaves out the weight SQNR of the written tensors (a pass over each weight's codes) where the caller has the
+    figure already, from its calibration's meter, or was asked not to measure; a format's own ``layer_stats`` stays.
 
     Side files are copied without reading outside ``confinement``.
 
