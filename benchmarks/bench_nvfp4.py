@@ -14,6 +14,12 @@ What runs:
              from the job's own calibration_batches call), saved compressed.
   swaps      fp8forge's weights with the peer's input global scales and the peer's weights with fp8forge's: which
              half of a difference comes from the calibration and which from the weights.
+  four_over_six  the export requantized with scale_search="four_over_six" (each block's amax to 6 or to 4).
+  searched   per fused group, converters.serving.nvfp4_search.search_group on ``--search-rows`` token rows of the
+             bf16 model's inputs on the job's calibration windows: the weight global scale (``--weight-ratios``
+             times the group amax, RTN blocks), then mse block scales, then the input global scale (0.2x-1.2x the
+             calibrated amax), each kept only if it lowers the group's W4A4 output error; scored with the job's
+             input scales ("searched weights") and with the searched ones ("searched weights + input scales").
 Scoring: the bf16 model with, for every Linear an export quantizes, the weight read back from the export
 (``code * weight_scale / weight_global_scale``) and its input cast to NVFP4 as the engines' W4A4 kernels cast it
 (per-16 E4M3 block scales under the file's ``input_global_scale``: converters.calibration.emulation "nvfp4_block16").
@@ -23,6 +29,7 @@ Perplexity over ``--tokens`` held-out tokens (the corpus' held-out part, windows
 Figures only, nothing asserted; ratios against llm-compressor RTN measured in the same run.
 
 Run:  .venv/bin/python benchmarks/bench_nvfp4.py [--steps 32] [--tokens 1024] [--skip-peer] [--keep DIR]
+      [--search-rows 512 (0: no search)] [--weight-ratios 1.0,0.94,1.06]
       (--keep DIR of an earlier run reuses its fp8forge export; --peer-export DIR scores an existing peer export)
 """
 
@@ -46,7 +53,8 @@ from bench_serving import DEFAULT_PEER_VENV, ensure_peer_venv, venv_python  # no
 from safetensors import safe_open  # noqa: E402
 
 from converters.calibration.emulation import E2M1_GRID, cast_spec, fake_quantize  # noqa: E402
-from converters.serving.nvfp4 import GROUP, block_errors, quantize_nvfp4  # noqa: E402
+from converters.serving.nvfp4 import GROUP, block_errors, global_scale, quantize_nvfp4  # noqa: E402
+from converters.serving.nvfp4_search import search_group  # noqa: E402
 
 SEQ_LEN = 128  # calibration window
 EVAL_WINDOW = 256
@@ -169,6 +177,71 @@ def requantized(source: dict[str, torch.Tensor], layers: dict[str, dict[str, tor
     return result
 
 
+def calibration_inputs(model, batches: list[dict], paths: list[str], rows: int) -> dict[str, torch.Tensor]:
+    """Each Linear's inputs on the bf16 model over the calibration windows (what the calibration sees), ``rows``
+    token rows drawn at random (seed 0) from all of them, the same rows for every Linear."""
+    seen: dict[str, list[torch.Tensor]] = {path: [] for path in paths}
+    handles = [model.get_submodule(path).register_forward_pre_hook(
+        lambda module, args, path=path: seen[path].append(args[0].detach().reshape(-1, args[0].shape[-1])))
+        for path in paths]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    total = sum(chunk.shape[0] for chunk in seen[paths[0]])
+    pick = torch.randperm(total, generator=torch.Generator().manual_seed(0))[:rows].sort().values
+    return {path: torch.cat(chunks)[pick] for path, chunks in seen.items()}
+
+
+def output_searched(model, model_dir: Path, steps: int, source: dict[str, torch.Tensor], layers: dict, rows: int,
+                    weight_ratios: tuple[float, ...], rtn: dict, mse: dict) -> tuple[dict, dict, list]:
+    """Per fused group, converters.serving.nvfp4_search.search_group on the calibration inputs: the export with
+    the chosen weight scales and input global scales, the same with the job's input scales, and the choices."""
+    groups: dict[str, list[str]] = {}
+    for path in sorted(layers):
+        parent, _, name = path.rpartition(".")
+        members = next((group for group in FUSED if name in group), {name})
+        groups.setdefault(f"{parent}.{'+'.join(sorted(members))}", []).append(path)
+    inputs = calibration_inputs(model, job_batches(model_dir, steps)[0], [paths[0] for paths in groups.values()],
+                                rows)
+    both, weights_only, choices = {}, {}, []
+    for paths in groups.values():
+        weights = [source[f"{path}.weight"] for path in paths]
+        amax = max(float(weight.float().abs().max()) for weight in weights)
+        input_amax = float(2688 / layers[paths[0]]["input_global_scale"].float())
+        known = {(method, 1.0): [dequantize(done[path]) for path in paths] for method, done in (("rtn", rtn),
+                                                                                              ("mse", mse))}
+        choice = search_group(weights, inputs[paths[0]], amax, input_amax, methods=("mse",),
+                              weight_ratios=weight_ratios, known=known)
+        choices.append((paths, choice, amax, input_amax))
+        for path, weight in zip(paths, weights, strict=True):
+            packed, scale, gparam = quantize_nvfp4(weight, choice.weight_amax, scale_search=choice.method)
+            tensors = {**layers[path], "weight_packed": packed, "weight_scale": scale, "weight_global_scale": gparam}
+            weights_only[path] = tensors
+            both[path] = {**tensors, "input_global_scale": global_scale(
+                torch.tensor([choice.input_amax], dtype=weight.dtype))}
+    return both, weights_only, choices
+
+
+def print_choices(choices: list) -> None:
+    """What the output-error search chose: methods, weight and input ratios, the error against RTN's."""
+    methods = {method: sum(c.method == method for _, c, _, _ in choices) for method in ("rtn", "mse")}
+    relative = sorted(c.relative_error for _, c, _, _ in choices)
+    weight_ratios = sorted(round(c.weight_amax / amax, 3) for _, c, amax, _ in choices)
+    input_ratios = sorted(round(c.input_amax / input_amax, 3) for _, c, _, input_amax in choices)
+    print(f"output-error search over {len(choices)} groups: methods {methods}; W4A4 output error / RTN's: median "
+          f"{statistics.median(relative):.3f}, range {relative[0]:.3f}-{relative[-1]:.3f}")
+    for name, ratios in (("weight", weight_ratios), ("input", input_ratios)):
+        counts = {ratio: ratios.count(ratio) for ratio in sorted(set(ratios))}
+        print(f"  chosen {name} amax / RTN's: {counts}")
+    for paths, choice, amax, input_amax in choices:
+        print(f"  {'+'.join(paths)}: {choice.method}, weight amax x{choice.weight_amax / amax:.3f}, input amax "
+              f"x{choice.input_amax / input_amax:.2f} ({choice.input_amax:.4g}), error/RTN {choice.relative_error:.3f}")
+
+
 def eval_ids(model_dir: Path, tokens: int) -> torch.Tensor:
     from transformers import AutoTokenizer
 
@@ -235,6 +308,12 @@ def main() -> None:
     parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
     parser.add_argument("--peer-export", type=Path, help="an llm-compressor NVFP4 export made on the same tokens")
     parser.add_argument("--keep", type=Path, help="write the exports here and keep them")
+    parser.add_argument("--four-over-six", action="store_true", help="also score scale_search four_over_six")
+    parser.add_argument("--no-swaps", action="store_true", help="leave out the input-scale swap rows")
+    parser.add_argument("--search-rows", type=int, default=512,
+                        help="calibration token rows the output-error search scores (default 512; 0: no search)")
+    parser.add_argument("--weight-ratios", default="1.0,0.94,1.06",
+                        help="weight amax multipliers the search tries for the global scale (comma separated)")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -283,6 +362,10 @@ def main() -> None:
         print(f"llm-compressor export: {time.perf_counter() - started:.0f} s, {len(peer)} Linears in NVFP4")
 
     variants: dict[str, dict | None] = {"bf16": None, "fp8forge rtn": ours, "fp8forge mse": mse}
+    if args.four_over_six:
+        started = time.perf_counter()
+        variants["fp8forge four_over_six"] = requantized(source, ours, "four_over_six")
+        print(f"four_over_six requantization {time.perf_counter() - started:.0f} s")
     if peer is not None:
         shared = sorted(set(ours) & set(peer))
         ratios = sorted((float(ours[p]["input_global_scale"] / peer[p]["input_global_scale"]), p) for p in shared)
@@ -291,6 +374,7 @@ def main() -> None:
               f"{statistics.median(r for r, _ in ratios):.3f}, min {ratios[0][0]:.3f} ({ratios[0][1]}), max "
               f"{ratios[-1][0]:.3f} ({ratios[-1][1]}); packed weights identical in {same_weights}")
         variants["llm-compressor rtn"] = peer
+    if peer is not None and not args.no_swaps:
         variants["fp8forge rtn, peer's input scales"] = {
             p: {**t, "input_global_scale": peer[p]["input_global_scale"]} if p in peer else t for p, t in ours.items()}
         variants["fp8forge mse, peer's input scales"] = {
@@ -298,6 +382,15 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     print_calibration_diagnosis(model, model_dir, args.steps, ours)
+    if args.search_rows:
+        started = time.perf_counter()
+        ratios = tuple(float(ratio) for ratio in args.weight_ratios.split(","))
+        both, weights_only, choices = output_searched(model, model_dir, args.steps, source, ours, args.search_rows,
+                                                      ratios, rtn, mse)
+        print(f"output-error search: {time.perf_counter() - started:.0f} s (2 cores, shared)")
+        print_choices(choices)
+        variants["fp8forge searched weights (output error)"] = weights_only
+        variants["fp8forge searched weights + input scales"] = both
     ids = eval_ids(model_dir, args.tokens)
     scores = {}
     for name, layers in variants.items():

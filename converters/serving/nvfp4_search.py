@@ -92,13 +92,14 @@ class _Scorer:
                                                                                  strict=True)))
 
 
-def _quantized(weights: list[torch.Tensor], weight_amax: float, method: str) -> list[torch.Tensor]:
+def _dequantized(weights: list[torch.Tensor], weight_amax: float, method: str) -> list[torch.Tensor]:
     return [dequantize_nvfp4(*quantize_nvfp4(w, weight_amax, scale_search=method)) for w in weights]
 
 
 def search_group(weights: list[torch.Tensor], x: torch.Tensor, weight_amax: float, input_amax: float | None, *,
                  methods: tuple[str, ...] = SCALE_SEARCHES, weight_ratios: tuple[float, ...] = WEIGHT_RATIOS,
-                 input_ratios: tuple[float, ...] = INPUT_RATIOS) -> GroupChoice:
+                 input_ratios: tuple[float, ...] = INPUT_RATIOS,
+                 known: dict[tuple[str, float], list[torch.Tensor]] | None = None) -> GroupChoice:
     """The NVFP4 scales of least output error for one fused group (see the module docstring).
 
     The weight global scale is searched with round-to-nearest block scales (cheap), then each method of
@@ -112,6 +113,8 @@ def search_group(weights: list[torch.Tensor], x: torch.Tensor, weight_amax: floa
         input_amax: the calibrated input amax (round to nearest's input global scale); None for weight-only
             NVFP4 (``nvfp4-a16``): the input stays in high precision and no input scale is searched.
         methods, weight_ratios, input_ratios: the candidates; ``"rtn"`` and the ratio 1.0 are always tried.
+        known: dequantized weights (:func:`dequantize_nvfp4`, one per member) the caller already has, by (method,
+            weight ratio): not quantized again (a searched method costs ten round-to-nearest quantizations).
 
     Raises:
         ValueError: no weights, a weight whose ``in`` is not a multiple of 16 or differs from ``x``'s, a method
@@ -127,17 +130,23 @@ def search_group(weights: list[torch.Tensor], x: torch.Tensor, weight_amax: floa
     if any(ratio <= 0 for ratio in (*weight_ratios, *input_ratios)):
         raise ValueError("ratios must be positive")
     scorer = _Scorer(x.reshape(-1, columns), weights)
-    rtn = _quantized(weights, weight_amax, "rtn")
+
+    def quantized_at(ratio: float, method: str) -> list[torch.Tensor]:
+        if known is not None and (method, ratio) in known:
+            return known[method, ratio]
+        return _dequantized(weights, weight_amax * ratio, method)
+
+    rtn = quantized_at(1.0, "rtn")
     rtn_error = scorer.error(rtn, input_amax)
     best = (rtn_error, "rtn", 1.0, rtn)
     for ratio in dict.fromkeys(weight_ratios):
         if ratio != 1.0:
-            quantized = _quantized(weights, weight_amax * ratio, "rtn")
+            quantized = quantized_at(ratio, "rtn")
             best = min(best, (scorer.error(quantized, input_amax), "rtn", ratio, quantized), key=lambda c: c[0])
     for method in dict.fromkeys(methods):
         for ratio in dict.fromkeys((best[2], 1.0)):
             if method != "rtn":
-                quantized = _quantized(weights, weight_amax * ratio, method)
+                quantized = quantized_at(ratio, method)
                 best = min(best, (scorer.error(quantized, input_amax), method, ratio, quantized), key=lambda c: c[0])
     error, method, weight_ratio, quantized = best
     chosen_input_amax = input_amax

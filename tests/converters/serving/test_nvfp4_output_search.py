@@ -71,3 +71,11 @@ def test_weight_only_nvfp4_searches_no_input_scale():
 def test_bad_input_is_refused(weights, options, message):
     with pytest.raises(ValueError, match=message):
         search_group(weights, torch.randn(8, 128), 1.0, 1.0, **options)
+
+
+def test_weights_the_caller_already_quantized_give_the_same_choice():
+    weights = [trained_like_weight(rows=32, columns=128, seed=3)]
+    x, amax = sink_inputs(seed=3), float(weights[0].float().abs().max())
+    known = {(method, 1.0): [dequantize_nvfp4(*quantize_nvfp4(weights[0], amax, scale_search=method))]
+             for method in ("rtn", "mse")}
+    assert search_group(weights, x, amax, 50.0, known=known) == search_group(weights, x, amax, 50.0)

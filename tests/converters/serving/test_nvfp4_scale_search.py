@@ -91,8 +91,8 @@ def test_round_to_nearest_is_the_default_and_an_unknown_search_is_refused():
     assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
                for a, b in zip(default, explicit, strict=True))
-    assert NVFP4.scale_search == "rtn" and SCALE_SEARCHES == ("rtn", "mse")
-    with pytest.raises(ValueError, match="scale_search must be one of rtn, mse, got 'gptq'"):
+    assert NVFP4.scale_search == "rtn" and SCALE_SEARCHES == ("rtn", "mse", "four_over_six")
+    with pytest.raises(ValueError, match="scale_search must be one of rtn, mse, four_over_six, got 'gptq'"):
         quantize_nvfp4(weight, amax, scale_search="gptq")
     with pytest.raises(ValueError, match="scale_search must be one of"):
         NVFP4.with_scale_search("MSE")
@@ -123,3 +123,23 @@ class _EmptyPlan:
     quantized: dict = {}
     unquantized_experts: dict = {}
     router_gates: tuple = ()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_four_over_six_takes_per_block_the_6_or_the_4_scale_whichever_errs_less(seed):
+    weight = trained_like_weight(seed=seed)
+    amax = float(weight.float().abs().amax())
+    rtn = quantize_nvfp4(weight, amax)
+    four = quantize_nvfp4(weight, amax, scale_search="four_over_six")
+    assert torch.equal(rtn[2], four[2])
+    blocks = weight.unflatten(-1, (weight.shape[1] // GROUP, GROUP))
+    four_scale = (four[2] * (blocks.abs().amax(dim=-1).float() / 4)).to(torch.float8_e4m3fn)
+    written, rtn_scale = four[1].view(torch.uint8), rtn[1].view(torch.uint8)
+    changed = written != rtn_scale
+    assert bool(changed.any()) and torch.equal(written[changed], four_scale.view(torch.uint8)[changed])
+    rtn_error = block_errors(blocks, rtn[1].float(), rtn[2])
+    four_error = block_errors(blocks, four[1].float(), four[2])
+    assert bool((four_error[changed] < rtn_error[changed]).all()) and bool((four_error <= rtn_error).all())
+    # mse's candidates hold the 4-scale: its error is never larger than four_over_six's in total
+    mse = quantize_nvfp4(weight, amax, scale_search="mse")
+    assert float(block_errors(blocks, mse[1].float(), mse[2]).sum()) <= float(four_error.sum())
