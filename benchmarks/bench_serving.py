@@ -36,10 +36,19 @@ converters/, since the numbers are those of the code as it was.
 fp8forge's export also runs a second time with `measure: false` (no per-layer SQNR meter), printed as
 "fp8forge measure off", so the meter's cost and both figures against the peer's are in the same run.
 
+The floor a calibrated job is held to, also measured at every size (`--no-floor` skips it): a copy of the weight
+files (plain `shutil.copyfile`) and a plain transformers bf16 forward (`AutoModelForCausalLM.from_pretrained`, then
+every calibration batch, `use_cache=False`) over the same tokens, each in a fresh child; "copy + forward" is the sum
+of their in-process seconds. Every child also reports its CPU seconds (user + sys of all its threads) over the
+timed work, since on a shared machine the wall clock also counts other jobs' time. `--real-smollm` adds the real
+SmolLM2-135M (the test suite's copy under ~/.cache/fp8forge-tests; its own tokenizer, so its own tokens).
+
 Targets (printed with the measured ratios; a missed target never changes the exit status):
   time    fp8forge's in-process seconds < the peer's, at every size
   memory  fp8forge's peak RSS above its baseline grows by at most one decoder layer from the smallest to
           the largest model (flat), while the peer's grows (it holds the whole model)
+  job     with measurement on, fp8forge's in-process seconds <= PEER_TARGET x the peer's and
+          <= FLOOR_TARGET x (copy + forward)
 
 Run:
   .venv/bin/python benchmarks/bench_serving.py                       # 0.5B and 1B, both tools
@@ -64,6 +73,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import struct
 import subprocess
@@ -83,6 +93,7 @@ from bench_scale import (
     layers_for,
     plan_model,
     read_through,
+    real_smollm_plan,
     weight_files,
     write_model,
 )
@@ -95,6 +106,9 @@ DEFAULT_PEER_VENV = Path.home() / ".cache" / "fp8forge-bench" / "llmcompressor-v
 FLAT_TARGET_LAYERS = 1
 FP8FORGE, PEER = "fp8forge", "llm-compressor"
 UNMEASURED = "fp8forge measure off"  #: the same fp8forge export with measure: false (no per-layer SQNR meter)
+COPY, FORWARD = "copy", "forward"  #: the floor's two children: the weight files copied, a plain bf16 forward
+PEER_TARGET = 0.6  #: a calibrated job (measurement on) within this share of the peer's time
+FLOOR_TARGET = 1.3  #: ... and within this multiple of a copy of the weights plus a plain forward over the tokens
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,12 @@ _sampler: RssSampler | None = None
 def set_phase(name: str) -> None:
     if _sampler is not None:
         _sampler.phase = name
+
+
+def cpu_seconds() -> float:
+    """This process's user + system CPU seconds so far, every thread counted."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 # ---- the peer's virtualenv ---------------------------------------------------------------------------------
@@ -250,9 +270,9 @@ def child_fp8forge_export(params: dict) -> dict:
     )
     sources = ModelSourceOptions(allowed_roots=(Path(params["root"]),))
     import_fp8forge()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     run_conversion(request, Path(params["out_dir"]), sources, PhaseSink())
-    return {"seconds": time.perf_counter() - start}
+    return {"seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu}
 
 
 def child_peer_export(params: dict) -> dict:
@@ -267,7 +287,7 @@ def child_peer_export(params: dict) -> dict:
     # QuantizationModifier's arguments besides targets and ignore: this script's FP8 unless the caller names
     # others (bench_serving_formats.py: NVFP4, or FP8 with a kv_cache_scheme).
     recipe = params.get("recipe", {"scheme": "FP8"})
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     set_phase("load")
     model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=torch.bfloat16)
     loaded = time.perf_counter()
@@ -283,7 +303,37 @@ def child_peer_export(params: dict) -> dict:
     set_phase("save")
     model.save_pretrained(params["out_dir"], save_compressed=True)
     end = time.perf_counter()
-    return {"seconds": end - start, "load": loaded - start, "oneshot": calibrated - loaded, "save": end - calibrated}
+    return {"seconds": end - start, "cpu": cpu_seconds() - cpu, "load": loaded - start, "oneshot": calibrated - loaded,
+            "save": end - calibrated}
+
+
+def child_copy(params: dict) -> dict:
+    """The weight files copied as they are: the floor of a job that writes a copy of the weights."""
+    source, target = Path(params["model_dir"]), Path(params["out_dir"])
+    target.mkdir()
+    start, cpu = time.perf_counter(), cpu_seconds()
+    for path in weight_files(source):
+        shutil.copyfile(path, target / path.name)
+    return {"seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu}
+
+
+def child_forward(params: dict) -> dict:
+    """A plain transformers bf16 forward over the calibration tokens both tools use (the model's load timed
+    apart): the floor of a job that runs the model once over them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = json.loads(Path(params["tokens"]).read_text())
+    size = params["batch_size"]
+    batches = [{key: torch.tensor(rows[key][first:first + size]) for key in ("input_ids", "attention_mask")}
+               for first in range(0, len(rows["input_ids"]), size)]
+    loading = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(params["model_dir"], dtype=torch.bfloat16).eval()
+    start, cpu = time.perf_counter(), cpu_seconds()
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch, use_cache=False)
+    return {"seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu, "load": start - loading}
 
 
 CHILD_ROLES = {
@@ -291,6 +341,8 @@ CHILD_ROLES = {
     "peer-imports": child_peer_imports,
     "fp8forge-export": child_fp8forge_export,
     "peer-export": child_peer_export,
+    "copy": child_copy,
+    "forward": child_forward,
 }
 
 
@@ -511,19 +563,23 @@ def print_run(name: str, run: ToolRun, baseline: ToolRun) -> None:
 
 
 def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, peer_venv: Path | None,
-                 tokens: Path, baselines: dict[str, ToolRun], check: bool, keep: bool) -> SizeResult:
+                 baselines: dict[str, ToolRun], check: bool, keep: bool, floor: bool = True) -> SizeResult:
     model_dir = root / plan.name
     started = time.perf_counter()
-    write_model(plan, model_dir)
+    if plan.source is None:
+        write_model(plan, model_dir)
+    else:  # a real checkpoint, copied in so that every tool reads it from the run's directory
+        shutil.copytree(plan.source, model_dir)
     os.sync()
     read_through(weight_files(model_dir))
-    print(f"[{plan.name}] wrote {plan.layers} layers, {plan.parameters:,} parameters "
-          f"({plan.weight_bytes / GIB:.2f} GiB) in {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"[{plan.name}] {'wrote' if plan.source is None else 'copied'} {plan.layers} layers, "
+          f"{plan.parameters:,} parameters ({plan.weight_bytes / GIB:.2f} GiB) in "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
     sizes = {"steps": calibration.steps, "batch_size": calibration.batch_size, "seq_len": calibration.seq_len}
-    if peer_venv is not None and not tokens.exists():
-        # The same tokenizer and vocabulary for every model here: the tokens are built once, from the first.
+    tokens = root / f"{plan.name}-calibration-tokens.json"  # per model: a real model has its own tokenizer
+    if peer_venv is not None or floor:
         source = write_calibration_tokens(model_dir, plan.width.vocab_size, calibration, tokens)
-        print(f"calibration tokens for both tools: {source}", flush=True)
+        print(f"[{plan.name}] calibration tokens for every tool: {source}", flush=True)
 
     ours_dir = root / f"{plan.name}-fp8forge"
     ours = measure_tool(FP8FORGE, sys.executable, "fp8forge-export", model_dir=str(model_dir),
@@ -541,6 +597,16 @@ def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, peer_ven
     baselines.setdefault(UNMEASURED, baselines[FP8FORGE])
     print_run(plan.name, runs[UNMEASURED], baselines[UNMEASURED])
     shutil.rmtree(off_dir, ignore_errors=True)
+
+    if floor:
+        copy_dir = root / f"{plan.name}-copy"
+        runs[COPY] = measure_tool(COPY, sys.executable, "copy", model_dir=str(model_dir), out_dir=str(copy_dir))
+        shutil.rmtree(copy_dir, ignore_errors=True)
+        runs[FORWARD] = measure_tool(FORWARD, sys.executable, "forward", model_dir=str(model_dir), tokens=str(tokens),
+                                     **sizes)
+        for tool in (COPY, FORWARD):
+            baselines.setdefault(tool, baselines[FP8FORGE])
+            print_run(plan.name, runs[tool], baselines[tool])
 
     theirs_dir = root / f"{plan.name}-peer"
     if peer_venv is not None:
@@ -586,10 +652,10 @@ def check_exports(plan: ModelPlan, model_dir: Path, ours: Path, theirs: Path, ca
 
 
 def print_table(results: list[SizeResult], baselines: dict[str, ToolRun]) -> None:
-    header = ("size", "layers", "parameters", "tool", "in-process s", "process wall s",
+    header = ("size", "layers", "parameters", "tool", "in-process s", "its CPU s", "process wall s",
               "peak RSS above base MiB", "of it: anon / file-backed MiB")
     rows = [(r.plan.name, str(r.plan.layers), f"{r.plan.parameters:,}", run.tool, f"{run.seconds:.1f}",
-             f"{run.wall:.1f}", _mib(above(run, baselines[run.tool])),
+             _cpu(run), f"{run.wall:.1f}", _mib(above(run, baselines[run.tool])),
              f"{_mib(above(run, baselines[run.tool], 'anon'))} / {_mib(above(run, baselines[run.tool], 'file'))}")
             for r in results for run in r.runs.values()]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -602,6 +668,32 @@ def print_table(results: list[SizeResult], baselines: dict[str, ToolRun]) -> Non
 
 def _verdict(passed: bool) -> str:
     return "PASS" if passed else "FAIL"
+
+
+def _cpu(run: ToolRun) -> str:
+    cpu = run.details.get("cpu")
+    return "n/a" if cpu is None else f"{cpu:.1f}"
+
+
+def print_job_targets(results: list[SizeResult]) -> None:
+    """The calibrated job (measurement on) against the peer and against copy + forward, wall and CPU."""
+    print("calibrated job (measurement on), in-process time and CPU time (user + sys):")
+    for r in results:
+        ours = r.runs[FP8FORGE]
+        theirs, copy, forward = r.runs.get(PEER), r.runs.get(COPY), r.runs.get(FORWARD)
+        parts = []
+        if theirs is not None:
+            ratio = ours.seconds / theirs.seconds
+            cpu = ours.details["cpu"] / theirs.details["cpu"]
+            parts.append(f"/ {PEER} {ratio:.2f} (CPU {cpu:.2f}; target <= {PEER_TARGET}: "
+                         f"{_verdict(ratio <= PEER_TARGET)})")
+        if copy is not None and forward is not None:
+            floor = copy.seconds + forward.seconds
+            ratio = ours.seconds / floor
+            cpu = ours.details["cpu"] / (copy.details["cpu"] + forward.details["cpu"])
+            parts.append(f"/ (copy + forward, {copy.seconds:.1f} + {forward.seconds:.1f} s) {ratio:.2f} "
+                         f"(CPU {cpu:.2f}; target <= {FLOOR_TARGET}: {_verdict(ratio <= FLOOR_TARGET)})")
+        print(f"  {r.plan.name}: {ours.seconds:.1f} s, CPU {ours.details['cpu']:.1f} s " + "; ".join(parts))
 
 
 def growth(results: list[SizeResult], tool: str, baseline: ToolRun, kind: str) -> tuple[int, str] | None:
@@ -659,6 +751,7 @@ def print_targets(results: list[SizeResult], baselines: dict[str, ToolRun]) -> N
         f"{tool} {run.peak_rss / MIB:,.0f} MiB (anonymous {_mib(sampled(run, 'anon'))}, file-backed "
         f"{_mib(sampled(run, 'file'))})" for tool, run in baselines.items()))
     print_ratios(results, baselines)
+    print_job_targets(results)
     print_growth(results, baselines)
 
 
@@ -676,6 +769,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV,
                         help=f"llm-compressor's virtualenv, created when missing ({DEFAULT_PEER_VENV})")
     parser.add_argument("--skip-peer", action="store_true", help="measure fp8forge only")
+    parser.add_argument("--no-floor", action="store_true", help="skip the copy + plain forward children")
+    parser.add_argument("--real-smollm", action="store_true", help="also the real SmolLM2-135M (after the sizes)")
     add_width_arguments(parser)
     return parser.parse_args()
 
@@ -683,8 +778,9 @@ def parse_args() -> argparse.Namespace:
 def model_plans(args: argparse.Namespace) -> list[ModelPlan]:
     width = Width(hidden_size=args.hidden, intermediate_size=args.intermediate, num_attention_heads=args.heads,
                   num_key_value_heads=args.kv_heads, vocab_size=args.vocab)
-    sizes = sorted(float(size) for size in args.sizes.split(","))
-    return [plan_model(f"{size:g}B", width, layers_for(width, size)) for size in sizes]
+    sizes = sorted(float(size) for size in args.sizes.split(",") if size)
+    plans = [plan_model(f"{size:g}B", width, layers_for(width, size)) for size in sizes]
+    return plans + ([real_smollm_plan()] if getattr(args, "real_smollm", False) else [])
 
 
 def fp8forge_source_state() -> str:
@@ -721,8 +817,8 @@ def run(args: argparse.Namespace, root: Path) -> None:
           f"{calibration.steps * calibration.batch_size} samples, "
           f"{calibration.steps * calibration.batch_size * calibration.seq_len:,} tokens; "
           f"work directory {root}", flush=True)
-    tokens = root / "calibration_tokens.json"
-    results = [measure_size(plan, root, calibration, peer_venv, tokens, baselines, check=index == 0, keep=args.keep)
+    results = [measure_size(plan, root, calibration, peer_venv, baselines, check=index == 0, keep=args.keep,
+                            floor=not args.no_floor)
                for index, plan in enumerate(plans)]
     print_table(results, baselines)
     print_targets(results, baselines)
