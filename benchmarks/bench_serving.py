@@ -307,6 +307,19 @@ def child_peer_export(params: dict) -> dict:
             "save": end - calibrated}
 
 
+def child_nothing(_: dict) -> dict:
+    """The copy's baseline: a Python process that imports nothing more."""
+    return {"seconds": 0.0}
+
+
+def child_forward_imports(_: dict) -> dict:
+    """The forward's baseline: what it imports before it loads the model."""
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+
+    return {"seconds": 0.0}
+
+
 def child_copy(params: dict) -> dict:
     """The weight files copied as they are: the floor of a job that writes a copy of the weights."""
     source, target = Path(params["model_dir"]), Path(params["out_dir"])
@@ -343,6 +356,8 @@ CHILD_ROLES = {
     "peer-export": child_peer_export,
     "copy": child_copy,
     "forward": child_forward,
+    "nothing": child_nothing,
+    "forward-imports": child_forward_imports,
 }
 
 
@@ -604,8 +619,9 @@ def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, peer_ven
         shutil.rmtree(copy_dir, ignore_errors=True)
         runs[FORWARD] = measure_tool(FORWARD, sys.executable, "forward", model_dir=str(model_dir), tokens=str(tokens),
                                      **sizes)
-        for tool in (COPY, FORWARD):
-            baselines.setdefault(tool, baselines[FP8FORGE])
+        for tool, role in ((COPY, "nothing"), (FORWARD, "forward-imports")):  # each against its own imports
+            if tool not in baselines:
+                baselines[tool] = measure_tool(tool, sys.executable, role)
             print_run(plan.name, runs[tool], baselines[tool])
 
     theirs_dir = root / f"{plan.name}-peer"
@@ -730,6 +746,9 @@ def print_ratios(results: list[SizeResult], baselines: dict[str, ToolRun]) -> No
 
 
 def print_growth(results: list[SizeResult], baselines: dict[str, ToolRun]) -> None:
+    results = [r for r in results if r.plan.source is None]  # one width: the random family's, not SmolLM2's
+    if not results:
+        return
     deepest = max(results, key=lambda r: r.plan.layers).plan
     layer = deepest.decoder_layer_bytes
     print(f"memory growth (one decoder layer is {layer / MIB:,.0f} MiB of bf16 weights; the model grows by "
