@@ -6,6 +6,7 @@ record, KV searches included, to the same bytes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -18,7 +19,6 @@ import pytest
 from safetensors import safe_open
 
 from tests.converters.distributed.conftest import ROOT, Job
-from tests.converters.distributed.test_data_parallel import MANIFEST, REPORT, _digests
 
 LAYERS = 3
 TEXTS = ["The river bends twice before it reaches the old mill by the bridge.",
@@ -26,6 +26,7 @@ TEXTS = ["The river bends twice before it reaches the old mill by the bridge.",
          "Snow covered the valley overnight; the roads stayed closed until noon.",
          "She wrote the numbers down, checked them twice and sent the report.",
          "Wind turbines on the ridge turned slowly in the evening light."]
+REPORT, MANIFEST = "fp8_report.json", "manifest.json"
 #: the quality figures of several ranks are sums of the same per-position terms in another grouping, and the head's
 #: logits come from GEMMs over other blocks of positions: equal to the one-process figures up to float rounding
 QUALITY_REL, QUALITY_ABS = 1e-6, 1e-9
@@ -72,6 +73,11 @@ def baseline(kv_job) -> Path:
     subprocess.run([sys.executable, "-c", code, str(kv_job.request), str(out), str(kv_job.root)], cwd=ROOT, env=env,
                    check=True, timeout=600)
     return out
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
 
 
 def _close(got, expected, where: str) -> None:
