@@ -20,6 +20,7 @@ from converters.distributed.ranks import RankInfo, end_group, rank_from_environm
 from converters.distributed.resume import ResumeStore, resume_dir_for
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.driver import ConversionResult, run_conversion, run_stages
+from converters.pipeline.quality_report import quality_block
 from converters.pipeline.request import ConversionRequest
 from converters.pipeline.serving_export import ServingShardRunner
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
@@ -58,7 +59,7 @@ def run_ranked_conversion(request: ConversionRequest, out_dir: Path, sources: Mo
             run = Run(request=request, sources=sources, sink=sink or NullSink())
             run.distributed = job
             run_stages(run, stop_after=Stage.CALIBRATE)
-            follow_quality(run)
+            follow_quality(run, quality_block)
             return None
         result = run_conversion(request, out_dir, sources, sink, serving_shards=serving_shards, distributed=job)
         if record is not None:  # published: a restart has nothing left to resume

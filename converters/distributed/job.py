@@ -7,18 +7,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from converters.calibration.sequential import LayerStack
 from converters.distributed.layer_walk import RankedLayerWalk
-from converters.distributed.quality import quality_share
+from converters.distributed.quality import QualityRun, quality_share
 from converters.distributed.ranks import RankInfo
 from converters.distributed.resume import ResumeStore, fingerprint
 from converters.model.checkpoint import weight_files
 from converters.quality.ranks import QualityShare
-
-if TYPE_CHECKING:
-    from converters.pipeline.state import Run
 
 __all__ = ["DistributedJob"]
 
@@ -45,7 +42,7 @@ class DistributedJob:
         store = ResumeStore(self.resume_dir, job) if self.resume_dir is not None else None
         return RankedLayerWalk(self.info, store, stack.path, kv=kv, meter=meter)
 
-    def quality_share(self, run: Run, staging: Path) -> QualityShare:
+    def quality_share(self, run: QualityRun, staging: Path) -> QualityShare:
         """This rank's share of the quality pass about to run on ``staging``'s exports (rank 0 tells the others
         where they are: :func:`converters.distributed.quality.quality_share`)."""
         return quality_share(self.info, run, staging)

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from converters.distributed.ranks import RankInfo
 from converters.quality.ranks import QualityShare
 
-if TYPE_CHECKING:
-    from converters.pipeline.state import Run
-
-__all__ = ["QUALITY_WAIT_S", "end_quality", "follow_quality", "quality_share", "start_quality_group"]
+__all__ = ["QUALITY_WAIT_S", "QualityRun", "end_quality", "follow_quality", "quality_share", "start_quality_group"]
 
 logger = logging.getLogger(__name__)
+
+
+class QualityRun(Protocol):
+    """What the ranks share of a job's run (``converters.pipeline.state.Run``, which sits above this package): the
+    report and serving plans rank 0's convert stage left."""
+
+    report: dict[str, Any]
+    serving: Any
 
 #: how long a rank waits for rank 0 to reach its quality pass (its conversion and export of a 671B model included)
 QUALITY_WAIT_S = 24 * 3600
@@ -68,7 +74,7 @@ class _Gather:
         return gathered
 
 
-def quality_share(info: RankInfo, run: Run, staging: Path) -> QualityShare:
+def quality_share(info: RankInfo, run: QualityRun, staging: Path) -> QualityShare:
     """This rank's share of the quality pass about to run; rank 0 first tells the waiting ranks where its
     exports are (``staging``), with the report and serving plans the pass reads."""
     if info.world_size == 1:
@@ -79,11 +85,11 @@ def quality_share(info: RankInfo, run: Run, staging: Path) -> QualityShare:
     return QualityShare(rank=info.rank, world_size=info.world_size, gather=_LAST[0])
 
 
-def follow_quality(run: Run) -> None:
+def follow_quality(run: QualityRun, quality_block: Callable[[Any, Path], dict[str, Any]]) -> None:
     """A rank other than 0, after calibrating: run each quality pass rank 0 announces, until it says the job is
-    published. Raises what the pass raises past its own handling, and a lost rank 0's error."""
-    from converters.pipeline.quality_report import quality_block
-
+    published. ``quality_block``: the pipeline's pass (``converters.pipeline.quality_report.quality_block``; an
+    argument because the pipeline sits above this package). Raises what the pass raises past its own handling,
+    and a lost rank 0's error."""
     while (message := _broadcast(None)) is not None:
         # rank 0's, as its convert stage left them (the report is set once: its contents are replaced)
         run.report.clear()

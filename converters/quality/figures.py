@@ -8,7 +8,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["QualityFigures", "ReferenceLogits", "TokenScores", "QUALITY_DEFINITION"]
+from converters.errors import Fp8ForgeError
+
+__all__ = ["QualityFigures", "QualityUnavailable", "ReferenceLogits", "TokenScores", "QUALITY_DEFINITION"]
+
+
+class QualityUnavailable(Fp8ForgeError):
+    """The model cannot be scored on next-token prediction (no output head, no tokenizer, not layer-sequential),
+    or the texts give nothing to score. A job reports it (quality not measured, and why) and goes on."""
+
+    code = "quality_unavailable"
+
 
 QUALITY_DEFINITION = ("next-token distributions of the source (reference) and the FP8 model on the same held-out "
                       "tokens; perplexity: exp(mean negative log-likelihood of the next token); kl_mean / kl_max: "

@@ -41,11 +41,11 @@ from converters.calibration.sequential import (
     replaying_outer_modules,
     under,
 )
-from converters.errors import ConversionCancelled, Fp8ForgeError
+from converters.errors import ConversionCancelled
 from converters.model.checkpoint import Checkpoint, release, return_freed_memory, unit_keys
 from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_tokenizer, model_dtype
 from converters.quality.casts import LayerCast, cast_linear_weight, casting_linears, input_amax
-from converters.quality.figures import QualityFigures, ReferenceLogits, TokenScores
+from converters.quality.figures import QualityFigures, QualityUnavailable, ReferenceLogits, TokenScores
 from converters.quality.held_out import BUILT_IN_HELD_OUT, REQUEST_TEXTS, held_out_part
 from converters.quality.kv_cache import KvCast, attention_paths, quantizing_kv_cache
 from converters.quality.ranks import QualityShare, summed_over_ranks
@@ -60,13 +60,6 @@ _HEAD_ROWS = 16384  # vocabulary rows of the head's weight upcast to fp32 at a t
 #: logits held at once by the head pass: the streams scored against one upcast slice of the head's weight, and
 #: the scoring's own tensors of their size (at 256 MiB the head pass was the peak of a SmolLM2 job: +207 MiB)
 _HEAD_LOGITS_BYTES = 64 * 2**20
-
-
-class QualityUnavailable(Fp8ForgeError):
-    """The model cannot be scored on next-token prediction (no output head, no tokenizer, not layer-sequential),
-    or the texts give nothing to score. A job reports it (quality not measured, and why) and goes on."""
-
-    code = "quality_unavailable"
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from converters.quality.figures import TokenScores
+from converters.quality.figures import QualityUnavailable, TokenScores
 
 __all__ = ["QualityShare", "summed_over_ranks"]
 
@@ -46,8 +46,6 @@ def summed_over_ranks(share: QualityShare, scores: dict[str, TokenScores]) -> di
     gathered = share.gather({name: vars(score) for name, score in scores.items()})
     failed = [(rank, part) for rank, part in enumerate(gathered) if isinstance(part, str)]
     if failed:
-        from converters.quality.measure import QualityUnavailable  # measure imports this module
-
         rank, reason = failed[0]
         raise QualityUnavailable(f"rank {rank} of {share.world_size} could not run the quality pass: {reason}",
                                  field="model")
