@@ -31,6 +31,8 @@ Run:
   .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts fp8forge --calib-steps 8 &
   .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts peer --calib-steps 8 & wait
   .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts report,engine --calib-steps 8
+  # the report's pass and the engine in two processes at once, then the table from what they left in --keep:
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts table --calib-steps 8
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 WINDOW = 128
 SEQ_LEN = 256  #: the report's text cut (converters.quality.DEFAULT_SEQ_LEN)
 RUNNABLE = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8")
-PARTS = ("fp8forge", "peer", "report", "engine")
+PARTS = ("fp8forge", "peer", "report", "engine", "table")  #: table alone: print what --keep holds
 PEER_SCHEMES = {"FP8": "llm-compressor FP8 (static)", "FP8_DYNAMIC": "llm-compressor FP8_DYNAMIC"}
 JOB = "fp8forge-fp8"
 
@@ -216,7 +218,9 @@ def engine_runs(model: Path, rows: list[tuple[str, Path, str]], texts: list[list
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
         raise SystemExit(f"vllm_driver.py exited {done.returncode}: see {work / 'vllm.log'}")
-    return dict(zip(labels, json.loads(lines[-1])["runs"], strict=True))
+    runs = dict(zip(labels, json.loads(lines[-1])["runs"], strict=True))
+    (work / "runs.json").write_text(json.dumps(runs))  # a later --parts report prints the table with them
+    return runs
 
 
 def table(runs: dict, reports: dict) -> list[dict]:
@@ -301,10 +305,13 @@ def main() -> None:
             (work / "report.json").write_text(json.dumps(reports))
         elif (work / "report.json").is_file():
             reports = json.loads((work / "report.json").read_text())
-        if "engine" not in parts:
-            return
         engine_started = time.perf_counter()
-        runs = engine_runs(model, rows, texts, work / "vllm")
+        if "engine" in parts:
+            runs = engine_runs(model, rows, texts, work / "vllm")
+        elif (work / "vllm" / "runs.json").is_file():  # the engine's runs of an earlier --parts engine
+            runs = json.loads((work / "vllm" / "runs.json").read_text())
+        else:
+            return
         engine_seconds = time.perf_counter() - engine_started
     finally:
         if args.keep is None:
