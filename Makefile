@@ -68,7 +68,8 @@ vllm-venv: $(VLLM_STAMP)
 # The whole suite. vLLM's venv builds in the background (mostly download and unzip) while everything but
 # tests/engines runs; the engine tests run once both are done, one module per process (each module shares one vLLM
 # process between its tests). A failed build does not stop the rest: the engine tests then skip, naming the log.
-# `--dist loadgroup` keeps the tests of an xdist_group (modules with expensive shared fixtures) in one process.
+# Not `--dist loadgroup`: pytest 9.2 reads a test's id from Node._id, and pytest-xdist 3.8 groups by rewriting
+# Node._nodeid, so its groups have no effect (the tests of one group were seen in two processes).
 # Developers: `-m "not slow"` leaves out the tests marked slow (pyproject.toml); `make test` runs them all.
 # TESTS: what the first run takes (default: every test; e.g. `make test TESTS=tests/service` for one part).
 PYTEST := TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
@@ -79,7 +80,7 @@ test: lint $(CHROMIUM) $(SLURMCTLD)
 	@mkdir -p $(dir $(VLLM_LOG))
 	@echo "building vLLM's venv ($(VLLM_VENV)) in the background: $(VLLM_LOG)"
 	@$(MAKE) --no-print-directory vllm-venv VLLM_VENV=$(VLLM_VENV) > $(VLLM_LOG) 2>&1 & build=$$!; \
-	$(PYTEST) -n 3 --dist loadgroup --ignore=tests/engines $(TESTS); suite=$$?; \
+	$(PYTEST) -n 3 --ignore=tests/engines $(TESTS); suite=$$?; \
 	if wait $$build; then workers=2; else workers=0; \
 		echo "vLLM's venv did not build (see $(VLLM_LOG)): the engine tests skip"; fi; \
 	VLLM_VENV=$(VLLM_VENV) VLLM_BUILD_LOG=$(abspath $(VLLM_LOG)) $(PYTEST) -n $$workers --dist loadfile tests/engines; \

@@ -173,6 +173,7 @@ def run_block(block: Block, workdir: Path, env: dict[str, str], port: int) -> su
     return subprocess.CompletedProcess(proc.args, proc.returncode, output)
 
 
+@pytest.mark.slow  # every command a fresh CLI process (torch and transformers imports), servers, conversions
 @pytest.mark.parametrize("doc", RUNNABLE_DOCS)
 def test_the_docs_sessions_run_as_written(doc, tmp_path):
     workdir = tmp_path / "session"

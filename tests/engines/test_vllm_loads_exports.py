@@ -25,7 +25,7 @@ from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.serving.audit import Rule, audit_export
 from tests.engines.engine import EngineRequest, fidelity_problems, load_problems, run_vllm, vllm_missing
 
-pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))]
 
 STATIC, DYNAMIC, MODELOPT = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8"
 MXFP8, NVFP4, MODELOPT_NVFP4 = "mxfp8", "nvfp4", "modelopt-nvfp4"

@@ -13,6 +13,8 @@ import pytest
 
 from tests.converters.distributed.conftest import LAYERS
 
+pytestmark = pytest.mark.slow  # each test starts up to three ranks and converts the model in them
+
 REPORT, MANIFEST = "fp8_report.json", "manifest.json"
 
 
