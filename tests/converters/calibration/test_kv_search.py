@@ -72,6 +72,7 @@ def test_the_search_refuses_no_steps_and_bad_ratios():
         search_kv_scales([step], 1.0, 1.0, ratios=(0.5, 1.0))
 
 
+@pytest.mark.slow  # the real SmolLM2-135M, every layer's KV search
 def test_on_smollm2_every_layer_s_searched_scales_are_finite_positive_and_no_worse_than_amax():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

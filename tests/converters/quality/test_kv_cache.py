@@ -143,6 +143,7 @@ def _casts(source, directory):
     return layers, kv
 
 
+@pytest.mark.slow  # the real SmolLM2-135M: a conversion job and its quality pass
 def test_smollm_fp8_kv_costs_and_kv_scales_100_times_too_small_cost_much_more(smollm_kv_export, tmp_path):
     out, source, texts = smollm_kv_export
     serving = json.loads((out / REPORT_FILE).read_text())["quality"]["serving"]["compressed-tensors-fp8"]
