@@ -55,6 +55,16 @@ def llama_dir(llama_root) -> Path:
 
 
 @pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    """A live server (real uvicorn on loopback) whose jobs stay queued: no workers, no API keys, an empty model root;
+    one per test module, shared by its tests."""
+    from tests.service_helpers import live_app, queue_only_settings
+
+    with live_app(queue_only_settings(tmp_path_factory.mktemp("queued"))) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
 def sharded_llama(tmp_path_factory) -> Path:
     """The tiny test Llama (``TINY_CONFIGS["llama"]``) saved in several weight files, alone under an allowed root of
     its own (its parent); one per test module."""

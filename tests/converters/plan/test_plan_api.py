@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 
 from converters.pipeline.request import ConversionRequest
-from tests.service_helpers import live_app, queue_only_settings
 
 BODY = {"model": "demo/tiny-llama", "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with live_app(queue_only_settings(tmp_path_factory.mktemp("plan_api"))) as client:
-        yield client
 
 
 def test_api_queues_a_job_with_a_plan_and_keeps_it(client):

@@ -9,7 +9,6 @@ from converters.pipeline.request import KV_CACHE_FORMAT_NAMES, ConversionRequest
 from service.cli.convert import request_from_args
 from service.cli.main import build_parser
 from service.cli.wording import in_cli_words
-from tests.service_helpers import live_app, queue_only_settings
 
 MODEL = "demo/tiny-llama"
 BODY = {"model": MODEL, "recipe": {"backend": "ao"}, "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
@@ -32,14 +31,6 @@ def test_kv_cache_with_a_format_that_writes_it_is_kept():
         request = ConversionRequest.from_dict({**BODY, "kv_cache": "fp8", "serving_formats": [name, "fp8-block"]})
         assert request.kv_cache == "fp8" and request.to_dict()["kv_cache"] == "fp8"
     assert ConversionRequest.from_dict(BODY).kv_cache is None
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kv_api")
-    settings = queue_only_settings(root)
-    with live_app(settings) as client:
-        yield client
 
 
 def test_api_answers_422_naming_kv_cache_without_a_serving_format(client):

@@ -7,18 +7,9 @@ import pytest
 from converters.pipeline.request import ConversionRequest
 from service.cli.convert import request_from_args
 from service.cli.main import build_parser
-from tests.service_helpers import live_app, queue_only_settings
 
 MODEL = "demo/tiny-llama"
 BODY = {"model": MODEL, "recipe": {"backend": "ao"}, "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    root = tmp_path_factory.mktemp("measure_api")
-    settings = queue_only_settings(root)
-    with live_app(settings) as client:
-        yield client
 
 
 def test_api_queues_a_job_with_measure_off_and_keeps_it(client):

@@ -168,16 +168,6 @@ def test_convert_prints_its_worst_layers(demo_cache, tmp_path, capsys):
 # --- /v1/analyze ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    from tests.service_helpers import live_app, queue_only_settings
-
-    root = tmp_path_factory.mktemp("analyze-sqnr")
-    settings = queue_only_settings(root)
-    with live_app(settings) as served:
-        yield served
-
-
 def test_analyze_with_calibration_over_http(client):
     body = {"model": "demo/tiny-llama", "calibration": {"steps": 2, "batch_size": 1, "seq_len": 32},
             "compare_recipes": ["te-mxfp8", "te-nvfp4", "ao-rowwise"], "min_sqnr_db": 20}

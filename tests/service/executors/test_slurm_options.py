@@ -12,16 +12,9 @@ from service.config import Settings
 from service.errors import InvalidRequest
 from service.executors.slurm_cli import SlurmResources, array_script, calibrated_script
 from service.executors.slurm_options import conversion_fields, job_resources
-from tests.service_helpers import live_app, queue_only_settings
 
 BODY = {"model": "demo/tiny-llama", "recipe": {"backend": "ao"},
         "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with live_app(queue_only_settings(tmp_path_factory.mktemp("slurm_options"))) as client:
-        yield client
 
 
 @pytest.mark.parametrize(("slurm", "field"), [
