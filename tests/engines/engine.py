@@ -18,13 +18,17 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-__all__ = ["ROOT", "VLLM_VENV", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm", "EngineRun", "load_problems",
-           "fidelity_problems"]
+__all__ = ["ROOT", "KV_CACHE", "VLLM_VENV", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm", "EngineRun",
+           "load_problems", "fidelity_problems"]
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm")  # a relative path is the repository's
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 DRIVER = Path(__file__).with_name("vllm_driver.py")
+#: the KV cache an export with KV scales runs with: vLLM's CPU attention stores an FP8 cache only on x86 with AVX-512
+#: or AMX (``cpu_attn._get_attn_isa``: "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"; its AVX2 kernels have
+#: no FP8 cache case). On an AVX2-only CPU the exports run with a bf16 cache: their KV scales are loaded, unused.
+KV_CACHE = "fp8" if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported() else "bfloat16"
 #: vLLM's Llama-family fused layers: checkpoint projection -> (vLLM's fused module, shard index)
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

@@ -15,7 +15,6 @@ vLLM runs in its own venv: ``make vllm-venv`` builds it; without it these tests 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from converters.api import local_sources
 from converters.pipeline.driver import run_conversion
@@ -23,7 +22,7 @@ from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.quality import held_out_part
 from converters.serving.audit import audit_export
 from tests.converters.quality.smollm import smollm_dir
-from tests.engines.engine import EngineRequest, fidelity_problems, load_problems, run_vllm, vllm_missing
+from tests.engines.engine import KV_CACHE, EngineRequest, fidelity_problems, load_problems, run_vllm, vllm_missing
 
 pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
 
@@ -31,11 +30,9 @@ RUNNABLE = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelop
 CALIBRATION = CalibrationSettings(steps=2, batch_size=1, seq_len=64)
 TOKENS = 128
 #: the most a trained 135M model's perplexity may grow with FP8 weights, activations and KV cache on 128 tokens:
-#: issue #36's engine table measured at most +11.5% on 512 positions (fp8forge static + FP8 KV); a scale off by
+#: vLLM measured at most +11.5% on 512 positions (fp8forge static + FP8 KV); a scale off by
 #: 2x or a dropped KV scale costs far more
 MAX_RATIO = 1.25
-#: the KV cache the exports run with: vLLM's CPU build stores an FP8 one only with AVX-512 or AMX
-KV_CACHE = "fp8" if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported() else "bfloat16"
 
 
 @pytest.fixture(scope="module")
