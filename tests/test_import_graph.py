@@ -124,3 +124,18 @@ def test_deferred_imports_of_our_modules_only_keep_heavy_libraries_out_of_the_se
     assert not [entry for entry in deferred if entry[0].parts[0] == "converters"]
     unexplained = [f"{path}:{line}" for path, line, text in deferred if "#" not in text]
     assert not unexplained, "a deferred import needs a one-line reason (the heavy library it keeps out)"
+
+
+def test_every_lazily_exported_name_is_defined_where_its_package_says():
+    """A package surface's ``_EXPORTS`` names the module each public name loads from; a name moved to another
+    module without its entry would fail only when a user first imports it."""
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "converters").rglob("__init__.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+                for key, value in zip(node.value.keys, node.value.values, strict=True):
+                    if not hasattr(importlib.import_module(value.value), key.value):
+                        missing.append(f"{path.relative_to(ROOT)}: {key.value} is not in {value.value}")
+    assert missing == []

@@ -6,7 +6,7 @@ from converters._lazy import lazy_exports
 
 #: public name -> the module that defines it (loaded on first use: see converters._lazy)
 _EXPORTS = {
-    "calibration_batches": "converters.calibration.amax",
+    "calibration_batches": "converters.calibration.batches",
     "record_amax": "converters.calibration.amax",
     "LayerAmax": "converters.calibration.amax",
     "FORWARD_SLOTS": "converters.calibration.amax",

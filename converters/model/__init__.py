@@ -19,7 +19,7 @@ _EXPORTS = {
     "FileConfinement": "converters.model.files",
     "INDEX_NAME": "converters.model.files",
     "SINGLE_FILE_NAME": "converters.model.files",
-    "ConfigLimits": "converters.model.limits",
+    "ConfigLimits": "converters.model.config_checks",
     "Checkpoint": "converters.model.checkpoint",
     "EXPERT_GEMMS": "converters.model.experts",
     "find_experts": "converters.model.experts",
