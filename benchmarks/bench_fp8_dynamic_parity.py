@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from bench_nvfp4 import eval_ids  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from converters.calibration.emulation import cast_spec, fake_quantize  # noqa: E402
+from converters.casts.emulation import cast_spec, fake_quantize  # noqa: E402
 from converters.serving.compressed_tensors import DYNAMIC  # noqa: E402
 
 PER_TOKEN = cast_spec("e4m3_row")

@@ -22,7 +22,7 @@ What runs:
              input scales ("searched weights") and with the searched ones ("searched weights + input scales").
 Scoring: the bf16 model with, for every Linear an export quantizes, the weight read back from the export
 (``code * weight_scale / weight_global_scale``) and its input cast to NVFP4 as the engines' W4A4 kernels cast it
-(per-16 E4M3 block scales under the file's ``input_global_scale``: converters.calibration.emulation "nvfp4_block16").
+(per-16 E4M3 block scales under the file's ``input_global_scale``: converters.casts.emulation "nvfp4_block16").
 Perplexity over ``--tokens`` held-out tokens (the corpus' held-out part, windows of 256), next to the bf16 model's;
 "loss" is perplexity / bf16 perplexity - 1. Also printed: each fp8forge input global scale over the peer's
 (median, min with its layer), the weight SQNR of RTN and MSE, and how many block scales the search changed.
@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from bench_serving import DEFAULT_PEER_VENV, ensure_peer_venv, venv_python  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from converters.calibration.emulation import E2M1_GRID, cast_spec, fake_quantize  # noqa: E402
+from converters.casts.emulation import E2M1_GRID, cast_spec, fake_quantize  # noqa: E402
 from converters.serving.nvfp4 import GROUP, block_errors, global_scale, quantize_nvfp4  # noqa: E402
 from converters.serving.nvfp4_search import search_group  # noqa: E402
 

@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["recipe_exclusions", "identical_groups", "recipes_converting", "why_identical"]
 
-#: scale rules (``converters.calibration.emulation.ScaleRule`` values) that are powers of two
+#: scale rules (``converters.casts.emulation.ScaleRule`` values) that are powers of two
 _POW2_RULES = {"pow2", "e8m0_rceil", "e8m0_floor"}
 
 

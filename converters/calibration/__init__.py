@@ -1,5 +1,6 @@
 """Calibration: batches from a corpus, amax recording per layer and step (whole model or layer by layer, MoE
-experts on their routed tokens), TE's delayed-scaling state, cast emulation and per-layer SQNR.
+experts on their routed tokens), TE's delayed-scaling state and per-layer SQNR (the casts it emulates live in
+converters.casts).
 """
 
 from converters._lazy import lazy_exports

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from converters.calibration.emulation import max_abs
 from converters.calibration.experts import ExpertsRecorder
 from converters.calibration.scaling import delayed_scaling_state, fp8_max_for
+from converters.casts.emulation import max_abs
 from converters.errors import CalibrationDataError, ConversionCancelled, RecipeError
 from converters.model.experts import parse_unit_path
 from converters.recipes import TEDelayedScalingRecipe

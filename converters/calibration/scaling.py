@@ -18,6 +18,7 @@ from enum import Enum
 
 import torch
 
+from converters.casts.emulation import E4M3_MAX, E5M2_MAX
 from converters.errors import RecipeError
 
 __all__ = [
@@ -30,9 +31,6 @@ __all__ = [
 ]
 
 
-#: Largest finite value of each FP8 format (448 and 57344: TE ``Format`` / ``fp8_dtype_max`` in delayed_scaling.cu).
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
-E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)
 FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
 #: The scale TE writes when ``fp8_max / amax`` overflows fp32.
 FLT_MAX = float(torch.finfo(torch.float32).max)

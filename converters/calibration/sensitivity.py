@@ -2,7 +2,7 @@
 
 For each calibrated layer (Linear or MoE expert GEMM unit) and recipe, three signal-to-quantization-noise
 ratios, ``10 log10(sum(x**2) / sum((x - q(x))**2))`` in dB, where ``q`` casts as the recipe would
-(:mod:`converters.calibration.emulation`):
+(:mod:`converters.casts.emulation`):
 
 * ``weight``: the weight, ``[out, in]``, cast once;
 * ``input``: the layer's calibration inputs (the tokens routed to it for an expert), every step pooled;
@@ -32,8 +32,8 @@ from typing import Any
 from converters.analysis.comparison import identical_groups, recipe_exclusions, why_identical
 from converters.analysis.reasons import Reason
 from converters.analysis.totals import refresh_totals
-from converters.calibration.emulation import cast_spec
 from converters.calibration.sqnr_meter import DEFAULT_ROWS_PER_LAYER, DelayedParams, RecipeCasts, SqnrMeter
+from converters.casts.emulation import cast_spec
 from converters.recipes.presets import _value, parse_compare_recipe, recipe_label
 from converters.recipes.registry import recipe_from_dict
 

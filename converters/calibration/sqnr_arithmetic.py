@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from converters.calibration.emulation import db, fake_quantize, fake_quantize_factored
+from converters.casts.emulation import db, fake_quantize, fake_quantize_factored
 
 if TYPE_CHECKING:
     import torch
 
-    from converters.calibration.emulation import CastSpec
+    from converters.casts.emulation import CastSpec
 
 __all__ = ["CHANNEL_BLOCK", "DelayedParams", "RecipeCasts", "Sums", "DelayedHistory", "PendingRows", "CallInput",
            "CastRows", "MeasuredChannels", "amax_per_row", "energy_per_row", "rows_in_blocks", "scaled_product",

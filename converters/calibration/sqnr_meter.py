@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from converters.calibration.emulation import E4M3_MAX, tensor_scale
 from converters.calibration.sqnr_arithmetic import (
     CHANNEL_BLOCK,
     CallInput,
@@ -27,6 +26,7 @@ from converters.calibration.sqnr_arithmetic import (
     weight_sqnr_sums,
     weighted_sum,
 )
+from converters.casts.emulation import E4M3_MAX, tensor_scale
 
 if TYPE_CHECKING:
     import torch

@@ -61,7 +61,7 @@ KV_CACHE_DTYPES = ("fp8",)
 #: the OpenAPI schema's ECMAScript readers all read alike.
 NOT_BLANK = r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 _NOT_BLANK = re.compile(NOT_BLANK)
-#: ``min_sqnr_db`` range (dB): 300 is what an exact cast reports (converters.calibration.emulation.SQNR_CAP_DB).
+#: ``min_sqnr_db`` range (dB): 300 is what an exact cast reports (converters.casts.emulation.SQNR_CAP_DB).
 MIN_SQNR_DB_RANGE = (0.0, 300.0)
 
 _REQUEST_KEYS = (

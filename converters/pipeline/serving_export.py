@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from converters.calibration.emulation import cast_spec
 from converters.calibration.sqnr_meter import RecipeCasts, SqnrMeter
+from converters.casts.emulation import cast_spec
 from converters.errors import ConversionError
 from converters.model.checkpoint import weight_files
 from converters.model.files import FileConfinement
@@ -69,7 +69,7 @@ def plan_serving_formats(run: Run, report: dict[str, Any]) -> dict[str, ServingP
 
 def serving_casts(run: Run) -> list[RecipeCasts]:
     """What each requested serving format does to a Linear's weight and input, for the SQNR meter of calibration
-    (a format's ``weight_cast`` and ``input_cast``: spec names of converters.calibration.emulation).
+    (a format's ``weight_cast`` and ``input_cast``: spec names of converters.casts.emulation).
 
     The casts follow the job's library's fp32 scale arithmetic (at most an ulp from the format's own), so a
     format whose casts are the job recipe's (compressed-tensors FP8 after torchao tensorwise) is measured once.

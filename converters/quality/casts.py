@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.calibration.emulation import (
+from converters.calibration.scaling import E4M3_MAX
+from converters.calibration.sensitivity import recipe_casts
+from converters.casts.emulation import (
     E2M1_MAX,
     CastSpec,
     ScaleRule,
@@ -28,8 +30,6 @@ from converters.calibration.emulation import (
     per_tensor_scale,
     tensor_scale,
 )
-from converters.calibration.scaling import E4M3_MAX
-from converters.calibration.sensitivity import recipe_casts
 from converters.errors import ModelConfigError
 from converters.model.checkpoint import weight_files
 from converters.model.files import pinned_model_path

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from converters.calibration.compute import emulating, tensor_dtypes
-from converters.calibration.emulation import fake_quantize
 
 # The calibration's pass-1 and replay machinery, shared so that both passes see the layers called the same way.
 from converters.calibration.sequential import (
@@ -41,6 +40,7 @@ from converters.calibration.sequential import (
     replaying_outer_modules,
     under,
 )
+from converters.casts.emulation import fake_quantize
 from converters.errors import ConversionCancelled
 from converters.model.checkpoint import Checkpoint, release, return_freed_memory, unit_keys
 from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_tokenizer, model_dtype

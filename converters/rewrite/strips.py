@@ -7,7 +7,7 @@ computed from the whole tensor, the same cast applied to a strip of rows gives t
 bit for bit: a strip of about a MiB keeps the temporaries in a core's cache (fp8-block 3x faster, NVFP4 2x,
 measured in docs/benchmarks/requantize-2026-12-03b.md).
 
-Which formats: the rows of the format's ``weight_cast`` block (:mod:`converters.calibration.emulation`); a per-tensor
+Which formats: the rows of the format's ``weight_cast`` block (:mod:`converters.casts.emulation`); a per-tensor
 scale (``e4m3_tensor``) needs the whole tensor, and so does NVFP4's global scale unless the format receives it
 (``needs_weight_amax``: the fused group's amax is given, not read from the weight).
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from converters.calibration.emulation import ScaleRule, cast_spec
+from converters.casts.emulation import ScaleRule, cast_spec
 
 __all__ = ["cast_in_strips", "strip_rows"]
 

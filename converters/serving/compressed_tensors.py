@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from converters.calibration.emulation import max_abs
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
+from converters.casts.emulation import max_abs
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.kv_scales import COMPRESSED_TENSORS_KV
 from converters.serving.plan import ServingPlan

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from converters.calibration.emulation import E2M1_MAX, E4M3_MAX, round_to_e2m1
+from converters.casts.emulation import E2M1_MAX, E4M3_MAX, round_to_e2m1
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.kv_scales import MODELOPT_KV
 from converters.serving.nvfp4 import GROUP, nvfp4_rule, pack_e2m1

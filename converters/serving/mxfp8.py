@@ -14,7 +14,7 @@ in ``compressors/mx_utils.py``), all in the model's dtype: the group amax is rou
 its mantissa is at least 0.75 (bit trick with the E2M1 mantissa width, the rule compressed-tensors applies to
 every MX width but FP6), so the exponent is ``floor(log2(amax)) - 8`` plus one when ``amax >= 1.75 * 2**k``:
 the smallest power of two with ``amax / scale <= 448`` but at ``amax = 1.75 * 2**k`` exactly, where it takes the
-next one. That is neither TE's RCEIL nor OCP's FLOOR (:func:`converters.calibration.emulation.e8m0_exponent`),
+next one. That is neither TE's RCEIL nor OCP's FLOOR (:func:`converters.casts.emulation.e8m0_exponent`),
 hence its own code here; the weights and scales are bit-identical to compressed-tensors' (tested against its
 functions on the same weight). A zero group gets exponent 0 (2**-127 in bf16 and fp32).
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from converters.analysis.reasons import Reason
-from converters.calibration.emulation import E4M3_MAX
+from converters.casts.emulation import E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.e4m3_cast import to_e4m3

@@ -17,7 +17,7 @@ model's dtype, and the bytes are identical (tests compare them with its function
 ``generate_gparam``: ``global = fp32(2688 / max(amax, tiny))`` computed in the model's dtype (NaN/inf -> 1);
 ``calculate_qparams``: ``scale = e4m3(global * (block_amax / 6))`` (``block_amax / 6`` in the model's dtype,
 the product in fp32), a zero scale becomes 0.125 (E4M3's eps); ``quantize``: ``x / (scale / global)`` in fp32,
-clamped to +-6 and rounded to nearest even onto E2M1 (:func:`~converters.calibration.emulation.round_to_e2m1`
+clamped to +-6 and rounded to nearest even onto E2M1 (:func:`~converters.casts.emulation.round_to_e2m1`
 rounds the ties as ``cast_to_fp4`` does); ``pack_fp4_to_uint8``: the sign bit set for a negative scaled value
 (one that rounds to zero is code 8, -0; a weight of -0.0 is code 0, as ``cast_to_fp4``'s ``sign(x) * |q|`` gives).
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from converters.analysis.reasons import Reason
-from converters.calibration.emulation import E2M1_GRID, E2M1_MAX, E4M3_MAX, round_to_e2m1
+from converters.casts.emulation import E2M1_GRID, E2M1_MAX, E4M3_MAX, round_to_e2m1
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.plan import ServingPlan

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from converters.calibration.emulation import cast_spec, fake_quantize
+from converters.casts.emulation import cast_spec, fake_quantize
 from converters.serving.nvfp4 import GROUP, SCALE_SEARCHES, quantize_nvfp4
 
 __all__ = ["INPUT_RATIOS", "WEIGHT_RATIOS", "GroupChoice", "dequantize_nvfp4", "group_output_error", "search_group"]

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from converters.calibration.emulation import db
+from converters.casts.emulation import db
 from converters.model.quantized.arithmetic import E2M1_CODES, fp8_values, lookup_fp8
 
 __all__ = ["written_weight_sqnr"]

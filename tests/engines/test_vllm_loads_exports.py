@@ -32,7 +32,7 @@ MXFP8, NVFP4, MODELOPT_NVFP4 = "mxfp8", "nvfp4", "modelopt-nvfp4"
 #: the exports vLLM's CPU build has kernels for
 RUNNABLE = (STATIC, DYNAMIC, MODELOPT)
 #: the exports it runs with its own emulation kernels listed for the CPU (vllm_driver.install_stand_ins). Not
-#: run: fp8-block (its CPU kernels need AMX, which these test machines lack) and nvfp4-a16 (vLLM forces Marlin for W4A16)
+#: run: fp8-block (its CPU kernels need AMX, which these test machines lack), nvfp4-a16 (vLLM forces Marlin for W4A16)
 EMULATED = (MXFP8, NVFP4, MODELOPT_NVFP4)
 KV_FORMATS = (STATIC, DYNAMIC, MODELOPT, MODELOPT_NVFP4)
 CASES = [(fmt, kv) for fmt in RUNNABLE + EMULATED for kv in (None, "fp8") if kv is None or fmt in KV_FORMATS]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from converters.analysis.comparison import identical_groups, recipe_exclusions, why_identical
-from converters.calibration.emulation import fake_quantize
 from converters.calibration.sensitivity import recipe_casts
+from converters.casts.emulation import fake_quantize
 from converters.recipes.presets import parse_compare_recipe
 
 POW2 = ("te-mxfp8", "te-float8-block", "ao-rowwise", "ao-float8-op", "ao-mxfp8-op")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.calibration.emulation import (
+from converters.casts.emulation import (
     SPEC_NAMES,
     cast_spec,
     fake_quantize,

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from converters.calibration.emulation import (
+from converters.calibration.sensitivity import meter_for, recipe_casts
+from converters.casts.emulation import (
     E2M1_GRID,
     SQNR_CAP_DB,
     ScaleRule,
@@ -21,7 +22,6 @@ from converters.calibration.emulation import (
     nvfp4_global_scale,
     round_to_e2m1,
 )
-from converters.calibration.sensitivity import meter_for, recipe_casts
 from converters.errors import RecipeError, RequestError
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.recipes import TECurrentScalingRecipe, TEDelayedScalingRecipe, TorchAORecipe

@@ -114,7 +114,7 @@ def test_gathered_rows_are_measured_once_they_pass_the_memory_bound():
 def test_the_emulated_gemm_in_bf16_stays_within_a_twentieth_of_a_db_of_fp32(recipe):
     """A bf16 layer's emulated FP8 GEMM runs in bf16 (its cast operands rounded to bf16): the output SQNR is that
     of the same casts multiplied in fp32, computed here independently, to within 0.05 dB."""
-    from converters.calibration.emulation import db, fake_quantize
+    from converters.casts.emulation import db, fake_quantize
 
     weight, x = _layer()
     casts = recipe_casts(parse_compare_recipe(recipe, "test"), recipe)

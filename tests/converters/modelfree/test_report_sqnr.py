@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from converters.calibration.emulation import cast_spec, db, fake_quantize
+from converters.casts.emulation import cast_spec, db, fake_quantize
 from converters.model.quantized.arithmetic import dequantize_fp8, dequantize_nvfp4
 from converters.modelfree.targets import MODEL_FREE_TARGETS
 from converters.serving.plan import layer_stats

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from converters.calibration.emulation import cast_spec
+from converters.casts.emulation import cast_spec
 from converters.quality import LayerCast, casting_linears
 
 E4M3_MAX = 448.0

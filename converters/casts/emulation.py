@@ -1,6 +1,6 @@
 """FP8 and FP4 casts emulated on the CPU with the rounding and scale rules of the hardware recipes.
 
-Details, and the library sources they follow: README.md beside this file.
+Details, and the library sources they follow: converters/calibration/README.md.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from converters.calibration.scaling import E4M3_MAX, E5M2_MAX
 from converters.model.quantized.arithmetic import fp8_as_float as _fp8_as_float
 from converters.model.quantized.arithmetic import fp8_values as _fp8_values
 from converters.model.quantized.arithmetic import lookup_fp8
@@ -38,6 +37,10 @@ __all__ = [
     "db",
     "SQNR_CAP_DB",
 ]
+
+#: Largest finite value of each FP8 format (448 and 57344: TE ``Format`` / ``fp8_dtype_max`` in delayed_scaling.cu).
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)
 
 E2M1_MAX = 6.0
 #: The non-negative values of FP4 E2M1, in code order (code 0..7).
