@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.api.recipe_schemas import json_int
 from service.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -37,10 +38,10 @@ class SlurmCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     partition: str | None = Field(None, pattern=_NAME, description="Slurm partition (as sbatch --partition).")
     account: str | None = Field(None, pattern=_NAME, description="Slurm account charged (as sbatch --account).")
-    nodes: int | None = Field(None, ge=1, le=4096, description="Nodes of a calibrated job's allocation (one rank "
-                                                               "per GPU, or per node without GPUs); a requantize "
-                                                               "job's array tasks take one slot each.")
-    gpus_per_node: int | None = Field(None, ge=0, le=64, description="GPUs per node (0: none).")
+    nodes: json_int(1, 4096) | None = Field(None, description="Nodes of a calibrated job's allocation (one rank "
+                                                                "per GPU, or per node without GPUs); a requantize "
+                                                                "job's array tasks take one slot each.")
+    gpus_per_node: json_int(0, 64) | None = Field(None, description="GPUs per node (0: none).")
     time_limit: str | None = Field(None, pattern=TIME_LIMIT, max_length=32,
                                    description="Wall-time limit (minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]); a job "
                                                "still running at the limit is requeued and resumes in a new "

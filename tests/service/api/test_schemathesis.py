@@ -40,6 +40,7 @@ SEMANTIC_REFUSALS = {
     ("invalid_request", "backend"),  # analyze: a backend sent beside a recipe of another backend
     ("invalid_request", "quality_texts"),  # with measure false (no quality pass to read them)
     ("invalid_request", "plan"),  # exactly one target of the three the schema lists
+    ("invalid_request", "slurm"),  # Slurm options on a server whose executor is not Slurm
 }
 @schemathesis.check
 def valid_data_refused_only_for_semantic_reasons(ctx, response, case) -> None:

@@ -268,7 +268,7 @@ def test_every_recipe_the_api_takes_can_be_picked_in_the_form(open_server, tab):
     recipe = open_server.api.get(f"/v1/jobs/{page.url.rsplit('/', 1)[1]}").json()["request"]["recipe"]
     assert recipe == {"backend": "te", "scaling": "float8_block", "fp8_format": "HYBRID",
                       "use_f32_scales": True, "x_block_scaling_dim": 1, "w_block_scaling_dim": 1,
-                      "grad_block_scaling_dim": 1}
+                      "grad_block_scaling_dim": 1, "nvfp4_weight_scales": "rtn"}
 
     page.goto("/ui/jobs/new")
     page.fill("#model", "demo/tiny-llama")

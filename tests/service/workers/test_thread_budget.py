@@ -25,13 +25,22 @@ pytestmark = pytest.mark.slow  # spawns processes or servers: seconds each
 
 def report_after_child(request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Any, stop: Any,
                        parent_pid: int, **kwargs: Any) -> None:
-    """Runs the real ``child_main``, then writes what torch ran with next to the data dir's jobs/."""
-    child_module.child_main(request, out_dir, sources, conn, stop, parent_pid, **kwargs)
-    import torch
+    """Runs the real ``child_main``, writing what torch runs with next to the data dir's jobs/ as soon as the child
+    has set its threads (before the job's result reaches the parent, which may end the child once it has it)."""
+    limit_threads = child_module.limit_threads
 
-    seen = {"intra": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
-            "env": {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}}
-    (Path(out_dir).parents[1] / "threads.json").write_text(json.dumps(seen))
+    def limit_and_record(configured: Any) -> int:
+        threads = limit_threads(configured)
+        import torch
+
+        seen = {"intra": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+                "env": {name: os.environ.get(name)
+                        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}}
+        (Path(out_dir).parents[1] / "threads.json").write_text(json.dumps(seen))
+        return threads
+
+    child_module.limit_threads = limit_and_record  # this child process's module only
+    child_module.child_main(request, out_dir, sources, conn, stop, parent_pid, **kwargs)
 
 
 @pytest.mark.parametrize("configured", [3, None], ids=["configured", "default"])
