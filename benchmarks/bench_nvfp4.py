@@ -75,18 +75,10 @@ def job_batches(model_dir: Path, steps: int, *, whole_corpus: bool = False) -> t
                                texts=None if whole_corpus else calibration_part(), seq_len=SEQ_LEN)
 
 
-def observed_input_amax(model, batches: list[dict], paths: list[str]) -> dict[str, tuple[float, float]]:
-    """Each Linear's input amax on the bf16 model over ``batches`` (what llm-compressor's static_minmax observer
-    sees: its sequential pipeline calibrates with quantization disabled), and the same without each window's
-    first position (where attention-sink models put their massive activations)."""
-    seen = {path: [0.0, 0.0] for path in paths}
-    handles = []
-    for path in paths:
-        def hook(module, args, path=path):
-            magnitude = args[0].detach().float().abs()
-            seen[path][0] = max(seen[path][0], float(magnitude.max()))
-            seen[path][1] = max(seen[path][1], float(magnitude[:, 1:].max()))
-        handles.append(model.get_submodule(path).register_forward_pre_hook(hook))
+def run_with_input_hooks(model, batches: list[dict], paths: list[str], record) -> None:
+    """Run ``batches`` through ``model`` (no grad), calling ``record(path, input)`` with each Linear's input."""
+    handles = [model.get_submodule(path).register_forward_pre_hook(
+        lambda module, args, path=path: record(path, args[0].detach())) for path in paths]
     try:
         with torch.no_grad():
             for batch in batches:
@@ -94,6 +86,20 @@ def observed_input_amax(model, batches: list[dict], paths: list[str]) -> dict[st
     finally:
         for handle in handles:
             handle.remove()
+
+
+def observed_input_amax(model, batches: list[dict], paths: list[str]) -> dict[str, tuple[float, float]]:
+    """Each Linear's input amax on the bf16 model over ``batches`` (what llm-compressor's static_minmax observer
+    sees: its sequential pipeline calibrates with quantization disabled), and the same without each window's
+    first position (where attention-sink models put their massive activations)."""
+    seen = {path: [0.0, 0.0] for path in paths}
+
+    def record(path, inputs):
+        magnitude = inputs.float().abs()
+        seen[path][0] = max(seen[path][0], float(magnitude.max()))
+        seen[path][1] = max(seen[path][1], float(magnitude[:, 1:].max()))
+
+    run_with_input_hooks(model, batches, paths, record)
     return {path: (values[0], values[1]) for path, values in seen.items()}
 
 
@@ -181,16 +187,8 @@ def calibration_inputs(model, batches: list[dict], paths: list[str], rows: int) 
     """Each Linear's inputs on the bf16 model over the calibration windows (what the calibration sees), ``rows``
     token rows drawn at random (seed 0) from all of them, the same rows for every Linear."""
     seen: dict[str, list[torch.Tensor]] = {path: [] for path in paths}
-    handles = [model.get_submodule(path).register_forward_pre_hook(
-        lambda module, args, path=path: seen[path].append(args[0].detach().reshape(-1, args[0].shape[-1])))
-        for path in paths]
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                model(**batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_with_input_hooks(model, batches, paths,
+                         lambda path, inputs: seen[path].append(inputs.reshape(-1, inputs.shape[-1])))
     total = sum(chunk.shape[0] for chunk in seen[paths[0]])
     pick = torch.randperm(total, generator=torch.Generator().manual_seed(0))[:rows].sort().values
     return {path: torch.cat(chunks)[pick] for path, chunks in seen.items()}

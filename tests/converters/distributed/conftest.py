@@ -3,6 +3,7 @@ Slurm's srun do (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in each 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -80,10 +81,15 @@ def job(tmp_path_factory) -> Job:
     return Job(root=root, request=path)
 
 
-@pytest.fixture(scope="package")
-def one_rank(job) -> Path:
-    """The job run the ordinary way: one process, no rank variables, no resume record (run_conversion itself)."""
-    out = job.root / "one-rank"
+def digests(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` (relative path) -> its sha256."""
+    return {path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def run_one_process(job: Job, out: Path, *, timeout: float) -> Path:
+    """``job`` run the ordinary way into ``out``: one process, no rank variables, no resume record
+    (run_conversion itself)."""
     code = ("import json, sys; from pathlib import Path; from converters.model.sources import ModelSourceOptions; "
             "from converters.pipeline.driver import run_conversion; "
             "from converters.pipeline.request import ConversionRequest; "
@@ -91,5 +97,11 @@ def one_rank(job) -> Path:
             "run_conversion(request, Path(sys.argv[2]), ModelSourceOptions(allowed_roots=(Path(sys.argv[3]),)))")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", code, str(job.request), str(out), str(job.root)], cwd=ROOT, env=env,
-                   check=True, timeout=240)
+                   check=True, timeout=timeout)
     return out
+
+
+@pytest.fixture(scope="package")
+def one_rank(job) -> Path:
+    """The job run the ordinary way: one process, no rank variables, no resume record (run_conversion itself)."""
+    return run_one_process(job, job.root / "one-rank", timeout=240)

@@ -4,23 +4,17 @@ is killed with SIGKILL mid-calibration resumes at the first unfinished layer and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 from pathlib import Path
 
 import pytest
 
-from tests.converters.distributed.conftest import LAYERS
+from tests.converters.distributed.conftest import LAYERS, digests
 
 pytestmark = pytest.mark.slow  # each test starts up to three ranks and converts the model in them
 
 REPORT, MANIFEST = "fp8_report.json", "manifest.json"
-
-
-def _digests(directory: Path) -> dict[str, str]:
-    return {path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(directory.rglob("*")) if path.is_file()}
 
 
 def _without_run_facts(report: dict) -> dict:
@@ -41,7 +35,7 @@ def _sqnr(report: dict) -> dict[str, dict]:
 def assert_same_result(out: Path, baseline: Path) -> dict:
     """``out`` holds the bytes of ``baseline`` (every file but the report and the manifest that lists it), the
     same report but for the run's own facts, and the SQNR figures within one unit of their last place (0.01 dB)."""
-    ours, theirs = _digests(out), _digests(baseline)
+    ours, theirs = digests(out), digests(baseline)
     assert set(ours) == set(theirs)
     assert any(name.startswith("serving/compressed-tensors-fp8/") and name.endswith(".safetensors") for name in ours)
     differing = sorted(name for name in ours if ours[name] != theirs[name])

@@ -6,19 +6,15 @@ record, KV searches included, to the same bytes."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from tests.converters.distributed.conftest import ROOT, Job
+from tests.converters.distributed.conftest import Job, digests, run_one_process
 
 LAYERS = 3
 TEXTS = ["The river bends twice before it reaches the old mill by the bridge.",
@@ -63,21 +59,7 @@ def kv_job(tmp_path_factory) -> Job:
 @pytest.fixture(scope="module")
 def baseline(kv_job) -> Path:
     """The job run the ordinary way: one process, no rank variables (run_conversion itself)."""
-    out = kv_job.root / "one-process"
-    code = ("import json, sys; from pathlib import Path; from converters.model.sources import ModelSourceOptions; "
-            "from converters.pipeline.driver import run_conversion; "
-            "from converters.pipeline.request import ConversionRequest; "
-            "request = ConversionRequest.from_dict(json.loads(Path(sys.argv[1]).read_text())); "
-            "run_conversion(request, Path(sys.argv[2]), ModelSourceOptions(allowed_roots=(Path(sys.argv[3]),)))")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", code, str(kv_job.request), str(out), str(kv_job.root)], cwd=ROOT, env=env,
-                   check=True, timeout=600)
-    return out
-
-
-def _digests(directory: Path) -> dict[str, str]:
-    return {path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(directory.rglob("*")) if path.is_file()}
+    return run_one_process(kv_job, kv_job.root / "one-process", timeout=600)
 
 
 def _close(got, expected, where: str) -> None:
@@ -95,7 +77,7 @@ def _close(got, expected, where: str) -> None:
 def assert_same_kv_result(out: Path, baseline: Path) -> dict:
     """Every file but the report and manifest the same bytes (the KV scales among them), the report the same but
     for the run's facts and the quality figures, which agree within float rounding."""
-    ours, theirs = _digests(out), _digests(baseline)
+    ours, theirs = digests(out), digests(baseline)
     assert set(ours) == set(theirs)
     differing = sorted(name for name in ours if ours[name] != theirs[name])
     assert differing in ([], sorted([MANIFEST, REPORT])), differing
