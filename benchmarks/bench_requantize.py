@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -99,21 +98,46 @@ def build_model(directory: Path) -> int:
 
 
 def child(role: str, fmt: str, source: str, out: str) -> None:
-    """One measured run: imports, then the work timed; prints one JSON line."""
+    """One measured run: imports, then the work timed; prints one JSON line.
+
+    Memory is this process's own high-water mark (``VmHWM``), not ``ru_maxrss``: Linux carries a parent's peak into
+    a child's ``ru_maxrss`` across fork and exec, so a child of the process that built the checkpoint reported the
+    builder's peak for both figures. The mark is reset once the imports are done (``clear_refs``), so the work's
+    peak is read apart from theirs.
+    """
     started = time.perf_counter()
     if role == "fp8forge":
         from converters.modelfree import ModelFreeOptions, convert_model_free  # noqa: F401  (the start's imports)
     elif role == "peer":
         from llmcompressor import model_free_ptq  # noqa: F401
     imported = time.perf_counter()
-    imports_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    imports_rss = _memory_mb("VmHWM")
+    reset = _reset_peak()
     if role == "fp8forge":
         convert_model_free(Path(source), Path(out), fmt, exclude=("lm_head",), skip_first_last=False)
     elif role == "peer":
         model_free_ptq(source, out, scheme=FORMATS[fmt], ignore=["lm_head"], max_workers=1, device="cpu")
     done = time.perf_counter()
+    peak = _memory_mb("VmHWM")
     print(json.dumps({"imports_s": imported - started, "work_s": done - imported, "imports_rss_mb": imports_rss,
-                      "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "rss_mb": max(peak, imports_rss) if not reset else peak, "peak_reset": reset}))
+
+
+def _memory_mb(field: str) -> float:
+    """A ``/proc/self/status`` figure (``VmHWM``: the peak resident set, ``VmRSS``: the current one) in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise SystemExit(f"no {field} in /proc/self/status (this bench reads Linux's figures)")
+
+
+def _reset_peak() -> bool:
+    """Reset this process's ``VmHWM`` to its current RSS (Linux 4.0+); False where the kernel refuses."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def _run(python: Path, role: str, fmt: str, source: Path, out: Path) -> dict:
