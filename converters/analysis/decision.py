@@ -7,7 +7,8 @@ shape, features, dtype, whether it is an expert, a router, the first or last Lin
 :func:`decide` applies the same rules to both and says whether it converts and why not, with
 :class:`~converters.analysis.reasons.Reason` codes in a fixed order: not a Linear, unsupported expert layout,
 shape, first, last, tied head, router gate, include, exclude; then the format's own shape rule; then, where groups
-convert whole, the fused group or experts module a failing member holds back.
+convert whole, the fused group or experts module a failing member holds back; then, for the serving export of a
+training artifact (:mod:`converters.sync`), what training did not convert and the fused groups it converted in part.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ FUSED_GROUPS = {
 }
 #: Linear names that are an MoE block's router when they sit beside its ``experts`` (any name with ``router`` too)
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+#: the reasons of a layer eligible itself but held back by its unit, which they name (``code:unit``)
+_HELD = (Reason.FUSED_GROUP_PARTIAL, Reason.FUSED_GROUP_NOT_CONVERTED)
 
 
 class LayerKind(str, enum.Enum):
@@ -101,6 +104,11 @@ class DecisionOptions:
             applied to layers the other rules let through.
         whole_groups: a fused group and an experts module convert whole or not at all (what a serving checkpoint
             needs); the analysis lists partial groups instead and leaves the choice to each export.
+        trained: the modules a training run converted, where the decisions are for its serving export (which may
+            cast only what training ran in FP8): any other layer stays in high precision
+            (``NOT_CONVERTED_IN_TRAINING``), an expert always does (``EXPERTS_NOT_SYNCED``: no training library here
+            converts experts), and so does every member of a fused group training converted in part
+            (``FUSED_GROUP_NOT_CONVERTED``). Needs ``whole_groups``. None: no training run is asked about.
     """
 
     format: str
@@ -111,6 +119,7 @@ class DecisionOptions:
     convert_router_gates: bool = False
     format_rule: Callable[[int, int], str | None] | None = None
     whole_groups: bool = False
+    trained: frozenset[str] | None = None  # any collection of names: kept as a frozenset
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):
@@ -122,6 +131,13 @@ class DecisionOptions:
             raise ValueError(f"shape_rule must be a ShapeRule (fails(), reason), got {self.shape_rule!r}")
         if self.format_rule is not None and not callable(self.format_rule):
             raise ValueError(f"format_rule must be callable or None, got {self.format_rule!r}")
+        if self.trained is not None:
+            # a lone string would pass as an iterable of one-letter module names
+            if isinstance(self.trained, str) or not all(isinstance(name, str) for name in self.trained):
+                raise ValueError(f"trained must be a collection of module names, got {self.trained!r}")
+            if not self.whole_groups:
+                raise ValueError("trained needs whole_groups: a serving export converts fused groups whole")
+            object.__setattr__(self, "trained", frozenset(self.trained))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +148,8 @@ class LayerDecision:
         record: the layer as the walk found it (name, shape, features, group).
         format: as :attr:`DecisionOptions.format`.
         reasons: the codes that keep it in high precision; none when it converts.
-        held_back_by: the fused group or experts GEMM named by a ``FUSED_GROUP_PARTIAL`` reason.
+        held_back_by: the fused group or experts GEMM named by a ``FUSED_GROUP_PARTIAL`` or
+            ``FUSED_GROUP_NOT_CONVERTED`` reason.
         format_rule: what the format's own shape rule says of the layer's dims (recorded for every layer).
         scale_group: where it converts, the name its weight scale is computed under (its fused group's, else its
             own); None otherwise.
@@ -163,8 +180,8 @@ class LayerDecision:
 
     def reason_codes(self) -> list[str]:
         """The reasons as the reports write them (a held-back member names its group: ``code:group``)."""
-        return [reason.at(self.held_back_by) if reason is Reason.FUSED_GROUP_PARTIAL and self.held_back_by
-                else reason.value for reason in self.reasons]
+        return [reason.at(self.held_back_by) if reason in _HELD and self.held_back_by else reason.value
+                for reason in self.reasons]
 
     def to_dict(self) -> dict[str, Any]:
         """The analysis report's layer row (keys and order are the report's, version 1)."""
@@ -244,6 +261,8 @@ def decide(records: Sequence[LayerRecord], options: DecisionOptions) -> list[Lay
         if not reasons[record.name] and format_rules[record.name] is not None:
             reasons[record.name].append(format_rules[record.name])
     held = _held_back(records, reasons) if options.whole_groups else {}
+    if options.trained is not None:
+        held.update(_not_trained(records, reasons, options.trained))
     whole = {group for group, members in _members(records, "group").items()
              if all(not reasons[member] for member in members)}
     return [LayerDecision(record=record, format=options.format, reasons=tuple(reasons[record.name]),
@@ -301,8 +320,26 @@ def _held_back(records: Sequence[LayerRecord], reasons: dict[str, list[Reason]])
     return held
 
 
-def _hold(members: list[str], unit: str, reasons: dict[str, list[Reason]], held: dict[str, str]) -> None:
+def _not_trained(records: Sequence[LayerRecord], reasons: dict[str, list[Reason]], trained: frozenset[str]
+                 ) -> dict[str, str]:
+    """The training run's reasons (after the others: a serving export of it reports them last), then member ->
+    the fused group that training converted in part: an engine would run the group's GEMM in one scheme, and
+    training ran some members in FP8 and some not."""
+    for record in records:
+        if record.kind is LayerKind.EXPERT:
+            reasons[record.name].append(Reason.EXPERTS_NOT_SYNCED)
+        elif record.name not in trained:
+            reasons[record.name].append(Reason.NOT_CONVERTED_IN_TRAINING)
+    held: dict[str, str] = {}
+    for group, members in _members(records, "group").items():
+        if any(reasons[member] for member in members):
+            _hold(members, group, reasons, held, Reason.FUSED_GROUP_NOT_CONVERTED)
+    return held
+
+
+def _hold(members: list[str], unit: str, reasons: dict[str, list[Reason]], held: dict[str, str],
+          reason: Reason = Reason.FUSED_GROUP_PARTIAL) -> None:
     for member in members:
         if not reasons[member]:
-            reasons[member].append(Reason.FUSED_GROUP_PARTIAL)
+            reasons[member].append(reason)
             held[member] = unit

@@ -17,7 +17,7 @@ matrix.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -88,10 +88,11 @@ def order_key(module: str) -> tuple[int, int, int, int, str]:
 
 
 def report_from_headers(tensors: list[TensorInfo], config: Mapping[str, Any], options: ModelFreeOptions,
-                        fmt: Any) -> dict[str, Any]:
+                        fmt: Any, *, trained: Iterable[str] | None = None) -> dict[str, Any]:
     """The model-free eligibility report: every Linear-like weight eligible or with reasons, and what quantizes.
 
     ``fmt`` is the target format (its ``name`` and ``layer_rule(in_features, out_features)``, a reason or None).
+    ``trained``: the modules a training run converted, for its serving export (``DecisionOptions.trained``).
     Returns a JSON-able dict: ``layers`` (module order), ``other`` (embeddings, norms, fused expert tensors),
     ``fused_groups``, ``quantized`` (weight key -> amax group: the key's module itself or its fused group).
 
@@ -104,7 +105,8 @@ def report_from_headers(tensors: list[TensorInfo], config: Mapping[str, Any], op
                   where="this checkpoint", noun="stored names")
     decisions = decide(records, DecisionOptions(
         format=fmt.name, shape_rule=FP8_RULE, include=options.include, exclude=options.exclude,
-        skip_first_last=options.skip_first_last, format_rule=fmt.layer_rule, whole_groups=True))
+        skip_first_last=options.skip_first_last, format_rule=fmt.layer_rule, whole_groups=True,
+        trained=trained))
     return {"options": options.to_dict(), "layers": [decision.to_stored_dict() for decision in decisions],
             "other": other,
             "quantized": {decision.record.key: decision.scale_group for decision in decisions if decision.eligible},

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from converters.analysis.reasons import Reason
 from converters.artifact.files import copy_side_files, write_json, write_manifest
 from converters.artifact.layout import staging_dir_for
 from converters.errors import ArtifactError, ConversionError, RequestError
@@ -110,7 +109,8 @@ def _training_block(artifact: Path) -> tuple[dict[str, Any], Any]:
         raise ArtifactError(f"{artifact} has no config.json; point at an fp8forge training artifact directory")
     block = _config(artifact).get("fp8")
     if not isinstance(block, dict) or not isinstance(block.get("recipe"), dict) \
-            or not isinstance(block.get("converted_modules"), list):
+            or not isinstance(block.get("converted_modules"), list) \
+            or not all(isinstance(module, str) for module in block["converted_modules"]):
         raise ArtifactError(f"{artifact} is not an fp8forge training artifact: config.json has no fp8 block with a "
                             "recipe and converted_modules (convert the model with fp8forge convert first)")
     return block, recipe_from_dict(block["recipe"])
@@ -135,32 +135,18 @@ def _check_out(out: Path) -> None:
 
 def _decide(headers: dict[str, dict[str, Any]], config: dict[str, Any], block: dict[str, Any], fmt: Any
             ) -> dict[str, Any]:
-    """The model-free report of the stored Linears, narrowed to what training converted, whole fused groups only."""
+    """The model-free report of the stored Linears as the decision table gives it for what training converted
+    (``DecisionOptions.trained``), with what this export adds: converted Linears the files lack, and those it keeps
+    in high precision although training ran them in FP8."""
     tensors = [TensorInfo(key=name, shard=shard, dtype=tensor.dtype, shape=tuple(tensor.shape))
                for shard, header in headers.items() for name, tensor in header.items()
                if not name.endswith(_EXTRA_STATE)]
-    report = report_from_headers(tensors, config, ModelFreeOptions(skip_first_last=False), fmt)
     converted = set(block["converted_modules"])
-    by_module = {layer["module"]: layer for layer in report["layers"]}
-    for layer in report["layers"]:
-        reason = (Reason.EXPERTS_NOT_SYNCED.value if layer["kind"] == "expert" else None
-                  if layer["module"] in converted else Reason.NOT_CONVERTED_IN_TRAINING.value)
-        if reason and reason not in layer["reasons"]:
-            layer["reasons"].append(reason)
-        layer["eligible"] = not layer["reasons"]
-    for group in report["fused_groups"]:
-        if not all(by_module[member]["eligible"] for member in group["members"]):
-            for member in group["members"]:
-                if by_module[member]["eligible"]:
-                    by_module[member]["eligible"] = False
-                    by_module[member]["reasons"].append(Reason.FUSED_GROUP_NOT_CONVERTED.at(group["name"]))
-    shared = {member: group["name"] for group in report["fused_groups"] for member in group["members"]}
-    report["quantized"] = {layer["key"]: shared.get(layer["module"], layer["module"])
-                           for layer in report["layers"] if layer["eligible"]}
-    report["not_stored"] = sorted(converted - set(by_module))
+    report = report_from_headers(tensors, config, ModelFreeOptions(skip_first_last=False), fmt, trained=converted)
+    report["not_stored"] = sorted(converted - {layer["module"] for layer in report["layers"]})
     # FP8 in training, high precision in serving (a partly converted fused group): these layers' numbers differ
-    report["differs_from_training"] = sorted(module for module in converted & set(by_module)
-                                             if not by_module[module]["eligible"])
+    report["differs_from_training"] = sorted(layer["module"] for layer in report["layers"]
+                                             if layer["module"] in converted and not layer["eligible"])
     report["dropped"] = sorted(name for header in headers.values() for name in header if name.endswith(_EXTRA_STATE))
     report.update({"version": _REPORT_VERSION, "format": fmt.name, "scale_dtype": scale_dtype_of(config),
                    "shards": list(headers)})
