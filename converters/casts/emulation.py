@@ -31,6 +31,7 @@ __all__ = [
     "max_abs",
     "cast_fp8",
     "round_to_e2m1",
+    "e2m1_codes",
     "tensor_scale",
     "e8m0_exponent",
     "nvfp4_global_scale",
@@ -138,6 +139,33 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     magnitude = x.abs().clamp(max=E2M1_MAX)
     step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
     return torch.copysign(torch.round(magnitude / step) * step, x)
+
+
+#: fp32 constants whose neighbours are spaced 0.5, 1 and 2 apart: ``x + M`` rounds ``x`` to that step (e2m1_codes)
+_ROUND_HALF, _ROUND_ONE, _ROUND_TWO = 2.0 ** 22, 2.0 ** 23, 2.0 ** 24
+_ROUND_BITS = {value: int(torch.tensor(value, dtype=torch.float32).view(torch.int32)) for value in
+               (_ROUND_HALF, _ROUND_ONE, _ROUND_TWO)}
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """The FP4 E2M1 code (uint8, 0..15: bit 3 the sign, set where ``x < 0``) of each fp32 ``x``, rounded to nearest
+    even and saturated at +-6: the code of :func:`round_to_e2m1` ``(x)`` (a ``-0`` result of a negative ``x``
+    included), computed in about ten vectorized passes instead of its branches.
+
+    The magnitude's code is the smallest of ``round(2|x|)``, ``round(|x|) + 2``, ``round(|x| / 2) + 4`` and 7: each
+    is the code within its step's range (0.5 below 2, 1 below 4, 2 above; ties to even, as the step's even multiple
+    is an even code) and the largest of the three there. Each rounding is one fp32 addition: ``|x| + 2**22`` is
+    rounded to the nearest multiple of 0.5 (ties to even), and its bits minus those of ``2**22`` count the halves;
+    ``2**23`` and ``2**24`` do the same by 1 and by 2. A larger ``|x|`` (infinity included) gives larger counts,
+    so it saturates at 7. NaN has no code (a finite weight's scaled values are never NaN).
+    """
+    magnitude = x.float().abs()
+    halves = (magnitude + _ROUND_HALF).view(torch.int32).sub_(_ROUND_BITS[_ROUND_HALF])
+    ones = (magnitude + _ROUND_ONE).view(torch.int32).sub_(_ROUND_BITS[_ROUND_ONE] - 2)
+    twos = (magnitude.add_(_ROUND_TWO)).view(torch.int32).sub_(_ROUND_BITS[_ROUND_TWO] - 4)
+    code = torch.minimum(halves, ones, out=halves)
+    code = torch.minimum(code, twos, out=code).clamp_(max=7).to(torch.uint8)
+    return code.bitwise_or_((x < 0).view(torch.uint8) << 3)
 
 
 def tensor_scale(amax: torch.Tensor, fp8_max: float, *, library: str = "te", pow2: bool = False) -> torch.Tensor:

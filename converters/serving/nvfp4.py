@@ -36,24 +36,23 @@ a report from another rule would let through; its reason is ``in_features_not_di
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
 
 from converters.analysis.reasons import Reason
-from converters.casts.emulation import E2M1_GRID, E2M1_MAX, E4M3_MAX, round_to_e2m1
+from converters.casts.emulation import E2M1_MAX, E4M3_MAX, e2m1_codes, round_to_e2m1
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.plan import ServingPlan
 
 __all__ = ["GROUP", "NVFP4", "NVFP4_A16", "SCALE_SEARCHES", "CompressedTensorsNVFP4", "block_errors", "nvfp4_rule",
-           "pack_e2m1", "quantize_nvfp4", "searched_block_scales"]
+           "pack_e2m1", "pack_e2m1_codes", "quantize_nvfp4", "searched_block_scales"]
 
 GROUP = 16
 FORMAT = "nvfp4-pack-quantized"
 _E4M3_EPS = 0.125  # compressed-tensors' _get_dtype_eps(float8_e4m3fn)
-# |code value| * 2 for the magnitude codes 0..7, to find a code by exact match
-_DOUBLED_GRID = torch.tensor([2 * value for value in E2M1_GRID])
 #: how block scales are chosen: "rtn" maps each block's amax to 6 (compressed-tensors'), "mse" searches E4M3 values
 #: around it, "four_over_six" maps each block's amax to 6 or to 4, whichever errs less (the recipe's
 #: ``nvfp4_weight_scales``, converters.recipes.NVFP4WeightScales, names the same three)
@@ -72,9 +71,21 @@ def pack_e2m1(values: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
 
     ``negative`` says which codes carry the sign bit (engines read code 8 as -0).
     """
-    magnitude = torch.searchsorted(_DOUBLED_GRID, values.abs().float() * 2).to(torch.uint8)
-    codes = magnitude | (negative.to(torch.uint8) << 3)
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return pack_e2m1_codes(e2m1_codes(values.abs()).bitwise_or_(negative.to(torch.uint8) << 3))
+
+
+def pack_e2m1_codes(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8 ``[rows, cols]``, ``cols`` even) packed two a byte, the even column in the low nibble.
+
+    Each pair of bytes read as one little-endian int16 holds the even column in its low byte: shifting it right by
+    four moves the odd column's code into the high nibble of the low byte (two passes over the pairs, where
+    strided even/odd halves cost three over the codes).
+    """
+    codes = codes.contiguous()
+    if sys.byteorder != "little":
+        return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    pairs = codes.view(torch.int16)
+    return (pairs | (pairs >> 4)).to(torch.uint8)
 
 
 def global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -99,9 +110,10 @@ def quantize_nvfp4(weight: torch.Tensor, weight_amax: float, *, scale_search: st
     scale = rtn_block_scales(blocks, scale_global)
     if scale_search != "rtn":
         scale = searched_block_scales(blocks, scale, scale_global, four_over_six_only=scale_search == "four_over_six")
-    scaled = (blocks / (scale / scale_global).unsqueeze(-1)).reshape(rows, columns)
-    values = round_to_e2m1(scaled.clamp(-E2M1_MAX, E2M1_MAX))
-    return pack_e2m1(values, scaled < 0), scale.to(torch.float8_e4m3fn), scale_global
+    # the codes of round_to_e2m1(clamp(scaled, -6, 6)), the sign bit where scaled < 0 (e2m1_codes: no fp32 value
+    # tensor, no branches)
+    codes = e2m1_codes((blocks / (scale / scale_global).unsqueeze(-1)).reshape(rows, columns))
+    return pack_e2m1_codes(codes), scale.to(torch.float8_e4m3fn), scale_global
 
 
 def rtn_block_scales(blocks: torch.Tensor, scale_global: torch.Tensor) -> torch.Tensor:
