@@ -23,6 +23,7 @@ from converters.pipeline.request import (
 from converters.plan.settings import GPUS, OBJECTIVES, TARGETS, PlanSettings
 from converters.recipes import (
     MAX_AMAX_HISTORY_LEN,
+    MAX_INTERVAL,
     MAX_MARGIN,
     AmaxComputeAlgo,
     AORecipeName,
@@ -33,7 +34,7 @@ from converters.recipes import (
 )
 from converters.recipes.presets import RECIPE_NAMES
 from service.jobs import STAGES, JobStatus
-from service.ui.recipe_variants import recipe_variants
+from service.ui.recipe_variants import recipe_variants, shared_options
 
 __all__ = ["page_config", "form_defaults"]
 
@@ -51,6 +52,7 @@ def form_defaults() -> dict[str, Any]:
         "ao_recipe_names": [m.value for m in AORecipeName],
         "max_amax_history_len": MAX_AMAX_HISTORY_LEN,
         "max_margin": MAX_MARGIN,
+        "max_interval": MAX_INTERVAL,
         "calibration": {"steps": cal.steps, "batch_size": cal.batch_size, "seq_len": cal.seq_len},
         "limits": {name: {"min": low, "max": high} for name, (low, high) in LIMITS.items()},
         "max_patterns": MAX_PATTERNS,
@@ -70,6 +72,8 @@ def form_defaults() -> dict[str, Any]:
         "kv_cache_choices": ["none", *KV_CACHE_DTYPES],  #: "none" sends no kv_cache
         "kv_cache_formats": list(KV_CACHE_FORMAT_NAMES),
         "recipe_variants": variants,
+        #: the options every recipe takes (nvfp4_weight_scales): one control for whichever recipe is chosen
+        "recipe_shared": shared_options(),
         "te_scaling_choices": [("delayed", "delayed (amax history)"), ("current", "current (per cast)"),
                                *((v["scaling"], v["scaling"]) for v in variants if v["backend"] == "te")],
         "ao_scaling_choices": [("float8_linear", "Float8Linear (module swap)"),

@@ -166,12 +166,15 @@ class _Controls(HTMLParser):
         self.controls: dict[str, dict] = {}
         self.options: dict[str, list[str]] = {}  #: a select's option values, in order
         self.variants: set[str] = set()
+        self.fields: set[str] = set()  #: every data-field: where the API's errors (and so its fields) land
         self._select: str | None = None
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
         if "data-recipe-variant" in attrs:
             self.variants.add(attrs["data-recipe-variant"])
+        if "data-field" in attrs:
+            self.fields.add(attrs["data-field"])
         if tag in ("input", "select") and attrs.get("id"):
             self.controls[attrs["id"]] = attrs
             self._select = attrs["id"] if tag == "select" else None
@@ -182,10 +185,18 @@ class _Controls(HTMLParser):
 
 
 def test_the_form_offers_every_recipe_of_the_api_schema_with_its_defaults(client):
-    """Each recipe in the OpenAPI document (beyond the three with hand-written fields) has a box of options."""
+    """Each recipe in the OpenAPI document (beyond the three with hand-written fields) has a box of options; an option
+    every recipe has is one control for all (``recipe-<name>``); every field of every recipe has a place on the form
+    (what each form sends: test_ui_browser.py)."""
     components = client.get("/openapi.json").json()["components"]["schemas"]
     page = _Controls()
     page.feed(client.get("/ui/jobs/new").text)
+    recipes = [schema for schema in components.values() if "const" in schema.get("properties", {}).get("backend", {})]
+    assert len(recipes) == 8
+    shared = set.intersection(*(set(schema["properties"]) for schema in recipes)) - {"version", "backend", "scaling"}
+    assert shared == {"nvfp4_weight_scales"}
+    for schema in recipes:
+        assert {f"recipe.{name}" for name in schema["properties"]} - {"recipe.version"} <= page.fields, schema["title"]
     offered = 0
     for schema in components.values():
         scaling = schema.get("properties", {}).get("scaling", {}).get("const")
@@ -196,7 +207,7 @@ def test_the_form_offers_every_recipe_of_the_api_schema_with_its_defaults(client
         for name, prop in schema["properties"].items():
             if name in ("version", "backend", "scaling"):
                 continue
-            control = page.controls[f"recipe-{scaling}-{name}"]
+            control = page.controls[f"recipe-{name}" if name in shared else f"recipe-{scaling}-{name}"]
             assert control["data-option"] == name
             if control.get("type") == "checkbox":
                 assert ("checked" in control) is prop["default"], name
@@ -207,6 +218,8 @@ def test_the_form_offers_every_recipe_of_the_api_schema_with_its_defaults(client
                 assert control["selected"] == prop["default"], name
         offered += 1
     assert offered == 5  # TE mxfp8_block, float8_block, nvfp4_block; torchao float8/mxfp8 training ops
+    assert not any(control.endswith("-nvfp4_weight_scales") and control != "recipe-nvfp4_weight_scales"
+                   for control in page.controls)  # one control, not a copy per recipe
 
 
 def test_the_forms_offer_the_plan_and_the_recipes_the_api_schema_names(client):

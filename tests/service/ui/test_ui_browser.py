@@ -14,6 +14,7 @@ Chromium these tests fail (tests/service/ui/conftest.py).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -281,6 +282,67 @@ def test_every_recipe_the_api_takes_can_be_picked_in_the_form(open_server, tab):
     recipe = open_server.api.get(f"/v1/jobs/{page.url.rsplit('/', 1)[1]}").json()["request"]["recipe"]
     assert recipe["scaling"] == "mxfp8_training_op" and recipe["kernel_preference"] == "emulated"
     assert recipe["wgrad_with_hp"] is False and "recipe_name" not in recipe
+
+
+def _recipe_forms(api: httpx.Client) -> list[tuple[str, str | None, set[str]]]:
+    """Every recipe the API takes, from its OpenAPI document: backend, scaling (None: torchao Float8Linear) and the
+    fields its request model has."""
+    schemas = api.get("/openapi.json").json()["components"]["schemas"]
+    forms = [(props["backend"]["const"], props.get("scaling", {}).get("const", props.get("scaling", {}).get("default")),
+              set(props) - {"version"})
+             for props in (schema.get("properties", {}) for schema in schemas.values()) if "const" in
+             props.get("backend", {})]
+    assert len(forms) == 8, forms  # TE delayed, current, mxfp8_block, float8_block, nvfp4_block; torchao 3
+    return sorted(forms, key=lambda form: form[1] != "delayed")  # the page's default first: its screenshot
+
+
+def test_every_recipe_form_sends_every_option_of_its_recipe(open_server, tab):
+    """For each recipe the API takes, the form picked for it sends every field of that recipe's request model (the
+    removed TE keys once set), nvfp4_weight_scales as chosen in its one control, from the fields and from YAML: a
+    form that drops a field the API takes fails here. The API's answer is the test's, so no job is queued."""
+    from playwright.sync_api import expect
+
+    t = tab(open_server.base_url)
+    page = t.page
+    sent: list[dict] = []
+
+    def capture(route: Any) -> None:
+        sent.append(route.request.post_data_json)
+        route.fulfill(status=409, content_type="application/json",
+                      body=json.dumps({"error": {"code": "conflict", "message": f"captured {len(sent)}"}}))
+
+    page.route("**/v1/jobs", capture)
+    page.goto("/ui/jobs/new")
+    page.fill("#model", "demo/tiny-llama")
+    choices = page.locator("#recipe-nvfp4_weight_scales option").evaluate_all("options => options.map(o => o.value)")
+    assert choices == ["rtn", "mse", "four_over_six"]
+    for index, (backend, scaling, fields) in enumerate(_recipe_forms(open_server.api)):
+        page.check(f"#recipe-backend-{backend}")
+        page.check(f"#recipe-scaling-{scaling}" if backend == "te" else f"#ao_scaling-{scaling or 'float8_linear'}")
+        if scaling == "delayed":
+            page.locator("details.removed-options summary").click()
+            page.fill("#recipe-interval", "3")
+            page.check("#recipe-override_linear_precision-dgrad")
+        page.select_option("#recipe-nvfp4_weight_scales", choices[index % 3])
+        if scaling == "delayed":
+            t.screenshot("new_job_delayed_every_option")
+        page.click("#submit-job")
+        expect(page.locator("#form-errors")).to_contain_text(f"captured {index + 1}")
+        recipe = sent[-1]["recipe"]
+        assert set(recipe) == fields, (backend, scaling, fields ^ set(recipe))
+        assert (recipe["backend"], recipe.get("scaling")) == (backend, scaling)
+        assert recipe["nvfp4_weight_scales"] == choices[index % 3]
+        if scaling == "delayed":
+            assert (recipe["interval"], recipe["override_linear_precision"]) == (3, [False, True, False])
+
+    page.check("#recipe_source-yaml")  # the YAML holds no nvfp4_weight_scales: its control still applies
+    expect(page.locator("#recipe-nvfp4_weight_scales")).to_be_visible()
+    page.fill("#recipe_yaml", "mixed_precision: fp8\nfp8_config:\n  backend: AO\n  recipe_name: rowwise\n")
+    page.select_option("#recipe-nvfp4_weight_scales", "four_over_six")
+    page.click("#submit-job")
+    expect(page.locator("#form-errors")).to_contain_text(f"captured {len(sent) + 1}")
+    assert sent[-1]["recipe"]["recipe_name"] == "rowwise"
+    assert sent[-1]["recipe"]["nvfp4_weight_scales"] == "four_over_six"
 
 
 def _assert_accessible_form(page: Any) -> None:

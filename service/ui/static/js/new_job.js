@@ -13,9 +13,11 @@
     return text.split(/\n[ \t]*\n/).map(function (part) { return part.trim(); }).filter(Boolean);
   }
 
-  // With the recipe taken from YAML, the API's recipe.* errors belong to the YAML box.
+  // With the recipe taken from YAML, the API's recipe.* errors belong to the YAML box, but for the options every
+  // recipe takes: the YAML holds none of them, their own control sent them.
   function redirect(key) {
-    return this.source === 'yaml' && (key === 'recipe' || key.startsWith('recipe.')) ? 'recipe_yaml' : key;
+    if (this.source !== 'yaml' || !(key === 'recipe' || key.startsWith('recipe.'))) return key;
+    return document.querySelector('[data-recipe-shared] [data-field="' + key + '"]') ? key : 'recipe_yaml';
   }
 
   document.addEventListener('alpine:init', function () {
@@ -40,7 +42,11 @@
         // A recipe of service/ui/recipe_variants.py: its options are the inputs of its own box.
         variantRecipe(backend, scaling) {
           const box = this.form().querySelector('[data-recipe-variant="' + backend + '/' + scaling + '"]');
-          const recipe = { backend: backend, scaling: scaling };
+          return this.readOptions(box, { backend: backend, scaling: scaling });
+        },
+
+        // The options (inputs with data-option) of a box of the form, each as the recipe field it names.
+        readOptions(box, recipe) {
           box.querySelectorAll('[data-option]').forEach(function (input) {
             const option = input.dataset.option;
             if (input.type === 'checkbox') {
@@ -71,13 +77,19 @@
           if (this.scaling === 'current') {
             return { backend: 'te', scaling: 'current', fp8_format: this.value('recipe.fp8_format') };
           }
-          return {
+          const recipe = {
             backend: 'te', scaling: 'delayed', fp8_format: this.value('recipe.fp8_format'),
             amax_history_len: this.number('recipe.amax_history_len'),
             amax_compute_algo: this.value('recipe.amax_compute_algo'),
             margin: this.number('recipe.margin'),
             use_autocast_during_eval: this.checked('recipe.use_autocast_during_eval'),
+            interval: this.number('recipe.interval'),
           };
+          // the keys TE removed: sent only when set, as an Accelerate config that carries them does
+          const precision = Array.from(this.form().querySelectorAll('input[name="recipe.override_linear_precision"]'),
+            function (box) { return box.checked; });
+          if (precision.some(Boolean)) recipe.override_linear_precision = precision;
+          return recipe;
         },
 
         async recipeFromYaml() {
@@ -94,6 +106,7 @@
         async body() {
           const body = { model: this.value('model').trim() };
           body.recipe = this.source === 'yaml' ? await this.recipeFromYaml() : this.recipeFromFields();
+          this.readOptions(this.form().querySelector('[data-recipe-shared]'), body.recipe);
           const calibration = {
             steps: this.number('calibration.steps'),
             batch_size: this.number('calibration.batch_size'),
