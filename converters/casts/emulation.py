@@ -246,13 +246,18 @@ def fake_quantize(x: torch.Tensor, spec: CastSpec, *, scale: torch.Tensor | floa
     return _from_blocks(out, shape)
 
 
-def max_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """``x.abs().amax()`` (over ``dim``, kept) in ``x``'s dtype: the same values in one pass (``aminmax``), without
-    an ``|x|`` copy of the tensor (1.5x faster for a 2048 x 8192 bf16 weight). ``x`` must not be empty. Along
-    ``dim``, ``|x|`` then its max: ``aminmax`` over a dim of a bf16 tensor is 5-8x slower than that on a CPU (torch
-    2.13; a 5632 x 2048 weight's rows: 0.99 s against 0.18 s)."""
+def max_abs(x: torch.Tensor, dim: int | None = None, *, keepdim: bool = True) -> torch.Tensor:
+    """``x.abs().amax()`` (over ``dim``, kept unless ``keepdim`` is False) in ``x``'s dtype: the same values in fewer
+    passes. ``x`` must not be empty. Whole: one ``aminmax`` pass, without an ``|x|`` copy of the tensor (1.5x faster
+    for a 2048 x 8192 bf16 weight). Along ``dim`` of a 16-bit float tensor: the bits with the sign cleared, as
+    int16, and their max (a non-negative float's bits order as its value; the int16 reduction is vectorized where
+    a bf16 ``amax`` over a short last dim is not: 1.5x faster over rows, 3-4x over groups of 16 or 32); other
+    dtypes: ``|x|`` then its max (``aminmax`` over a dim of a bf16 tensor is 5-8x slower than that on a CPU, torch
+    2.13). A NaN gives NaN either way (its payload may differ)."""
     if dim is not None:
-        return x.abs().amax(dim=dim, keepdim=True)
+        if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
+            return (x.view(torch.int16) & 0x7FFF).amax(dim=dim, keepdim=keepdim).view(x.dtype)
+        return x.abs().amax(dim=dim, keepdim=keepdim)
     low, high = torch.aminmax(x)
     return torch.maximum(high, -low)
 

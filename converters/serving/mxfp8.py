@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from converters.analysis.reasons import Reason
-from converters.casts.emulation import E4M3_MAX
+from converters.casts.emulation import E4M3_MAX, max_abs
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.e4m3_cast import to_e4m3
@@ -113,7 +113,7 @@ def mx_exponents(groups: torch.Tensor, mode: MXScaleMode) -> tuple[torch.Tensor,
 
     Values are clamped to +-448 and rounded to nearest even, as both libraries' saturating casts do.
     """
-    amax = groups.abs().amax(dim=-1, keepdim=True).float()  # |w| and its max in the weight's dtype: exact there
+    amax = max_abs(groups, dim=-1).float()  # |w| and its max in the weight's dtype: exact there
     if mode is MXScaleMode.TRANSFORMER_ENGINE:
         product = amax * _RCP_448
         bits = product.view(torch.int32)
@@ -174,9 +174,11 @@ class MXFP8Format:
             return [quantized.flatten(-2), exponent]
         # In the model's dtype, as compressed-tensors runs it: the scale is a power of two, so the division is exact.
         groups = weight.to(scale_dtype).unflatten(-1, (weight.shape[-1] // GROUP, GROUP))
-        scale = mx_scale(groups.abs().amax(dim=-1))
-        # + 0: llm-compressor adds the symmetric scheme's zero point (0), which turns a -0 weight into +0
-        quantized = (groups / scale.unsqueeze(-1) + 0).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        scale = mx_scale(max_abs(groups, dim=-1, keepdim=False))
+        # + 0: llm-compressor adds the symmetric scheme's zero point (0), which turns a -0 weight into +0; in place on
+        # the fresh quotient, as the clamp
+        quotient = groups / scale.unsqueeze(-1)
+        quantized = quotient.add_(0).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         exponent = (_E8M0_BIAS + torch.floor(torch.log2(scale)).to(torch.int32)).to(torch.uint8)
         return [quantized.flatten(-2), exponent]
 
