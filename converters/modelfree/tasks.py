@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from converters.casts.emulation import max_abs
 from converters.errors import ModelConfigError
 from converters.model.finite import check_converted
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor_index
@@ -104,7 +105,9 @@ def shard_weight_amax(task: AmaxTask) -> AmaxResult:
     reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
     dtype = getattr(torch, task.scale_dtype)
     with _one_thread():
-        amax = {key: float(reader.weight(key, task.stored.get(key), dtype).float().abs().amax())
+        # in the weight's dtype (exact there), without fp32 and |w| copies of it: one aminmax pass (+ 0.0: an all-zero
+        # weight's -0.0 max reads 0.0, as |w|'s did)
+        amax = {key: float(max_abs(reader.weight(key, task.stored.get(key), dtype)).float()) + 0.0
                 for key in task.keys}
     for key, value in amax.items():
         if not math.isfinite(value):  # amax propagates NaN: one number says whether the whole weight is finite

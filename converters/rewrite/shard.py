@@ -10,8 +10,9 @@ A rewrite is a list of steps, one per source tensor, in the output's order (the 
 Every output tensor's dtype and shape is known before any byte is computed, so the header is written first and
 the file is written once, sequentially. Three threads overlap the work: a reader reads the next step's tensors
 (``pread``) while the caller's thread converts this one (torch ops release the GIL) and a writer writes and hashes
-the last one. Memory: the tensors of about four steps (one read ahead, one converted, two queued for the writer)
-and an 8 MiB copy buffer, whatever the shard's size.
+the last one. Memory: the tensors of three computed steps at most (the one converted, the next one read, the last
+one's outputs being written: each side waits for the other rather than queue more) and an 8 MiB copy buffer,
+whatever the shard's size; a copied tensor is never held (its bytes go through the buffer).
 """
 
 from __future__ import annotations
@@ -96,9 +97,13 @@ def write_shard(path: Path, steps: Sequence[Copy | Compute], metadata: Mapping[s
     temporary = path.with_name(f".{path.name}.tmp")
     failed = threading.Event()
     reads: queue.Queue = queue.Queue(maxsize=1)
-    writes: queue.Queue = queue.Queue(maxsize=2)
-    reader = _Worker(failed, _read_ahead, steps, reads, failed)
-    writer = _Worker(failed, _write_file, temporary, _header(plan, metadata), writes, failed)
+    writes: queue.Queue = queue.Queue(maxsize=1)
+    # one computed step read ahead and one being written, at most: the reader takes a slot before it reads a
+    # Compute step's tensors (freed when this thread takes them), this thread before it hands a Compute step's
+    # outputs to the writer (freed once they are written)
+    read_slot, write_slot = threading.Semaphore(1), threading.Semaphore(1)
+    reader = _Worker(failed, _read_ahead, steps, reads, read_slot, failed)
+    writer = _Worker(failed, _write_file, temporary, _header(plan, metadata), writes, write_slot, failed)
     notes = []
     try:
         for step in steps:
@@ -106,10 +111,16 @@ def write_shard(path: Path, steps: Sequence[Copy | Compute], metadata: Mapping[s
             if check_stop is not None:
                 check_stop()
             if isinstance(step, Copy):
-                _give(writes, [step.source], failed)
+                _give(writes, ([step.source], False), failed)
                 continue
+            read_slot.release()
             tensors, note = step.convert(loaded)
-            _give(writes, _checked(step, list(tensors), plan), failed)
+            del loaded  # the weight goes before the next one is taken
+            checked = _checked(step, list(tensors), plan)
+            del tensors
+            _acquire(write_slot, failed)
+            _give(writes, (checked, True), failed)
+            del checked  # the writer holds the outputs now
             notes.append(note)
         _give(writes, None, failed)
         file_bytes, digest = writer.result()
@@ -220,18 +231,33 @@ def _give(target: queue.Queue, item: Any, failed: threading.Event) -> None:
                 raise _Stopped() from None
 
 
-def _read_ahead(steps: Sequence[Copy | Compute], reads: queue.Queue, failed: threading.Event) -> None:
+def _acquire(slot: threading.Semaphore, failed: threading.Event) -> None:
+    while not slot.acquire(timeout=_POLL_SECONDS):
+        if failed.is_set():
+            raise _Stopped()
+
+
+def _read_ahead(steps: Sequence[Copy | Compute], reads: queue.Queue, slot: threading.Semaphore,
+                failed: threading.Event) -> None:
     for step in steps:
-        _give(reads, None if isinstance(step, Copy) else step.read(), failed)
+        if isinstance(step, Copy):
+            _give(reads, None, failed)
+            continue
+        _acquire(slot, failed)
+        _give(reads, step.read(), failed)
 
 
-def _write_file(temporary: Path, header: bytes, writes: queue.Queue, failed: threading.Event) -> tuple[int, str]:
-    """Write the header, then each queued list of tensors (source bytes copied), hashing what is written."""
+def _write_file(temporary: Path, header: bytes, writes: queue.Queue, slot: threading.Semaphore,
+                failed: threading.Event) -> tuple[int, str]:
+    """Write the header, then each queued list of tensors (source bytes copied), hashing what is written; a list
+    that took the write slot frees it once written."""
     digest = hashlib.sha256(header)
     buffer = bytearray(_COPY_CHUNK)
     with open(temporary, "wb", buffering=0) as handle:
         written = handle.write(header)
-        while (values := _take(writes, failed)) is not None:
+        while (item := _take(writes, failed)) is not None:
+            values, counted = item
+            value = data = None
             for value in values:
                 if isinstance(value, SourceTensor):
                     written += _copy_bytes(value, handle, digest, buffer)
@@ -240,6 +266,9 @@ def _write_file(temporary: Path, header: bytes, writes: queue.Queue, failed: thr
                 data = memoryview(value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
                 digest.update(data)
                 written += _write_all(handle, data)
+            del values, item, value, data  # written: nothing of them stays while the next list is awaited
+            if counted:
+                slot.release()
     return written, digest.hexdigest()
 
 

@@ -49,21 +49,53 @@ def cast_in_strips(cast: Callable[[torch.Tensor], Sequence[torch.Tensor]], weigh
     first dim is the sum of the strips' is concatenated along it; any other (a per-tensor scale) must be the same
     in every strip and is taken once.
 
+    Each strip's part is copied into its output as soon as it is cast, so only one strip's parts are alive beside
+    the outputs (joining a list of every strip's parts at the end held a second copy of the outputs and copied
+    them once more).
+
     Raises:
         ValueError: a per-tensor output differs between strips (the cast reads the whole tensor: it cannot be
             cast in strips), or a strip gave another number of tensors than ``planned`` names.
     """
-    parts = [list(cast(weight[start:start + step])) for start in range(0, weight.shape[0], step)]
-    joined = []
-    for index, (name, entry) in enumerate(planned.items()):
-        pieces = [part[index] for part in parts if index < len(part)]
-        if len(pieces) != len(parts) or any(len(part) != len(planned) for part in parts):
-            raise ValueError(f"{name}: a strip's cast gave {len(parts[0])} tensors, the plan names {len(planned)}")
-        if pieces[0].dim() and sum(piece.shape[0] for piece in pieces) == tuple(entry.shape)[0]:
-            joined.append(torch.cat(pieces))
-        elif all(torch.equal(piece, pieces[0]) for piece in pieces[1:]):
-            joined.append(pieces[0])
-        else:
-            raise ValueError(f"{name}: the strips of the weight gave different values of a per-tensor output; this "
-                             f"format's cast reads the whole tensor and cannot be cast in strips")
+    rows, names = weight.shape[0], list(planned)
+    joined: list[torch.Tensor] = []
+    filled: list[int | None] = []  # rows of each concatenated output written so far; None: a per-tensor output
+    for start in range(0, rows, step):
+        part = list(cast(weight[start:start + step]))
+        if len(part) != len(planned):
+            raise ValueError(f"{names[min(len(part), len(names) - 1)]}: a strip's cast gave {len(part)} tensors, the "
+                             f"plan names {len(planned)}")
+        if start == 0:
+            for name, piece in zip(names, part, strict=True):
+                first = _first_dim(planned[name])
+                # a part per strip: its rows are the output's, in the strip's share (a scale per 128 rows: 1/128)
+                if piece.dim() and first is not None and first * min(step, rows) == piece.shape[0] * rows:
+                    joined.append(torch.empty((first, *piece.shape[1:]), dtype=piece.dtype, device=piece.device))
+                    filled.append(0)
+                else:
+                    joined.append(piece)
+                    filled.append(None)
+        for index, piece in enumerate(part):
+            done = filled[index]
+            if done is None:
+                if start and not torch.equal(piece, joined[index]):
+                    raise ValueError(f"{names[index]}: the strips of the weight gave different values of a "
+                                     f"per-tensor output; this format's cast reads the whole tensor and cannot be "
+                                     f"cast in strips")
+                continue
+            end = done + piece.shape[0]
+            if end > joined[index].shape[0] or tuple(piece.shape[1:]) != tuple(joined[index].shape[1:]):
+                raise ValueError(f"{names[index]}: a strip's part {tuple(piece.shape)} does not fit the planned "
+                                 f"{tuple(joined[index].shape)}")
+            joined[index][done:end].copy_(piece)
+            filled[index] = end
+        del part
+    for index, done in enumerate(filled):
+        if done is not None and done != joined[index].shape[0]:
+            raise ValueError(f"{names[index]}: the strips gave {done} rows of the planned {joined[index].shape[0]}")
     return joined
+
+
+def _first_dim(entry: Any) -> int | None:
+    shape = tuple(entry.shape)
+    return shape[0] if shape else None
