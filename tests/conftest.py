@@ -1,4 +1,5 @@
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,46 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from tests.models import MOE_CONFIGS, TINY_CONFIGS, save_tiny_model, save_tiny_moe  # noqa: E402
+from tests.scheduling import FileSeconds, heaviest_files_first, load_file_seconds, unique_ids  # noqa: E402
+
+#: xdist schedulers that key their work by node id: two tests of one id would run as one
+_BY_NODE_ID = ("loadfile", "loadscope", "loadgroup")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", metavar="PATH", default=None,
+                     help="write each test file's seconds (setup + call + teardown) to PATH as JSON at the end: "
+                          "tests/file_seconds.json orders the files for xdist (tests/scheduling.py)")
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-file-seconds")
+    if path and not hasattr(config, "workerinput"):  # the reports of every xdist process reach the controller
+        config.pluginmanager.register(FileSeconds(Path(path)), "file-seconds")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture parameters) and any deselection
+def pytest_collection_modifyitems(config, items):
+    unique_ids(items)
+    # xdist's file schedulers hand out files in this order (xdist's plain load sends runs of consecutive tests:
+    # the heaviest files first would all land in the first process's run)
+    if getattr(config, "workerinput", {}).get("fp8forge_dist") in ("loadfile", "loadscope"):
+        items[:] = heaviest_files_first(items, load_file_seconds())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """In xdist's controller: tell each process the scheduler (xdist sets its own --dist to "no")."""
+    node.workerinput["fp8forge_dist"] = node.config.getoption("dist")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """In xdist's controller: refuse to run when a scheduler that keys its work by node id meets a shared one."""
+    dist = node.config.getoption("dist")
+    shared = sorted(nodeid for nodeid, count in Counter(ids).items() if count > 1)
+    if shared and dist in _BY_NODE_ID:
+        raise pytest.UsageError(f"--dist {dist} would run the tests that share a node id as one test: {shared[:5]}")
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,8 @@ from service.config import Settings
 from service.store import JobStore
 from tests.service_helpers import live_app, publish_job
 
-# No xdist_group here: every operation's test has the same node id, and xdist's loadgroup/loadfile schedulers key
-# their work by node id, so under those the 13 operations would collapse into one test.
+# pytest 9 gives every operation's test the same node id; tests/scheduling.py's unique_ids gives each its operation
+# ("...[POST /v1/jobs]"), without which xdist's loadfile, which keys its work by node id, would run one of them.
 pytestmark = pytest.mark.slow  # spawns processes or servers: seconds each
 
 # A schema-valid request may still be refused for what no JSON Schema can say: whether the model exists,
