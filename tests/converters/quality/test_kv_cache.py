@@ -127,7 +127,7 @@ def smollm_kv_export(tmp_path_factory):
     texts = [source.tokenizer.decode(ids, skip_special_tokens=True)]
     work = tmp_path_factory.mktemp("smollm-kv")
     request = ConversionRequest(model=str(model_dir), recipe=RECIPE_NAMES["te-current"],
-                                calibration=CalibrationSettings(steps=2, batch_size=1, seq_len=128),
+                                calibration=CalibrationSettings(steps=2, batch_size=1, seq_len=64),
                                 serving_formats=("compressed-tensors-fp8",), kv_cache="fp8", quality_texts=tuple(texts))
     result = run_conversion(request, work / "out", local_sources(model_dir.parent, work))
     return result.out_dir, source, texts
