@@ -11,6 +11,10 @@ Exports:
                   no quality pass of its own) writing compressed-tensors-fp8, compressed-tensors-fp8-dynamic and
                   modelopt-fp8; the engine runs each export twice: with a bf16 KV cache (its KV scales unused)
                   and with ``kv_cache_dtype="fp8"``
+  fp8forge, every Linear
+                  (part ``fp8forge-every-linear``) a second job writing compressed-tensors-fp8-dynamic alone with
+                  ``skip_first_last: false``: the layer set of llm-compressor's FP8_DYNAMIC (layer 0's q/k/v
+                  quantized too), so that the two dynamic exports can be told apart by anything but their layers
   llm-compressor  0.14 (its venv: benchmarks/bench_serving.py's, made on first use; ``--skip-peer`` leaves it out):
                   QuantizationModifier FP8 and FP8_DYNAMIC (every Linear but lm_head), each with and without
                   kv_cache_scheme (static_minmax), from the same calibration token rows as fp8forge's job
@@ -54,9 +58,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 WINDOW = 128
 SEQ_LEN = 256  #: the report's text cut (converters.quality.DEFAULT_SEQ_LEN)
 RUNNABLE = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8")
-PARTS = ("fp8forge", "peer", "report", "engine", "table")  #: table alone: print what --keep holds
+#: table alone: print what --keep holds
+PARTS = ("fp8forge", "fp8forge-every-linear", "peer", "report", "engine", "table")
 PEER_SCHEMES = {"FP8": "llm-compressor FP8 (static)", "FP8_DYNAMIC": "llm-compressor FP8_DYNAMIC"}
 JOB = "fp8forge-fp8"
+EVERY_LINEAR_JOB = "fp8forge-dynamic-every-linear"
+DYNAMIC = "compressed-tensors-fp8-dynamic"
+SOURCE = "bf16 source"
 
 
 def report_tokens(tokenizer, max_tokens: int, seq_len: int) -> list[list[int]]:
@@ -92,9 +100,27 @@ def fp8forge_exports(model: Path, settings, work: Path, *, convert: bool) -> dic
     return {fmt: out / "serving" / fmt for fmt in RUNNABLE}
 
 
-def peer_exports(model: Path, settings, work: Path, *, convert: bool) -> tuple[dict[str, Path], str]:
-    """llm-compressor's four exports from fp8forge's calibration token rows; (label -> dir), version.
-    ``convert`` False: reuse the exports ``--keep`` holds."""
+def every_linear_export(model: Path, settings, work: Path, *, convert: bool) -> Path:
+    """fp8forge's dynamic export of every Linear but the head (``skip_first_last: false``, no KV scales)."""
+    from converters.api import local_sources
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import ConversionRequest
+
+    out = work / EVERY_LINEAR_JOB
+    if convert:
+        request = ConversionRequest(model=str(model), recipe={"backend": "te"}, calibration=settings,
+                                    skip_first_last=False, serving_formats=(DYNAMIC,), measure=False)
+        started = time.perf_counter()
+        run_conversion(request, out, local_sources(model.parent, work))
+        print(f"fp8forge every-Linear job: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return out / "serving" / DYNAMIC
+
+
+def peer_exports(model: Path, settings, work: Path, *, convert: bool, with_kv: bool = True,
+                 schemes: tuple[str, ...] = tuple(PEER_SCHEMES)) -> tuple[dict[str, Path], str]:
+    """llm-compressor's four exports from fp8forge's calibration token rows (``with_kv`` False: the two without
+    kv_cache_scheme; ``schemes``: of PEER_SCHEMES); (label -> dir), version. ``convert`` False: reuse the exports
+    ``--keep`` holds."""
     from bench_serving import DEFAULT_PEER_VENV, ensure_peer_venv, venv_python
     from bench_serving_formats import KV_CACHE_SCHEME_STATIC
     from transformers import AutoTokenizer
@@ -109,7 +135,9 @@ def peer_exports(model: Path, settings, work: Path, *, convert: bool) -> tuple[d
     (work / "tokens.json").write_text(json.dumps(rows))
     exports = {}
     for scheme, name in PEER_SCHEMES.items():
-        for kv in (False, True):
+        if scheme not in schemes:
+            continue
+        for kv in (False, True) if with_kv else (False,):
             recipe = {"scheme": scheme, **({"kv_cache_scheme": KV_CACHE_SCHEME_STATIC} if kv else {})}
             out = work / f"peer-{scheme}-{'kv' if kv else 'no-kv'}"
             params = {"model_dir": str(model), "tokens": str(work / "tokens.json"), "seq_len": WINDOW,
@@ -126,14 +154,15 @@ def peer_exports(model: Path, settings, work: Path, *, convert: bool) -> tuple[d
     return exports, versions.get("llmcompressor", "?")
 
 
-def rows_of(exports: dict[str, Path]) -> list[tuple[str, Path, str]]:
+def rows_of(exports: dict[str, Path], fp8_kv: bool = True) -> list[tuple[str, Path, str]]:
     """(row label, export, kv_cache_dtype): each export with a bf16 KV cache, and with an FP8 one where it writes
-    KV scales ("auto" would take the export's own: vLLM reads kv_cache_scheme and turns an FP8 cache on)."""
+    KV scales ("auto" would take the export's own: vLLM reads kv_cache_scheme and turns an FP8 cache on) unless
+    ``fp8_kv`` is False."""
     rows = []
     for label, directory in exports.items():
         has_kv = any(name.endswith(("k_scale", "v_scale")) for name in _tensor_names(directory))
         rows.append((label, directory, "bfloat16" if has_kv else "auto"))
-        if has_kv:
+        if has_kv and fp8_kv:
             rows.append((f"{label} + FP8 KV", directory, "fp8"))
     return rows
 
@@ -181,13 +210,64 @@ def report_figures(model: Path, rows: list[tuple[str, Path, str]], max_tokens: i
         else:
             variants[label] = casts
     started = time.perf_counter()
-    figures = measure_qualities(source, variants, max_tokens=max_tokens, seq_len=SEQ_LEN)
+    with per_position_nll() as positions:
+        figures = measure_qualities(source, variants, max_tokens=max_tokens, seq_len=SEQ_LEN)
     print(f"report pass, {len(variants)} variants: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    out = {label: figures[label].to_dict() for label, _, _ in rows}
+    out = {label: {**figures[label].to_dict(), "per_token": positions.get(label)} for label, _, _ in rows}
+    first = figures[rows[0][0]]  # every variant's reference is the one source stream
+    out[SOURCE] = {"perplexity": first.perplexity_reference, "perplexity_reference": first.perplexity_reference,
+                   "tokens": first.tokens, "per_token": positions.get(None)}
     for label, _, kv in rows:
         if kv == "fp8":
             out[label]["nearest"] = figures[f"{label}:nearest"].to_dict()
     return out
+
+
+class per_position_nll:  # noqa: N801 - a context manager read as a phrase
+    """Inside the block, the quality pass's per-position negative log-likelihoods, recorded beside its sums: label
+    (None: the reference) -> list in scoring order (the texts' positions in order). Instrumentation of this
+    benchmark only: it wraps ``TokenScores.add`` and the head pass's ``_score`` (which names each variant's scores)
+    for the block's duration."""
+
+    def __init__(self) -> None:
+        self.nll: dict[str | None, list[float]] = {}
+
+    def get(self, label: str | None) -> list[float] | None:
+        return self.nll.get(label)
+
+    def __enter__(self) -> dict[str | None, list[float]]:
+        import torch
+
+        from converters.quality import measure
+        from converters.quality.figures import ReferenceLogits, TokenScores
+
+        self.add, self.score = TokenScores.add, measure._score
+        add, score, nll = self.add, self.score, self.nll
+
+        def recording_add(scores, reference, logits, targets):
+            add(scores, reference, logits, targets)
+            picked = targets.unsqueeze(1)
+            scores.__dict__.setdefault("per_token", []).extend(
+                (-torch.log_softmax(logits.float(), dim=-1).gather(1, picked)[:, 0]).tolist())
+            if isinstance(reference, ReferenceLogits):
+                scores.__dict__.setdefault("per_token_reference", []).extend(
+                    (-reference.log_p.gather(1, picked)[:, 0]).tolist())
+
+        def recording_score(*args, **kwargs):
+            result = score(*args, **kwargs)
+            for name, scores in result.items():
+                nll[name] = scores.__dict__.get("per_token", [])
+                nll.setdefault(None, scores.__dict__.get("per_token_reference", []))
+            return result
+
+        TokenScores.add, measure._score = recording_add, recording_score
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from converters.quality import measure
+        from converters.quality.figures import TokenScores
+
+        TokenScores.add, measure._score = self.add, self.score
 
 
 def _format_of(directory: Path, label: str):
@@ -206,7 +286,7 @@ def engine_runs(model: Path, rows: list[tuple[str, Path, str]], texts: list[list
     from tests.engines.engine import DRIVER, VLLM_PYTHON
 
     work.mkdir(parents=True, exist_ok=True)
-    labels = ["bf16 source", *(label for label, _, _ in rows)]
+    labels = [SOURCE, *(label for label, _, _ in rows)]
     runs = [{"model": str(model), "kv_cache_dtype": "auto", "score": texts, "instrument": True}]
     runs += [{"model": str(directory), "kv_cache_dtype": kv, "score": texts, "instrument": True}
              for _, directory, kv in rows]
@@ -224,7 +304,7 @@ def engine_runs(model: Path, rows: list[tuple[str, Path, str]], texts: list[list
 
 
 def table(runs: dict, reports: dict) -> list[dict]:
-    source = runs["bf16 source"]["perplexity"]
+    source = runs[SOURCE]["perplexity"]
     rows = []
     for label, run in runs.items():
         row = {"export": label, "engine_error": run.get("error")}
@@ -232,7 +312,7 @@ def table(runs: dict, reports: dict) -> list[dict]:
             row.update(engine_perplexity=run["perplexity"], engine_vs_bf16=run["perplexity"] / source - 1,
                        instrument=run.get("instrument"))
         report = reports.get(label)
-        if label == "bf16 source" and reports:  # the report's source: the reference stream of its pass
+        if label == SOURCE and reports and SOURCE not in reports:  # a report.json of before the per-position column
             first = next(iter(reports.values()))
             reference = first["perplexity_reference"]
             report = {"perplexity": reference, "perplexity_reference": reference, "tokens": first["tokens"]}
@@ -243,22 +323,38 @@ def table(runs: dict, reports: dict) -> list[dict]:
                 row["report_nearest"] = report["nearest"]["perplexity"]
             if "engine_perplexity" in row:
                 row["gap"] = report["perplexity"] / run["perplexity"] - 1
+                row.update(_position_gaps(report.get("per_token"), run))
         rows.append(row)
     return rows
 
 
+def _position_gaps(report: list[float] | None, run: dict) -> dict:
+    """The report's per-position negative log-likelihood against the engine's on the same positions: the mean
+    difference (nats; the log of the perplexity ratio), its root mean square, and the share of positions whose
+    difference exceeds 0.1 nats."""
+    engine = [nll for text in run["scores"] for nll in text["per_token"]]
+    if not report or len(report) != len(engine):
+        return {}
+    diffs = [r - e for r, e in zip(report, engine, strict=True)]
+    return {"nll_mean_diff": sum(diffs) / len(diffs), "nll_rms_diff": math.sqrt(sum(d * d for d in diffs) / len(diffs)),
+            "over_0_1_nats": sum(abs(d) > 0.1 for d in diffs) / len(diffs)}
+
+
 def print_table(rows: list[dict]) -> None:
     print("| export | engine perplexity | vs bf16 | report perplexity (engine's casts) | report/engine - 1 | "
+          "per-position NLL, report - engine: RMS (nats) | positions > 0.1 nats apart | "
           "report, KV rounded to nearest |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        engine = (f"{row['engine_perplexity']:.3f} | " + ("" if row["export"] == "bf16 source"
+        engine = (f"{row['engine_perplexity']:.3f} | " + ("" if row["export"] == SOURCE
                                                         else f"{row['engine_vs_bf16']:+.2%}")
                   if row["engine_error"] is None else f"not run: {row['engine_error'][:90]} | ")
         report = f"{row['report_perplexity']:.3f}" if "report_perplexity" in row else ""
         gap = f"{row['gap']:+.2%}" if "gap" in row else ""
         nearest = f"{row['report_nearest']:.3f}" if "report_nearest" in row else ""
-        print(f"| {row['export']} | {engine} | {report} | {gap} | {nearest} |")
+        rms = f"{row['nll_rms_diff']:.4f}" if "nll_rms_diff" in row else ""
+        apart = f"{row['over_0_1_nats']:.1%}" if "over_0_1_nats" in row else ""
+        print(f"| {row['export']} | {engine} | {report} | {gap} | {rms} | {apart} | {nearest} |")
 
 
 def main() -> None:
@@ -271,7 +367,20 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, of {', '.join(PARTS)}: the exports to make, the report's pass and the "
                              "engine; an export part left out is read from --keep")
+    parser.add_argument("--skip-fp8-kv", action="store_true",
+                        help="leave out the rows with an FP8 KV cache (vLLM's CPU build runs them with AVX-512 or AMX) "
+                             "and llm-compressor's kv_cache_scheme exports")
+    parser.add_argument("--peer-schemes", default=",".join(PEER_SCHEMES),
+                        help=f"llm-compressor's schemes to export and run, of {', '.join(PEER_SCHEMES)}")
+    parser.add_argument("--report-file", default="report.json",
+                        help="the report part's figures, in --keep: written by --parts report, read by the others")
+    parser.add_argument("--quality-from", type=Path,
+                        help="import converters (the report's pass) from this source tree instead of this checkout's, "
+                             "e.g. `git archive` of an earlier commit: the pass before and after a change, on the same "
+                             "exports and positions")
     args = parser.parse_args()
+    if args.quality_from is not None:
+        sys.path.insert(0, str(args.quality_from.resolve()))
     parts = set(args.parts.split(","))
     if parts - set(PARTS) or (parts != set(PARTS) and args.keep is None):
         raise SystemExit(f"--parts takes {', '.join(PARTS)} (and --keep DIR unless all of them), got {args.parts!r}")
@@ -298,17 +407,22 @@ def main() -> None:
         if "fp8forge" in parts or (work / JOB / "serving").is_dir():
             made = fp8forge_exports(model, settings, work, convert="fp8forge" in parts)
             exports.update({f"fp8forge {fmt}": directory for fmt, directory in made.items()})
+        if "fp8forge-every-linear" in parts or (work / EVERY_LINEAR_JOB / "serving").is_dir():
+            made = every_linear_export(model, settings, work, convert="fp8forge-every-linear" in parts)
+            exports[f"fp8forge {DYNAMIC}, every Linear"] = made
         peer_version = None
         if not args.skip_peer and ("peer" in parts or (work / "tokens.json").is_file()):
-            peer, peer_version = peer_exports(model, settings, work, convert="peer" in parts)
+            peer, peer_version = peer_exports(model, settings, work, convert="peer" in parts,
+                                              with_kv=not args.skip_fp8_kv,
+                                              schemes=tuple(args.peer_schemes.split(",")))
             exports.update(peer)
-        rows = rows_of(exports)
+        rows = rows_of(exports, fp8_kv=not args.skip_fp8_kv)
         reports = {}
         if "report" in parts:
             reports = report_figures(model, rows, args.tokens)
-            (work / "report.json").write_text(json.dumps(reports))
-        elif (work / "report.json").is_file():
-            reports = json.loads((work / "report.json").read_text())
+            (work / args.report_file).write_text(json.dumps(reports))
+        elif (work / args.report_file).is_file():
+            reports = json.loads((work / args.report_file).read_text())
         engine_started = time.perf_counter()
         if "engine" in parts:
             runs = engine_runs(model, rows, texts, work / "vllm")
