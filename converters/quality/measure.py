@@ -24,13 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.calibration.compute import tensor_dtypes
+from converters.calibration.compute import emulating, tensor_dtypes
 
 # The calibration's pass-1 and replay machinery, shared so that both passes see the layers called the same way.
 from converters.calibration.sequential import (
     LayerCalls,
     LayerStack,
+    SequentialStats,
     StopForward,
+    choose_compute,
     find_layer_stack,
     module_path,
     record_layer_calls,
@@ -42,7 +44,6 @@ from converters.casts.emulation import fake_quantize
 from converters.errors import ConversionCancelled
 from converters.model.checkpoint import Checkpoint, release, return_freed_memory, unit_keys
 from converters.model.sources import ModelSourceOptions, build_meta_model, load_config, load_tokenizer, model_dtype
-from converters.quality.arithmetic import GEMM_DTYPE, engine_arithmetic
 from converters.quality.casts import LayerCast, cast_linear_weight, casting_linears, input_amax
 from converters.quality.figures import QualityFigures, QualityUnavailable, ReferenceLogits, TokenScores
 from converters.quality.held_out import BUILT_IN_HELD_OUT, REQUEST_TEXTS, held_out_part
@@ -218,6 +219,7 @@ def _run_layers(source: QualitySource, batches: list[dict[str, Any]],
     try:
         embedded = record_layer_calls(model, stack, checkpoint, batches, passes, head_path, embed_path,
                                       keep_embeddings=True)
+        choose_compute(passes, checkpoint, None, SequentialStats())
         streams: dict[str | None, list[torch.Tensor]] = {None: list(passes.hidden_in)}
         streams.update({name: streams[None] if first_cast[name] > 0 else list(passes.hidden_in) for name in variants})
         for index in range(stack.count):
@@ -251,10 +253,10 @@ def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, pass
     layer_path = f"{stack.path}.{index}"
     dtypes = tensor_dtypes(layer)
     checkpoint.load(unit_keys(model, lambda name: under(name, layer_path)))
-    storage = checkpoint.dtype
+    storage, compute = checkpoint.dtype, passes.compute or checkpoint.dtype
     replaced: list[str] = []  # Linears whose weight is a variant's cast now
     try:
-        with torch.no_grad(), engine_arithmetic(layer, storage):
+        with torch.no_grad(), emulating(layer, storage, compute):
             for name in streams:
                 if name is not None and index < first_cast[name]:
                     streams[name] = streams[None]  # the reference's own list: computed once, for both
@@ -264,7 +266,7 @@ def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, pass
                 # a Linear this stream reads from an export's written weight needs no source weight (only its
                 # shape): reloading it would read the layer's bytes again for nothing
                 _load_source_weights(model, checkpoint, [path for path in replaced if not _reads_written(casts, path)],
-                                     GEMM_DTYPE)
+                                     compute)
                 replaced = []
                 with casting_linears(model, casts, in_place=True) as cast, quantizing_kv_cache(model, kv):
                     replaced = list(cast.casts)
@@ -370,15 +372,10 @@ def _score(head: nn.Module, head_path: str, batches: list[dict[str, Any]], final
             names = plain[first:first + group]
             logits.update(_upcast_head_logits([joined[id(finals[name])][rows] for name in names], weight, bias,
                                               buffer, names))
-        # the head is a Linear of the model too: its logits come out in the model's dtype, as the engine's do (its
-        # log-probabilities are then taken in fp32 from them): converters.quality.arithmetic
-        for name in logits:
-            _round_in_place(logits[name], weight.dtype)
         reference = ReferenceLogits(logits[None])
         for name in variants:
             if name in cast_inputs:
-                logits[name] = _round_in_place(_cast_head_logits(cast_inputs[name][rows], cast_weights[name], bias),
-                                               weight.dtype)
+                logits[name] = _cast_head_logits(cast_inputs[name][rows], cast_weights[name], bias)
             scores[name].add(reference, logits.get(name, logits[None]), targets[rows])
     return scores
 
@@ -393,13 +390,6 @@ def _head_input(hidden: list[torch.Tensor], batches: list[dict[str, Any]], cast:
             x = fake_quantize(x, cast.input, scale=cast.input_scale, tensor_amax=input_amax(cast))
         parts.append(x[: batch["input_ids"].shape[1] - 1])
     return torch.cat(parts)
-
-
-def _round_in_place(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 ``logits`` rounded to ``dtype``'s values (they stay fp32 tensors); unchanged for an fp32 head."""
-    if dtype != logits.dtype and dtype.is_floating_point:
-        logits.copy_(logits.to(dtype))
-    return logits
 
 
 def _head_positions(vocab: int, streams: int) -> int:
