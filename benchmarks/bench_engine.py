@@ -37,6 +37,15 @@ Run:
   .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts report,engine --calib-steps 8
   # the report's pass and the engine in two processes at once, then the table from what they left in --keep:
   .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts table --calib-steps 8
+  # on an AVX2 CPU (no FP8 KV cache in vLLM's CPU build): the runnable rows only; llm-compressor's dynamic export
+  # only; fp8forge's dynamic export of the peer's layer set; the pass of another tree (A/B) into its own file:
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts peer --skip-fp8-kv --peer-schemes FP8_DYNAMIC
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts fp8forge-every-linear --skip-fp8-kv
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts report --skip-fp8-kv \
+      --quality-from /tmp/old-tree --report-file report-old.json
+
+Besides perplexity, the table compares the report's and the engine's negative log-likelihood position by position
+(both score the same token ids): the RMS of the difference and the share of positions more than 0.1 nats apart.
 """
 
 from __future__ import annotations
