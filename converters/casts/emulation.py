@@ -29,6 +29,8 @@ __all__ = [
     "per_tensor_fp8",
     "per_tensor_scale",
     "max_abs",
+    "E4M3_UNCLAMPED_MAX",
+    "e4m3_clamp_needed",
     "cast_fp8",
     "round_to_e2m1",
     "e2m1_codes",
@@ -260,6 +262,26 @@ def max_abs(x: torch.Tensor, dim: int | None = None, *, keepdim: bool = True) ->
         return x.abs().amax(dim=dim, keepdim=keepdim)
     low, high = torch.aminmax(x)
     return torch.maximum(high, -low)
+
+
+#: the largest ``|x|`` whose ``float8_e4m3fn`` cast is 448 by rounding alone: between 448 (code 0x7E) and 480 (0x7F,
+#: NaN's pattern) a cast rounds to nearest even, and 464, the tie, goes to 0x7E, the even code. Above it torch 2.13
+#: saturates to 448, where older conversions gave NaN: a quotient within this bound casts to the same byte clamped
+#: to +-448 or not, whichever the conversion does.
+E4M3_UNCLAMPED_MAX = 464.0
+
+
+def e4m3_clamp_needed(amax: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether clamping ``w / scale`` to +-448 can change its E4M3 bytes, for blocks with these ``amax`` (each the
+    exact largest ``|w|`` of its block) and positive ``scale`` s (broadcastable), in the dtypes the quotient is
+    computed in: False when every ``amax / scale`` is within :data:`E4M3_UNCLAMPED_MAX`.
+
+    That bounds every quotient of the block: ``|w| <= amax``, and rounding the exact quotient to the result's dtype
+    is monotonic, so ``|w / scale|`` rounds to at most what ``amax / scale`` rounds to. A NaN (a NaN weight) or an
+    infinite bound says True: the clamp then runs as before. The check is a pass over the scales only."""
+    if amax.numel() == 0:
+        return False
+    return not bool((amax / scale).max() <= E4M3_UNCLAMPED_MAX)
 
 
 def per_tensor_scale(spec: CastSpec, amax: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
-from converters.casts.emulation import max_abs
+from converters.casts.emulation import e4m3_clamp_needed, max_abs
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.kv_scales import COMPRESSED_TENSORS_KV
 from converters.serving.plan import ServingPlan
@@ -49,8 +49,13 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
 
 
-def _quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (weight / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # the quotient is ours
+def _quantize(weight: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``clamp(weight / scale, -448, 448)`` as E4M3; the clamp, a pass over the quotient, only where a quotient could
+    cast otherwise without it (a subnormal or eps scale: a normal one is within 2**-8 of ``amax / 448``)."""
+    quotient = weight / scale  # ours: clamped in place
+    if e4m3_clamp_needed(amax, scale):
+        quotient.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return quotient.to(torch.float8_e4m3fn)
 
 
 class CompressedTensorsFP8:
@@ -86,7 +91,7 @@ class CompressedTensorsFP8:
         weight = weight.to(scale_dtype)
         amax = max_abs(weight).reshape(1) if self.static else max_abs(weight, dim=1)
         scale = _scale(amax)
-        tensors = [_quantize(weight, scale), scale]
+        tensors = [_quantize(weight, scale, amax), scale]
         if self.static:
             tensors.append(_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
         return tensors

@@ -46,6 +46,7 @@ import torch
 
 from converters.analysis.reasons import Reason
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
+from converters.casts.emulation import e4m3_clamp_needed
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.plan import ServingPlan
@@ -179,14 +180,30 @@ def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat,
         return [quantized.reshape(rows, columns), scale_inv.reshape(rows // BLOCK, columns // BLOCK)]
     # |w| and its block max in the weight's own dtype (exact there, half the bytes of an fp32 copy's), the
     # quotient in fp32 and clamped in place: the same bits as dividing an fp32 copy, in fewer passes over memory
+    # The clamp only where a quotient could cast otherwise without it (e4m3_clamp_needed): an fp32 amax / 448 is
+    # within 2**-24 of it unless subnormal, and the power of two is at least amax / 448.
     own = weight.reshape(rows // BLOCK, BLOCK, columns // BLOCK, BLOCK)
-    amax = own.abs().amax(dim=(1, 3), keepdim=True).float()
+    amax = _block_amax(own)
     if scale_fmt is ScaleFormat.UE8M0:
         scale = pow2_scale_inv(amax)
     else:
         scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-    quantized = torch.div(own, scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    quantized = torch.div(own, scale)
+    if e4m3_clamp_needed(amax, scale):
+        quantized.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    quantized = quantized.to(torch.float8_e4m3fn)
     return [quantized.reshape(rows, columns), scale.reshape(rows // BLOCK, columns // BLOCK)]
+
+
+def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """Each ``[.., 128, .., 128]`` block's largest ``|w|``, as fp32 ``[.., 1, .., 1]`` (exact: a max of the weight's
+    own values). A bf16/fp16 weight's magnitudes are its bits with the sign cleared, ordered as int16 values: their
+    max over the 128 columns first (contiguous: vectorized), then over the 128 rows, without the ``|w|`` copy a
+    float ``abs().amax`` over both dims makes (a NaN block gives NaN either way, its payload may differ)."""
+    if blocks.dtype in (torch.bfloat16, torch.float16) and blocks.device.type == "cpu":
+        bits = (blocks.view(torch.int16) & 0x7FFF).amax(dim=3, keepdim=True).amax(dim=1, keepdim=True)
+        return bits.view(blocks.dtype).float()
+    return blocks.abs().amax(dim=(1, 3), keepdim=True).float()
 
 
 def _weight_sqnr(weight: torch.Tensor, tensors: list[torch.Tensor]) -> float | None:

@@ -36,12 +36,13 @@ applied per matrix; no engine was checked on an MXFP8 MoE export.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import torch
 
 from converters.analysis.reasons import Reason
-from converters.casts.emulation import E4M3_MAX, max_abs
+from converters.casts.emulation import E4M3_MAX, e4m3_clamp_needed, max_abs
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.e4m3_cast import to_e4m3
@@ -71,8 +72,56 @@ def mx_scale(amax: torch.Tensor) -> torch.Tensor:
 
     ``amax`` is bf16, fp16 or fp32. Raises TypeError for another dtype.
     """
-    if amax.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"MXFP8 scales are computed in bf16, fp16 or fp32, got {amax.dtype}")
+    _check_scale_dtype(amax.dtype)
+    return _mx_scales(amax)[0]
+
+
+def _check_scale_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"MXFP8 scales are computed in bf16, fp16 or fp32, got {dtype}")
+
+
+def _mx_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mx_scale(amax), its biased E8M0 byte)``, read from a table per dtype.
+
+    compressed-tensors' scale depends on amax only through ``round_to_power_2(amax)``, whose mantissa bits are
+    cleared: its sign and exponent bits (512 values for bf16 and fp32, 64 for fp16) index a table of what
+    :func:`_mx_scale_reference` and the byte's formula give for that rounded value itself (rounding it again
+    leaves it as it is). Three integer ops and two gathers over the groups' amax, where the formula takes about
+    twenty ops (powers, logarithms, conversions); the same values (tested over every 16-bit pattern).
+    """
+    scale_table, byte_table, mantissa, increment, mask = _mx_tables(amax.dtype)
+    bits = amax.view(torch.int16).to(torch.int32) & 0xFFFF if amax.element_size() == 2 else amax.view(torch.int32)
+    index = ((bits + increment) & mask) >> mantissa  # the reference's rounding, its mantissa bits dropped
+    index = index.bitwise_and_(mask >> mantissa).reshape(-1)  # fp32: the sign bit the arithmetic shift spread
+    return (torch.index_select(scale_table, 0, index).view(amax.shape),
+            torch.index_select(byte_table, 0, index).view(amax.shape))
+
+
+@functools.cache
+def _mx_tables(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """``(scales, bytes, mantissa bits, rounding increment, sign-and-exponent mask)`` of :func:`_mx_scales`."""
+    info = torch.finfo(dtype)
+    mantissa = round(-torch.log2(torch.tensor(info.eps, dtype=torch.float64)).item())
+    exponent = info.bits - 1 - mantissa
+    classes = torch.arange(1 << (exponent + 1), dtype=torch.int64) << mantissa  # each rounded value's bits
+    if info.bits == 16:
+        values = classes.to(torch.int32).to(torch.int16).view(dtype)  # (wraps into the sign bit, as int16 holds it)
+    else:
+        values = classes.to(torch.int32).view(dtype)
+    scales = _mx_scale_reference(values)
+    return (scales, _e8m0_byte(scales), mantissa, 1 << (mantissa - _E2M1_MANTISSA - 1),
+            ((1 << (exponent + 1)) - 1) << mantissa)
+
+
+def _e8m0_byte(scale: torch.Tensor) -> torch.Tensor:
+    """The biased E8M0 byte compressed-tensors stores for a power-of-two ``scale`` (``compress_mx_scale``)."""
+    return (_E8M0_BIAS + torch.floor(torch.log2(scale)).to(torch.int32)).to(torch.uint8)
+
+
+def _mx_scale_reference(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``generate_mx_scales`` element by element (what :func:`mx_scale` reads from a table)."""
+    _check_scale_dtype(amax.dtype)
     biased = _E8M0_BIAS + torch.floor(torch.log2(_round_to_power_2(amax))) - _E4M3_EMAX
     biased = torch.round(biased.clamp(0, 255)).to(torch.uint8).to(amax.dtype)
     scale = (2.00 ** (biased.to(torch.int32) - _E8M0_BIAS).to(torch.float)).to(amax.dtype)
@@ -174,13 +223,16 @@ class MXFP8Format:
             return [quantized.flatten(-2), exponent]
         # In the model's dtype, as compressed-tensors runs it: the scale is a power of two, so the division is exact.
         groups = weight.to(scale_dtype).unflatten(-1, (weight.shape[-1] // GROUP, GROUP))
-        scale = mx_scale(max_abs(groups, dim=-1, keepdim=False))
+        _check_scale_dtype(groups.dtype)
+        amax = max_abs(groups, dim=-1, keepdim=False)
+        scale, exponent = _mx_scales(amax)
         # + 0: llm-compressor adds the symmetric scheme's zero point (0), which turns a -0 weight into +0; in place on
-        # the fresh quotient, as the clamp
-        quotient = groups / scale.unsqueeze(-1)
-        quantized = quotient.add_(0).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        exponent = (_E8M0_BIAS + torch.floor(torch.log2(scale)).to(torch.int32)).to(torch.uint8)
-        return [quantized.flatten(-2), exponent]
+        # the fresh quotient. Its clamp to +-448 only where a quotient could cast otherwise without it
+        # (e4m3_clamp_needed): the scale is a power of two with amax / scale <= 448, but at a NaN amax.
+        quotient = (groups / scale.unsqueeze(-1)).add_(0)
+        if e4m3_clamp_needed(amax, scale):
+            quotient.clamp_(-E4M3_MAX, E4M3_MAX)
+        return [quotient.to(torch.float8_e4m3fn).flatten(-2), exponent]
 
     def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
         def args(*, dynamic: bool) -> dict[str, Any]:
