@@ -167,7 +167,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     twos = (magnitude.add_(_ROUND_TWO)).view(torch.int32).sub_(_ROUND_BITS[_ROUND_TWO] - 4)
     code = torch.minimum(halves, ones, out=halves)
     code = torch.minimum(code, twos, out=code).clamp_(max=7).to(torch.uint8)
-    return code.bitwise_or_((x < 0).view(torch.uint8) << 3)
+    return code.add_((x < 0).view(torch.uint8), alpha=8)  # the sign bit (bit 3: the magnitude's code is at most 7)
 
 
 def tensor_scale(amax: torch.Tensor, fp8_max: float, *, library: str = "te", pow2: bool = False) -> torch.Tensor:

@@ -43,6 +43,7 @@ import torch
 
 from converters.analysis.reasons import Reason
 from converters.casts.emulation import E2M1_MAX, E4M3_MAX, e2m1_codes, max_abs, round_to_e2m1
+from converters.model.quantized.arithmetic import fp8_as_float
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.plan import ServingPlan
@@ -120,7 +121,9 @@ def rtn_block_scales(blocks: torch.Tensor, scale_global: torch.Tensor) -> torch.
     """compressed-tensors' E4M3 block scales (as fp32 values) of ``blocks`` (``[out, in/16, 16]``, model dtype)."""
     block_amax = max_abs(blocks, dim=-1, keepdim=False)
     scale = scale_global * (block_amax / torch.tensor(E2M1_MAX, dtype=blocks.dtype))
-    scale = scale.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    # back to fp32 through the 256-entry table (fp8_as_float): the same values as .float(), which converts element
+    # by element on a CPU
+    scale = fp8_as_float(scale.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
     return torch.where(scale == 0, torch.tensor(_E4M3_EPS), scale)
 
 
