@@ -25,6 +25,11 @@ __all__ = ["cast_in_strips", "strip_rows"]
 
 #: weight elements cast at a time: a bf16 strip of 512 KiB, its fp32 temporaries 1 MiB each
 STRIP_ELEMENTS = 1 << 18
+#: a format's optional ``strip_factor``: its strips hold that many times ``STRIP_ELEMENTS``. A cast whose
+#: temporaries are in the weight's own 16-bit dtype (compressed-tensors' dynamic FP8 and MXFP8 arithmetic) has half
+#: their bytes per element, and the fixed cost of each of its ops (microseconds of dispatch) is spread over more
+#: elements: 4 measured fastest for those (docs/benchmarks/requantize-2026-12-03c.md)
+_DEFAULT_STRIP_FACTOR = 1
 
 
 def strip_rows(fmt: Any, weight: torch.Tensor) -> int | None:
@@ -39,7 +44,8 @@ def strip_rows(fmt: Any, weight: torch.Tensor) -> int | None:
     if unit is None or (spec.scale is ScaleRule.NVFP4 and not getattr(fmt, "needs_weight_amax", False)):
         return None
     rows, columns = weight.shape
-    step = max(unit, STRIP_ELEMENTS // max(1, columns) // unit * unit)
+    elements = STRIP_ELEMENTS * getattr(fmt, "strip_factor", _DEFAULT_STRIP_FACTOR)
+    step = max(unit, elements // max(1, columns) // unit * unit)
     return step if rows % unit == 0 and step < rows else None
 
 

@@ -70,6 +70,8 @@ class CompressedTensorsFP8:
         self.input_cast = "e4m3_tensor" if static else "e4m3_row"  #: static per tensor, or dynamic per token
         self.supports_kv_cache = True  #: writes ``kv_cache_scheme`` and the scales of ``plan.extra_tensors``
         self.kv_scale_convention = COMPRESSED_TENSORS_KV
+        #: strips of 4x converters.rewrite.strips.STRIP_ELEMENTS: the cast's temporaries are in the model's dtype
+        self.strip_factor = 4
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         return None  # the analysis' own rule (both dims multiples of 16) is the one vLLM's FP8 GEMMs need

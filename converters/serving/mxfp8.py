@@ -202,6 +202,9 @@ class MXFP8Format:
     def __init__(self, *, name: str = "mxfp8", mode: MXScaleMode = MXScaleMode.COMPRESSED_TENSORS) -> None:
         self.name = name
         self.mode = MXScaleMode(mode)
+        #: strips of 4x converters.rewrite.strips.STRIP_ELEMENTS where the cast's temporaries are in the model's
+        #: dtype (compressed-tensors' arithmetic); the training twins compute in fp32
+        self.strip_factor = 4 if self.mode is MXScaleMode.COMPRESSED_TENSORS else 1
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
         """The reason a Linear of this shape stays in high precision, or None."""

@@ -49,9 +49,10 @@ def outputs(tmp_path_factory) -> dict[str, dict[str, str]]:
     """``model/target`` (``model/source->target`` for a quantized source) -> file name -> sha256."""
     root = tmp_path_factory.mktemp("golden")
     with pytest.MonkeyPatch.context() as patch:
-        # strips of 4 Ki elements: the tiny models' weights are cast in several strips of rows (each format's
-        # row-separable cast, converters.rewrite.strips), and must give the bytes of the whole-tensor cast
-        patch.setattr("converters.rewrite.strips.STRIP_ELEMENTS", 1 << 12)
+        # strips of 1 Ki elements (4 Ki for formats of strip_factor 4): the tiny models' weights are cast in several
+        # strips of rows (each format's row-separable cast, converters.rewrite.strips), and must give the bytes of
+        # the whole-tensor cast
+        patch.setattr("converters.rewrite.strips.STRIP_ELEMENTS", 1 << 10)
         return _convert_all(root)
 
 

@@ -33,7 +33,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", sorted(SERVING_FORMATS))
 def test_a_cast_in_strips_writes_the_whole_casts_bytes(monkeypatch, name):
-    monkeypatch.setattr("converters.rewrite.strips.STRIP_ELEMENTS", 1 << 14)
+    monkeypatch.setattr("converters.rewrite.strips.STRIP_ELEMENTS", 1 << 12)  # 4x for formats of strip_factor 4
     fmt, weight = SERVING_FORMATS[name], _weight()
     cast = functools.partial(_cast, fmt, amax=float(weight.float().abs().amax()))
     step = strip_rows(fmt, weight)
@@ -54,8 +54,10 @@ def test_strip_rows_keeps_whole_scale_blocks_and_leaves_small_weights_whole(monk
     monkeypatch.setattr("converters.rewrite.strips.STRIP_ELEMENTS", 1 << 14)
     weight = _weight()
     assert strip_rows(SERVING_FORMATS["fp8-block"], weight) == 128  # 64 rows' worth, rounded up to one block
-    assert strip_rows(SERVING_FORMATS["mxfp8"], weight) == 64
-    assert strip_rows(SERVING_FORMATS["mxfp8"], weight[:64]) is None  # one strip holds it all
+    assert strip_rows(SERVING_FORMATS["mxfp8-te"], weight) == 64
+    assert strip_rows(SERVING_FORMATS["mxfp8"], weight) == 256  # its cast in bf16: strips 4x as large
+    assert strip_rows(SERVING_FORMATS["compressed-tensors-fp8-dynamic"], weight) == 256
+    assert strip_rows(SERVING_FORMATS["mxfp8"], weight[:256]) is None  # one strip holds it all
     assert strip_rows(SERVING_FORMATS["mxfp8"], weight.reshape(-1)) is None  # not a matrix
 
 
