@@ -16,9 +16,10 @@ Both tools are told the same work: every Linear of the decoder quantized, ``lm_h
 (fp8forge ``--no-skip-first-last --exclude lm_head``; the peer ``ignore=["lm_head"]``). Formats and the peer's
 schemes: fp8-block (FP8_BLOCK), compressed-tensors-fp8-dynamic (FP8_DYNAMIC), mxfp8 (MXFP8), nvfp4-a16 (NVFP4A16).
 
-Printed: each run's work seconds, whole-process seconds and peak RSS (and its RSS once imported); per format the
-fastest of the rounds, and the ratios fp8forge / copy and peer / fp8forge; fp8forge's largest peak RSS above its
-imports' next to the largest converted weight. Targets: fp8forge <= 2x a copy, the peer >= 2x fp8forge, fp8forge's
+Printed: each run's work seconds, its CPU seconds (all threads; the copy's: cp's), whole-process seconds and peak
+RSS (and its RSS once imported); per format the fastest of the rounds, and the ratios fp8forge / copy and
+peer / fp8forge, then the least CPU seconds and their ratio; fp8forge's largest peak RSS above its imports' next to
+the largest converted weight. Targets: fp8forge <= 2x a copy, the peer >= 2x fp8forge, fp8forge's
 memory one weight's worth plus a fixed buffer.
 
     .venv/bin/python benchmarks/bench_requantize.py                      # 2 rounds, all four formats
@@ -113,14 +114,24 @@ def child(role: str, fmt: str, source: str, out: str) -> None:
     imported = time.perf_counter()
     imports_rss = _memory_mb("VmHWM")
     reset = _reset_peak()
+    cpu = _cpu_seconds(os.times(), children=False)
     if role == "fp8forge":
         convert_model_free(Path(source), Path(out), fmt, exclude=("lm_head",), skip_first_last=False)
     elif role == "peer":
         model_free_ptq(source, out, scheme=FORMATS[fmt], ignore=["lm_head"], max_workers=1, device="cpu")
     done = time.perf_counter()
+    cpu = _cpu_seconds(os.times(), children=False) - cpu
     peak = _memory_mb("VmHWM")
-    print(json.dumps({"imports_s": imported - started, "work_s": done - imported, "imports_rss_mb": imports_rss,
+    print(json.dumps({"imports_s": imported - started, "work_s": done - imported, "cpu_s": cpu,
+                      "imports_rss_mb": imports_rss,
                       "rss_mb": max(peak, imports_rss) if not reset else peak, "peak_reset": reset}))
+
+
+def _cpu_seconds(times: os.times_result, *, children: bool) -> float:
+    """User plus system CPU seconds of this process (all its threads) or of its waited-for children: on a machine
+    whose cores other jobs share, the work's own cost, which its wall seconds mix with the time it waits for a
+    core."""
+    return times.children_user + times.children_system if children else times.user + times.system
 
 
 def _memory_mb(field: str) -> float:
@@ -153,8 +164,8 @@ def _run(python: Path, role: str, fmt: str, source: Path, out: Path) -> dict:
         # the peer's own failure is a result: recorded and shown, the run goes on
         error = (result.stderr.strip().splitlines() or ["no message"])[-1]
         shutil.rmtree(out, ignore_errors=True)
-        return {"failed": error[:300], "work_s": math.nan, "process_s": seconds, "imports_s": math.nan,
-                "rss_mb": math.nan, "imports_rss_mb": math.nan}
+        return {"failed": error[:300], "work_s": math.nan, "cpu_s": math.nan, "process_s": seconds,
+                "imports_s": math.nan, "rss_mb": math.nan, "imports_rss_mb": math.nan}
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     measured |= {"process_s": seconds, "written_mb": _tree_bytes(out) / 1e6}
     shutil.rmtree(out, ignore_errors=True)
@@ -163,11 +174,12 @@ def _run(python: Path, role: str, fmt: str, source: Path, out: Path) -> dict:
 
 def _copy(source: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_seconds(os.times(), children=True)
     subprocess.run(["cp", "-r", str(source), str(out)], check=True)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, _cpu_seconds(os.times(), children=True) - cpu
     shutil.rmtree(out, ignore_errors=True)
-    return {"work_s": seconds, "process_s": seconds, "imports_s": 0.0, "rss_mb": 0.0, "imports_rss_mb": 0.0}
+    return {"work_s": seconds, "cpu_s": cpu, "process_s": seconds, "imports_s": 0.0, "rss_mb": 0.0,
+            "imports_rss_mb": 0.0}
 
 
 def _tree_bytes(directory: Path) -> int:
@@ -218,7 +230,8 @@ def main() -> None:
                 if "failed" in measured:
                     print(f"round {round_ + 1} {fmt:32s} {tool:9s} FAILED: {measured['failed']}", flush=True)
                     continue
-                print(f"round {round_ + 1} {fmt:32s} {tool:9s} work {measured['work_s']:6.2f} s  process "
+                print(f"round {round_ + 1} {fmt:32s} {tool:9s} work {measured['work_s']:6.2f} s  cpu "
+                      f"{measured.get('cpu_s', math.nan):6.2f} s  process "
                       f"{measured['process_s']:6.2f} s  (imports {measured['imports_s']:.2f} s)  peak RSS "
                       f"{measured['rss_mb']:7.0f} MB (after imports {measured['imports_rss_mb']:.0f} MB)", flush=True)
     print("\nfastest of the rounds (work: the process's start apart)")
@@ -240,6 +253,12 @@ def main() -> None:
     largest = max(math.prod(shape) * 2 for key, shape in _tensor_shapes().items() if key.endswith("proj.weight"))
     growth = max((run["rss_mb"] - run["imports_rss_mb"]) for (_, tool), group in runs.items() if tool == "fp8forge"
                  for run in group)
+    print("CPU seconds of the work, least of the rounds (less sensitive to other jobs on the cores than wall seconds):")
+    for fmt in formats:
+        cpu = {tool: min((run.get("cpu_s", math.nan) for run in runs.get((fmt, tool), []) if "failed" not in run),
+                         default=math.nan) for tool in ("copy", "fp8forge", "peer")}
+        print(f"  {fmt:32s} copy {cpu['copy']:6.2f}  fp8forge {cpu['fp8forge']:6.2f}  peer {cpu['peer']:6.2f}  "
+              f"fp8forge/copy {cpu['fp8forge'] / cpu['copy']:6.2f}")
     print(f"fp8forge peak RSS above its imports' {growth:.0f} MB (the largest converted weight: "
           f"{largest / 1e6:.0f} MB)")
     print("process start (imports), fastest: " + ", ".join(f"{tool} {value:.2f} s" for tool, value in starts.items()))
