@@ -13,15 +13,9 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-
-def tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(file, "pt") as handle:
-            out.update({key: handle.get_tensor(key) for key in handle.keys()})
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.engines.engine import file_tensors  # noqa: E402
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -35,7 +29,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def main() -> None:
     first, second = (Path(arg) for arg in sys.argv[1:3])
-    a, b = tensors(first), tensors(second)
+    a, b = file_tensors(first), file_tensors(second)
     for name, only in (("only in the first", sorted(set(a) - set(b))), ("only in the second", sorted(set(b) - set(a)))):
         print(f"{name}: {len(only)} {only[:6]}")
     kinds: dict[str, list[int]] = {}

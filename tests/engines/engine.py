@@ -119,7 +119,8 @@ def run_vllm(requests: list[EngineRequest], work: Path, *, timeout: float = 1800
     return [EngineRun(raw) for raw in json.loads(lines[-1])["runs"]]
 
 
-def _file_tensors(directory: Path) -> dict[str, torch.Tensor]:
+def file_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors files, by name."""
     tensors = {}
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(path, "pt") as handle:
@@ -163,7 +164,7 @@ def load_problems(directory: Path, run: EngineRun) -> list[str]:
     with an FP8 KV cache, an attention layer whose scales did not come from the file."""
     if run.error:
         return [f"vLLM failed to run {directory.name}: {run.error}"]
-    written, loaded = _file_tensors(directory), run.loaded()
+    written, loaded = file_tensors(directory), run.loaded()
     problems = []
     kv_written: dict[str, float] = {}
     for name, tensor in written.items():
@@ -214,7 +215,7 @@ def fidelity_problems(source: Path, run: EngineRun) -> list[str]:
     weights are not dequantized here: their load check alone covers them."""
     if run.error:
         return [f"vLLM failed to run: {run.error}"]
-    original, loaded = _file_tensors(source), run.loaded()
+    original, loaded = file_tensors(source), run.loaded()
     problems = []
     for name, weight in loaded.items():
         if weight.dtype != torch.float8_e4m3fn or not name.endswith(".weight"):
