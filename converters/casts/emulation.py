@@ -31,6 +31,7 @@ __all__ = [
     "max_abs",
     "E4M3_UNCLAMPED_MAX",
     "e4m3_clamp_needed",
+    "quotient_to_e4m3",
     "cast_fp8",
     "round_to_e2m1",
     "e2m1_codes",
@@ -282,6 +283,14 @@ def e4m3_clamp_needed(amax: torch.Tensor, scale: torch.Tensor) -> bool:
     if amax.numel() == 0:
         return False
     return not bool((amax / scale).max() <= E4M3_UNCLAMPED_MAX)
+
+
+def quotient_to_e4m3(quotient: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``quotient`` (the caller's own ``w / scale``, clamped in place where :func:`e4m3_clamp_needed` says a clamp to
+    +-448 can change its bytes) as float8_e4m3fn."""
+    if e4m3_clamp_needed(amax, scale):
+        quotient.clamp_(-E4M3_MAX, E4M3_MAX)
+    return quotient.to(torch.float8_e4m3fn)
 
 
 def per_tensor_scale(spec: CastSpec, amax: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
-from converters.casts.emulation import e4m3_clamp_needed, max_abs
+from converters.casts.emulation import max_abs, quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.kv_scales import COMPRESSED_TENSORS_KV
 from converters.serving.plan import ServingPlan
@@ -52,10 +52,7 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
 def _quantize(weight: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """``clamp(weight / scale, -448, 448)`` as E4M3; the clamp, a pass over the quotient, only where a quotient could
     cast otherwise without it (a subnormal or eps scale: a normal one is within 2**-8 of ``amax / 448``)."""
-    quotient = weight / scale  # ours: clamped in place
-    if e4m3_clamp_needed(amax, scale):
-        quotient.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return quotient.to(torch.float8_e4m3fn)
+    return quotient_to_e4m3(weight / scale, amax, scale)
 
 
 class CompressedTensorsFP8:

@@ -46,7 +46,7 @@ import torch
 
 from converters.analysis.reasons import Reason
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
-from converters.casts.emulation import e4m3_clamp_needed
+from converters.casts.emulation import quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.plan import ServingPlan
@@ -188,10 +188,7 @@ def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat,
         scale = pow2_scale_inv(amax)
     else:
         scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-    quantized = torch.div(own, scale)
-    if e4m3_clamp_needed(amax, scale):
-        quantized.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    quantized = quantized.to(torch.float8_e4m3fn)
+    quantized = quotient_to_e4m3(torch.div(own, scale), amax, scale)
     return [quantized.reshape(rows, columns), scale.reshape(rows // BLOCK, columns // BLOCK)]
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from converters.analysis.reasons import Reason
-from converters.casts.emulation import E4M3_MAX, e4m3_clamp_needed, max_abs
+from converters.casts.emulation import E4M3_MAX, max_abs, quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.e4m3_cast import to_e4m3
@@ -233,9 +233,7 @@ class MXFP8Format:
         # the fresh quotient. Its clamp to +-448 only where a quotient could cast otherwise without it
         # (e4m3_clamp_needed): the scale is a power of two with amax / scale <= 448, but at a NaN amax.
         quotient = (groups / scale.unsqueeze(-1)).add_(0)
-        if e4m3_clamp_needed(amax, scale):
-            quotient.clamp_(-E4M3_MAX, E4M3_MAX)
-        return [quotient.to(torch.float8_e4m3fn).flatten(-2), exponent]
+        return [quotient_to_e4m3(quotient, amax, scale).flatten(-2), exponent]
 
     def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
         def args(*, dynamic: bool) -> dict[str, Any]:
