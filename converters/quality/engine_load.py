@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from converters.calibration.scaling import E4M3_MAX
+from converters.model.quantized.arithmetic import lookup_fp8
 
 __all__ = ["FUSED_GROUPS", "fused_groups", "requantize_with_max_scale", "requantizing_reader"]
 
@@ -44,9 +45,21 @@ def fused_groups(paths: Iterable[str]) -> list[list[str]]:
     return groups
 
 
-def requantize_with_max_scale(codes: torch.Tensor, scale: float, max_scale: float) -> torch.Tensor:
+def requantize_with_max_scale(codes: torch.Tensor, scale: float, max_scale: float,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A shard's E4M3 ``codes`` (stored with ``scale``) quantized again with its fused group's ``max_scale``, as
-    vLLM does at load; fp32 values ``code' * max_scale``."""
+    vLLM does at load; the values ``code' * max_scale`` computed in fp32, then rounded to ``dtype``.
+
+    Each result depends on its code alone: the arithmetic runs once on the 256 codes, and the weight's codes are
+    looked up in that table (element-wise arithmetic over a whole weight cost a fused layer's load several times).
+    """
+    table = _requantized_values(scale, max_scale).to(dtype)
+    return lookup_fp8(table, codes)
+
+
+def _requantized_values(scale: float, max_scale: float) -> torch.Tensor:
+    """:func:`requantize_with_max_scale`'s fp32 value of each of the 256 E4M3 codes."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     dequantized = codes.to(torch.float16) * torch.tensor(scale, dtype=torch.float32)  # fp16, as vLLM's product
     inverse = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(max_scale, dtype=torch.float32)
     again = (dequantized.float() * inverse).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -60,6 +73,6 @@ def requantizing_reader(key: str, read: Callable[[str], torch.Tensor], scale: fl
         codes = read(key)
         if codes.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{key} is stored as {codes.dtype}, not float8_e4m3fn: not a per-tensor FP8 weight")
-        return requantize_with_max_scale(codes, scale, max_scale).to(dtype)
+        return requantize_with_max_scale(codes, scale, max_scale, dtype)
 
     return weight
