@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from converters.errors import ModelNotFoundError
 from converters.model.files import model_file_reader
 from converters.model.limits import read_safetensors_header, weight_file_error
 
-__all__ = ["SourceTensor", "read_tensor_index", "read_tensor", "dtype_name", "StreamingWriter"]
+__all__ = ["ReadBuffers", "SourceTensor", "read_tensor_index", "read_tensor", "dtype_name", "StreamingWriter"]
 
 _DTYPE_NAMES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -58,19 +60,54 @@ class SourceTensor:
         return self.end - self.start
 
 
-def read_tensor(source: SourceTensor) -> torch.Tensor:
-    """One tensor's bytes read with ``pread`` into its own memory: no file mapping stays behind once it is freed."""
+def read_tensor(source: SourceTensor, buffers: ReadBuffers | None = None) -> torch.Tensor:
+    """One tensor's bytes read with ``pread`` into its own memory (no file mapping stays behind once it is freed):
+    a buffer of ``buffers`` that nothing holds any more, or a fresh one."""
     dtype = next(dtype for dtype, name in _DTYPE_NAMES.items() if name == source.dtype)
+    if not source.nbytes:
+        return torch.empty(source.shape, dtype=dtype)
+    data = bytearray(source.nbytes) if buffers is None else buffers.take(source.nbytes)
+    view, done = memoryview(data)[:source.nbytes], 0
     with model_file_reader(source.path) as handle:
-        data = bytearray(source.nbytes)
-        view, done = memoryview(data), 0
         while done < source.nbytes:
             count = os.preadv(handle.fileno(), [view[done:]], source.start + done)
             if count <= 0:
                 raise OSError(f"{source.path}: short read at byte {source.start + done}")
             done += count
-    return torch.frombuffer(data, dtype=dtype).reshape(source.shape) if source.nbytes else torch.empty(
-        source.shape, dtype=dtype)
+    del view  # a memoryview left on the buffer would count as a holder of it
+    count = source.nbytes // _ITEM_BYTES[source.dtype]
+    return torch.frombuffer(data, dtype=dtype, count=count).reshape(source.shape)
+
+
+class ReadBuffers:
+    """Read buffers reused from tensor to tensor: a fresh buffer is zero-filled and then page-faulted in by the
+    read, which costs about as much CPU as the read's copy itself (a job reads every weight it converts).
+
+    A buffer is handed out again only once no tensor uses it: ``torch.frombuffer`` holds a reference to the buffer
+    for as long as any tensor (or view) of its memory lives, so a buffer with no reference but the pool's is free.
+    Holds at most ``kept`` buffers (the largest tensors read lately), for as long as the pool lives: give each
+    job (a shard's task) its own.
+    """
+
+    def __init__(self, kept: int = 3) -> None:
+        self.kept = kept
+        self._buffers: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bytearray:
+        """A buffer of at least ``nbytes`` that no tensor uses (its contents undefined)."""
+        with self._lock:
+            # a buffer's references: the pool's list and getrefcount's argument, and one per tensor of its memory
+            free = [index for index in range(len(self._buffers)) if sys.getrefcount(self._buffers[index]) <= 2]
+            fitting = [index for index in free if len(self._buffers[index]) >= nbytes]
+            if fitting:
+                return self._buffers[min(fitting, key=lambda index: len(self._buffers[index]))]
+            buffer = bytearray(nbytes)
+            if len(self._buffers) < self.kept:
+                self._buffers.append(buffer)
+            elif free:  # the smallest free one gives way to this larger one
+                self._buffers[min(free, key=lambda index: len(self._buffers[index]))] = buffer
+            return buffer
 
 
 def read_tensor_index(path: Path) -> tuple[dict[str, SourceTensor], dict[str, str]]:

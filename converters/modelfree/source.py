@@ -17,7 +17,7 @@ import torch
 from converters.model.consistency import check_against_config, check_index, check_stored_dtype
 from converters.model.limits import read_config_json
 from converters.model.quantized import source_quantization
-from converters.model.safetensors_stream import SourceTensor, dtype_name, read_tensor, read_tensor_index
+from converters.model.safetensors_stream import ReadBuffers, SourceTensor, dtype_name, read_tensor, read_tensor_index
 from converters.modelfree.eligibility import TensorInfo
 
 __all__ = ["ShardReader", "SourceView", "source_view"]
@@ -112,6 +112,7 @@ class ShardReader:
         self.reads = reads  #: tensor name -> shard, for the companions stored in other shards
         self.indexes: dict[str, dict[str, SourceTensor]] = {}
         self.quantization = source_quantization(self.source_dir) if dequantize else None
+        self.buffers = ReadBuffers()  #: this shard's reads reuse the memory of the tensors they no longer need
 
     def index(self, shard: str | None = None) -> dict[str, SourceTensor]:
         shard = shard or self.shard
@@ -121,7 +122,7 @@ class ShardReader:
 
     def read(self, name: str) -> torch.Tensor:
         """A stored tensor; KeyError when the checkpoint has none of that name."""
-        return read_tensor(self.index(self.reads.get(name))[name])
+        return read_tensor(self.index(self.reads.get(name))[name], self.buffers)
 
     def weight(self, key: str, stored: str | None, dtype: torch.dtype) -> torch.Tensor:
         """The weight ``key``: read as stored, or (``stored`` given) dequantized to ``dtype``."""

@@ -9,10 +9,11 @@ A rewrite is a list of steps, one per source tensor, in the output's order (the 
 
 Every output tensor's dtype and shape is known before any byte is computed, so the header is written first and
 the file is written once, sequentially. Three threads overlap the work: a reader reads the next step's tensors
-(``pread``) while the caller's thread converts this one (torch ops release the GIL) and a writer writes and hashes
-the last one. Memory: the tensors of three computed steps at most (the one converted, the next one read, the last
-one's outputs being written: each side waits for the other rather than queue more) and an 8 MiB copy buffer,
-whatever the shard's size; a copied tensor is never held (its bytes go through the buffer).
+(``pread``) while the caller's thread converts this one (torch ops release the GIL), a writer writes the last one
+and a hasher computes the file's sha256 behind the writer. Memory: the tensors of three computed steps at most (the
+one converted, the next one read, the last one's outputs being written and hashed: each side waits for the other
+rather than queue more) and two 8 MiB copy buffers, whatever the shard's size; a copied tensor is never held (its
+bytes go through the buffers).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from converters.model.safetensors_stream import SourceTensor, StreamingWriter, d
 __all__ = ["Compute", "Copy", "ShardWritten", "planned_bytes", "write_shard"]
 
 _COPY_CHUNK = 8 * 1024 * 1024
+_COPY_BUFFERS = 2  # one being hashed while the next is read and written
 _POLL_SECONDS = 0.2  # how often a thread blocked on a queue looks whether another one failed
 
 
@@ -249,40 +251,80 @@ def _read_ahead(steps: Sequence[Copy | Compute], reads: queue.Queue, slot: threa
 
 def _write_file(temporary: Path, header: bytes, writes: queue.Queue, slot: threading.Semaphore,
                 failed: threading.Event) -> tuple[int, str]:
-    """Write the header, then each queued list of tensors (source bytes copied), hashing what is written; a list
-    that took the write slot frees it once written."""
+    """Write the header, then each queued list of tensors (source bytes copied); a hasher thread hashes the same
+    bytes in file order behind the writes and frees a list's write slot once its bytes are written and hashed (a
+    shard's sha256 costs about what its writes do: on this thread it would add to the writer's time)."""
+    # what the hasher is handed is bounded by what it refers to: one computed list's outputs, the copy buffers
+    hashes: queue.Queue = queue.Queue()
+    free: queue.Queue = queue.Queue()
+    for _ in range(_COPY_BUFFERS):
+        free.put(bytearray(_COPY_CHUNK))
+    hasher = _Worker(failed, _hash_file, header, hashes, slot, free, failed)
+    try:
+        with open(temporary, "wb", buffering=0) as handle:
+            written = handle.write(header)
+            while (item := _take(writes, failed)) is not None:
+                values, counted = item
+                value = data = None
+                for value in values:
+                    if isinstance(value, SourceTensor):
+                        written += _copy_bytes(value, handle, hashes, free, failed)
+                        continue
+                    # flattened first: a 0-dim tensor (a scalar scale) cannot be viewed as bytes
+                    data = memoryview(value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+                    written += _write_all(handle, data)
+                    hashes.put(_Hash(data))
+                hashes.put(_Hash(frees_slot=counted))
+                del values, item, value, data  # the hasher holds what it has not hashed yet
+        hashes.put(None)
+        return written, hasher.result()
+    except BaseException as error:
+        failed.set()
+        hasher.join()
+        if isinstance(error, _Stopped) and hasher.error is not None and not isinstance(hasher.error, _Stopped):
+            raise hasher.error from None
+        raise
+
+
+@dataclass(frozen=True)
+class _Hash:
+    """What the hasher is handed: bytes to hash next (a copy buffer's go back to the free buffers once hashed),
+    or a list's end (its write slot freed once everything before it is hashed)."""
+
+    data: memoryview | None = None
+    buffer: bytearray | None = None
+    frees_slot: bool = False
+
+
+def _hash_file(header: bytes, hashes: queue.Queue, slot: threading.Semaphore, free: queue.Queue,
+               failed: threading.Event) -> str:
+    """The sha256 of the header and of every queued :class:`_Hash`'s bytes, in order."""
     digest = hashlib.sha256(header)
-    buffer = bytearray(_COPY_CHUNK)
-    with open(temporary, "wb", buffering=0) as handle:
-        written = handle.write(header)
-        while (item := _take(writes, failed)) is not None:
-            values, counted = item
-            value = data = None
-            for value in values:
-                if isinstance(value, SourceTensor):
-                    written += _copy_bytes(value, handle, digest, buffer)
-                    continue
-                # flattened first: a 0-dim tensor (a scalar scale) cannot be viewed as bytes
-                data = memoryview(value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
-                digest.update(data)
-                written += _write_all(handle, data)
-            del values, item, value, data  # written: nothing of them stays while the next list is awaited
-            if counted:
-                slot.release()
-    return written, digest.hexdigest()
+    while (item := _take(hashes, failed)) is not None:
+        if item.data is not None:
+            digest.update(item.data)
+        if item.buffer is not None:
+            free.put(item.buffer)
+        if item.frees_slot:
+            slot.release()
+        del item  # a computed list's outputs go as soon as they are hashed
+    return digest.hexdigest()
 
 
-def _copy_bytes(source: SourceTensor, handle: Any, digest: Any, buffer: bytearray) -> int:
-    """A source tensor's bytes copied through ``buffer`` (read once: they are hashed on the way)."""
-    view = memoryview(buffer)
+def _copy_bytes(source: SourceTensor, handle: Any, hashes: queue.Queue, free: queue.Queue,
+                failed: threading.Event) -> int:
+    """A source tensor's bytes copied through the free copy buffers, read once: each buffer, written, goes to the
+    hasher, which frees it."""
     with model_file_reader(source.path) as reader:
         offset = source.start
         while offset < source.end:
-            count = os.preadv(reader.fileno(), [view[:min(len(buffer), source.end - offset)]], offset)
+            buffer = _take(free, failed)
+            view = memoryview(buffer)[:min(len(buffer), source.end - offset)]
+            count = os.preadv(reader.fileno(), [view], offset)
             if count <= 0:
                 raise OSError(f"{source.path}: short read at byte {offset}")
-            digest.update(view[:count])
             _write_all(handle, view[:count])
+            hashes.put(_Hash(view[:count], buffer))
             offset += count
     return source.nbytes
 

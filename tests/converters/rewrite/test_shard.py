@@ -104,3 +104,24 @@ def test_a_tensor_that_does_not_match_its_plan_is_refused_naming_it(source, tmp_
     with pytest.raises(ValueError, match="both named 'norm'"):
         write_shard(tmp_path / "out.safetensors", [Copy("norm", copied[0].source)] * 2, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
+
+
+def test_the_sha256_is_the_written_files_when_copies_go_through_many_reused_buffers(source, tmp_path, monkeypatch):
+    """The hasher thread hashes behind the writer: with copy buffers of 40 bytes, every copied tensor passes through
+    both buffers many times over, and a buffer must not be refilled before it is hashed."""
+    import converters.rewrite.shard as shard
+
+    monkeypatch.setattr(shard, "_COPY_CHUNK", 40)
+    path, tensors = source
+    written = write_shard(tmp_path / "out.safetensors", _steps(path), {"format": "pt"})
+    out = tmp_path / "out.safetensors"
+    assert written.sha256 == hashlib.sha256(out.read_bytes()).hexdigest()
+    with safe_open(out, "pt") as handle:
+        assert torch.equal(handle.get_tensor("norm"), tensors["norm"])
+
+
+def test_a_failing_write_is_raised_as_itself(source, tmp_path):
+    path, _ = source
+    with pytest.raises(FileNotFoundError):
+        write_shard(tmp_path / "missing" / "out.safetensors", _steps(path), {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
