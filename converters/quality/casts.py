@@ -92,22 +92,32 @@ def recipe_layer_casts(recipe: Any, paths: Iterable[str], amax: Mapping[str, Any
 
 
 class ExportFiles:
-    """A serving export's tensors by name, read one at a time (each file opened per read: no handle kept)."""
+    """A serving export's tensors by name, read one at a time (each file opened per read: no handle kept).
+
+    One-number tensors (per-tensor weight and input scales) are kept once read: a fused group's scales are read
+    for each of its members and again by each member's weight, and each read opens a file.
+    """
 
     def __init__(self, directory: Path) -> None:
         from safetensors import safe_open  # deferred: torch-only importers of this module never read an export
 
         self.directory, self._open = directory, safe_open
         self.file_of: dict[str, Path] = {}
+        self._scalars: dict[str, torch.Tensor] = {}
         for file in weight_files(directory):
             with pinned_model_path(file) as pinned, safe_open(pinned, framework="pt") as handle:
                 self.file_of.update(dict.fromkeys(handle.keys(), file))
 
     def read(self, name: str) -> torch.Tensor:
+        if name in self._scalars:
+            return self._scalars[name]
         if name not in self.file_of:
             raise KeyError(name)
         with pinned_model_path(self.file_of[name]) as pinned, self._open(pinned, framework="pt") as handle:
-            return handle.get_tensor(name)
+            tensor = handle.get_tensor(name)
+        if tensor.numel() == 1:
+            self._scalars[name] = tensor
+        return tensor
 
 
 def export_layer_casts(directory: Path, paths: Iterable[str], on_disk_name: Callable[[str], str | None],
