@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # torchao (transformers imports it) would print one failure per file: tools/prune_torchao_kernels.py removes them.
 PRUNED := $(VENV)/.torchao-pruned
 
-.PHONY: install test lint serve clean vllm-venv
+.PHONY: install test lint serve clean vllm-venv modelopt-venv
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -65,6 +65,19 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
+# nvidia-modelopt in its own venv (it pins its own transformers): the tests that run ModelOpt's code
+# (tests/modelopt_venv.py finds it) and benchmarks/bench_serving_formats.py / bench_nvfp4.py, through a subprocess.
+# bench_serving_formats.ensure_modelopt_venv holds what it installs and writes the stamp once `import modelopt` works.
+MODELOPT_VENV ?= build/modelopt-venv
+MODELOPT_STAMP := $(MODELOPT_VENV)/.installed
+
+$(MODELOPT_STAMP): $(PRUNED)
+	$(PY) -c 'import sys; sys.path[:0] = ["benchmarks"]; from pathlib import Path; \
+		from bench_serving_formats import ensure_modelopt_venv; print(ensure_modelopt_venv(Path(sys.argv[1]).resolve()))' \
+		$(MODELOPT_VENV)
+
+modelopt-venv: $(MODELOPT_STAMP)
+
 # The whole suite. vLLM's venv builds in the background (mostly download and unzip) while everything but
 # tests/engines runs; the engine tests run once both are done, one module per process (each module shares one vLLM
 # process between its tests). A failed build does not stop the rest: the engine tests then skip, naming the log.
@@ -75,12 +88,20 @@ vllm-venv: $(VLLM_STAMP)
 PYTEST := TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
 TESTS ?=
 VLLM_LOG := build/vllm-venv.log
+# ModelOpt's venv (a few installs) builds beside it; the few tests that run ModelOpt are in the first run and
+# wait for <log>.done, which appears when the build has ended (tests/modelopt_venv.py): scheduled heaviest file
+# first, they reach it long after. A failed build skips them, naming the log.
+MODELOPT_LOG := build/modelopt-venv.log
 
 test: lint $(CHROMIUM) $(SLURMCTLD)
-	@mkdir -p $(dir $(VLLM_LOG))
+	@mkdir -p $(dir $(VLLM_LOG)) && rm -f $(MODELOPT_LOG).done
 	@echo "building vLLM's venv ($(VLLM_VENV)) in the background: $(VLLM_LOG)"
-	@$(MAKE) --no-print-directory vllm-venv VLLM_VENV=$(VLLM_VENV) > $(VLLM_LOG) 2>&1 & build=$$!; \
-	$(PYTEST) -n 3 --ignore=tests/engines $(TESTS); suite=$$?; \
+	@echo "building ModelOpt's venv ($(MODELOPT_VENV)) in the background: $(MODELOPT_LOG)"
+	@($(MAKE) --no-print-directory modelopt-venv MODELOPT_VENV=$(MODELOPT_VENV) > $(MODELOPT_LOG) 2>&1; \
+		touch $(MODELOPT_LOG).done) & modelopt=$$!; \
+	$(MAKE) --no-print-directory vllm-venv VLLM_VENV=$(VLLM_VENV) > $(VLLM_LOG) 2>&1 & build=$$!; \
+	MODELOPT_VENV=$(MODELOPT_VENV) MODELOPT_BUILD_LOG=$(abspath $(MODELOPT_LOG)) \
+		$(PYTEST) -n 3 --ignore=tests/engines $(TESTS); suite=$$?; wait $$modelopt; \
 	if wait $$build; then workers=2; else workers=0; \
 		echo "vLLM's venv did not build (see $(VLLM_LOG)): the engine tests skip"; fi; \
 	VLLM_VENV=$(VLLM_VENV) VLLM_BUILD_LOG=$(abspath $(VLLM_LOG)) $(PYTEST) -n $$workers --dist loadfile tests/engines; \

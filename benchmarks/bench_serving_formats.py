@@ -13,8 +13,8 @@ Schemes (``--scheme``), each a pair of exports of every decoder Linear (lm_head 
 fp8forge runs as in bench_serving.py (run_conversion, backend "ao", skip_first_last off, exclude lm_head; its timed
 work also writes the ao artifact). llm-compressor 0.14.0.1 runs in bench_serving.py's peer venv (its `peer-export`
 child: from_pretrained(bf16), oneshot(...), save_pretrained(save_compressed=True); that venv resolves transformers
-5.17 and compressed-tensors 0.19.0). ModelOpt 0.47 runs in a venv of its own (default
-~/.cache/fp8forge-bench/modelopt-venv, `--modelopt-venv`; created on first use like the peer's: torch==2.13.0 first,
+5.17 and compressed-tensors 0.19.0). ModelOpt 0.47 runs in a venv of its own (default build/modelopt-venv, where
+`make modelopt-venv` builds it, `--modelopt-venv`; created on first use like the peer's: torch==2.13.0 first,
 kept by a constraints file, then MODELOPT_PACKAGES):
 from_pretrained(bf16), mtq.quantize(model, <config>, forward_loop over the calibration batches),
 export_hf_checkpoint(model, export_dir). Every tool calibrates on the same `--steps` x `--batch-size` x
@@ -95,11 +95,14 @@ from bench_serving import (
     write_calibration_tokens,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.modelopt_venv (stdlib only), in either venv
+from tests.modelopt_venv import MODELOPT_STAMP  # noqa: E402
+from tests.modelopt_venv import MODELOPT_VENV as DEFAULT_MODELOPT_VENV  # noqa: E402  (`make modelopt-venv` builds it)
+
 MODELOPT = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's side file, beside config.json
 # transformers as nvidia-modelopt[hf] 0.47 pins it (the extra itself would add deepspeed, diffusers, peft...)
 MODELOPT_PACKAGES = ("nvidia-modelopt==0.47.*", "transformers>=4.57,<5.15", "accelerate", "requests")
-DEFAULT_MODELOPT_VENV = DEFAULT_PEER_VENV.parent / "modelopt-venv"
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 # With no observer named, llm-compressor 0.14 observes K and V with "minmax" (calibration.initialize_observer), a
 # moving average of each batch's min/max (averaging_constant 0.01), while its presets' input activations use
@@ -155,9 +158,11 @@ def modelopt_versions(venv: Path) -> dict | None:
 
 
 def ensure_modelopt_venv(venv: Path) -> tuple[dict, float | None]:
-    """ModelOpt's versions and its install seconds (None when an existing venv was reused)."""
+    """ModelOpt's versions and its install seconds (None when an existing venv was reused); the venv's stamp
+    (MODELOPT_STAMP's name, what the tests look for) once `import modelopt` works."""
     versions = modelopt_versions(venv)
     if versions is not None:
+        (venv / MODELOPT_STAMP.name).touch()
         return versions, None
     started = time.perf_counter()
     log = venv / "install.log"
@@ -173,6 +178,7 @@ def ensure_modelopt_venv(venv: Path) -> tuple[dict, float | None]:
     versions = modelopt_versions(venv)
     if versions is None:
         raise SystemExit(f"{venv} still cannot import modelopt after the install; see {log}")
+    (venv / MODELOPT_STAMP.name).touch()
     return versions, time.perf_counter() - started
 
 

@@ -5,6 +5,7 @@ fp8-block, compressed-tensors' decompressors for its formats, ModelOpt's NVFP4QT
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from converters.model.quantized import Scheme, checkpoint_tensor_names, source_q
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.driver import run_conversion
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from tests.modelopt_venv import modelopt_python
 
 FORMATS = {
     "fp8-block": Scheme.FP8_BLOCK,
@@ -42,7 +44,11 @@ def exports(llama_dir):
 
 
 def tensors_of(directory):
-    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+    return tensors_of_file(directory / "model.safetensors")
+
+
+def tensors_of_file(path):
+    with safe_open(str(path), "pt") as handle:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (safe_open has no iter)
 
 
@@ -160,6 +166,47 @@ def test_modelopt_fp8_differs_from_modelopt_own_bf16_dequantize_by_at_most_one_u
         assert int(ulps.max()) <= 1, key
         differing, total = differing + int((ulps > 0).sum()), total + ulps.numel()
     assert 0 < differing < total / 2
+
+
+#: run in ModelOpt's venv: each quantized weight of the export in argv[1] dequantized to fp32 by nvidia-modelopt's own
+#: FP8QTensor / NVFP4QTensor (the classes its export and its HF loader use), saved to argv[2]
+MODELOPT_DEQUANTIZE = """
+import sys
+from safetensors.torch import load_file, save_file
+import torch
+from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
+tensors, out = load_file(sys.argv[1] + "/model.safetensors"), {}
+for key, weight in tensors.items():
+    prefix = key.removesuffix("weight")
+    if not key.endswith("weight") or prefix + "weight_scale" not in tensors:
+        continue
+    scale = tensors[prefix + "weight_scale"]
+    if prefix + "weight_scale_2" in tensors:
+        shape = (*weight.shape[:-1], weight.shape[-1] * 2)
+        out[key] = NVFP4QTensor(shape, torch.float32, weight).dequantize(
+            torch.float32, scale=scale, double_scale=tensors[prefix + "weight_scale_2"], block_sizes={-1: 16})
+    else:
+        out[key] = FP8QTensor(weight.shape, torch.float32, weight).dequantize(torch.float32, scale=scale)
+save_file(out, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("name", ["modelopt-fp8", "modelopt-nvfp4"])
+def test_modelopt_own_dequantization_gives_our_fp32_bits(exports, name, tmp_path):
+    """nvidia-modelopt's own qtensor classes, run in its venv, read every quantized weight of our ModelOpt export to
+    the same fp32 bits as our reader: modelopt_dequantize above transcribes them, this runs them."""
+    python = modelopt_python()
+    directory = exports / name
+    subprocess.run([str(python), "-c", MODELOPT_DEQUANTIZE, str(directory), str(tmp_path / "theirs.safetensors")],
+                   check=True, capture_output=True, timeout=600)
+    theirs = tensors_of_file(tmp_path / "theirs.safetensors")
+    quantization = source_quantization(directory)
+    tensors = tensors_of(directory)
+    keys = quantization.quantized_weights(set(tensors))
+    assert sorted(theirs) == sorted(keys)
+    for key in keys:
+        ours = quantization.dequantize(key, tensors.__getitem__, dtype=torch.float32)
+        assert torch.equal(bits(ours), bits(theirs[key])), key
 
 
 @pytest.mark.parametrize("name", ["fp8-block", "nvfp4", "modelopt-nvfp4"])

@@ -7,7 +7,6 @@ import copy
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from converters.serving.modelopt import MODELOPT_FP8, MODELOPT_NVFP4
 from tests.converters.calibration.test_kv_cache_scales import CALIBRATION as KV_CALIBRATION
 from tests.converters.calibration.test_kv_cache_scales import _batches, independent_amax
 from tests.converters.serving.exports import cosine, export
+from tests.modelopt_venv import modelopt_python
 from tests.models import save_tiny_model
 
 FP8, NVFP4 = "modelopt-fp8", "modelopt-nvfp4"
@@ -30,9 +30,6 @@ GATE_UP = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 #: the names vLLM's maybe_remap_kv_scale_name lists as ModelOpt's (``modelopt_scale_names``)
 MODELOPT_KV_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_proj\.([kv])_scale$")
-#: nvidia-modelopt 0.47.0 in a separate environment (its torch differs from this project's); tests that run
-#: ModelOpt's own code skip without it
-MODELOPT_PYTHON = Path("/tmp/modelopt-venv/bin/python")
 
 
 @pytest.fixture(scope="module")
@@ -215,17 +212,17 @@ def test_kv_cache_quant_algo_is_declared_as_modelopt_writes_it(kv_root, name, al
             assert tuple(value.shape) == () and value.dtype == torch.float32, key
 
 
-@pytest.mark.skipif(not MODELOPT_PYTHON.exists(), reason=f"nvidia-modelopt 0.47.0 not installed at {MODELOPT_PYTHON}")
 @pytest.mark.parametrize("name", [FP8, NVFP4])
 def test_modelopt_derives_our_config_json_from_our_hf_quant_config(kv_root, llama_out, name):
     """ModelOpt's own convert_hf_quant_config_format, run on our hf_quant_config.json, gives our config.json block."""
+    python = modelopt_python()  # nvidia-modelopt in its own venv (its transformers differs from this project's)
     script = ("import json, sys\n"
               "from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format\n"
               "for directory in sys.argv[1:]:\n"
               "    with open(directory + '/hf_quant_config.json') as f:\n"
               "        print(json.dumps(convert_hf_quant_config_format(json.load(f))))\n")
     directories = [kv_root / "out" / "serving" / name, llama_out / "serving" / name]  # with and without KV
-    done = subprocess.run([str(MODELOPT_PYTHON), "-c", script, *map(str, directories)], capture_output=True,
+    done = subprocess.run([str(python), "-c", script, *map(str, directories)], capture_output=True,
                           text=True, timeout=600, check=True)
     converted = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(converted) == 2
