@@ -86,10 +86,11 @@ class ReadBuffers:
     A buffer is handed out again only once no tensor uses it: ``torch.frombuffer`` holds a reference to the buffer
     for as long as any tensor (or view) of its memory lives, so a buffer with no reference but the pool's is free.
     Holds at most ``kept`` buffers (the largest tensors read lately), for as long as the pool lives: give each
-    job (a shard's task) its own.
+    job (a shard's task) its own. Two by default: a shard rewrite reads one tensor ahead of the one it converts, and
+    a buffer kept beyond the reads in flight is memory no other allocation can use.
     """
 
-    def __init__(self, kept: int = 3) -> None:
+    def __init__(self, kept: int = 2) -> None:
         self.kept = kept
         self._buffers: list[bytearray] = []
         self._lock = threading.Lock()
