@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-__all__ = ["ROOT", "KV_CACHE", "VLLM_VENV", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm", "EngineRun",
-           "load_problems", "fidelity_problems"]
+__all__ = ["ROOT", "KV_CACHE", "VLLM_VENV", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm", "attend_in_vllm",
+           "EngineRun", "load_problems", "fidelity_problems"]
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm")  # a relative path is the repository's
@@ -106,8 +106,29 @@ def run_vllm(requests: list[EngineRequest], work: Path, *, timeout: float = 1800
         if request.dump:
             run["dump"] = str(work / f"loaded-{index}.safetensors")
         runs.append(run)
+    return [EngineRun(raw) for raw in _drive({"runs": runs}, work, timeout)["runs"]]
+
+
+def attend_in_vllm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, k_scale: float, v_scale: float,
+                   isas: tuple[str, ...], work: Path, kv_cache_dtype: str = "fp8") -> dict[str, torch.Tensor]:
+    """vLLM's CPU attention kernels over one causal prompt whose keys and values went through its KV cache
+    (``vllm_driver.attend_through_cache``), one vLLM process for all: isa -> output. Tensors are
+    ``[tokens, heads, head_dim]``."""
+    from safetensors.torch import load_file, save_file
+
+    work.mkdir(parents=True, exist_ok=True)
+    inputs = work / "attention-in.safetensors"
+    save_file({"query": query.contiguous(), "key": key.contiguous(), "value": value.contiguous()}, inputs)
+    cases = [{"tensors": str(inputs), "out": str(work / f"attention-{isa}.safetensors"), "isa": isa,
+              "k_scale": k_scale, "v_scale": v_scale, "kv_cache_dtype": kv_cache_dtype} for isa in isas]
+    _drive({"attention": cases}, work, 600)
+    return {case["isa"]: load_file(case["out"])["output"] for case in cases}
+
+
+def _drive(payload: dict, work: Path, timeout: float) -> dict:
+    """vllm_driver.py on ``payload`` in one process; its JSON answer. Raises with vLLM's stderr when it fails."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=work, delete=False) as handle:
-        json.dump({"runs": runs}, handle)
+        json.dump(payload, handle)
     log = work / "vllm.log"
     with log.open("w") as stderr:
         done = subprocess.run([str(VLLM_PYTHON), str(DRIVER), handle.name], stdout=subprocess.PIPE, stderr=stderr,
@@ -116,7 +137,7 @@ def run_vllm(requests: list[EngineRequest], work: Path, *, timeout: float = 1800
     if done.returncode or not lines:
         raise RuntimeError(f"vllm_driver.py exited {done.returncode}; its log: {log}\n{log.read_text()[-4000:]}")
     (work / "runs.json").write_text(lines[-1])  # what the engine said, kept beside its log for a failed assertion
-    return [EngineRun(raw) for raw in json.loads(lines[-1])["runs"]]
+    return json.loads(lines[-1])
 
 
 def file_tensors(directory: Path) -> dict[str, torch.Tensor]:

@@ -70,6 +70,19 @@ def scaled_fp8_quant_in_torch(input, scale=None, num_token_padding=None, scale_u
     return quantized, scale
 
 
+def enable_amx_tiles() -> bool:
+    """Ask Linux for the AMX tile registers before vLLM's attention kernels use them; True where the CPU has AMX.
+
+    vLLM's CPU attention picks its ``amx`` kernels on such a CPU (``cpu_attn._get_attn_isa``) but never asks for the
+    registers itself: the process gets them only once oneDNN has run an AMX GEMM. A model whose Linears are too
+    small for oneDNN's AMX path (the tiny test Llama) then dies of SIGILL at its first attention (the driver exited
+    -4). vLLM's own kernel test (tests/kernels/attention/test_cpu_attn.py) calls the same ``torch.cpu._init_amx()``
+    at import. Asking changes no arithmetic: the kernels are the ones a large model runs."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+
+
 def install_stand_ins() -> list[str]:
     """The two test-only replacements; returns what each one replaced."""
     import vllm._custom_ops as custom_ops
@@ -300,12 +313,47 @@ def run_one(request: dict) -> dict:
     return result
 
 
+def attend_through_cache(case: dict) -> dict:
+    """vLLM's CPU attention alone, as ``CPUAttentionBackendImpl`` calls it for one causal prompt: ``key`` and
+    ``value`` (``[tokens, kv_heads, head_dim]``, from the safetensors file ``case["tensors"]``) written to a paged
+    cache by ``cpu_attn_reshape_and_cache`` with ``k_scale`` / ``v_scale`` and ``kv_cache_dtype``, then
+    ``cpu_attention_with_kv_cache`` over that cache for ``query``; the output goes to ``case["out"]``. ``isa``:
+    the kernel family (``amx``, ``vec``), as ``cpu_attn._get_attn_isa`` would pick it on this CPU or another."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm import _custom_ops as ops
+
+    tensors = load_file(case["tensors"])
+    query, key, value = tensors["query"], tensors["key"], tensors["value"]
+    tokens, kv_heads, head_dim = key.shape
+    isa, block_size, kv_dtype = case["isa"], 128, case["kv_cache_dtype"]
+    blocks = -(-tokens // block_size)
+    cache_dtype = torch.uint8 if kv_dtype.startswith("fp8") else query.dtype
+    cache = torch.zeros(blocks, kv_heads, block_size * 2, head_dim, dtype=cache_dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    scales = {"k_scale": case["k_scale"], "v_scale": case["v_scale"], "kv_cache_dtype": kv_dtype}
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(tokens), isa, **scales)
+    starts, lengths = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(1, query.shape[1], kv_heads, head_dim, lengths, query.dtype,
+                                                   starts, True, -1, isa, False, kv_cache_dtype=kv_dtype)
+    output = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, output, starts, lengths, head_dim ** -0.5, True,
+                                    None, -1, torch.arange(blocks, dtype=torch.int32)[None], 0, metadata, None,
+                                    **scales)
+    save_file({"output": output}, case["out"])
+    return {"out": case["out"]}
+
+
 def main(request_path: str) -> None:
-    """Runs every request of ``{"runs": [...]}`` in this one process (vLLM's import alone takes most of a
-    minute on a busy 2-core machine); a run that raises is reported with its error and the next one goes on."""
-    runs = json.loads(open(request_path, encoding="utf-8").read())["runs"]
+    """Runs every request of ``{"runs": [...], "attention": [...]}`` in this one process (vLLM's import alone takes
+    most of a minute on a busy 2-core machine); a run that raises is reported with its error and the next one goes
+    on. ``attention``: cases for :func:`attend_through_cache`, reported as ``"attention"``."""
+    asked = json.loads(open(request_path, encoding="utf-8").read())
+    runs = asked.get("runs", [])
     stand_ins = install_stand_ins()
+    enable_amx_tiles()
     snapshot_before_processing()
+    attention = [attend_through_cache(case) for case in asked.get("attention", [])]
     results = []
     for request in runs:
         try:
@@ -315,7 +363,7 @@ def main(request_path: str) -> None:
 
             results.append({"model": request["model"], "error": f"{type(exc).__name__}: {exc}",
                             "traceback": traceback.format_exc(limit=8)})
-    print(json.dumps({"stand_ins": stand_ins, "runs": results}))
+    print(json.dumps({"stand_ins": stand_ins, "runs": results, "attention": attention}))
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn: the guard keeps a child from re-running the driver
