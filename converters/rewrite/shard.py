@@ -12,7 +12,7 @@ the file is written once, sequentially. Three threads overlap the work: a reader
 (``pread``) while the caller's thread converts this one (torch ops release the GIL), a writer writes the last one
 and a hasher computes the file's sha256 behind the writer. Memory: the tensors of three computed steps at most (the
 one converted, the next one read, the last one's outputs being written and hashed: each side waits for the other
-rather than queue more) and two 8 MiB copy buffers, whatever the shard's size; a copied tensor is never held (its
+rather than queue more) and two 4 MiB copy buffers, whatever the shard's size; a copied tensor is never held (its
 bytes go through the buffers).
 """
 
@@ -36,7 +36,7 @@ from converters.model.safetensors_stream import SourceTensor, StreamingWriter, d
 
 __all__ = ["Compute", "Copy", "ShardWritten", "planned_bytes", "write_shard"]
 
-_COPY_CHUNK = 8 * 1024 * 1024
+_COPY_CHUNK = 4 * 1024 * 1024  # two of them: the 8 MiB the writer held when it hashed its own copies
 _COPY_BUFFERS = 2  # one being hashed while the next is read and written
 _POLL_SECONDS = 0.2  # how often a thread blocked on a queue looks whether another one failed
 
