@@ -1,5 +1,5 @@
-"""NVFP4 (W4A4, compressed-tensors nvfp4-pack-quantized) on the real SmolLM2-135M: fp8forge round to nearest, fp8forge
-with block scales searched by reconstruction error (``scale_search="mse"``) and llm-compressor's RTN, from the same
+"""NVFP4 (W4A4) on the real SmolLM2-135M: fp8forge round to nearest, fp8forge with block scales searched by
+reconstruction error (``scale_search="mse"``), llm-compressor's RTN and nvidia-modelopt's NVFP4 recipes, from the same
 calibration tokens, scored by the same emulated W4A4 forward on the same held-out tokens.
 
 What runs:
@@ -15,6 +15,16 @@ What runs:
   swaps      fp8forge's weights with the peer's input global scales and the peer's weights with fp8forge's: which
              half of a difference comes from the calibration and which from the weights.
   four_over_six  the export requantized with scale_search="four_over_six" (each block's amax to 6 or to 4).
+  modelopt   nvidia-modelopt 0.47 in its own venv (``make modelopt-venv``; built on first use otherwise), one export
+             per ``--modelopt`` recipe (MODELOPT_RECIPES; by default MODELOPT_CPU_RECIPES, the NVFP4 calibration
+             algorithms of 0.47 that run on a CPU) on the same token rows: bench_serving_formats' ``modelopt-export``
+             child, i.e. from_pretrained(bf16), mtq.quantize(model, <preset>, forward_loop over the rows, batch 1),
+             export_hf_checkpoint. A recipe that fails is printed with ModelOpt's error and left out. Read back
+             like the others: ``code * weight_scale * weight_scale_2`` and the input amax ``input_scale * 2688``
+             (compressed-tensors stores the reciprocals of the same two global scales); AWQ's ``pre_quant_scale``
+             multiplies the input before its cast, and the export's other tensors that differ from the source
+             (norms an AWQ scale was folded into) replace the model's. So every row runs what an engine would run
+             from its file, not each tool's own fake quantization.
   searched   per fused group, converters.serving.nvfp4_search.search_group on ``--search-rows`` token rows of the
              bf16 model's inputs on the job's calibration windows: the weight global scale (``--weight-ratios``
              times the group amax, RTN blocks), then mse block scales, then the input global scale (0.2x-1.2x the
@@ -29,8 +39,9 @@ Perplexity over ``--tokens`` held-out tokens (the corpus' held-out part, windows
 Figures only, nothing asserted; ratios against llm-compressor RTN measured in the same run.
 
 Run:  .venv/bin/python benchmarks/bench_nvfp4.py [--steps 32] [--tokens 1024] [--skip-peer] [--keep DIR]
-      [--search-rows 512 (0: no search)] [--weight-ratios 1.0,0.94,1.06]
-      (--keep DIR of an earlier run reuses its fp8forge export; --peer-export DIR scores an existing peer export)
+      [--search-rows 512 (0: no search)] [--weight-ratios 1.0,0.94,1.06] [--modelopt max[,awq_lite,...] | none]
+      (--keep DIR of an earlier run reuses its fp8forge and ModelOpt exports; --peer-export DIR scores an existing
+      peer export)
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 from bench_serving import DEFAULT_PEER_VENV, ensure_peer_venv, venv_python  # noqa: E402
+from bench_serving_formats import DEFAULT_MODELOPT_VENV, ensure_modelopt_venv  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from converters.casts.emulation import E2M1_GRID, cast_spec, fake_quantize  # noqa: E402
@@ -61,6 +73,24 @@ EVAL_WINDOW = 256
 FUSED = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # members share weight_global_scale
 NVFP4_INPUT = cast_spec("nvfp4_block16")
 _E2M1 = torch.tensor(E2M1_GRID)
+RECIPE_ROWS = ("fp8forge rtn", "fp8forge mse", "fp8forge four_over_six")  # what a job's nvfp4_weight_scales writes
+FP4_FP8_MAX = 6.0 * 448.0  # amax over a global scale: compressed-tensors stores its reciprocal, ModelOpt this one
+#: nvidia-modelopt 0.47's W4A4 NVFP4 presets by calibration algorithm (modelopt_recipes/configs/ptq/presets/model)
+MODELOPT_RECIPES = {
+    "max": "NVFP4_DEFAULT_CFG",
+    "four_over_six": "NVFP4_FOUR_OVER_SIX_CFG",  # weight block amax to 6 or 4, chosen by mse over 1.0-1.5x
+    "mse fp8 sweep": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",  # every E4M3 block scale tried per block
+    "local_hessian": "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG",  # the same sweep weighted by the inputs' X^T X
+    "awq_lite": "NVFP4_AWQ_LITE_CFG",
+    "awq_clip": "NVFP4_AWQ_CLIP_CFG",
+    "awq_full": "NVFP4_AWQ_FULL_CFG",
+    "svdquant": "NVFP4_SVDQUANT_DEFAULT_CFG",
+}
+#: the ones that run on a CPU: every other algorithm fake-quantizes during calibration, and 0.47's NVFP4 fake
+#: quantization is CUDA-only (tensor_quant._dynamic_block_quantize_impl asserts ``amax.is_cuda``; the static
+#: block quantizer needs its triton kernels, imported only when torch.cuda.is_available()). ``max`` calibrates with
+#: the quantizers off and quantizes in plain torch at export.
+MODELOPT_CPU_RECIPES = ("max",)
 
 
 def job_batches(model_dir: Path, steps: int, *, whole_corpus: bool = False) -> tuple[list[dict], str]:
@@ -107,7 +137,7 @@ def print_calibration_diagnosis(model, model_dir: Path, steps: int, layers: dict
     """fp8forge's calibrated input amax (from the export) against the bf16 model's own, on the job's windows and
     on the whole-corpus windows; the layers whose amax moves most between the two, and position 0's part."""
     paths = sorted(layers)
-    written = {p: 2688 / float(layers[p]["input_global_scale"]) for p in paths}
+    written = {p: float(input_amax(layers[p])) for p in paths}
     job = observed_input_amax(model, job_batches(model_dir, steps)[0], paths)
     whole = observed_input_amax(model, job_batches(model_dir, steps, whole_corpus=True)[0], paths)
     same = statistics.median(written[p] / job[p][0] for p in paths)
@@ -146,6 +176,40 @@ def peer_export(model_dir: Path, rows_file: Path, out: Path, venv: Path) -> Path
     return out
 
 
+def modelopt_export(model_dir: Path, rows_file: Path, out: Path, venv: Path, recipe: str) -> Path:
+    """ModelOpt's export with MODELOPT_RECIPES[recipe] calibrated on ``rows_file``'s rows; a finished one is reused
+    (a --keep directory of a run with the same --steps). RuntimeError with ModelOpt's last lines when it fails."""
+    if (out / "hf_quant_config.json").is_file():
+        return out
+    ensure_modelopt_venv(venv)
+    params = {"model_dir": str(model_dir), "tokens": str(rows_file), "recipe": {"config": MODELOPT_RECIPES[recipe]},
+              "batch_size": 1, "out_dir": str(out)}
+    done = subprocess.run([str(venv_python(venv)), str(ROOT / "benchmarks" / "bench_serving_formats.py"), "--child",
+                           "modelopt-export", json.dumps(params)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    return out
+
+
+def read_modelopt_export(directory: Path, source: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A ModelOpt NVFP4 export: module path -> its tensors (the packed ``weight`` as weight_packed, weight_scale,
+    weight_scale_2, input_scale, AWQ's pre_quant_scale), and the export's other tensors that differ from the
+    source's. ValueError naming the tensors when the export holds any this reading would leave out."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in handle.keys()})
+    layers = {}
+    for path in [key.removesuffix(".weight_scale_2") for key in tensors if key.endswith(".weight_scale_2")]:
+        layers[path] = {name: tensors.pop(f"{path}.{suffix}") for name, suffix in (
+            ("weight_packed", "weight"), ("weight_scale", "weight_scale"), ("weight_scale_2", "weight_scale_2"),
+            ("input_scale", "input_scale"), ("pre_quant_scale", "pre_quant_scale")) if f"{path}.{suffix}" in tensors}
+    unknown = sorted(key for key in tensors if key not in source)
+    if unknown:
+        raise ValueError(f"{len(unknown)} tensors this bench does not score, e.g. {unknown[:3]}")
+    return layers, {key: tensor for key, tensor in tensors.items() if not torch.equal(tensor, source[key])}
+
+
 def read_export(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Module path -> its NVFP4 tensors (weight_packed, weight_scale, weight_global_scale, input_global_scale)."""
     layers: dict[str, dict[str, torch.Tensor]] = {}
@@ -159,12 +223,35 @@ def read_export(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def dequantize(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``code * weight_scale / weight_global_scale`` (fp32), the even column in the low nibble."""
+    """``code * weight_scale / weight_global_scale`` (fp32; ModelOpt's ``* weight_scale_2``), the even column in the
+    low nibble."""
     packed = tensors["weight_packed"]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
     values = _E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    step = tensors["weight_scale"].float() / tensors["weight_global_scale"].float()
+    if "weight_scale_2" in tensors:
+        step = tensors["weight_scale"].float() * tensors["weight_scale_2"].float()
+    else:
+        step = tensors["weight_scale"].float() / tensors["weight_global_scale"].float()
     return (values.unflatten(-1, (-1, GROUP)) * step.unsqueeze(-1)).flatten(-2)
+
+
+def modelopt_differences(layers: dict, replaced: dict, ours: dict) -> str:
+    """How a ModelOpt export differs from fp8forge's RTN export: packed weights, input amax, AWQ's tensors."""
+    shared = sorted(set(ours) & set(layers))
+    same = sum(torch.equal(ours[p]["weight_packed"], layers[p]["weight_packed"]) for p in shared)
+    ratios = [float(input_amax(layers[p]) / input_amax(ours[p])) for p in shared]
+    scaled = sum("pre_quant_scale" in tensors for tensors in layers.values())
+    return (f"{len(layers)} Linears in NVFP4; packed weights identical to fp8forge rtn's in {same} of {len(shared)}; "
+            f"input amax / fp8forge's: median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-"
+            f"{max(ratios):.3f}; Linears with a pre_quant_scale: {scaled}; other tensors changed: "
+            f"{len(replaced)} {sorted(replaced)[:4]}")
+
+
+def input_amax(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The calibrated input amax a layer's input global scale came from (fp32)."""
+    if "input_scale" in tensors:  # ModelOpt
+        return tensors["input_scale"].float() * FP4_FP8_MAX
+    return FP4_FP8_MAX / tensors["input_global_scale"].float()
 
 
 def requantized(source: dict[str, torch.Tensor], layers: dict[str, dict[str, torch.Tensor]], scale_search: str
@@ -209,12 +296,12 @@ def output_searched(model, model_dir: Path, steps: int, source: dict[str, torch.
     for paths in groups.values():
         weights = [source[f"{path}.weight"] for path in paths]
         amax = max(float(weight.float().abs().max()) for weight in weights)
-        input_amax = float(2688 / layers[paths[0]]["input_global_scale"].float())
+        written_amax = float(input_amax(layers[paths[0]]))
         known = {(method, 1.0): [dequantize(done[path]) for path in paths] for method, done in (("rtn", rtn),
                                                                                               ("mse", mse))}
-        choice = search_group(weights, inputs[paths[0]], amax, input_amax, methods=("mse",),
+        choice = search_group(weights, inputs[paths[0]], amax, written_amax, methods=("mse",),
                               weight_ratios=weight_ratios, known=known)
-        choices.append((paths, choice, amax, input_amax))
+        choices.append((paths, choice, amax, written_amax))
         for path, weight in zip(paths, weights, strict=True):
             packed, scale, gparam = quantize_nvfp4(weight, choice.weight_amax, scale_search=choice.method)
             tensors = {**layers[path], "weight_packed": packed, "weight_scale": scale, "weight_global_scale": gparam}
@@ -251,21 +338,26 @@ def eval_ids(model_dir: Path, tokens: int) -> torch.Tensor:
     return torch.tensor(stream[: windows * EVAL_WINDOW]).view(windows, EVAL_WINDOW)
 
 
-def perplexity(model, ids: torch.Tensor, layers: dict[str, dict[str, torch.Tensor]] | None) -> float:
-    """The model's perplexity on ``ids`` with ``layers``' weights read back and their inputs cast to NVFP4."""
+def perplexity(model, ids: torch.Tensor, layers: dict[str, dict[str, torch.Tensor]] | None,
+               replaced: dict[str, torch.Tensor] | None = None) -> float:
+    """The model's perplexity on ``ids`` with ``layers``' weights read back and their inputs cast to NVFP4 (after
+    the layer's pre_quant_scale, if any), and the parameters in ``replaced`` taken from the export."""
     originals, handles = {}, []
+    for name, tensor in (replaced or {}).items():
+        parameter = model.get_parameter(name)
+        originals[name] = parameter.data
+        parameter.data = tensor.to(parameter.dtype)
     for path, tensors in (layers or {}).items():
-        module = model.get_submodule(path)
-        originals[path] = module.weight.data
-        module.weight.data = dequantize(tensors).to(module.weight.dtype)
-        amax = 2688 / tensors["input_global_scale"].float()  # the amax the file's input global scale came from
+        weight = model.get_submodule(path).weight
+        originals[f"{path}.weight"] = weight.data
+        weight.data = dequantize(tensors).to(weight.dtype)
 
-        def cast_input(module, args, amax=amax):
-            x = args[0]
+        def cast_input(module, args, amax=input_amax(tensors), pre_scale=tensors.get("pre_quant_scale")):
+            x = args[0] if pre_scale is None else args[0] * pre_scale.to(args[0].dtype)
             flat = fake_quantize(x.reshape(-1, x.shape[-1]).float(), NVFP4_INPUT, tensor_amax=amax.reshape(()))
             return (flat.reshape(x.shape).to(x.dtype),)
 
-        handles.append(module.register_forward_pre_hook(cast_input))
+        handles.append(model.get_submodule(path).register_forward_pre_hook(cast_input))
     try:
         total, count = 0.0, 0
         with torch.no_grad():
@@ -277,8 +369,8 @@ def perplexity(model, ids: torch.Tensor, layers: dict[str, dict[str, torch.Tenso
     finally:
         for handle in handles:
             handle.remove()
-        for path, weight in originals.items():
-            model.get_submodule(path).weight.data = weight
+        for name, value in originals.items():
+            model.get_parameter(name).data = value
 
 
 def weight_figures(source: dict[str, torch.Tensor], rtn: dict, mse: dict) -> tuple[float, float, float]:
@@ -312,6 +404,9 @@ def main() -> None:
                         help="calibration token rows the output-error search scores (default 512; 0: no search)")
     parser.add_argument("--weight-ratios", default="1.0,0.94,1.06",
                         help="weight amax multipliers the search tries for the global scale (comma separated)")
+    parser.add_argument("--modelopt", default=",".join(MODELOPT_CPU_RECIPES),
+                        help=f"ModelOpt recipes, comma separated, or none ({', '.join(MODELOPT_RECIPES)})")
+    parser.add_argument("--modelopt-venv", type=Path, default=DEFAULT_MODELOPT_VENV)
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -372,6 +467,19 @@ def main() -> None:
               f"{statistics.median(r for r, _ in ratios):.3f}, min {ratios[0][0]:.3f} ({ratios[0][1]}), max "
               f"{ratios[-1][0]:.3f} ({ratios[-1][1]}); packed weights identical in {same_weights}")
         variants["llm-compressor rtn"] = peer
+    replacements = {}  # variant -> the export's parameters that differ from the source's (AWQ's folded norms)
+    for recipe in [] if args.modelopt == "none" else args.modelopt.split(","):
+        started = time.perf_counter()
+        try:
+            directory = modelopt_export(model_dir, rows_file, work / "modelopt" / recipe.replace(" ", "-"),
+                                        args.modelopt_venv, recipe)
+            layers, replaced = read_modelopt_export(directory, source)
+        except (RuntimeError, ValueError) as error:
+            print(f"ModelOpt {recipe} ({MODELOPT_RECIPES[recipe]}): not scored: {str(error).strip()[-1500:]}")
+            continue
+        print(f"ModelOpt {recipe} ({MODELOPT_RECIPES[recipe]}): {time.perf_counter() - started:.0f} s; "
+              f"{modelopt_differences(layers, replaced, ours)}", flush=True)
+        variants[f"modelopt {recipe}"], replacements[f"modelopt {recipe}"] = layers, replaced
     if peer is not None and not args.no_swaps:
         variants["fp8forge rtn, peer's input scales"] = {
             p: {**t, "input_global_scale": peer[p]["input_global_scale"]} if p in peer else t for p, t in ours.items()}
@@ -393,7 +501,7 @@ def main() -> None:
     scores = {}
     for name, layers in variants.items():
         started = time.perf_counter()
-        scores[name] = perplexity(model, ids, layers)
+        scores[name] = perplexity(model, ids, layers, replacements.get(name))
         print(f"  scored {name} in {time.perf_counter() - started:.0f} s", flush=True)
     base = scores["bf16"]
     reference = scores.get("llm-compressor rtn")
@@ -403,6 +511,13 @@ def main() -> None:
         versus = f"{loss / (reference / base - 1):.2f}x" if reference and name != "bf16" else ""
         count = len(variants[name]) if variants[name] else 0
         print(f"| {name} | {count} | {value:.3f} | {loss:+.2%} | {versus} |")
+    ours_best = min((name for name in scores if name in RECIPE_ROWS), key=scores.get)
+    theirs = [name for name in scores if name.startswith("modelopt ")]
+    if theirs:
+        best = min(theirs, key=scores.get)
+        ratio = (scores[ours_best] / base - 1) / (scores[best] / base - 1)
+        print(f"\nfp8forge's best recipe row ({ours_best}) loses {ratio:.2f}x the perplexity ModelOpt's best that ran "
+              f"({best}) loses")
     if args.keep is None:
         import shutil
 
