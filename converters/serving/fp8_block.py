@@ -46,7 +46,7 @@ import torch
 
 from converters.analysis.reasons import Reason
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
-from converters.casts.emulation import quotient_to_e4m3
+from converters.casts.emulation import max_abs, quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.plan import ServingPlan
@@ -194,13 +194,9 @@ def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat,
 
 def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     """Each ``[.., 128, .., 128]`` block's largest ``|w|``, as fp32 ``[.., 1, .., 1]`` (exact: a max of the weight's
-    own values). A bf16/fp16 weight's magnitudes are its bits with the sign cleared, ordered as int16 values: their
-    max over the 128 columns first (contiguous: vectorized), then over the 128 rows, without the ``|w|`` copy a
-    float ``abs().amax`` over both dims makes (a NaN block gives NaN either way, its payload may differ)."""
-    if blocks.dtype in (torch.bfloat16, torch.float16) and blocks.device.type == "cpu":
-        bits = (blocks.view(torch.int16) & 0x7FFF).amax(dim=3, keepdim=True).amax(dim=1, keepdim=True)
-        return bits.view(blocks.dtype).float()
-    return blocks.abs().amax(dim=(1, 3), keepdim=True).float()
+    own values), over the 128 columns first (contiguous: :func:`max_abs`'s vectorized int16 path for a bf16/fp16
+    weight), then over the 128 rows."""
+    return max_abs(max_abs(blocks, dim=3), dim=1).float()
 
 
 def _weight_sqnr(weight: torch.Tensor, tensors: list[torch.Tensor]) -> float | None:
