@@ -133,7 +133,8 @@ class TaskStatus(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class Task:
-    """One stored task of a job: ``kind`` (plan, amax, write, finish) runs at ``phase``, for one ``shard`` or None."""
+    """One stored task of a job: ``kind`` (``service.workers.task_kinds.TASK_KINDS``) runs at ``phase``, for one
+    ``shard`` or None."""
 
     seq: int
     job_id: str
@@ -153,6 +154,12 @@ class Task:
     def name(self) -> str:
         """How messages name it: its shard, or its kind."""
         return f"shard {self.shard}" if self.shard else f"the {self.kind} task"
+
+    @property
+    def queued_by_attempt(self) -> int | None:
+        """The job attempt that queued it, for a task only that attempt waits for (a calibrated job's serving
+        shards); None for a task its job's every attempt may run."""
+        return self.payload.get("attempt")
 
 
 def public_worker_name(worker_id: str | None) -> str | None:

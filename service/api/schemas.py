@@ -38,6 +38,7 @@ from service.errors import ErrorCode
 from service.executors.slurm_options import SlurmCreate
 from service.jobs import Job, JobStatus, Stage, TaskStatus, public_worker_name
 from service.store.host_faults import public_host_name
+from service.workers.task_kinds import task_kinds_description
 
 if TYPE_CHECKING:
     from service.api.auth import Caller
@@ -355,7 +356,7 @@ class TaskPublic(BaseModel):
     serving-export shard writes."""
 
     name: str = Field(..., description="The shard it writes, or its kind for a task of no shard.")
-    kind: str = Field(..., description="plan, amax, write, finish (requantize) or serving_write (serving export).")
+    kind: str = Field(..., description=task_kinds_description())
     shard: str | None
     status: TaskStatus
     attempt: int = Field(..., description="Claims so far (a task whose worker was lost runs again).")

@@ -13,6 +13,9 @@ A calibrated job whose serving export runs as shard tasks is not split: its conv
 adds ``serving_write`` tasks (:meth:`TaskQueue.add_serving_writes`) and waits for them, and the job keeps living by
 its own heartbeat. Such tasks carry the job's attempt in their payload; a task of an earlier attempt is never
 waited for.
+
+Tasks come in one form (``service.workers.task_kinds.ShardTask``, parsed here from their wire form) and their kinds'
+stages, phases and shard counts come from that module's registry.
 """
 
 from __future__ import annotations
@@ -31,17 +34,17 @@ from service.jobs import JobStatus, Stage, Task, TaskStatus
 from service.store.events import EventLog
 from service.store.host_faults import avoided_by, charge, live_hosts, public_host_name, this_host
 from service.store.schema import Tables
+from service.workers.task_kinds import SERVING_WRITE, TASK_KINDS, ShardTask
 
 __all__ = ["SERVING_WRITE", "HostFaultRetry", "TaskQueue", "this_host"]
 
 _RUNNING, _QUEUED = TaskStatus.RUNNING.value, TaskStatus.QUEUED.value
-#: The kind of a calibrated job's serving export shard task (its job is not split: see the module's docstring).
-SERVING_WRITE = "serving_write"
 #: The job stage each task kind counts towards, in the order the kinds run.
-_STAGE_OF = {"plan": Stage.ANALYZE, "amax": Stage.CONVERT, "write": Stage.CONVERT, "finish": Stage.EXPORT,
-             SERVING_WRITE: Stage.EXPORT}
+_STAGE_OF = {name: kind.stage for name, kind in TASK_KINDS.items()}
 #: The kinds whose tasks are a job's shards (events count them as shards_done / shards_total).
-_SHARD_KINDS = ("write", SERVING_WRITE)
+_SHARD_KINDS = tuple(name for name, kind in TASK_KINDS.items() if kind.is_shard)
+#: The kinds whose job stays its worker's while they run (not a split job: its own heartbeat is watched).
+_WORKER_KEPT_KINDS = tuple(name for name, kind in TASK_KINDS.items() if not kind.drives_job)
 
 
 class HostFaultRetry(str, enum.Enum):
@@ -75,18 +78,18 @@ class TaskQueue:
                     stage=Stage.ANALYZE.value, stage_done=0, stage_total=1, heartbeat_at=self._db_now)).rowcount
             if not owned:
                 return False
-            self._insert(conn, job_id, source, [{"kind": "plan", "shard": None, "phase": 0, "payload": payload}],
-                         max_attempts, now)
+            self._insert(conn, job_id, source, [ShardTask("plan", None, payload)], max_attempts, now)
             self._events.append(conn, job_id, "stage", {"stage": Stage.ANALYZE.value, "tasks": 1}, now)
         return True
 
     def add_serving_writes(self, job_id: str, worker_id: str, attempt: int, *, source: str,
                            tasks: Iterable[Mapping[str, Any]], max_attempts: int) -> bool:
-        """Queue a calibrated job's ``serving_write`` tasks (``kind``, ``shard``, ``payload``; the payload gets the
-        attempt) for any worker to claim; False when the job is no longer ``worker_id``'s attempt. Queued tasks
-        of an earlier attempt are cancelled in the same transaction."""
+        """Queue a calibrated job's ``serving_write`` tasks (in their wire form, ``ShardTask.from_dict``'s; each
+        payload gets the attempt) for any worker to claim; False when the job is no longer ``worker_id``'s attempt.
+        Queued tasks of an earlier attempt are cancelled in the same transaction."""
         now, j, t = time.time(), self._jobs, self._tasks
-        rows = [{**task, "phase": 0, "payload": {**task["payload"], "attempt": attempt}} for task in tasks]
+        parsed = [ShardTask.from_dict(task) for task in tasks]
+        rows = [ShardTask(task.kind, task.shard, {**task.payload, "attempt": attempt}) for task in parsed]
         with self._engine.begin() as conn:
             owned = conn.execute(sa.update(j).where(
                 j.c.id == job_id, j.c.worker_id == worker_id, j.c.attempt == attempt,
@@ -103,10 +106,10 @@ class TaskQueue:
         """The job's ``serving_write`` tasks of ``attempt``, in the order they were queued."""
         return [task for task in self.of_job(job_id, kind=SERVING_WRITE) if task.payload.get("attempt") == attempt]
 
-    def _insert(self, conn: sa.Connection, job_id: str, source: str, tasks: Iterable[Mapping[str, Any]],
+    def _insert(self, conn: sa.Connection, job_id: str, source: str, tasks: Iterable[ShardTask],
                 max_attempts: int, now: float) -> None:
-        rows = [{"job_id": job_id, "kind": t["kind"], "phase": t["phase"], "shard": t.get("shard"), "source": source,
-                 "payload": json.dumps(t["payload"]), "status": _QUEUED, "attempt": 0, "max_attempts": max_attempts,
+        rows = [{"job_id": job_id, "kind": t.kind, "phase": t.phase, "shard": t.shard, "source": source,
+                 "payload": json.dumps(t.payload), "status": _QUEUED, "attempt": 0, "max_attempts": max_attempts,
                  "created_at": now} for t in tasks]
         if rows:
             conn.execute(self._tasks.insert(), rows)
@@ -167,9 +170,9 @@ class TaskQueue:
 
     def succeed(self, task: Task, worker_id: str, result: Mapping[str, Any], *,
                 new_tasks: Iterable[Mapping[str, Any]] = ()) -> bool:
-        """Record the task's result (and add the tasks its result names); False when it is no longer this
-        worker's. Updates the job's progress and writes a progress event in the same transaction."""
-        now = time.time()
+        """Record the task's result (and add the tasks its result names, in their wire form); False when it is no
+        longer this worker's. Updates the job's progress and writes a progress event in the same transaction."""
+        now, new_tasks = time.time(), [ShardTask.from_dict(new) for new in new_tasks]
         with self._engine.begin() as conn:
             done = conn.execute(sa.update(self._tasks).where(*self._owned(task, worker_id)).values(
                 status=TaskStatus.SUCCEEDED.value, result=json.dumps(result), finished_at=now)).rowcount
@@ -280,13 +283,13 @@ class TaskQueue:
         """``EXISTS`` a task of the jobs row in the enclosing query, i.e. the job is split into tasks (for
         ``JobStore.find_stale``); a calibrated job's serving shard tasks do not count: its worker heartbeats it."""
         t = self._tasks
-        return sa.select(t.c.seq).where(t.c.job_id == self._jobs.c.id, t.c.kind != SERVING_WRITE).exists()
+        return sa.select(t.c.seq).where(t.c.job_id == self._jobs.c.id, t.c.kind.notin_(_WORKER_KEPT_KINDS)).exists()
 
     def is_split(self, job_id: str) -> bool:
         """Whether the job runs as tasks (not a calibrated job whose worker only hands out its serving shards)."""
         t = self._tasks
         with self._engine.connect() as conn:
-            return conn.execute(sa.select(t.c.seq).where(t.c.job_id == job_id, t.c.kind != SERVING_WRITE)
+            return conn.execute(sa.select(t.c.seq).where(t.c.job_id == job_id, t.c.kind.notin_(_WORKER_KEPT_KINDS))
                                 .limit(1)).first() is not None
 
     def delete(self, conn: sa.Connection, job_id: str) -> None:
@@ -327,10 +330,10 @@ class TaskQueue:
 
     def _bytes_written(self, conn: sa.Connection, job_id: str) -> dict[str, int]:
         """``bytes_done`` / ``bytes_total``: the tensor bytes of the job's written shards, of all its shards, as its
-        plan put them in each write task (``planned_bytes``); none when a write task has no such figure."""
+        plan put them in each shard task (``planned_bytes``); none when a shard task has no such figure."""
         t = self._tasks
         rows = conn.execute(sa.select(t.c.status, t.c.payload).where(
-            t.c.job_id == job_id, t.c.kind == "write", t.c.status != TaskStatus.CANCELLED.value)).all()
+            t.c.job_id == job_id, t.c.kind.in_(_SHARD_KINDS), t.c.status != TaskStatus.CANCELLED.value)).all()
         planned = [(status, json.loads(payload).get("planned_bytes")) for status, payload in rows]
         if not planned or any(size is None for _, size in planned):
             return {}

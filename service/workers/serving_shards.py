@@ -21,11 +21,11 @@ from typing import Any
 from converters.artifact.layout import staging_dir_for
 from converters.errors import ConversionCancelled, ConversionError, Fp8ForgeError
 from converters.model.sources import ModelSourceOptions, confinement_for, resolve_model_dir
-from converters.pipeline.serving_export import run_serving_task
 from service.jobs import Task, TaskStatus
 from service.store import JobStore
 from service.store.schema import StoreTimeouts
 from service.workers.shard_export import ShardExportOptions
+from service.workers.task_kinds import ShardTask, run_task
 
 __all__ = ["QueuedServingShards"]
 
@@ -102,8 +102,7 @@ class QueuedServingShards:
         beater.start()
         try:
             source_dir = resolve_model_dir(o.source, self.sources, with_weights=True)
-            result = run_serving_task(task.kind, task.shard, dict(task.payload), [], source_dir, self.staging,
-                                      confinement_for(self.sources))
+            result = run_task(ShardTask.of(task), {}, source_dir, self.staging, confinement_for(self.sources))
         except Fp8ForgeError as exc:
             store.tasks.release(task, TaskStatus.FAILED, worker_id=o.worker_id, error=(exc.code, exc.message))
             raise

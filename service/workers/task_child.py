@@ -1,5 +1,4 @@
-"""The process that runs one stored task of a split job (``converters.modelfree.stored``) or a calibrated job's
-serving shard (``converters.pipeline.serving_export.run_serving_task``), forked from the
+"""The process that runs one stored task of any kind (``service.workers.task_kinds.run_task``), forked from the
 worker's task server (``service.workers.task_server``), which has imported torch and the converters already.
 
 Like the conversion child (``service.workers.child``) it is the place where ``service`` meets ``converters`` and
@@ -19,10 +18,10 @@ from typing import Any
 from converters.model.sources import ModelSourceOptions
 from converters.third_party_noise import silence_third_party_noise
 from service.redaction import without_server_paths
-from service.store.tasks import SERVING_WRITE
 from service.workers.child import failure_of, hidden_directories, limit_threads
 from service.workers.messages import TaskDone
 from service.workers.procs import configure_logging, die_with_worker
+from service.workers.task_kinds import ShardTask, run_task
 
 __all__ = ["task_child_main"]
 
@@ -30,27 +29,23 @@ logger = logging.getLogger(__name__)
 
 
 def task_child_main(
-    kind: str, shard: str | None, source: str, payload: dict[str, Any], inputs: dict[str, Any], out_dir: str,
-    sources: dict[str, Any], conn: Connection, worker_pid: int, threads: int | None = None, log_level: str = "info",
+    task: dict[str, Any], source: str, inputs: dict[str, Any], out_dir: str, sources: dict[str, Any],
+    conn: Connection, worker_pid: int, threads: int | None = None, log_level: str = "info",
 ) -> None:
-    """Run one task with ``threads`` CPU threads, writing into ``out_dir``; never raises (see ``child_main``)."""
+    """Run one task (``ShardTask.to_dict``'s form) with ``threads`` CPU threads, writing into ``out_dir``; never
+    raises (see ``child_main``)."""
     die_with_worker(worker_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides how this run stops
-    configure_logging(log_level, f"task {kind}")
+    configure_logging(log_level, f"task {task.get('kind')}")
     silence_third_party_noise()
     directories = hidden_directories(out_dir, sources)
     try:
         limit_threads(threads)  # torch is loaded already (the task server): this sets its pools' sizes
         from converters.model.sources import confinement_for, resolve_model_dir  # hub client: only here
-        from converters.modelfree.stored import run_stored_task  # torch: only in the task server and its children
-        from converters.pipeline.serving_export import run_serving_task  # torch as well
 
         options = ModelSourceOptions(**sources)
         source_dir = resolve_model_dir(source, options, with_weights=True)
-        if kind == SERVING_WRITE:
-            result = run_serving_task(kind, shard, payload, [], source_dir, Path(out_dir), confinement_for(options))
-        else:
-            result = run_stored_task(kind, payload, inputs, source_dir, Path(out_dir), confinement_for(options))
+        result = run_task(ShardTask.from_dict(task), inputs, source_dir, Path(out_dir), confinement_for(options))
         conn.send(TaskDone(result))
     except BaseException as exc:  # noqa: BLE001 - the worker must learn why, whatever happened
         failure = failure_of(exc)

@@ -16,6 +16,7 @@ attempt (``service.store.host_faults``).
 
 A calibrated job's ``serving_write`` task writes into that job attempt's staging directory, where its conversion
 (still running in its own worker: ``service.workers.serving_shards``) reads it; the conversion records the outcome.
+What a kind reads, where it writes and what its success does are its entry in ``service.workers.task_kinds``.
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from converters.artifact.layout import staging_dir_for
+from converters.errors import ConversionError
 from service.artifacts import ArtifactStorage, ArtifactUploadFailed
 from service.config import Settings
 from service.errors import InvalidTransition
 from service.jobs import Job, JobStatus, Task, TaskStatus
 from service.store import JobStore
 from service.store.schema import brief
-from service.store.tasks import SERVING_WRITE, HostFaultRetry
+from service.store.tasks import HostFaultRetry
 from service.workers.messages import DISK_FULL, Failed, TaskDone
 from service.workers.runner import ensure_dead
 from service.workers.split_jobs import fail_job, settle
 from service.workers.task_child import task_child_main
+from service.workers.task_kinds import Outcome, OutputDir, ShardTask, task_kind
 from service.workers.task_results import loaded_result, stored_result
 from service.workers.task_server import task_context
 
@@ -71,21 +74,25 @@ class TaskRun:
     def _execute(self) -> TaskStatus | None:
         task = self.task
         job = self.store.get_job(task.job_id)
-        if task.kind == SERVING_WRITE:
-            if task.payload.get("attempt") != job.attempt:  # queued by an attempt that has ended: nobody waits for it
-                self.store.tasks.release(task, TaskStatus.CANCELLED, worker_id=self.worker_id)
-                return TaskStatus.CANCELLED
+        try:
+            kind = task_kind(task.kind)
+        except ConversionError as exc:  # a row of another release: say so instead of running it as something else
+            return self._fail(job, exc.code, exc.message)
+        if task.queued_by_attempt not in (None, job.attempt):  # that attempt has ended: nobody waits for the task
+            self.store.tasks.release(task, TaskStatus.CANCELLED, worker_id=self.worker_id)
+            return TaskStatus.CANCELLED
+        out_dir = self.dirs.attempt_dir(job.id, job.attempt)
+        if kind.output is OutputDir.STAGING:
             # the conversion's own staging directory, which it made: written where it reads (a shared disk)
-            out_dir = staging_dir_for(self.dirs.attempt_dir(job.id, job.attempt))
+            out_dir = staging_dir_for(out_dir)
         else:
-            out_dir = self.dirs.attempt_dir(job.id, job.attempt)
             out_dir.mkdir(parents=True, exist_ok=True)
         ctx = task_context()
         receiver, sender = ctx.Pipe(duplex=False)
         options = {"threads": self.settings.conversion_threads, "log_level": self.log_level}
         proc = ctx.Process(
             target=task_child_main, name=f"fp8forge-task-{task.seq}",
-            args=(task.kind, task.shard, task.source, dict(task.payload), self._inputs(), str(out_dir),
+            args=(ShardTask.of(task).to_dict(), task.source, self._inputs(), str(out_dir),
                   self.settings.model_sources(), sender, os.getpid()),
             kwargs={name: value for name, value in options.items() if value is not None})
         proc.start()  # the worker's first task waits for its task server's imports; the heartbeats go on
@@ -103,15 +110,12 @@ class TaskRun:
         return self._record(job, ended, result, proc.exitcode)
 
     def _inputs(self) -> dict[str, Any]:
-        """What the task reads of earlier phases (see ``converters.modelfree.stored.run_stored_task``)."""
-        kind, job_id = self.task.kind, self.task.job_id
-        if kind not in ("write", "finish"):
+        """What the task reads of earlier tasks of its job (its kind's ``reads``), results kept in files loaded."""
+        job_id, kind = self.task.job_id, task_kind(self.task.kind)
+        if kind.reads is None:
             return {}
-        report = loaded_result(self.dirs, job_id, self.store.tasks.results(job_id, "plan")[0])["report"]
-        if kind == "finish":
-            return {"report": report, "writes": self.store.tasks.results(job_id, "write")}
-        amax = self.store.tasks.results(job_id, "amax")
-        return {"amax": amax, "quantized": report["quantized"]} if amax else {}
+        return kind.reads(lambda name: [loaded_result(self.dirs, job_id, result)
+                                        for result in self.store.tasks.results(job_id, name)])
 
     # -- supervision -------------------------------------------------------------------------------
     def _supervise(self, proc: BaseProcess, receiver: Connection) -> tuple[str, Any]:
@@ -192,18 +196,21 @@ class TaskRun:
                 logger.error("job %s: %s: %s", job.id, task.name, exc, exc_info=exc.__cause__)
                 return self._retry_or_fail("artifact_upload_failed", str(exc))
         if isinstance(result, Failed) and result.code != DISK_FULL:
-            self.store.tasks.release(task, TaskStatus.FAILED, worker_id=self.worker_id,
-                                     error=(result.code, result.message))
-            message = result.message
-            if result.code == "internal_error":  # the raw text stays in the log (it names files and internals)
-                logger.error("job %s: %s failed with an internal error: %s", job.id, task.name, message)
-                message = f"the task failed with an unexpected internal error; the worker's log has the details " \
-                          f"(job {job.id})"
-            fail_job(self.store, self.dirs, job.id, result.code, f"{task.name}: {message}")
-            return TaskStatus.FAILED
+            return self._fail(job, result.code, result.message)
         if isinstance(result, Failed):
             return self._host_fault(DISK_FULL, result.message)
         return self._retry_or_fail("worker_crashed", f"the task process exited with code {exitcode} without a result")
+
+    def _fail(self, job: Job, code: str, message: str) -> TaskStatus:
+        """Fail the task and its job at once (bad input: another attempt would fail so too)."""
+        task = self.task
+        self.store.tasks.release(task, TaskStatus.FAILED, worker_id=self.worker_id, error=(code, message))
+        if code == "internal_error":  # the raw text stays in the log (it names files and internals)
+            logger.error("job %s: %s failed with an internal error: %s", job.id, task.name, message)
+            message = f"the task failed with an unexpected internal error; the worker's log has the details " \
+                      f"(job {job.id})"
+        fail_job(self.store, self.dirs, job.id, code, f"{task.name}: {message}")
+        return TaskStatus.FAILED
 
     def _host_fault(self, code: str, message: str) -> TaskStatus | None:
         """Requeue the task for a worker on another host, charging this one with the fault; once the task has had
@@ -236,15 +243,15 @@ class TaskRun:
         return TaskStatus.FAILED
 
     def _succeed(self, job: Job, result: dict[str, Any]) -> TaskStatus | None:
-        task, new_tasks = self.task, ()
-        if task.kind == "plan":
+        task, kind, new_tasks = self.task, task_kind(self.task.kind), ()
+        if kind.outcome is Outcome.ADDS_TASKS:
             # a report too large for its row goes to a file in the attempt's scratch area (task_results)
             new_tasks = result["tasks"]
             result = stored_result(self.dirs, job.id, job.attempt, task.seq, {"report": result["report"]})
-        elif task.kind == "write" and self.dirs.remote:
+        elif kind.outcome is Outcome.UPLOADS_FILE and self.dirs.remote:
             self.dirs.upload(job.id, job.attempt, [result["file"]])
             (self.dirs.attempt_dir(job.id, job.attempt) / result["file"]["name"]).unlink(missing_ok=True)
-        elif task.kind == "finish":
+        elif kind.outcome is Outcome.PUBLISHES:
             return self._publish(job, result["manifest"])
         if not self.store.tasks.succeed(task, self.worker_id, result, new_tasks=new_tasks):
             logger.warning("job %s: %s was taken from this worker before its result was recorded", job.id, task.name)
