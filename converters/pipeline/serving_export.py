@@ -4,9 +4,10 @@ engine's loading rules before the job may succeed.
 
 Once calibration has set a format's scales, its export needs nothing but the plan and the source's files, so it
 can also be written one weight file at a time by any machine: :func:`serving_shard_tasks` turns each prepared plan
-into plain-data tasks (the plan's wire form, :func:`plan_to_wire`, in every payload), :func:`write_serving_shard`
-writes one file as ``write_serving_checkpoint`` does, and :func:`finish_serving_export` writes the index, config
-and side files from the shards' results. The bytes are those of the one-process export.
+into plain-data ``serving_write`` tasks (the plan's wire form, :func:`plan_to_wire`, in every payload), which
+:func:`run_serving_write` runs (``write_serving_checkpoint``'s file), and the run that queued them writes the index,
+config and side files from their results (:func:`finish_serving_export`). The bytes are those of the one-process
+export.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from converters.serving.plan import (
 )
 
 __all__ = ["SERVING_LABEL", "ServingShardRunner", "finish_serving_export", "job_format", "plan_from_wire",
-           "plan_serving_formats", "plan_to_wire", "prepare_serving_plan", "run_serving_task", "serving_casts",
+           "plan_serving_formats", "plan_to_wire", "prepare_serving_plan", "run_serving_write", "serving_casts",
            "serving_shard_tasks", "serving_sqnr", "write_serving_exports", "write_serving_shard"]
 
 #: the SQNR meter's label for a serving format's casts: this prefix and the format's name
@@ -133,7 +134,7 @@ def write_serving_exports(run: Run, staging: Path, shards: ServingShardRunner | 
 
 def _write_serving_exports_as_tasks(run: Run, staging: Path, shards: ServingShardRunner) -> list[str]:
     """The weight files by ``shards``; each format's index, config and side files here, then its audit."""
-    writes = [task for task in serving_shard_tasks(run, staging) if task["kind"] == "serving_write"]
+    writes = serving_shard_tasks(run, staging)
     results = shards.run(writes)
     written = []
     for name, plan in run.serving.items():
@@ -196,8 +197,8 @@ def plan_from_wire(data: dict[str, Any]) -> ServingPlan:
 
 
 def serving_shard_tasks(run: Run, staging: Path) -> list[dict[str, Any]]:
-    """Each requested format's export as plain-data tasks, once calibration has run: one ``serving_write`` per
-    weight file, then one ``serving_finish`` per format. Prepares ``run.serving``'s plans from the calibration (as
+    """Each requested format's weight files as plain-data tasks, once calibration has run: one ``serving_write``
+    per weight file. Prepares ``run.serving``'s plans from the calibration (as
     :func:`write_serving_exports` does); a format that needs the weight amax gets it here, over every file (fused
     groups may span files). Paths are not stored: the machine that runs a task names its source and output
     (``staging``: where this run's dequantized copies of a quantized source are, to read their names)."""
@@ -214,29 +215,19 @@ def serving_shard_tasks(run: Run, staging: Path) -> list[dict[str, Any]]:
         tasks += [{"kind": "serving_write", "shard": path.name,
                    "payload": {"plan": wire, "scale_dtype": dtype, "from_artifact": from_artifact,
                                "weight_scales": scales}} for path in files]
-        tasks.append({"kind": "serving_finish", "shard": None, "payload": {"plan": wire, "weight_scales": scales}})
     return tasks
 
 
-def run_serving_task(kind: str, shard: str | None, payload: dict[str, Any], inputs: list[dict[str, Any]],
-                     source_dir: Path, out_dir: Path, confinement: FileConfinement) -> dict[str, Any]:
-    """Run one task of :func:`serving_shard_tasks` on this machine, writing under ``out_dir/serving/<format>/``
-    (``out_dir``: the artifact's directory). ``inputs``: for ``serving_finish``, the format's ``serving_write``
-    results in the source's file order. Returns the task's result as plain data."""
+def run_serving_write(shard: str, payload: dict[str, Any], source_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """Run one ``serving_write`` task of :func:`serving_shard_tasks` on this machine, writing under
+    ``out_dir/serving/<format>/`` (``out_dir``: the artifact's directory). Returns its result as plain data."""
+    if not out_dir.is_dir():  # made by the run that queued the task; written elsewhere, nobody would read it
+        raise ConversionError(f"serving task for {shard}: the run's output directory is not on this machine; "
+                              "run the serving export's tasks where its directory is (a shared disk)")
     plan = plan_from_wire(payload["plan"])
-    directory = out_dir / "serving" / plan.format
-    if kind == "serving_write":
-        if not out_dir.is_dir():  # made by the run that queued the task; written elsewhere, nobody would read it
-            raise ConversionError(f"serving task for {shard}: the run's output directory is not on this machine; "
-                                  "run the serving export's tasks where its directory is (a shared disk)")
-        source = (out_dir if payload["from_artifact"] else source_dir) / str(shard)
-        return write_serving_shard(plan, source, directory, getattr(torch, payload["scale_dtype"]),
-                                   weight_scales=payload.get("weight_scales", "rtn"))
-    if kind == "serving_finish":
-        files = finish_serving_export(plan, source_dir, inputs, directory, confinement,
-                                      weight_scales=payload.get("weight_scales", "rtn"))
-        return {"files": files, "layer_stats": plan.layer_stats}
-    raise ValueError(f"unknown serving task kind {kind!r}; known: serving_write, serving_finish")
+    source = (out_dir if payload["from_artifact"] else source_dir) / shard
+    return write_serving_shard(plan, source, out_dir / "serving" / plan.format, getattr(torch, payload["scale_dtype"]),
+                               weight_scales=payload.get("weight_scales", "rtn"))
 
 
 def write_serving_shard(plan: ServingPlan, source: Path, directory: Path, scale_dtype: torch.dtype, *,

@@ -147,10 +147,9 @@ def _model_free(task: ShardTask, inputs: dict[str, Any], source_dir: Path, out_d
 
 def _serving(task: ShardTask, inputs: dict[str, Any], source_dir: Path, out_dir: Path,
              confinement: FileConfinement) -> dict[str, Any]:
-    from converters.pipeline.serving_export import run_serving_task
+    from converters.pipeline.serving_export import run_serving_write
 
-    # serving_write reads nothing (the conversion that queued it finishes the export: its kind has no reads)
-    return run_serving_task(task.kind, task.shard, dict(task.payload), [], source_dir, out_dir, confinement)
+    return run_serving_write(str(task.shard), dict(task.payload), source_dir, out_dir)
 
 
 def _report(results: Callable[[str], list[dict[str, Any]]]) -> dict[str, Any]:

@@ -18,8 +18,9 @@ from converters.errors import ConversionError
 from converters.model.sources import ModelSourceOptions, confinement_for
 from converters.pipeline.driver import run_stages
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
-from converters.pipeline.serving_export import run_serving_task, serving_shard_tasks, write_serving_exports
+from converters.pipeline.serving_export import run_serving_write, serving_shard_tasks, write_serving_exports
 from converters.pipeline.state import NullSink, Run, Stage
+from service.workers.task_kinds import ShardTask, run_task
 
 FORMATS = ("compressed-tensors-fp8", "modelopt-nvfp4", "fp8-block")
 
@@ -52,62 +53,19 @@ def _tree(directory: Path) -> dict[str, bytes]:
             if path.is_file()}
 
 
-def test_the_shard_tasks_write_the_bytes_of_the_one_process_export(tmp_path: Path, model_dir: Path,
-                                                                   calibrated: Run) -> None:
-    plans = copy.deepcopy(calibrated.serving)  # each path prepares its own plans from the same calibration
-    whole = tmp_path / "whole"
-    whole.mkdir()
-    write_serving_exports(calibrated, whole)
-    calibrated.serving = plans
-    tasks = json.loads(json.dumps(serving_shard_tasks(calibrated, tmp_path / "unused")))
-
-    sharded = tmp_path / "sharded"
-    sharded.mkdir()  # the run's directory, which the run that queued the tasks made
-    confinement = confinement_for(calibrated.sources)
-    results: dict[str, list[dict]] = {}
-    for task in tasks:  # in order: a format's writes, then its finish (any order of the writes would do)
-        fmt = task["payload"]["plan"]["format"]
-        inputs = results.get(fmt, []) if task["kind"] == "serving_finish" else []
-        result = json.loads(json.dumps(run_serving_task(task["kind"], task["shard"], task["payload"], inputs,
-                                                        model_dir, sharded, confinement)))
-        if task["kind"] == "serving_write":
-            results.setdefault(fmt, []).append(result)
-        else:
-            assert sorted(result["files"]) == sorted(path.name for path in (sharded / "serving" / fmt).iterdir())
-
-    expected, got = _tree(whole), _tree(sharded)
-    assert sorted(got) == sorted(expected)
-    assert [name for name in expected if got[name] != expected[name]] == []
-    weight_files = len(list(model_dir.glob("*.safetensors")))
-    assert [task["kind"] for task in tasks].count("serving_write") == weight_files * len(FORMATS)
-    # what the test means to cover is there: static input scales, KV-cache scales, a side file
-    ct_config = json.loads(expected["serving/compressed-tensors-fp8/config.json"])
-    assert ct_config["quantization_config"]["kv_cache_scheme"] is not None
-    assert any(name.startswith("serving/modelopt-nvfp4/") and name.endswith("hf_quant_config.json")
-               for name in expected)
-
-
 def test_a_shard_task_refuses_a_directory_that_is_not_there(tmp_path: Path, model_dir: Path,
                                                             calibrated: Run) -> None:
     calibrated.serving = copy.deepcopy(calibrated.serving)
     task = serving_shard_tasks(calibrated, tmp_path)[0]
     with pytest.raises(ConversionError, match=f"serving task for {task['shard']}: the run's output directory is "
                                               "not on this machine"):
-        run_serving_task(task["kind"], task["shard"], task["payload"], [], model_dir, tmp_path / "elsewhere",
-                         confinement_for(calibrated.sources))
+        run_serving_write(task["shard"], task["payload"], model_dir, tmp_path / "elsewhere")
     assert not (tmp_path / "elsewhere").exists()
 
 
-def test_a_shard_task_names_an_unknown_kind(tmp_path: Path, model_dir: Path, calibrated: Run) -> None:
-    calibrated.serving = copy.deepcopy(calibrated.serving)
-    task = serving_shard_tasks(calibrated, tmp_path)[0]
-    with pytest.raises(ValueError, match="unknown serving task kind 'serving_copy'; known: serving_write"):
-        run_serving_task("serving_copy", task["shard"], task["payload"], [], model_dir, tmp_path,
-                         confinement_for(calibrated.sources))
-
-
 class _ThroughJson:
-    """Runs the serving_write tasks here, each through JSON both ways (as through the job store)."""
+    """Runs the serving_write tasks here through a worker's dispatcher, each through JSON both ways (as through the
+    job store)."""
 
     def __init__(self, model_dir: Path, staging: Path, confinement) -> None:
         self.model_dir, self.staging, self.confinement, self.ran = model_dir, staging, confinement, 0
@@ -119,8 +77,8 @@ class _ThroughJson:
         results = []
         for task in json.loads(json.dumps(tasks)):
             assert task["kind"] == "serving_write"
-            results.append(json.loads(json.dumps(run_serving_task(
-                task["kind"], task["shard"], task["payload"], [], self.model_dir, self.staging, self.confinement))))
+            results.append(json.loads(json.dumps(run_task(ShardTask.from_dict(task), {}, self.model_dir,
+                                                          self.staging, self.confinement))))
         self.ran += len(tasks)
         return results
 
@@ -145,3 +103,8 @@ def test_a_runner_given_to_the_export_writes_its_shards_and_the_run_the_rest(tmp
     assert [name for name in expected if got[name] != expected[name]] == []
     # the report's serving block (layer figures, load audit) is the one the one-process export gives
     assert {name: plan.report() for name, plan in calibrated.serving.items()} == reports_whole
+    # what the test means to cover is there: static input scales, KV-cache scales, a side file
+    ct_config = json.loads(expected["serving/compressed-tensors-fp8/config.json"])
+    assert ct_config["quantization_config"]["kv_cache_scheme"] is not None
+    assert any(name.startswith("serving/modelopt-nvfp4/") and name.endswith("hf_quant_config.json")
+               for name in expected)
