@@ -140,14 +140,14 @@ def task_kinds_description() -> str:
 # -- runners: the converters (and torch) load only in the process that runs a task --------------------------------
 def _model_free(task: ShardTask, inputs: dict[str, Any], source_dir: Path, out_dir: Path,
                 confinement: FileConfinement) -> dict[str, Any]:
-    from converters.modelfree.stored import run_stored_task
+    from converters.modelfree.stored import run_stored_task  # torch: only in the process that runs the task
 
     return run_stored_task(task.kind, dict(task.payload), inputs, source_dir, out_dir, confinement)
 
 
 def _serving(task: ShardTask, inputs: dict[str, Any], source_dir: Path, out_dir: Path,
              confinement: FileConfinement) -> dict[str, Any]:
-    from converters.pipeline.serving_export import run_serving_write
+    from converters.pipeline.serving_export import run_serving_write  # torch, as above
 
     return run_serving_write(str(task.shard), dict(task.payload), source_dir, out_dir)
 
