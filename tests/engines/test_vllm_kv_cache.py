@@ -86,3 +86,22 @@ def test_the_cpu_fp8_cache_is_the_truncating_emulation(prompt, engine, isa):
     # the test can tell: neither the CUDA rounding nor no FP8 at all is within the kernel's noise
     assert nearest > 3 * truncated and nearest > KERNEL_NOISE
     assert unquantized > 3 * truncated and unquantized > KERNEL_NOISE
+
+
+@pytest.mark.skipif(not {"amx", "vec"} <= set(ISAS), reason="needs a CPU with AMX (vLLM's amx kernels) and AVX-512")
+def test_the_amx_kernel_reads_subnormal_codes_as_zero_and_overflows_on_scales_of_256(prompt, tmp_path):
+    """What the amx kernels do beyond the truncating cast, at scales an export would only write by mistake: they
+    hand AMX each code as bf16 ``code * 2^-120``, so E4M3's subnormal codes become bf16 subnormals, which AMX's bf16
+    dot product reads as zero; and the ``2^120 * scale`` they fold back overflows fp32 from a scale of 256 up (NaN).
+    The vec kernels read both right. At amax / 448 the subnormal codes are the values below amax / 28672: no
+    measurable effect on SmolLM2 (docs/benchmarks/engine-2026-12-03d.md)."""
+    query, key, value, k_scale, _ = prompt
+    below_normal = float(value.float().abs().amax()) * 128  # every value's code is subnormal (at most 2^-7)
+    subnormal = attend_in_vllm(query, key, value, k_scale=k_scale, v_scale=below_normal, isas=("amx", "vec"),
+                               work=tmp_path / "subnormal")
+    overflow = attend_in_vllm(query, key, value, k_scale=k_scale, v_scale=256.0, isas=("amx",), work=tmp_path / "nan")
+    assert float(subnormal["amx"].float().abs().max()) == 0
+    truncated = attention(query, fake_quantize_kv(key.float(), k_scale, KV_ROUNDING_TRUNCATE),
+                          fake_quantize_kv(value.float(), below_normal, KV_ROUNDING_TRUNCATE))
+    assert relative_error(subnormal["vec"], truncated) < KERNEL_NOISE
+    assert overflow["amx"].isnan().any()
