@@ -159,8 +159,9 @@ def task_start(rounds: int, workdir: Path) -> None:
     def one(context: mp.context.BaseContext) -> float:
         receiver, sender = context.Pipe(duplex=False)
         started = time.perf_counter()
-        proc = context.Process(target=task_child_main, args=("plan", str(model), payload, {}, str(workdir / "out"),
-                                                            sources, sender, os.getpid()), kwargs={"threads": 1})
+        task = {"kind": "plan", "shard": None, "payload": payload}
+        proc = context.Process(target=task_child_main, args=(task, str(model), {}, str(workdir / "out"), sources,
+                                                            sender, os.getpid()), kwargs={"threads": 1})
         proc.start()
         sender.close()
         result = receiver.recv()
