@@ -3,8 +3,8 @@ the reasons of the recipes and formats that convert nothing, the conversion jobs
 the quality measured for each recipe and export, and the bounds a row must meet.
 
 The tests are split by job (test_real_decoder.py: analysis and the recipes' emulated casts; one file per
-conversion job), so that xdist's ``--dist loadfile`` runs the jobs in processes of their own; the model, its
-analysis and the held-out text are session fixtures of this directory's conftest.py.
+conversion job of ``JOB_PARTS``), so that xdist's ``--dist loadfile`` runs the jobs in processes of their own;
+the model, its analysis and the held-out text are session fixtures of this directory's conftest.py.
 
 Each threshold comes from the value measured here (``MEASURED``, CPU, torch 2.13) with the margins of
 ``thresholds``. The tests score the first held-out text (48 positions) and calibrate on 64 tokens to stay
@@ -30,7 +30,7 @@ from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.quality import DEFAULT_MAX_TOKENS, REQUEST_TEXTS, QualitySource, measure_qualities, recipe_layer_casts
 from converters.recipes.presets import RECIPE_NAMES, parse_compare_recipe
 
-__all__ = ["CALIBRATION", "JOB_FORMATS", "MEASURED", "NOT_ELIGIBLE", "TOKENS", "assert_export_within",
+__all__ = ["CALIBRATION", "JOB_FORMATS", "JOB_PARTS", "MEASURED", "NOT_ELIGIBLE", "TOKENS", "assert_export_within",
            "assert_training_scores_as_recipe", "assert_within", "fp32_emulation", "recipe_figures", "run_job",
            "thresholds"]
 
@@ -51,6 +51,17 @@ JOB_FORMATS = {
                    "modelopt-fp8", "modelopt-nvfp4", "mxfp8-te", "mxfp8-floor", "compressed-tensors-fp8-te-tensorwise"],
     "ao-tensorwise": ["mxfp8-rceil", "compressed-tensors-fp8-torchao-tensorwise",
                       "compressed-tensors-fp8-torchao-rowwise"],
+}
+
+#: The jobs as the job files run them (test_real_decoder_<part>_job.py -> recipe, formats): those of JOB_FORMATS,
+#: the te-current job's ten formats as two jobs of that recipe, each file in a process of its own under xdist's
+#: loadfile. A job more adds a calibration forward and a training artifact; the casts measured in calibration,
+#: the exports and their read-back are per format, the same in either job.
+JOB_PARTS = {
+    "te_current_fp8": ("te-current", ["compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "nvfp4",
+                                      "modelopt-fp8", "compressed-tensors-fp8-te-tensorwise"]),
+    "te_current_mx_fp4": ("te-current", ["mxfp8", "nvfp4-a16", "modelopt-nvfp4", "mxfp8-te", "mxfp8-floor"]),
+    "ao_tensorwise": ("ao-tensorwise", JOB_FORMATS["ao-tensorwise"]),
 }
 
 #: Measured on the first held-out text (48 positions scored; source perplexity 56.23), CPU, torch 2.13: kl_mean,
@@ -138,11 +149,12 @@ def fp32_emulation() -> Iterator[None]:
         yield
 
 
-def run_job(model_dir: Path, recipe_name: str, texts: Sequence[str], work: Path) -> dict[str, Any]:
-    """The report of a conversion job of ``recipe_name`` that writes ``JOB_FORMATS[recipe_name]``, calibrated on
-    ``CALIBRATION`` and scored on ``texts``, in ``work``."""
+def run_job(model_dir: Path, recipe_name: str, formats: Sequence[str], texts: Sequence[str], work: Path
+            ) -> dict[str, Any]:
+    """The report of a conversion job of ``recipe_name`` that writes ``formats``, calibrated on ``CALIBRATION`` and
+    scored on ``texts``, in ``work``."""
     request = ConversionRequest(model=str(model_dir), recipe=RECIPE_NAMES[recipe_name], calibration=CALIBRATION,
-                                serving_formats=tuple(JOB_FORMATS[recipe_name]), quality_texts=tuple(texts))
+                                serving_formats=tuple(formats), quality_texts=tuple(texts))
     with fp32_emulation():
         result = run_conversion(request, work / "out", local_sources(model_dir.parent, work))
     return json.loads((result.out_dir / REPORT_FILE).read_text())

@@ -2,7 +2,7 @@
 
 Analysis under every recipe; the end-to-end quality of every recipe's emulated casts on held-out text; the
 conversion jobs that write every serving format that fits the model, and the reason for each recipe or format
-that converts nothing on it. Each job's exports, read back and scored: test_real_decoder_<job>.py. What each test
+that converts nothing on it. Each job's exports, read back and scored: test_real_decoder_<part>_job.py. What each test
 expects and why: tests/converters/quality/real_decoder.py.
 """
 
@@ -17,7 +17,7 @@ from converters.pipeline.request import ConversionRequest
 from converters.quality import REQUEST_TEXTS
 from converters.recipes.presets import RECIPE_NAMES
 from converters.serving import SERVING_FORMATS
-from tests.converters.quality.real_decoder import CALIBRATION, JOB_FORMATS, NOT_ELIGIBLE, assert_within
+from tests.converters.quality.real_decoder import CALIBRATION, JOB_FORMATS, JOB_PARTS, NOT_ELIGIBLE, assert_within
 from tests.converters.quality.smollm import recipe_reasons, serving_jobs
 
 
@@ -33,9 +33,11 @@ def test_analysis_under_every_recipe(smollm_reports):
 
 
 def test_the_jobs_write_every_serving_format_that_fits_the_model(smollm_reports, smollm_source):
-    """The jobs of the job files (JOB_FORMATS) are the plan's: every format once, but those that fit no Linear."""
+    """The jobs of the job files (JOB_PARTS) are the plan's: every format once, but those that fit no Linear."""
     planned, unavailable = serving_jobs(smollm_reports, smollm_source.checkpoint.on_disk_name)
     assert planned == JOB_FORMATS
+    for recipe, formats in planned.items():
+        assert sorted(fmt for name, part in JOB_PARTS.values() if name == recipe for fmt in part) == sorted(formats)
     written = [fmt for formats in planned.values() for fmt in formats]
     assert sorted(written + list(unavailable)) == sorted(SERVING_FORMATS)
     assert len(written) == len(set(written))
