@@ -10,17 +10,40 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
-from tests.service_helpers import free_port
+from tests.service_helpers import free_port, wait_for
 
 __all__ = ["SlurmCluster", "slurm_missing"]
 
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 2
 _BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")
+
+
+def conversion_pids(slurm_job: str) -> list[int]:
+    """The processes of Slurm job ``slurm_job`` that its rank spawned to convert (multiprocessing's spawn_main)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline, environ = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+        except OSError:  # not a process, or one that has ended
+            continue
+        if b"spawn_main" in cmdline and f"\0SLURM_JOB_ID={slurm_job}\0".encode() in b"\0" + environ:
+            pids.append(int(proc.name))
+    return pids
+
+
+def pause_conversion(slurm_job: str) -> None:
+    """SIGSTOP the conversion processes of Slurm job ``slurm_job`` (found within 30 s), so that its allocation
+    outlives a time limit on any CPU; its rank goes on heartbeating, and slurmd sends SIGCONT before SIGTERM when it
+    ends the job."""
+    frozen = wait_for(lambda: conversion_pids(slurm_job), timeout=30, what=f"job {slurm_job}'s conversion process")
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
 
 
 def slurm_missing() -> str | None:

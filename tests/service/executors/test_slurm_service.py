@@ -6,6 +6,8 @@ job (scancel of one still pending; the ranks of a running one stop it and end)."
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 
 from service.jobs import TaskStatus
 from service.store import JobStore
-from tests.service.executors.slurm_cluster import SlurmCluster
+from tests.service.executors.slurm_cluster import SlurmCluster, conversion_pids
 from tests.service_helpers import ServeProcess, build_tiny_llama, leftovers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -171,6 +173,10 @@ def test_cancel_through_the_api_of_a_running_job_ends_its_slurm_job(slurm: Slurm
         assert leftovers(tmp_path / "data" / "jobs") == []
 
 
+def _running(slurm: SlurmCluster, slurm_job: str) -> bool:
+    return slurm.job_states(slurm_job)[0] in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+
+
 def test_a_job_that_outlives_its_slurm_time_limit_goes_back_to_the_queue_and_is_submitted_again(
         slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
     """Slurm's own time limit (one minute, the shortest it has) ends the first allocation: its rank hands the attempt
@@ -181,6 +187,11 @@ def test_a_job_that_outlives_its_slurm_time_limit_goes_back_to_the_queue_and_is_
     with serving(slurm, tmp_path, models, FP8FORGE_SLURM_TIME_LIMIT="1") as client:
         job_id = _submit(client, long_calibration)
         [first] = wait_for(lambda: _slurm_ids(client, job_id), timeout=30, what="the submission")
+        record = tmp_path / "data" / "slurm" / job_id / "resume"
+        wait_for(lambda: (record / "layer-0.safetensors").exists() or not _running(slurm, first), timeout=300,
+                 interval=0.5, what=f"layer 0 in the resume record: {_tail(client)}")
+        for pid in conversion_pids(first):  # paused: on a fast CPU the calibration would end within the minute
+            os.kill(pid, signal.SIGSTOP)  # (slurmd sends SIGCONT before SIGTERM when it ends the job)
         wait_for(lambda: slurm.job_states(first)[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
                  timeout=300, what=f"Slurm's time limit to end job {first}", interval=1)
         assert slurm.job_states(first) == ["TIMEOUT"], _tail(client)
@@ -193,7 +204,6 @@ def test_a_job_that_outlives_its_slurm_time_limit_goes_back_to_the_queue_and_is_
         assert [event["reason"] for event in handed_back] == ["worker_shutdown"], handed_back
         assert [claim["attempt"] for claim in claims()] == [1, 1]  # the time limit used up no attempt
         # the job's resume record (docs/distributed.md) outlives the first allocation, for the second to continue
-        record = tmp_path / "data" / "slurm" / job_id / "resume"
         assert record.is_dir() and any(record.iterdir()), sorted(p.name for p in record.parent.iterdir())
         assert client.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
         assert wait_for(lambda: _finished(client, job_id), timeout=60, what="the cancel")["status"] == "cancelled"
@@ -271,9 +281,6 @@ def _rank_pids(job_id: str) -> list[int]:
 
 def test_kill_9_of_a_rank_ends_its_allocation_and_the_job_runs_again_in_a_new_one(
         slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
-    import os
-    import signal
-
     with serving(slurm, tmp_path, models) as client:
         job_id = _submit(client, _calibrated(models, steps=200))
         wait_for(lambda: any(e["kind"] == "stage" for e in _events(client, job_id)), timeout=180,

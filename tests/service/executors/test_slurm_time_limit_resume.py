@@ -7,14 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.service.executors.slurm_cluster import SlurmCluster
+from tests.service.executors.slurm_cluster import SlurmCluster, pause_conversion
 from tests.service.executors.test_slurm_service import _events, _finished, _slurm_ids, _submit, _tail, serving
 from tests.service_helpers import wait_for
 
@@ -43,19 +42,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "six-layers"
 
 
-def _conversion_pids(slurm_job: str) -> list[int]:
-    """The processes of Slurm job ``slurm_job`` that its rank spawned to convert (multiprocessing's spawn_main)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline, environ = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
-        except OSError:  # not a process, or one that has ended
-            continue
-        if b"spawn_main" in cmdline and f"\0SLURM_JOB_ID={slurm_job}\0".encode() in b"\0" + environ:
-            pids.append(int(proc.name))
-    return pids
-
-
 def _uninterrupted(request: dict, out: Path, root: Path) -> dict[str, str]:
     """The request converted in one process, one thread (as the service's ranks run): each file's sha256."""
     code = ("import json, sys; from pathlib import Path; from converters.model.sources import ModelSourceOptions; "
@@ -82,9 +68,7 @@ def test_a_time_limit_mid_calibration_resumes_in_a_new_allocation_and_publishes_
                  what=f"layer 0 in the resume record: {_tail(client)}")
         # the calibrating process is paused, so that the allocation outlives its limit on any CPU (on a fast one the
         # layers left would finish within Slurm's shortest limit); ending a job, slurmd sends SIGCONT before SIGTERM
-        frozen = wait_for(lambda: _conversion_pids(first), timeout=30, what=f"job {first}'s conversion process")
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
+        pause_conversion(first)
         # Slurm's shortest limit is a minute: lowered now, the allocation ends at the controller's next check
         slurm.run("scontrol", "update", f"JobId={first}", "TimeLimit=1")
         wait_for(lambda: slurm.job_states(first)[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
