@@ -58,7 +58,8 @@ from converters.errors import ConversionError
 from converters.serving.plan import ServingPlan
 
 __all__ = ["COMPRESSED_TENSORS_KV", "KEEP_HIGH_PRECISION_ERROR", "KV_CACHE_FP8", "MODELOPT_KV", "KvScaleConvention",
-           "attach_kv_scales", "high_precision_layers", "high_precision_warning", "kv_scale", "scale_choice"]
+           "attach_kv_scales", "high_precision_layers", "high_precision_warning", "kv_scale", "scale_choice",
+           "AMX_KV_SCALE_LIMIT", "amx_overflow_warning"]
 
 KV_CACHE_FP8 = "fp8"
 #: a layer whose attention output keeps more relative squared error than this at its chosen FP8 KV scales is named
@@ -135,6 +136,23 @@ def high_precision_warning(block: Mapping[str, Any]) -> str | None:
             f"their cache in high precision: {how}")
 
 
+#: vLLM 0.32's CPU attention kernels for AMX (cpu_attn_amx.hpp) read each E4M3 code as the bf16 ``code * 2**-120``
+#: and fold ``2**120 * scale`` into an fp32 factor, which overflows from a KV scale of 256 on: NaN attention
+#: (docs/benchmarks/engine-2026-12-03d.md; tests/engines/test_vllm_kv_cache.py)
+AMX_KV_SCALE_LIMIT = 256.0
+
+
+def amx_overflow_warning(layers: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The warning for attention layers (on-disk prefix -> their report row) whose k or v scale reaches
+    :data:`AMX_KV_SCALE_LIMIT` (None when none does)."""
+    over = [prefix for prefix, layer in layers.items() if max(layer["k_scale"], layer["v_scale"]) >= AMX_KV_SCALE_LIMIT]
+    if not over:
+        return None
+    return (f"{len(over)} attention layer(s) have a KV-cache scale of {AMX_KV_SCALE_LIMIT:g} or more "
+            f"({', '.join(over)}): vLLM's CPU build on an AMX CPU computes NaN attention with such a scale; serve "
+            "these layers' KV cache in the model's dtype there (vllm serve --kv-cache-dtype-skip-layers) or on a GPU")
+
+
 def _disk_prefix(path: str, target_of: Mapping[str, str]) -> tuple[str, str]:
     """``(on-disk prefix, last on-disk key under it)`` of the attention module at model path ``path``.
 
@@ -182,4 +200,5 @@ def attach_kv_scales(plan: ServingPlan, amax: Mapping[str, KvAmax], target_of: M
     block = {"dtype": "float8_e4m3fn", "strategy": "tensor", "scale_dtype": str(scale_dtype).removeprefix("torch."),
              "convention": convention.name, "scale_choice": scale_choice(amax),
              "high_precision": high_precision_layers(amax), "layers": layers}
-    return {**block, "warning": high_precision_warning(block)}
+    warnings = [warning for warning in (high_precision_warning(block), amx_overflow_warning(layers)) if warning]
+    return {**block, "warning": " ".join(warnings) or None}

@@ -254,3 +254,23 @@ def test_without_kv_cache_the_export_is_the_same_bytes_less_the_kv_scales(kv_roo
     for key, tensor in plain.items():
         assert tensor.dtype == with_kv[key].dtype and torch.equal(tensor.view(torch.uint8), with_kv[key].view(
             torch.uint8)), key
+
+
+@pytest.mark.parametrize(("value_amax", "warned"), [(20.0, False), (255.9 * 448, False), (256 * 448, True)])
+def test_a_kv_scale_vllms_amx_kernels_overflow_on_is_named_in_the_report(value_amax, warned):
+    """From a scale of 256 vLLM's AMX attention kernels compute NaN (tests/engines/test_vllm_kv_cache.py): the
+    report's KV block names each such layer, and says nothing below it."""
+    from converters.calibration.kv_cache import KvAmax
+
+    amax = {f"model.layers.{i}.self_attn": KvAmax(key=torch.tensor([10.0, 12.0]), dtype=torch.float32,
+                                                   value=torch.tensor([1.0, value_amax if i else 2.0]))
+            for i in range(2)}
+    target_of = {f"model.layers.{i}.self_attn.{proj}.weight": f"model.layers.{i}.self_attn.{proj}.weight"
+                 for i in range(2) for proj in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    block = attach_kv_scales(ServingPlan(format=FORMAT), amax, target_of, torch.float32)
+    assert block["layers"]["model.layers.1.self_attn"]["v_scale"] == pytest.approx(value_amax / 448)
+    if warned:
+        assert "model.layers.1.self_attn" in block["warning"] and "model.layers.0" not in block["warning"]
+        assert "--kv-cache-dtype-skip-layers" in block["warning"]
+    else:
+        assert block["warning"] is None
