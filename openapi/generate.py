@@ -14,8 +14,8 @@ SPEC = ROOT / "openapi" / "openapi.json"
 def render() -> str:
     """The app's OpenAPI document as stable, sorted JSON text."""
     sys.path.insert(0, str(ROOT))
-    from service.main import create_app
     from service.config import Settings
+    from service.main import create_app
 
     # the schema is the same with API keys configured; auth_disabled only spares the generator a key file
     spec = create_app(Settings(data_dir=ROOT / "data", auth_disabled=True)).openapi()
