@@ -30,7 +30,8 @@ from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.quality import DEFAULT_MAX_TOKENS, REQUEST_TEXTS, QualitySource, measure_qualities, recipe_layer_casts
 from converters.recipes.presets import RECIPE_NAMES, parse_compare_recipe
 
-__all__ = ["CALIBRATION", "JOB_FORMATS", "JOB_PARTS", "MEASURED", "NOT_ELIGIBLE", "TOKENS", "assert_export_within",
+__all__ = ["CALIBRATION", "JOB_FORMATS", "JOB_PARTS", "MEASURED", "NOT_ELIGIBLE", "TOKENS", "JobChecks",
+           "assert_export_within",
            "assert_training_scores_as_recipe", "assert_within", "fp32_emulation", "recipe_figures", "run_job",
            "thresholds"]
 
@@ -170,3 +171,32 @@ def recipe_figures(source: QualitySource, reports: dict[str, dict[str, Any]], te
                 for name in names}
     with fp32_emulation():
         return measure_qualities(source, variants, texts, max_tokens=DEFAULT_MAX_TOKENS)
+
+
+class JobChecks:
+    """The checks of one conversion job of ``JOB_PARTS``: it writes the serving formats given it, each export read
+    back by the job's own quality pass stays close to the source, and its training artifact scores as its recipe's
+    emulated casts. A test file per job subclasses it naming ``job`` (xdist's loadfile then runs each job in a
+    process of its own)."""
+
+    job: str
+
+    def pytest_generate_tests(self, metafunc) -> None:
+        if "fmt" in metafunc.fixturenames:
+            metafunc.parametrize("fmt", JOB_PARTS[self.job][1])
+
+    @pytest.fixture(scope="class")
+    def report(self, smollm_model_dir, smollm_texts, tmp_path_factory) -> dict[str, Any]:
+        recipe, formats = JOB_PARTS[self.job]
+        return run_job(smollm_model_dir, recipe, formats, smollm_texts, tmp_path_factory.mktemp(self.job))
+
+    def test_the_job_writes_the_formats_it_was_given(self, report):
+        assert sorted(report["serving"]) == sorted(JOB_PARTS[self.job][1])
+
+    def test_every_serving_export_read_back_stays_close_to_the_source(self, report, smollm_scored, fmt):
+        assert_export_within(report, fmt, smollm_scored)
+
+    def test_the_training_artifact_scores_as_its_recipe(self, report, smollm_source, smollm_reports, smollm_texts):
+        recipe = JOB_PARTS[self.job][0]
+        figures = recipe_figures(smollm_source, smollm_reports, smollm_texts, [recipe])[recipe]
+        assert_training_scores_as_recipe(report, figures)
