@@ -290,24 +290,30 @@ def _format_of(directory: Path, label: str):
     return serving_format("compressed-tensors-fp8-dynamic" if inputs.get("dynamic") else "compressed-tensors-fp8")
 
 
-def engine_runs(model: Path, rows: list[tuple[str, Path, str]], texts: list[list[int]], work: Path) -> dict:
-    """vLLM on the bf16 source and every row, instrumented, in one driver process: label -> the driver's run."""
+def engine_runs(model: Path, rows: list[tuple[str, Path, str]], texts: list[list[int]], work: Path, *,
+                missing_only: bool = False, stacks_every: float | None = None) -> dict:
+    """vLLM on the bf16 source and every row, instrumented, in one driver process: label -> the driver's run.
+    ``missing_only``: only the rows (and source) that ``work``'s runs.json lacks, merged into it, so that a busy
+    machine can run the engine part in pieces. ``stacks_every``: the driver writes every thread's stack to its log
+    at this interval (seconds), to see where a slow run spends its time."""
     from tests.engines.engine import DRIVER, VLLM_PYTHON
 
     work.mkdir(parents=True, exist_ok=True)
-    labels = [SOURCE, *(label for label, _, _ in rows)]
-    runs = [{"model": str(model), "kv_cache_dtype": "auto", "score": texts, "instrument": True}]
-    runs += [{"model": str(directory), "kv_cache_dtype": kv, "score": texts, "instrument": True}
-             for _, directory, kv in rows]
+    earlier = json.loads((work / "runs.json").read_text()) if missing_only and (work / "runs.json").is_file() else {}
+    wanted = [(SOURCE, model, "auto"), *rows]
+    wanted = [(label, directory, kv) for label, directory, kv in wanted if label not in earlier]
+    labels = [label for label, _, _ in wanted]
+    runs = [{"model": str(directory), "kv_cache_dtype": kv, "score": texts, "instrument": True}
+            for _, directory, kv in wanted]
     request = work / "request.json"
-    request.write_text(json.dumps({"runs": runs}))
+    request.write_text(json.dumps({"runs": runs, **({"stacks_every_s": stacks_every} if stacks_every else {})}))
     with (work / "vllm.log").open("w") as log:
         done = subprocess.run([str(VLLM_PYTHON), str(DRIVER), str(request)], stdout=subprocess.PIPE, stderr=log,
                               text=True, cwd=work)
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
         raise SystemExit(f"vllm_driver.py exited {done.returncode}: see {work / 'vllm.log'}")
-    runs = dict(zip(labels, json.loads(lines[-1])["runs"], strict=True))
+    runs = {**earlier, **dict(zip(labels, json.loads(lines[-1])["runs"], strict=True))}
     (work / "runs.json").write_text(json.dumps(runs))  # a later --parts report prints the table with them
     return runs
 
@@ -381,6 +387,11 @@ def main() -> None:
                              "and llm-compressor's kv_cache_scheme exports")
     parser.add_argument("--peer-schemes", default=",".join(PEER_SCHEMES),
                         help=f"llm-compressor's schemes to export and run, of {', '.join(PEER_SCHEMES)}")
+    parser.add_argument("--engine-missing-only", action="store_true",
+                        help="the engine part runs only the rows --keep's vllm/runs.json lacks, and adds them to it")
+    parser.add_argument("--stacks-every", type=float,
+                        help="the vLLM driver writes every thread's stack to --keep's vllm/vllm.log at this interval "
+                             "(seconds): where a slow engine run is")
     parser.add_argument("--report-file", default="report.json",
                         help="the report part's figures, in --keep: written by --parts report, read by the others")
     parser.add_argument("--quality-from", type=Path,
@@ -434,7 +445,8 @@ def main() -> None:
             reports = json.loads((work / args.report_file).read_text())
         engine_started = time.perf_counter()
         if "engine" in parts:
-            runs = engine_runs(model, rows, texts, work / "vllm")
+            runs = engine_runs(model, rows, texts, work / "vllm", missing_only=args.engine_missing_only,
+                               stacks_every=args.stacks_every)
         elif (work / "vllm" / "runs.json").is_file():  # the engine's runs of an earlier --parts engine
             runs = json.loads((work / "vllm" / "runs.json").read_text())
         else:

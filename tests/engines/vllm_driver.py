@@ -347,9 +347,15 @@ def attend_through_cache(case: dict) -> dict:
 def main(request_path: str) -> None:
     """Runs every request of ``{"runs": [...], "attention": [...]}`` in this one process (vLLM's import alone takes
     most of a minute on a busy 2-core machine); a run that raises is reported with its error and the next one goes
-    on. ``attention``: cases for :func:`attend_through_cache`, reported as ``"attention"``."""
+    on. ``attention``: cases for :func:`attend_through_cache`, reported as ``"attention"``. ``stacks_every_s``:
+    every thread's Python stack written to stderr at that interval (a stalled run shows where it is)."""
     asked = json.loads(open(request_path, encoding="utf-8").read())
     runs = asked.get("runs", [])
+    if asked.get("stacks_every_s"):
+        # where a slow run spends its time, without a profiler in the vLLM venv: every thread's stack to stderr
+        import faulthandler
+
+        faulthandler.dump_traceback_later(asked["stacks_every_s"], repeat=True, file=sys.stderr)
     stand_ins = install_stand_ins()
     enable_amx_tiles()
     snapshot_before_processing()
