@@ -9,6 +9,7 @@ Per round and per format, in this order (each a fresh process):
   copy        ``cp -r`` of the source directory: the physical limit of reading and writing those bytes here;
   fp8forge    ``convert_model_free(source, out, format, workers=1)`` (what ``fp8forge requantize`` runs), its
               work timed inside the process; the process's start (imports) is measured apart by an import-only child;
+              with ``--no-measure`` without the report's weight SQNR (``measure=False``: the same bytes);
   peer        llm-compressor 0.14 ``model_free_ptq(source, out, scheme, device="cpu", max_workers=1)`` in its own
               venv (never a project dependency; the venv of bench_serving.py, built by it), timed the same way.
 
@@ -24,6 +25,7 @@ memory one weight's worth plus a fixed buffer.
 
     .venv/bin/python benchmarks/bench_requantize.py                      # 2 rounds, all four formats
     .venv/bin/python benchmarks/bench_requantize.py --rounds 1 --formats fp8-block --skip-peer
+    .venv/bin/python benchmarks/bench_requantize.py --rounds 1 --skip-peer --no-measure
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def build_model(directory: Path) -> int:
 # ---- the measured children (``bench_requantize.py --child ROLE ...``, in either venv) -----------------------
 
 
-def child(role: str, fmt: str, source: str, out: str) -> None:
+def child(role: str, fmt: str, source: str, out: str, measure: str = "measure") -> None:
     """One measured run: imports, then the work timed; prints one JSON line.
 
     Memory is this process's own high-water mark (``VmHWM``), not ``ru_maxrss``: Linux carries a parent's peak into
@@ -116,7 +118,8 @@ def child(role: str, fmt: str, source: str, out: str) -> None:
     reset = _reset_peak()
     cpu = _cpu_seconds(os.times(), children=False)
     if role == "fp8forge":
-        convert_model_free(Path(source), Path(out), fmt, exclude=("lm_head",), skip_first_last=False)
+        convert_model_free(Path(source), Path(out), fmt, exclude=("lm_head",), skip_first_last=False,
+                           measure=measure == "measure")
     elif role == "peer":
         model_free_ptq(source, out, scheme=FORMATS[fmt], ignore=["lm_head"], max_workers=1, device="cpu")
     done = time.perf_counter()
@@ -151,10 +154,11 @@ def _reset_peak() -> bool:
     return True
 
 
-def _run(python: Path, role: str, fmt: str, source: Path, out: Path) -> dict:
+def _run(python: Path, role: str, fmt: str, source: Path, out: Path, measure: bool) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
-    result = subprocess.run([str(python), __file__, "--child", role, fmt, str(source), str(out)], capture_output=True,
+    result = subprocess.run([str(python), __file__, "--child", role, fmt, str(source), str(out),
+                             "measure" if measure else "no-measure"], capture_output=True,
                             text=True, cwd=ROOT, env={**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
                                                       "PYTHONPATH": str(ROOT)})
     seconds = time.perf_counter() - started
@@ -200,6 +204,8 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of: " + ", ".join(FORMATS))
     parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="fp8forge without the report's weight SQNR (the peer computes none)")
     args = parser.parse_args()
     formats = [name for name in args.formats.split(",") if name]
     unknown = [name for name in formats if name not in FORMATS]
@@ -217,7 +223,8 @@ def main() -> None:
         build_model(source)
     size = _tree_bytes(source)
     print(f"checkpoint: {size / 1e9:.2f} GB in {SHARDS} shards, {LAYERS} layers, hidden {HIDDEN}; "
-          f"cpus {os.cpu_count()}; rounds {args.rounds}", flush=True)
+          f"cpus {os.cpu_count()}; rounds {args.rounds}; fp8forge's weight SQNR "
+          f"{'off' if args.no_measure else 'on'}", flush=True)
     _warm(source)
     out = args.workdir / "out"
     runs: dict[tuple[str, str], list[dict]] = {}
@@ -225,7 +232,8 @@ def main() -> None:
         for fmt in formats:
             tools = [("copy", None), ("fp8forge", Path(sys.executable))] + ([("peer", peer_python)] if run_peer else [])
             for tool, python in tools:
-                measured = _copy(source, out) if python is None else _run(python, tool, fmt, source, out)
+                measured = _copy(source, out) if python is None else _run(python, tool, fmt, source, out,
+                                                                          not args.no_measure)
                 runs.setdefault((fmt, tool), []).append(measured)
                 if "failed" in measured:
                     print(f"round {round_ + 1} {fmt:32s} {tool:9s} FAILED: {measured['failed']}", flush=True)
@@ -266,6 +274,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(*sys.argv[2:6])
+        child(*sys.argv[2:7])
     else:
         main()

@@ -93,14 +93,16 @@ def _plan(source_dir: Path, target: str, options: ModelFreeOptions, pool: Execut
 
 
 def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, include: Iterable[str] = (),
-                       exclude: Iterable[str] = (), skip_first_last: bool = True, workers: int = 1,
-                       confinement: FileConfinement | None = None, sink: ProgressSink | None = None
-                       ) -> dict[str, Any]:
+                       exclude: Iterable[str] = (), skip_first_last: bool = True, measure: bool = True,
+                       workers: int = 1, confinement: FileConfinement | None = None,
+                       sink: ProgressSink | None = None) -> dict[str, Any]:
     """Convert ``source_dir`` (safetensors + config.json) to ``format_name`` in ``out_dir``, shard by shard.
 
-    ``workers`` > 1 runs the shard tasks in that many processes; the bytes written do not depend on it. Side files
-    (tokenizer, generation config) are read only inside ``confinement`` (default: ``source_dir``). Returns the
-    report (also written to ``out_dir/requantize_report.json``). ``sink`` sees the stages and progress a
+    ``measure`` False leaves each converted weight's SQNR out of the report (a pass over every weight and its codes
+    after the cast; the bytes written are the same). ``workers`` > 1 runs the shard tasks in that many processes;
+    the bytes written do not depend on it. Side files (tokenizer, generation config) are read only inside
+    ``confinement`` (default: ``source_dir``). Returns the report (also written to
+    ``out_dir/requantize_report.json``). ``sink`` sees the stages and progress a
     requantize job's events show: analyze (the plan), convert (tasks done, shards and bytes written), export.
 
     Raises:
@@ -114,7 +116,8 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
         raise Fp8ForgeError(f"the parent of {out_dir} does not exist; create {out_dir.parent} first", field="out")
     if not isinstance(workers, int) or workers < 1:
         raise RequestError(f"workers must be a positive integer, got {workers!r}", field="workers")
-    options = ModelFreeOptions(include=tuple(include), exclude=tuple(exclude), skip_first_last=skip_first_last)
+    options = ModelFreeOptions(include=tuple(include), exclude=tuple(exclude), skip_first_last=skip_first_last,
+                               measure=measure)
     sink = sink or NullSink()
     with _pool(workers, source_dir, confinement) as pool:
         sink.stage(Stage.ANALYZE.value)
@@ -177,6 +180,7 @@ def shard_tasks(source_dir: Path, staging: Path, report: dict[str, Any], view: S
     write_tasks = [WriteTask(source_dir=str(source_dir), shard=shard, out_dir=str(staging), target=fmt.name,
                              scale_dtype=report["scale_dtype"], convert=keys,
                              drop=sorted(name for name, where in view.drop.items() if where == shard),
+                             measure=report["options"].get("measure", True),
                              **view.task_fields(dequantized[shard])) for shard, keys in by_shard.items()]
     return amax_tasks, [dataclasses.replace(task, planned_bytes=planned_shard_bytes(task)) for task in write_tasks]
 

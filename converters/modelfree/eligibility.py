@@ -50,20 +50,26 @@ _CONV1D_MODEL_TYPES = ("gpt2",)
 
 @dataclass(frozen=True, kw_only=True)
 class ModelFreeOptions:
-    """The selection of a model-free job (as :class:`~converters.analysis.eligibility.AnalysisOptions` has it)."""
+    """The selection of a model-free job (as :class:`~converters.analysis.eligibility.AnalysisOptions` has it), and
+    whether its report measures what it wrote."""
 
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     skip_first_last: bool = True
+    #: each converted weight's SQNR in the report, read back from the tensors written: a pass over every weight and
+    #: its codes that costs more CPU than the cast itself (docs/requantize.md); False writes the same bytes without it
+    measure: bool = True
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):
             object.__setattr__(self, name, check_patterns(tuple(getattr(self, name)), name))
-        if not isinstance(self.skip_first_last, bool):
-            raise ValueError(f"skip_first_last must be a bool, got {self.skip_first_last!r}")
+        for name in ("skip_first_last", "measure"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"include": list(self.include), "exclude": list(self.exclude), "skip_first_last": self.skip_first_last}
+        return {"include": list(self.include), "exclude": list(self.exclude), "skip_first_last": self.skip_first_last,
+                "measure": self.measure}
 
 
 @dataclass(frozen=True)

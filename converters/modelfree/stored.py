@@ -1,15 +1,18 @@
 """The phases of a model-free conversion run one at a time from stored tasks (a job queue's shard tasks).
 
-A job queue stores each task as ``{"kind", "shard", "phase", "payload"}`` (plain JSON) and hands one, with the
-results of the tasks it depends on, to :func:`run_stored_task` on whichever machine claims it. Kinds, by phase:
+A job queue stores each task (kind, shard, phase, payload: plain JSON) and hands one, with the
+results of the tasks it depends on, to :func:`run_stored_task` on whichever machine claims it. The kinds, their
+phases, the task form and the plan task's payload are the task registry's (``service.workers.task_kinds``, which the
+torch-free worker reads); a plan task's result lists the tasks it queues as ``{"kind", "shard", "payload"}``, which
+the registry reads in its form. The kinds, in the order their phases run:
 
-0. ``plan``: inventory and decide (headers only); its result is the report and the tasks of the later phases;
-1. ``amax`` (per shard, formats that need the weight amax): :func:`~converters.modelfree.tasks.shard_weight_amax`;
-2. ``write`` (per shard): the reduce of every ``amax`` result over the fused groups (cheap: one number per
-   weight), then :func:`~converters.modelfree.tasks.write_shard`; the result adds the file's size and sha256;
-3. ``finish``: index, config, side files, report and manifest (:func:`~converters.modelfree.driver.finish`).
+* ``plan``: inventory and decide (headers only); its result is the report and the tasks of the later phases;
+* ``amax`` (per shard, formats that need the weight amax): :func:`~converters.modelfree.tasks.shard_weight_amax`;
+* ``write`` (per shard): the reduce of every ``amax`` result over the fused groups (cheap: one number per
+  weight), then :func:`~converters.modelfree.tasks.write_shard`; the result adds the file's size and sha256;
+* ``finish``: index, config, side files, report and manifest (:func:`~converters.modelfree.driver.finish`).
 
-A task of phase N may start once every task of the job with a lower phase has succeeded. Paths are not stored:
+A task may start once every task of the job of an earlier phase has succeeded. Paths are not stored:
 each machine resolves the source and names its own output directory, so a payload's ``source_dir`` and
 ``out_dir`` are filled in where it runs. The bytes written are those of :func:`convert_model_free`.
 """
@@ -33,17 +36,7 @@ from converters.modelfree.tasks import (
     write_shard,
 )
 
-__all__ = ["PHASES", "plan_payload", "run_stored_task"]
-
-#: Task kinds in the order their phases run.
-PHASES = ("plan", "amax", "write", "finish")
-
-
-def plan_payload(model: str, target: str, *, include: list[str] = (), exclude: list[str] = (),
-                 skip_first_last: bool = True) -> dict[str, Any]:
-    """The payload of a job's ``plan`` task."""
-    return {"model": model, "target": target, "include": list(include), "exclude": list(exclude),
-            "skip_first_last": skip_first_last}
+__all__ = ["run_stored_task"]
 
 
 def run_stored_task(kind: str, payload: dict[str, Any], inputs: dict[str, Any], source_dir: Path, out_dir: Path,
@@ -71,24 +64,26 @@ def run_stored_task(kind: str, payload: dict[str, Any], inputs: dict[str, Any], 
         return write_shard(task).to_dict()  # its "file": the manifest's entry of the shard, hashed as it was written
     if kind == "finish":
         return _finish_task(source_dir, out_dir, inputs, confinement)
-    raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(PHASES)}")
+    raise ValueError(f"unknown task kind {kind!r}; a requantize job's kinds are plan, amax, write and finish")
 
 
 def _plan_tasks(source_dir: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    # a payload queued by a release before ``measure`` measured
     options = ModelFreeOptions(include=tuple(payload["include"]), exclude=tuple(payload["exclude"]),
-                               skip_first_last=payload["skip_first_last"])
+                               skip_first_last=payload["skip_first_last"], measure=payload.get("measure", True))
     report, view = _plan(source_dir, payload["target"], options, None)
     check_plan(report, view)
     amax_tasks, write_tasks = shard_tasks(source_dir, Path(), report, view)
     tasks = [_stored("amax", task.shard, task.to_dict()) for task in amax_tasks]
     tasks += [_stored("write", task.shard, task.to_dict()) for task in write_tasks]
-    tasks.append({"kind": "finish", "shard": None, "phase": PHASES.index("finish"), "payload": {}})
+    tasks.append(_stored("finish", None, {}))
     return {"report": report, "tasks": tasks}
 
 
-def _stored(kind: str, shard: str, payload: dict[str, Any]) -> dict[str, Any]:
+def _stored(kind: str, shard: str | None, payload: dict[str, Any]) -> dict[str, Any]:
+    """A task in the registry's form, its phase its kind's (paths left out: each machine resolves its own)."""
     payload = {name: value for name, value in payload.items() if name not in ("source_dir", "out_dir")}
-    return {"kind": kind, "shard": shard, "phase": PHASES.index(kind), "payload": payload}
+    return {"kind": kind, "shard": shard, "payload": payload}
 
 
 def _finish_task(source_dir: Path, out_dir: Path, inputs: dict[str, Any], confinement: FileConfinement

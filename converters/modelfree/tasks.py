@@ -82,6 +82,7 @@ class WriteTask(_Wire):
     reads: dict[str, str] = field(default_factory=dict)  #: those weights' stored tensors -> their shards
     drop: list[str] = field(default_factory=list)  #: this shard's companions and KV-cache scales, not copied
     planned_bytes: int = 0  #: the tensor bytes the output shard will hold (progress counts them; 0: not planned)
+    measure: bool = True  #: each converted weight's SQNR, read from the tensors written, in the result's layer_stats
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,8 +173,11 @@ def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Com
         if key in convert:
             shape = reader.stored_shape(key, name) if name in key_of else tensor.shape
             outputs = fmt.planned_tensors(key, _Shaped(tuple(shape)), scale_dtype)
+            # a weight the source stores quantized was checked finite where it was dequantized, and one with a
+            # weight amax where that amax was taken (shard_weight_amax: it propagates NaN)
+            checked = key in task.stored or key in task.weight_amax
             quantize = functools.partial(_quantize, fmt, key, outputs, task.weight_amax.get(key), scale_dtype,
-                                         key not in task.stored)
+                                         not checked, task.measure)
             steps.append(Compute(outputs=outputs, read=read, convert=quantize))
         elif name in key_of:
             shape = reader.stored_shape(key, name)
@@ -185,14 +189,18 @@ def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Com
 
 
 def _quantize(fmt: Any, key: str, outputs: dict[str, Any], amax: float | None, scale_dtype: torch.dtype,
-              check_weight: bool, weight: torch.Tensor) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]]]:
-    """One weight quantized to ``fmt``, checked finite; the note is its layer's figures for the report."""
+              check_weight: bool, measure: bool, weight: torch.Tensor
+              ) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]] | None]:
+    """One weight quantized to ``fmt``, checked finite; the note is its layer's figures for the report (None
+    unless ``measure``)."""
     options = {"weight_amax": amax} if getattr(fmt, "needs_weight_amax", False) else {}
     cast = functools.partial(_cast, fmt, scale_dtype, options)
     step = strip_rows(fmt, weight)
     replacement = cast(weight) if step is None else cast_in_strips(cast, weight, step, outputs)
     written = dict(zip(outputs, replacement, strict=True))
     check_converted(key, weight, written, fmt.name, check_weight=check_weight)
+    if not measure:
+        return replacement, None
     return replacement, (key.removesuffix(".weight"), layer_stats(fmt, weight, written))
 
 

@@ -15,6 +15,7 @@ from service.errors import InvalidTransition, JobNotFound
 from service.jobs import Job, JobStatus, Task, TaskStatus
 from service.store import JobStore
 from service.store.tasks import HostFaultRetry
+from service.workers.task_kinds import plan_payload
 
 __all__ = ["fail_job", "is_split_job", "reap_stale_tasks", "settle", "split_job"]
 
@@ -29,12 +30,8 @@ def is_split_job(request: dict[str, Any]) -> bool:
 def split_job(store: JobStore, dirs: ArtifactStorage, worker_id: str, job: Job, max_attempts: int) -> bool:
     """Turn a job this worker has just claimed into its plan task; False when the job was taken meanwhile."""
     dirs.remove(job.id, below_attempt=job.attempt + 1)  # what an earlier attempt left (it crashed before splitting)
-    request = job.request
-    payload = {"model": request["model"], "target": request["requantize"]["to"],
-               "include": list(request.get("include") or ()), "exclude": list(request.get("exclude") or ()),
-               "skip_first_last": request.get("skip_first_last", True)}
-    split = store.tasks.split(job.id, worker_id, job.attempt, source=request["model"], payload=payload,
-                              max_attempts=max_attempts)
+    split = store.tasks.split(job.id, worker_id, job.attempt, source=job.request["model"],
+                              payload=plan_payload(job.request), max_attempts=max_attempts)
     if split:
         logger.info("job %s: split into tasks; its plan task is queued", job.id)
     return split

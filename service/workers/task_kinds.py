@@ -24,7 +24,7 @@ from converters.model.files import FileConfinement
 from service.jobs import Stage, Task
 
 __all__ = ["SERVING_WRITE", "TASK_FORM_VERSION", "TASK_KINDS", "Outcome", "OutputDir", "ShardTask", "TaskKind",
-           "run_task", "task_kind", "task_kinds_description"]
+           "plan_payload", "run_task", "task_kind", "task_kinds_description"]
 
 #: The version of :meth:`ShardTask.to_dict`; a form without one is version 1 (the converters' task lists).
 TASK_FORM_VERSION = 1
@@ -130,6 +130,16 @@ def run_task(task: ShardTask, inputs: dict[str, Any], source_dir: Path, out_dir:
              confinement: FileConfinement) -> dict[str, Any]:
     """Run ``task`` here (``inputs``: what its kind reads of earlier tasks); returns its result as plain data."""
     return task_kind(task.kind).runner(task, inputs, source_dir, out_dir, confinement)
+
+
+def plan_payload(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The payload of a requantize job's ``plan`` task, from the job's request (``model``, ``requantize.to`` and the
+    optional ``include``, ``exclude``, ``skip_first_last``, ``requantize.measure``): what
+    ``converters.modelfree.stored`` reads where the task runs."""
+    requantize = request["requantize"]
+    return {"model": request["model"], "target": requantize["to"], "include": list(request.get("include") or ()),
+            "exclude": list(request.get("exclude") or ()), "skip_first_last": request.get("skip_first_last", True),
+            "measure": requantize.get("measure", True)}
 
 
 def task_kinds_description() -> str:

@@ -16,7 +16,8 @@ from converters.errors import ModelConfigError
 from converters.model.files import FileConfinement
 from converters.model.limits import MAX_INDEX_ENTRIES, MAX_SHARD_TENSORS, read_index_file
 from converters.model.safetensors_stream import read_tensor_index
-from converters.modelfree.stored import plan_payload, run_stored_task
+from converters.modelfree.stored import run_stored_task
+from service.workers.task_kinds import plan_payload
 from tests.converters.model.test_config_limits import TINY
 
 
@@ -37,8 +38,8 @@ def test_a_header_of_1_4_million_tensors_is_refused_by_the_plan_task_within_seco
     assert 90_000_000 < (source / "model.safetensors").stat().st_size < 100_000_000  # the format's limit is 100 MB
     started = time.monotonic()
     with pytest.raises(ModelConfigError) as info:
-        run_stored_task("plan", plan_payload(str(source), "fp8-block"), {}, source, tmp_path / "out",
-                        FileConfinement(roots=(tmp_path / "models",)))
+        run_stored_task("plan", plan_payload({"model": str(source), "requantize": {"to": "fp8-block"}}), {}, source,
+                        tmp_path / "out", FileConfinement(roots=(tmp_path / "models",)))
     elapsed = time.monotonic() - started
     assert info.value.code == "invalid_model_config" and info.value.field == "model"
     message = info.value.message

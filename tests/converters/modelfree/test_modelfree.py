@@ -181,6 +181,17 @@ def test_workers_give_the_same_bytes(root, converted, tmp_path):
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
 
 
+def test_measure_off_writes_the_same_bytes_without_the_sqnr(root, converted, tmp_path):
+    out = tmp_path / "unmeasured"
+    report = convert_model_free(root / "mixtral", out, NVFP4, measure=False)
+    reference = converted / f"mixtral-{NVFP4}"
+    assert report["options"]["measure"] is False and report["layer_stats"] == {}
+    assert json.loads((reference / REPORT_NAME).read_text())["layer_stats"]  # measured by default
+    for path in reference.iterdir():
+        if path.suffix == ".safetensors" or path.name == INDEX_NAME:
+            assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+
+
 def test_a_failing_shard_leaves_no_output(root, tmp_path, monkeypatch):
     def broken(task):
         if task.shard.startswith("model-00003"):

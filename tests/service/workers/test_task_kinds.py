@@ -15,7 +15,7 @@ from converters.errors import ConversionError
 from service.artifacts.local import ArtifactDirs
 from service.config import Settings
 from service.jobs import JobStatus, TaskStatus
-from service.workers.task_kinds import TASK_KINDS, ShardTask
+from service.workers.task_kinds import TASK_KINDS, ShardTask, plan_payload
 from service.workers.task_run import TaskRun
 from tests.service_helpers import make_store
 
@@ -27,6 +27,22 @@ def test_a_task_goes_through_json_and_back_as_itself() -> None:
     assert ShardTask.from_dict(wire) == task
     # the converters' task lists leave the version (and a calibrated job's, the phase) out
     assert ShardTask.from_dict({"kind": "serving_write", "shard": "m.safetensors", "payload": {}}).phase == 0
+
+
+def test_a_requantize_plan_queues_its_tasks_in_the_registry_form_at_their_kinds_phases(tmp_path: Path) -> None:
+    from converters.model.demo import build_tiny_llama
+    from converters.model.files import FileConfinement
+    from converters.modelfree.stored import run_stored_task
+
+    source = build_tiny_llama(tmp_path / "llama")
+    request = {"model": str(source), "requantize": {"to": "nvfp4-a16", "measure": False}, "exclude": ["lm_head"]}
+    result = run_stored_task("plan", plan_payload(request), {}, source, tmp_path / "out",
+                             FileConfinement(roots=(tmp_path,)))
+    queued = [ShardTask.from_dict(json.loads(json.dumps(task))) for task in result["tasks"]]
+    assert [task.kind for task in queued] == ["amax", "write", "finish"]  # the tiny model: one shard
+    assert [task.phase for task in queued] == [TASK_KINDS[task.kind].phase for task in queued] == [1, 2, 3]
+    assert queued[1].payload["measure"] is False and result["report"]["options"]["exclude"] == ["lm_head"]
+    assert not {"source_dir", "out_dir"} & set(queued[1].payload)  # each machine resolves its own paths
 
 
 @pytest.mark.parametrize(("wire", "says"), [
