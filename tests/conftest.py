@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from tests.models import MOE_CONFIGS, TINY_CONFIGS, save_tiny_model, save_tiny_moe  # noqa: E402
-from tests.scheduling import FileSeconds, heaviest_files_first, load_file_seconds, unique_ids  # noqa: E402
+from tests.scheduling import CpuSeconds, FileSeconds, heaviest_files_first, load_file_seconds, unique_ids  # noqa: E402
 
 #: xdist schedulers that key their work by node id: two tests of one id would run as one
 _BY_NODE_ID = ("loadfile", "loadscope", "loadgroup")
@@ -19,12 +19,21 @@ def pytest_addoption(parser):
     parser.addoption("--record-file-seconds", metavar="PATH", default=None,
                      help="write each test file's seconds (setup + call + teardown) to PATH as JSON at the end: "
                           "tests/file_seconds.json orders the files for xdist (tests/scheduling.py)")
+    parser.addoption("--record-file-cpu", metavar="PATH", default=None,
+                     help="write each test file's CPU seconds (its processes and the children they waited for) to "
+                          "PATH as JSON at the end: what a change costs, apart from the machine's load")
 
 
 def pytest_configure(config):
+    reporting = not hasattr(config, "workerinput")  # the reports of every xdist process reach the controller
     path = config.getoption("--record-file-seconds")
-    if path and not hasattr(config, "workerinput"):  # the reports of every xdist process reach the controller
+    if path and reporting:
         config.pluginmanager.register(FileSeconds(Path(path)), "file-seconds")
+    cpu_path = config.getoption("--record-file-cpu")
+    if cpu_path:
+        config.pluginmanager.register(CpuSeconds(), "cpu-seconds")
+        if reporting:
+            config.pluginmanager.register(FileSeconds(Path(cpu_path), clock="cpu_seconds"), "file-cpu")
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture parameters) and any deselection

@@ -9,19 +9,22 @@ front: started last, a long file would run alone while the other processes sit i
 
 The record is a hint, not a contract: a file it does not know weighs :data:`UNKNOWN_TEST_SECONDS` per test, and
 ``pytest --record-file-seconds=tests/file_seconds.json`` writes a new one (seconds of setup, call and teardown
-summed per file, all processes together).
+summed per file, all processes together). ``--record-file-cpu=PATH`` writes the CPU seconds of the same phases
+(the test process and the child processes it waited for: servers, CLI runs, workers): on a shared machine the
+wall follows the load, the CPU much less, so that is the figure to compare a change by.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
-__all__ = ["FILE_SECONDS", "UNKNOWN_TEST_SECONDS", "FileSeconds", "file_of", "heaviest_files_first",
+__all__ = ["FILE_SECONDS", "UNKNOWN_TEST_SECONDS", "CpuSeconds", "FileSeconds", "file_of", "heaviest_files_first",
            "load_file_seconds", "unique_ids"]
 
 FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
@@ -79,19 +82,49 @@ def unique_ids(items: Iterable[pytest.Item]) -> list[str]:
     return sorted(nodeid for nodeid, count in counts.items() if count > 1)
 
 
+def cpu_seconds_so_far() -> float:
+    """User and system CPU seconds of this process and of the children it has waited for."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+class CpuSeconds:
+    """Gives each report of a test phase the CPU seconds the phase took, as ``report.cpu_seconds``.
+
+    Registered in every process that runs tests: xdist sends a report's extra attributes to the controller with it.
+    A child counts once it has been waited for (``subprocess.run``, ``Popen.wait``, a joined multiprocessing
+    process), in the phase that waited for it: a server a module fixture stops counts in the file's last teardown.
+    """
+
+    def __init__(self) -> None:
+        self.phase_start = cpu_seconds_so_far()
+
+    def pytest_runtest_logstart(self) -> None:
+        self.phase_start = cpu_seconds_so_far()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self):
+        outcome = yield
+        now = cpu_seconds_so_far()
+        outcome.get_result().cpu_seconds = now - self.phase_start
+        self.phase_start = now
+
+
 class FileSeconds:
     """Sums each test file's setup, call and teardown seconds over a run and writes them as JSON at its end.
 
+    ``clock``: the report attribute summed, ``duration`` (wall) or ``cpu_seconds`` (:class:`CpuSeconds`).
     Registered in the process that reports (xdist's controller, or the only one): every process's reports reach
     it there.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, clock: str = "duration") -> None:
         self.path = path
+        self.clock = clock
         self.seconds: Counter[str] = Counter()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.seconds[file_of(report.nodeid)] += report.duration
+        self.seconds[file_of(report.nodeid)] += getattr(report, self.clock, 0.0)
 
     def pytest_sessionfinish(self) -> None:
         ordered = dict(sorted(((name, round(value, 1)) for name, value in self.seconds.items()),

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 from _pytest.nodeid import NodeId
+from pluggy import Result
 
 from tests import conftest
-from tests.scheduling import FileSeconds, heaviest_files_first, load_file_seconds, unique_ids
+from tests.scheduling import CpuSeconds, FileSeconds, heaviest_files_first, load_file_seconds, unique_ids
 
 
 @dataclass
@@ -71,3 +74,20 @@ def test_the_record_sums_each_file_s_phases_and_reads_back(tmp_path):
     assert json.loads(path.read_text()) == {"tests/b.py": 4.0, "tests/a.py": 1.2}
     assert load_file_seconds(path) == {"tests/b.py": 4.0, "tests/a.py": 1.2}
     assert load_file_seconds(tmp_path / "none.json") == {}
+
+
+def test_a_phase_s_cpu_seconds_count_the_children_it_waited_for(tmp_path):
+    clock = CpuSeconds()
+    clock.pytest_runtest_logstart()
+    burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end:\n    pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    report = SimpleNamespace(nodeid="tests/a.py::x", duration=0.0)
+    wrapper = clock.pytest_runtest_makereport()
+    next(wrapper)
+    with pytest.raises(StopIteration):
+        wrapper.send(Result(report, None))
+    assert report.cpu_seconds >= 0.5
+    recorder = FileSeconds(tmp_path / "cpu.json", clock="cpu_seconds")
+    recorder.pytest_runtest_logreport(report)
+    recorder.pytest_sessionfinish()
+    assert load_file_seconds(tmp_path / "cpu.json")["tests/a.py"] >= 0.5
