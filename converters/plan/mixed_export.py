@@ -36,7 +36,7 @@ import torch
 from converters.artifact.files import copy_side_files, write_json
 from converters.errors import Fp8ForgeError
 from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
-from converters.model.safetensors_stream import read_tensor, read_tensor_index
+from converters.model.safetensors_stream import ReadBuffers, read_tensor, read_tensor_index
 from converters.plan.candidates import BF16
 from converters.rewrite import Compute, Copy
 from converters.rewrite import write_shard as rewrite_shard
@@ -200,6 +200,7 @@ def _write_weights(layout: MixedLayout, plans: Mapping[str, ServingPlan], weight
     total = 0
     for source in weight_files:
         tensors, metadata = read_tensor_index(source)
+        buffers = ReadBuffers()  # the file's weights read into memory the ones before them no longer use
         steps: list[Copy | Compute] = []
         for name, tensor in tensors.items():
             if name not in format_of:
@@ -208,7 +209,7 @@ def _write_weights(layout: MixedLayout, plans: Mapping[str, ServingPlan], weight
             fmt, serving, path = format_of[name]
             options = {"weight_amax": serving.weight_amax[path]} if getattr(fmt, "needs_weight_amax", False) else {}
             steps.append(Compute(outputs=fmt.planned_tensors(name, tensor, scale_dtype),
-                                 read=functools.partial(read_tensor, tensor),
+                                 read=functools.partial(read_tensor, tensor, buffers),
                                  convert=functools.partial(_cast, fmt, serving.input_amax.get(path), scale_dtype,
                                                            options)))
         written = rewrite_shard(directory / source.name, steps, metadata, check_stop=check_stop)

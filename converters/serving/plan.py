@@ -38,10 +38,11 @@ from typing import Any, Protocol
 import torch
 
 from converters.analysis.reasons import Reason
+from converters.casts.emulation import max_abs
 from converters.model.experts import EXPERT_GEMMS, parse_unit_path, unit_path
 from converters.model.files import FileConfinement
 from converters.model.finite import check_converted
-from converters.model.safetensors_stream import SourceTensor, read_tensor, read_tensor_index
+from converters.model.safetensors_stream import ReadBuffers, SourceTensor, read_tensor, read_tensor_index
 from converters.rewrite import Compute, Copy, cast_in_strips, finish_checkpoint, strip_rows
 from converters.rewrite import write_shard as rewrite_shard
 from converters.serving.loads_in import loads_in, loads_in_warnings
@@ -302,11 +303,13 @@ def set_weight_amax(plan: ServingPlan, weight_files: list[Path]) -> None:
     """
     path_of = {key: path for path, key in plan.quantized.items()} | plan.experts
     amax: dict[str, float] = {}
+    buffers = ReadBuffers(kept=1)  # one weight at a time, each read into the memory of the one before
     for source in weight_files:
         tensors, _ = read_tensor_index(source)
         for name, tensor in tensors.items():
             if name in path_of:
-                value = float(read_tensor(tensor).float().abs().amax())
+                # exact in the weight's dtype: one pass, without fp32 and |w| copies (+ 0.0: -0.0 reads 0.0)
+                value = float(max_abs(read_tensor(tensor, buffers)).float()) + 0.0
                 amax[path_of[name]] = max(amax.get(path_of[name], 0.0), value)
     for members in plan.fused_groups:
         shared = max(amax[member] for member in members)
@@ -372,6 +375,7 @@ def write_serving_file(fmt: ServingFormat, plan: ServingPlan, source: Path, dire
     for name, (anchor, value) in plan.extra_tensors.items():
         added_after.setdefault(anchor, {})[name] = value
     tensors, metadata = read_tensor_index(source)
+    buffers = ReadBuffers()  # the file's weights read into memory the ones before them no longer use
     steps: list[Copy | Compute] = []
     for name, tensor in tensors.items():
         if name not in path_of:
@@ -384,7 +388,8 @@ def write_serving_file(fmt: ServingFormat, plan: ServingPlan, source: Path, dire
             outputs = fmt.planned_tensors(name, tensor, scale_dtype)
             quantize = functools.partial(_quantize_weight, fmt, name, outputs, plan.input_amax.get(path_of[name]),
                                          scale_dtype, amax, label if stats else None)
-            steps.append(Compute(outputs=outputs, read=functools.partial(read_tensor, tensor), convert=quantize))
+            steps.append(Compute(outputs=outputs, read=functools.partial(read_tensor, tensor, buffers),
+                                 convert=quantize))
         for added, value in added_after.get(name, {}).items():
             steps.append(Compute(outputs={added: value}, read=lambda: None,
                                  convert=lambda _, value=value: ([value], None)))

@@ -32,7 +32,7 @@ from converters.artifact.layout import staging_dir_for
 from converters.errors import ArtifactError, ConversionError, RequestError
 from converters.model.checkpoint import weight_files
 from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
-from converters.model.safetensors_stream import read_tensor, read_tensor_index
+from converters.model.safetensors_stream import ReadBuffers, read_tensor, read_tensor_index
 from converters.modelfree.driver import serving_plan
 from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, report_from_headers
 from converters.modelfree.targets import model_free_target, scale_dtype_of
@@ -167,8 +167,10 @@ def _write_shard(path: Path, header: dict[str, Any], staging: Path, fmt: Any, co
     """One output shard: converted weights cast, ``_extra_state`` left out, every other tensor copied as bytes."""
     kept = {name: tensor for name, tensor in header.items() if not name.endswith(_EXTRA_STATE)}
     _, metadata = read_tensor_index(path)
+    buffers = ReadBuffers()  # the shard's weights read into memory the ones before them no longer use
     steps: list[Copy | Compute] = [
-        Compute(outputs=fmt.planned_tensors(name, tensor, scale_dtype), read=functools.partial(read_tensor, tensor),
+        Compute(outputs=fmt.planned_tensors(name, tensor, scale_dtype),
+                read=functools.partial(read_tensor, tensor, buffers),
                 convert=functools.partial(_cast, fmt, scale_dtype)) if name in convert else Copy(name, tensor)
         for name, tensor in kept.items()]
     written = rewrite_shard(staging / path.name, steps, metadata)
