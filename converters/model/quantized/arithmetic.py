@@ -113,16 +113,32 @@ _LOOKUP_ELEMENTS = 1 << 20
 
 
 def lookup_fp8(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``table[byte]`` for each FP8 code of ``codes`` (a 256-entry table; its dtype is the result's), in chunks:
-    a weight's int32 indices at once were freshly mapped pages, whose faults cost more than the lookup itself.
-    ``out``: a contiguous tensor of ``codes``' shape and the table's dtype to write into (returned)."""
+    """``table[byte]`` for each FP8 code of ``codes`` (a 256-entry table; its dtype is the result's), in chunks
+    through one reused int32 index buffer: a weight's int32 indices at once were freshly mapped pages, whose faults
+    cost more than the lookup itself. ``out``: a contiguous tensor of ``codes``' shape and the table's dtype to
+    write into (returned)."""
     table = table.to(codes.device)
     out = torch.empty(codes.shape, dtype=table.dtype, device=codes.device) if out is None else out
     flat_codes, flat_out = codes.reshape(-1).view(torch.uint8), out.view(-1)
+    indices = torch.empty(min(_LOOKUP_ELEMENTS, flat_codes.numel()), dtype=torch.int32, device=codes.device)
     for start in range(0, flat_codes.numel(), _LOOKUP_ELEMENTS):
         end = min(start + _LOOKUP_ELEMENTS, flat_codes.numel())
-        torch.index_select(table, 0, flat_codes[start:end].int(), out=flat_out[start:end])
+        chunk = indices[: end - start]
+        _widen(flat_codes[start:end], chunk)
+        torch.index_select(table, 0, chunk, out=flat_out[start:end])
     return out
+
+
+def _widen(codes: torch.Tensor, into: torch.Tensor) -> None:
+    """``codes`` (uint8) into ``into`` (int32, the same length). On a CPU by numpy's conversion: torch's uint8 ->
+    int32 copy there costs more than the whole lookup does through numpy's
+    (docs/benchmarks/calibrated-2026-12-03e.md)."""
+    if codes.device.type == "cpu":
+        import numpy as np  # torch's CPU tensors share their memory with numpy arrays: no copy either way
+
+        np.copyto(into.numpy(), codes.numpy())
+    else:
+        into.copy_(codes)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
