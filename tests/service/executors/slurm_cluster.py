@@ -13,11 +13,12 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.service_helpers import free_port, wait_for
 
-__all__ = ["SlurmCluster", "slurm_missing"]
+__all__ = ["SlurmCluster", "conversion_pids", "rank_pids", "slurm_missing"]
 
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 2
@@ -26,15 +27,28 @@ _BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scanc
 
 def conversion_pids(slurm_job: str) -> list[int]:
     """The processes of Slurm job ``slurm_job`` that its rank spawned to convert (multiprocessing's spawn_main)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
+    variable = f"\0SLURM_JOB_ID={slurm_job}\0".encode()
+    return _pids(lambda proc, argv: any(b"spawn_main" in arg for arg in argv)
+                 and variable in b"\0" + (proc / "environ").read_bytes())
+
+
+def rank_pids(job_id: str) -> list[int]:
+    """The rank processes of service job ``job_id`` (``python -m service.executors.slurm_rank ... JOB_ID``), not
+    srun's."""
+    return _pids(lambda proc, argv: b"service.executors.slurm_rank" in argv and job_id.encode() in argv
+                 and b"srun" not in argv[0])
+
+
+def _pids(matches: Callable[[Path, list[bytes]], bool]) -> list[int]:
+    """The processes for which ``matches(/proc/PID, argv)`` is true; one that ends meanwhile is left out."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            cmdline, environ = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
-        except OSError:  # not a process, or one that has ended
+            if matches(proc, (proc / "cmdline").read_bytes().split(b"\0")):
+                found.append(int(proc.name))
+        except OSError:  # a process that has ended, or one whose files are not ours to read
             continue
-        if b"spawn_main" in cmdline and f"\0SLURM_JOB_ID={slurm_job}\0".encode() in b"\0" + environ:
-            pids.append(int(proc.name))
-    return pids
+    return found
 
 
 def pause_conversion(slurm_job: str) -> None:

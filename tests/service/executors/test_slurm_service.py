@@ -16,7 +16,7 @@ import pytest
 
 from service.jobs import TaskStatus
 from service.store import JobStore
-from tests.service.executors.slurm_cluster import SlurmCluster, conversion_pids
+from tests.service.executors.slurm_cluster import SlurmCluster, conversion_pids, rank_pids
 from tests.service_helpers import ServeProcess, build_tiny_llama, leftovers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -266,19 +266,6 @@ def test_a_calibrated_job_on_two_nodes_runs_a_rank_on_each_and_rank_0_alone_reco
         assert [p.name for p in (tmp_path / "data" / "slurm" / job_id).iterdir() if p.name.startswith("rank-")] == []
 
 
-def _rank_pids(job_id: str) -> list[int]:
-    """The rank processes of the job (``python -m service.executors.slurm_rank ... JOB_ID``), not srun's."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"service.executors.slurm_rank" in argv and job_id.encode() in argv and b"srun" not in argv[0]:
-            found.append(int(cmdline.parent.name))
-    return found
-
-
 def test_kill_9_of_a_rank_ends_its_allocation_and_the_job_runs_again_in_a_new_one(
         slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
     with serving(slurm, tmp_path, models) as client:
@@ -286,7 +273,7 @@ def test_kill_9_of_a_rank_ends_its_allocation_and_the_job_runs_again_in_a_new_on
         wait_for(lambda: any(e["kind"] == "stage" for e in _events(client, job_id)), timeout=180,
                  what="the rank to start the conversion")
         [first] = _slurm_ids(client, job_id)
-        [rank] = _rank_pids(job_id)
+        [rank] = rank_pids(job_id)
         os.kill(rank, signal.SIGKILL)
         wait_for(lambda: slurm.job_states(first)[0] not in ("RUNNING", "COMPLETING"), timeout=60,
                  what=f"srun to end Slurm job {first}")
