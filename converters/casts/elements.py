@@ -38,7 +38,7 @@ def cast_fp8(x: torch.Tensor, element: str) -> torch.Tensor:
     """``x`` (already scaled) cast to FP8 with saturation and round-to-nearest-even, back in fp32.
 
     The way back reads each byte's value from a 256-entry table (``index_select``): the same values as ``.float()``,
-    which converts element by element on a CPU and cost more than the cast itself (2.5x faster for a weight)."""
+    which converts element by element on a CPU and cost more than the cast itself."""
     dtype, top = FP8_ELEMENTS[element]
     return _fp8_as_float(x.clamp(-top, top).to(dtype))
 
@@ -84,12 +84,12 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def max_abs(x: torch.Tensor, dim: int | None = None, *, keepdim: bool = True) -> torch.Tensor:
     """``x.abs().amax()`` (over ``dim``, kept unless ``keepdim`` is False) in ``x``'s dtype: the same values in fewer
-    passes. ``x`` must not be empty. Whole: one ``aminmax`` pass, without an ``|x|`` copy of the tensor (1.5x faster
-    for a 2048 x 8192 bf16 weight). Along ``dim`` of a 16-bit float tensor: the bits with the sign cleared, as
-    int16, and their max (a non-negative float's bits order as its value; the int16 reduction is vectorized where
-    a bf16 ``amax`` over a short last dim is not: 1.5x faster over rows, 3-4x over groups of 16 or 32); other
-    dtypes: ``|x|`` then its max (``aminmax`` over a dim of a bf16 tensor is 5-8x slower than that on a CPU, torch
-    2.13). A NaN gives NaN either way (its payload may differ)."""
+    passes. ``x`` must not be empty. Whole: one ``aminmax`` pass, without an ``|x|`` copy of the tensor. Along
+    ``dim`` of a 16-bit float tensor: the bits with the sign cleared, as int16, and their max (a non-negative
+    float's bits order as its value; the int16 reduction is vectorized where a bf16 ``amax`` over a short last dim
+    is not); other dtypes: ``|x|`` then its max (``aminmax`` over a dim of a bf16 tensor is slower than that on a
+    CPU, torch 2.13). A NaN gives NaN either way (its payload may differ). The measurements behind these choices:
+    docs/benchmarks/requantize-2026-12-03e.md."""
     if dim is not None:
         if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
             return (x.view(torch.int16) & 0x7FFF).amax(dim=dim, keepdim=keepdim).view(x.dtype)

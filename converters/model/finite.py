@@ -23,7 +23,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """True when every element of ``tensor`` is finite (always, for an integer tensor or an empty one).
 
     A large floating tensor is checked by its smallest and largest element (one ``aminmax`` pass, which propagates
-    NaN): several times faster than ``isfinite(x).all()``, which writes a boolean copy of the tensor.
+    NaN), where ``isfinite(x).all()`` writes a boolean copy of the tensor first.
     """
     if tensor.numel() == 0 or not tensor.dtype.is_floating_point:
         return True

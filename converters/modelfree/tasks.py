@@ -22,13 +22,12 @@ import torch
 
 from converters.casts.emulation import max_abs
 from converters.errors import ModelConfigError
-from converters.model.finite import check_converted
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor_index
 from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
-from converters.rewrite import Compute, Copy, cast_in_strips, planned_bytes, strip_rows
+from converters.rewrite import Compute, Copy, planned_bytes
 from converters.rewrite import write_shard as rewrite_shard
-from converters.serving.plan import layer_stats
+from converters.serving.plan import quantize_weight
 
 __all__ = ["AmaxResult", "AmaxTask", "WriteResult", "WriteTask", "inventory_shard", "planned_shard_bytes",
            "reduce_weight_amax", "shard_weight_amax", "write_shard"]
@@ -176,8 +175,10 @@ def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Com
             # a weight the source stores quantized was checked finite where it was dequantized, and one with a
             # weight amax where that amax was taken (shard_weight_amax: it propagates NaN)
             checked = key in task.stored or key in task.weight_amax
-            quantize = functools.partial(_quantize, fmt, key, outputs, task.weight_amax.get(key), scale_dtype,
-                                         not checked, task.measure)
+            options = {"weight_amax": task.weight_amax.get(key)} if getattr(fmt, "needs_weight_amax", False) else {}
+            label = key.removesuffix(".weight") if task.measure else None
+            quantize = functools.partial(quantize_weight, fmt, key, outputs, None, scale_dtype, options, label,
+                                         check_weight=not checked)
             steps.append(Compute(outputs=outputs, read=read, convert=quantize))
         elif name in key_of:
             shape = reader.stored_shape(key, name)
@@ -188,38 +189,18 @@ def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Com
     return steps
 
 
-def _quantize(fmt: Any, key: str, outputs: dict[str, Any], amax: float | None, scale_dtype: torch.dtype,
-              check_weight: bool, measure: bool, weight: torch.Tensor
-              ) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]] | None]:
-    """One weight quantized to ``fmt``, checked finite; the note is its layer's figures for the report (None
-    unless ``measure``)."""
-    options = {"weight_amax": amax} if getattr(fmt, "needs_weight_amax", False) else {}
-    cast = functools.partial(_cast, fmt, scale_dtype, options)
-    step = strip_rows(fmt, weight)
-    replacement = cast(weight) if step is None else cast_in_strips(cast, weight, step, outputs)
-    written = dict(zip(outputs, replacement, strict=True))
-    check_converted(key, weight, written, fmt.name, check_weight=check_weight)
-    if not measure:
-        return replacement, None
-    return replacement, (key.removesuffix(".weight"), layer_stats(fmt, weight, written))
-
-
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
     """torch's intra-op threads set to one for a task (restored after): a task's parallelism is the job's workers,
     one process each, and intra-op threads on top of them oversubscribe the cores; on a machine whose cores other
-    jobs share, every op on more than 32 Ki elements then waits at its threads' barrier for a time slice (a
-    weight's SQNR took 0.5-1.7 s on two threads against 0.05-0.19 s on one, load 14 on two cores)."""
+    jobs share, every op on more than 32 Ki elements then waits at its threads' barrier for a time slice
+    (docs/benchmarks/requantize-2026-12-03b.md)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def _cast(fmt: Any, scale_dtype: torch.dtype, options: dict[str, Any], weight: torch.Tensor) -> list[torch.Tensor]:
-    return fmt.quantize(weight, None, scale_dtype, **options)
 
 
 @dataclass(frozen=True)

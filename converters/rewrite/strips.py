@@ -4,8 +4,8 @@ A format's cast is a handful of whole-tensor torch ops (``|w|``, block amax, div
 over memory through fp32 temporaries four times the bf16 weight's size, freshly allocated (page faults included).
 Where every scale of the cast covers whole rows (128-row blocks, one row, groups along a row) and nothing is
 computed from the whole tensor, the same cast applied to a strip of rows gives that strip's part of every output,
-bit for bit: a strip of about a MiB keeps the temporaries in a core's cache (fp8-block 3x faster, NVFP4 2x,
-measured in docs/benchmarks/requantize-2026-12-03b.md).
+bit for bit: a strip of about a MiB keeps the temporaries in a core's cache (measured in
+docs/benchmarks/requantize-2026-12-03b.md).
 
 Which formats: the rows of the format's ``weight_cast`` block (:mod:`converters.casts.emulation`); a per-tensor
 scale (``e4m3_tensor``) needs the whole tensor, and so does NVFP4's global scale unless the format receives it

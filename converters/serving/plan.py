@@ -54,6 +54,7 @@ __all__ = [
     "expert_disk_keys",
     "layer_stats",
     "plan_serving",
+    "quantize_weight",
     "set_input_amax",
     "set_weight_amax",
     "write_serving_checkpoint",
@@ -386,7 +387,7 @@ def write_serving_file(fmt: ServingFormat, plan: ServingPlan, source: Path, dire
             label = name.removesuffix(".weight") if name in plan.experts else path_of[name]
             stats = emulated_stats or getattr(fmt, "layer_stats", None) is not None
             outputs = fmt.planned_tensors(name, tensor, scale_dtype)
-            quantize = functools.partial(_quantize_weight, fmt, name, outputs, plan.input_amax.get(path_of[name]),
+            quantize = functools.partial(quantize_weight, fmt, name, outputs, plan.input_amax.get(path_of[name]),
                                          scale_dtype, amax, label if stats else None)
             steps.append(Compute(outputs=outputs, read=functools.partial(read_tensor, tensor, buffers),
                                  convert=quantize))
@@ -399,17 +400,27 @@ def write_serving_file(fmt: ServingFormat, plan: ServingPlan, source: Path, dire
             "layer_stats": dict(note for note in written.notes if note is not None)}
 
 
-def _quantize_weight(fmt: ServingFormat, name: str, outputs: dict[str, Any], input_amax: float | None,
-                     scale_dtype: torch.dtype, options: dict[str, float], label: str | None, weight: torch.Tensor
-                     ) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]] | None]:
-    """One weight quantized, checked finite; the note is its figures under ``label`` (None: no figures)."""
+def quantize_weight(fmt: ServingFormat, name: str, outputs: dict[str, Any], input_amax: float | None,
+                    scale_dtype: torch.dtype, options: dict[str, float], label: str | None, weight: torch.Tensor, *,
+                    check_weight: bool = True) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]] | None]:
+    """``weight`` (``name``) quantized to ``fmt`` as the tensors ``outputs`` plans, in strips of rows where its cast
+    allows (:mod:`converters.rewrite.strips`), checked finite; with it a note: its figures under ``label``
+    (:func:`layer_stats`; None: no figures). The convert of a rewrite's :class:`~converters.rewrite.Compute` step.
+
+    ``options``: the format's keyword arguments (``weight_amax``). ``check_weight`` False: the weight was checked
+    finite where it was read (:func:`~converters.model.finite.check_converted`).
+
+    Raises:
+        ModelConfigError: the weight or what it gave holds NaN or an infinity.
+    """
     cast = functools.partial(_cast, fmt, input_amax, scale_dtype, options)
     step = strip_rows(fmt, weight)
     replacement = cast(weight) if step is None else cast_in_strips(cast, weight, step, outputs)
-    check_converted(name, weight, dict(zip(outputs, replacement, strict=True)), fmt.name)
+    written = dict(zip(outputs, replacement, strict=True))
+    check_converted(name, weight, written, fmt.name, check_weight=check_weight)
     if label is None:
         return replacement, None
-    return replacement, (label, layer_stats(fmt, weight, dict(zip(outputs, replacement, strict=True))))
+    return replacement, (label, layer_stats(fmt, weight, written))
 
 
 def _cast(fmt: ServingFormat, input_amax: float | None, scale_dtype: torch.dtype, options: dict[str, float],
