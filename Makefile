@@ -79,8 +79,11 @@ $(MODELOPT_STAMP): $(PRUNED)
 modelopt-venv: $(MODELOPT_STAMP)
 
 # The whole suite. vLLM's venv builds in the background (mostly download and unzip) while everything but
-# tests/engines runs; the engine tests run once both are done, one module per process (each module shares one vLLM
-# process between its tests). A failed build does not stop the rest: the engine tests then skip, naming the log.
+# tests/engines runs; the engine tests start as soon as it is built, beside the suite, in one more process (each
+# module shares one vLLM process between its tests; their output goes to ENGINES_LOG, printed at the end). Both
+# runs wait on servers, processes and files for part of their time: on 2 cores, side by side they fill each
+# other's waits, where one after the other the engine tests' waits and the suite's tail left a core idle.
+# A failed build does not stop the rest: the engine tests then skip, naming the log.
 # Not `--dist loadgroup`: pytest 9.2 reads a test's id from Node._id, and pytest-xdist 3.8 groups by rewriting
 # Node._nodeid, so its groups have no effect (the tests of one group were seen in two processes).
 # Developers: `-m "not slow"` leaves out the tests marked slow (pyproject.toml); `make test` runs them all.
@@ -88,6 +91,7 @@ modelopt-venv: $(MODELOPT_STAMP)
 PYTEST := TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
 TESTS ?=
 VLLM_LOG := build/vllm-venv.log
+ENGINES_LOG := build/engine-tests.log
 # ModelOpt's venv (a few installs) builds beside it; the few tests that run ModelOpt are in the first run and
 # wait for <log>.done, which appears when the build has ended (tests/modelopt_venv.py): scheduled heaviest file
 # first, they reach it long after. A failed build skips them, naming the log.
@@ -95,17 +99,17 @@ MODELOPT_LOG := build/modelopt-venv.log
 
 test: lint $(CHROMIUM) $(SLURMCTLD)
 	@mkdir -p $(dir $(VLLM_LOG)) && rm -f $(MODELOPT_LOG).done
-	@echo "building vLLM's venv ($(VLLM_VENV)) in the background: $(VLLM_LOG)"
+	@echo "building vLLM's venv ($(VLLM_VENV)) in the background: $(VLLM_LOG); then the engine tests: $(ENGINES_LOG)"
 	@echo "building ModelOpt's venv ($(MODELOPT_VENV)) in the background: $(MODELOPT_LOG)"
 	@($(MAKE) --no-print-directory modelopt-venv MODELOPT_VENV=$(MODELOPT_VENV) > $(MODELOPT_LOG) 2>&1; \
 		touch $(MODELOPT_LOG).done) & modelopt=$$!; \
-	$(MAKE) --no-print-directory vllm-venv VLLM_VENV=$(VLLM_VENV) > $(VLLM_LOG) 2>&1 & build=$$!; \
+	(if $(MAKE) --no-print-directory vllm-venv VLLM_VENV=$(VLLM_VENV) > $(VLLM_LOG) 2>&1; then workers=1; \
+		else workers=0; echo "vLLM's venv did not build (see $(VLLM_LOG)): the engine tests skip"; fi; \
+	VLLM_VENV=$(VLLM_VENV) VLLM_BUILD_LOG=$(abspath $(VLLM_LOG)) \
+		$(PYTEST) -n $$workers --dist loadfile tests/engines > $(ENGINES_LOG) 2>&1) & engines=$$!; \
 	MODELOPT_VENV=$(MODELOPT_VENV) MODELOPT_BUILD_LOG=$(abspath $(MODELOPT_LOG)) \
 		$(PYTEST) -n 3 --ignore=tests/engines $(TESTS); suite=$$?; wait $$modelopt; \
-	if wait $$build; then workers=2; else workers=0; \
-		echo "vLLM's venv did not build (see $(VLLM_LOG)): the engine tests skip"; fi; \
-	VLLM_VENV=$(VLLM_VENV) VLLM_BUILD_LOG=$(abspath $(VLLM_LOG)) $(PYTEST) -n $$workers --dist loadfile tests/engines; \
-	engines=$$?; \
+	wait $$engines; engines=$$?; echo "engine tests (tests/engines, $(ENGINES_LOG)):"; cat $(ENGINES_LOG); \
 	if [ $$suite -ne 0 ]; then exit $$suite; fi; exit $$engines
 
 # Local use: no API keys, and the server refuses to listen on anything but loopback that way.
