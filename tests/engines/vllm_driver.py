@@ -274,9 +274,11 @@ def run_one(request: dict) -> dict:
                   compilation_config={"custom_ops": ["none"]}, max_model_len=request.get("max_model_len"), seed=0)
     if request.get("quantization"):
         kwargs["quantization"] = request["quantization"]
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     llm = LLM(**kwargs)
     seconds = {"load": time.perf_counter() - started}
+    # the process's CPU seconds per phase, all threads: on a shared machine wall time says little
+    cpu_seconds = {"load": time.process_time() - cpu_started}
     model = loaded_model(llm)
     if counters is not None:
         counters.loaded(model)
@@ -288,6 +290,7 @@ def run_one(request: dict) -> dict:
                                use_tqdm=False)
         result["generated"] = [list(output.outputs[0].token_ids) for output in outputs]
         seconds["generate"] = time.perf_counter() - started - sum(seconds.values())
+        cpu_seconds["generate"] = time.process_time() - cpu_started - sum(cpu_seconds.values())
     texts = request.get("score")
     if texts:
         scores = score_texts(llm, texts)
@@ -295,6 +298,7 @@ def run_one(request: dict) -> dict:
         total = sum(score["tokens"] for score in scores)
         result["perplexity"] = math.exp(sum(score["nll"] for score in scores) / total)
         seconds["score"] = time.perf_counter() - started - sum(seconds.values())
+        cpu_seconds["score"] = time.process_time() - cpu_started - sum(cpu_seconds.values())
     if counters is not None and texts:
         result["instrument"] = {**counters.report(), **prefill_reads_cache(llm, texts[:1], scores[:1], score_texts)}
         counters.uninstall()
@@ -306,7 +310,7 @@ def run_one(request: dict) -> dict:
     result["attention"] = attention_scales(model)
     result["quant_methods"] = sorted({type(module.quant_method).__name__ for module in model.modules()
                                       if getattr(module, "quant_method", None) is not None})
-    result["seconds"] = seconds
+    result["seconds"], result["cpu_seconds"] = seconds, cpu_seconds
     del model, llm
     gc.collect()
     cleanup_dist_env_and_memory()
@@ -361,7 +365,10 @@ def main(request_path: str) -> None:
     snapshot_before_processing()
     attention = [attend_through_cache(case) for case in asked.get("attention", [])]
     results = []
-    for request in runs:
+    for index, request in enumerate(runs):
+        # which run a stack dump or a slow log belongs to
+        print(f"vllm_driver: run {index + 1}/{len(runs)}: {request['model']} kv_cache_dtype="
+              f"{request.get('kv_cache_dtype', 'auto')}", file=sys.stderr, flush=True)
         try:
             results.append(run_one(request))
         except Exception as exc:  # noqa: BLE001 (the caller asserts on it: the message is what it needs)
