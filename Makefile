@@ -92,6 +92,10 @@ PYTEST := TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
 TESTS ?=
 VLLM_LOG := build/vllm-venv.log
 ENGINES_LOG := build/engine-tests.log
+# Each run leaves every suite file's seconds there (wall; CPU, its processes and their children): on a quiet
+# machine, file-seconds.json is the next tests/file_seconds.json (the order xdist's processes take the files in).
+FILE_SECONDS_LOG := build/file-seconds.json
+FILE_CPU_LOG := build/file-cpu.json
 # ModelOpt's venv (a few installs) builds beside it; the few tests that run ModelOpt are in the first run and
 # wait for <log>.done, which appears when the build has ended (tests/modelopt_venv.py): scheduled heaviest file
 # first, they reach it long after. A failed build skips them, naming the log.
@@ -108,7 +112,8 @@ test: lint $(CHROMIUM) $(SLURMCTLD)
 	VLLM_VENV=$(VLLM_VENV) VLLM_BUILD_LOG=$(abspath $(VLLM_LOG)) \
 		$(PYTEST) -n $$workers --dist loadfile tests/engines > $(ENGINES_LOG) 2>&1) & engines=$$!; \
 	MODELOPT_VENV=$(MODELOPT_VENV) MODELOPT_BUILD_LOG=$(abspath $(MODELOPT_LOG)) \
-		$(PYTEST) -n 3 --ignore=tests/engines $(TESTS); suite=$$?; wait $$modelopt; \
+		$(PYTEST) -n 3 --ignore=tests/engines --record-file-seconds=$(FILE_SECONDS_LOG) \
+		--record-file-cpu=$(FILE_CPU_LOG) $(TESTS); suite=$$?; wait $$modelopt; \
 	wait $$engines; engines=$$?; echo "engine tests (tests/engines, $(ENGINES_LOG)):"; cat $(ENGINES_LOG); \
 	if [ $$suite -ne 0 ]; then exit $$suite; fi; exit $$engines
 
