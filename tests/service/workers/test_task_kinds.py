@@ -25,7 +25,7 @@ def test_a_task_goes_through_json_and_back_as_itself() -> None:
     wire = json.loads(json.dumps(task.to_dict()))
     assert wire["version"] == 1 and wire["phase"] == TASK_KINDS["write"].phase == 2
     assert ShardTask.from_dict(wire) == task
-    # the converters' task lists leave the version (and a calibrated job's, the phase) out
+    # the converters' task lists leave the version and the phase out: the registry gives both
     assert ShardTask.from_dict({"kind": "serving_write", "shard": "m.safetensors", "payload": {}}).phase == 0
 
 
