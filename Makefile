@@ -88,7 +88,11 @@ modelopt-venv: $(MODELOPT_STAMP)
 # Node._nodeid, so its groups have no effect (the tests of one group were seen in two processes).
 # Developers: `-m "not slow"` leaves out the tests marked slow (pyproject.toml); `make test` runs them all.
 # TESTS: what the first run takes (default: every test; e.g. `make test TESTS=tests/service` for one part).
-PYTEST := TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 $(VENV)/bin/pytest -q
+# PYTHONDONTWRITEBYTECODE emptied: where the environment sets it, every process (each xdist worker, server, worker,
+# CLI run) compiled the project's modules again (0.6 s of CPU for the pipeline's) and each xdist worker rewrote
+# the asserts of every test module again (about 6 s); with it empty, the first to compile writes __pycache__
+# (ignored by git) and the others read it.
+PYTEST := TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 PYTHONDONTWRITEBYTECODE= $(VENV)/bin/pytest -q
 TESTS ?=
 VLLM_LOG := build/vllm-venv.log
 ENGINES_LOG := build/engine-tests.log
