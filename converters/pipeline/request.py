@@ -374,7 +374,7 @@ def check_sync_calibration(settings: Any) -> None:
 
 
 def check_requantize(body: Mapping[str, Any]) -> str:
-    """Check a model-free job (``"requantize": {"to": FORMAT}``) and return its target format.
+    """Check a model-free job (``"requantize": {"to": FORMAT, "measure": BOOL}``) and return its target format.
 
     Such a job converts from the files alone, so it takes only ``model``, ``include``, ``exclude`` and
     ``skip_first_last``; a field of a calibrated job (recipe, calibration, serving_formats, ...) makes no sense
@@ -384,8 +384,12 @@ def check_requantize(body: Mapping[str, Any]) -> str:
         RequestError: naming ``requantize.to`` (unknown or calibrated format) or the field that does not belong.
     """
     spec = body.get("requantize")
-    if not isinstance(spec, Mapping) or set(spec) != {"to"}:
-        raise RequestError('requantize must be an object like {"to": "fp8-block"}', field="requantize")
+    if not isinstance(spec, Mapping) or "to" not in spec or not set(spec) <= {"to", "measure"}:
+        raise RequestError('requantize must be an object like {"to": "fp8-block"} (and optionally "measure": false)',
+                           field="requantize")
+    if not isinstance(spec.get("measure", True), bool):
+        raise RequestError(f"requantize.measure must be true or false, got {spec['measure']!r}",
+                           field="requantize.measure")
     target = spec["to"]
     if target in SERVING_FORMAT_NAMES and format_spec(target).calibrated:
         raise RequestError(f"{target} needs static input scales from a calibration, which a requantize job does not "

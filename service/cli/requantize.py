@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--include", action="append", default=[], metavar="PAT", help="only convert matching layers")
     parser.add_argument("--exclude", action="append", default=[], metavar="PAT", help="never convert matching layers")
     parser.add_argument("--no-skip-first-last", action="store_true", help="also convert the first and last Linear")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="leave each converted weight's SQNR out of the report (the same bytes, one pass over "
+                             "every weight less)")
     parser.add_argument("--workers", type=int, default=1, help="shard tasks run in this many processes (default 1)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars (by default each stage's bar counts the shards and bytes written)")
@@ -60,7 +63,8 @@ def run_requantize_command(args: argparse.Namespace, sources) -> int:
     sink = BarSink(enabled=not args.no_progress)  # the stages and words of a requantize job's events
     try:
         report = convert_model_free(directory, args.out, args.to, include=args.include, exclude=args.exclude,
-                                    skip_first_last=not args.no_skip_first_last, workers=args.workers,
+                                    skip_first_last=not args.no_skip_first_last, measure=not args.no_measure,
+                                    workers=args.workers,
                                     confinement=confinement_for(sources), sink=sink)
     except BaseException:
         for parent in created:  # a failed run leaves no directory behind, parents included
