@@ -387,7 +387,7 @@ def check_requantize(body: Mapping[str, Any]) -> str:
     if not isinstance(spec, Mapping) or "to" not in spec or not set(spec) <= {"to", "measure"}:
         raise RequestError('requantize must be an object like {"to": "fp8-block"} (and optionally "measure": false)',
                            field="requantize")
-    if not isinstance(spec.get("measure", True), bool):
+    if spec.get("measure") not in (None, True, False):
         raise RequestError(f"requantize.measure must be true or false, got {spec['measure']!r}",
                            field="requantize.measure")
     target = spec["to"]

@@ -115,9 +115,9 @@ class RequantizeCreate(BaseModel):
     model_config = STRICT
     to: Literal[REQUANTIZE_TARGETS] = Field(  # type: ignore[valid-type]
         ..., description="Target format (as `fp8forge requantize --to`): " + ", ".join(REQUANTIZE_TARGETS) + ".")
-    measure: bool = Field(
-        True, description="Measure each converted weight's SQNR under the format for the report (a pass over every "
-                          "weight and its codes, about as costly as the cast). `false`: the same bytes, the report "
+    measure: bool | None = Field(
+        None, description="Measure each converted weight's SQNR under the format for the report (a pass over every "
+                          "weight and its codes, about as costly as the cast; the default). `false`: the same bytes, the report "
                           "without the figures (as `fp8forge requantize --no-measure`).")
 
 

@@ -139,7 +139,7 @@ def plan_payload(request: Mapping[str, Any]) -> dict[str, Any]:
     requantize = request["requantize"]
     return {"model": request["model"], "target": requantize["to"], "include": list(request.get("include") or ()),
             "exclude": list(request.get("exclude") or ()), "skip_first_last": request.get("skip_first_last", True),
-            "measure": requantize.get("measure", True)}
+            "measure": requantize.get("measure") is not False}
 
 
 def task_kinds_description() -> str:
