@@ -117,8 +117,8 @@ class RequantizeCreate(BaseModel):
         ..., description="Target format (as `fp8forge requantize --to`): " + ", ".join(REQUANTIZE_TARGETS) + ".")
     measure: bool | None = Field(
         None, description="Measure each converted weight's SQNR under the format for the report (a pass over every "
-                          "weight and its codes, about as costly as the cast; the default). `false`: the same bytes, the report "
-                          "without the figures (as `fp8forge requantize --no-measure`).")
+                          "weight and its codes, about as costly as the cast; the default). `false`: the same bytes, "
+                          "the report without the figures (as `fp8forge requantize --no-measure`).")
 
 
 class PlanCreate(BaseModel):
