@@ -1,4 +1,4 @@
-// New requantize job: POST /v1/jobs with {model, requantize: {to}, include, exclude, skip_first_last}; each API
+// New requantize job: POST /v1/jobs with {model, requantize: {to, measure}, include, exclude, skip_first_last}; each API
 // error is shown next to the field its `field` path names (requantize.to, include[0], model).
 (function () {
   'use strict';
@@ -19,6 +19,8 @@
 
         body() {
           const body = { model: this.value('model').trim(), requantize: { to: this.value('requantize.to') } };
+          // sent only when off: the API measures by default, and the stored request stays {to} then
+          if (!this.form().elements.namedItem('requantize.measure').checked) body.requantize.measure = false;
           const include = window.fp8forms.lines(this.value('include'));
           const exclude = window.fp8forms.lines(this.value('exclude'));
           if (include.length) body.include = include;
