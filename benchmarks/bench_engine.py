@@ -345,18 +345,28 @@ def table(runs: dict, reports: dict) -> list[dict]:
 
 def _position_gaps(report: list[float] | None, run: dict) -> dict:
     """The report's per-position negative log-likelihood against the engine's on the same positions: the mean
-    difference (nats; the log of the perplexity ratio), its root mean square, and the share of positions whose
-    difference exceeds 0.1 nats."""
+    difference (nats; the log of the perplexity ratio), its standard error from the per-text sums (positions within
+    a text are not independent, texts are), its root mean square, and the share of positions whose difference
+    exceeds 0.1 nats."""
     engine = [nll for text in run["scores"] for nll in text["per_token"]]
     if not report or len(report) != len(engine):
         return {}
     diffs = [r - e for r, e in zip(report, engine, strict=True)]
-    return {"nll_mean_diff": sum(diffs) / len(diffs), "nll_rms_diff": math.sqrt(sum(d * d for d in diffs) / len(diffs)),
+    mean = sum(diffs) / len(diffs)
+    residuals, start = [], 0
+    for text in run["scores"]:
+        count = len(text["per_token"])
+        residuals.append(sum(diffs[start:start + count]) - mean * count)
+        start += count
+    texts = len(residuals)
+    se = math.sqrt(texts / (texts - 1) * sum(r * r for r in residuals)) / len(diffs) if texts > 1 else math.nan
+    return {"nll_mean_diff": mean, "nll_mean_diff_se": se,
+            "nll_rms_diff": math.sqrt(sum(d * d for d in diffs) / len(diffs)),
             "over_0_1_nats": sum(abs(d) > 0.1 for d in diffs) / len(diffs)}
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| export | engine perplexity | vs bf16 | report perplexity (engine's casts) | report/engine - 1 | "
+    print("| export | engine perplexity | vs bf16 | report perplexity (engine's casts) | report/engine - 1 (SE) | "
           "per-position NLL, report - engine: RMS (nats) | positions > 0.1 nats apart | "
           "report, KV rounded to nearest |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -366,6 +376,8 @@ def print_table(rows: list[dict]) -> None:
                   if row["engine_error"] is None else f"not run: {row['engine_error'][:90]} | ")
         report = f"{row['report_perplexity']:.3f}" if "report_perplexity" in row else ""
         gap = f"{row['gap']:+.2%}" if "gap" in row else ""
+        if "nll_mean_diff_se" in row:  # the paired standard error, in nats: about the relative error of the ratio
+            gap += f" ({row['nll_mean_diff_se']:.2%})"
         nearest = f"{row['report_nearest']:.3f}" if "report_nearest" in row else ""
         rms = f"{row['nll_rms_diff']:.4f}" if "nll_rms_diff" in row else ""
         apart = f"{row['over_0_1_nats']:.1%}" if "over_0_1_nats" in row else ""
