@@ -105,36 +105,6 @@ def test_a_cast_head_casts_each_text_s_input_with_its_own_scale(llama_dir):
     assert round(abs(figures.top1_agreement - agree) * count) <= 2
 
 
-def test_a_batch_of_padded_texts_casts_each_text_as_a_call_of_its_own():
-    """Texts of one batch are cast each on its own positions: a scale from the call's amax is the text's, never its
-    neighbour's or the padding's."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 16))
-    casts = recipe_layer_casts(parse_compare_recipe("te-current", "r"), ["0"])
-    quiet, loud = torch.randn(1, 5, 32), 40 * torch.randn(1, 7, 32)  # unlike amax: unlike input scales
-    batch = torch.cat([torch.cat([quiet, 1e4 * torch.ones(1, 2, 32)], dim=1), loud])  # padding far above both
-    with torch.no_grad(), casting_linears(model, casts) as cast:
-        alone = [model(quiet)[0], model(loud)[0]]
-        cast.lengths = [5, 7]
-        batched = model(batch)
-        cast.lengths = None
-        shared = model(batch)  # one scale for the whole call, padding included
-    assert torch.equal(batched[0, :5], alone[0]) and torch.equal(batched[1], alone[1])
-    assert not torch.equal(shared[0, :5], alone[0])
-
-
-def test_batched_texts_score_as_one_text_a_call(llama_dir, monkeypatch):
-    source, paths = _linears(llama_dir)
-    casts = recipe_layer_casts(parse_compare_recipe("te-current", "recipe"), paths)
-    texts = [TEXTS[0], TEXTS[1].upper(), TEXTS[1][:40]]  # unlike lengths and input scales
-    batched = measure_quality(source, casts, texts)
-    monkeypatch.setattr("converters.quality.text_batches.BATCH_POSITIONS", 1)  # one text a batch
-    alone = measure_quality(source, casts, texts)
-    assert batched.tokens == alone.tokens and batched.texts == alone.texts == 3
-    for key in ("perplexity_reference", "perplexity", "kl_mean", "kl_max", "top1_agreement"):
-        assert getattr(batched, key) == pytest.approx(getattr(alone, key), rel=1e-4), key
-
-
 def test_several_variants_in_one_pass_equal_each_alone(llama_dir):
     source, paths = _linears(llama_dir)
     variants = {name: recipe_layer_casts(parse_compare_recipe(name, "r"), paths)
