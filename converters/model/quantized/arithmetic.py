@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 __all__ = ["E2M1_CODES", "dequantize_fp8", "dequantize_nvfp4", "expand_scale", "fp8_as_float", "fp8_values",
@@ -133,9 +134,7 @@ def _widen(codes: torch.Tensor, into: torch.Tensor) -> None:
     """``codes`` (uint8) into ``into`` (int32, the same length). On a CPU by numpy's conversion: torch's uint8 ->
     int32 copy there costs more than the whole lookup does through numpy's
     (docs/benchmarks/calibrated-2026-12-03e.md)."""
-    if codes.device.type == "cpu":
-        import numpy as np  # torch's CPU tensors share their memory with numpy arrays: no copy either way
-
+    if codes.device.type == "cpu":  # torch's CPU tensors share their memory with numpy arrays: no copy either way
         np.copyto(into.numpy(), codes.numpy())
     else:
         into.copy_(codes)
