@@ -15,6 +15,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.config import SchemathesisConfig
+from schemathesis.generation.hypothesis import builder
 
 from service.config import Settings
 from service.store import JobStore
@@ -86,6 +87,57 @@ def _load_schema():
     spec = create_app(_settings(Path("/nonexistent/fp8forge/data"))).openapi()
     return schemathesis.openapi.from_dict(spec, config=config)
 
+
+class _CoverageCases(list):
+    """One operation's explicit examples, with its coverage cases generated the first time Hypothesis reads them.
+
+    Schemathesis builds every operation's coverage cases when pytest collects the test (about 17 s of CPU for
+    this schema), and every xdist worker collects the whole suite, though one of them runs this file: deferred to
+    the first read, in the test's call, the worker that runs an operation builds its cases, the others never do.
+    The cases are the same ones, appended after the schema's own examples as the eager build appends them, and
+    built in the order the operations run, which is the order collected (schemathesis gives each path's probes of
+    undeclared methods to the first of its operations built): each operation's cases, compared by the sha256 of
+    their reprs, equal the eager build's (docs/benchmarks/test-suite-2026-12-03f.md)."""
+
+    def __init__(self, examples, generate) -> None:
+        super().__init__(examples)
+        self._generate = generate
+
+    def _fill(self) -> None:
+        if self._generate is not None:
+            generate, self._generate = self._generate, None
+            generate()  # appends to this list: schemathesis' add_coverage, through hypothesis.example
+
+    def __iter__(self):
+        self._fill()
+        return super().__iter__()
+
+    def __reversed__(self):
+        self._fill()
+        return super().__reversed__()
+
+    def __len__(self) -> int:
+        self._fill()
+        return super().__len__()
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __getitem__(self, index):
+        self._fill()
+        return super().__getitem__(index)
+
+
+_eager_add_coverage = builder.add_coverage
+
+
+def _deferred_add_coverage(test, *args, **kwargs):
+    test.hypothesis_explicit_examples = _CoverageCases(getattr(test, "hypothesis_explicit_examples", ()),
+                                                       lambda: _eager_add_coverage(test, *args, **kwargs))
+    return test
+
+
+builder.add_coverage = _deferred_add_coverage  # create_test looks it up when pytest collects the tests below
 
 schema = _load_schema()
 
