@@ -8,9 +8,9 @@ Targets: the serving formats that need no calibration, and ``bf16`` (:mod:`conve
 
 from __future__ import annotations
 
-from converters.modelfree.driver import REPORT_NAME, convert_model_free, plan_model_free, serving_plan
+from converters.modelfree.driver import REPORT_NAME, convert_model_free, plan_model_free, serving_selection
 from converters.modelfree.eligibility import ModelFreeOptions, report_from_headers
 from converters.modelfree.targets import MODEL_FREE_TARGETS, model_free_target
 
 __all__ = ["MODEL_FREE_TARGETS", "REPORT_NAME", "ModelFreeOptions", "convert_model_free",
-           "model_free_target", "plan_model_free", "report_from_headers", "serving_plan"]
+           "model_free_target", "plan_model_free", "report_from_headers", "serving_selection"]

@@ -47,9 +47,9 @@ from converters.modelfree.tasks import (
 from converters.pipeline.progress import Unit
 from converters.pipeline.state import NullSink, ProgressSink, Stage
 from converters.rewrite import REMOVE, finish_checkpoint
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 
-__all__ = ["REPORT_NAME", "check_plan", "convert_model_free", "finish", "plan_model_free", "serving_plan",
+__all__ = ["REPORT_NAME", "check_plan", "convert_model_free", "finish", "plan_model_free", "serving_selection",
            "shard_tasks", "with_weight_amax"]
 
 logger = logging.getLogger(__name__)
@@ -258,31 +258,31 @@ def _map(function: Callable[..., Any], tasks: list[Any], pool: Executor | None, 
     return [future.result() for future in futures]
 
 
-def serving_plan(report: dict[str, Any]) -> ServingPlan:
-    """The :class:`ServingPlan` a serving format's ``quantization_config`` reads, from a model-free report."""
-    plan = ServingPlan(format=report["format"])
+def serving_selection(report: dict[str, Any]) -> ServingSelection:
+    """The :class:`ServingSelection` a serving format's ``quantization_config`` reads, from a model-free report."""
+    selection = ServingSelection(format=report["format"])
     quantized = set(report["quantized"])
     experts_kept: dict[str, str] = {}
     for layer in report["layers"]:
         module = layer["module"]
         if layer["kind"] == "expert":
             if layer["key"] in quantized:
-                plan.experts[layer["key"]] = report["quantized"][layer["key"]]
+                selection.experts[layer["key"]] = report["quantized"][layer["key"]]
             else:
                 prefix = module.rpartition(".")[0].rpartition(".")[0]
                 experts_kept[prefix] = prefix
         elif Reason.ROUTER_GATE.value in layer["reasons"]:
-            plan.router_gates.append(module)
+            selection.router_gates.append(module)
         elif Reason.NOT_LINEAR.value not in layer["reasons"]:
-            plan.linear_paths.append(module)
+            selection.linear_paths.append(module)
             if layer["key"] in quantized:
-                plan.quantized[module] = layer["key"]
+                selection.quantized[module] = layer["key"]
         if not layer["eligible"]:
-            plan.skipped[module] = ",".join(layer["reasons"])
-    plan.unquantized_experts = experts_kept
-    plan.fused_groups = [group["members"] for group in report["fused_groups"]
+            selection.skipped[module] = ",".join(layer["reasons"])
+    selection.unquantized_experts = experts_kept
+    selection.fused_groups = [group["members"] for group in report["fused_groups"]
                          if all(f"{member}.weight" in quantized for member in group["members"])]
-    return plan
+    return selection
 
 
 def finish(source_dir: Path, staging: Path, report: dict[str, Any], results: list[WriteResult],
@@ -294,10 +294,10 @@ def finish(source_dir: Path, staging: Path, report: dict[str, Any], results: lis
     entry, one that is there is not hashed again. Returns the manifest's entries.
     """
     fmt = model_free_target(report["format"])
-    plan = serving_plan(report)
-    quantization_config = fmt.quantization_config(plan)
+    selection = serving_selection(report)
+    quantization_config = fmt.quantization_config(selection)
     side_files = getattr(fmt, "side_files", None)
-    json_files = dict(side_files(plan)) if side_files is not None else {}
+    json_files = dict(side_files(selection)) if side_files is not None else {}
     kept: dict[str, dict[str, str]] = {}
     for layer in report["layers"]:
         if not layer["eligible"]:

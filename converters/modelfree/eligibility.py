@@ -7,7 +7,7 @@ weight when it is a 2-D floating ``*.weight`` that is not an embedding or a norm
 found by the order the analysis sees them in: decoder layer index, then attention before MLP and each block's
 projections in the order model code defines them (q, k, v, o; gate, up, down), with the head (``lm_head``) last
 even when it is tied and not stored. Fused groups (q/k/v, gate/up, an expert's w1/w3) and experts modules are
-quantized whole or not at all, as :func:`converters.serving.plan.plan_serving` decides.
+quantized whole or not at all, as :func:`converters.serving.selection.select_serving` decides.
 
 Differences from the analysis: include/exclude match on-disk names (Mixtral's ``block_sparse_moe.experts.3.w1``,
 not the loaded model's ``mlp.experts.3.gate_up_proj``), and an expert matrix's shape rule is checked per stored

@@ -13,7 +13,7 @@ import torch
 from converters.errors import RequestError
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving import SERVING_FORMATS, ServingFormat
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 
 __all__ = ["BF16", "BF16Target", "MODEL_FREE_TARGETS", "model_free_target", "scale_dtype_of"]
 
@@ -35,7 +35,7 @@ class BF16Target:
                  ) -> list[torch.Tensor]:
         return [weight.to(torch.bfloat16)]
 
-    def quantization_config(self, plan: ServingPlan) -> dict[str, Any] | None:
+    def quantization_config(self, selection: ServingSelection) -> dict[str, Any] | None:
         return None
 
 

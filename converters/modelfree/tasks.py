@@ -27,7 +27,7 @@ from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
 from converters.rewrite import Compute, Copy, planned_bytes
 from converters.rewrite import write_shard as rewrite_shard
-from converters.serving.plan import quantize_weight
+from converters.serving.writer import quantize_weight
 
 __all__ = ["AmaxResult", "AmaxTask", "WriteResult", "WriteTask", "inventory_shard", "planned_shard_bytes",
            "reduce_weight_amax", "shard_weight_amax", "write_shard"]

@@ -161,7 +161,7 @@ def write_json_files(run: Run, staging: Path, written: list[str]) -> list[str]:
         "amax_swing": amax_swing(run.calibration.amax, stateless=not run.recipe.stateful),
         "plan": run.plan_block,  # the plan stage's (None without a plan in the request)
         "quality": run.quality,
-        "serving": {name: plan.report() for name, plan in run.serving.items()},
+        "serving": {name: selection.report() for name, selection in run.serving.items()},
         "files": sorted(written),
     }
     write_json(staging / REPORT_FILE, report)

@@ -1,13 +1,14 @@
-"""The serving exports of a job: planned in analyze (and again when min_sqnr_db drops layers), written in export
+"""The serving exports of a job: selected in analyze (and again when min_sqnr_db drops layers), written in export
 from the calibration the job already ran, each with its KV-cache scales where asked, and each audited against the
 engine's loading rules before the job may succeed.
 
-Once calibration has set a format's scales, its export needs nothing but the plan and the source's files, so it
-can also be written one weight file at a time by any machine: :func:`serving_shard_tasks` turns each prepared plan
-into plain-data ``serving_write`` tasks (the plan's wire form, :func:`plan_to_wire`, in every payload), which
-:func:`run_serving_write` runs (``write_serving_checkpoint``'s file), and the run that queued them writes the index,
-config and side files from their results (:func:`finish_serving_export`). The bytes are those of the one-process
-export.
+Once calibration has set a format's scales, its export needs nothing but its selection (what it quantizes, with
+those scales: :class:`~converters.serving.selection.ServingSelection`) and the source's files, so it can also be
+written one weight file at a time by any machine: :func:`serving_shard_tasks` turns each selection into plain-data
+``serving_write`` tasks (its wire form, :func:`selection_to_wire`, in every payload under the key ``plan``, the
+name tasks queued by earlier releases carry), which :func:`run_serving_write` runs (``write_serving_checkpoint``'s
+file), and the run that queued them writes the index, config and side files from their results
+(:func:`finish_serving_export`). The bytes are those of the one-process export.
 """
 
 from __future__ import annotations
@@ -31,41 +32,35 @@ from converters.serving import serving_format
 from converters.serving.audit import audit_export
 from converters.serving.kv_scales import attach_kv_scales
 from converters.serving.loads_in import loads_in_warnings
-from converters.serving.plan import (
-    ServingPlan,
-    expert_disk_keys,
-    plan_serving,
-    set_input_amax,
-    set_weight_amax,
-    write_serving_checkpoint,
-    write_serving_file,
-)
+from converters.serving.selection import ServingSelection, expert_disk_keys, select_serving, set_input_amax
+from converters.serving.writer import set_weight_amax, write_serving_checkpoint, write_serving_file
 
-__all__ = ["SERVING_LABEL", "ServingShardRunner", "finish_serving_export", "job_format", "plan_from_wire",
-           "plan_serving_formats", "plan_to_wire", "prepare_serving_plan", "run_serving_write", "serving_casts",
-           "serving_shard_tasks", "serving_sqnr", "write_serving_exports", "write_serving_shard"]
+__all__ = ["SERVING_LABEL", "ServingShardRunner", "finish_serving_export", "job_format", "run_serving_write",
+           "select_serving_formats", "selection_from_wire", "selection_to_wire", "serving_casts",
+           "serving_shard_tasks", "serving_sqnr", "set_serving_scales", "write_serving_exports",
+           "write_serving_shard"]
 
 #: the SQNR meter's label for a serving format's casts: this prefix and the format's name
 SERVING_LABEL = "serving:"
 
 
-def plan_serving_formats(run: Run, report: dict[str, Any]) -> dict[str, ServingPlan]:
+def select_serving_formats(run: Run, report: dict[str, Any]) -> dict[str, ServingSelection]:
     """What each requested serving format quantizes; a format with nothing to quantize is bad input."""
-    plans: dict[str, ServingPlan] = {}
+    selections: dict[str, ServingSelection] = {}
     if not run.request.serving_formats:
-        return plans
+        return selections
     expert_keys = expert_disk_keys(run.resolved.checkpoint.mapping, run.resolved.checkpoint.target_of, report)
     for index, name in enumerate(run.request.serving_formats):
-        plan = plan_serving(serving_format(name), report, run.resolved.checkpoint.on_disk_name, expert_keys)
-        if not plan.quantized and not plan.experts:
+        selection = select_serving(serving_format(name), report, run.resolved.checkpoint.on_disk_name, expert_keys)
+        if not selection.quantized and not selection.experts:
             raise ConversionError(
                 f"serving format {name} would quantize no layer (fused groups must be eligible as a whole; see the "
                 "analysis): adjust include/exclude or skip_first_last, or drop the format",
                 field=f"serving_formats[{index}]")
         for warning in loads_in_warnings(name):  # a consumer that would misread the export (the README's table)
             run.warn(warning)
-        plans[name] = plan
-    return plans
+        selections[name] = selection
+    return selections
 
 
 def serving_casts(run: Run) -> list[RecipeCasts]:
@@ -118,16 +113,16 @@ def write_serving_exports(run: Run, staging: Path, shards: ServingShardRunner | 
     if run.serving and shards is not None and shards.wanted(len(serving_sources(run, staging))):
         return _write_serving_exports_as_tasks(run, staging, shards)
     written = []
-    for name, plan in run.serving.items():
-        prepare_serving_plan(run, name, plan)
+    for name, selection in run.serving.items():
+        set_serving_scales(run, name, selection)
         directory = staging / "serving" / name
         source = run.resolved.directory
         files = serving_sources(run, staging)
-        files = write_serving_checkpoint(job_format(name, run.recipe), plan, source, files, directory,
+        files = write_serving_checkpoint(job_format(name, run.recipe), selection, source, files, directory,
                                          model_dtype(run.resolved.config), confinement_for(run.sources),
                                          check_stop=run.check_stop, emulated_stats=False)
-        _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))
-        _audit(run, name, plan, directory)
+        _add_measured_sqnr(selection, run.calibration.serving_sqnr.get(name, {}))
+        _audit(run, name, selection, directory)
         written += [f"serving/{name}/{file}" for file in files]
     return written
 
@@ -137,14 +132,14 @@ def _write_serving_exports_as_tasks(run: Run, staging: Path, shards: ServingShar
     writes = serving_shard_tasks(run, staging)
     results = shards.run(writes)
     written = []
-    for name, plan in run.serving.items():
+    for name, selection in run.serving.items():
         directory = staging / "serving" / name
         own = [result for task, result in zip(writes, results, strict=True)
                if task["payload"]["plan"]["format"] == name]
-        files = finish_serving_export(plan, run.resolved.directory, own, directory, confinement_for(run.sources),
-                                      weight_scales=run.recipe.nvfp4_weight_scales.value)
-        _add_measured_sqnr(plan, run.calibration.serving_sqnr.get(name, {}))
-        _audit(run, name, plan, directory)
+        files = finish_serving_export(selection, run.resolved.directory, own, directory,
+                                      confinement_for(run.sources), weight_scales=run.recipe.nvfp4_weight_scales.value)
+        _add_measured_sqnr(selection, run.calibration.serving_sqnr.get(name, {}))
+        _audit(run, name, selection, directory)
         written += [f"serving/{name}/{file}" for file in files]
     return written
 
@@ -157,18 +152,18 @@ def job_format(name: str, recipe: Any) -> Any:
     return with_scale_search(recipe.nvfp4_weight_scales.value) if with_scale_search is not None else fmt
 
 
-def _format_of(plan: ServingPlan, weight_scales: str) -> Any:
-    fmt = serving_format(plan.format)
+def _format_of(selection: ServingSelection, weight_scales: str) -> Any:
+    fmt = serving_format(selection.format)
     return fmt.with_scale_search(weight_scales) if hasattr(fmt, "with_scale_search") else fmt
 
 
-def prepare_serving_plan(run: Run, name: str, plan: ServingPlan) -> None:
-    """Set the plan's scales from the job's calibration: input amax (shared per fused group), KV-cache scales."""
-    starved = set_input_amax(plan, run.report, run.calibration.amax)
+def set_serving_scales(run: Run, name: str, selection: ServingSelection) -> None:
+    """Set the selection's scales from the job's calibration: input amax (shared per fused group), KV-cache scales."""
+    starved = set_input_amax(selection, run.report, run.calibration.amax)
     if starved:
         run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
                  "is the largest of the same GEMM's other experts in that layer")
-    _attach_kv_cache(run, name, plan)
+    _attach_kv_cache(run, name, selection)
 
 
 def serving_sources(run: Run, staging: Path) -> list[Path]:
@@ -181,35 +176,36 @@ def serving_sources(run: Run, staging: Path) -> list[Path]:
 
 
 # -- one weight file at a time, from plain data (tasks any machine may run) -----------------------------------
-def plan_to_wire(plan: ServingPlan) -> dict[str, Any]:
-    """The plan as JSON-ready data; :func:`plan_from_wire` rebuilds it exactly (tensors as dtype, shape, values)."""
-    data = {item.name: getattr(plan, item.name) for item in fields(plan) if item.name != "extra_tensors"}
+def selection_to_wire(selection: ServingSelection) -> dict[str, Any]:
+    """The selection as JSON-ready data; :func:`selection_from_wire` rebuilds it exactly (tensors as dtype, shape,
+    values). The keys are the dataclass's field names, as stored in tasks: renaming a field breaks queued tasks."""
+    data = {item.name: getattr(selection, item.name) for item in fields(selection) if item.name != "extra_tensors"}
     data["extra_tensors"] = {name: {"after": anchor, "dtype": str(value.dtype).removeprefix("torch."),
                                     "shape": list(value.shape), "values": value.flatten().tolist()}
-                             for name, (anchor, value) in plan.extra_tensors.items()}
+                             for name, (anchor, value) in selection.extra_tensors.items()}
     return data
 
 
-def plan_from_wire(data: dict[str, Any]) -> ServingPlan:
+def selection_from_wire(data: dict[str, Any]) -> ServingSelection:
     extra = {name: (entry["after"], torch.tensor(entry["values"], dtype=getattr(torch, entry["dtype"]))
                     .reshape(entry["shape"])) for name, entry in data["extra_tensors"].items()}
-    return ServingPlan(**{**data, "extra_tensors": extra})
+    return ServingSelection(**{**data, "extra_tensors": extra})
 
 
 def serving_shard_tasks(run: Run, staging: Path) -> list[dict[str, Any]]:
     """Each requested format's weight files as plain-data tasks, once calibration has run: one ``serving_write``
-    per weight file. Prepares ``run.serving``'s plans from the calibration (as
+    per weight file. Prepares ``run.serving``'s selections from the calibration (as
     :func:`write_serving_exports` does); a format that needs the weight amax gets it here, over every file (fused
     groups may span files). Paths are not stored: the machine that runs a task names its source and output
     (``staging``: where this run's dequantized copies of a quantized source are, to read their names)."""
     tasks: list[dict[str, Any]] = []
     files = serving_sources(run, staging)
     dtype = str(model_dtype(run.resolved.config)).removeprefix("torch.")
-    for name, plan in run.serving.items():
-        prepare_serving_plan(run, name, plan)
+    for name, selection in run.serving.items():
+        set_serving_scales(run, name, selection)
         if getattr(serving_format(name), "needs_weight_amax", False):
-            set_weight_amax(plan, files)
-        wire = plan_to_wire(plan)
+            set_weight_amax(selection, files)
+        wire = selection_to_wire(selection)
         from_artifact = run.resolved.checkpoint.stored is not None  # the dequantized copies, not the source's files
         scales = run.recipe.nvfp4_weight_scales.value  # the recipe's NVFP4 block-scale method (job_format)
         tasks += [{"kind": "serving_write", "shard": path.name,
@@ -224,42 +220,45 @@ def run_serving_write(shard: str, payload: dict[str, Any], source_dir: Path, out
     if not out_dir.is_dir():  # made by the run that queued the task; written elsewhere, nobody would read it
         raise ConversionError(f"serving task for {shard}: the run's output directory is not on this machine; "
                               "run the serving export's tasks where its directory is (a shared disk)")
-    plan = plan_from_wire(payload["plan"])
+    selection = selection_from_wire(payload["plan"])
     source = (out_dir if payload["from_artifact"] else source_dir) / shard
-    return write_serving_shard(plan, source, out_dir / "serving" / plan.format, getattr(torch, payload["scale_dtype"]),
+    scale_dtype = getattr(torch, payload["scale_dtype"])
+    return write_serving_shard(selection, source, out_dir / "serving" / selection.format, scale_dtype,
                                weight_scales=payload.get("weight_scales", "rtn"))
 
 
-def write_serving_shard(plan: ServingPlan, source: Path, directory: Path, scale_dtype: torch.dtype, *,
+def write_serving_shard(selection: ServingSelection, source: Path, directory: Path, scale_dtype: torch.dtype, *,
                         check_stop: Callable[[], None] | None = None, weight_scales: str = "rtn") -> dict[str, Any]:
-    """Write ``source``'s file of the plan's export into ``directory`` (byte for byte ``write_serving_checkpoint``'s
-    file, the weight amax taken from the plan); returns the file's tensors, their bytes and each quantized
-    weight's figures (the format's own ``layer_stats`` where it has one: the SQNR comes from calibration)."""
-    return write_serving_file(_format_of(plan, weight_scales), plan, source, directory, scale_dtype,
+    """Write ``source``'s file of the selection's export into ``directory`` (byte for byte
+    ``write_serving_checkpoint``'s file, the weight amax taken from the selection); returns the file's tensors, their
+    bytes and each quantized weight's figures (the format's own ``layer_stats`` where it has one: the SQNR comes from
+    calibration)."""
+    return write_serving_file(_format_of(selection, weight_scales), selection, source, directory, scale_dtype,
                               check_stop=check_stop, emulated_stats=False)
 
 
-def finish_serving_export(plan: ServingPlan, source_dir: Path, shards: list[dict[str, Any]], directory: Path,
-                          confinement: FileConfinement, *, weight_scales: str = "rtn") -> list[str]:
+def finish_serving_export(selection: ServingSelection, source_dir: Path, shards: list[dict[str, Any]],
+                          directory: Path, confinement: FileConfinement, *, weight_scales: str = "rtn") -> list[str]:
     """Index, config and side files of an export whose weight files :func:`write_serving_shard` wrote (``shards``:
-    their results, in the source's file order); the shards' figures go into the plan. Returns every file name."""
+    their results, in the source's file order); the shards' figures go into the selection. Returns every file
+    name."""
     for shard in shards:
-        plan.layer_stats.update(shard["layer_stats"])
-    fmt = _format_of(plan, weight_scales)
+        selection.layer_stats.update(shard["layer_stats"])
+    fmt = _format_of(selection, weight_scales)
     side_files = getattr(fmt, "side_files", None)
     return [shard["file"] for shard in shards] + finish_checkpoint(
-        source_dir, directory, shards, quantization_config=fmt.quantization_config(plan), confinement=confinement,
-        json_files=side_files(plan) if side_files is not None else None)
+        source_dir, directory, shards, quantization_config=fmt.quantization_config(selection),
+        confinement=confinement, json_files=side_files(selection) if side_files is not None else None)
 
 
-def _add_measured_sqnr(plan: ServingPlan, measured: dict[str, dict[str, float | None]]) -> None:
+def _add_measured_sqnr(selection: ServingSelection, measured: dict[str, dict[str, float | None]]) -> None:
     """Each quantized Linear's and expert unit's SQNR under the format, measured during calibration."""
-    for path in [*plan.quantized, *plan.expert_units]:
+    for path in [*selection.quantized, *selection.expert_units]:
         if path in measured:
-            plan.layer_stats.setdefault(path, {})["sqnr_db"] = measured[path]
+            selection.layer_stats.setdefault(path, {})["sqnr_db"] = measured[path]
 
 
-def _audit(run: Run, name: str, plan: ServingPlan, directory: Path) -> None:
+def _audit(run: Run, name: str, selection: ServingSelection, directory: Path) -> None:
     """Replay the engine's loading rules on the written export (:mod:`converters.serving.audit`).
 
     A problem fails the job, naming every tensor the engine would drop or misread: such an export would fail to
@@ -269,7 +268,7 @@ def _audit(run: Run, name: str, plan: ServingPlan, directory: Path) -> None:
         ConversionError: the audit found problems (field ``serving_formats``).
     """
     result = audit_export(directory)
-    plan.load_audit = result.to_dict()
+    selection.load_audit = result.to_dict()
     if not result.audited:
         run.warn(f"{name}: the load audit has no rules for this format ({'; '.join(result.notes)})")
         return
@@ -280,13 +279,14 @@ def _audit(run: Run, name: str, plan: ServingPlan, directory: Path) -> None:
                               field="serving_formats")
 
 
-def _attach_kv_cache(run: Run, name: str, plan: ServingPlan) -> None:
-    """With ``kv_cache``: each attention layer's k_scale/v_scale into the plan of a format that writes them."""
-    if not run.request.kv_cache or plan.kv_cache:
+def _attach_kv_cache(run: Run, name: str, selection: ServingSelection) -> None:
+    """With ``kv_cache``: each attention layer's k_scale/v_scale into the selection of a format that writes them."""
+    if not run.request.kv_cache or selection.kv_cache:
         return
     fmt = serving_format(name)
     if not getattr(fmt, "supports_kv_cache", False):
         run.warn(f"{name} carries no KV-cache scales (kv_cache applies to the formats that declare them)")
         return
-    plan.kv_cache_report = attach_kv_scales(plan, run.calibration.kv_amax, run.resolved.checkpoint.target_of,
-                                            model_dtype(run.resolved.config), convention=fmt.kv_scale_convention)
+    selection.kv_cache_report = attach_kv_scales(selection, run.calibration.kv_amax,
+                                                 run.resolved.checkpoint.target_of, model_dtype(run.resolved.config),
+                                                 convention=fmt.kv_scale_convention)

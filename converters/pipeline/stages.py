@@ -47,7 +47,7 @@ from converters.model.sources import (
     resolve_model_dir,
 )
 from converters.pipeline.progress import LOAD_STEP, RESOLVE_STEPS, Unit
-from converters.pipeline.serving_export import plan_serving_formats, serving_casts, serving_sqnr
+from converters.pipeline.serving_export import select_serving_formats, serving_casts, serving_sqnr
 from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.plan.candidates import plan_compare_recipes
 from converters.quality.held_out import calibration_part
@@ -133,7 +133,7 @@ def analyze(run: Run) -> dict[str, Any]:
     if report["totals"]["eligible_layers"] + report["totals"]["expert_units"] == 0:
         _nothing_eligible(run, report)
     _warn_partly_fp8_groups(run, report)
-    run.serving = plan_serving_formats(run, report)
+    run.serving = select_serving_formats(run, report)
     run.sink.progress(1, 1)
     return report
 
@@ -267,7 +267,7 @@ def _apply_sensitivity(run: Run, meter: Any, label: str, amax: dict[str, Any]) -
     """Put each layer's SQNR in the report; with min_sqnr_db, keep the layers below it out of the conversion.
 
     An excluded layer leaves the report's eligible set here, after calibration and before convert, so the swap,
-    the state and calibration files and the serving plans (planned again) all leave it in high precision.
+    the state and calibration files and the serving selections (made again) all leave it in high precision.
     """
     if meter is None:
         run.report["sensitivity"] = {"measured": False, "reason": "the request turned the measurement off "
@@ -282,7 +282,7 @@ def _apply_sensitivity(run: Run, meter: Any, label: str, amax: dict[str, Any]) -
              f"min_sqnr_db {threshold:g} dB: {shown}")
     _warn_partly_fp8_groups(run, run.report, after=" after low_sqnr", touching=set(excluded))
     if run.serving:
-        run.serving = plan_serving_formats(run, run.report)
+        run.serving = select_serving_formats(run, run.report)
     dropped = set(excluded)
     return {path: layer for path, layer in amax.items() if path not in dropped}
 

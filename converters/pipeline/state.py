@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from converters.model.checkpoint import Checkpoint
     from converters.pipeline.weight_copy import BackgroundWeightCopy
     from converters.recipes import Recipe
-    from converters.serving.plan import ServingPlan
+    from converters.serving.selection import ServingSelection
 
 __all__ = ["Stage", "STAGES", "ProgressSink", "NullSink", "ResolvedModel", "Run", "job_stages"]
 
@@ -131,8 +131,8 @@ class Run:
     weights_on_disk: dict[str, str] = field(default_factory=dict)  #: set by convert
     #: the source's weight files being copied into the artifact during calibration (set by the driver)
     weight_copy: BackgroundWeightCopy | None = None
-    #: format name -> its plan; set by analyze, planned again by calibrate when min_sqnr_db drops layers
-    serving: dict[str, ServingPlan] = field(default_factory=dict)
+    #: format name -> what it quantizes; set by analyze, selected again by calibrate when min_sqnr_db drops layers
+    serving: dict[str, ServingSelection] = field(default_factory=dict)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     #: the quality stage's record: the report's end-to-end quality block
     quality: dict[str, Any] | None = None

@@ -14,7 +14,7 @@ from converters.plan.mixed_export import MIXED_LAYOUTS, MixedLayout, not_express
 from converters.plan.planner import make_plan
 from converters.plan.settings import PlanSettings
 from converters.quality import QualityUnavailable
-from converters.serving.plan import ServingPlan, set_input_amax
+from converters.serving.selection import ServingSelection, set_input_amax
 
 __all__ = ["plan_for_job"]
 
@@ -48,8 +48,8 @@ def plan_for_job(run: Any, staging: Path) -> tuple[dict[str, Any] | None, list[s
 
 def _input_amax(run: Any, plan: dict[str, Any]) -> dict[str, float]:
     """Each planned Linear's calibrated input amax, the largest of its fused group (the serving exports' rule)."""
-    quantized = ServingPlan(format="plan", quantized={row["path"]: row["path"] for row in plan["layers"]
-                                                      if row["precision"] != BF16})
+    quantized = ServingSelection(format="plan", quantized={row["path"]: row["path"] for row in plan["layers"]
+                                                           if row["precision"] != BF16})
     set_input_amax(quantized, run.report, run.calibration.amax)
     return quantized.input_amax
 

@@ -44,7 +44,8 @@ from converters.serving.compressed_tensors import STATIC
 from converters.serving.modelopt import HF_QUANT_CONFIG, MODELOPT_FP8, MODELOPT_NVFP4, MODELOPT_VERSION
 from converters.serving.mxfp8 import MXFP8
 from converters.serving.nvfp4 import GROUP, NVFP4
-from converters.serving.plan import ServingFormat, ServingPlan, set_weight_amax
+from converters.serving.selection import ServingFormat, ServingSelection
+from converters.serving.writer import quantize_weight, set_weight_amax
 
 __all__ = ["MixedLayout", "COMPRESSED_TENSORS_MIXED", "MODELOPT_MIXED", "MIXED_LAYOUTS", "not_expressible",
            "write_mixed_checkpoint"]
@@ -53,11 +54,11 @@ __all__ = ["MixedLayout", "COMPRESSED_TENSORS_MIXED", "MODELOPT_MIXED", "MIXED_L
 @dataclass(frozen=True)
 class MixedLayout:
     """A mixed-precision checkpoint layout: its folder name, the serving format that writes each precision, and its
-    configs (``configs(per-precision ServingPlans, every Linear path) -> (quantization_config, side files)``)."""
+    configs (``configs(per-precision ServingSelections, every Linear path) -> (quantization_config, side files)``)."""
 
     name: str
     serving_of: Mapping[str, ServingFormat]
-    configs: Callable[[Mapping[str, ServingPlan], list[str]], tuple[dict[str, Any], dict[str, Any]]]
+    configs: Callable[[Mapping[str, ServingSelection], list[str]], tuple[dict[str, Any], dict[str, Any]]]
 
 
 def _choices(plan: Mapping[str, Any]) -> dict[str, str]:
@@ -73,13 +74,13 @@ def not_expressible(plan: Mapping[str, Any], layout: MixedLayout) -> dict[str, l
     return left
 
 
-def _serving_plans(plan: Mapping[str, Any], layout: MixedLayout, on_disk_name: Callable[[str], str | None]
-                   ) -> dict[str, ServingPlan]:
-    """One ServingPlan per low precision: its layers' on-disk weight keys and its fused groups (a plan unit)."""
+def _serving_selections(plan: Mapping[str, Any], layout: MixedLayout, on_disk_name: Callable[[str], str | None]
+                        ) -> dict[str, ServingSelection]:
+    """One ServingSelection per low precision: its layers' on-disk weight keys and its fused groups (a plan unit)."""
     members: dict[str, list[str]] = {}
     for row in plan["layers"]:
         members.setdefault(row["unit"], []).append(row["path"])
-    plans: dict[str, ServingPlan] = {}
+    selections: dict[str, ServingSelection] = {}
     for path, precision in _choices(plan).items():
         if precision == BF16:
             continue
@@ -88,42 +89,45 @@ def _serving_plans(plan: Mapping[str, Any], layout: MixedLayout, on_disk_name: C
             raise Fp8ForgeError(f"the plan quantizes {path} as {precision}, but the checkpoint stores no "
                                 f"{path}.weight under one name; plan it in bf16 (exclude it)", field="plan")
         fmt = layout.serving_of[precision]
-        serving = plans.setdefault(precision, ServingPlan(format=fmt.name, static_inputs=fmt.needs_calibration))
-        serving.quantized[path] = key
-    for serving in plans.values():
-        serving.fused_groups = [group for group in members.values()
-                                if len(group) > 1 and all(path in serving.quantized for path in group)]
-    return plans
+        selection = selections.setdefault(precision, ServingSelection(format=fmt.name,
+                                                                      static_inputs=fmt.needs_calibration))
+        selection.quantized[path] = key
+    for selection in selections.values():
+        selection.fused_groups = [group for group in members.values()
+                                  if len(group) > 1 and all(path in selection.quantized for path in group)]
+    return selections
 
 
-def _compressed_tensors_configs(plans: Mapping[str, ServingPlan], linear_paths: list[str]
+def _compressed_tensors_configs(selections: Mapping[str, ServingSelection], linear_paths: list[str]
                                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """compressed-tensors ``mixed-precision``: each precision's format's own config group, targeting its layers."""
     groups = {}
-    for precision, serving in plans.items():
-        group = COMPRESSED_TENSORS_MIXED.serving_of[precision].quantization_config(serving)["config_groups"]["group_0"]
-        groups[f"group_{len(groups)}"] = {**group, "targets": sorted(serving.quantized)}
-    quantized = {path for serving in plans.values() for path in serving.quantized}
+    for precision, selection in selections.items():
+        config = COMPRESSED_TENSORS_MIXED.serving_of[precision].quantization_config(selection)
+        group = config["config_groups"]["group_0"]
+        groups[f"group_{len(groups)}"] = {**group, "targets": sorted(selection.quantized)}
+    quantized = {path for selection in selections.values() for path in selection.quantized}
     return {"quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
             "config_groups": groups, "ignore": [path for path in linear_paths if path not in quantized],
             "kv_cache_scheme": None, "global_compression_ratio": None, "sparsity_config": {},
             "transform_config": {}}, {}
 
 
-def _modelopt_configs(plans: Mapping[str, ServingPlan], linear_paths: list[str]
+def _modelopt_configs(selections: Mapping[str, ServingSelection], linear_paths: list[str]
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
     """ModelOpt ``MIXED_PRECISION``: ``quantized_layers`` in hf_quant_config.json; a config group per algorithm."""
     algo = {"fp8-current": {"quant_algo": "FP8"}, "nvfp4": {"quant_algo": "NVFP4", "group_size": GROUP}}
-    layers = {path: dict(algo[precision]) for precision, serving in plans.items() for path in serving.quantized}
+    layers = {path: dict(algo[precision]) for precision, selection in selections.items()
+              for path in selection.quantized}
     exclude = sorted(path for path in linear_paths if path not in layers)
     producer = {"name": "modelopt", "version": MODELOPT_VERSION}
     groups = {}
-    for precision, serving in plans.items():
+    for precision, selection in selections.items():
         args: dict[str, Any] = {"dynamic": False, "num_bits": 4 if precision == "nvfp4" else 8, "type": "float"}
         if precision == "nvfp4":
             args["group_size"] = GROUP
         groups[f"group_{len(groups)}"] = {"input_activations": dict(args), "weights": dict(args),
-                                          "targets": sorted(serving.quantized)}
+                                          "targets": sorted(selection.quantized)}
     side = {"producer": producer, "quantization": {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
                                                    "quantized_layers": layers, "exclude_modules": exclude}}
     return {"config_groups": groups, "ignore": exclude, "quant_algo": "MIXED_PRECISION", "producer": producer,
@@ -138,16 +142,16 @@ MODELOPT_MIXED = MixedLayout(name="modelopt-mixed", serving_of={"fp8-current": M
 MIXED_LAYOUTS = (COMPRESSED_TENSORS_MIXED, MODELOPT_MIXED)
 
 
-def _input_amax(plans: Mapping[str, ServingPlan], input_amax: Mapping[str, float]) -> None:
-    for precision, serving in plans.items():
-        if not serving.static_inputs:
+def _input_amax(selections: Mapping[str, ServingSelection], input_amax: Mapping[str, float]) -> None:
+    for precision, selection in selections.items():
+        if not selection.static_inputs:
             continue
-        missing = [path for path in serving.quantized if path not in input_amax]
+        missing = [path for path in selection.quantized if path not in input_amax]
         if missing:
             raise Fp8ForgeError(f"{precision} layers store a static input scale from the calibrated input amax, and "
                                 f"none was given for {', '.join(missing[:3])}: pass the calibration's input amax "
                                 "of every planned layer (a fused group's largest)", field="plan")
-        serving.input_amax = {path: float(input_amax[path]) for path in serving.quantized}
+        selection.input_amax = {path: float(input_amax[path]) for path in selection.quantized}
 
 
 def write_mixed_checkpoint(layout: MixedLayout, plan: Mapping[str, Any], source_dir: Path, weight_files: list[Path],
@@ -162,7 +166,8 @@ def write_mixed_checkpoint(layout: MixedLayout, plan: Mapping[str, Any], source_
 
     Returns the file names written (relative to ``directory``). Raises Fp8ForgeError (field ``plan``) for a layer
     the layout has no writer for, a planned weight the checkpoint does not store under one name, or a missing
-    input amax.
+    input amax; ModelConfigError (field ``model``) for a planned weight, or what quantizing it gave, holding NaN or
+    an infinity (:func:`~converters.serving.writer.quantize_weight`).
     """
     left = not_expressible(plan, layout)
     if left:
@@ -170,19 +175,19 @@ def write_mixed_checkpoint(layout: MixedLayout, plan: Mapping[str, Any], source_
         raise Fp8ForgeError(f"a {layout.name} checkpoint holds only {', '.join(layout.serving_of)} layers, not "
                             f"{named}: plan for a GPU without those formats, or use their single-format serving "
                             "exports", field="plan")
-    plans = _serving_plans(plan, layout, on_disk_name)
-    _input_amax(plans, input_amax)
-    for precision, serving in plans.items():
+    selections = _serving_selections(plan, layout, on_disk_name)
+    _input_amax(selections, input_amax)
+    for precision, selection in selections.items():
         if getattr(layout.serving_of[precision], "needs_weight_amax", False):
-            set_weight_amax(serving, weight_files)  # NVFP4's global scale, one per fused group
+            set_weight_amax(selection, weight_files)  # NVFP4's global scale, one per fused group
     directory.mkdir(parents=True, exist_ok=True)
-    weight_map, total = _write_weights(layout, plans, weight_files, directory, scale_dtype, check_stop)
+    weight_map, total = _write_weights(layout, selections, weight_files, directory, scale_dtype, check_stop)
     written = [source.name for source in weight_files]
     if (source_dir / INDEX_NAME).is_file():
         write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         written.append(INDEX_NAME)
     config = json.loads(read_model_text(source_dir / "config.json", confinement))
-    config["quantization_config"], side_files = layout.configs(plans, [row["path"] for row in plan["layers"]])
+    config["quantization_config"], side_files = layout.configs(selections, [row["path"] for row in plan["layers"]])
     write_json(directory / "config.json", config)
     written.append("config.json")
     for name, content in side_files.items():
@@ -191,11 +196,12 @@ def write_mixed_checkpoint(layout: MixedLayout, plan: Mapping[str, Any], source_
     return written + copy_side_files(source_dir, directory, confinement)
 
 
-def _write_weights(layout: MixedLayout, plans: Mapping[str, ServingPlan], weight_files: list[Path], directory: Path,
-                   scale_dtype: torch.dtype, check_stop: Callable[[], None] | None) -> tuple[dict[str, str], int]:
+def _write_weights(layout: MixedLayout, selections: Mapping[str, ServingSelection], weight_files: list[Path],
+                   directory: Path, scale_dtype: torch.dtype, check_stop: Callable[[], None] | None
+                   ) -> tuple[dict[str, str], int]:
     """Each weight file again: planned weights replaced by their format's tensors, the rest copied as bytes."""
-    format_of = {key: (layout.serving_of[precision], serving, path) for precision, serving in plans.items()
-                 for path, key in serving.quantized.items()}
+    format_of = {key: (layout.serving_of[precision], selection, path) for precision, selection in selections.items()
+                 for path, key in selection.quantized.items()}
     weight_map: dict[str, str] = {}
     total = 0
     for source in weight_files:
@@ -206,18 +212,16 @@ def _write_weights(layout: MixedLayout, plans: Mapping[str, ServingPlan], weight
             if name not in format_of:
                 steps.append(Copy(name, tensor))  # bf16 Linears and every other tensor: the source's bytes
                 continue
-            fmt, serving, path = format_of[name]
-            options = {"weight_amax": serving.weight_amax[path]} if getattr(fmt, "needs_weight_amax", False) else {}
-            steps.append(Compute(outputs=fmt.planned_tensors(name, tensor, scale_dtype),
-                                 read=functools.partial(read_tensor, tensor, buffers),
-                                 convert=functools.partial(_cast, fmt, serving.input_amax.get(path), scale_dtype,
-                                                           options)))
+            fmt, selection, path = format_of[name]
+            options = {"weight_amax": selection.weight_amax[path]} if getattr(fmt, "needs_weight_amax", False) else {}
+            outputs = fmt.planned_tensors(name, tensor, scale_dtype)
+            # the serving export's own conversion (strips, finiteness), so a layer's bytes are its single export's
+            quantize = functools.partial(quantize_weight, fmt, name, outputs, selection.input_amax.get(path),
+                                         scale_dtype, options, None)
+            steps.append(Compute(outputs=outputs, read=functools.partial(read_tensor, tensor, buffers),
+                                 convert=quantize))
         written = rewrite_shard(directory / source.name, steps, metadata, check_stop=check_stop)
         weight_map.update(dict.fromkeys(written.tensors, source.name))
         total += written.bytes
     return weight_map, total
 
-
-def _cast(fmt: Any, input_amax: float | None, scale_dtype: torch.dtype, options: dict[str, float],
-          weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:
-    return fmt.quantize(weight, input_amax, scale_dtype, **options), None

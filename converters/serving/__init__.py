@@ -1,7 +1,7 @@
 """Serving exports: checkpoints for inference engines, each format a module behind one protocol
-(:class:`~converters.serving.plan.ServingFormat`), written to ``serving/<name>/`` of the artifact.
+(:class:`~converters.serving.selection.ServingFormat`), written to ``serving/<name>/`` of the artifact.
 
-Public surface: ``SERVING_FORMATS``, ``serving_format``, ``ServingFormat``, ``ServingPlan``, ``plan_serving``,
+Public surface: ``SERVING_FORMATS``, ``serving_format``, ``ServingFormat``, ``ServingSelection``, ``select_serving``,
 ``write_serving_checkpoint``. A new format is one module plus one entry in ``SERVING_FORMATS``.
 """
 
@@ -13,10 +13,11 @@ from converters.serving.fp8_block import FP8_BLOCK, FP8_BLOCK_TE, FP8_BLOCK_UE8M
 from converters.serving.modelopt import MODELOPT_FP8, MODELOPT_NVFP4
 from converters.serving.mxfp8 import MXFP8, MXFP8_FLOOR, MXFP8_RCEIL, MXFP8_TE
 from converters.serving.nvfp4 import NVFP4, NVFP4_A16
-from converters.serving.plan import ServingFormat, ServingPlan, plan_serving, write_serving_checkpoint
+from converters.serving.selection import ServingFormat, ServingSelection, select_serving
 from converters.serving.torchao_float8 import AO_ROWWISE, AO_TENSORWISE, TE_TENSORWISE
+from converters.serving.writer import write_serving_checkpoint
 
-__all__ = ["SERVING_FORMATS", "ServingFormat", "ServingPlan", "plan_serving", "serving_format",
+__all__ = ["SERVING_FORMATS", "ServingFormat", "ServingSelection", "select_serving", "serving_format",
            "write_serving_checkpoint"]
 
 SERVING_FORMATS: dict[str, ServingFormat] = {fmt.name: fmt for fmt in (STATIC, DYNAMIC, FP8_BLOCK, FP8_BLOCK_UE8M0,

@@ -20,7 +20,7 @@ dynamic per-token activations, the two combinations vLLM's ``CompressedTensorsW8
 transformers reports the experts' ``input_scale`` as unexpected keys and drops them (it dequantizes
 experts); vLLM reads them.
 
-FP8 KV cache (``plan.kv_cache == "fp8"``): ``kv_cache_scheme`` is static per-tensor FP8, the fields llm-compressor
+FP8 KV cache (``selection.kv_cache == "fp8"``): ``kv_cache_scheme`` is static per-tensor FP8, the fields llm-compressor
 writes for a ``kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}``
 recipe (its observer ``static_minmax``), and every attention module carries ``k_scale``/``v_scale``
 (:mod:`converters.serving.kv_scales`); vLLM then runs ``--kv-cache-dtype fp8`` with the calibrated scales.
@@ -37,7 +37,7 @@ from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.casts.emulation import max_abs, quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.kv_scales import COMPRESSED_TENSORS_KV
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 
 __all__ = ["CompressedTensorsFP8", "STATIC", "DYNAMIC", "ignore_list"]
 
@@ -62,10 +62,10 @@ class CompressedTensorsFP8:
         self.name = name
         self.static = static
         self.needs_calibration = static
-        #: the emulated cast the report's weight SQNR uses (converters.serving.plan.layer_stats)
+        #: the emulated cast the report's weight SQNR uses (converters.serving.writer.layer_stats)
         self.weight_cast = "e4m3_tensor" if static else "e4m3_row"
         self.input_cast = "e4m3_tensor" if static else "e4m3_row"  #: static per tensor, or dynamic per token
-        self.supports_kv_cache = True  #: writes ``kv_cache_scheme`` and the scales of ``plan.extra_tensors``
+        self.supports_kv_cache = True  #: writes ``kv_cache_scheme`` and the scales of ``selection.extra_tensors``
         self.kv_scale_convention = COMPRESSED_TENSORS_KV
         #: strips of 4x converters.rewrite.strips.STRIP_ELEMENTS: the cast's temporaries are in the model's dtype
         self.strip_factor = 4
@@ -95,7 +95,7 @@ class CompressedTensorsFP8:
             tensors.append(_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
         return tensors
 
-    def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
+    def quantization_config(self, selection: ServingSelection) -> dict[str, Any]:
         def args(strategy: str, *, dynamic: bool, observer: str | None) -> dict[str, Any]:
             return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
                     "block_structure": None, "dynamic": dynamic, "actorder": None, "scale_dtype": None,
@@ -110,15 +110,15 @@ class CompressedTensorsFP8:
             "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                           "output_activations": None, "format": "float-quantized"}},
-            "ignore": ignore_list(plan),
-            "kv_cache_scheme": args("tensor", dynamic=False, observer="static_minmax") if plan.kv_cache else None,
+            "ignore": ignore_list(selection),
+            "kv_cache_scheme": args("tensor", dynamic=False, observer="static_minmax") if selection.kv_cache else None,
             "global_compression_ratio": None,
             "sparsity_config": {},
             "transform_config": {},
         }
 
 
-def ignore_list(plan: ServingPlan) -> list[str]:
+def ignore_list(selection: ServingSelection) -> list[str]:
     """Linears kept in high precision, MoE routers, and one ``re:`` entry per experts module kept in high precision.
 
     The one config group targets ``Linear``: vLLM and SGLang map that target onto their fused MoE layers
@@ -126,9 +126,9 @@ def ignore_list(plan: ServingPlan) -> list[str]:
     asks about an experts module through names of its first expert (``<prefix>.0.gate_proj``, also for
     Mixtral's ``w1``), so a module kept in high precision is ignored by a regex on its on-disk prefix.
     """
-    linears = [path for path in plan.linear_paths if path not in plan.quantized]
-    experts = [f"re:{re.escape(prefix)}\\." for prefix in plan.unquantized_experts.values()]
-    return linears + [gate for gate in plan.router_gates if gate not in linears] + experts
+    linears = [path for path in selection.linear_paths if path not in selection.quantized]
+    experts = [f"re:{re.escape(prefix)}\\." for prefix in selection.unquantized_experts.values()]
+    return linears + [gate for gate in selection.router_gates if gate not in linears] + experts
 
 
 STATIC = CompressedTensorsFP8(name="compressed-tensors-fp8", static=True)

@@ -49,7 +49,7 @@ from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.casts.emulation import max_abs, quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.e4m3_cast import to_e4m3
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 from converters.serving.written_sqnr import written_weight_sqnr
 
 __all__ = ["BLOCK", "FP8Block", "FP8_BLOCK", "FP8_BLOCK_TE", "FP8_BLOCK_UE8M0", "FP8_BLOCK_UE8M0_TE", "ScaleArithmetic",
@@ -153,12 +153,12 @@ class FP8Block:
                 stats["ue8m0_cost_db"] = fp32 - stats["weight_sqnr_db"]
         return stats
 
-    def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
+    def quantization_config(self, selection: ServingSelection) -> dict[str, Any]:
         config = {
             "quant_method": "fp8",
             "activation_scheme": "dynamic",
             "weight_block_size": [BLOCK, BLOCK],
-            "modules_to_not_convert": _not_converted(plan),
+            "modules_to_not_convert": _not_converted(selection),
         }
         if self.scale_fmt is ScaleFormat.UE8M0:
             config["scale_fmt"] = self.scale_fmt.value
@@ -207,15 +207,15 @@ def _weight_sqnr(weight: torch.Tensor, tensors: list[torch.Tensor]) -> float | N
     return written_weight_sqnr(weight, {"weight": quantized, "weight_scale_inv": scale})
 
 
-def _not_converted(plan: ServingPlan) -> list[str]:
+def _not_converted(selection: ServingSelection) -> list[str]:
     """Linears kept in high precision, MoE routers, and experts modules kept in high precision.
 
     An experts module is named twice when its names differ: transformers matches its own module path
     (``model.layers.1.mlp.experts``), vLLM the on-disk prefix (``model.layers.1.block_sparse_moe.experts``).
     """
-    names = [path for path in plan.linear_paths if path not in plan.quantized]
-    names += [gate for gate in plan.router_gates if gate not in names]
-    for module, prefix in plan.unquantized_experts.items():
+    names = [path for path in selection.linear_paths if path not in selection.quantized]
+    names += [gate for gate in selection.router_gates if gate not in names]
+    for module, prefix in selection.unquantized_experts.items():
         names += dict.fromkeys([module, prefix])
     return names
 

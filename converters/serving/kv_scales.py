@@ -40,7 +40,7 @@ cache"). ModelOpt's convention has no per-head form. A checkpoint that loads on 
 finer scale; the per-head amax is in the report, for a reader who wants to see how uneven the heads are.
 
 Each pair is written right after the last tensor of its attention module in that tensor's file
-(``ServingPlan.extra_tensors``), so the index stays consistent whatever the sharding.
+(``ServingSelection.extra_tensors``), so the index stays consistent whatever the sharding.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import torch
 from converters.calibration.kv_cache import KvAmax
 from converters.calibration.scaling import E4M3_MAX
 from converters.errors import ConversionError
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 
 __all__ = ["COMPRESSED_TENSORS_KV", "KEEP_HIGH_PRECISION_ERROR", "KV_CACHE_FP8", "MODELOPT_KV", "KvScaleConvention",
            "attach_kv_scales", "high_precision_layers", "high_precision_warning", "kv_scale", "scale_choice",
@@ -174,9 +174,9 @@ def _disk_prefix(path: str, target_of: Mapping[str, str]) -> tuple[str, str]:
     return prefix, anchor
 
 
-def attach_kv_scales(plan: ServingPlan, amax: Mapping[str, KvAmax], target_of: Mapping[str, str],
+def attach_kv_scales(selection: ServingSelection, amax: Mapping[str, KvAmax], target_of: Mapping[str, str],
                      dtype: torch.dtype, *, convention: KvScaleConvention = COMPRESSED_TENSORS_KV) -> dict[str, Any]:
-    """Add every attention layer's key and value scale to ``plan.extra_tensors`` and set ``plan.kv_cache``.
+    """Add every attention layer's key and value scale to ``selection.extra_tensors`` and set ``selection.kv_cache``.
 
     ``amax`` is :meth:`KvCacheRecorder.results` (attention module path -> amax); ``dtype`` the model's;
     ``convention`` the names and arithmetic (the format's ``kv_scale_convention``). Returns the report block: the
@@ -189,13 +189,13 @@ def attach_kv_scales(plan: ServingPlan, amax: Mapping[str, KvAmax], target_of: M
     for path, layer in amax.items():
         prefix, anchor = _disk_prefix(path, target_of)
         k_scale, v_scale = convention.scale(layer.key_clip, dtype), convention.scale(layer.value_clip, dtype)
-        plan.extra_tensors[f"{prefix}{convention.key_suffix}"] = (anchor, k_scale)
-        plan.extra_tensors[f"{prefix}{convention.value_suffix}"] = (anchor, v_scale)
+        selection.extra_tensors[f"{prefix}{convention.key_suffix}"] = (anchor, k_scale)
+        selection.extra_tensors[f"{prefix}{convention.value_suffix}"] = (anchor, v_scale)
         layers[prefix] = {"module": path, "k_amax": layer.key_amax, "v_amax": layer.value_amax,
                           "k_scale": float(k_scale), "v_scale": float(v_scale),
                           **(layer.search.to_dict() if layer.search else {}),
                           "k_amax_per_head": layer.key.tolist(), "v_amax_per_head": layer.value.tolist()}
-    plan.kv_cache = KV_CACHE_FP8
+    selection.kv_cache = KV_CACHE_FP8
     scale_dtype = torch.float32 if convention.float32 else dtype
     block = {"dtype": "float8_e4m3fn", "strategy": "tensor", "scale_dtype": str(scale_dtype).removeprefix("torch."),
              "convention": convention.name, "scale_choice": scale_choice(amax),

@@ -35,7 +35,7 @@ Eligibility: per-tensor FP8 takes every shape the analysis passes; NVFP4 needs `
 (vLLM's ``ModelOptNvFp4LinearMethod`` refuses other shapes), reason ``in_features_not_divisible_by_16_for_nvfp4``.
 A zero amax (an all-zero weight, a layer that saw no token) gives scale 1 rather than ModelOpt's assertion.
 
-FP8 KV cache (``plan.kv_cache == "fp8"``, both algorithms): ``kv_cache_quant_algo: "FP8"`` and per attention
+FP8 KV cache (``selection.kv_cache == "fp8"``, both algorithms): ``kv_cache_quant_algo: "FP8"`` and per attention
 layer ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale`` = ``amax / 448`` in float32, shape ``[]``, unclamped
 (:data:`converters.serving.kv_scales.MODELOPT_KV`, whose docstring gives the sources). ModelOpt writes the same
 KV scales for NVFP4 weights (its KV bound is 448 for every KV format since PR #790).
@@ -51,14 +51,15 @@ from converters.casts.emulation import E2M1_MAX, E4M3_MAX, round_to_e2m1
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.kv_scales import MODELOPT_KV
 from converters.serving.nvfp4 import GROUP, nvfp4_rule, pack_e2m1
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 
 __all__ = ["MODELOPT_FP8", "MODELOPT_NVFP4", "MODELOPT_VERSION", "ModelOpt", "hf_quant_config"]
 
 #: The ModelOpt release whose export layout this follows (and whose reader was run against it).
 MODELOPT_VERSION = "0.47.0"
 HF_QUANT_CONFIG = "hf_quant_config.json"
-#: ``plan.kv_cache`` -> ModelOpt's ``kv_cache_quant_algo`` (``KV_CACHE_FP8`` in modelopt/torch/export/model_config.py)
+#: ``selection.kv_cache`` -> ModelOpt's ``kv_cache_quant_algo`` (``KV_CACHE_FP8`` in
+#: modelopt/torch/export/model_config.py)
 KV_CACHE_QUANT_ALGO = {"fp8": "FP8"}
 #: convert_hf_quant_config_format's ``kv_cache_scheme`` for ``kv_cache_quant_algo: "FP8"``
 FP8_KV_CACHE_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
@@ -70,20 +71,20 @@ def _scalar(value: torch.Tensor) -> torch.Tensor:
     return torch.where(value == 0, torch.ones(()), value)
 
 
-def _exclude_modules(plan: ServingPlan) -> list[str]:
-    names = [path for path in plan.linear_paths if path not in plan.quantized]
-    names += plan.router_gates
-    names += [f"{prefix}*" for prefix in plan.unquantized_experts.values()]
+def _exclude_modules(selection: ServingSelection) -> list[str]:
+    names = [path for path in selection.linear_paths if path not in selection.quantized]
+    names += selection.router_gates
+    names += [f"{prefix}*" for prefix in selection.unquantized_experts.values()]
     return sorted(set(names))
 
 
-def hf_quant_config(quant_algo: str, plan: ServingPlan) -> dict[str, Any]:
+def hf_quant_config(quant_algo: str, selection: ServingSelection) -> dict[str, Any]:
     """The content of ``hf_quant_config.json`` (ModelOpt's ``get_quant_config`` key order)."""
-    kv_cache_quant_algo = KV_CACHE_QUANT_ALGO[plan.kv_cache] if plan.kv_cache else None
+    kv_cache_quant_algo = KV_CACHE_QUANT_ALGO[selection.kv_cache] if selection.kv_cache else None
     quantization: dict[str, Any] = {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo}
     if quant_algo == "NVFP4":
         quantization["group_size"] = GROUP
-    quantization["exclude_modules"] = _exclude_modules(plan)
+    quantization["exclude_modules"] = _exclude_modules(selection)
     return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": quantization}
 
 
@@ -91,7 +92,7 @@ class ModelOpt:
     """One ModelOpt unified-checkpoint algorithm (see the module docstring)."""
 
     needs_calibration = True
-    supports_kv_cache = True  #: writes ``kv_cache_quant_algo`` and the scales of ``plan.extra_tensors``
+    supports_kv_cache = True  #: writes ``kv_cache_quant_algo`` and the scales of ``selection.extra_tensors``
     kv_scale_convention = MODELOPT_KV
 
     def __init__(self, *, name: str, quant_algo: str) -> None:
@@ -99,8 +100,8 @@ class ModelOpt:
         self.quant_algo = quant_algo
         self.nvfp4 = quant_algo == "NVFP4"
         self.needs_weight_amax = self.nvfp4
-        #: the emulated cast of the report's weight SQNR (plan.layer_stats): per-weight E4M3, or NVFP4 blocks of 16
-        #: under the fused group's global scale
+        #: the emulated cast of the report's weight SQNR (ServingSelection.layer_stats): per-weight E4M3, or NVFP4
+        #: blocks of 16 under the fused group's global scale
         self.weight_cast = "nvfp4_block16" if self.nvfp4 else "e4m3_tensor"
         self.input_cast = self.weight_cast  #: the emulated input cast of the calibration's SQNR under this format
 
@@ -133,9 +134,9 @@ class ModelOpt:
         packed, block_scale, scale_2 = _quantize_nvfp4(weight, weight_amax)
         return [packed, block_scale, scale_2, _scalar(input_amax_t / (E2M1_MAX * E4M3_MAX))]
 
-    def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
+    def quantization_config(self, selection: ServingSelection) -> dict[str, Any]:
         """``convert_hf_quant_config_format`` of :meth:`side_files`' hf_quant_config.json."""
-        config = hf_quant_config(self.quant_algo, plan)
+        config = hf_quant_config(self.quant_algo, selection)
         args: dict[str, Any] = {"dynamic": False, "num_bits": 4 if self.nvfp4 else 8, "type": "float"}
         if self.nvfp4:
             args["group_size"] = GROUP
@@ -146,8 +147,8 @@ class ModelOpt:
                 "ignore": config["quantization"]["exclude_modules"], "quant_algo": self.quant_algo, **kv_cache,
                 "producer": config["producer"], "quant_method": "modelopt"}
 
-    def side_files(self, plan: ServingPlan) -> dict[str, Any]:
-        return {HF_QUANT_CONFIG: hf_quant_config(self.quant_algo, plan)}
+    def side_files(self, selection: ServingSelection) -> dict[str, Any]:
+        return {HF_QUANT_CONFIG: hf_quant_config(self.quant_algo, selection)}
 
 
 def _quantize_nvfp4(weight: torch.Tensor, weight_amax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -46,7 +46,7 @@ from converters.casts.emulation import E4M3_MAX, max_abs, quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.e4m3_cast import to_e4m3
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 
 __all__ = ["GROUP", "MXFP8", "MXFP8_FLOOR", "MXFP8_RCEIL", "MXFP8_TE", "MXFP8Format", "MXScaleMode", "mx_scale",
            "mx_exponents"]
@@ -196,7 +196,7 @@ class MXFP8Format:
     """
 
     needs_calibration = False
-    weight_cast = "mxfp8_e4m3_block32"  #: the emulated cast of the report's weight SQNR (plan.layer_stats)
+    weight_cast = "mxfp8_e4m3_block32"  #: the emulated cast of the report's weight SQNR (ServingSelection.layer_stats)
     input_cast = "mxfp8_e4m3_block32"  #: and of the input, in the calibration's SQNR under this format
 
     def __init__(self, *, name: str = "mxfp8", mode: MXScaleMode = MXScaleMode.COMPRESSED_TENSORS) -> None:
@@ -235,7 +235,7 @@ class MXFP8Format:
         quotient = (groups / scale.unsqueeze(-1)).add_(0)
         return [quotient_to_e4m3(quotient, amax, scale).flatten(-2), exponent]
 
-    def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
+    def quantization_config(self, selection: ServingSelection) -> dict[str, Any]:
         def args(*, dynamic: bool) -> dict[str, Any]:
             return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": GROUP, "strategy": "group",
                     "dynamic": dynamic, "scale_dtype": "torch.uint8"}
@@ -247,7 +247,7 @@ class MXFP8Format:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": args(dynamic=False),
                                           "input_activations": args(dynamic=True), "output_activations": None,
                                           "format": "mxfp8-quantized"}},
-            "ignore": ignore_list(plan),
+            "ignore": ignore_list(selection),
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
             "sparsity_config": {},

@@ -46,7 +46,7 @@ from converters.casts.emulation import E2M1_MAX, E4M3_MAX, e2m1_codes, max_abs, 
 from converters.model.quantized.arithmetic import fp8_as_float
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import ignore_list
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 
 __all__ = ["GROUP", "NVFP4", "NVFP4_A16", "SCALE_SEARCHES", "CompressedTensorsNVFP4", "block_errors", "nvfp4_rule",
            "pack_e2m1", "pack_e2m1_codes", "quantize_nvfp4", "searched_block_scales"]
@@ -180,7 +180,8 @@ class CompressedTensorsNVFP4:
         self.activations = activations
         self.scale_search = scale_search  #: how the E4M3 block scales are chosen (see quantize_nvfp4)
         self.needs_calibration = activations
-        self.weight_cast = "nvfp4_block16"  #: the emulated cast of the report's weight SQNR (plan.layer_stats)
+        #: the emulated cast of the report's weight SQNR (ServingSelection.layer_stats)
+        self.weight_cast = "nvfp4_block16"
         self.input_cast = "nvfp4_block16" if activations else None  #: and of the input (None: high precision)
 
     def layer_rule(self, in_features: int, out_features: int) -> str | None:
@@ -210,7 +211,7 @@ class CompressedTensorsNVFP4:
             tensors.append(global_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
         return tensors
 
-    def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
+    def quantization_config(self, selection: ServingSelection) -> dict[str, Any]:
         def args(*, dynamic: bool | str, observer: str) -> dict[str, Any]:
             return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": GROUP,
                     "strategy": "tensor_group", "block_structure": None, "dynamic": dynamic, "actorder": None,
@@ -228,7 +229,7 @@ class CompressedTensorsNVFP4:
                                           "weights": args(dynamic=False, observer=weight_observer),
                                           "input_activations": inputs, "output_activations": None,
                                           "format": FORMAT}},
-            "ignore": ignore_list(plan),
+            "ignore": ignore_list(selection),
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
             "sparsity_config": {},

@@ -32,7 +32,7 @@ from converters.calibration.scaling import E4M3_MAX
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter
 from converters.serving.compressed_tensors import CompressedTensorsFP8
 from converters.serving.e4m3_cast import to_e4m3
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 
 __all__ = ["AO_ROWWISE", "AO_TENSORWISE", "TE_TENSORWISE", "TorchaoFloat8", "TorchaoGranularity",
            "te_current_scaling_cast", "torchao_float8_cast"]
@@ -104,8 +104,8 @@ class TorchaoFloat8(CompressedTensorsFP8):
                  ) -> list[torch.Tensor]:
         return list(torchao_float8_cast(weight, self.granularity))
 
-    def quantization_config(self, plan: ServingPlan) -> dict[str, Any]:
-        config = super().quantization_config(plan)
+    def quantization_config(self, selection: ServingSelection) -> dict[str, Any]:
+        config = super().quantization_config(selection)
         weights = config["config_groups"]["group_0"]["weights"]
         weights["strategy"] = "channel" if self.granularity is TorchaoGranularity.ROWWISE else "tensor"
         weights["scale_dtype"] = "torch.float32"

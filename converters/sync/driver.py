@@ -32,13 +32,14 @@ from converters.artifact.layout import staging_dir_for
 from converters.errors import ArtifactError, ConversionError, RequestError
 from converters.model.checkpoint import weight_files
 from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
-from converters.model.safetensors_stream import ReadBuffers, read_tensor, read_tensor_index
-from converters.modelfree.driver import serving_plan
+from converters.model.safetensors_stream import ReadBuffers, SourceTensor, read_tensor, read_tensor_index
+from converters.modelfree.driver import serving_selection
 from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, report_from_headers
 from converters.modelfree.targets import model_free_target, scale_dtype_of
 from converters.recipes import recipe_from_dict
 from converters.rewrite import Compute, Copy
 from converters.rewrite import write_shard as rewrite_shard
+from converters.serving.writer import quantize_weight
 from converters.sync.twins import training_twin, twin_report
 
 __all__ = ["SYNC_REPORT_NAME", "sync_serving"]
@@ -64,8 +65,9 @@ def sync_serving(artifact: Path, out: Path, *, format_name: str | None = None, w
     Raises:
         ArtifactError: ``artifact`` is not a training artifact. RequestError: no twin and no ``format_name``, a
             format needing calibration, or a bad ``out``. ConversionError: ``weights`` lacks a converted Linear's
-            weight, or nothing would be cast. ModelNotFoundError: missing or malformed weight files. Nothing is
-            left at ``out`` on any error.
+            weight, or nothing would be cast. ModelNotFoundError: missing or malformed weight files.
+            ModelConfigError: a weight to cast, or what casting it gave, holds NaN or an infinity. Nothing is left
+            at ``out`` on any error.
     """
     started = time.perf_counter()
     artifact, out = Path(artifact), Path(out)
@@ -169,16 +171,18 @@ def _write_shard(path: Path, header: dict[str, Any], staging: Path, fmt: Any, co
     _, metadata = read_tensor_index(path)
     buffers = ReadBuffers()  # the shard's weights read into memory the ones before them no longer use
     steps: list[Copy | Compute] = [
-        Compute(outputs=fmt.planned_tensors(name, tensor, scale_dtype),
-                read=functools.partial(read_tensor, tensor, buffers),
-                convert=functools.partial(_cast, fmt, scale_dtype)) if name in convert else Copy(name, tensor)
+        _cast_step(name, tensor, fmt, scale_dtype, buffers) if name in convert else Copy(name, tensor)
         for name, tensor in kept.items()]
     written = rewrite_shard(staging / path.name, steps, metadata)
     return {"shard": path.name, "tensors": written.tensors, "bytes": written.bytes}
 
 
-def _cast(fmt: Any, scale_dtype: torch.dtype, weight: torch.Tensor) -> tuple[list[torch.Tensor], None]:
-    return fmt.quantize(weight, None, scale_dtype), None
+def _cast_step(name: str, tensor: SourceTensor, fmt: Any, scale_dtype: torch.dtype, buffers: ReadBuffers) -> Compute:
+    """``name``'s weight read and cast by the serving export's own conversion (strips of rows, finiteness), without
+    input scale or figures (sync's formats take no calibration; the report holds no SQNR)."""
+    outputs = fmt.planned_tensors(name, tensor, scale_dtype)
+    return Compute(outputs=outputs, read=functools.partial(read_tensor, tensor, buffers),
+                   convert=functools.partial(quantize_weight, fmt, name, outputs, None, scale_dtype, {}, None))
 
 
 def _finish(artifact: Path, source: Path, staging: Path, config: dict[str, Any], fmt: Any, report: dict[str, Any],
@@ -189,10 +193,11 @@ def _finish(artifact: Path, source: Path, staging: Path, config: dict[str, Any],
             "metadata": {"total_size": sum(shard["bytes"] for shard in written)},
             "weight_map": {name: shard["shard"] for shard in written for name in shard["tensors"]}})
     config = {key: value for key, value in config.items() if key != "fp8"}
-    config["quantization_config"] = fmt.quantization_config(serving_plan(report))
+    selection = serving_selection(report)
+    config["quantization_config"] = fmt.quantization_config(selection)
     write_json(staging / "config.json", config)
     copy_side_files(artifact, staging, FileConfinement(roots=(artifact.resolve(),)))
-    for name, content in (getattr(fmt, "side_files", lambda plan: {})(serving_plan(report))).items():
+    for name, content in (getattr(fmt, "side_files", lambda selection: {})(selection)).items():
         write_json(staging / name, content)
     report["bytes_written"] = sum(shard["bytes"] for shard in written)
     report["kept"] = {layer["module"]: ",".join(layer["reasons"])

@@ -22,7 +22,7 @@ from converters.pipeline.request import KV_CACHE_FORMAT_NAMES, CalibrationSettin
 from converters.pipeline.stages import model_inputs
 from converters.serving.audit import audit_export
 from converters.serving.kv_scales import attach_kv_scales
-from converters.serving.plan import ServingPlan
+from converters.serving.selection import ServingSelection
 from tests.models import save_tiny_model
 
 MODELS = ["llama", "mixtral"]  # GQA (4 query heads, 2 KV heads); mixtral is a mixture of experts too
@@ -215,11 +215,11 @@ def test_whole_model_and_layer_by_layer_record_the_same_kv_amax(name, kv_root):
             layer.search.key_ratio, layer.search.value_ratio), path
         assert got[path].search.key_errors == pytest.approx(layer.search.key_errors, rel=1e-4, abs=1e-9), path
 
-    plan = ServingPlan(format=FORMAT)
-    block = attach_kv_scales(plan, got, checkpoint.target_of, model_dtype(config))
-    assert plan.kv_cache == "fp8" and set(block["layers"]) == {path for path in got}
+    selection = ServingSelection(format=FORMAT)
+    block = attach_kv_scales(selection, got, checkpoint.target_of, model_dtype(config))
+    assert selection.kv_cache == "fp8" and set(block["layers"]) == {path for path in got}
     for path, layer in got.items():
-        anchor, k_scale = plan.extra_tensors[f"{path}.k_scale"]
+        anchor, k_scale = selection.extra_tensors[f"{path}.k_scale"]
         assert anchor.startswith(f"{path}.")  # written beside the layer's own tensors
         want = torch.tensor([clipped(layer.key.max(), layer.search.key_ratio)], dtype=model_dtype(config)) / 448.0
         assert torch.equal(k_scale, want)
@@ -267,7 +267,7 @@ def test_a_kv_scale_vllms_amx_kernels_overflow_on_is_named_in_the_report(value_a
             for i in range(2)}
     target_of = {f"model.layers.{i}.self_attn.{proj}.weight": f"model.layers.{i}.self_attn.{proj}.weight"
                  for i in range(2) for proj in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    block = attach_kv_scales(ServingPlan(format=FORMAT), amax, target_of, torch.float32)
+    block = attach_kv_scales(ServingSelection(format=FORMAT), amax, target_of, torch.float32)
     assert block["layers"]["model.layers.1.self_attn"]["v_scale"] == pytest.approx(value_amax / 448)
     if warned:
         assert "model.layers.1.self_attn" in block["warning"] and "model.layers.0" not in block["warning"]

@@ -11,7 +11,7 @@ import torch
 from converters.casts.emulation import cast_spec, db, fake_quantize
 from converters.model.quantized.arithmetic import dequantize_fp8, dequantize_nvfp4
 from converters.modelfree.targets import MODEL_FREE_TARGETS
-from converters.serving.plan import layer_stats
+from converters.serving.writer import layer_stats
 
 TARGETS = sorted(name for name in MODEL_FREE_TARGETS if name != "bf16")
 #: how far the written tensors' SQNR lies from the emulated cast's the report gave before (dB): that cast rounds as

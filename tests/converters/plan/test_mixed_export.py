@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from converters.errors import Fp8ForgeError
+from converters.errors import Fp8ForgeError, ModelConfigError
 from converters.model.files import FileConfinement
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.pipeline.request import CalibrationSettings
@@ -183,3 +184,22 @@ def test_a_missing_input_amax_is_refused_naming_the_layer(llama_dir, tmp_path):
                                [llama_dir / "model.safetensors"], tmp_path / "m", torch.bfloat16,
                                FileConfinement(roots=(llama_dir.parent,)), on_disk_name=lambda name: name,
                                input_amax={})
+
+
+def test_a_planned_weight_holding_nan_is_refused_as_the_serving_export_refuses_it(llama_dir, tmp_path):
+    """The mixed checkpoint converts each weight as the serving export does, finiteness check included: a damaged
+    source weight is named, not written as NaN codes."""
+    source = tmp_path / "damaged"
+    source.mkdir()
+    (source / "config.json").write_text((llama_dir / "config.json").read_text())
+    weights = tensors(llama_dir / "model.safetensors")
+    damaged = "model.layers.1.mlp.down_proj"
+    weights[f"{damaged}.weight"] = weights[f"{damaged}.weight"].clone()
+    weights[f"{damaged}.weight"][0, 0] = float("nan")
+    save_file(weights, source / "model.safetensors")
+    rows = [{"path": damaged, "unit": damaged, "precision": "mxfp8"}]
+    with pytest.raises(ModelConfigError, match=f"{damaged}.weight holds NaN") as caught:
+        write_mixed_checkpoint(COMPRESSED_TENSORS_MIXED, {"layers": rows}, source, [source / "model.safetensors"],
+                               tmp_path / "m", torch.bfloat16, FileConfinement(roots=(tmp_path,)),
+                               on_disk_name=lambda name: name, input_amax={})
+    assert caught.value.field == "model"

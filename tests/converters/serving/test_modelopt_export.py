@@ -15,7 +15,7 @@ from safetensors import safe_open
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.pipeline.driver import run_conversion
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
-from converters.serving import plan_serving
+from converters.serving import select_serving
 from converters.serving.modelopt import MODELOPT_FP8, MODELOPT_NVFP4
 from tests.converters.calibration.test_kv_cache_scales import CALIBRATION as KV_CALIBRATION
 from tests.converters.calibration.test_kv_cache_scales import _batches, independent_amax
@@ -140,10 +140,10 @@ def test_a_layer_nvfp4_cannot_store_is_refused_with_its_reason(llama_out):
     report = copy.deepcopy(json.loads((llama_out / "fp8_report.json").read_text())["analysis"])
     layer = next(layer for layer in report["layers"] if layer["path"] == "model.layers.1.mlp.gate_proj")
     layer["in_features"] = 72  # 4.5 blocks of 16
-    nvfp4 = plan_serving(MODELOPT_NVFP4, report, lambda name: name)
+    nvfp4 = select_serving(MODELOPT_NVFP4, report, lambda name: name)
     assert nvfp4.skipped["model.layers.1.mlp.gate_proj"] == "in_features_not_divisible_by_16_for_nvfp4"
     assert nvfp4.skipped["model.layers.1.mlp.up_proj"] == "fused_group_not_fully_eligible:model.layers.1.mlp.gate_up"
-    assert "model.layers.1.mlp.gate_proj" in plan_serving(MODELOPT_FP8, report, lambda name: name).quantized
+    assert "model.layers.1.mlp.gate_proj" in select_serving(MODELOPT_FP8, report, lambda name: name).quantized
 
 
 @pytest.fixture(scope="module")

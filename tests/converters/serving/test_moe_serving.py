@@ -19,7 +19,7 @@ from converters.model.sources import ModelSourceOptions, build_meta_model, load_
 from converters.pipeline.driver import run_conversion
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.serving import serving_format
-from converters.serving.plan import expert_disk_keys, plan_serving
+from converters.serving.selection import expert_disk_keys, select_serving
 from tests.converters.model.test_moe import ON_DISK, starve_expert_in_calibration
 from tests.models import MOE_CONFIGS
 
@@ -191,10 +191,10 @@ def test_on_disk_matrices_map_to_units_through_the_checkpoints_own_conversion(mo
     assert keys["model.layers.1.mlp.experts.3.gate_up_proj"] == (gate, up)
     assert keys["model.layers.1.mlp.experts.3.down_proj"] == (down,)
     # the tiny models' hidden size is 64: no whole 128x128 block, so fp8-block keeps every expert in high precision
-    plan = plan_serving(serving_format(BLOCK), report, checkpoint.on_disk_name, keys)
-    assert not plan.experts
-    assert plan.skipped["model.layers.0.mlp.experts.4.down_proj"] == "dim_not_divisible_by_128"
-    not_converted = serving_format(BLOCK).quantization_config(plan)["modules_to_not_convert"]
+    selection = select_serving(serving_format(BLOCK), report, checkpoint.on_disk_name, keys)
+    assert not selection.experts
+    assert selection.skipped["model.layers.0.mlp.experts.4.down_proj"] == "dim_not_divisible_by_128"
+    not_converted = serving_format(BLOCK).quantization_config(selection)["modules_to_not_convert"]
     assert {"model.layers.0.mlp.experts", EXPERTS_ON_DISK[name].format(i=0)} <= set(not_converted)
 
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.pipeline.request import CalibrationSettings
-from converters.serving import SERVING_FORMATS, plan_serving
+from converters.serving import SERVING_FORMATS, select_serving
 from converters.serving.nvfp4 import NVFP4, global_scale, quantize_nvfp4
 from tests.converters.serving.exports import cosine, export
 
@@ -121,11 +121,11 @@ def test_a_layer_nvfp4_cannot_store_is_refused_with_its_fused_group(llama_out):
     odd = copy.deepcopy(report["analysis"] if "analysis" in report else report)
     layer = next(layer for layer in odd["layers"] if layer["path"] == "model.layers.1.self_attn.k_proj")
     layer["in_features"] = 40  # not whole 16-element blocks; a report from another rule could let it through
-    plan = plan_serving(NVFP4, odd, lambda name: name)
-    assert plan.skipped["model.layers.1.self_attn.k_proj"] == "in_features_not_divisible_by_16_for_nvfp4"
+    selection = select_serving(NVFP4, odd, lambda name: name)
+    assert selection.skipped["model.layers.1.self_attn.k_proj"] == "in_features_not_divisible_by_16_for_nvfp4"
     for path in ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"):
-        assert plan.skipped[path] == "fused_group_not_fully_eligible:model.layers.1.self_attn.qkv"
-    assert "model.layers.1.self_attn.o_proj" in plan.quantized
+        assert selection.skipped[path] == "fused_group_not_fully_eligible:model.layers.1.self_attn.qkv"
+    assert "model.layers.1.self_attn.o_proj" in selection.quantized
     assert SERVING_FORMATS[W4A4].layer_rule(4096, 40) is None
 
 

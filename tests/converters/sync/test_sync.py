@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from converters.errors import ArtifactError, ConversionError, RequestError
+from converters.errors import ArtifactError, ConversionError, ModelConfigError, RequestError
 from converters.model.demo import build_tiny_llama
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.driver import run_conversion
@@ -245,3 +245,21 @@ def test_a_calibrated_job_writes_the_same_twin_bytes_as_sync(workspace):
         assert len(common) >= 8, name
         for key in common:
             assert torch.equal(_bytes(from_job[key]), _bytes(from_sync[key])), (name, key)
+
+
+def test_a_weight_holding_nan_is_refused_as_the_serving_export_refuses_it_and_leaves_nothing(workspace):
+    """sync converts each weight as the serving export does, finiteness check included: a training checkpoint with a
+    damaged weight is named, not written as NaN codes."""
+    art = artifact(workspace, "ao_rowwise")
+    damaged = workspace / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text((workspace / "llama" / "config.json").read_text())
+    weights = _source_weights(art)
+    key = "model.layers.1.mlp.down_proj.weight"
+    weights[key] = weights[key].clone()
+    weights[key][0, 0] = float("nan")
+    save_file(weights, damaged / "model.safetensors")
+    with pytest.raises(ModelConfigError, match=f"{key} holds NaN") as caught:
+        sync_serving(art, workspace / "x-nan", weights=damaged)
+    assert caught.value.field == "model"
+    assert not any((workspace / name).exists() for name in ("x-nan", ".x-nan.partial"))
