@@ -8,7 +8,7 @@ analysis calls eligible, all in one pass on ``--tokens`` held-out positions) and
 ``SERVING_FORMATS``, written by real conversion jobs (the fewest that write them all, one per backend:
 smollm.serving_jobs) and read back from their files by each job's own quality pass (the job's 256 held-out
 positions), plus each job's training artifact; a recipe or format that converts no Linear of this model gets the
-reason code its analysis (or serving plan) gives. The jobs calibrate on ``--calib-steps`` x ``--calib-batch-size``
+reason code its analysis (or serving selection) gives. The jobs calibrate on ``--calib-steps`` x ``--calib-batch-size``
 windows of 128 tokens. Prints one markdown table (the one docs/quality.md shows) and writes the rows
 as JSON with ``--json``.
 

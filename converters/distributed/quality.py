@@ -3,7 +3,7 @@
 Rank 0 alone converts and writes the exports; the quality pass reads them back, so the other ranks, once they
 have calibrated, wait for rank 0 to reach it (:func:`follow_quality`). When rank 0's pass starts
 (:func:`quality_share`) it sends them where its staged exports are, on storage every rank reaches (the resume
-record's condition), and the report and serving plans the pass reads; every rank then builds the same variants,
+record's condition), and the report and serving selections the pass reads; every rank then builds the same variants,
 scores its block of the texts and the sums are added over the ranks (:class:`~converters.quality.measure.
 QualityShare`). After publishing, rank 0 sends the end (:func:`end_quality`). These exchanges go through a gloo group
 without the calibration's timeout: the others wait through rank 0's conversion and export, which take longer than a
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 class QualityRun(Protocol):
     """What the ranks share of a job's run (``converters.pipeline.state.Run``, which sits above this package): the
-    report and serving plans rank 0's convert stage left."""
+    report and serving selections rank 0's convert stage left."""
 
     report: dict[str, Any]
     serving: Any
@@ -76,7 +76,7 @@ class _Gather:
 
 def quality_share(info: RankInfo, run: QualityRun, staging: Path) -> QualityShare:
     """This rank's share of the quality pass about to run; rank 0 first tells the waiting ranks where its
-    exports are (``staging``), with the report and serving plans the pass reads."""
+    exports are (``staging``), with the report and serving selections the pass reads."""
     if info.world_size == 1:
         return QualityShare(rank=0, world_size=1, gather=lambda mine: [mine])
     if info.leader:

@@ -9,7 +9,7 @@ from converters.backends.base import Backend as BackendProtocol
 from converters.pipeline.request import SERVING_FORMAT_NAMES
 from converters.recipes import RECIPE_CLASSES, Backend
 from converters.serving import SERVING_FORMATS, serving_format
-from converters.serving.plan import ServingFormat
+from converters.serving.selection import ServingFormat
 
 
 def protocol_methods(protocol) -> set[str]:

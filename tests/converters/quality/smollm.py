@@ -23,7 +23,7 @@ from typing import Any
 from converters.errors import RequestError
 from converters.recipes.presets import RECIPE_NAMES, parse_compare_recipe
 from converters.serving import SERVING_FORMATS, serving_format
-from converters.serving.plan import plan_serving
+from converters.serving.selection import select_serving
 from converters.sync.twins import training_twin
 
 __all__ = ["GGUF_NAME", "smollm_gguf", "smollm_dir", "most_frequent_reason", "recipe_reasons", "serving_jobs"]
@@ -116,8 +116,8 @@ def serving_jobs(reports: Mapping[str, Mapping[str, Any]], on_disk_name: Callabl
     unavailable: dict[str, str] = {}
     for fmt in SERVING_FORMATS:
         job = job_of_backend[backend(twin_of[fmt])] if fmt in twin_of else first
-        plan = plan_serving(serving_format(fmt), reports[job], on_disk_name)
-        if plan.quantized or plan.experts:
+        selection = select_serving(serving_format(fmt), reports[job], on_disk_name)
+        if selection.quantized or selection.experts:
             jobs[job].append(fmt)
         else:
             unavailable[fmt] = most_frequent_reason(plan.skipped.values())

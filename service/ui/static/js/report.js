@@ -1,5 +1,5 @@
 // A finished job's fp8_report.json: overview, warnings, per-layer calibration charts and tables (amax and
-// scale per layer; a chosen layer's history over the calibration steps), fused groups, serving plans,
+// scale per layer; a chosen layer's history over the calibration steps), fused groups, serving selections,
 // stage timings and versions. The SQNR, quality, plan and amax swing blocks are fp8analysis's and fp8quality's.
 (function () {
   'use strict';
