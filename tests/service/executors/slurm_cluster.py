@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tests.service_helpers import free_port, wait_for
 
-__all__ = ["SlurmCluster", "conversion_pids", "rank_pids", "slurm_missing"]
+__all__ = ["SlurmCluster", "conversion_pids", "pause_conversion", "pause_conversion_when", "rank_pids", "slurm_missing"]
 
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 2
@@ -56,8 +56,33 @@ def pause_conversion(slurm_job: str) -> None:
     outlives a time limit on any CPU; its rank goes on heartbeating, and slurmd sends SIGCONT before SIGTERM when it
     ends the job."""
     frozen = wait_for(lambda: conversion_pids(slurm_job), timeout=30, what=f"job {slurm_job}'s conversion process")
-    for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
+    _signal(frozen, signal.SIGSTOP)
+
+
+def pause_conversion_when(slurm_job: str, done: Callable[[], bool], *, timeout: float = 600, slice_s: float = 0.1,
+                          context: Callable[[], str] = str) -> None:
+    """Run the conversion processes of Slurm job ``slurm_job`` in slices of ``slice_s`` seconds, stopped (SIGSTOP)
+    between them, until ``done()`` holds, and leave them stopped there: at most a slice past the point ``done``
+    names, whatever the CPU and its load (a poll for it and a SIGSTOP after it let a fast CPU run on past it). Its
+    rank goes on heartbeating, and slurmd sends SIGCONT before SIGTERM when it ends the job. ``context``: what a
+    failure message shows (the server's log)."""
+    frozen = wait_for(lambda: conversion_pids(slurm_job), timeout=timeout, interval=0.05,
+                      what=f"job {slurm_job}'s conversion process")
+    deadline = time.monotonic() + timeout
+    try:
+        _signal(frozen, signal.SIGSTOP)
+        while not done():
+            assert time.monotonic() < deadline, f"job {slurm_job}'s conversion did not get there in {timeout} s"
+            _signal(frozen, signal.SIGCONT)
+            time.sleep(slice_s)
+            _signal(frozen, signal.SIGSTOP)
+    except (AssertionError, ProcessLookupError) as error:
+        raise AssertionError(f"{error}\n{context()}") from error
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
 
 
 def slurm_missing() -> str | None:
