@@ -207,10 +207,20 @@ def cast_linear_weight(cast: LayerCast, weight: torch.Tensor, dtype: torch.dtype
     return out
 
 
-def _cast_input(x: torch.Tensor, spec: CastSpec, scale: float | None, amax: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def _cast_input(x: torch.Tensor, spec: CastSpec, scale: float | None, amax: torch.Tensor | None = None,
+                lengths: list[int] | None = None) -> torch.Tensor:
     """A call's input cast with ``spec`` (``scale``: a fixed per-tensor one; ``amax``: a fixed NVFP4 global amax;
-    None: from the input itself) and dequantized, in the input's dtype (the dtype the layer computes in)."""
+    None: from the input itself) and dequantized, in the input's dtype (the dtype the layer computes in).
+
+    ``lengths``: ``x`` is a batch of right-padded texts (``[texts, positions, features]``) with these many positions
+    each; each text is cast on its own positions, as a call of that text alone casts it (a scale taken from the
+    input's amax is the text's, never its neighbours' nor the padding's). The padding stays as it is: no text's
+    position reads it."""
+    if lengths is not None and x.dim() == 3 and lengths != [x.shape[1]] * x.shape[0]:
+        out = x.clone()
+        for row, length in enumerate(lengths):
+            out[row, :length] = _cast_input(x[row, :length], spec, scale, amax)
+        return out
     flat = x.reshape(-1, x.shape[-1])
     if per_tensor_fp8(spec) is None or flat.numel() == 0:
         return fake_quantize(flat, spec, scale=scale, tensor_amax=amax).reshape(x.shape).to(x.dtype)
@@ -228,8 +238,8 @@ class _CastForward:
     """Replaces a Linear's ``forward`` (its hooks still run around it) with the FP8 one. ``in_place``: the cast
     weight is the module's own weight now (:class:`casting_linears`)."""
 
-    def __init__(self, module: nn.Linear, cast: LayerCast, *, in_place: bool = False) -> None:
-        self.module, self.cast = module, cast
+    def __init__(self, module: nn.Linear, cast: LayerCast, owner: casting_linears, *, in_place: bool = False) -> None:
+        self.module, self.cast, self.owner = module, cast, owner
         self.weight = None
         if in_place:
             # the cast takes the original's place, in its dtype (the dtype of the calls): the layer holds one
@@ -242,7 +252,7 @@ class _CastForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         cast = self.cast
         if cast.input is not None:
-            x = _cast_input(x, cast.input, cast.input_scale, input_amax(cast))
+            x = _cast_input(x, cast.input, cast.input_scale, input_amax(cast), self.owner.lengths)
         if self.weight is None:
             return nn.functional.linear(x, self.module.weight, self.module.bias)
         if self.weight.dtype != x.dtype:
@@ -255,19 +265,22 @@ class casting_linears:  # noqa: N801 - a context manager read as a phrase: ``wit
 
     ``in_place``: each cast weight replaces the Linear's own weight, which is lost (the caller loads it again if
     it needs it), so that a layer holds one copy of its weights: the layer-sequential quality pass, which runs
-    the source's stream through a layer before the FP8 ones.
+    the source's stream through a layer before the FP8 ones. ``lengths`` (set between calls): the calls to come
+    take batches of right-padded texts of these many positions each (see ``_cast_input``); None: every row of a
+    call is one text's.
     """
 
     def __init__(self, model: nn.Module, casts: Mapping[str, LayerCast | None], *, in_place: bool = False) -> None:
         self.model, self.casts = model, {path: cast for path, cast in casts.items() if cast is not None}
         self.in_place = in_place
+        self.lengths: list[int] | None = None
 
     def __enter__(self) -> casting_linears:
         for path, cast in self.casts.items():
             module = self.model.get_submodule(path)
             if not isinstance(module, nn.Linear):
                 raise ValueError(f"{path} is a {type(module).__name__}, not a Linear: the quality pass casts Linears")
-            module.forward = _CastForward(module, cast, in_place=self.in_place)
+            module.forward = _CastForward(module, cast, self, in_place=self.in_place)
         return self
 
     def __exit__(self, *exc: Any) -> None:

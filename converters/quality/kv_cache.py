@@ -46,8 +46,8 @@ from torch import nn
 
 from converters.calibration.scaling import E4M3_MAX
 
-__all__ = ["KV_FP8_ATTENTION", "KV_ROUNDINGS", "NEAREST", "TRUNCATE", "KvCast", "export_kv_casts",
-           "fake_quantize_kv", "quantizing_kv_cache"]
+__all__ = ["KV_FP8_ATTENTION", "KV_ROUNDINGS", "NEAREST", "TRUNCATE", "KvCast", "eager_attention_of",
+           "export_kv_casts", "fake_quantize_kv", "quantizing_kv_cache"]
 
 NEAREST = "nearest"  #: vLLM's CUDA cast: x / scale, round to nearest even, saturate
 TRUNCATE = "truncate"  #: vLLM's CPU cast: x * (1 / scale), clamp, mantissa truncated
@@ -114,7 +114,9 @@ class _KvConfig:
         return getattr(self.__dict__["_real"], name)
 
 
-def _eager_of(module: nn.Module) -> Callable:
+def eager_attention_of(module: nn.Module) -> Callable:
+    """The ``eager_attention_forward`` of ``module``'s modeling file (transformers' fallback kernel, which
+    ``ALL_ATTENTION_FUNCTIONS`` does not hold); ValueError when the file defines none."""
     function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if function is None:
         raise ValueError(f"{type(module).__name__} runs eager attention but its module defines no "
@@ -133,7 +135,7 @@ def _kv_fp8_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     key = fake_quantize_kv(key, cast.k_scale, cast.rounding)
     value = fake_quantize_kv(value, cast.v_scale, cast.rounding)
     real = config.real_implementation
-    kernel = _eager_of(module) if real in (None, "eager") else ALL_ATTENTION_FUNCTIONS[real]
+    kernel = eager_attention_of(module) if real in (None, "eager") else ALL_ATTENTION_FUNCTIONS[real]
     return kernel(module, query, key, value, *args, **kwargs)
 
 

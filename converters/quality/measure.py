@@ -1,12 +1,14 @@
 """Layer-sequential quality pass: the source and its FP8 variants side by side, one layer in memory at a time.
 
-Pass 1 runs the modules around the layers once per text and records what each layer is called with (the
-calibration's replay API, :mod:`converters.calibration.sequential`). Pass 2 loads each layer once and runs every
-text through it as the source (the reference stream) and once per FP8 variant, each on that variant's own
-hidden states from the layer before, with its Linears cast (:mod:`converters.quality.casts`); a variant that casts
-nothing up to a layer shares the reference's hidden states there instead of computing them again. The head pass
-replays the final hidden states of each stream through the model's final norm, and the output head scores
-them a slice of positions at a time: no ``[tokens, vocab]`` tensor of the whole text, and never the whole model.
+The texts run batched, several a call (:mod:`converters.quality.text_batches`), each scored to the bit as a call of
+it alone would score it. Pass 1 runs the modules around the layers once per batch and records what
+each layer is called with (the calibration's replay API, :mod:`converters.calibration.sequential`). Pass 2 loads
+each layer once and runs every batch through it as the source (the reference stream) and once per FP8 variant,
+each on that variant's own hidden states from the layer before, with its Linears cast
+(:mod:`converters.quality.casts`); a variant that casts nothing up to a layer shares the reference's hidden states
+there instead of computing them again. The head pass replays the final hidden states of each stream through the
+model's final norm, and the output head scores them a slice of positions at a time: no ``[tokens, vocab]`` tensor
+of the whole text, and never the whole model.
 
 Across the ranks of a data-parallel job (:class:`QualityShare`) each rank scores a contiguous block of the texts and
 the sums of every variant are added over the ranks in rank order (text order): the figures are the one-process
@@ -15,7 +17,6 @@ run's up to float summation order and the head's GEMM blocking (a block of posit
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,8 @@ from converters.quality.figures import QualityFigures, QualityUnavailable, Refer
 from converters.quality.held_out import BUILT_IN_HELD_OUT, REQUEST_TEXTS, held_out_part
 from converters.quality.kv_cache import KvCast, attention_paths, quantizing_kv_cache
 from converters.quality.ranks import QualityShare, summed_over_ranks
+from converters.quality.text_attention import attending_per_text
+from converters.quality.text_batches import TextBatch, batched, token_texts
 
 __all__ = ["QualityShare", "QualitySource", "QualityUnavailable", "load_source", "measure_quality", "measure_qualities",
            "DEFAULT_MAX_TOKENS", "DEFAULT_SEQ_LEN"]
@@ -144,7 +147,7 @@ def _measure(source: Path | QualitySource, variants: Mapping[str, Mapping[str, L
     if max_tokens < 1 or seq_len < 2:
         raise ValueError(f"max_tokens must be >= 1 and seq_len >= 2, got {max_tokens} and {seq_len}")
     held_out = REQUEST_TEXTS if texts is not None else BUILT_IN_HELD_OUT
-    batches = _token_batches(source, list(texts) if texts is not None else held_out_part(), max_tokens, seq_len)
+    tokens = token_texts(source.tokenizer, list(texts) if texts is not None else held_out_part(), max_tokens, seq_len)
     model = source.model
     known = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     attention = set(attention_paths(model))
@@ -160,10 +163,11 @@ def _measure(source: Path | QualitySource, variants: Mapping[str, Mapping[str, L
     for name, casts in variants.items():
         unique.setdefault(frozenset((path, cast) for path, cast in casts.items() if cast is not None), name)
     runs = {name: variants[name] for name in unique.values()}
-    mine = [batches[index] for index in share.texts(len(batches))] if share is not None else batches
+    mine = [tokens[index] for index in share.texts(len(tokens))] if share is not None else tokens
     if mine:
-        streams, passes = _run_layers(source, mine, runs, should_stop, on_layer, share_unchanged_layers)
-        scores = _score_heads(source, mine, streams, passes, runs)
+        batches = batched(mine, source.tokenizer, source.model)
+        streams, passes = _run_layers(source, batches, runs, should_stop, on_layer, share_unchanged_layers)
+        scores = _score_heads(source, batches, streams, passes, runs)
     else:
         scores = {name: TokenScores() for name in runs}
     if share is not None:
@@ -171,34 +175,10 @@ def _measure(source: Path | QualitySource, variants: Mapping[str, Mapping[str, L
     if on_layer is not None:  # the head pass, counted as one more layer (as the layers' reports count it)
         on_layer(source.stack.count + 1, source.stack.count + 1)
     return {name: scores[unique[frozenset((path, cast) for path, cast in casts.items() if cast is not None)]]
-            .figures(texts=len(batches), held_out=held_out) for name, casts in variants.items()}
+            .figures(texts=len(tokens), held_out=held_out) for name, casts in variants.items()}
 
 
-def _token_batches(source: QualitySource, texts: list[str], max_tokens: int, seq_len: int) -> list[dict[str, Any]]:
-    """One text a step (batch 1, no padding), cut to ``seq_len`` tokens, until ``max_tokens`` positions are scored."""
-    batches, scored = [], 0
-    accepted = inspect.signature(source.model.forward).parameters
-    for text in texts:
-        if not isinstance(text, str):
-            raise QualityUnavailable(f"quality texts must be strings, got {type(text).__name__}", field="quality_texts")
-        room = min(seq_len, max_tokens - scored + 1)
-        ids = list(source.tokenizer(text, add_special_tokens=True)["input_ids"])[:room]
-        if len(ids) < 2:
-            continue
-        batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
-        if "use_cache" in accepted:
-            batch["use_cache"] = False
-        batches.append(batch)
-        scored += len(ids) - 1
-        if scored >= max_tokens:
-            break
-    if not batches:
-        raise QualityUnavailable("the quality texts give no text of two tokens or more: nothing to score",
-                                 field="quality_texts")
-    return batches
-
-
-def _run_layers(source: QualitySource, batches: list[dict[str, Any]],
+def _run_layers(source: QualitySource, batches: list[TextBatch],
                 variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]], should_stop: Callable[[], bool] | None,
                 on_layer: Callable[[int, int], None] | None, share: bool
                 ) -> tuple[dict[str | None, list[torch.Tensor]], LayerCalls]:
@@ -217,8 +197,8 @@ def _run_layers(source: QualitySource, batches: list[dict[str, Any]],
     # back first, so the pass's layers do not stack on top of it
     return_freed_memory()
     try:
-        embedded = record_layer_calls(model, stack, checkpoint, batches, passes, head_path, embed_path,
-                                      keep_embeddings=True)
+        embedded = record_layer_calls(model, stack, checkpoint, [batch.inputs for batch in batches], passes,
+                                      head_path, embed_path, keep_embeddings=True)
         choose_compute(passes, checkpoint, None, SequentialStats())
         streams: dict[str | None, list[torch.Tensor]] = {None: list(passes.hidden_in)}
         streams.update({name: streams[None] if first_cast[name] > 0 else list(passes.hidden_in) for name in variants})
@@ -226,7 +206,8 @@ def _run_layers(source: QualitySource, batches: list[dict[str, Any]],
             if should_stop is not None and should_stop():
                 raise ConversionCancelled(f"the quality pass was cancelled before layer {index} of {stack.count}")
             layers[index] = real[index]
-            _run_layer(model, stack, checkpoint, passes, index, real[index], streams, variants, first_cast)
+            _run_layer(model, stack, checkpoint, passes, index, real[index], streams, variants, first_cast,
+                       [batch.lengths for batch in batches])
             if on_layer is not None:
                 on_layer(index + 1, stack.count + 1)
     finally:
@@ -245,8 +226,11 @@ def _first_cast_layer(stack: LayerStack, casts: Mapping[str, LayerCast | KvCast 
 
 def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, passes: LayerCalls, index: int,
                layer: nn.Module, streams: dict[str | None, list[torch.Tensor]],
-               variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]], first_cast: Mapping[str, int]) -> None:
+               variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]], first_cast: Mapping[str, int],
+               lengths: list[list[int]]) -> None:
     """Every stream through layer ``index``; a variant before its first cast layer takes the reference's output.
+    ``lengths``: each step's texts' tokens (the input casts scale each text on its own, and the texts attend one by
+    one: :mod:`converters.quality.text_attention`).
 
     A variant's cast weights take the place of the source's in the layer (one copy of the layer's weights at a
     time, not two); the next stream that runs the layer gets the source's weights loaded again first."""
@@ -255,8 +239,9 @@ def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, pass
     checkpoint.load(unit_keys(model, lambda name: under(name, layer_path)))
     storage, compute = checkpoint.dtype, passes.compute or checkpoint.dtype
     replaced: list[str] = []  # Linears whose weight is a variant's cast now
+    attention = [path for path in attention_paths(model) if under(path, layer_path)]
     try:
-        with torch.no_grad(), emulating(layer, storage, compute):
+        with torch.no_grad(), emulating(layer, storage, compute), attending_per_text(model, attention) as texts:
             for name in streams:
                 if name is not None and index < first_cast[name]:
                     streams[name] = streams[None]  # the reference's own list: computed once, for both
@@ -270,8 +255,11 @@ def _run_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint, pass
                 replaced = []
                 with casting_linears(model, casts, in_place=True) as cast, quantizing_kv_cache(model, kv):
                     replaced = list(cast.casts)
-                    streams[name] = [_output(passes.call(layer, index, step, hidden), stack).to(storage)
-                                     for step, hidden in enumerate(streams[name])]
+                    outputs = []
+                    for step, hidden in enumerate(streams[name]):
+                        cast.lengths = texts.lengths = lengths[step]
+                        outputs.append(_output(passes.call(layer, index, step, hidden), stack).to(storage))
+                    streams[name] = outputs
     finally:
         release_layer(layer, dtypes)
 
@@ -300,11 +288,12 @@ def _output(output: Any, stack: LayerStack) -> torch.Tensor:
     return output
 
 
-def _score_heads(source: QualitySource, batches: list[dict[str, Any]],
+def _score_heads(source: QualitySource, batches: list[TextBatch],
                  streams: dict[str | None, list[torch.Tensor]], passes: LayerCalls,
                  variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]]) -> dict[str, TokenScores]:
     """The head pass: each stream through the final norm (the model's own forward, layers replayed), then the head.
-    Streams that share their hidden states (the same list) go through the norm once."""
+    Streams that share their hidden states (the same list) go through the norm once. Each stream's result: the
+    normed hidden states of every text, its own positions only."""
     model, stack, checkpoint = source.model, source.stack, source.checkpoint
     head = model.get_output_embeddings()
     head_path = module_path(model, head)
@@ -315,7 +304,7 @@ def _score_heads(source: QualitySource, batches: list[dict[str, Any]],
     normed: list[torch.Tensor] = []
 
     def capture(_module: nn.Module, args: tuple) -> None:
-        normed.append(args[0][0].detach())
+        normed.append(args[0].detach())
         raise StopForward
 
     hook = head.register_forward_pre_hook(capture)
@@ -330,10 +319,11 @@ def _score_heads(source: QualitySource, batches: list[dict[str, Any]],
                         for step, batch in enumerate(batches):
                             passes.step = step
                             try:
-                                model(**batch)
+                                model(**batch.inputs)
                             except StopForward:
                                 pass
-                    done[id(hidden)] = normed
+                    done[id(hidden)] = [states[row, :length] for states, batch in zip(normed, batches, strict=True)
+                                        for row, length in enumerate(batch.lengths)]
                 finals[name] = done[id(hidden)]
         return _score(head, head_path, batches, finals, variants)
     finally:
@@ -341,7 +331,7 @@ def _score_heads(source: QualitySource, batches: list[dict[str, Any]],
         release(model)
 
 
-def _score(head: nn.Module, head_path: str, batches: list[dict[str, Any]], finals: dict[str | None, list[torch.Tensor]],
+def _score(head: nn.Module, head_path: str, batches: list[TextBatch], finals: dict[str | None, list[torch.Tensor]],
            variants: Mapping[str, Mapping[str, LayerCast | KvCast | None]]) -> dict[str, TokenScores]:
     weight = head.weight.detach()
     bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
@@ -354,12 +344,13 @@ def _score(head: nn.Module, head_path: str, batches: list[dict[str, Any]], final
     # share it), so that a chunk spans texts: the head's weight is upcast once per chunk, not once per text and 64
     # positions. A cast head's input is cast per text first, with the text's own scale, as the FP8 model casts the
     # input of each call.
-    targets = torch.cat([batch["input_ids"][0, 1:] for batch in batches])
+    targets = torch.cat([batch.inputs["input_ids"][row, 1:length] for batch in batches
+                         for row, length in enumerate(batch.lengths)])
     joined: dict[int, torch.Tensor] = {}
     for name in plain:
         if id(finals[name]) not in joined:
-            joined[id(finals[name])] = _head_input(finals[name], batches, None)
-    cast_inputs = {name: _head_input(finals[name], batches, cast) for name, cast in head_casts.items()
+            joined[id(finals[name])] = _head_input(finals[name], None)
+    cast_inputs = {name: _head_input(finals[name], cast) for name, cast in head_casts.items()
                    if cast is not None}
     positions = _head_positions(weight.shape[0], len(plain) + len(cast_weights))
     group = max(1, _HEAD_LOGITS_BYTES // (positions * weight.shape[0] * 4))
@@ -380,15 +371,15 @@ def _score(head: nn.Module, head_path: str, batches: list[dict[str, Any]], final
     return scores
 
 
-def _head_input(hidden: list[torch.Tensor], batches: list[dict[str, Any]], cast: LayerCast | None) -> torch.Tensor:
+def _head_input(hidden: list[torch.Tensor], cast: LayerCast | None) -> torch.Tensor:
     """The scored positions of every text, ``[positions, hidden]`` fp32, each text's through ``cast``'s input cast
     (its scale from the whole text, as the FP8 head's call would take it) when there is one."""
     parts = []
-    for states, batch in zip(hidden, batches, strict=True):
+    for states in hidden:
         x = states.float()
         if cast is not None and cast.input is not None:
             x = fake_quantize(x, cast.input, scale=cast.input_scale, tensor_amax=input_amax(cast))
-        parts.append(x[: batch["input_ids"].shape[1] - 1])
+        parts.append(x[:-1])
     return torch.cat(parts)
 
 

@@ -15,6 +15,7 @@ from converters.model.demo import build_tiny_llama
 from converters.model.sources import ModelSourceOptions, load_model, load_tokenizer
 from converters.quality import (
     BUILT_IN_HELD_OUT,
+    KvCast,
     QualityUnavailable,
     calibration_part,
     casting_linears,
@@ -24,6 +25,7 @@ from converters.quality import (
     measure_quality,
     recipe_layer_casts,
 )
+from converters.quality.kv_cache import attention_paths
 from converters.recipes.presets import parse_compare_recipe
 from tests.converters.serving.exports import export
 from tests.models import save_tiny_model
@@ -103,6 +105,58 @@ def test_a_cast_head_casts_each_text_s_input_with_its_own_scale(llama_dir):
     assert figures.perplexity == pytest.approx(ppl, rel=1e-2)
     assert figures.kl_mean == pytest.approx(kl, rel=0.1, abs=1e-5)
     assert round(abs(figures.top1_agreement - agree) * count) <= 2
+
+
+def test_a_batch_of_padded_texts_casts_each_text_as_a_call_of_its_own():
+    """Texts of one batch are cast each on its own positions: a scale from the call's amax is the text's, never its
+    neighbour's or the padding's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16))
+    casts = recipe_layer_casts(parse_compare_recipe("te-current", "r"), ["0"])
+    # unlike amax: unlike input scales; texts of ALONE_BELOW_TOKENS tokens or more, as the pass batches them
+    quiet, loud = torch.randn(1, 20, 32), 40 * torch.randn(1, 27, 32)
+    batch = torch.cat([torch.cat([quiet, 1e4 * torch.ones(1, 7, 32)], dim=1), loud])  # padding far above both
+    with torch.no_grad(), casting_linears(model, casts) as cast:
+        alone = [model(quiet)[0], model(loud)[0]]
+        cast.lengths = [20, 27]
+        batched = model(batch)
+        cast.lengths = None
+        shared = model(batch)  # one scale for the whole call, padding included
+    assert torch.equal(batched[0, :20], alone[0]) and torch.equal(batched[1], alone[1])
+    assert not torch.equal(shared[0, :20], alone[0])
+
+
+@pytest.fixture(scope="module")
+def llama_fp32_dir(llama_dir):
+    """The tiny Llama in fp32: no bf16 rounding between its modules to hide a last bit that padding moves."""
+    from transformers import AutoModelForCausalLM
+
+    directory = llama_dir.parent / "llama-fp32"
+    AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).save_pretrained(directory)
+    load_tokenizer(llama_dir, ModelSourceOptions()).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("model", ["llama_dir", "llama_fp32_dir"])
+def test_batched_texts_score_exactly_as_one_text_a_call(request, monkeypatch, model, attention):
+    """Padding moves no bit of a text: the source's figures and those of a current-scaling recipe (a scale from each
+    call's amax) with and without an FP8 KV cache equal one text a call's exactly, as the data-parallel pass, whose
+    ranks batch their own blocks of texts, needs."""
+    source, paths = _linears(request.getfixturevalue(model))
+    source.model.config._attn_implementation = attention
+    casts = recipe_layer_casts(parse_compare_recipe("te-current", "recipe"), paths)
+    kv = {path: KvCast(k_scale=0.01, v_scale=0.01) for path in attention_paths(source.model)}
+    variants = {"te-current": casts, "te-current+kv": {**casts, **kv}}
+    # unlike lengths and scales; the last one short enough to run alone (ALONE_BELOW_TOKENS)
+    texts = [" ".join([TEXTS[0]] * 3), TEXTS[1].upper(), TEXTS[1], "Delayed scaling"]
+    batched = measure_qualities(source, variants, texts, max_tokens=1024)
+    monkeypatch.setattr("converters.quality.text_batches.BATCH_POSITIONS", 1)  # one text a batch
+    alone = measure_qualities(source, variants, texts, max_tokens=1024)
+    for name in variants:
+        assert batched[name].tokens == alone[name].tokens and batched[name].texts == alone[name].texts == 4
+        for key in ("perplexity_reference", "perplexity", "kl_mean", "kl_max", "top1_agreement"):
+            assert getattr(batched[name], key) == getattr(alone[name], key), (name, key)
 
 
 def test_several_variants_in_one_pass_equal_each_alone(llama_dir):

@@ -48,12 +48,12 @@ def test_sharing_the_reference_until_the_first_cast_layer_keeps_every_figure(sou
     shared, shared_calls = _layer_calls(source)
     separate, separate_calls = _layer_calls(source, share_unchanged_layers=False)
     assert shared == separate
-    texts = len(TEXTS)
-    # without sharing, every stream (the reference and 5 variants) runs every layer on every text
-    assert separate_calls == [6 * texts] * 3
+    batches = 1  # both texts in one call: the pass batches its texts
+    # without sharing, every stream (the reference and 5 variants) runs every layer on every batch
+    assert separate_calls == [6 * batches] * 3
     # with it, layer i runs for the reference and the variants that cast something at or before it
     # (layer0..layer{i} and all): the head-only variant never runs a layer of its own
-    assert shared_calls == [(1 + 2) * texts, (1 + 3) * texts, (1 + 4) * texts]
+    assert shared_calls == [(1 + 2) * batches, (1 + 3) * batches, (1 + 4) * batches]
 
 
 def test_a_variant_casting_a_late_layer_differs_from_the_reference_and_one_casting_nothing_does_not(source):
