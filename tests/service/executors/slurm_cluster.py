@@ -76,7 +76,10 @@ def pause_conversion_when(slurm_job: str, done: Callable[[], bool], *, timeout: 
             _signal(frozen, signal.SIGCONT)
             time.sleep(slice_s)
             _signal(frozen, signal.SIGSTOP)
-    except (AssertionError, ProcessLookupError) as error:
+    except ProcessLookupError as error:  # the conversion ended: only done() says whether that is what was waited for
+        if not done():
+            raise AssertionError(f"job {slurm_job}'s conversion ended first: {error}\n{context()}") from error
+    except AssertionError as error:
         raise AssertionError(f"{error}\n{context()}") from error
 
 

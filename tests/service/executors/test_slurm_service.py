@@ -16,7 +16,7 @@ import pytest
 
 from service.jobs import TaskStatus
 from service.store import JobStore
-from tests.service.executors.slurm_cluster import SlurmCluster, conversion_pids, rank_pids
+from tests.service.executors.slurm_cluster import SlurmCluster, pause_conversion_when, rank_pids
 from tests.service_helpers import ServeProcess, build_tiny_llama, leftovers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -181,21 +181,23 @@ def test_a_job_that_outlives_its_slurm_time_limit_goes_back_to_the_queue_and_is_
         slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
     """Slurm's own time limit (one minute, the shortest it has) ends the first allocation: its rank hands the attempt
     back without using it up, and the dispatcher submits the job again; the new allocation claims it."""
-    # the four-layer, 256-wide model over the most tokens a job may calibrate on: minutes on one thread here
+    # the four-layer, 256-wide model, 64 steps of 512 tokens a layer: each allocation's conversion is stopped (it
+    # would end within the minute on a fast CPU), the first right after layer 0, the second as soon as it starts, so
+    # that the job is still running when it is cancelled (1024 steps, minutes on one thread, were for a pause after
+    # a poll); slurmd sends SIGCONT before SIGTERM when it ends the job, the rank SIGKILL 3 s after SIGTERM on a cancel
     long_calibration = {**_calibrated(models), "model": str(models / "sharded"),
-                        "calibration": {"steps": 1024, "batch_size": 1, "seq_len": 512}}
+                        "calibration": {"steps": 64, "batch_size": 1, "seq_len": 512}}
     with serving(slurm, tmp_path, models, FP8FORGE_SLURM_TIME_LIMIT="1") as client:
         job_id = _submit(client, long_calibration)
         [first] = wait_for(lambda: _slurm_ids(client, job_id), timeout=30, what="the submission")
         record = tmp_path / "data" / "slurm" / job_id / "resume"
-        wait_for(lambda: (record / "layer-0.safetensors").exists() or not _running(slurm, first), timeout=300,
-                 interval=0.5, what=f"layer 0 in the resume record: {_tail(client)}")
-        for pid in conversion_pids(first):  # paused: on a fast CPU the calibration would end within the minute
-            os.kill(pid, signal.SIGSTOP)  # (slurmd sends SIGCONT before SIGTERM when it ends the job)
+        pause_conversion_when(first, lambda: (record / "layer-0.safetensors").exists() or not _running(slurm, first),
+                              timeout=300, context=lambda: _tail(client))
         wait_for(lambda: slurm.job_states(first)[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
                  timeout=300, what=f"Slurm's time limit to end job {first}", interval=1)
         assert slurm.job_states(first) == ["TIMEOUT"], _tail(client)
         second = wait_for(lambda: _slurm_ids(client, job_id)[1:], timeout=60, what="the job submitted again")
+        pause_conversion_when(second[0], lambda: True, timeout=120, context=lambda: _tail(client))
         claims = lambda: [e["data"] for e in _events(client, job_id)  # noqa: E731
                           if e["kind"] == "status" and e["data"]["status"] == "running"]
         wait_for(lambda: len(claims()) == 2, timeout=120, what="the second allocation to claim the job")
