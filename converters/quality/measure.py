@@ -165,7 +165,8 @@ def _measure(source: Path | QualitySource, variants: Mapping[str, Mapping[str, L
     runs = {name: variants[name] for name in unique.values()}
     mine = [tokens[index] for index in share.texts(len(tokens))] if share is not None else tokens
     if mine:
-        batches = batched(mine, source.tokenizer, source.model)
+        # texts attend one by one through transformers' attention modules: a model without them scores one a call
+        batches = batched(mine, source.tokenizer, model, one_a_call=not attention)
         streams, passes = _run_layers(source, batches, runs, should_stop, on_layer, share_unchanged_layers)
         scores = _score_heads(source, batches, streams, passes, runs)
     else:

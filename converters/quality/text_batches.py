@@ -55,14 +55,15 @@ def token_texts(tokenizer: Any, texts: list[str], max_tokens: int, seq_len: int)
     return tokens
 
 
-def batched(tokens: list[list[int]], tokenizer: Any, model: nn.Module) -> list[TextBatch]:
+def batched(tokens: list[list[int]], tokenizer: Any, model: nn.Module, *, one_a_call: bool = False
+            ) -> list[TextBatch]:
     """The texts in order, as many a batch as keep it within ``BATCH_POSITIONS`` padded positions (at least one),
     each right-padded to its batch's longest (the padding's id is any valid one: the mask hides it); a text of fewer
-    than ``ALONE_BELOW_TOKENS`` tokens in a batch of its own."""
+    than ``ALONE_BELOW_TOKENS`` tokens in a batch of its own. ``one_a_call``: every text in a batch of its own."""
     accepted = inspect.signature(model.forward).parameters
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     batches = []
-    for group in _groups(tokens):
+    for group in [[ids] for ids in tokens] if one_a_call else _groups(tokens):
         width = max(map(len, group))
         inputs = {"input_ids": torch.tensor([ids + [pad] * (width - len(ids)) for ids in group]),
                   "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in group])}

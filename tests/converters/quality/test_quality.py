@@ -26,6 +26,7 @@ from converters.quality import (
     recipe_layer_casts,
 )
 from converters.quality.kv_cache import attention_paths
+from converters.quality.text_batches import ALONE_BELOW_TOKENS, BATCH_POSITIONS, batched
 from converters.recipes.presets import parse_compare_recipe
 from tests.converters.serving.exports import export
 from tests.models import save_tiny_model
@@ -124,6 +125,19 @@ def test_a_batch_of_padded_texts_casts_each_text_as_a_call_of_its_own():
         shared = model(batch)  # one scale for the whole call, padding included
     assert torch.equal(batched[0, :20], alone[0]) and torch.equal(batched[1], alone[1])
     assert not torch.equal(shared[0, :20], alone[0])
+
+
+def test_texts_batch_in_order_within_the_padded_positions_and_short_ones_run_alone():
+    """Batches hold whole texts in order up to BATCH_POSITIONS padded positions; a text under ALONE_BELOW_TOKENS
+    tokens (whose GEMM rows take another kernel alone) and, with one_a_call, every text, sit in a batch alone."""
+    short, long = ALONE_BELOW_TOKENS - 1, BATCH_POSITIONS // 4
+    tokens = [[1] * long, [2] * (long - 5), [3] * short, [4] * long, [5] * long, [6] * long, [7] * long, [8] * long]
+    lengths = [batch.lengths for batch in batched(tokens, None, nn.Identity())]
+    assert lengths == [[long, long - 5], [short], [long] * 4, [long]]
+    one = batched(tokens, None, nn.Identity(), one_a_call=True)
+    assert [batch.lengths for batch in one] == [[len(ids)] for ids in tokens]
+    padded = batched(tokens, None, nn.Identity())[0].inputs
+    assert padded["attention_mask"][1].tolist() == [1] * (long - 5) + [0] * 5
 
 
 @pytest.fixture(scope="module")
