@@ -120,5 +120,5 @@ def serving_jobs(reports: Mapping[str, Mapping[str, Any]], on_disk_name: Callabl
         if selection.quantized or selection.experts:
             jobs[job].append(fmt)
         else:
-            unavailable[fmt] = most_frequent_reason(plan.skipped.values())
+            unavailable[fmt] = most_frequent_reason(selection.skipped.values())
     return {name: formats for name, formats in jobs.items() if formats}, unavailable
