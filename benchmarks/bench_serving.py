@@ -34,7 +34,8 @@ blocks and tensor layouts differ. The run starts by naming fp8forge's commit and
 converters/, since the numbers are those of the code as it was.
 
 fp8forge's export also runs a second time with `measure: false` (no per-layer SQNR meter), printed as
-"fp8forge measure off", so the meter's cost and both figures against the peer's are in the same run.
+"fp8forge measure off", so the meter's cost and both figures against the peer's are in the same run
+(`--no-unmeasured` skips it, when a run must fit a time limit).
 
 The floor a calibrated job is held to, also measured at every size (`--no-floor` skips it): a copy of the weight
 files (plain `shutil.copyfile`) and a plain transformers bf16 forward (`AutoModelForCausalLM.from_pretrained`, then
@@ -578,7 +579,8 @@ def print_run(name: str, run: ToolRun, baseline: ToolRun) -> None:
 
 
 def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, peer_venv: Path | None,
-                 baselines: dict[str, ToolRun], check: bool, keep: bool, floor: bool = True) -> SizeResult:
+                 baselines: dict[str, ToolRun], check: bool, keep: bool, floor: bool = True,
+                 unmeasured: bool = True) -> SizeResult:
     model_dir = root / plan.name
     started = time.perf_counter()
     if plan.source is None:
@@ -604,14 +606,14 @@ def measure_size(plan: ModelPlan, root: Path, calibration: Calibration, peer_ven
     print(f"[{plan.name}] {FP8FORGE} wrote {ours.details['artifact_bytes'] / GIB:.2f} GiB of ao artifact and "
           f"{ours.details['serving_bytes'] / GIB:.2f} GiB of serving export", flush=True)
     runs = {FP8FORGE: ours}
-    # the same export with measure false: what the per-layer SQNR meter costs
-    off_dir = root / f"{plan.name}-fp8forge-unmeasured"
-    off = measure_tool(FP8FORGE, sys.executable, "fp8forge-export", model_dir=str(model_dir), out_dir=str(off_dir),
-                       root=str(root), measure=False, **sizes)
-    runs[UNMEASURED] = replace(off, tool=UNMEASURED)
-    baselines.setdefault(UNMEASURED, baselines[FP8FORGE])
-    print_run(plan.name, runs[UNMEASURED], baselines[UNMEASURED])
-    shutil.rmtree(off_dir, ignore_errors=True)
+    if unmeasured:  # the same export with measure false: what the per-layer SQNR meter costs
+        off_dir = root / f"{plan.name}-fp8forge-unmeasured"
+        off = measure_tool(FP8FORGE, sys.executable, "fp8forge-export", model_dir=str(model_dir),
+                           out_dir=str(off_dir), root=str(root), measure=False, **sizes)
+        runs[UNMEASURED] = replace(off, tool=UNMEASURED)
+        baselines.setdefault(UNMEASURED, baselines[FP8FORGE])
+        print_run(plan.name, runs[UNMEASURED], baselines[UNMEASURED])
+        shutil.rmtree(off_dir, ignore_errors=True)
 
     if floor:
         copy_dir = root / f"{plan.name}-copy"
@@ -789,6 +791,8 @@ def parse_args() -> argparse.Namespace:
                         help=f"llm-compressor's virtualenv, created when missing ({DEFAULT_PEER_VENV})")
     parser.add_argument("--skip-peer", action="store_true", help="measure fp8forge only")
     parser.add_argument("--no-floor", action="store_true", help="skip the copy + plain forward children")
+    parser.add_argument("--no-unmeasured", action="store_true",
+                        help="skip the second fp8forge export with measure: false")
     parser.add_argument("--real-smollm", action="store_true", help="also the real SmolLM2-135M (after the sizes)")
     add_width_arguments(parser)
     return parser.parse_args()
@@ -837,7 +841,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
           f"{calibration.steps * calibration.batch_size * calibration.seq_len:,} tokens; "
           f"work directory {root}", flush=True)
     results = [measure_size(plan, root, calibration, peer_venv, baselines, check=index == 0, keep=args.keep,
-                            floor=not args.no_floor)
+                            floor=not args.no_floor, unmeasured=not args.no_unmeasured)
                for index, plan in enumerate(plans)]
     print_table(results, baselines)
     print_targets(results, baselines)
