@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from converters.calibration.compute import emulating, tensor_dtypes
+from converters.calibration.compute import choose_compute_dtype, emulating, tensor_dtypes
 
 # The calibration's pass-1 and replay machinery, shared so that both passes see the layers called the same way.
 from converters.calibration.sequential import (
@@ -51,7 +51,7 @@ from converters.quality.held_out import BUILT_IN_HELD_OUT, REQUEST_TEXTS, held_o
 from converters.quality.kv_cache import KvCast, attention_paths, quantizing_kv_cache
 from converters.quality.ranks import QualityShare, summed_over_ranks
 from converters.quality.text_attention import attending_per_text
-from converters.quality.text_batches import TextBatch, batched, token_texts
+from converters.quality.text_batches import TextBatch, batched, rows_keep_their_bits, token_texts
 
 __all__ = ["QualityShare", "QualitySource", "QualityUnavailable", "load_source", "measure_quality", "measure_qualities",
            "DEFAULT_MAX_TOKENS", "DEFAULT_SEQ_LEN"]
@@ -165,8 +165,9 @@ def _measure(source: Path | QualitySource, variants: Mapping[str, Mapping[str, L
     runs = {name: variants[name] for name in unique.values()}
     mine = [tokens[index] for index in share.texts(len(tokens))] if share is not None else tokens
     if mine:
-        # texts attend one by one through transformers' attention modules: a model without them scores one a call
-        batches = batched(mine, source.tokenizer, model, one_a_call=not attention)
+        # texts attend one by one through transformers' attention modules: a model without them scores one a call,
+        # as where the GEMMs give a text's rows other bits inside a bigger call
+        batches = batched(mine, source.tokenizer, model, one_a_call=not attention or not _gemm_rows_keep_bits(source))
         streams, passes = _run_layers(source, batches, runs, should_stop, on_layer, share_unchanged_layers)
         scores = _score_heads(source, batches, streams, passes, runs)
     else:
@@ -177,6 +178,16 @@ def _measure(source: Path | QualitySource, variants: Mapping[str, Mapping[str, L
         on_layer(source.stack.count + 1, source.stack.count + 1)
     return {name: scores[unique[frozenset((path, cast) for path, cast in casts.items() if cast is not None)]]
             .figures(texts=len(tokens), held_out=held_out) for name, casts in variants.items()}
+
+
+def _gemm_rows_keep_bits(source: QualitySource) -> bool:
+    """Whether the layers' GEMMs, in the dtype the pass computes them in, give a text's rows inside a batch the bits
+    they get alone (:func:`~converters.quality.text_batches.rows_keep_their_bits`)."""
+    checkpoint = source.checkpoint
+    compute, _why = choose_compute_dtype(None, checkpoint.dtype, checkpoint.device)
+    layer = source.model.get_submodule(f"{source.stack.path}.0")
+    shapes = {(module.in_features, module.out_features) for module in layer.modules() if isinstance(module, nn.Linear)}
+    return rows_keep_their_bits(shapes, compute, checkpoint.device)
 
 
 def _run_layers(source: QualitySource, batches: list[TextBatch],

@@ -7,6 +7,7 @@ text's rows the bits they get alone (the GEMMs too, for a text of ``ALONE_BELOW_
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from torch import nn
 
 from converters.quality.figures import QualityUnavailable
 
-__all__ = ["ALONE_BELOW_TOKENS", "BATCH_POSITIONS", "TextBatch", "batched", "token_texts"]
+__all__ = ["ALONE_BELOW_TOKENS", "BATCH_POSITIONS", "TextBatch", "batched", "rows_keep_their_bits", "token_texts"]
 
 #: padded positions (texts x the longest one's tokens) a batch of texts holds at most: every text at the default
 #: max_tokens in one call a layer and stream, where one text a call paid each call's fixed work once per text
@@ -25,6 +26,10 @@ BATCH_POSITIONS = 1024
 #: of a bigger one, so such a text's rows in a batch would not get the bits they get alone (measured on MKL's fp32
 #: GEMM: below 12 rows; docs/benchmarks/quality-batching-2026-12-03f.md)
 ALONE_BELOW_TOKENS = 16
+#: text lengths whose rows :func:`rows_keep_their_bits` compares alone and inside a call of ``_PROBE_CALL_ROWS``,
+#: at two offsets: around the short-text rule's bound, and longer texts
+_PROBE_ROWS = (ALONE_BELOW_TOKENS, ALONE_BELOW_TOKENS + 1, 23, 40, 64)
+_PROBE_CALL_ROWS = 96
 
 
 @dataclass
@@ -71,6 +76,27 @@ def batched(tokens: list[list[int]], tokenizer: Any, model: nn.Module, *, one_a_
             inputs["use_cache"] = False
         batches.append(TextBatch(inputs=inputs, lengths=[len(ids) for ids in group]))
     return batches
+
+
+def rows_keep_their_bits(shapes: set[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this machine's GEMM gives a text's rows (``ALONE_BELOW_TOKENS`` or more) the bits they get alone when
+    they sit inside a bigger call, for Linears of ``shapes`` (in, out features) computing in ``dtype``: the
+    precondition of batching to the bit. Measured on MKL's fp32 GEMM on one CPU kind; another BLAS, CPU kind or
+    native half-precision kernel may group a row's sums by the call's size, and the pass then scores one text a
+    call rather than report figures that depend on a text's neighbours."""
+    return all(_rows_keep_their_bits(shape, dtype, str(device)) for shape in sorted(shapes))
+
+
+@functools.cache
+def _rows_keep_their_bits(shape: tuple[int, int], dtype: torch.dtype, device: str) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(_PROBE_CALL_ROWS, shape[0], generator=generator).to(device=device, dtype=dtype)
+    weight = torch.randn(shape[1], shape[0], generator=generator).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        whole = torch.nn.functional.linear(inputs, weight)
+        return all(torch.equal(torch.nn.functional.linear(inputs[start:start + rows], weight),
+                               whole[start:start + rows])
+                   for rows in _PROBE_ROWS for start in (0, _PROBE_CALL_ROWS - rows))
 
 
 def _groups(tokens: list[list[int]]) -> list[list[list[int]]]:

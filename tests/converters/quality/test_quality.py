@@ -26,7 +26,7 @@ from converters.quality import (
     recipe_layer_casts,
 )
 from converters.quality.kv_cache import attention_paths
-from converters.quality.text_batches import ALONE_BELOW_TOKENS, BATCH_POSITIONS, batched
+from converters.quality.text_batches import ALONE_BELOW_TOKENS, BATCH_POSITIONS, batched, rows_keep_their_bits
 from converters.recipes.presets import parse_compare_recipe
 from tests.converters.serving.exports import export
 from tests.models import save_tiny_model
@@ -111,6 +111,9 @@ def test_a_cast_head_casts_each_text_s_input_with_its_own_scale(llama_dir):
 def test_a_batch_of_padded_texts_casts_each_text_as_a_call_of_its_own():
     """Texts of one batch are cast each on its own positions: a scale from the call's amax is the text's, never its
     neighbour's or the padding's."""
+    if not rows_keep_their_bits({(32, 16)}, torch.float32, torch.device("cpu")):
+        pytest.skip("this machine's fp32 GEMM gives a text's rows other bits inside a bigger call: the quality pass "
+                    "scores one text a call here (test_a_machine_whose_gemm_moves_bits_scores_one_text_a_call)")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 16))
     casts = recipe_layer_casts(parse_compare_recipe("te-current", "r"), ["0"])
@@ -171,6 +174,27 @@ def test_batched_texts_score_exactly_as_one_text_a_call(request, monkeypatch, mo
         assert batched[name].tokens == alone[name].tokens and batched[name].texts == alone[name].texts == 4
         for key in ("perplexity_reference", "perplexity", "kl_mean", "kl_max", "top1_agreement"):
             assert getattr(batched[name], key) == getattr(alone[name], key), (name, key)
+
+
+def test_a_machine_whose_gemm_moves_bits_scores_one_text_a_call(llama_dir, monkeypatch):
+    """Where the GEMM probe finds a text's rows get other bits inside a bigger call, every text runs in a call of its
+    own, and the figures are one text a call's."""
+    import converters.quality.measure as measure
+
+    source, paths = _linears(llama_dir)
+    variants = {"te-current": recipe_layer_casts(parse_compare_recipe("te-current", "recipe"), paths)}
+    texts = [" ".join([TEXTS[0]] * 3), TEXTS[1]]
+    seen = []
+    real_batched = measure.batched
+    monkeypatch.setattr(measure, "batched", lambda *args, **kwargs: seen.append(real_batched(*args, **kwargs))
+                        or seen[-1])
+    monkeypatch.setattr(measure, "rows_keep_their_bits", lambda shapes, dtype, device: False)
+    fallback = measure_qualities(source, variants, texts, max_tokens=1024)
+    monkeypatch.setattr("converters.quality.text_batches.BATCH_POSITIONS", 1)
+    alone = measure_qualities(source, variants, texts, max_tokens=1024)
+    assert [len(batch.lengths) for batch in seen[0]] == [1, 1]
+    assert fallback["te-current"].perplexity == alone["te-current"].perplexity
+    assert fallback["te-current"].kl_mean == alone["te-current"].kl_mean
 
 
 def test_several_variants_in_one_pass_equal_each_alone(llama_dir):
