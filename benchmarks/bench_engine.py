@@ -365,6 +365,40 @@ def _position_gaps(report: list[float] | None, run: dict) -> dict:
             "over_0_1_nats": sum(abs(d) > 0.1 for d in diffs) / len(diffs)}
 
 
+def kv_gap_shifts(runs: dict, reports: dict) -> list[dict]:
+    """For each FP8-KV row whose bf16-cache twin is in both ``runs`` and ``reports`` (with per-position NLLs): how
+    the FP8 cache moves the report/engine gap, position by position. Per position, (report - engine) with the FP8
+    cache minus (report - engine) with the bf16 cache: the mean (nats; the log of gap ratio), its standard error
+    from the per-text sums (texts are the independent units, as in the table's SE), and its RMS. A systematic
+    difference between the report's KV emulation and the engine's cache shows as a mean several SE from zero
+    with the same sign for every export; noise as means of both signs within about two SE."""
+    out = []
+    for label, run in runs.items():
+        if not label.endswith(" + FP8 KV"):
+            continue
+        twin = label[: -len(" + FP8 KV")]
+        rows = [(runs.get(name), (reports.get(name) or {}).get("per_token")) for name in (label, twin)]
+        if any(r is None or r.get("error") is not None or p is None for r, p in rows):
+            continue
+        engines = [[nll for text in r["scores"] for nll in text["per_token"]] for r, _ in rows]
+        if any(len(p) != len(e) for (_, p), e in zip(rows, engines, strict=True)):
+            continue
+        (_, report_kv), (_, report_twin) = rows
+        diffs = [(rk - ek) - (rt - et)
+                 for rk, ek, rt, et in zip(report_kv, engines[0], report_twin, engines[1], strict=True)]
+        mean = sum(diffs) / len(diffs)
+        residuals, start = [], 0
+        for text in run["scores"]:
+            count = len(text["per_token"])
+            residuals.append(sum(diffs[start:start + count]) - mean * count)
+            start += count
+        texts = len(residuals)
+        se = math.sqrt(texts / (texts - 1) * sum(r * r for r in residuals)) / len(diffs) if texts > 1 else math.nan
+        out.append({"export": twin, "shift": mean, "shift_se": se,
+                    "shift_rms": math.sqrt(sum(d * d for d in diffs) / len(diffs))})
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     print("| export | engine perplexity | vs bf16 | report perplexity (engine's casts) | report/engine - 1 (SE) | "
           "per-position NLL, report - engine: RMS (nats) | positions > 0.1 nats apart | "
@@ -476,7 +510,14 @@ def main() -> None:
     print()
     print_table(result)
     if args.json:
-        args.json.write_text(json.dumps({"positions": positions, "texts": len(texts), "rows": result}, indent=1))
+        args.json.write_text(json.dumps({"positions": positions, "texts": len(texts), "rows": result,
+                                         "kv_gap_shifts": kv_gap_shifts(runs, reports)}, indent=1))
+    shifts = kv_gap_shifts(runs, reports)
+    if shifts:
+        print("\n| export | gap with the FP8 cache - gap with the bf16 cache, per position: mean (SE) | RMS (nats) |")
+        print("|---|---:|---:|")
+        for shift in shifts:
+            print(f"| {shift['export']} | {shift['shift']:+.2%} ({shift['shift_se']:.2%}) | {shift['shift_rms']:.4f} |")
     worst = max((abs(row["gap"]) for row in result if "gap" in row), default=math.nan)
     print(f"\nlargest |report/engine - 1|: {worst:.2%}")
 
