@@ -34,8 +34,6 @@ is swapped (the calibration's KV recorder wraps the shared ``sdpa`` entry; the t
 
 from __future__ import annotations
 
-import sys
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +43,9 @@ import torch
 from torch import nn
 
 from converters.calibration.scaling import E4M3_MAX
+from converters.quality.attention_views import kernel_named, register_attention, unwrap_configs, wrap_configs
 
-__all__ = ["KV_FP8_ATTENTION", "KV_ROUNDINGS", "NEAREST", "TRUNCATE", "KvCast", "eager_attention_of",
+__all__ = ["KV_FP8_ATTENTION", "KV_ROUNDINGS", "NEAREST", "TRUNCATE", "KvCast",
            "export_kv_casts", "fake_quantize_kv", "quantizing_kv_cache"]
 
 NEAREST = "nearest"  #: vLLM's CUDA cast: x / scale, round to nearest even, saturate
@@ -54,7 +53,6 @@ TRUNCATE = "truncate"  #: vLLM's CPU cast: x * (1 / scale), clamp, mantissa trun
 KV_ROUNDINGS = (NEAREST, TRUNCATE)
 #: the attention implementation name the wrapped kernel is registered under
 KV_FP8_ATTENTION = "fp8forge_kv_fp8"
-_REGISTER_LOCK = threading.Lock()
 #: the fp32 exponent offset between an E4M3 byte's payload and an fp32's bits (cpu_attn_fp8.hpp's 0x1p-120f)
 _E4M3_TO_FP32_SHIFT = 2.0 ** -120
 
@@ -96,55 +94,15 @@ def fake_quantize_kv(x: torch.Tensor, scale: float, rounding: str = NEAREST) -> 
     return read.mul_(torch.tensor(scale, dtype=torch.float32)).to(x.dtype)
 
 
-class _KvConfig:
-    """An attention module's config as the module sees it inside :class:`quantizing_kv_cache`: every attribute is
-    the real config's, but ``_attn_implementation`` names the FP8-KV kernel, which finds the cast and the module's
-    real implementation here."""
-
-    def __init__(self, config: Any, cast: KvCast) -> None:
-        self.__dict__["_real"] = config
-        self.__dict__["kv_cast"] = cast
-        self.__dict__["real_implementation"] = config._attn_implementation
-
-    @property
-    def _attn_implementation(self) -> str:
-        return KV_FP8_ATTENTION
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_real"], name)
-
-
-def eager_attention_of(module: nn.Module) -> Callable:
-    """The ``eager_attention_forward`` of ``module``'s modeling file (transformers' fallback kernel, which
-    ``ALL_ATTENTION_FUNCTIONS`` does not hold); ValueError when the file defines none."""
-    function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if function is None:
-        raise ValueError(f"{type(module).__name__} runs eager attention but its module defines no "
-                         "eager_attention_forward: its FP8 KV cache cannot be emulated")
-    return function
-
-
 def _kv_fp8_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       *args: Any, **kwargs: Any) -> Any:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # deferred: only a KV-cast pass needs it
-
     config = module.config
-    if not isinstance(config, _KvConfig):  # only the block gives a module this implementation name
+    cast = getattr(config, "kv_cast", None)
+    if cast is None:  # only the block gives a module this implementation name
         raise RuntimeError(f"{type(module).__name__} asked for {KV_FP8_ATTENTION} outside quantizing_kv_cache")
-    cast = config.kv_cast
     key = fake_quantize_kv(key, cast.k_scale, cast.rounding)
     value = fake_quantize_kv(value, cast.v_scale, cast.rounding)
-    real = config.real_implementation
-    kernel = eager_attention_of(module) if real in (None, "eager") else ALL_ATTENTION_FUNCTIONS[real]
-    return kernel(module, query, key, value, *args, **kwargs)
-
-
-def _register() -> None:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # deferred: only a KV-cast pass needs it
-
-    with _REGISTER_LOCK:
-        if ALL_ATTENTION_FUNCTIONS.get(KV_FP8_ATTENTION) is not _kv_fp8_attention:
-            ALL_ATTENTION_FUNCTIONS[KV_FP8_ATTENTION] = _kv_fp8_attention
+    return kernel_named(module, config.real_implementation)(module, query, key, value, *args, **kwargs)
 
 
 class quantizing_kv_cache:  # noqa: N801 - a context manager read as a phrase: ``with quantizing_kv_cache(...)``
@@ -158,21 +116,14 @@ class quantizing_kv_cache:  # noqa: N801 - a context manager read as a phrase: `
 
     def __enter__(self) -> quantizing_kv_cache:
         if self.casts:
-            _register()
-        for path, cast in self.casts.items():
-            module = self.model.get_submodule(path)
-            config = module.__dict__.get("config")
-            if config is None or not hasattr(config, "_attn_implementation"):
-                raise ValueError(f"{path} is a {type(module).__name__} without a transformers config: the FP8 KV "
-                                 "cache is emulated on attention modules that dispatch through "
-                                 "ALL_ATTENTION_FUNCTIONS")
-            module.__dict__["config"] = _KvConfig(config, cast)
-            self._entered.append(module)
+            register_attention(KV_FP8_ATTENTION, _kv_fp8_attention)
+        self._entered = wrap_configs(self.model, {path: {"kv_cast": cast} for path, cast in self.casts.items()},
+                                     KV_FP8_ATTENTION, "real_implementation", "the FP8 KV cache is emulated on "
+                                     "attention modules that dispatch through ALL_ATTENTION_FUNCTIONS")
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for module in self._entered:
-            module.__dict__["config"] = module.__dict__["config"].__dict__["_real"]
+        unwrap_configs(self._entered)
         self._entered = []
 
 

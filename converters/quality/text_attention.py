@@ -19,38 +19,18 @@ SDPA, which then runs causal; the batch's mask cut to the text for the others).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from converters.quality.kv_cache import eager_attention_of
+from converters.quality.attention_views import kernel_named, register_attention, unwrap_configs, wrap_configs
 
 __all__ = ["PER_TEXT_ATTENTION", "attending_per_text"]
 
 #: the attention implementation name the per-text kernel is registered under
 PER_TEXT_ATTENTION = "fp8forge_per_text"
-_REGISTER_LOCK = threading.Lock()
-
-
-class _PerTextConfig:
-    """An attention module's config inside :class:`attending_per_text`: the real config's attributes, but
-    ``_attn_implementation`` names the per-text kernel, which finds the texts' lengths and the real kernel here.
-    (The FP8-KV view wraps this one when both apply: its attribute reads fall through to it.)"""
-
-    def __init__(self, config: Any, texts: attending_per_text) -> None:
-        self.__dict__["_real"] = config
-        self.__dict__["per_text"] = texts
-        self.__dict__["per_text_implementation"] = config._attn_implementation
-
-    @property
-    def _attn_implementation(self) -> str:
-        return PER_TEXT_ATTENTION
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_real"], name)
 
 
 def _own_mask(mask: torch.Tensor | None, row: int, length: int, implementation: str | None) -> torch.Tensor | None:
@@ -67,13 +47,11 @@ def _own_mask(mask: torch.Tensor | None, row: int, length: int, implementation: 
 
 def _per_text_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # deferred: only a batched pass needs it
-
     config = module.config
     texts, real = getattr(config, "per_text", None), getattr(config, "per_text_implementation", None)
     if texts is None:
         raise RuntimeError(f"{type(module).__name__} asked for {PER_TEXT_ATTENTION} outside attending_per_text")
-    kernel = eager_attention_of(module) if real in (None, "eager") else ALL_ATTENTION_FUNCTIONS[real]
+    kernel = kernel_named(module, real)
     lengths = texts.lengths if texts.lengths is not None else [query.shape[2]] * query.shape[0]
     if len(lengths) != query.shape[0] or max(lengths) > query.shape[2]:
         raise ValueError(f"attending_per_text has lengths {lengths} for a batch of {query.shape[0]} texts of "
@@ -86,14 +64,6 @@ def _per_text_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
             output = text_output.new_zeros(query.shape[0], query.shape[2], *text_output.shape[2:])
         output[row, :length] = text_output[0]
     return output, None
-
-
-def _register() -> None:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # deferred: only a batched pass needs it
-
-    with _REGISTER_LOCK:
-        if ALL_ATTENTION_FUNCTIONS.get(PER_TEXT_ATTENTION) is not _per_text_attention:
-            ALL_ATTENTION_FUNCTIONS[PER_TEXT_ATTENTION] = _per_text_attention
 
 
 class attending_per_text:  # noqa: N801 - a context manager read as a phrase: ``with attending_per_text(...)``
@@ -109,18 +79,12 @@ class attending_per_text:  # noqa: N801 - a context manager read as a phrase: ``
 
     def __enter__(self) -> attending_per_text:
         if self.paths:
-            _register()
-        for path in self.paths:
-            module = self.model.get_submodule(path)
-            config = module.__dict__.get("config")
-            if config is None or not hasattr(config, "_attn_implementation"):
-                raise ValueError(f"{path} is a {type(module).__name__} without a transformers config: batched texts "
-                                 "attend text by text through ALL_ATTENTION_FUNCTIONS")
-            module.__dict__["config"] = _PerTextConfig(config, self)
-            self._entered.append(module)
+            register_attention(PER_TEXT_ATTENTION, _per_text_attention)
+        self._entered = wrap_configs(self.model, {path: {"per_text": self} for path in self.paths}, PER_TEXT_ATTENTION,
+                                     "per_text_implementation",
+                                     "batched texts attend text by text through ALL_ATTENTION_FUNCTIONS")
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for module in self._entered:
-            module.__dict__["config"] = module.__dict__["config"].__dict__["_real"]
+        unwrap_configs(self._entered)
         self._entered = []
