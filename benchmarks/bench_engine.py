@@ -352,6 +352,14 @@ def _position_gaps(report: list[float] | None, run: dict) -> dict:
     if not report or len(report) != len(engine):
         return {}
     diffs = [r - e for r, e in zip(report, engine, strict=True)]
+    mean, se, rms = _paired_mean(diffs, run)
+    return {"nll_mean_diff": mean, "nll_mean_diff_se": se, "nll_rms_diff": rms,
+            "over_0_1_nats": sum(abs(d) > 0.1 for d in diffs) / len(diffs)}
+
+
+def _paired_mean(diffs: list[float], run: dict) -> tuple[float, float, float]:
+    """``(mean, standard error, root mean square)`` of per-position differences over ``run``'s texts in order; the
+    error from the per-text sums (positions within a text are not independent, texts are)."""
     mean = sum(diffs) / len(diffs)
     residuals, start = [], 0
     for text in run["scores"]:
@@ -360,9 +368,7 @@ def _position_gaps(report: list[float] | None, run: dict) -> dict:
         start += count
     texts = len(residuals)
     se = math.sqrt(texts / (texts - 1) * sum(r * r for r in residuals)) / len(diffs) if texts > 1 else math.nan
-    return {"nll_mean_diff": mean, "nll_mean_diff_se": se,
-            "nll_rms_diff": math.sqrt(sum(d * d for d in diffs) / len(diffs)),
-            "over_0_1_nats": sum(abs(d) > 0.1 for d in diffs) / len(diffs)}
+    return mean, se, math.sqrt(sum(d * d for d in diffs) / len(diffs))
 
 
 def kv_gap_shifts(runs: dict, reports: dict) -> list[dict]:
@@ -386,16 +392,8 @@ def kv_gap_shifts(runs: dict, reports: dict) -> list[dict]:
         (_, report_kv), (_, report_twin) = rows
         diffs = [(rk - ek) - (rt - et)
                  for rk, ek, rt, et in zip(report_kv, engines[0], report_twin, engines[1], strict=True)]
-        mean = sum(diffs) / len(diffs)
-        residuals, start = [], 0
-        for text in run["scores"]:
-            count = len(text["per_token"])
-            residuals.append(sum(diffs[start:start + count]) - mean * count)
-            start += count
-        texts = len(residuals)
-        se = math.sqrt(texts / (texts - 1) * sum(r * r for r in residuals)) / len(diffs) if texts > 1 else math.nan
-        out.append({"export": twin, "shift": mean, "shift_se": se,
-                    "shift_rms": math.sqrt(sum(d * d for d in diffs) / len(diffs))})
+        mean, se, rms = _paired_mean(diffs, run)
+        out.append({"export": twin, "shift": mean, "shift_se": se, "shift_rms": rms})
     return out
 
 
