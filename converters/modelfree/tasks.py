@@ -27,7 +27,7 @@ from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
 from converters.rewrite import Compute, Copy, planned_bytes
 from converters.rewrite import write_shard as rewrite_shard
-from converters.serving.writer import quantize_weight
+from converters.serving.writer import quantize_step
 
 __all__ = ["AmaxResult", "AmaxTask", "WriteResult", "WriteTask", "inventory_shard", "planned_shard_bytes",
            "reduce_weight_amax", "shard_weight_amax", "write_shard"]
@@ -171,15 +171,13 @@ def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Com
         read = functools.partial(reader.weight, key, name if name in key_of else None, scale_dtype)
         if key in convert:
             shape = reader.stored_shape(key, name) if name in key_of else tensor.shape
-            outputs = fmt.planned_tensors(key, _Shaped(tuple(shape)), scale_dtype)
             # a weight the source stores quantized was checked finite where it was dequantized, and one with a
             # weight amax where that amax was taken (shard_weight_amax: it propagates NaN)
             checked = key in task.stored or key in task.weight_amax
             options = {"weight_amax": task.weight_amax.get(key)} if getattr(fmt, "needs_weight_amax", False) else {}
-            label = key.removesuffix(".weight") if task.measure else None
-            quantize = functools.partial(quantize_weight, fmt, key, outputs, None, scale_dtype, options, label,
-                                         check_weight=not checked)
-            steps.append(Compute(outputs=outputs, read=read, convert=quantize))
+            steps.append(quantize_step(fmt, key, _Shaped(tuple(shape)), read, scale_dtype, options=options,
+                                       label=key.removesuffix(".weight") if task.measure else None,
+                                       check_weight=not checked))
         elif name in key_of:
             shape = reader.stored_shape(key, name)
             steps.append(Compute(outputs={key: StreamingWriter.entry(scale_dtype, shape)}, read=read,

@@ -25,7 +25,6 @@ A precision a layout has no writer for (block FP8 in both: fp8forge's block FP8 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,19 +32,18 @@ from typing import Any
 
 import torch
 
-from converters.artifact.files import copy_side_files, write_json
 from converters.errors import Fp8ForgeError
-from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
+from converters.model.files import FileConfinement
 from converters.model.safetensors_stream import ReadBuffers, read_tensor, read_tensor_index
 from converters.plan.candidates import BF16
-from converters.rewrite import Compute, Copy
+from converters.rewrite import Compute, Copy, ShardWritten, finish_checkpoint
 from converters.rewrite import write_shard as rewrite_shard
 from converters.serving.compressed_tensors import STATIC
 from converters.serving.modelopt import HF_QUANT_CONFIG, MODELOPT_FP8, MODELOPT_NVFP4, MODELOPT_VERSION
 from converters.serving.mxfp8 import MXFP8
 from converters.serving.nvfp4 import GROUP, NVFP4
 from converters.serving.selection import ServingFormat, ServingSelection
-from converters.serving.writer import quantize_weight, set_weight_amax
+from converters.serving.writer import quantize_step, set_weight_amax
 
 __all__ = ["MixedLayout", "COMPRESSED_TENSORS_MIXED", "MODELOPT_MIXED", "MIXED_LAYOUTS", "not_expressible",
            "write_mixed_checkpoint"]
@@ -181,29 +179,20 @@ def write_mixed_checkpoint(layout: MixedLayout, plan: Mapping[str, Any], source_
         if getattr(layout.serving_of[precision], "needs_weight_amax", False):
             set_weight_amax(selection, weight_files)  # NVFP4's global scale, one per fused group
     directory.mkdir(parents=True, exist_ok=True)
-    weight_map, total = _write_weights(layout, selections, weight_files, directory, scale_dtype, check_stop)
-    written = [source.name for source in weight_files]
-    if (source_dir / INDEX_NAME).is_file():
-        write_json(directory / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        written.append(INDEX_NAME)
-    config = json.loads(read_model_text(source_dir / "config.json", confinement))
-    config["quantization_config"], side_files = layout.configs(selections, [row["path"] for row in plan["layers"]])
-    write_json(directory / "config.json", config)
-    written.append("config.json")
-    for name, content in side_files.items():
-        write_json(directory / name, content)
-        written.append(name)
-    return written + copy_side_files(source_dir, directory, confinement)
+    shards = _write_weights(layout, selections, weight_files, directory, scale_dtype, check_stop)
+    quantization_config, side_files = layout.configs(selections, [row["path"] for row in plan["layers"]])
+    return [shard.name for shard in shards] + finish_checkpoint(
+        source_dir, directory, shards, quantization_config=quantization_config, confinement=confinement,
+        json_files=side_files)
 
 
 def _write_weights(layout: MixedLayout, selections: Mapping[str, ServingSelection], weight_files: list[Path],
                    directory: Path, scale_dtype: torch.dtype, check_stop: Callable[[], None] | None
-                   ) -> tuple[dict[str, str], int]:
+                   ) -> list[ShardWritten]:
     """Each weight file again: planned weights replaced by their format's tensors, the rest copied as bytes."""
     format_of = {key: (layout.serving_of[precision], selection, path) for precision, selection in selections.items()
                  for path, key in selection.quantized.items()}
-    weight_map: dict[str, str] = {}
-    total = 0
+    shards = []
     for source in weight_files:
         tensors, metadata = read_tensor_index(source)
         buffers = ReadBuffers()  # the file's weights read into memory the ones before them no longer use
@@ -214,14 +203,9 @@ def _write_weights(layout: MixedLayout, selections: Mapping[str, ServingSelectio
                 continue
             fmt, selection, path = format_of[name]
             options = {"weight_amax": selection.weight_amax[path]} if getattr(fmt, "needs_weight_amax", False) else {}
-            outputs = fmt.planned_tensors(name, tensor, scale_dtype)
             # the serving export's own conversion (strips, finiteness), so a layer's bytes are its single export's
-            quantize = functools.partial(quantize_weight, fmt, name, outputs, selection.input_amax.get(path),
-                                         scale_dtype, options, None)
-            steps.append(Compute(outputs=outputs, read=functools.partial(read_tensor, tensor, buffers),
-                                 convert=quantize))
-        written = rewrite_shard(directory / source.name, steps, metadata, check_stop=check_stop)
-        weight_map.update(dict.fromkeys(written.tensors, source.name))
-        total += written.bytes
-    return weight_map, total
+            steps.append(quantize_step(fmt, name, tensor, functools.partial(read_tensor, tensor, buffers),
+                                       scale_dtype, input_amax=selection.input_amax.get(path), options=options))
+        shards.append(rewrite_shard(directory / source.name, steps, metadata, check_stop=check_stop))
+    return shards
 

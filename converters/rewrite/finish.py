@@ -23,10 +23,15 @@ REMOVE = object()
 
 def finish_checkpoint(source_dir: Path, directory: Path, shards: Iterable[Any], *, quantization_config: Any,
                       confinement: FileConfinement, json_files: Mapping[str, Any] | None = None,
-                      manifest: bool = False, shard_files: Iterable[Mapping[str, Any]] = ()) -> list[Any]:
+                      manifest: bool = False, shard_files: Iterable[Mapping[str, Any]] = (),
+                      config: Mapping[str, Any] | None = None, side_files_from: Path | None = None) -> list[Any]:
     """Write the index (when the source has one), config.json with ``quantization_config`` (:data:`REMOVE`:
     without one), the tokenizer files and generation config, ``json_files`` (name -> JSON value: a format's side
     files, a report) into ``directory``, then, with ``manifest``, the manifest over all of them.
+
+    ``config``: config.json's content before ``quantization_config`` is set (default: the source's config.json);
+    ``side_files_from``: the directory the tokenizer files are copied from (default: the source). Both serve a
+    checkpoint whose weights and whose model files lie in different directories (sync's retrained weights).
 
     ``shards``: each written shard's name (``name`` or ``shard``; ``file`` in a mapping), ``tensors`` (in file
     order) and ``bytes`` (tensor bytes), as attributes or mapping keys, in index order. ``shard_files``: manifest
@@ -43,14 +48,15 @@ def finish_checkpoint(source_dir: Path, directory: Path, shards: Iterable[Any], 
         write_json(directory / INDEX_NAME, {"metadata": {"total_size": sum(size for _, _, size in shards)},
                                             "weight_map": weight_map})
         written.append(INDEX_NAME)
-    config = json.loads(read_model_text(Path(source_dir) / "config.json", confinement))
+    config = dict(config) if config is not None else json.loads(read_model_text(Path(source_dir) / "config.json",
+                                                                                 confinement))
     if quantization_config is REMOVE:
         config.pop("quantization_config", None)
     else:
         config["quantization_config"] = quantization_config
     write_json(directory / "config.json", config)
     written.append("config.json")
-    written += copy_side_files(Path(source_dir), directory, confinement)
+    written += copy_side_files(Path(side_files_from or source_dir), directory, confinement)
     for name, content in (json_files or {}).items():
         write_json(directory / name, content)
         written.append(name)

@@ -13,8 +13,9 @@ scale) set ``needs_weight_amax``: before writing, :func:`set_weight_amax` reads 
 ``weight_amax``. Formats that need files beside config.json (ModelOpt's ``hf_quant_config.json``) define
 ``side_files``.
 
-:func:`quantize_weight` is the one conversion of a weight for every writer of quantized shards (this module's,
-requantize's, sync's and the mixed-precision checkpoints'): in strips of rows where the cast allows, checked finite.
+:func:`quantize_step` is the one rewrite step of a quantized weight for every writer of quantized shards (this
+module's, requantize's, sync's and the mixed-precision checkpoints'); its conversion, :func:`quantize_weight`, runs in
+strips of rows where the cast allows and checks what it gives finite.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from converters.serving.written_sqnr import written_weight_sqnr
 
 __all__ = [
     "layer_stats",
+    "quantize_step",
     "quantize_weight",
     "set_weight_amax",
     "write_serving_checkpoint",
@@ -138,12 +140,9 @@ def write_serving_file(fmt: ServingFormat, selection: ServingSelection, source: 
             amax = {"weight_amax": selection.weight_amax[path_of[name]]} if needs_weight_amax else {}
             label = name.removesuffix(".weight") if name in selection.experts else path_of[name]
             stats = emulated_stats or getattr(fmt, "layer_stats", None) is not None
-            outputs = fmt.planned_tensors(name, tensor, scale_dtype)
-            input_amax = selection.input_amax.get(path_of[name])
-            quantize = functools.partial(quantize_weight, fmt, name, outputs, input_amax, scale_dtype, amax,
-                                         label if stats else None)
-            steps.append(Compute(outputs=outputs, read=functools.partial(read_tensor, tensor, buffers),
-                                 convert=quantize))
+            steps.append(quantize_step(fmt, name, tensor, functools.partial(read_tensor, tensor, buffers),
+                                       scale_dtype, input_amax=selection.input_amax.get(path_of[name]),
+                                       options=amax, label=label if stats else None))
         for added, value in added_after.get(name, {}).items():
             steps.append(Compute(outputs={added: value}, read=lambda: None,
                                  convert=lambda _, value=value: ([value], None)))
@@ -153,12 +152,24 @@ def write_serving_file(fmt: ServingFormat, selection: ServingSelection, source: 
             "layer_stats": dict(note for note in written.notes if note is not None)}
 
 
+def quantize_step(fmt: ServingFormat, name: str, weight: Any, read: Callable[[], torch.Tensor],
+                  scale_dtype: torch.dtype, *, input_amax: float | None = None, options: dict[str, float] | None = None,
+                  label: str | None = None, check_weight: bool = True) -> Compute:
+    """The rewrite step that replaces the weight ``name`` (``weight``: anything with its high-precision ``shape``)
+    by ``fmt``'s tensors: ``read()`` gives the weight, :func:`quantize_weight` converts it (arguments as there;
+    ``options`` None: the format takes none)."""
+    outputs = fmt.planned_tensors(name, weight, scale_dtype)
+    return Compute(outputs=outputs, read=read,
+                   convert=functools.partial(quantize_weight, fmt, name, outputs, input_amax, scale_dtype,
+                                             options or {}, label, check_weight=check_weight))
+
+
 def quantize_weight(fmt: ServingFormat, name: str, outputs: dict[str, Any], input_amax: float | None,
                     scale_dtype: torch.dtype, options: dict[str, float], label: str | None, weight: torch.Tensor, *,
                     check_weight: bool = True) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]] | None]:
     """``weight`` (``name``) quantized to ``fmt`` as the tensors ``outputs`` plans, in strips of rows where its cast
     allows (:mod:`converters.rewrite.strips`), checked finite; with it a note: its figures under ``label``
-    (:func:`layer_stats`; None: no figures). The convert of a rewrite's :class:`~converters.rewrite.Compute` step.
+    (:func:`layer_stats`; None: no figures). The convert of :func:`quantize_step`'s rewrite step.
 
     ``options``: the format's keyword arguments (``weight_amax``). ``check_weight`` False: the weight was checked
     finite where it was read (:func:`~converters.model.finite.check_converted`).

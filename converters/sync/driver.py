@@ -27,19 +27,18 @@ from typing import Any
 
 import torch
 
-from converters.artifact.files import copy_side_files, write_json, write_manifest
 from converters.artifact.layout import staging_dir_for
 from converters.errors import ArtifactError, ConversionError, RequestError
 from converters.model.checkpoint import weight_files
-from converters.model.files import INDEX_NAME, FileConfinement, read_model_text
-from converters.model.safetensors_stream import ReadBuffers, SourceTensor, read_tensor, read_tensor_index
+from converters.model.files import FileConfinement, read_model_text
+from converters.model.safetensors_stream import ReadBuffers, read_tensor, read_tensor_index
 from converters.modelfree.driver import serving_selection
 from converters.modelfree.eligibility import ModelFreeOptions, TensorInfo, report_from_headers
 from converters.modelfree.targets import model_free_target, scale_dtype_of
 from converters.recipes import recipe_from_dict
-from converters.rewrite import Compute, Copy
+from converters.rewrite import Compute, Copy, ShardWritten, finish_checkpoint
 from converters.rewrite import write_shard as rewrite_shard
-from converters.serving.writer import quantize_weight
+from converters.serving.writer import quantize_step
 from converters.sync.twins import training_twin, twin_report
 
 __all__ = ["SYNC_REPORT_NAME", "sync_serving"]
@@ -92,12 +91,9 @@ def sync_serving(artifact: Path, out: Path, *, format_name: str | None = None, w
     try:
         written = [_write_shard(path, headers[path.name], staging, fmt, set(report["quantized"]),
                                 getattr(torch, report["scale_dtype"])) for path in files]
-        _finish(artifact, source, staging, config, fmt, report, written)
         report.update({"artifact": str(artifact), "weights": str(source),
-                       "serving": {name: {"training_twin": twin_report(recipe, name)}},
-                       "seconds": round(time.perf_counter() - started, 3)})
-        write_json(staging / SYNC_REPORT_NAME, report)
-        write_manifest(staging)
+                       "serving": {name: {"training_twin": twin_report(recipe, name)}}})
+        _finish(artifact, source, staging, config, fmt, report, written, started)
         os.replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -165,41 +161,33 @@ def _check_weights(report: dict[str, Any], block: dict[str, Any], headers: dict[
 
 
 def _write_shard(path: Path, header: dict[str, Any], staging: Path, fmt: Any, convert: set[str],
-                 scale_dtype: torch.dtype) -> dict[str, Any]:
+                 scale_dtype: torch.dtype) -> ShardWritten:
     """One output shard: converted weights cast, ``_extra_state`` left out, every other tensor copied as bytes."""
     kept = {name: tensor for name, tensor in header.items() if not name.endswith(_EXTRA_STATE)}
     _, metadata = read_tensor_index(path)
     buffers = ReadBuffers()  # the shard's weights read into memory the ones before them no longer use
+    # the serving export's own conversion (strips of rows, finiteness), without input scale or figures (sync's
+    # formats take no calibration; the report holds no SQNR)
     steps: list[Copy | Compute] = [
-        _cast_step(name, tensor, fmt, scale_dtype, buffers) if name in convert else Copy(name, tensor)
-        for name, tensor in kept.items()]
-    written = rewrite_shard(staging / path.name, steps, metadata)
-    return {"shard": path.name, "tensors": written.tensors, "bytes": written.bytes}
-
-
-def _cast_step(name: str, tensor: SourceTensor, fmt: Any, scale_dtype: torch.dtype, buffers: ReadBuffers) -> Compute:
-    """``name``'s weight read and cast by the serving export's own conversion (strips of rows, finiteness), without
-    input scale or figures (sync's formats take no calibration; the report holds no SQNR)."""
-    outputs = fmt.planned_tensors(name, tensor, scale_dtype)
-    return Compute(outputs=outputs, read=functools.partial(read_tensor, tensor, buffers),
-                   convert=functools.partial(quantize_weight, fmt, name, outputs, None, scale_dtype, {}, None))
+        quantize_step(fmt, name, tensor, functools.partial(read_tensor, tensor, buffers), scale_dtype)
+        if name in convert else Copy(name, tensor) for name, tensor in kept.items()]
+    return rewrite_shard(staging / path.name, steps, metadata)
 
 
 def _finish(artifact: Path, source: Path, staging: Path, config: dict[str, Any], fmt: Any, report: dict[str, Any],
-            written: list[dict[str, Any]]) -> None:
-    """Index (where the source has one), config.json without the fp8 block and with the format's, side files."""
-    if (source / INDEX_NAME).is_file():
-        write_json(staging / INDEX_NAME, {
-            "metadata": {"total_size": sum(shard["bytes"] for shard in written)},
-            "weight_map": {name: shard["shard"] for shard in written for name in shard["tensors"]}})
-    config = {key: value for key, value in config.items() if key != "fp8"}
+            written: list[ShardWritten], started: float) -> None:
+    """Index (where the source has one), config.json without the fp8 block and with the format's, side files (the
+    model files from the artifact: a separate weights directory need hold only weights), the report, and the
+    manifest (the shards as their writer hashed them)."""
     selection = serving_selection(report)
-    config["quantization_config"] = fmt.quantization_config(selection)
-    write_json(staging / "config.json", config)
-    copy_side_files(artifact, staging, FileConfinement(roots=(artifact.resolve(),)))
-    for name, content in (getattr(fmt, "side_files", lambda selection: {})(selection)).items():
-        write_json(staging / name, content)
-    report["bytes_written"] = sum(shard["bytes"] for shard in written)
+    side_files = getattr(fmt, "side_files", None)
+    report["bytes_written"] = sum(shard.bytes for shard in written)
     report["kept"] = {layer["module"]: ",".join(layer["reasons"])
                       for layer in report["layers"] if not layer["eligible"]}
     del report["layers"]
+    report["seconds"] = round(time.perf_counter() - started, 3)
+    json_files = {**(side_files(selection) if side_files is not None else {}), SYNC_REPORT_NAME: report}
+    finish_checkpoint(source, staging, written, quantization_config=fmt.quantization_config(selection),
+                      confinement=FileConfinement(roots=(artifact.resolve(),)), json_files=json_files,
+                      config={key: value for key, value in config.items() if key != "fp8"}, side_files_from=artifact,
+                      manifest=True, shard_files=[shard.file_entry() for shard in written])
