@@ -302,7 +302,7 @@ _LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 
 
 #: freed bytes a caller may leave in the allocator's arenas before :func:`return_freed_memory` trims: a trim costs
-#: milliseconds whatever was freed (5 ms on a 2-core machine), more than a small layer's whole forward
+#: milliseconds whatever was freed, more than a small layer's whole forward
 _TRIM_AFTER_BYTES = 32 * 2**20
 _untrimmed_bytes = 0
 

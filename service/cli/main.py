@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     silence_third_party_noise()  # before any command imports torch, torchao or transformers
     # libgomp reads its wait policy when torch loads: passive, as in the service's conversion children (spinning
-    # OpenMP threads made a calibration 5x slower on a host whose cores are shared;
+    # OpenMP threads slow a calibration several times on a host whose cores are shared:
     # docs/benchmarks/calibration-speed-2026-12-02.md)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -246,7 +246,7 @@ def make_engine(url: str, timeouts: StoreTimeouts | None = None) -> Engine:
     if parsed.database and parsed.database != ":memory:" and not parsed.database.startswith("file:"):
         _private_database(Path(parsed.database))
     # As many pooled connections as the API runs threads (anyio's default limiter: 40): with SQLAlchemy's default 5
-    # (+10 overflow) the threads beyond fifteen queued for a connection (40 threads reading: 2.3x slower). The
+    # (+10 overflow) the threads beyond fifteen queued for a connection, and every read waited on them. The
     # overflow covers the rest: the event loop's inline reads (JobStore.reads_inline) and the reaper's thread, so a
     # read on the loop never waits for a connection.
     engine = sa.create_engine(url, connect_args={"timeout": timeouts.lock_s, "check_same_thread": False},
