@@ -26,6 +26,7 @@ memory one weight's worth plus a fixed buffer.
     .venv/bin/python benchmarks/bench_requantize.py                      # 2 rounds, all four formats
     .venv/bin/python benchmarks/bench_requantize.py --rounds 1 --formats fp8-block --skip-peer
     .venv/bin/python benchmarks/bench_requantize.py --rounds 1 --skip-peer --no-measure
+    .venv/bin/python benchmarks/bench_requantize.py --device cuda          # on a GPU worker: both tools cast there
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def build_model(directory: Path) -> int:
 # ---- the measured children (``bench_requantize.py --child ROLE ...``, in either venv) -----------------------
 
 
-def child(role: str, fmt: str, source: str, out: str, measure: str = "measure") -> None:
+def child(role: str, fmt: str, source: str, out: str, measure: str = "measure", device: str = "cpu") -> None:
     """One measured run: imports, then the work timed; prints one JSON line.
 
     Memory is this process's own high-water mark (``VmHWM``), not ``ru_maxrss``: Linux carries a parent's peak into
@@ -119,9 +120,9 @@ def child(role: str, fmt: str, source: str, out: str, measure: str = "measure") 
     cpu = _cpu_seconds(os.times(), children=False)
     if role == "fp8forge":
         convert_model_free(Path(source), Path(out), fmt, exclude=("lm_head",), skip_first_last=False,
-                           measure=measure == "measure")
+                           measure=measure == "measure", device=device)
     elif role == "peer":
-        model_free_ptq(source, out, scheme=FORMATS[fmt], ignore=["lm_head"], max_workers=1, device="cpu")
+        model_free_ptq(source, out, scheme=FORMATS[fmt], ignore=["lm_head"], max_workers=1, device=device)
     done = time.perf_counter()
     cpu = _cpu_seconds(os.times(), children=False) - cpu
     peak = _memory_mb("VmHWM")
@@ -154,11 +155,11 @@ def _reset_peak() -> bool:
     return True
 
 
-def _run(python: Path, role: str, fmt: str, source: Path, out: Path, measure: bool) -> dict:
+def _run(python: Path, role: str, fmt: str, source: Path, out: Path, measure: bool, device: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
     result = subprocess.run([str(python), __file__, "--child", role, fmt, str(source), str(out),
-                             "measure" if measure else "no-measure"], capture_output=True,
+                             "measure" if measure else "no-measure", device], capture_output=True,
                             text=True, cwd=ROOT, env={**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
                                                       "PYTHONPATH": str(ROOT)})
     seconds = time.perf_counter() - started
@@ -206,6 +207,9 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--no-measure", action="store_true",
                         help="fp8forge without the report's weight SQNR (the peer computes none)")
+    parser.add_argument("--device", default="cpu",
+                        help="where both tools cast: cpu (default) or cuda (fp8forge requantize --device, the "
+                             "peer's device=); reads, writes and the copy stay on the host")
     args = parser.parse_args()
     formats = [name for name in args.formats.split(",") if name]
     unknown = [name for name in formats if name not in FORMATS]
@@ -224,7 +228,7 @@ def main() -> None:
     size = _tree_bytes(source)
     print(f"checkpoint: {size / 1e9:.2f} GB in {SHARDS} shards, {LAYERS} layers, hidden {HIDDEN}; "
           f"cpus {os.cpu_count()}; rounds {args.rounds}; fp8forge's weight SQNR "
-          f"{'off' if args.no_measure else 'on'}", flush=True)
+          f"{'off' if args.no_measure else 'on'}; casts on {args.device}", flush=True)
     _warm(source)
     out = args.workdir / "out"
     runs: dict[tuple[str, str], list[dict]] = {}
@@ -233,7 +237,7 @@ def main() -> None:
             tools = [("copy", None), ("fp8forge", Path(sys.executable))] + ([("peer", peer_python)] if run_peer else [])
             for tool, python in tools:
                 measured = _copy(source, out) if python is None else _run(python, tool, fmt, source, out,
-                                                                          not args.no_measure)
+                                                                          not args.no_measure, args.device)
                 runs.setdefault((fmt, tool), []).append(measured)
                 if "failed" in measured:
                     print(f"round {round_ + 1} {fmt:32s} {tool:9s} FAILED: {measured['failed']}", flush=True)
@@ -274,6 +278,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(*sys.argv[2:7])
+        child(*sys.argv[2:8])
     else:
         main()

@@ -38,6 +38,7 @@ from converters.modelfree.tasks import (
     AmaxTask,
     WriteResult,
     WriteTask,
+    check_device,
     inventory_shard,
     planned_shard_bytes,
     reduce_weight_amax,
@@ -95,7 +96,7 @@ def _plan(source_dir: Path, target: str, options: ModelFreeOptions, pool: Execut
 def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, include: Iterable[str] = (),
                        exclude: Iterable[str] = (), skip_first_last: bool = True, measure: bool = True,
                        workers: int = 1, confinement: FileConfinement | None = None,
-                       sink: ProgressSink | None = None) -> dict[str, Any]:
+                       sink: ProgressSink | None = None, device: str = "cpu") -> dict[str, Any]:
     """Convert ``source_dir`` (safetensors + config.json) to ``format_name`` in ``out_dir``, shard by shard.
 
     ``measure`` False leaves each converted weight's SQNR out of the report (a pass over every weight and its codes
@@ -104,6 +105,8 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
     ``confinement`` (default: ``source_dir``). Returns the report (also written to
     ``out_dir/requantize_report.json``). ``sink`` sees the stages and progress a
     requantize job's events show: analyze (the plan), convert (tasks done, shards and bytes written), export.
+    ``device`` casts the converted weights there ("cuda": reads, writes and hashing stay on the host; the bytes do
+    not depend on it).
 
     Raises:
         Fp8ForgeError: ``out_dir`` exists or its parent does not, bad options or target (see
@@ -116,6 +119,7 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
         raise Fp8ForgeError(f"the parent of {out_dir} does not exist; create {out_dir.parent} first", field="out")
     if not isinstance(workers, int) or workers < 1:
         raise RequestError(f"workers must be a positive integer, got {workers!r}", field="workers")
+    device = check_device(device)
     options = ModelFreeOptions(include=tuple(include), exclude=tuple(exclude), skip_first_last=skip_first_last,
                                measure=measure)
     sink = sink or NullSink()
@@ -128,7 +132,7 @@ def convert_model_free(source_dir: Path, out_dir: Path, format_name: str, *, inc
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         try:
-            amax_tasks, write_tasks = shard_tasks(source_dir, staging, report, view)
+            amax_tasks, write_tasks = shard_tasks(source_dir, staging, report, view, device=device)
             progress = _ShardProgress(sink, amax_tasks, write_tasks)
             sink.progress(1, 1, Unit.TASK, **progress.counts())  # the plan done: the shards and bytes to write
             results = _write_shards(report, amax_tasks, write_tasks, pool, progress)
@@ -158,9 +162,10 @@ def check_plan(report: dict[str, Any], view: SourceView) -> None:
                               "fp8forge analyze): adjust include/exclude or skip_first_last", field="to")
 
 
-def shard_tasks(source_dir: Path, staging: Path, report: dict[str, Any], view: SourceView
+def shard_tasks(source_dir: Path, staging: Path, report: dict[str, Any], view: SourceView, *, device: str = "cpu"
                 ) -> tuple[list[AmaxTask], list[WriteTask]]:
-    """The weight amax tasks (none unless the format needs them) and the write tasks, one per shard.
+    """The weight amax tasks (none unless the format needs them) and the write tasks, one per shard, casting on
+    ``device``.
 
     The write tasks' ``weight_amax`` is empty: :func:`with_weight_amax` fills it from the reduced amax; their
     ``planned_bytes`` are read from the shards' headers.
@@ -180,7 +185,7 @@ def shard_tasks(source_dir: Path, staging: Path, report: dict[str, Any], view: S
     write_tasks = [WriteTask(source_dir=str(source_dir), shard=shard, out_dir=str(staging), target=fmt.name,
                              scale_dtype=report["scale_dtype"], convert=keys,
                              drop=sorted(name for name, where in view.drop.items() if where == shard),
-                             measure=report["options"].get("measure", True),
+                             measure=report["options"].get("measure", True), device=device,
                              **view.task_fields(dequantized[shard])) for shard, keys in by_shard.items()]
     return amax_tasks, [dataclasses.replace(task, planned_bytes=planned_shard_bytes(task)) for task in write_tasks]
 

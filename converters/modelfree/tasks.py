@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from converters.casts.emulation import max_abs
-from converters.errors import ModelConfigError
+from converters.errors import ModelConfigError, RequestError
 from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor_index
 from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
@@ -29,8 +29,8 @@ from converters.rewrite import Compute, Copy, planned_bytes
 from converters.rewrite import write_shard as rewrite_shard
 from converters.serving.writer import quantize_step
 
-__all__ = ["AmaxResult", "AmaxTask", "WriteResult", "WriteTask", "inventory_shard", "planned_shard_bytes",
-           "reduce_weight_amax", "shard_weight_amax", "write_shard"]
+__all__ = ["AmaxResult", "AmaxTask", "WriteResult", "WriteTask", "check_device", "inventory_shard",
+           "planned_shard_bytes", "reduce_weight_amax", "shard_weight_amax", "write_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class WriteTask(_Wire):
     drop: list[str] = field(default_factory=list)  #: this shard's companions and KV-cache scales, not copied
     planned_bytes: int = 0  #: the tensor bytes the output shard will hold (progress counts them; 0: not planned)
     measure: bool = True  #: each converted weight's SQNR, read from the tensors written, in the result's layer_stats
+    #: where the converted weights are cast: "cpu", or a CUDA device (:func:`check_device`); the bytes are the same
+    device: str = "cpu"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +171,8 @@ def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Com
         if name in drop:
             continue
         read = functools.partial(reader.weight, key, name if name in key_of else None, scale_dtype)
+        if key in convert and task.device != "cpu":
+            read = functools.partial(_to_device, read, torch.device(task.device))
         if key in convert:
             shape = reader.stored_shape(key, name) if name in key_of else tensor.shape
             # a weight the source stores quantized was checked finite where it was dequantized, and one with a
@@ -185,6 +189,34 @@ def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Com
         else:
             steps.append(Copy(name, tensor))
     return steps
+
+
+def check_device(device: str) -> str:
+    """``device`` as a write task takes it: "cpu", or "cuda" / "cuda:N" where torch sees that GPU.
+
+    Raises:
+        RequestError: (field ``device``) another device, or a CUDA device this machine's torch does not see.
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise RequestError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}", field="device")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise RequestError(f"device {device!r}: this machine's torch sees no CUDA GPU (torch "
+                               f"{torch.__version__}); run on a GPU worker or use device 'cpu'", field="device")
+        if parsed.index is not None and parsed.index >= count:
+            raise RequestError(f"device {device!r}: torch sees {count} CUDA GPU(s), numbered from 0", field="device")
+    return "cpu" if parsed.type == "cpu" else str(parsed)
+
+
+def _to_device(read: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """What ``read()`` gives, on ``device`` (runs on the rewrite's reader thread, so the copy overlaps the casts);
+    the writer brings the outputs back to host memory."""
+    return read().to(device)
 
 
 @contextlib.contextmanager

@@ -34,10 +34,10 @@ _DEFAULT_STRIP_FACTOR = 1
 
 def strip_rows(fmt: Any, weight: torch.Tensor) -> int | None:
     """Rows per strip for ``fmt``'s cast of ``weight`` (a multiple of its scale blocks' rows), or None where the
-    cast needs the whole tensor (a per-tensor scale, a tensor that is not 2-D or not whole blocks) or a single strip
-    would hold it all."""
+    cast needs the whole tensor (a per-tensor scale, a tensor that is not 2-D or not whole blocks), a single strip
+    would hold it all, or the weight is not in host memory (strips are for a CPU core's cache)."""
     spec_name = getattr(fmt, "weight_cast", None)
-    if spec_name is None or weight.dim() != 2:
+    if spec_name is None or weight.dim() != 2 or weight.device.type != "cpu":  # a GPU casts a weight whole
         return None
     spec = cast_spec(spec_name)
     unit = spec.block[0]

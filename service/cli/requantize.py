@@ -40,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="leave each converted weight's SQNR out of the report (the same bytes, one pass over "
                              "every weight less)")
     parser.add_argument("--workers", type=int, default=1, help="shard tasks run in this many processes (default 1)")
+    parser.add_argument("--device", default="cpu", metavar="DEVICE",
+                        help="cast the converted weights on cpu (default) or cuda / cuda:N: the same bytes; reads, "
+                             "writes and checksums stay on the host")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars (by default each stage's bar counts the shards and bytes written)")
     add_source_arguments(parser)
@@ -64,7 +67,7 @@ def run_requantize_command(args: argparse.Namespace, sources) -> int:
     try:
         report = convert_model_free(directory, args.out, args.to, include=args.include, exclude=args.exclude,
                                     skip_first_last=not args.no_skip_first_last, measure=not args.no_measure,
-                                    workers=args.workers,
+                                    workers=args.workers, device=args.device,
                                     confinement=confinement_for(sources), sink=sink)
     except BaseException:
         for parent in created:  # a failed run leaves no directory behind, parents included

@@ -271,3 +271,42 @@ def test_scales_stored_in_another_shard_than_their_weight(converted, tmp_path):
                 safe_open(tmp_path / "bf16" / shard, "pt") as kept:
             assert set(moved.keys()) == set(kept.keys())
             assert all(torch.equal(moved.get_tensor(key), kept.get_tensor(key)) for key in kept.keys())
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("tpu", "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    ("meta", "device must be 'cpu', 'cuda' or 'cuda:N', got 'meta'"),
+    pytest.param("cuda", "sees no CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                                         reason="this machine has a CUDA GPU")),
+])
+def test_a_device_it_cannot_cast_on_is_refused_before_anything_is_written(root, tmp_path, device, message):
+    with pytest.raises(RequestError, match=message) as caught:
+        convert_model_free(root / "llama", tmp_path / "out", "fp8-block", device=device)
+    assert caught.value.field == "device"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_names_the_device_it_cannot_cast_on(root, tmp_path, capsys):
+    code = main(["requantize", str(root / "llama"), "--out", str(tmp_path / "out"), "--to", "mxfp8",
+                 "--device", "tpu", "--allow-root", str(root)])
+    assert code == 2 and "device must be 'cpu', 'cuda' or 'cuda:N'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_tasks_carry_the_device_and_old_payloads_cast_on_the_cpu(root):
+    write = WriteTask(source_dir="s", shard="x", out_dir="o", target="mxfp8", scale_dtype="bfloat16", convert=[],
+                      device="cuda:1")
+    assert WriteTask.from_dict(json.loads(json.dumps(write.to_dict()))).device == "cuda:1"
+    queued_before = {key: value for key, value in write.to_dict().items() if key != "device"}
+    assert WriteTask.from_dict(queued_before).device == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the casts on it against the CPU's bytes)")
+@pytest.mark.parametrize("fmt", LLAMA_FORMATS)
+def test_casting_on_a_gpu_writes_the_cpus_bytes(root, converted, tmp_path, fmt):
+    out = tmp_path / "gpu"
+    convert_model_free(root / "llama", out, fmt, device="cuda")
+    reference = converted / f"llama-{fmt}"
+    for path in reference.iterdir():
+        if path.suffix == ".safetensors" or path.name == INDEX_NAME:
+            assert (out / path.name).read_bytes() == path.read_bytes(), path.name
