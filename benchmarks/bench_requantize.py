@@ -39,47 +39,63 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB, SHARDS = 2048, 5632, 8, 16, 4, 32000, 4
+
+
+@dataclass(frozen=True)
+class CheckpointShape:
+    """A Llama-shaped checkpoint's sizes (the default: this benchmark's ~1 GB one)."""
+
+    hidden: int = HIDDEN
+    intermediate: int = INTERMEDIATE
+    layers: int = LAYERS
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    vocab: int = VOCAB
+    shards: int = SHARDS
+
+
 FORMATS = {"fp8-block": "FP8_BLOCK", "compressed-tensors-fp8-dynamic": "FP8_DYNAMIC", "mxfp8": "MXFP8",
            "nvfp4-a16": "NVFP4A16"}
 DEFAULT_PEER_VENV = Path.home() / ".cache" / "fp8forge-bench" / "llmcompressor-venv"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tensor_shapes() -> dict[str, tuple[int, ...]]:
-    head_dim = HIDDEN // HEADS
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
-    for i in range(LAYERS):
+def _tensor_shapes(size: CheckpointShape) -> dict[str, tuple[int, ...]]:
+    hidden, inner, kv_rows = size.hidden, size.intermediate, size.kv_heads * (size.hidden // size.heads)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (size.vocab, hidden)}
+    for i in range(size.layers):
         prefix = f"model.layers.{i}."
-        shapes.update({prefix + "input_layernorm.weight": (HIDDEN,),
-                       prefix + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
-                       prefix + "self_attn.k_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-                       prefix + "self_attn.v_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-                       prefix + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
-                       prefix + "post_attention_layernorm.weight": (HIDDEN,),
-                       prefix + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
-                       prefix + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-                       prefix + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE)})
-    shapes.update({"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)})
+        shapes.update({prefix + "input_layernorm.weight": (hidden,),
+                       prefix + "self_attn.q_proj.weight": (hidden, hidden),
+                       prefix + "self_attn.k_proj.weight": (kv_rows, hidden),
+                       prefix + "self_attn.v_proj.weight": (kv_rows, hidden),
+                       prefix + "self_attn.o_proj.weight": (hidden, hidden),
+                       prefix + "post_attention_layernorm.weight": (hidden,),
+                       prefix + "mlp.gate_proj.weight": (inner, hidden),
+                       prefix + "mlp.up_proj.weight": (inner, hidden),
+                       prefix + "mlp.down_proj.weight": (hidden, inner)})
+    shapes.update({"model.norm.weight": (hidden,), "lm_head.weight": (size.vocab, hidden)})
     return shapes
 
 
-def build_model(directory: Path) -> int:
+def build_model(directory: Path, size: CheckpointShape = CheckpointShape()) -> int:
     """Write the checkpoint (tensors split evenly by count over the shards); returns its bytes."""
     import torch
     from safetensors.torch import save_file
 
-    shapes = _tensor_shapes()
+    shapes = _tensor_shapes(size)
     names = list(shapes)
-    per_shard = math.ceil(len(names) / SHARDS)
+    per_shard = math.ceil(len(names) / size.shards)
     # 16M random values tiled: the casts cost the same whatever the values, and drawing 0.5G samples would not
     pool = (torch.randn(1 << 24, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     directory.mkdir(parents=True)
     weight_map = {}
-    for n in range(SHARDS):
-        file = f"model-{n + 1:05d}-of-{SHARDS:05d}.safetensors"
+    for n in range(size.shards):
+        file = f"model-{n + 1:05d}-of-{size.shards:05d}.safetensors"
         keys = names[n * per_shard:(n + 1) * per_shard]
         tensors = {key: pool.repeat(-(-math.prod(shapes[key]) // pool.numel()))[:math.prod(shapes[key])]
                    .view(shapes[key]).clone() for key in keys}
@@ -89,9 +105,10 @@ def build_model(directory: Path) -> int:
     total = sum(math.prod(shape) * 2 for shape in shapes.values())
     (directory / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-              "intermediate_size": INTERMEDIATE, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-              "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "max_position_embeddings": 4096,
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": size.hidden,
+              "intermediate_size": size.intermediate, "num_attention_heads": size.heads,
+              "num_key_value_heads": size.kv_heads, "num_hidden_layers": size.layers, "vocab_size": size.vocab,
+              "max_position_embeddings": 4096,
               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
               "hidden_act": "silu"}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
@@ -262,7 +279,8 @@ def main() -> None:
     starts = {tool: min(run["imports_s"] for (fmt, name), group in runs.items() if name == tool for run in group
                         if "failed" not in run)
               for tool in ("fp8forge", "peer") if any(name == tool for _, name in runs)}
-    largest = max(math.prod(shape) * 2 for key, shape in _tensor_shapes().items() if key.endswith("proj.weight"))
+    largest = max(math.prod(shape) * 2 for key, shape in _tensor_shapes(CheckpointShape()).items()
+                  if key.endswith("proj.weight"))
     growth = max((run["rss_mb"] - run["imports_rss_mb"]) for (_, tool), group in runs.items() if tool == "fp8forge"
                  for run in group)
     print("CPU seconds of the work, least of the rounds (less sensitive to other jobs on the cores than wall seconds):")

@@ -1,0 +1,139 @@
+"""The GPU checks that fit a lent GPU machine's lease, prepared as one run: what issue #38 asks of a GPU worker.
+
+The device machine (an H200, 16 cores; docs: the device tool) reaches nothing outside it and has its own image:
+python3 with torch, safetensors and numpy, which is all ``converters.modelfree`` imports. So what runs there is the
+model-free requantize, nothing that needs the project's venv (torchao, transformers' pinned release, vLLM):
+
+  1. bytes: the ~1 GB checkpoint of bench_requantize.py converted to each format on the CPU and with
+     ``device="cuda"``; every weight file and the index must be the CPU's, byte for byte;
+  2. speed: an 8B-shaped checkpoint (Llama-3-8B's sizes, ~16 GB of bf16 random weights in 17 shards) copied with
+     ``cp -r`` (the limit: reading and writing those bytes) and requantized to each format with ``device="cuda"``,
+     one worker and several, without the report's SQNR and with it: source GB/s of each run (target >= 1 GB/s),
+     its start (imports) apart, as in bench_requantize.py.
+
+What does not run there, and why: vLLM's CUDA build (issue #36's GPU rows) is not in the image and its wheels are
+far over what a call may carry; a calibrated 8B job needs the project's torchao and transformers.
+
+    # here, a rehearsal of the same steps on the CPU at a small size (no GPU on this machine):
+    .venv/bin/python benchmarks/gpu_checks.py --device cpu --small --workdir /tmp/gpu-checks
+    # on the lent machine, in one call of the device tool's run (about 6 minutes there, the start apart):
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py --json $OUT/gpu_checks.json
+
+Results (the printed table and the JSON) go to a dated file under docs/benchmarks/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from bench_requantize import FORMATS, CheckpointShape, build_model  # noqa: E402
+
+#: Llama-3-8B's sizes: hidden 4096, 14336 inner, 32 layers, 32 heads, 8 KV heads, 128256 tokens (~16 GB in bf16)
+LLAMA_8B = CheckpointShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, shards=17)
+#: the rehearsal's "large" checkpoint: the 8B's widths, 2 layers and a small vocabulary (~1 GB)
+REHEARSAL = CheckpointShape(hidden=4096, intermediate=14336, layers=2, heads=32, kv_heads=8, vocab=32000, shards=3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="where the casts run (cpu: a rehearsal here)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp8forge-gpu-checks"))
+    parser.add_argument("--small", action="store_true", help="the speed step on a ~1 GB checkpoint, not the 8B")
+    parser.add_argument("--workers", type=int, default=min(8, max(2, (os.cpu_count() or 2) // 2)),
+                        help="the several-workers runs' process count (default: half the cores, at most 8)")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of: " + ", ".join(FORMATS))
+    parser.add_argument("--skip-bytes", action="store_true")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args()
+    formats = [name for name in args.formats.split(",") if name]
+    started = time.perf_counter()
+    import torch
+
+    from converters.modelfree import convert_model_free  # the start's imports, before any clock below
+
+    environment = {"torch": torch.__version__, "cpus": os.cpu_count(), "device": args.device,
+                   "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                   "imports_s": round(time.perf_counter() - started, 2)}
+    print("environment:", json.dumps(environment), flush=True)
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    args.workdir.mkdir(parents=True)
+    results: dict = {"environment": environment}
+    try:
+        if not args.skip_bytes:
+            results["bytes"] = _same_bytes(convert_model_free, args.workdir, formats, args.device)
+        size = REHEARSAL if args.small else LLAMA_8B
+        results["speed"] = _speed(convert_model_free, args.workdir, size, formats, args.device, args.workers)
+    finally:
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    print(f"all checks: {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def _same_bytes(convert, workdir: Path, formats: list[str], device: str) -> dict:
+    """Each format written on the CPU and on ``device``: are the weight files and the index the same bytes?"""
+    source = workdir / "bytes-source"
+    build_model(source)
+    rows = {}
+    for fmt in formats:
+        seconds = {}
+        cpu_out, device_out = workdir / f"bytes-{fmt}-reference", workdir / f"bytes-{fmt}-device"
+        for role, where, out in (("cpu", "cpu", cpu_out), ("device", device, device_out)):
+            clock = time.perf_counter()
+            convert(source, out, fmt, exclude=("lm_head",), skip_first_last=False, measure=False, device=where)
+            seconds[role] = round(time.perf_counter() - clock, 2)
+        compared = sorted(path.name for path in cpu_out.iterdir()
+                          if path.suffix == ".safetensors" or path.name == "model.safetensors.index.json")
+        differ = [name for name in compared if (cpu_out / name).read_bytes() != (device_out / name).read_bytes()]
+        rows[fmt] = {"files": len(compared), "differ": differ, "seconds": seconds}
+        print(f"bytes {fmt:32s} {len(compared)} files, "
+              f"{'the same on cpu and ' + device if not differ else 'DIFFERENT: ' + ', '.join(differ)}  "
+              f"(cpu {seconds['cpu']} s, {device} {seconds['device']} s)", flush=True)
+        shutil.rmtree(cpu_out)
+        shutil.rmtree(device_out, ignore_errors=True)
+    shutil.rmtree(source)
+    return rows
+
+
+def _speed(convert, workdir: Path, size: CheckpointShape, formats: list[str], device: str, workers: int) -> dict:
+    """The copy, then each format with one worker and ``workers``, without and with the SQNR: source GB/s."""
+    source = workdir / "speed-source"
+    clock = time.perf_counter()
+    total = build_model(source, size)
+    print(f"speed: checkpoint {total / 1e9:.2f} GB in {size.shards} shards, built in "
+          f"{time.perf_counter() - clock:.0f} s", flush=True)
+    out = workdir / "speed-out"
+    clock = time.perf_counter()
+    subprocess.run(["cp", "-r", str(source), str(out)], check=True)
+    copy_s = time.perf_counter() - clock
+    shutil.rmtree(out)
+    print(f"copy (cp -r)                          {copy_s:6.2f} s  {total / 1e9 / copy_s:6.2f} GB/s", flush=True)
+    rows = {"checkpoint_gb": round(total / 1e9, 3), "copy_s": round(copy_s, 3), "runs": []}
+    for fmt in formats:
+        for count, measure in ((1, False), (workers, False), (workers, True)):
+            clock = time.perf_counter()
+            convert(source, out, fmt, exclude=("lm_head",), skip_first_last=False, measure=measure, device=device,
+                    workers=count)
+            seconds = time.perf_counter() - clock
+            shutil.rmtree(out)
+            row = {"format": fmt, "workers": count, "measure": measure, "seconds": round(seconds, 3),
+                   "source_gb_per_s": round(total / 1e9 / seconds, 3), "over_copy": round(seconds / copy_s, 2)}
+            rows["runs"].append(row)
+            print(f"{fmt:32s} workers {count} sqnr {'on ' if measure else 'off'} {seconds:6.2f} s  "
+                  f"{row['source_gb_per_s']:6.2f} GB/s  {row['over_copy']:5.2f}x the copy", flush=True)
+    shutil.rmtree(source)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
