@@ -7,6 +7,12 @@ import pytest
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# The wait policy the service's conversion children set (service/workers/child.py limit_threads), here for the test
+# processes and every process they start: under xdist the suite's processes outnumber the cores, and libgomp's
+# threads spinning at each barrier of torch's intra-op pool burn the time slices the other thread of the op needs.
+# Only how a waiting thread waits changes: the same threads, the same reduction order, the same bits. libgomp reads
+# it when torch is imported, so it is set before anything here imports torch; a run may set its own.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tests.models import MOE_CONFIGS, TINY_CONFIGS, save_tiny_model, save_tiny_moe  # noqa: E402
 from tests.scheduling import CpuSeconds, FileSeconds, heaviest_files_first, load_file_seconds, unique_ids  # noqa: E402
