@@ -866,6 +866,13 @@ def main(run_benchmark=None, parse=None, prefix: str = "bench_serving-", roles: 
     args = (parse or parse_args)()
     os.environ["TORCHAO_FORCE_SKIP_LOADING_SO_FILES"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
+    # Every child under one OpenMP wait policy, the one fp8forge's CLI and service set (passive): with libgomp's
+    # default its threads spin at each op's barrier, and on cores another job shares that spinning multiplies a
+    # job's CPU time and stretches its wall time, a tool with many small ops most. The same policy for all tools
+    # compares their work, not their exposure to other jobs; OMP_WAIT_POLICY=ACTIVE in the environment runs all
+    # of them with spinning instead.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    print(f"OpenMP wait policy of every child: {os.environ['OMP_WAIT_POLICY']}", flush=True)
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix=prefix, dir=args.workdir)).resolve()
