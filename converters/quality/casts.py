@@ -30,16 +30,21 @@ from converters.casts.emulation import (
     per_tensor_scale,
     tensor_scale,
 )
-from converters.errors import ModelConfigError
+from converters.errors import ModelConfigError, ModelNotFoundError
 from converters.model.checkpoint import weight_files
 from converters.model.files import pinned_model_path
 from converters.model.quantized import source_quantization
+from converters.model.safetensors_stream import SourceTensor, dtype_name, read_tensor, read_tensor_index
 from converters.quality.engine_load import fused_groups, requantizing_reader
 
 __all__ = ["ExportFiles", "LayerCast", "recipe_layer_casts", "export_layer_casts", "cast_linear_weight",
            "casting_linears"]
 
 _CAST_SLICE_ELEMENTS = 2 * 2**20  #: weight elements cast at a time (cast_linear_weight)
+#: the safetensors dtypes ExportFiles reads by byte range (those read_tensor maps to a torch dtype)
+_RANGE_DTYPES = frozenset(dtype_name(dtype) for dtype in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +99,13 @@ def recipe_layer_casts(recipe: Any, paths: Iterable[str], amax: Mapping[str, Any
 class ExportFiles:
     """A serving export's tensors by name, read one at a time (each file opened per read: no handle kept).
 
+    Each file's header is read and checked once, when the export is listed; a read then takes the tensor's byte
+    range from the file (:func:`~converters.model.safetensors_stream.read_tensor`: ``pread`` into the tensor's own
+    memory, no mapping left behind) instead of opening the file with ``safe_open``, which parses the whole header
+    again at every open (an export's header lists every tensor of its shard, and the quality pass reads a few
+    tensors per Linear of every layer). A tensor of a dtype that reader does not take, or a file whose header it
+    refuses, is read with ``safe_open`` as before.
+
     One-number tensors (per-tensor weight and input scales) are kept once read: a fused group's scales are read
     for each of its members and again by each member's weight, and each read opens a file.
     """
@@ -103,18 +115,28 @@ class ExportFiles:
 
         self.directory, self._open = directory, safe_open
         self.file_of: dict[str, Path] = {}
+        self._ranges: dict[str, SourceTensor] = {}
         self._scalars: dict[str, torch.Tensor] = {}
         for file in weight_files(directory):
-            with pinned_model_path(file) as pinned, safe_open(pinned, framework="pt") as handle:
-                self.file_of.update(dict.fromkeys(handle.keys(), file))
+            try:
+                tensors, _metadata = read_tensor_index(file)
+            except ModelNotFoundError:  # a header (a dtype) the range reader does not take: safe_open lists it
+                with pinned_model_path(file) as pinned, safe_open(pinned, framework="pt") as handle:
+                    self.file_of.update(dict.fromkeys(handle.keys(), file))
+                continue
+            self.file_of.update(dict.fromkeys(tensors, file))
+            self._ranges.update((name, tensor) for name, tensor in tensors.items() if tensor.dtype in _RANGE_DTYPES)
 
     def read(self, name: str) -> torch.Tensor:
         if name in self._scalars:
             return self._scalars[name]
         if name not in self.file_of:
             raise KeyError(name)
-        with pinned_model_path(self.file_of[name]) as pinned, self._open(pinned, framework="pt") as handle:
-            tensor = handle.get_tensor(name)
+        if name in self._ranges:
+            tensor = read_tensor(self._ranges[name])
+        else:
+            with pinned_model_path(self.file_of[name]) as pinned, self._open(pinned, framework="pt") as handle:
+                tensor = handle.get_tensor(name)
         if tensor.numel() == 1:
             self._scalars[name] = tensor
         return tensor
