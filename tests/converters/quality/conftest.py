@@ -3,6 +3,7 @@ opened, analysed and cut to its held-out text once per process, whichever of tho
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +41,39 @@ def smollm_scored(smollm_source, smollm_texts) -> int:
     return len(smollm_source.tokenizer(smollm_texts[0], add_special_tokens=True)["input_ids"]) - 1
 
 
-@pytest.fixture(scope="session")
-def smollm_reports(smollm_model_dir) -> dict[str, dict[str, Any]]:
-    """Each recipe of ``RECIPE_NAMES`` -> its analysis of the model."""
-    from converters.api import analyze, local_sources
-    from converters.recipes.presets import RECIPE_NAMES, parse_compare_recipe
+class _Analyses(Mapping):
+    """Each recipe of ``RECIPE_NAMES`` -> its analysis of the model, made the first time it is looked up: a job
+    file's checks read their own recipe's, test_real_decoder.py every one."""
 
-    sources = local_sources(smollm_model_dir.parent)
-    return {name: analyze(str(smollm_model_dir), recipe=parse_compare_recipe(name, "recipe"), sources=sources)
-            for name in RECIPE_NAMES}
+    def __init__(self, model_dir: Path) -> None:
+        from converters.api import local_sources
+        from converters.recipes.presets import RECIPE_NAMES
+
+        self._model_dir, self._sources, self._names = model_dir, local_sources(model_dir.parent), list(RECIPE_NAMES)
+        self._reports: dict[str, dict[str, Any]] = {}
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        if name not in self._names:
+            raise KeyError(name)
+        if name not in self._reports:
+            from converters.api import analyze
+            from converters.recipes.presets import parse_compare_recipe
+
+            self._reports[name] = analyze(str(self._model_dir), recipe=parse_compare_recipe(name, "recipe"),
+                                          sources=self._sources)
+        return self._reports[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+@pytest.fixture(scope="session")
+def smollm_reports(smollm_model_dir) -> Mapping[str, dict[str, Any]]:
+    """Each recipe of ``RECIPE_NAMES`` -> its analysis of the model (each made when a test first reads it)."""
+    return _Analyses(smollm_model_dir)
 
 
 @pytest.fixture(scope="session")
