@@ -43,6 +43,14 @@ Run:
   .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts fp8forge-every-linear --skip-fp8-kv
   .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts report --skip-fp8-kv \
       --quality-from /tmp/old-tree --report-file report-old.json
+  # on an AVX-512 CPU, in less CPU time: llm-compressor's kv_cache_scheme exports alone (their bf16-cache rows are
+  # the no-KV exports' figures), the report's pass without the round-to-nearest variants (docs/benchmarks/
+  # engine-2026-12-04.md); every later part that reads the peer's exports takes --peer-kv-only too:
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts peer --peer-kv-only --calib-steps 8
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts report --skip-peer --skip-nearest \
+      --report-file report-fp8forge.json --calib-steps 8
+  .venv/bin/python benchmarks/bench_engine.py --keep /tmp/engine --parts table --peer-kv-only \
+      --report-file report-fp8forge.json --calib-steps 8
 
 Besides perplexity, the table compares the report's and the engine's negative log-likelihood position by position
 (both score the same token ids): the RMS of the difference and the share of positions more than 0.1 nats apart.
@@ -125,11 +133,11 @@ def every_linear_export(model: Path, settings, work: Path, *, convert: bool) -> 
     return out / "serving" / DYNAMIC
 
 
-def peer_exports(model: Path, settings, work: Path, *, convert: bool, with_kv: bool = True,
+def peer_exports(model: Path, settings, work: Path, *, convert: bool, with_kv: bool = True, kv_only: bool = False,
                  schemes: tuple[str, ...] = tuple(PEER_SCHEMES)) -> tuple[dict[str, Path], str]:
     """llm-compressor's four exports from fp8forge's calibration token rows (``with_kv`` False: the two without
-    kv_cache_scheme; ``schemes``: of PEER_SCHEMES); (label -> dir), version. ``convert`` False: reuse the exports
-    ``--keep`` holds."""
+    kv_cache_scheme; ``kv_only``: the two with it alone, whose bf16-cache rows give their twins' figures;
+    ``schemes``: of PEER_SCHEMES); (label -> dir), version. ``convert`` False: reuse the exports ``--keep`` holds."""
     from bench_serving import DEFAULT_PEER_VENV, ensure_peer_venv, venv_python
     from bench_serving_formats import KV_CACHE_SCHEME_STATIC
     from transformers import AutoTokenizer
@@ -146,7 +154,7 @@ def peer_exports(model: Path, settings, work: Path, *, convert: bool, with_kv: b
     for scheme, name in PEER_SCHEMES.items():
         if scheme not in schemes:
             continue
-        for kv in (False, True) if with_kv else (False,):
+        for kv in ((True,) if kv_only else (False, True)) if with_kv else (False,):
             recipe = {"scheme": scheme, **({"kv_cache_scheme": KV_CACHE_SCHEME_STATIC} if kv else {})}
             out = work / f"peer-{scheme}-{'kv' if kv else 'no-kv'}"
             params = {"model_dir": str(model), "tokens": str(work / "tokens.json"), "seq_len": WINDOW,
@@ -182,9 +190,11 @@ def _tensor_names(directory: Path) -> list[str]:
     return list(ExportFiles(directory).file_of)
 
 
-def report_figures(model: Path, rows: list[tuple[str, Path, str]], max_tokens: int) -> dict[str, dict]:
+def report_figures(model: Path, rows: list[tuple[str, Path, str]], max_tokens: int,
+                   nearest: bool = True) -> dict[str, dict]:
     """The report's quality pass over every row's export (one pass, every variant beside the source): label ->
-    figures; an FP8 KV row also gets ``nearest`` (the report's own rounding) beside the truncated cast."""
+    figures; an FP8 KV row also gets ``nearest`` (the report's own rounding) beside the truncated cast, unless
+    ``nearest`` is False (a third fewer variants where only the engine's cast is compared)."""
     from dataclasses import replace
 
     from torch import nn
@@ -214,8 +224,9 @@ def report_figures(model: Path, rows: list[tuple[str, Path, str]], max_tokens: i
             kv_casts = export_kv_casts(directory, source.model, same, files.read, files.file_of,
                                        source.checkpoint.dtype, rounding=KV_ROUNDING_TRUNCATE)
             variants[label] = {**casts, **kv_casts}
-            variants[f"{label}:nearest"] = {**casts, **{path: replace(cast, rounding=KV_ROUNDING_NEAREST)
-                                                        for path, cast in kv_casts.items()}}
+            if nearest:
+                variants[f"{label}:nearest"] = {**casts, **{path: replace(cast, rounding=KV_ROUNDING_NEAREST)
+                                                            for path, cast in kv_casts.items()}}
         else:
             variants[label] = casts
     started = time.perf_counter()
@@ -227,7 +238,7 @@ def report_figures(model: Path, rows: list[tuple[str, Path, str]], max_tokens: i
     out[SOURCE] = {"perplexity": first.perplexity_reference, "perplexity_reference": first.perplexity_reference,
                    "tokens": first.tokens, "per_token": positions.get(None)}
     for label, _, kv in rows:
-        if kv == "fp8":
+        if kv == "fp8" and nearest:
             out[label]["nearest"] = figures[f"{label}:nearest"].to_dict()
     return out
 
@@ -397,6 +408,79 @@ def kv_gap_shifts(runs: dict, reports: dict) -> list[dict]:
     return out
 
 
+def _per_position(run: dict | None) -> list[float] | None:
+    if run is None or run.get("error") is not None:
+        return None
+    return [nll for text in run["scores"] for nll in text["per_token"]]
+
+
+def paired_ratio(runs: dict, reports: dict, label: str, baseline: str) -> dict | None:
+    """Perplexity of ``label`` over ``baseline`` on the same positions, in the engine and (where both have
+    per-position NLLs) in the report's pass: ratio - 1 and the paired standard error of the log ratio from the
+    per-text sums (texts are the independent units), or None where the engine lacks either row."""
+    engine = [_per_position(runs.get(name)) for name in (label, baseline)]
+    if any(e is None for e in engine) or len(engine[0]) != len(engine[1]):
+        return None
+    mean, se, _ = _paired_mean([a - b for a, b in zip(*engine, strict=True)], runs[label])
+    out = {"export": label, "baseline": baseline, "engine": math.exp(mean) - 1, "engine_se": se}
+    report = [(reports.get(name) or {}).get("per_token") for name in (label, baseline)]
+    if all(r is not None and len(r) == len(engine[0]) for r in report):
+        mean, se, _ = _paired_mean([a - b for a, b in zip(*report, strict=True)], runs[label])
+        out.update(report=math.exp(mean) - 1, report_se=se)
+    return out
+
+
+def kv_attributed(runs: dict, reports: dict) -> list[dict]:
+    """Each FP8-KV row against its own export with a bf16 cache (the loss the FP8 cache alone causes)."""
+    pairs = (paired_ratio(runs, reports, label, label[: -len(" + FP8 KV")]) for label in runs
+             if label.endswith(" + FP8 KV"))
+    return [pair for pair in pairs if pair is not None]
+
+
+def peer_pairs(runs: dict, reports: dict) -> list[dict]:
+    """fp8forge's rows against llm-compressor's of the same kind (static, dynamic; with and without the FP8
+    cache), in the engine: ratio - 1 with its paired SE. The peer's kv_cache_scheme exports stand in for its
+    no-KV ones with a bf16 cache (the same Linears, engine-2026-12-03e.md)."""
+    out = []
+    for ours, scheme in (("compressed-tensors-fp8", "FP8"), ("compressed-tensors-fp8-dynamic", "FP8_DYNAMIC"),
+                         ("modelopt-fp8", "FP8")):
+        for kv in ("", " + FP8 KV"):
+            theirs = [f"{PEER_SCHEMES[scheme]} + kv_cache_scheme{kv}"] + ([PEER_SCHEMES[scheme]] if not kv else [])
+            baseline = next((name for name in theirs if name in runs), None)
+            pair = paired_ratio(runs, reports, f"fp8forge {ours}{kv}", baseline) if baseline else None
+            if pair is not None:
+                out.append(pair)
+    return out
+
+
+def kv_attributed_vs_peer(runs: dict) -> list[dict]:
+    """fp8forge's KV-attributed loss minus llm-compressor's for the same kind of export, in the engine: per position
+    (ours with the FP8 cache - ours with bf16) - (theirs with the FP8 cache - theirs with bf16), its mean (nats,
+    about the difference of the two KV-attributed ratios) and the paired SE over the texts."""
+    out = []
+    for ours, scheme in (("compressed-tensors-fp8", "FP8"), ("compressed-tensors-fp8-dynamic", "FP8_DYNAMIC")):
+        theirs = f"{PEER_SCHEMES[scheme]} + kv_cache_scheme"
+        names = (f"fp8forge {ours} + FP8 KV", f"fp8forge {ours}", f"{theirs} + FP8 KV", theirs)
+        nll = [_per_position(runs.get(name)) for name in names]
+        if any(n is None for n in nll) or len({len(n) for n in nll}) != 1:
+            continue
+        diffs = [(a - b) - (c - d) for a, b, c, d in zip(*nll, strict=True)]
+        mean, se, _ = _paired_mean(diffs, runs[names[0]])
+        out.append({"export": f"fp8forge {ours}", "peer": theirs, "difference": mean, "difference_se": se})
+    return out
+
+
+def _print_pairs(title: str, pairs: list[dict]) -> None:
+    if not pairs:
+        return
+    print(f"\n| {title} | engine: ratio - 1 (SE) | report's pass: ratio - 1 (SE) |")
+    print("|---|---:|---:|")
+    for pair in pairs:
+        report = f"{pair['report']:+.2%} ({pair['report_se']:.2%})" if "report" in pair else ""
+        print(f"| {pair['export']} vs {pair['baseline']} | {pair['engine']:+.2%} ({pair['engine_se']:.2%}) | "
+              f"{report} |")
+
+
 def print_table(rows: list[dict]) -> None:
     print("| export | engine perplexity | vs bf16 | report perplexity (engine's casts) | report/engine - 1 (SE) | "
           "per-position NLL, report - engine: RMS (nats) | positions > 0.1 nats apart | "
@@ -431,13 +515,22 @@ def main() -> None:
                              "and llm-compressor's kv_cache_scheme exports")
     parser.add_argument("--peer-schemes", default=",".join(PEER_SCHEMES),
                         help=f"llm-compressor's schemes to export and run, of {', '.join(PEER_SCHEMES)}")
+    parser.add_argument("--peer-kv-only", action="store_true",
+                        help="llm-compressor's kv_cache_scheme exports alone (their bf16-cache rows give the no-KV "
+                             "exports' figures to the last digit, engine-2026-12-03e.md): half the peer's calibration")
+    parser.add_argument("--skip-nearest", action="store_true",
+                        help="the report part leaves out the FP8-KV rows' round-to-nearest (CUDA) variants")
     parser.add_argument("--engine-missing-only", action="store_true",
                         help="the engine part runs only the rows --keep's vllm/runs.json lacks, and adds them to it")
     parser.add_argument("--stacks-every", type=float,
                         help="the vLLM driver writes every thread's stack to --keep's vllm/vllm.log at this interval "
                              "(seconds): where a slow engine run is")
     parser.add_argument("--report-file", default="report.json",
-                        help="the report part's figures, in --keep: written by --parts report, read by the others")
+                        help="the report part's figures, in --keep: written by --parts report, read by the others; "
+                             "several, comma-separated, are read and merged (a later file's row wins)")
+    parser.add_argument("--report-rows",
+                        help="the report part scores only the rows whose label contains this text (e.g. "
+                             "llm-compressor), into the first --report-file")
     parser.add_argument("--quality-from", type=Path,
                         help="import converters (the report's pass) from this source tree instead of this checkout's, "
                              "e.g. `git archive` of an earlier commit: the pass before and after a change, on the same "
@@ -477,16 +570,19 @@ def main() -> None:
         peer_version = None
         if not args.skip_peer and ("peer" in parts or (work / "tokens.json").is_file()):
             peer, peer_version = peer_exports(model, settings, work, convert="peer" in parts,
-                                              with_kv=not args.skip_fp8_kv,
+                                              with_kv=not args.skip_fp8_kv, kv_only=args.peer_kv_only,
                                               schemes=tuple(args.peer_schemes.split(",")))
             exports.update(peer)
         rows = rows_of(exports, fp8_kv=not args.skip_fp8_kv)
         reports = {}
+        report_files = [work / name for name in args.report_file.split(",")]
         if "report" in parts:
-            reports = report_figures(model, rows, args.tokens)
-            (work / args.report_file).write_text(json.dumps(reports))
-        elif (work / args.report_file).is_file():
-            reports = json.loads((work / args.report_file).read_text())
+            wanted = [row for row in rows if args.report_rows is None or args.report_rows in row[0]]
+            reports = report_figures(model, wanted, args.tokens, nearest=not args.skip_nearest)
+            report_files[0].write_text(json.dumps(reports))
+        for path in report_files[1 if "report" in parts else 0:]:
+            if path.is_file():
+                reports = {**reports, **json.loads(path.read_text())}
         engine_started = time.perf_counter()
         if "engine" in parts:
             runs = engine_runs(model, rows, texts, work / "vllm", missing_only=args.engine_missing_only,
@@ -509,13 +605,24 @@ def main() -> None:
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps({"positions": positions, "texts": len(texts), "rows": result,
-                                         "kv_gap_shifts": kv_gap_shifts(runs, reports)}, indent=1))
+                                         "kv_gap_shifts": kv_gap_shifts(runs, reports),
+                                         "kv_attributed": kv_attributed(runs, reports),
+                                         "peer_pairs": peer_pairs(runs, reports),
+                                         "kv_attributed_vs_peer": kv_attributed_vs_peer(runs)}, indent=1))
     shifts = kv_gap_shifts(runs, reports)
     if shifts:
         print("\n| export | gap with the FP8 cache - gap with the bf16 cache, per position: mean (SE) | RMS (nats) |")
         print("|---|---:|---:|")
         for shift in shifts:
             print(f"| {shift['export']} | {shift['shift']:+.2%} ({shift['shift_se']:.2%}) | {shift['shift_rms']:.4f} |")
+    _print_pairs("KV-attributed: FP8-KV row vs its bf16-cache twin", kv_attributed(runs, reports))
+    _print_pairs("fp8forge vs llm-compressor (paired over the texts)", peer_pairs(runs, reports))
+    differences = kv_attributed_vs_peer(runs)
+    if differences:
+        print("\n| KV-attributed, fp8forge's minus llm-compressor's (engine, per position: mean in nats) | mean (SE) |")
+        print("|---|---:|")
+        for row in differences:
+            print(f"| {row['export']} vs {row['peer']} | {row['difference']:+.2%} ({row['difference_se']:.2%}) |")
     worst = max((abs(row["gap"]) for row in result if "gap" in row), default=math.nan)
     print(f"\nlargest |report/engine - 1|: {worst:.2%}")
 
