@@ -1,22 +1,18 @@
-"""safetensors files read and written one tensor at a time, untouched tensors copied as bytes.
+"""safetensors files read one tensor at a time, and the plan entries of the tensors a rewrite computes.
 
 A serving export rewrites only the weights of quantized Linears; every other tensor must reach the output
 exactly as the source stored it, and a job may hold one tensor in memory, not one shard. The format is
 simple enough to stream: an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
-data offsets; ``__metadata__``), then the tensors' bytes. :class:`StreamingWriter` writes the header from
-the planned entries first, then each tensor's bytes in order; a tensor planned as a
-:class:`SourceTensor` is copied from its file by byte range (``os.copy_file_range`` where the kernel has
-it), never decoded.
+data offsets; ``__metadata__``), then the tensors' bytes. This module reads a file's index and one tensor's
+bytes at a time (:class:`SourceTensor`, :func:`read_tensor`); writing, the header first from every tensor's
+:class:`SourceTensor` or :func:`planned_entry`, then each tensor's bytes once, is :mod:`converters.rewrite`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import sys
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +22,8 @@ from converters.errors import ModelNotFoundError
 from converters.model.files import model_file_reader
 from converters.model.limits import read_safetensors_header, weight_file_error
 
-__all__ = ["ReadBuffers", "SourceTensor", "read_tensor_index", "read_tensor", "dtype_name", "StreamingWriter"]
+__all__ = ["PlannedTensor", "ReadBuffers", "SourceTensor", "dtype_name", "planned_entry", "read_tensor",
+           "read_tensor_index"]
 
 _DTYPE_NAMES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -37,7 +34,6 @@ _DTYPE_NAMES = {
 #: Bytes per element of every safetensors dtype a header may name (the sub-byte F4/F6 types are not read here).
 _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-_CHUNK = 64 * 1024 * 1024
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -163,106 +159,23 @@ def _corrupt(path: Path, why: str) -> ModelNotFoundError:
 
 
 @dataclass(frozen=True)
-class _Planned:
+class PlannedTensor:
+    """A tensor of a file being written whose bytes are computed later: its safetensors dtype name, shape and size."""
+
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
 
 
-class StreamingWriter:
-    """Write a safetensors file whose tensors are all known (name, dtype, shape) before any byte is written.
-
-    Usage: ``with StreamingWriter(path, plan, metadata) as writer: writer.write(name, value)`` for every
-    planned name, in plan order; ``value`` is a tensor or a :class:`SourceTensor`. The file is written to a
-    temporary name and moved into place only when every planned tensor was written.
-    """
-
-    def __init__(self, path: Path, plan: Mapping[str, SourceTensor | torch.Tensor | _Planned],
-                 metadata: Mapping[str, str]) -> None:
-        self.path = Path(path)
-        self.temporary = self.path.with_name(f".{self.path.name}.tmp")
-        self.order = list(plan)
-        self.planned = {name: _as_planned(value) for name, value in plan.items()}
-        self.metadata = dict(metadata)
-        self.next = 0
-        self.handle = None
-
-    @staticmethod
-    def entry(dtype: torch.dtype, shape: tuple[int, ...]) -> _Planned:
-        """A plan entry for a tensor computed later (e.g. a quantized weight)."""
-        numel = 1
-        for size in shape:
-            numel *= size
-        return _Planned(dtype=dtype_name(dtype), shape=tuple(shape), nbytes=numel * _element_size(dtype))
-
-    def __enter__(self) -> StreamingWriter:
-        header: dict[str, object] = {"__metadata__": self.metadata} if self.metadata else {}
-        offset = 0
-        for name in self.order:
-            entry = self.planned[name]
-            header[name] = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [offset,
-                                                                                              offset + entry.nbytes]}
-            offset += entry.nbytes
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the format aligns the data to 8 bytes
-        self.handle = open(self.temporary, "wb", buffering=0)  # raw writes: copy_file_range moves the offset
-        self.handle.write(struct.pack("<Q", len(encoded)) + encoded)
-        return self
-
-    def write(self, name: str, value: torch.Tensor | SourceTensor) -> None:
-        expected = self.order[self.next] if self.next < len(self.order) else None
-        if name != expected:
-            raise ValueError(f"{self.path.name}: wrote {name!r}, but the plan's next tensor is {expected!r}")
-        entry = self.planned[name]
-        if isinstance(value, SourceTensor):
-            if (value.dtype, value.shape, value.nbytes) != (entry.dtype, entry.shape, entry.nbytes):
-                raise ValueError(f"{name}: source bytes do not match the plan")
-            _copy_range(value, self.handle)
-        else:
-            if (dtype_name(value.dtype), tuple(value.shape)) != (entry.dtype, entry.shape):
-                raise ValueError(f"{name}: {value.dtype} {tuple(value.shape)} does not match the plan "
-                                 f"({entry.dtype} {entry.shape})")
-            # flattened first: a 0-dim tensor (a scalar scale, shape []) cannot be viewed as bytes
-            data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            self.handle.write(data)
-        self.next += 1
-
-    def __exit__(self, kind: object, error: object, traceback: object) -> None:
-        try:
-            self.handle.close()
-            if error is None:
-                if self.next != len(self.order):
-                    raise ValueError(f"{self.path.name}: {len(self.order) - self.next} planned tensors not written")
-                os.replace(self.temporary, self.path)
-        finally:
-            if self.temporary.exists():
-                self.temporary.unlink()
-
-
-def _as_planned(value: SourceTensor | torch.Tensor | _Planned) -> _Planned:
-    if isinstance(value, _Planned):
-        return value
-    if isinstance(value, SourceTensor):
-        return _Planned(dtype=value.dtype, shape=value.shape, nbytes=value.nbytes)
-    return StreamingWriter.entry(value.dtype, tuple(value.shape))
+def planned_entry(dtype: torch.dtype, shape: tuple[int, ...]) -> PlannedTensor:
+    """The plan entry of a tensor computed later (a quantized weight, its scales), for a rewrite's header."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    return PlannedTensor(dtype=dtype_name(dtype), shape=tuple(shape), nbytes=numel * _element_size(dtype))
 
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _copy_range(source: SourceTensor, destination) -> None:
-    """Copy a byte range between files in the kernel where possible (no trip through Python memory)."""
-    with model_file_reader(source.path) as handle:
-        remaining, offset = source.nbytes, source.start
-        while remaining:
-            count = min(remaining, _CHUNK)
-            try:
-                copied = os.copy_file_range(handle.fileno(), destination.fileno(), count, offset)
-            except (AttributeError, OSError):  # no copy_file_range here (or across these file systems)
-                handle.seek(offset)
-                copied = destination.write(handle.read(count))
-            if copied <= 0:
-                raise OSError(f"{source.path}: short read at byte {offset}")
-            remaining -= copied
-            offset += copied

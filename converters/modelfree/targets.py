@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from converters.errors import RequestError
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving import SERVING_FORMATS, ServingFormat
 from converters.serving.selection import ServingSelection
 
@@ -29,7 +29,7 @@ class BF16Target:
         return None
 
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
-        return {weight_key: StreamingWriter.entry(torch.bfloat16, weight.shape)}
+        return {weight_key: planned_entry(torch.bfloat16, weight.shape)}
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
                  ) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 
 from converters.casts.emulation import max_abs
 from converters.errors import ModelConfigError, RequestError
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor_index
+from converters.model.safetensors_stream import SourceTensor, planned_entry, read_tensor_index
 from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
 from converters.rewrite import Compute, Copy, planned_bytes
@@ -184,7 +184,7 @@ def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Com
                                        check_weight=not checked))
         elif name in key_of:
             shape = reader.stored_shape(key, name)
-            steps.append(Compute(outputs={key: StreamingWriter.entry(scale_dtype, shape)}, read=read,
+            steps.append(Compute(outputs={key: planned_entry(scale_dtype, shape)}, read=read,
                                  convert=lambda weight: ([weight], None)))
         else:
             steps.append(Copy(name, tensor))

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from converters.model.files import model_file_reader
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter, dtype_name
+from converters.model.safetensors_stream import SourceTensor, dtype_name, planned_entry
 
 __all__ = ["Compute", "Copy", "ShardWritten", "planned_bytes", "write_shard"]
 
@@ -53,8 +53,9 @@ class Copy:
 class Compute:
     """Tensors computed from what ``read()`` returns: ``convert(read()) -> (tensors in outputs' order, note)``.
 
-    ``outputs``: each output name -> a :meth:`StreamingWriter.entry` (dtype and shape) or the source tensor whose
-    dtype and shape it keeps. ``read`` runs on the reader thread, ``convert`` on the caller's.
+    ``outputs``: each output name -> a :func:`~converters.model.safetensors_stream.planned_entry` (dtype and
+    shape) or the source tensor whose dtype and shape it keeps. ``read`` runs on the reader thread, ``convert`` on
+    the caller's.
     """
 
     outputs: Mapping[str, Any]
@@ -157,7 +158,7 @@ def _planned(entry: Any) -> Any:
     if isinstance(entry, SourceTensor):
         return entry
     if isinstance(entry, torch.Tensor):
-        return StreamingWriter.entry(entry.dtype, tuple(entry.shape))
+        return planned_entry(entry.dtype, tuple(entry.shape))
     return entry
 
 

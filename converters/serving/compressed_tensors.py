@@ -35,7 +35,7 @@ import torch
 
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.casts.emulation import max_abs, quotient_to_e4m3
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.kv_scales import COMPRESSED_TENSORS_KV
 from converters.serving.selection import ServingSelection
 
@@ -77,11 +77,11 @@ class CompressedTensorsFP8:
         prefix = weight_key.removesuffix("weight")
         out_features = weight.shape[0]
         entries = {
-            weight_key: StreamingWriter.entry(torch.float8_e4m3fn, weight.shape),
-            f"{prefix}weight_scale": StreamingWriter.entry(scale_dtype, (1,) if self.static else (out_features, 1)),
+            weight_key: planned_entry(torch.float8_e4m3fn, weight.shape),
+            f"{prefix}weight_scale": planned_entry(scale_dtype, (1,) if self.static else (out_features, 1)),
         }
         if self.static:
-            entries[f"{prefix}input_scale"] = StreamingWriter.entry(scale_dtype, (1,))
+            entries[f"{prefix}input_scale"] = planned_entry(scale_dtype, (1,))
         return entries
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype

@@ -47,7 +47,7 @@ import torch
 from converters.analysis.reasons import Reason
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
 from converters.casts.emulation import max_abs, quotient_to_e4m3
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.selection import ServingSelection
 from converters.serving.written_sqnr import written_weight_sqnr
@@ -131,8 +131,8 @@ class FP8Block:
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
         rows, columns = weight.shape
         return {
-            weight_key: StreamingWriter.entry(torch.float8_e4m3fn, weight.shape),
-            f"{weight_key}_scale_inv": StreamingWriter.entry(torch.float32, (rows // BLOCK, columns // BLOCK)),
+            weight_key: planned_entry(torch.float8_e4m3fn, weight.shape),
+            f"{weight_key}_scale_inv": planned_entry(torch.float32, (rows // BLOCK, columns // BLOCK)),
         }
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from converters.casts.emulation import E2M1_MAX, E4M3_MAX, round_to_e2m1
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.kv_scales import MODELOPT_KV
 from converters.serving.nvfp4 import GROUP, nvfp4_rule, pack_e2m1
 from converters.serving.selection import ServingSelection
@@ -112,13 +112,13 @@ class ModelOpt:
         prefix = weight_key.removesuffix("weight")
         rows, columns = weight.shape
         if not self.nvfp4:
-            return {weight_key: StreamingWriter.entry(torch.float8_e4m3fn, weight.shape),
-                    f"{prefix}weight_scale": StreamingWriter.entry(torch.float32, ()),
-                    f"{prefix}input_scale": StreamingWriter.entry(torch.float32, ())}
-        return {weight_key: StreamingWriter.entry(torch.uint8, (rows, columns // 2)),
-                f"{prefix}weight_scale": StreamingWriter.entry(torch.float8_e4m3fn, (rows, columns // GROUP)),
-                f"{prefix}weight_scale_2": StreamingWriter.entry(torch.float32, ()),
-                f"{prefix}input_scale": StreamingWriter.entry(torch.float32, ())}
+            return {weight_key: planned_entry(torch.float8_e4m3fn, weight.shape),
+                    f"{prefix}weight_scale": planned_entry(torch.float32, ()),
+                    f"{prefix}input_scale": planned_entry(torch.float32, ())}
+        return {weight_key: planned_entry(torch.uint8, (rows, columns // 2)),
+                f"{prefix}weight_scale": planned_entry(torch.float8_e4m3fn, (rows, columns // GROUP)),
+                f"{prefix}weight_scale_2": planned_entry(torch.float32, ()),
+                f"{prefix}input_scale": planned_entry(torch.float32, ())}
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype,
                  weight_amax: float | None = None) -> list[torch.Tensor]:

@@ -43,7 +43,7 @@ import torch
 
 from converters.analysis.reasons import Reason
 from converters.casts.emulation import E4M3_MAX, max_abs, quotient_to_e4m3
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.selection import ServingSelection
@@ -213,8 +213,8 @@ class MXFP8Format:
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
         rows, columns = weight.shape
         return {
-            weight_key: StreamingWriter.entry(torch.float8_e4m3fn, weight.shape),
-            f"{weight_key.removesuffix('weight')}weight_scale": StreamingWriter.entry(torch.uint8,
+            weight_key: planned_entry(torch.float8_e4m3fn, weight.shape),
+            f"{weight_key.removesuffix('weight')}weight_scale": planned_entry(torch.uint8,
                                                                                      (rows, columns // GROUP)),
         }
 

@@ -44,7 +44,7 @@ import torch
 from converters.analysis.reasons import Reason
 from converters.casts.emulation import E2M1_MAX, E4M3_MAX, e2m1_codes, max_abs, round_to_e2m1
 from converters.model.quantized.arithmetic import fp8_as_float
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.selection import ServingSelection
 
@@ -196,12 +196,12 @@ class CompressedTensorsNVFP4:
         prefix = weight_key.removesuffix("weight")
         rows, columns = weight.shape
         entries = {
-            f"{prefix}weight_packed": StreamingWriter.entry(torch.uint8, (rows, columns // 2)),
-            f"{prefix}weight_scale": StreamingWriter.entry(torch.float8_e4m3fn, (rows, columns // GROUP)),
-            f"{prefix}weight_global_scale": StreamingWriter.entry(torch.float32, (1,)),
+            f"{prefix}weight_packed": planned_entry(torch.uint8, (rows, columns // 2)),
+            f"{prefix}weight_scale": planned_entry(torch.float8_e4m3fn, (rows, columns // GROUP)),
+            f"{prefix}weight_global_scale": planned_entry(torch.float32, (1,)),
         }
         if self.activations:
-            entries[f"{prefix}input_global_scale"] = StreamingWriter.entry(torch.float32, (1,))
+            entries[f"{prefix}input_global_scale"] = planned_entry(torch.float32, (1,))
         return entries
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype, *,

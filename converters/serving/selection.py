@@ -59,7 +59,8 @@ class ServingFormat(Protocol):
         """The reason code that keeps a Linear of this shape in high precision in this format, or None."""
 
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
-        """The tensors replacing ``weight_key`` (itself, or its packed form, first), as StreamingWriter plan entries."""
+        """The tensors replacing ``weight_key`` (itself, or its packed form, first), as plan entries
+        (:func:`~converters.model.safetensors_stream.planned_entry`)."""
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
                  ) -> list[torch.Tensor]:

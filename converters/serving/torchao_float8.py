@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from converters.calibration.scaling import E4M3_MAX
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter
+from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.compressed_tensors import CompressedTensorsFP8
 from converters.serving.e4m3_cast import to_e4m3
 from converters.serving.selection import ServingSelection
@@ -97,8 +97,8 @@ class TorchaoFloat8(CompressedTensorsFP8):
 
     def planned_tensors(self, weight_key: str, weight: SourceTensor, scale_dtype: torch.dtype) -> dict[str, Any]:
         shape = (weight.shape[0], 1) if self.granularity is TorchaoGranularity.ROWWISE else (1,)
-        return {weight_key: StreamingWriter.entry(torch.float8_e4m3fn, weight.shape),
-                f"{weight_key.removesuffix('weight')}weight_scale": StreamingWriter.entry(torch.float32, shape)}
+        return {weight_key: planned_entry(torch.float8_e4m3fn, weight.shape),
+                f"{weight_key.removesuffix('weight')}weight_scale": planned_entry(torch.float32, shape)}
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype
                  ) -> list[torch.Tensor]:

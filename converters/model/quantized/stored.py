@@ -13,6 +13,7 @@ same names, the index rewritten), every tensor that is not quantized copied as b
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ import torch
 from converters.model.files import INDEX_NAME
 from converters.model.limits import read_index_file
 from converters.model.quantized.source import SourceQuantization
-from converters.model.safetensors_stream import SourceTensor, StreamingWriter, read_tensor, read_tensor_index
+from converters.model.safetensors_stream import SourceTensor, planned_entry, read_tensor, read_tensor_index
+from converters.rewrite.shard import Compute, Copy, write_shard
 
 __all__ = ["StoredWeights", "write_dequantized_files"]
 
@@ -81,18 +83,20 @@ def write_dequantized_files(files: list[Path], directory: Path, stored: StoredWe
     for path, (tensors, metadata) in indexes.items():
         if should_stop is not None and should_stop():
             return written
-        plan: dict[str, object] = {}
+        steps: list[Copy | Compute] = []
         for name, tensor in tensors.items():
             key = stored.logical_name(name)
             if key is None:
                 continue
-            plan[key] = StreamingWriter.entry(dtype, stored.logical_shape(key, sources)) if key in stored.stored \
-                else tensor
-        with StreamingWriter(directory / path.name, plan, metadata) as writer:
-            for key in plan:
-                writer.write(key, stored.dequantize(key, sources, dtype) if key in stored.stored else sources[key])
-        weight_map.update(dict.fromkeys(plan, path.name))
-        total += sum(writer.planned[key].nbytes for key in plan)
+            if key in stored.stored:
+                steps.append(Compute(outputs={key: planned_entry(dtype, stored.logical_shape(key, sources))},
+                                     read=functools.partial(stored.dequantize, key, sources, dtype),
+                                     convert=lambda weight: ([weight], None)))
+            else:
+                steps.append(Copy(key, tensor))
+        shard = write_shard(directory / path.name, steps, metadata)
+        weight_map.update(dict.fromkeys(shard.tensors, path.name))
+        total += shard.bytes
         written.append(path.name)
     if files and (files[0].parent / INDEX_NAME).is_file():
         index = read_index_file(files[0].parent / INDEX_NAME)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from converters.model.safetensors_stream import StreamingWriter, read_tensor, read_tensor_index
+from converters.model.safetensors_stream import planned_entry, read_tensor, read_tensor_index
 from converters.rewrite import Compute, Copy, planned_bytes, write_shard
 
 
@@ -32,8 +34,8 @@ def _steps(path, fail_on=None):
     steps = []
     for name, tensor in index.items():
         if name.endswith(".weight"):
-            outputs = {name: StreamingWriter.entry(torch.float16, tensor.shape),
-                       f"{name}_amax": StreamingWriter.entry(torch.float32, (1,))}
+            outputs = {name: planned_entry(torch.float16, tensor.shape),
+                       f"{name}_amax": planned_entry(torch.float32, (1,))}
             steps.append(Compute(outputs=outputs, read=lambda tensor=tensor: read_tensor(tensor), convert=halve))
         else:
             steps.append(Copy(name, tensor))
@@ -55,20 +57,16 @@ def test_computed_tensors_are_written_and_the_others_keep_their_bytes(source, tm
         for name in ("a.weight", "b.weight"):
             assert torch.equal(handle.get_tensor(name), (tensors[name].float() / 2).to(torch.float16))
             assert float(handle.get_tensor(f"{name}_amax")) == float(tensors[name].float().abs().amax())
-    # the engine's file equals the one StreamingWriter writes from the same plan, header and order included
-    index, _ = read_tensor_index(path)
-    reference = tmp_path / "reference.safetensors"
-    plan = {}
-    for step in steps:
-        plan.update({step.name: step.source} if isinstance(step, Copy) else step.outputs)
-    with StreamingWriter(reference, plan, {"format": "pt"}) as writer:
-        for step in steps:
-            if isinstance(step, Copy):
-                writer.write(step.name, step.source)
-            else:
-                for name, value in zip(step.outputs, step.convert(step.read())[0], strict=True):
-                    writer.write(name, value)
-    assert reference.read_bytes() == out.read_bytes()
+    # the header first, in step order, each tensor's bytes right after the one before, padded to 8 bytes with spaces
+    data = out.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    text = data[8:8 + length]
+    assert length % 8 == 0 and text == text.rstrip(b" ") + b" " * (length - len(text.rstrip(b" ")))
+    header = json.loads(text)
+    assert list(header) == ["__metadata__", *written.tensors]
+    offsets = [header[name]["data_offsets"] for name in written.tensors]
+    assert offsets[0][0] == 0 and all(end == start for (_, end), (start, _) in zip(offsets, offsets[1:], strict=False))
+    assert 8 + length + offsets[-1][1] == len(data)
 
 
 def test_a_failing_cast_leaves_nothing_behind(source, tmp_path):
