@@ -171,9 +171,9 @@ def _steps(task: WriteTask, tensors: dict[str, SourceTensor]) -> list[Copy | Com
         if name in drop:
             continue
         read = functools.partial(reader.weight, key, name if name in key_of else None, scale_dtype)
-        if key in convert and task.device != "cpu":
-            read = functools.partial(_to_device, read, torch.device(task.device))
         if key in convert:
+            if task.device != "cpu":
+                read = functools.partial(_to_device, read, torch.device(task.device))
             shape = reader.stored_shape(key, name) if name in key_of else tensor.shape
             # a weight the source stores quantized was checked finite where it was dequantized, and one with a
             # weight amax where that amax was taken (shard_weight_amax: it propagates NaN)

@@ -55,7 +55,7 @@ def write_weight_files(run: Run, staging: Path) -> list[str]:
     checkpoint = run.resolved.checkpoint
     if checkpoint.stored is not None:  # a quantized source: its weights dequantized (converters.model.quantized)
         return write_dequantized_files(weight_files(run.resolved.directory), staging, checkpoint.stored,
-                                       checkpoint.dtype)
+                                       checkpoint.dtype, digests=run.digests)
     return copy_weight_files(weight_files(run.resolved.directory), staging, confinement_for(run.sources))
 
 

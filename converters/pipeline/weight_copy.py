@@ -43,13 +43,14 @@ class BackgroundWeightCopy:
             stored = getattr(self._checkpoint, "stored", None)
             if stored is not None:  # the artifact holds the high-precision weights a quantized source stands for
                 self._names = write_dequantized_files(files, directory, stored, self._checkpoint.dtype,
-                                                      should_stop=self._stop.is_set)
+                                                      should_stop=self._stop.is_set, digests=self._digests)
             else:
                 self._names = copy_weight_files(files, directory, confinement, should_stop=self._stop.is_set)
             for name in self._names:
                 if self._stop.is_set():
                     return
-                self._digests[name] = sha256_file(directory / name)
+                if name not in self._digests:  # a dequantized weight file was hashed as it was written
+                    self._digests[name] = sha256_file(directory / name)
         except BaseException as exc:  # handed to the job's thread by result()
             self._error = exc
 

@@ -72,11 +72,13 @@ class StoredWeights:
 
 
 def write_dequantized_files(files: list[Path], directory: Path, stored: StoredWeights, dtype: torch.dtype, *,
-                            should_stop: Callable[[], bool] | None = None) -> list[str]:
+                            should_stop: Callable[[], bool] | None = None,
+                            digests: dict[str, str] | None = None) -> list[str]:
     """Each of ``files`` written into ``directory`` under its own name with every quantized weight dequantized to
     ``dtype`` (under its weight key, in the place of its stored tensor) and the scales left out; every other
     tensor is copied as bytes. The index (when the source has one) maps the written names. ``should_stop`` is
-    asked before each file. Returns the names written (the index last)."""
+    asked before each file; ``digests``, where given, receives each weight file's sha256 as it was written (a
+    manifest need not read the file again). Returns the names written (the index last)."""
     indexes = {path: read_tensor_index(path) for path in files}
     sources = {name: tensor for tensors, _ in indexes.values() for name, tensor in tensors.items()}
     written, weight_map, total = [], {}, 0
@@ -95,6 +97,8 @@ def write_dequantized_files(files: list[Path], directory: Path, stored: StoredWe
             else:
                 steps.append(Copy(key, tensor))
         shard = write_shard(directory / path.name, steps, metadata)
+        if digests is not None:
+            digests[path.name] = shard.sha256
         weight_map.update(dict.fromkeys(shard.tensors, path.name))
         total += shard.bytes
         written.append(path.name)
