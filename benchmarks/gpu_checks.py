@@ -16,8 +16,8 @@ far over what a call may carry; a calibrated 8B job needs the project's torchao 
 
     # here, a rehearsal of the same steps on the CPU at a small size (no GPU on this machine):
     .venv/bin/python benchmarks/gpu_checks.py --device cpu --small --workdir /tmp/gpu-checks
-    # on the lent machine, in one call of the device tool's run (about 6 minutes there, the start apart):
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py --json $OUT/gpu_checks.json
+    # on the lent machine, in one call of the device tool's run (the start apart), stopping new runs after 7 minutes:
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py --budget-s 420 --json $OUT/gpu_checks.json
 
 Results (the printed table and the JSON) go to a dated file under docs/benchmarks/.
 """
@@ -53,7 +53,10 @@ def main() -> None:
                         help="the several-workers runs' process count (default: half the cores, at most 8)")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of: " + ", ".join(FORMATS))
     parser.add_argument("--skip-bytes", action="store_true")
-    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each run)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no run after this many seconds from the start (a lease's time is short: what ran "
+                             "is kept, what did not is listed as skipped)")
     args = parser.parse_args()
     formats = [name for name in args.formats.split(",") if name]
     started = time.perf_counter()
@@ -67,25 +70,47 @@ def main() -> None:
     print("environment:", json.dumps(environment), flush=True)
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
-    results: dict = {"environment": environment}
+    results: dict = {"environment": environment, "skipped": []}
+    ledger = _Ledger(results, args.json, started, args.budget_s)
     try:
         if not args.skip_bytes:
-            results["bytes"] = _same_bytes(convert_model_free, args.workdir, formats, args.device)
+            results["bytes"] = _same_bytes(convert_model_free, args.workdir, formats, args.device, ledger)
         size = REHEARSAL if args.small else LLAMA_8B
-        results["speed"] = _speed(convert_model_free, args.workdir, size, formats, args.device, args.workers)
+        results["speed"] = _speed(convert_model_free, args.workdir, size, formats, args.device, args.workers, ledger)
     finally:
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=2))
+        ledger.save()
         shutil.rmtree(args.workdir, ignore_errors=True)
     print(f"all checks: {time.perf_counter() - started:.0f} s", flush=True)
 
 
-def _same_bytes(convert, workdir: Path, formats: list[str], device: str) -> dict:
+class _Ledger:
+    """The results so far, written after every run: a run killed at the lease's limit keeps what finished."""
+
+    def __init__(self, results: dict, path: Path | None, started: float, budget_s: float | None):
+        self.results, self.path, self.started, self.budget_s = results, path, started, budget_s
+
+    def save(self) -> None:
+        if self.path:
+            self.path.write_text(json.dumps(self.results, indent=2))
+
+    def may_start(self, what: str) -> bool:
+        """False (and ``what`` listed as skipped) once the budget is spent."""
+        if self.budget_s is None or time.perf_counter() - self.started < self.budget_s:
+            return True
+        self.results["skipped"].append(what)
+        print(f"skipped (budget of {self.budget_s:.0f} s spent): {what}", flush=True)
+        self.save()
+        return False
+
+
+def _same_bytes(convert, workdir: Path, formats: list[str], device: str, ledger: _Ledger) -> dict:
     """Each format written on the CPU and on ``device``: are the weight files and the index the same bytes?"""
     source = workdir / "bytes-source"
     build_model(source)
-    rows = {}
+    rows = ledger.results.setdefault("bytes", {})
     for fmt in formats:
+        if not ledger.may_start(f"bytes {fmt}"):
+            continue
         seconds = {}
         cpu_out, device_out = workdir / f"bytes-{fmt}-reference", workdir / f"bytes-{fmt}-device"
         for role, where, out in (("cpu", "cpu", cpu_out), ("device", device, device_out)):
@@ -101,12 +126,17 @@ def _same_bytes(convert, workdir: Path, formats: list[str], device: str) -> dict
               f"(cpu {seconds['cpu']} s, {device} {seconds['device']} s)", flush=True)
         shutil.rmtree(cpu_out)
         shutil.rmtree(device_out, ignore_errors=True)
+        ledger.save()
     shutil.rmtree(source)
     return rows
 
 
-def _speed(convert, workdir: Path, size: CheckpointShape, formats: list[str], device: str, workers: int) -> dict:
-    """The copy, then each format with one worker and ``workers``, without and with the SQNR: source GB/s."""
+def _speed(convert, workdir: Path, size: CheckpointShape, formats: list[str], device: str, workers: int,
+           ledger: _Ledger) -> dict:
+    """The copy, then each format with ``workers`` and one worker without the SQNR, then with it: source GB/s.
+
+    Every format's headline run (several workers, no SQNR) comes before any format's other runs, so a short lease
+    still gives each format its figure."""
     source = workdir / "speed-source"
     clock = time.perf_counter()
     total = build_model(source, size)
@@ -118,9 +148,13 @@ def _speed(convert, workdir: Path, size: CheckpointShape, formats: list[str], de
     copy_s = time.perf_counter() - clock
     shutil.rmtree(out)
     print(f"copy (cp -r)                          {copy_s:6.2f} s  {total / 1e9 / copy_s:6.2f} GB/s", flush=True)
-    rows = {"checkpoint_gb": round(total / 1e9, 3), "copy_s": round(copy_s, 3), "runs": []}
-    for fmt in formats:
-        for count, measure in ((1, False), (workers, False), (workers, True)):
+    rows = ledger.results.setdefault("speed", {})
+    rows.update({"checkpoint_gb": round(total / 1e9, 3), "copy_s": round(copy_s, 3), "runs": []})
+    ledger.save()
+    plan = [(fmt, workers, False) for fmt in formats] + [(fmt, 1, False) for fmt in formats] + [
+        (fmt, workers, True) for fmt in formats]
+    for fmt, count, measure in plan:
+        if ledger.may_start(f"speed {fmt} workers {count} sqnr {'on' if measure else 'off'}"):
             clock = time.perf_counter()
             convert(source, out, fmt, exclude=("lm_head",), skip_first_last=False, measure=measure, device=device,
                     workers=count)
@@ -129,6 +163,7 @@ def _speed(convert, workdir: Path, size: CheckpointShape, formats: list[str], de
             row = {"format": fmt, "workers": count, "measure": measure, "seconds": round(seconds, 3),
                    "source_gb_per_s": round(total / 1e9 / seconds, 3), "over_copy": round(seconds / copy_s, 2)}
             rows["runs"].append(row)
+            ledger.save()
             print(f"{fmt:32s} workers {count} sqnr {'on ' if measure else 'off'} {seconds:6.2f} s  "
                   f"{row['source_gb_per_s']:6.2f} GB/s  {row['over_copy']:5.2f}x the copy", flush=True)
     shutil.rmtree(source)
