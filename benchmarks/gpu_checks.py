@@ -53,6 +53,7 @@ def main() -> None:
                         help="the several-workers runs' process count (default: half the cores, at most 8)")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of: " + ", ".join(FORMATS))
     parser.add_argument("--skip-bytes", action="store_true")
+    parser.add_argument("--sqnr-only", action="store_true", help="of the speed runs, only those with the SQNR on")
     parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each run)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no run after this many seconds from the start (a lease's time is short: what ran "
@@ -76,7 +77,8 @@ def main() -> None:
         if not args.skip_bytes:
             results["bytes"] = _same_bytes(convert_model_free, args.workdir, formats, args.device, ledger)
         size = REHEARSAL if args.small else LLAMA_8B
-        results["speed"] = _speed(convert_model_free, args.workdir, size, formats, args.device, args.workers, ledger)
+        results["speed"] = _speed(convert_model_free, args.workdir, size, formats, args.device, args.workers, ledger,
+                                  sqnr_only=args.sqnr_only)
     finally:
         ledger.save()
         shutil.rmtree(args.workdir, ignore_errors=True)
@@ -113,14 +115,24 @@ def _same_bytes(convert, workdir: Path, formats: list[str], device: str, ledger:
             continue
         seconds = {}
         cpu_out, device_out = workdir / f"bytes-{fmt}-reference", workdir / f"bytes-{fmt}-device"
-        for role, where, out in (("cpu", "cpu", cpu_out), ("device", device, device_out)):
-            clock = time.perf_counter()
-            convert(source, out, fmt, exclude=("lm_head",), skip_first_last=False, measure=False, device=where)
-            seconds[role] = round(time.perf_counter() - clock, 2)
+        try:
+            for role, where, out in (("cpu", "cpu", cpu_out), ("device", device, device_out)):
+                clock = time.perf_counter()
+                convert(source, out, fmt, exclude=("lm_head",), skip_first_last=False, measure=False, device=where)
+                seconds[role] = round(time.perf_counter() - clock, 2)
+        except Exception as error:  # noqa: BLE001 - one format's failure is a result; the others still run
+            rows[fmt] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"bytes {fmt:32s} FAILED: {rows[fmt]['error']}", flush=True)
+            shutil.rmtree(cpu_out, ignore_errors=True)
+            shutil.rmtree(device_out, ignore_errors=True)
+            ledger.save()
+            continue
         compared = sorted(path.name for path in cpu_out.iterdir()
                           if path.suffix == ".safetensors" or path.name == "model.safetensors.index.json")
         differ = [name for name in compared if (cpu_out / name).read_bytes() != (device_out / name).read_bytes()]
-        rows[fmt] = {"files": len(compared), "differ": differ, "seconds": seconds}
+        rows[fmt] = {"files": len(compared), "differ": differ, "seconds": seconds,
+                     "tensors_differ": {name: _tensors_differ(cpu_out / name, device_out / name)
+                                        for name in differ if name.endswith(".safetensors")}}
         print(f"bytes {fmt:32s} {len(compared)} files, "
               f"{'the same on cpu and ' + device if not differ else 'DIFFERENT: ' + ', '.join(differ)}  "
               f"(cpu {seconds['cpu']} s, {device} {seconds['device']} s)", flush=True)
@@ -131,8 +143,35 @@ def _same_bytes(convert, workdir: Path, formats: list[str], device: str, ledger:
     return rows
 
 
+def _tensors_differ(cpu_file: Path, device_file: Path, shown: int = 6) -> list[dict]:
+    """Which tensors of two same-named shards differ, and in how many elements (the first ``shown``)."""
+    import torch
+    from safetensors import safe_open
+
+    rows = []
+    with safe_open(cpu_file, "pt") as cpu, safe_open(device_file, "pt") as device:
+        if sorted(cpu.keys()) != sorted(device.keys()):
+            return [{"keys": "different", "cpu_only": sorted(set(cpu.keys()) - set(device.keys()))[:shown],
+                     "device_only": sorted(set(device.keys()) - set(cpu.keys()))[:shown]}]
+        for key in sorted(cpu.keys()):
+            a, b = cpu.get_tensor(key), device.get_tensor(key)
+            if a.dtype != b.dtype or a.shape != b.shape:
+                rows.append({"tensor": key, "cpu": f"{a.dtype} {list(a.shape)}",
+                             "device": f"{b.dtype} {list(b.shape)}"})
+            else:
+                differing = (a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum().item()
+                if differing:
+                    rows.append({"tensor": key, "dtype": str(a.dtype), "bytes_differ": differing,
+                                 "of": a.numel() * a.element_size()})
+            if len(rows) >= shown:
+                break
+    if not rows:
+        rows.append({"tensors": "all equal: the header or padding differs"})
+    return rows
+
+
 def _speed(convert, workdir: Path, size: CheckpointShape, formats: list[str], device: str, workers: int,
-           ledger: _Ledger) -> dict:
+           ledger: _Ledger, *, sqnr_only: bool = False) -> dict:
     """The copy, then each format with ``workers`` and one worker without the SQNR, then with it: source GB/s.
 
     Every format's headline run (several workers, no SQNR) comes before any format's other runs, so a short lease
@@ -151,13 +190,20 @@ def _speed(convert, workdir: Path, size: CheckpointShape, formats: list[str], de
     rows = ledger.results.setdefault("speed", {})
     rows.update({"checkpoint_gb": round(total / 1e9, 3), "copy_s": round(copy_s, 3), "runs": []})
     ledger.save()
-    plan = [(fmt, workers, False) for fmt in formats] + [(fmt, 1, False) for fmt in formats] + [
-        (fmt, workers, True) for fmt in formats]
+    plan = [] if sqnr_only else [(fmt, workers, False) for fmt in formats] + [(fmt, 1, False) for fmt in formats]
+    plan += [(fmt, workers, True) for fmt in formats]
     for fmt, count, measure in plan:
         if ledger.may_start(f"speed {fmt} workers {count} sqnr {'on' if measure else 'off'}"):
             clock = time.perf_counter()
-            convert(source, out, fmt, exclude=("lm_head",), skip_first_last=False, measure=measure, device=device,
-                    workers=count)
+            try:
+                convert(source, out, fmt, exclude=("lm_head",), skip_first_last=False, measure=measure,
+                        device=device, workers=count)
+            except Exception as error:  # noqa: BLE001 - recorded; the other runs still run
+                rows["runs"].append({"format": fmt, "workers": count, "measure": measure,
+                                     "error": f"{type(error).__name__}: {error}"})
+                print(f"{fmt:32s} workers {count} FAILED: {error}", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
+                continue
             seconds = time.perf_counter() - clock
             shutil.rmtree(out)
             row = {"format": fmt, "workers": count, "measure": measure, "seconds": round(seconds, 3),

@@ -19,6 +19,7 @@ __all__ = [
     "round_to_e2m1",
     "e2m1_codes",
     "max_abs",
+    "divide_exactly",
     "e4m3_clamp_needed",
     "quotient_to_e4m3",
 ]
@@ -96,6 +97,17 @@ def max_abs(x: torch.Tensor, dim: int | None = None, *, keepdim: bool = True) ->
         return x.abs().amax(dim=dim, keepdim=keepdim)
     low, high = torch.aminmax(x)
     return torch.maximum(high, -low)
+
+
+def divide_exactly(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` rounded once, in ``x``'s dtype, on any device: the CPU's bits on a GPU too.
+
+    PyTorch's CUDA division by a CPU scalar (a Python number or a 0-dim CPU tensor) multiplies by its reciprocal,
+    one bit off the quotient for some values, so a scale written on a GPU worker would differ from the CPU's and the
+    peers'. A 0-dim tensor on ``x``'s device is divided by. ``divisor`` must be exact in ``x``'s dtype (448, 6: the
+    formats' constants).
+    """
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
 
 
 #: the largest ``|x|`` whose ``float8_e4m3fn`` cast is 448 by rounding alone: between 448 (code 0x7E) and 480 (0x7F,

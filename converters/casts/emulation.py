@@ -19,6 +19,7 @@ from converters.casts.elements import (
     E4M3_UNCLAMPED_MAX,
     E5M2_MAX,
     cast_fp8,
+    divide_exactly,
     e2m1_codes,
     e4m3_clamp_needed,
     max_abs,
@@ -157,7 +158,7 @@ def e8m0_exponent(amax: torch.Tensor, *, rule: ScaleRule = ScaleRule.E8M0_RCEIL,
         extracted = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
         return (extracted - _E4M3_EMAX).clamp(-127, 128) + 127
     if library == "torchao":
-        descale = amax / E4M3_MAX
+        descale = divide_exactly(amax, E4M3_MAX)
         exponent = (torch.ceil(torch.log2(descale)).clamp(-127, 127) + 127).to(torch.int32)
         return torch.where(torch.isinf(descale), 254, torch.where(torch.isnan(descale), 255, exponent))
     value = amax * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32, device=amax.device)

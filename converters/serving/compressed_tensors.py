@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
+from converters.casts.elements import divide_exactly
 from converters.casts.emulation import max_abs, quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.kv_scales import COMPRESSED_TENSORS_KV
@@ -45,8 +46,8 @@ __all__ = ["CompressedTensorsFP8", "STATIC", "DYNAMIC", "ignore_list"]
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
     """``amax / 448`` in amax's dtype; a zero scale becomes that dtype's eps (compressed-tensors' rule)."""
-    scale = amax / FP8_E4M3_MAX
-    return torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
+    scale = divide_exactly(amax, FP8_E4M3_MAX)
+    return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
 
 
 def _quantize(weight: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:

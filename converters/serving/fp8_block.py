@@ -46,6 +46,7 @@ import torch
 
 from converters.analysis.reasons import Reason
 from converters.calibration.scaling import E4M3_MAX as FP8_E4M3_MAX
+from converters.casts.elements import divide_exactly
 from converters.casts.emulation import max_abs, quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.e4m3_cast import to_e4m3
@@ -187,7 +188,7 @@ def _quantize_blocks(weight: torch.Tensor, scale_fmt: ScaleFormat,
     if scale_fmt is ScaleFormat.UE8M0:
         scale = pow2_scale_inv(amax)
     else:
-        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+        scale = torch.where(amax > 0, divide_exactly(amax, FP8_E4M3_MAX), torch.ones_like(amax))
     quantized = quotient_to_e4m3(torch.div(own, scale), amax, scale)
     return [quantized.reshape(rows, columns), scale.reshape(rows // BLOCK, columns // BLOCK)]
 

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from converters.analysis.reasons import Reason
+from converters.casts.elements import divide_exactly
 from converters.casts.emulation import E4M3_MAX, max_abs, quotient_to_e4m3
 from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.compressed_tensors import ignore_list
@@ -94,6 +95,7 @@ def _mx_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = amax.view(torch.int16).to(torch.int32) & 0xFFFF if amax.element_size() == 2 else amax.view(torch.int32)
     index = ((bits + increment) & mask) >> mantissa  # the reference's rounding, its mantissa bits dropped
     index = index.bitwise_and_(mask >> mantissa).reshape(-1)  # fp32: the sign bit the arithmetic shift spread
+    scale_table, byte_table = scale_table.to(amax.device), byte_table.to(amax.device)
     return (torch.index_select(scale_table, 0, index).view(amax.shape),
             torch.index_select(byte_table, 0, index).view(amax.shape))
 
@@ -174,7 +176,7 @@ def mx_exponents(groups: torch.Tensor, mode: MXScaleMode) -> tuple[torch.Tensor,
                                  ((254 - biased) << 23).view(torch.float32))
         quantized = to_e4m3(groups, multiplier, power_of_two=True)
     elif mode is MXScaleMode.RCEIL:
-        biased = (torch.clamp(torch.ceil(torch.log2(amax / E4M3_MAX)), min=-_E8M0_BIAS, max=_E8M0_BIAS)
+        biased = (torch.clamp(torch.ceil(torch.log2(divide_exactly(amax, E4M3_MAX))), min=-_E8M0_BIAS, max=_E8M0_BIAS)
                   + _E8M0_BIAS).to(torch.uint8)
         multiplier = torch.where(biased == 254, 2.0 ** -127, torch.where(
             biased == 0, 1.0, torch.exp2(_E8M0_BIAS - biased.to(torch.float32))))

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from converters.analysis.reasons import Reason
+from converters.casts.elements import divide_exactly
 from converters.casts.emulation import E2M1_MAX, E4M3_MAX, e2m1_codes, max_abs, round_to_e2m1
 from converters.model.quantized.arithmetic import fp8_as_float
 from converters.model.safetensors_stream import SourceTensor, planned_entry
@@ -106,7 +107,8 @@ def quantize_nvfp4(weight: torch.Tensor, weight_amax: float, *, scale_search: st
     if scale_search not in SCALE_SEARCHES:
         raise ValueError(f"scale_search must be one of {', '.join(SCALE_SEARCHES)}, got {scale_search!r}")
     rows, columns = weight.shape
-    scale_global = global_scale(torch.tensor([weight_amax], dtype=weight.dtype))
+    # computed on the CPU (its bits on every device), then beside the weight
+    scale_global = global_scale(torch.tensor([weight_amax], dtype=weight.dtype)).to(weight.device)
     blocks = weight.unflatten(-1, (columns // GROUP, GROUP))
     scale = rtn_block_scales(blocks, scale_global)
     if scale_search != "rtn":
@@ -120,7 +122,7 @@ def quantize_nvfp4(weight: torch.Tensor, weight_amax: float, *, scale_search: st
 def rtn_block_scales(blocks: torch.Tensor, scale_global: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' E4M3 block scales (as fp32 values) of ``blocks`` (``[out, in/16, 16]``, model dtype)."""
     block_amax = max_abs(blocks, dim=-1, keepdim=False)
-    scale = scale_global * (block_amax / torch.tensor(E2M1_MAX, dtype=blocks.dtype))
+    scale = scale_global * divide_exactly(block_amax, E2M1_MAX)
     # back to fp32 through the 256-entry table (fp8_as_float): the same values as .float(), which converts element
     # by element on a CPU
     scale = fp8_as_float(scale.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))

@@ -57,7 +57,8 @@ def written_weight_sqnr(weight: torch.Tensor, written: Mapping[str, torch.Tensor
     or a layout this module does not read (a high-precision weight, as the bf16 target writes)."""
     if weight.dim() != 2:
         return None
-    names, tensors = list(written), list(written.values())
+    # read where the weight is (a GPU worker's casts leave both there; a tensor elsewhere is moved beside it)
+    names, tensors = list(written), [tensor.to(weight.device) for tensor in written.values()]
     rows, columns = weight.shape
     codes = tensors[0] if tensors else None
     if codes is not None and codes.dtype == torch.float8_e4m3fn and tuple(codes.shape) == (rows, columns) \
@@ -74,7 +75,7 @@ def written_weight_sqnr(weight: torch.Tensor, written: Mapping[str, torch.Tensor
     step = min(rows, max(unit, _STRIP_ELEMENTS // max(1, columns) // unit * unit))
     # the fp32 strips, reused: a fresh tensor per strip is freshly mapped memory whose page faults cost as much as
     # the arithmetic
-    source, values = torch.empty(step * columns), torch.empty(step * columns)
+    source, values = (torch.empty(step * columns, device=weight.device) for _ in range(2))
     scratch: dict[str, torch.Tensor] = {}
     signal = noise = 0.0
     for start in range(0, rows, step):
@@ -95,7 +96,7 @@ def _sums(weight: torch.Tensor, dequantize: _Dequantize, source_buffer: torch.Te
     if math.isfinite(signal) and math.isfinite(noise):
         return signal, noise
     source = weight.double()
-    error = dequantize(torch.float64, torch.empty(weight.shape, dtype=torch.float64)).sub_(source)
+    error = dequantize(torch.float64, torch.empty(weight.shape, dtype=torch.float64, device=weight.device)).sub_(source)
     return float(torch.dot(source.view(-1), source.view(-1))), float(torch.dot(error.view(-1), error.view(-1)))
 
 
@@ -103,7 +104,8 @@ def _fp8_strips(scale: torch.Tensor, rows: int, columns: int):
     """``(dequantize(codes, start, end, scratch, dtype, out), rows per unit)`` for FP8 codes with ``scale``; None
     for a scale of no layout read here."""
     if scale.dtype == torch.uint8:  # MX: biased E8M0 exponents, 2 ** (byte - 127), exact in fp32 (subnormal too)
-        scale = torch.ldexp(torch.ones(scale.shape, dtype=torch.float32), scale.to(torch.int32) - _E8M0_BIAS)
+        scale = torch.ldexp(torch.ones(scale.shape, dtype=torch.float32, device=scale.device),
+                            scale.to(torch.int32) - _E8M0_BIAS)
     # the scale times 256 (exact, in fp64): the codes are read as fp16 values 256 times smaller
     scales = _Scales(scale.to(torch.float64) * _FP16_CODE_UNIT)
     if scale.numel() == 1:
@@ -147,8 +149,9 @@ def _nvfp4_strips(block_scale: torch.Tensor, tensor_scale: torch.Tensor, *, divi
 
     def dequantize(packed, start, end, scratch, dtype, out):
         part = packed[start:end].reshape(-1)
-        index = _scratch(scratch, "index", part.numel(), torch.int32).copy_(part)
-        pairs = torch.index_select(_e2m1_pairs(), 0, index, out=_scratch(scratch, "pairs", part.numel(), torch.int32))
+        index = _scratch(scratch, "index", part, torch.int32).copy_(part)
+        pairs = torch.index_select(_e2m1_pairs(part.device), 0, index,
+                                   out=_scratch(scratch, "pairs", part, torch.int32))
         halves = pairs.view(torch.float16).view(end - start, groups, -1)
         torch.mul(halves, factors.get(dtype)[start:end].unsqueeze(-1), out=out.view(halves.shape))
         return out
@@ -167,25 +170,28 @@ class _Scales:
         return self._by_dtype[dtype]
 
 
-def _scratch(scratch: dict[str, torch.Tensor], name: str, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """A reused buffer of at least ``count`` elements (the first strip's size: later strips are no larger)."""
+def _scratch(scratch: dict[str, torch.Tensor], name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A reused buffer of ``like``'s element count, on its device (the first strip's size: later strips are no
+    larger)."""
+    count = like.numel()
     buffer = scratch.get(name)
     if buffer is None or buffer.numel() < count:
-        buffer = scratch[name] = torch.empty(count, dtype=dtype)
+        buffer = scratch[name] = torch.empty(count, dtype=dtype, device=like.device)
     return buffer[:count]
 
 
 def _fp8_over_256(codes: torch.Tensor, scratch: dict[str, torch.Tensor]) -> torch.Tensor:
     """E4M3 ``codes`` as fp16 values each 256 times smaller than the code's, exactly (the module docstring), in a
     reused buffer of ``codes``' shape."""
-    bits = _scratch(scratch, "fp8", codes.numel(), torch.int16).view(codes.shape)
+    bits = _scratch(scratch, "fp8", codes, torch.int16).view(codes.shape)
     bits.copy_(codes.view(torch.int8))  # sign-extended: the sign in bits 7-15
     return bits.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16)
 
 
 @functools.cache
-def _e2m1_pairs() -> torch.Tensor:
+def _e2m1_pairs(device: torch.device) -> torch.Tensor:
     """Each byte's two E2M1 values as fp16, the low nibble first (the even column), held in one int32: ``[256]``."""
     table = torch.tensor(E2M1_CODES, dtype=torch.float16)
     byte = torch.arange(256)
-    return torch.stack((table[byte & 0x0F], table[byte >> 4]), dim=-1).contiguous().view(torch.int32).reshape(256)
+    pairs = torch.stack((table[byte & 0x0F], table[byte >> 4]), dim=-1).contiguous().view(torch.int32).reshape(256)
+    return pairs.to(device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from converters.casts.elements import divide_exactly
 from converters.casts.emulation import E2M1_MAX, E4M3_UNCLAMPED_MAX, e2m1_codes, e4m3_clamp_needed, round_to_e2m1
 from converters.serving import mxfp8
 from converters.serving.compressed_tensors import DYNAMIC
@@ -41,6 +42,30 @@ def _edges() -> torch.Tensor:
     values = [0.0, -0.0, 1e-45, -1e-45, tiny, -tiny, 1e-30, -1e-30, 6.0, -6.0, 6.5, 7.0, -7.0, 8.0, 1e4, 2.0 ** 22,
               2.0 ** 23, 2.0 ** 24, 2.0 ** 25, 3e38, -3e38, float("inf"), float("-inf")]
     return torch.tensor(values, dtype=torch.float32)
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("divisor", [448.0, 6.0])
+def test_divide_exactly_rounds_the_quotient_once_on_every_device(device, dtype, divisor):
+    # the reference: the quotient in fp64, rounded to the dtype (innocuous double rounding: 53 >= 2 * 24 + 2 bits),
+    # on random bit patterns of every finite binade; a GPU's division by a Python number is off by a bit on some
+    generator = torch.Generator().manual_seed(11)
+    finite = torch.finfo(dtype).max
+    if dtype is torch.float32:
+        x = torch.randint(0, 0x7F800000, (1 << 18,), generator=generator, dtype=torch.int32).view(torch.float32)
+    else:
+        x = torch.randint(0, 0x7C00 if dtype is torch.float16 else 0x7F80, (1 << 16,), generator=generator,
+                          dtype=torch.int32).to(torch.int16).view(dtype)
+    x = torch.cat([x, -x]).clamp(-finite, finite)
+    reference = (x.double() / divisor).to(dtype)
+    quotient = divide_exactly(x.to(device), divisor).cpu()
+    assert quotient.dtype == dtype
+    assert torch.equal(quotient.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                       reference.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
 
 
 def test_e2m1_codes_match_the_rounding_next_to_every_boundary():
