@@ -72,7 +72,9 @@ def written_weight_sqnr(weight: torch.Tensor, written: Mapping[str, torch.Tensor
     if strip is None or weight.numel() == 0:
         return None
     dequantize, unit = strip
+    # a GPU takes the weight whole: each strip's sums are a sync with the host, and its memory is not the limit
     step = min(rows, max(unit, _STRIP_ELEMENTS // max(1, columns) // unit * unit))
+    step = rows if weight.device.type != "cpu" else step
     # the fp32 strips, reused: a fresh tensor per strip is freshly mapped memory whose page faults cost as much as
     # the arithmetic
     source, values = (torch.empty(step * columns, device=weight.device) for _ in range(2))
