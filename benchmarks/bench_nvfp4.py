@@ -327,21 +327,26 @@ def print_choices(choices: list) -> None:
               f"x{choice.input_amax / input_amax:.2f} ({choice.input_amax:.4g}), error/RTN {choice.relative_error:.3f}")
 
 
-def eval_ids(model_dir: Path, tokens: int) -> torch.Tensor:
+def eval_ids(model_dir: Path, tokens: int, extra_files: list[Path] = ()) -> torch.Tensor:
+    """Windows of EVAL_WINDOW held-out tokens: the corpus' held-out part, then the paragraphs (blank-line separated)
+    of ``extra_files`` (text no calibration reads, e.g. benchmarks/data/held_out_extra.txt)."""
     from transformers import AutoTokenizer
 
     from converters.quality.held_out import held_out_part
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    stream = [i for text in held_out_part() for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    texts = held_out_part() + [paragraph.strip() for path in extra_files
+                               for paragraph in path.read_text().split("\n\n") if paragraph.strip()]
+    stream = [i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
     windows = min(tokens, len(stream)) // EVAL_WINDOW
     return torch.tensor(stream[: windows * EVAL_WINDOW]).view(windows, EVAL_WINDOW)
 
 
 def perplexity(model, ids: torch.Tensor, layers: dict[str, dict[str, torch.Tensor]] | None,
-               replaced: dict[str, torch.Tensor] | None = None) -> float:
-    """The model's perplexity on ``ids`` with ``layers``' weights read back and their inputs cast to NVFP4 (after
-    the layer's pre_quant_scale, if any), and the parameters in ``replaced`` taken from the export."""
+               replaced: dict[str, torch.Tensor] | None = None) -> tuple[float, list[float]]:
+    """The model's perplexity on ``ids``, and each window's summed negative log-likelihood, with ``layers``' weights
+    read back and their inputs cast to NVFP4 (after the layer's pre_quant_scale, if any), and the parameters in
+    ``replaced`` taken from the export."""
     originals, handles = {}, []
     for name, tensor in (replaced or {}).items():
         parameter = model.get_parameter(name)
@@ -359,18 +364,31 @@ def perplexity(model, ids: torch.Tensor, layers: dict[str, dict[str, torch.Tenso
 
         handles.append(model.get_submodule(path).register_forward_pre_hook(cast_input))
     try:
-        total, count = 0.0, 0
+        windows = []
         with torch.no_grad():
             for row in ids:
                 logits = model(input_ids=row[None]).logits[0, :-1].float()
-                total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
-                count += row.numel() - 1
-        return math.exp(total / count)
+                windows.append(float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum")))
+        return math.exp(sum(windows) / (ids.shape[0] * (ids.shape[1] - 1))), windows
     finally:
         for handle in handles:
             handle.remove()
         for name, value in originals.items():
             model.get_parameter(name).data = value
+
+
+def loss_ratio_interval(ours: list[float], theirs: list[float], base: list[float], positions: int,
+                        draws: int = 2000) -> tuple[float, float]:
+    """The 5th and 95th percentiles of ``loss(ours) / loss(theirs)`` over a paired bootstrap of the held-out
+    windows (each draw resamples the windows, the same ones for all three rows; loss = perplexity / bf16's - 1):
+    how far the ratio moves with the text it is scored on."""
+    generator = torch.Generator().manual_seed(0)
+    nll = torch.tensor([ours, theirs, base], dtype=torch.float64)
+    picks = torch.randint(0, nll.shape[1], (draws, nll.shape[1]), generator=generator)
+    means = nll[:, picks].mean(dim=2) / positions  # [3, draws] mean NLL per position
+    losses = torch.exp(means[:2] - means[2]) - 1
+    ratios = (losses[0] / losses[1]).sort().values
+    return float(ratios[int(0.05 * draws)]), float(ratios[int(0.95 * draws) - 1])
 
 
 def weight_figures(source: dict[str, torch.Tensor], rtn: dict, mse: dict) -> tuple[float, float, float]:
@@ -394,6 +412,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=32, help="calibration windows of 128 tokens (default 32)")
     parser.add_argument("--tokens", type=int, default=1024, help="held-out tokens scored (default 1024)")
+    parser.add_argument("--held-out-file", type=Path, action="append", default=[],
+                        help="more held-out text after the corpus' (paragraphs separated by blank lines), e.g. "
+                             "benchmarks/data/held_out_extra.txt; repeatable")
     parser.add_argument("--skip-peer", action="store_true", help="fp8forge's rows only")
     parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
     parser.add_argument("--peer-export", type=Path, help="an llm-compressor NVFP4 export made on the same tokens")
@@ -497,20 +518,27 @@ def main() -> None:
         print_choices(choices)
         variants["fp8forge searched weights (output error)"] = weights_only
         variants["fp8forge searched weights + input scales"] = both
-    ids = eval_ids(model_dir, args.tokens)
-    scores = {}
+    ids = eval_ids(model_dir, args.tokens, args.held_out_file)
+    print(f"held-out: {ids.shape[0]} windows of {ids.shape[1]} tokens", flush=True)
+    scores, windows = {}, {}
     for name, layers in variants.items():
         started = time.perf_counter()
-        scores[name] = perplexity(model, ids, layers, replacements.get(name))
+        scores[name], windows[name] = perplexity(model, ids, layers, replacements.get(name))
         print(f"  scored {name} in {time.perf_counter() - started:.0f} s", flush=True)
     base = scores["bf16"]
     reference = scores.get("llm-compressor rtn")
-    print("\n| export | Linears | perplexity | loss vs bf16 | loss / llm-compressor RTN's |\n|---|---|---|---|---|")
+    print("\n| export | Linears | perplexity | loss vs bf16 | loss / llm-compressor RTN's | its 5-95% over the "
+          "windows |\n|---|---|---|---|---|---|")
     for name, value in scores.items():
         loss = value / base - 1
         versus = f"{loss / (reference / base - 1):.2f}x" if reference and name != "bf16" else ""
+        spread = ""
+        if reference and name not in ("bf16", "llm-compressor rtn"):
+            low, high = loss_ratio_interval(windows[name], windows["llm-compressor rtn"], windows["bf16"],
+                                            ids.shape[1] - 1)
+            spread = f"{low:.2f}-{high:.2f}x"
         count = len(variants[name]) if variants[name] else 0
-        print(f"| {name} | {count} | {value:.3f} | {loss:+.2%} | {versus} |")
+        print(f"| {name} | {count} | {value:.3f} | {loss:+.2%} | {versus} | {spread} |")
     ours_best = min((name for name in scores if name in RECIPE_ROWS), key=scores.get)
     theirs = [name for name in scores if name.startswith("modelopt ")]
     if theirs:
