@@ -32,6 +32,7 @@ class MotoServer:
     def __init__(self, log: Path) -> None:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._client: Any = None
         script = Path(sys.executable).with_name("moto_server")
         command = [str(script)] if script.exists() else [sys.executable, "-m", "moto.server"]
         with log.open("ab") as out:
@@ -48,6 +49,12 @@ class MotoServer:
             return False
 
     def client(self) -> Any:
+        """A boto3 S3 client of this server, made once: each new one loads boto3's service model (0.1 s of CPU)."""
+        if self._client is None:
+            self._client = self._new_client()
+        return self._client
+
+    def _new_client(self) -> Any:
         import boto3
 
         return boto3.session.Session(aws_access_key_id=AWS_ENV["AWS_ACCESS_KEY_ID"],
@@ -104,6 +111,7 @@ class CuttingProxy:
         self.upstream_port = upstream_port
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._client: Any = None
         self.forwarded = 0
         self.is_cut = threading.Event()
         self._limit: int | None = None

@@ -22,7 +22,7 @@ import pytest
 
 from service.cli.main import main
 from service.config import Settings
-from tests.service_helpers import ServeProcess, build_tiny_llama, fp8forge_command, free_port, live_app, wait_for
+from tests.service_helpers import ServeProcess, build_tiny_llama, fp8forge_command, free_port, live_app
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST = ["--no-progress", "--calib-steps", "1", "--calib-batch-size", "1", "--calib-seq-len", "16"]
@@ -182,7 +182,7 @@ def serving(server: ServeProcess, *extra: str):
     with server.log.open("ab") as log:
         server.proc = subprocess.Popen(cmd, env=server.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        wait_for(server._healthy, timeout=60, what=f"fp8forge serve\n{server.tail()}")
+        server.wait_healthy()
         yield server
     finally:
         server.stop()
