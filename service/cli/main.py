@@ -105,8 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
-    from converters.analysis.eligibility import analyze_model_reference  # imports torch: only when a model is analysed
-
     if args.calibrate:
         return compare.run_calibrated_analyze(args, source_options_from_args(args))
     flags = {"--min-sqnr-db": args.min_sqnr_db, "--calib-steps": args.calib_steps,
@@ -115,6 +113,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
     given = [flag for flag, value in flags.items() if value is not None]
     if given:
         raise RequestError(f"{given[0]} applies to a calibrated analysis: add --calibrate", field="calibrate")
+    from converters.analysis.eligibility import analyze_model_reference  # imports torch: after the flag checks
 
     # transformers imports torchao whenever it is installed; analysis never needs it, so hide it while
     # analysing (a None entry makes importlib report the package as absent) and un-hide it afterwards.
