@@ -44,6 +44,7 @@ from torch import nn
 
 from converters.calibration.scaling import E4M3_MAX
 from converters.quality.attention_views import kernel_named, register_attention, unwrap_configs, wrap_configs
+from converters.quality.text_attention import PER_TEXT_ATTENTION
 
 __all__ = ["KV_FP8_ATTENTION", "KV_ROUNDINGS", "NEAREST", "TRUNCATE", "KvCast",
            "export_kv_casts", "fake_quantize_kv", "quantizing_kv_cache"]
@@ -53,6 +54,8 @@ TRUNCATE = "truncate"  #: vLLM's CPU cast: x * (1 / scale), clamp, mantissa trun
 KV_ROUNDINGS = (NEAREST, TRUNCATE)
 #: the attention implementation name the wrapped kernel is registered under
 KV_FP8_ATTENTION = "fp8forge_kv_fp8"
+#: attention implementations that take fp32 query, keys and values (the CPU cast's exact emulation runs in them)
+_FP32_KERNELS = frozenset({"sdpa", "eager"})
 #: the fp32 exponent offset between an E4M3 byte's payload and an fp32's bits (cpu_attn_fp8.hpp's 0x1p-120f)
 _E4M3_TO_FP32_SHIFT = 2.0 ** -120
 
@@ -100,9 +103,30 @@ def _kv_fp8_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     cast = getattr(config, "kv_cast", None)
     if cast is None:  # only the block gives a module this implementation name
         raise RuntimeError(f"{type(module).__name__} asked for {KV_FP8_ATTENTION} outside quantizing_kv_cache")
+    kernel = kernel_named(module, config.real_implementation)
+    if cast.rounding == TRUNCATE and query.dtype != torch.float32 and _innermost(config) in _FP32_KERNELS:
+        # vLLM's CPU kernels attend over the codes: k_scale folded into the logits' scale, v_scale into the output,
+        # the query read in fp32, an fp32 softmax. Keys and values dequantized to bf16 instead (a 4-bit code times
+        # a bf16 scale needs up to 12 bits) and a bf16 attention put the report's FP8-KV perplexities 0.7% below
+        # the engine's (docs/benchmarks/engine-lean-2026-12-04.md): here they stay exact, in fp32, and only the
+        # output is rounded to the dtype of the calls.
+        key = fake_quantize_kv(key.float(), cast.k_scale, cast.rounding)
+        value = fake_quantize_kv(value.float(), cast.v_scale, cast.rounding)
+        out = kernel(module, query.float(), key, value, *args, **kwargs)
+        if isinstance(out, tuple):
+            return (out[0].to(query.dtype), *out[1:])
+        return out.to(query.dtype)
     key = fake_quantize_kv(key, cast.k_scale, cast.rounding)
     value = fake_quantize_kv(value, cast.v_scale, cast.rounding)
-    return kernel_named(module, config.real_implementation)(module, query, key, value, *args, **kwargs)
+    return kernel(module, query, key, value, *args, **kwargs)
+
+
+def _innermost(config: Any) -> str | None:
+    """The attention implementation that finally computes, under the per-text view the pass nests this one in."""
+    implementation = config.real_implementation
+    if implementation == PER_TEXT_ATTENTION:
+        return getattr(config, "per_text_implementation", None)
+    return implementation
 
 
 class quantizing_kv_cache:  # noqa: N801 - a context manager read as a phrase: ``with quantizing_kv_cache(...)``

@@ -68,6 +68,31 @@ def test_the_kernel_sees_a_direct_e4m3_round_trip_of_the_keys_after_rope_and_the
     assert _recorded_kernel_inputs(model, ids, {}, monkeypatch)[first][0].equal(plain[0])
 
 
+def test_the_cpu_cast_attends_over_exact_fp32_keys_and_values_as_vllm_s_cpu_kernel(llama_dir, monkeypatch):
+    """vLLM's CPU attention reads the cache's codes in fp32 (scales folded into the logits and the output): the CPU
+    cast's emulation keeps ``code x scale`` exact in fp32 instead of rounding it to the model's bf16, which put the
+    report's FP8-KV perplexities 0.7% below the engine's (docs/benchmarks/engine-lean-2026-12-04.md)."""
+    model = load_model(llama_dir, ModelSourceOptions())
+    ids = torch.tensor([load_tokenizer(llama_dir, ModelSourceOptions())(TEXT)["input_ids"]])
+    path = attention_paths(model)[0]
+    first = model.get_submodule(path)
+    plain = _recorded_kernel_inputs(model, ids, {}, monkeypatch)[first]
+    # scales of a long mantissa (an export's are bf16 amax / 448): code x scale then never fits bf16
+    k_scale, v_scale = (float(tensor.abs().max()) / 448 * 1.0123457 for tensor in plain)
+    truncated = _recorded_kernel_inputs(
+        model, ids, {path: KvCast(k_scale=k_scale, v_scale=v_scale, rounding=KV_ROUNDING_TRUNCATE)}, monkeypatch)[first]
+    for raw, got, scale in ((plain[0], truncated[0], k_scale), (plain[1], truncated[1], v_scale)):
+        assert got.dtype == torch.float32
+        assert torch.equal(got, fake_quantize_kv(raw.float(), scale, KV_ROUNDING_TRUNCATE))
+        assert not torch.equal(got, got.to(torch.bfloat16).float())  # exact values bf16 would have rounded
+    # the CUDA cast stays in the model's dtype: CUDA's kernels dequantize the cache to the query's dtype
+    nearest = _recorded_kernel_inputs(model, ids, {path: KvCast(k_scale=k_scale, v_scale=v_scale)}, monkeypatch)[first]
+    assert nearest[0].dtype == torch.bfloat16
+    with torch.no_grad(), quantizing_kv_cache(
+            model, {path: KvCast(k_scale=k_scale, v_scale=v_scale, rounding=KV_ROUNDING_TRUNCATE)}):
+        assert model(input_ids=ids).logits.dtype == torch.bfloat16  # the attention's output is back in bf16
+
+
 def test_the_cpu_build_s_truncating_cast_rounds_toward_zero_and_nearest_rounds_half_to_even():
     scale = 0.5
     # 448 and beyond saturate; 2^-9 steps below 2^-6 (subnormals); 3 mantissa bits above
