@@ -52,6 +52,8 @@ __all__ = [
     "round_to_e2m1",
     "e2m1_codes",
     "tensor_scale",
+    "LIBRARIES",
+    "vllm_descale",
     "e8m0_exponent",
     "nvfp4_global_scale",
     "db",
@@ -63,6 +65,8 @@ SQNR_CAP_DB = 300.0
 _FLT_MAX = float(torch.finfo(torch.float32).max)
 _E4M3_EMAX = 8  # exponent of E4M3's largest power of two (256): OCP MX's emax_elem
 _TORCHAO_EPS = 1e-12  # torchao.float8.float8_utils.EPS
+#: the scale arithmetics a CastSpec follows (CastSpec.library)
+LIBRARIES = ("te", "torchao", "vllm")
 
 
 class ScaleRule(str, enum.Enum):
@@ -83,11 +87,12 @@ class CastSpec:
     element: str  #: e4m3, e5m2 or e2m1
     block: tuple[int | None, int | None]
     scale: ScaleRule
-    library: str = "te"  #: te or torchao: whose fp32 arithmetic the scale follows
+    #: whose fp32 arithmetic the scale follows: te, torchao, or vllm (its dynamic input cast, QuantFP8)
+    library: str = "te"
 
     def __post_init__(self) -> None:
-        if self.library not in ("te", "torchao"):
-            raise ValueError(f"library must be te or torchao, got {self.library!r}")
+        if self.library not in LIBRARIES:
+            raise ValueError(f"library must be one of {', '.join(LIBRARIES)}, got {self.library!r}")
         if (self.element == "e2m1") != (self.scale is ScaleRule.NVFP4):
             raise ValueError("e2m1 elements go with the nvfp4 scale rule and only with it")
 
@@ -137,6 +142,8 @@ def tensor_scale(amax: torch.Tensor, fp8_max: float, *, library: str = "te", pow
     if library == "torchao":
         scale = (fp8_max / amax.double().clamp(min=_TORCHAO_EPS)).float()
         return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+    if library == "vllm":
+        return vllm_descale(amax, fp8_max).reciprocal()
     scale = torch.tensor(fp8_max, dtype=torch.float32, device=amax.device) / amax
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FLT_MAX), scale)
     scale = torch.where((amax == 0) | torch.isinf(amax) | torch.isnan(scale), torch.ones_like(scale), scale)
@@ -278,8 +285,20 @@ def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.abs().amax(dim=(1, 3), keepdim=True)
 
 
+def vllm_descale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """vLLM's dynamic input scale (``QuantFP8.forward_native``, and its CUDA per-token kernel): ``amax / max``
+    floored at ``1 / (max * 512)``, in fp32. The input is multiplied by its reciprocal and the codes dequantized
+    by the scale itself (``torch._scaled_mm``), which differs from TE's ``max / amax`` multiplier in the last bit
+    for some amax, and a bf16 input on an E4M3 rounding midpoint then gets the neighbouring code."""
+    return divide_exactly(amax.float(), fp8_max).clamp_(min=1.0 / (fp8_max * 512.0))
+
+
 def _scaled_fp8(blocks: torch.Tensor, spec: CastSpec, given: torch.Tensor | float | None) -> torch.Tensor:
     _, top = _FP8[spec.element]
+    if given is None and spec.library == "vllm":
+        descale = vllm_descale(_block_amax(blocks), top)
+        q = _fp8_as_float((blocks * descale.reciprocal()).clamp_(-top, top).to(_FP8[spec.element][0]))
+        return q.mul_(descale)
     if given is None:
         scale = tensor_scale(_block_amax(blocks), top, library=spec.library, pow2=spec.scale is ScaleRule.POW2)
     else:

@@ -95,7 +95,8 @@ def _export_casts(run: Run, source: Any, directory: Path) -> tuple[dict[str, Any
     files = ExportFiles(directory)
     on_disk_name = run.resolved.checkpoint.on_disk_name
     linears = export_layer_casts(directory, _linears(run), on_disk_name, input_cast=getattr(fmt, "input_cast", None),
-                                 library=library, pow2_scales=getattr(fmt, "pow2_scales", False), files=files)
+                                 library=getattr(fmt, "input_library", None) or library,
+                                 pow2_scales=getattr(fmt, "pow2_scales", False), files=files)
     try:
         kv = export_kv_casts(directory, source.model, on_disk_name, files.read, files.file_of,
                              source.checkpoint.dtype, rounding=KV_ROUNDING_NEAREST)

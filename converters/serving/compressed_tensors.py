@@ -66,6 +66,9 @@ class CompressedTensorsFP8:
         #: the emulated cast the report's weight SQNR uses (converters.serving.writer.layer_stats)
         self.weight_cast = "e4m3_tensor" if static else "e4m3_row"
         self.input_cast = "e4m3_tensor" if static else "e4m3_row"  #: static per tensor, or dynamic per token
+        #: whose arithmetic the engine's dynamic input cast follows (the report's quality pass emulates it); a
+        #: static input scale is read from the file
+        self.input_library = None if static else "vllm"
         self.supports_kv_cache = True  #: writes ``kv_cache_scheme`` and the scales of ``selection.extra_tensors``
         self.kv_scale_convention = COMPRESSED_TENSORS_KV
         #: strips of 4x converters.rewrite.strips.STRIP_ELEMENTS: the cast's temporaries are in the model's dtype

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from converters.casts.emulation import cast_spec
+from converters.casts.emulation import cast_spec, fake_quantize
 from converters.quality import LayerCast, casting_linears
 
 E4M3_MAX = 448.0
@@ -63,7 +63,7 @@ def test_dynamic_per_token_linear_is_the_engines_channel_wise_kernel(zero_row):
     if zero_row:
         x[3] = 0.0  # the engine floors the scale at 1 / (448 * 512); a zero row stays zero either way
     cast = LayerCast(read_weight=lambda dtype: (codes.float() * weight_scale).to(dtype),
-                     input=cast_spec("e4m3_row"))
+                     input=cast_spec("e4m3_row", library="vllm"))
     model = _layer(codes)
     with torch.no_grad(), casting_linears(model, {"proj": cast}):
         ours = model.proj(x)
@@ -72,3 +72,14 @@ def test_dynamic_per_token_linear_is_the_engines_channel_wise_kernel(zero_row):
     engine = torch._scaled_mm(_engine_quant(x, x_scale), codes.t(), scale_a=ones, scale_b=ones,
                               out_dtype=torch.float32) * x_scale * weight_scale.t()
     torch.testing.assert_close(ours, engine, rtol=1e-5, atol=1e-6)
+
+
+def test_the_dynamic_exports_input_cast_is_vllms_to_the_bit():
+    # bf16 activations (8-bit mantissas) often sit on an E4M3 rounding midpoint, where the multiplier's last bit
+    # decides the code: vLLM multiplies by (amax / 448).reciprocal(), TE by 448 / amax
+    generator = torch.Generator().manual_seed(2)
+    x = (torch.randn(4096, 64, generator=generator) * torch.logspace(-3, 2, 4096).unsqueeze(1)).bfloat16().float()
+    x_scale = (x.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1.0 / (E4M3_MAX * 512.0))
+    engine = _engine_quant(x, x_scale).float() * x_scale
+    assert torch.equal(fake_quantize(x, cast_spec("e4m3_row", library="vllm")), engine)
+    assert not torch.equal(fake_quantize(x, cast_spec("e4m3_row", library="te")), engine)  # the check can fail
