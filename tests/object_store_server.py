@@ -51,15 +51,12 @@ class MotoServer:
     def client(self) -> Any:
         """A boto3 S3 client of this server, made once: each new one loads boto3's service model (0.1 s of CPU)."""
         if self._client is None:
-            self._client = self._new_client()
+            import boto3
+
+            self._client = boto3.session.Session(aws_access_key_id=AWS_ENV["AWS_ACCESS_KEY_ID"],
+                                                 aws_secret_access_key=AWS_ENV["AWS_SECRET_ACCESS_KEY"]).client(
+                "s3", endpoint_url=self.endpoint, region_name="us-east-1")
         return self._client
-
-    def _new_client(self) -> Any:
-        import boto3
-
-        return boto3.session.Session(aws_access_key_id=AWS_ENV["AWS_ACCESS_KEY_ID"],
-                                     aws_secret_access_key=AWS_ENV["AWS_SECRET_ACCESS_KEY"]).client(
-            "s3", endpoint_url=self.endpoint, region_name="us-east-1")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -111,7 +108,6 @@ class CuttingProxy:
         self.upstream_port = upstream_port
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._client: Any = None
         self.forwarded = 0
         self.is_cut = threading.Event()
         self._limit: int | None = None

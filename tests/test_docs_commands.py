@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service_helpers import free_port
+from tests.service_helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -144,17 +144,16 @@ def make_serve(workdir: Path, env: dict[str, str], port: int) -> Iterator[None]:
         proc = subprocess.Popen([".venv/bin/fp8forge", "serve", "--port", str(port)], cwd=workdir, stdout=out,
                                 stderr=subprocess.STDOUT, env={**env, "FP8FORGE_AUTH_DISABLED": "1"},
                                 start_new_session=True)
+    def healthy(probe: httpx.Client) -> bool:
+        assert proc.poll() is None, f"fp8forge serve exited:\n{log.read_text()[-3000:]}"
+        with contextlib.suppress(httpx.TransportError):
+            return probe.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+        return False
+
     try:
-        deadline = time.monotonic() + 60
         # one client for every poll: httpx.get builds one (and its SSL context) per call, about 25 ms of CPU each
         with httpx.Client(timeout=2) as probe:
-            while True:
-                assert proc.poll() is None, f"fp8forge serve exited:\n{log.read_text()[-3000:]}"
-                with contextlib.suppress(httpx.TransportError):
-                    if probe.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                        break
-                assert time.monotonic() < deadline, f"fp8forge serve did not answer:\n{log.read_text()[-3000:]}"
-                time.sleep(0.2)
+            wait_for(lambda: healthy(probe), timeout=60, interval=0.2, what="`make serve` to answer /healthz")
         yield
     finally:
         _stop_group(proc)
