@@ -25,8 +25,17 @@ CPUS_PER_NODE = 2
 _BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")
 
 
+def first_job_id(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """The first job id of this process's cluster: each xdist process starts its own cluster, and the processes are
+    found by their ``SLURM_JOB_ID`` (:func:`conversion_pids`), so two clusters numbering their jobs alike let one
+    test stop (SIGSTOP) another's conversion, and see it end under its hand."""
+    worker = environ.get("PYTEST_XDIST_WORKER", "")
+    return 1 + 100_000 * (int(worker[2:]) + 1) if worker.startswith("gw") and worker[2:].isdigit() else 1
+
+
 def conversion_pids(slurm_job: str) -> list[int]:
-    """The processes of Slurm job ``slurm_job`` that its rank spawned to convert (multiprocessing's spawn_main)."""
+    """The processes of Slurm job ``slurm_job`` that its rank spawned to convert (multiprocessing's spawn_main); job
+    ids are unique across the test processes' clusters (:func:`first_job_id`)."""
     variable = f"\0SLURM_JOB_ID={slurm_job}\0".encode()
     return _pids(lambda proc, argv: any(b"spawn_main" in arg for arg in argv)
                  and variable in b"\0" + (proc / "environ").read_bytes())
@@ -117,6 +126,7 @@ class SlurmCluster:
                           f"CPUs={CPUS_PER_NODE} State=UNKNOWN" for name in NODES)
         self.conf.write_text(f"""\
 ClusterName=fp8forgetest
+FirstJobId={first_job_id()}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmUser=root
