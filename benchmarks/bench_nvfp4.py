@@ -30,9 +30,19 @@ What runs:
              times the group amax, RTN blocks), then mse block scales, then the input global scale (0.2x-1.2x the
              calibrated amax), each kept only if it lowers the group's W4A4 output error; scored with the job's
              input scales ("searched weights") and with the searched ones ("searched weights + input scales").
+  gptq       ``--gptq rtn,four_over_six[+act]``: each quantized weight requantized by
+             converters.serving.nvfp4_gptq.quantize_nvfp4_gptq: the block scales of the named scale_search (and the
+             fused group's global scale) fixed, the E2M1 codes rounded column by column with each column's error fed
+             to the later columns through the inverse Hessian 2 X^T X / n of the group's inputs X on the bf16 model
+             over the job's calibration windows (all their tokens); ``+act``: columns in order of decreasing H[j, j];
+             ``+seq``: decoder layer by decoder layer, each layer's X from the model whose earlier layers already
+             hold their GPTQ weights (llm-compressor's sequential pipeline; inputs not cast).
+             The job's input global scales are kept.
 Scoring: the bf16 model with, for every Linear an export quantizes, the weight read back from the export
 (``code * weight_scale / weight_global_scale``) and its input cast to NVFP4 as the engines' W4A4 kernels cast it
 (per-16 E4M3 block scales under the file's ``input_global_scale``: converters.casts.emulation "nvfp4_block16").
+``--activations a16`` (or ``both``) also scores every row with the inputs kept in bf16, as nvfp4-a16 (weight-only)
+runs; those rows are named "... [a16]" and compared with llm-compressor RTN's weights scored the same way.
 Perplexity over ``--tokens`` held-out tokens (the corpus' held-out part, windows of 256), next to the bf16 model's;
 "loss" is perplexity / bf16 perplexity - 1. Also printed: each fp8forge input global scale over the peer's
 (median, min with its layer), the weight SQNR of RTN and MSE, and how many block scales the search changed.
@@ -40,6 +50,7 @@ Figures only, nothing asserted; ratios against llm-compressor RTN measured in th
 
 Run:  .venv/bin/python benchmarks/bench_nvfp4.py [--steps 32] [--tokens 1024] [--skip-peer] [--keep DIR]
       [--search-rows 512 (0: no search)] [--weight-ratios 1.0,0.94,1.06] [--modelopt max[,awq_lite,...] | none]
+      [--gptq rtn,four_over_six,four_over_six+act] [--activations w4a4|a16|both] [--skip-mse]
       (--keep DIR of an earlier run reuses its fp8forge and ModelOpt exports; --peer-export DIR scores an existing
       peer export)
 """
@@ -66,6 +77,7 @@ from safetensors import safe_open  # noqa: E402
 
 from converters.casts.emulation import E2M1_GRID, cast_spec, fake_quantize  # noqa: E402
 from converters.serving.nvfp4 import GROUP, block_errors, global_scale, quantize_nvfp4  # noqa: E402
+from converters.serving.nvfp4_gptq import HessianAccumulator, quantize_nvfp4_gptq  # noqa: E402
 from converters.serving.nvfp4_search import search_group  # noqa: E402
 
 SEQ_LEN = 128  # calibration window
@@ -270,6 +282,91 @@ def requantized(source: dict[str, torch.Tensor], layers: dict[str, dict[str, tor
     return result
 
 
+def fused_groups(layers: dict) -> dict[str, list[str]]:
+    """The export's Linears by fused group (q/k/v, gate/up share their input and global scales; others alone)."""
+    groups: dict[str, list[str]] = {}
+    for path in sorted(layers):
+        parent, _, name = path.rpartition(".")
+        members = next((group for group in FUSED if name in group), {name})
+        groups.setdefault(f"{parent}.{'+'.join(sorted(members))}", []).append(path)
+    return groups
+
+
+def group_hessians(model, batches: list[dict], groups: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """Each fused group's input Hessian (2 X^T X / n, fp64) on the bf16 model over ``batches``, by member path."""
+    accumulators = {paths[0]: HessianAccumulator(model.get_submodule(paths[0]).in_features)
+                    for paths in groups.values()}
+    run_with_input_hooks(model, batches, list(accumulators), lambda path, inputs: accumulators[path].add(inputs))
+    matrices = {first: accumulator.matrix for first, accumulator in accumulators.items()}
+    return {path: matrices[paths[0]] for paths in groups.values() for path in paths}
+
+
+def gptq_requantized(source: dict[str, torch.Tensor], layers: dict, hessians: dict[str, torch.Tensor],
+                     scale_search: str, act_order: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """The export's layers with GPTQ-rounded codes under ``scale_search``'s block scales (input scales kept)."""
+    result = {}
+    for paths in fused_groups(layers).values():
+        amax = max(float(source[f"{path}.weight"].float().abs().max()) for path in paths)
+        for path in paths:
+            packed, scale, gparam = quantize_nvfp4_gptq(source[f"{path}.weight"], amax, hessians[path],
+                                                        scale_search=scale_search, act_order=act_order)
+            result[path] = {**layers[path], "weight_packed": packed, "weight_scale": scale,
+                            "weight_global_scale": gparam}
+    return result
+
+
+class _StopForward(Exception):
+    """Raised after the decoder layer whose inputs were wanted: the rest of the forward is not needed."""
+
+
+def sequential_gptq(model, batches: list[dict], source: dict[str, torch.Tensor], layers: dict, scale_search: str,
+                    act_order: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """GPTQ decoder layer by decoder layer, as llm-compressor's sequential pipeline runs it: each layer's Hessians
+    from the inputs it gets when every earlier layer already holds its GPTQ weights (the earlier layers' rounding
+    error included; inputs kept in bf16), the forward stopped after that layer. The model is left as it was."""
+    by_layer: dict[str, list[list[str]]] = {}
+    for paths in fused_groups(layers).values():
+        by_layer.setdefault(paths[0].rsplit(".", 2)[0], []).append(paths)  # model.layers.N
+    result, originals = {}, {}
+
+    def stop(module, args, output):
+        raise _StopForward
+
+    try:
+        for prefix in sorted(by_layer, key=lambda name: int(name.rsplit(".", 1)[1])):
+            accumulators = {paths[0]: HessianAccumulator(model.get_submodule(paths[0]).in_features)
+                            for paths in by_layer[prefix]}
+            handles = [model.get_submodule(prefix).register_forward_hook(stop)]
+            handles += [model.get_submodule(path).register_forward_pre_hook(
+                lambda module, args, into=accumulator: into.add(args[0].detach()))
+                for path, accumulator in accumulators.items()]
+            try:
+                with torch.no_grad():
+                    for batch in batches:
+                        try:
+                            model(**batch)
+                        except _StopForward:
+                            pass
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for paths in by_layer[prefix]:
+                hessian = accumulators[paths[0]].matrix
+                amax = max(float(source[f"{path}.weight"].float().abs().max()) for path in paths)
+                for path in paths:
+                    packed, scale, gparam = quantize_nvfp4_gptq(source[f"{path}.weight"], amax, hessian,
+                                                                scale_search=scale_search, act_order=act_order)
+                    result[path] = {**layers[path], "weight_packed": packed, "weight_scale": scale,
+                                    "weight_global_scale": gparam}
+                    weight = model.get_submodule(path).weight
+                    originals.setdefault(path, weight.data)
+                    weight.data = dequantize(result[path]).to(weight.dtype)
+    finally:
+        for path, value in originals.items():
+            model.get_submodule(path).weight.data = value
+    return result
+
+
 def calibration_inputs(model, batches: list[dict], paths: list[str], rows: int) -> dict[str, torch.Tensor]:
     """Each Linear's inputs on the bf16 model over the calibration windows (what the calibration sees), ``rows``
     token rows drawn at random (seed 0) from all of them, the same rows for every Linear."""
@@ -285,11 +382,7 @@ def output_searched(model, model_dir: Path, steps: int, source: dict[str, torch.
                     weight_ratios: tuple[float, ...], rtn: dict, mse: dict) -> tuple[dict, dict, list]:
     """Per fused group, converters.serving.nvfp4_search.search_group on the calibration inputs: the export with
     the chosen weight scales and input global scales, the same with the job's input scales, and the choices."""
-    groups: dict[str, list[str]] = {}
-    for path in sorted(layers):
-        parent, _, name = path.rpartition(".")
-        members = next((group for group in FUSED if name in group), {name})
-        groups.setdefault(f"{parent}.{'+'.join(sorted(members))}", []).append(path)
+    groups = fused_groups(layers)
     inputs = calibration_inputs(model, job_batches(model_dir, steps)[0], [paths[0] for paths in groups.values()],
                                 rows)
     both, weights_only, choices = {}, {}, []
@@ -343,10 +436,12 @@ def eval_ids(model_dir: Path, tokens: int, extra_files: list[Path] = ()) -> torc
 
 
 def perplexity(model, ids: torch.Tensor, layers: dict[str, dict[str, torch.Tensor]] | None,
-               replaced: dict[str, torch.Tensor] | None = None) -> tuple[float, list[float]]:
+               replaced: dict[str, torch.Tensor] | None = None, *, cast_inputs: bool = True
+               ) -> tuple[float, list[float]]:
     """The model's perplexity on ``ids``, and each window's summed negative log-likelihood, with ``layers``' weights
-    read back and their inputs cast to NVFP4 (after the layer's pre_quant_scale, if any), and the parameters in
-    ``replaced`` taken from the export."""
+    read back and their inputs cast to NVFP4 (after the layer's pre_quant_scale, if any; ``cast_inputs`` False:
+    kept in the model's dtype, as weight-only NVFP4 runs), and the parameters in ``replaced`` taken from the
+    export."""
     originals, handles = {}, []
     for name, tensor in (replaced or {}).items():
         parameter = model.get_parameter(name)
@@ -362,7 +457,8 @@ def perplexity(model, ids: torch.Tensor, layers: dict[str, dict[str, torch.Tenso
             flat = fake_quantize(x.reshape(-1, x.shape[-1]).float(), NVFP4_INPUT, tensor_amax=amax.reshape(()))
             return (flat.reshape(x.shape).to(x.dtype),)
 
-        handles.append(model.get_submodule(path).register_forward_pre_hook(cast_input))
+        if cast_inputs:
+            handles.append(model.get_submodule(path).register_forward_pre_hook(cast_input))
     try:
         windows = []
         with torch.no_grad():
@@ -389,6 +485,22 @@ def loss_ratio_interval(ours: list[float], theirs: list[float], base: list[float
     losses = torch.exp(means[:2] - means[2]) - 1
     ratios = (losses[0] / losses[1]).sort().values
     return float(ratios[int(0.05 * draws)]), float(ratios[int(0.95 * draws) - 1])
+
+
+def gptq_figures(source: dict[str, torch.Tensor], rtn: dict, gptq: dict) -> str:
+    """How far GPTQ moved the codes: the fraction of codes that differ from the export's, and the weight SQNR of
+    each (GPTQ trades weight error for output error, so its weight SQNR is lower)."""
+    signal = noise_rtn = noise_gptq = changed = total = 0.0
+    for path in gptq:
+        weight = source[f"{path}.weight"].float()
+        signal += float(weight.square().sum())
+        noise_rtn += float((dequantize(rtn[path]) - weight).square().sum())
+        noise_gptq += float((dequantize(gptq[path]) - weight).square().sum())
+        codes = [torch.stack([t["weight_packed"] & 0xF, t["weight_packed"] >> 4]) for t in (rtn[path], gptq[path])]
+        changed += float((codes[0] != codes[1]).sum())
+        total += codes[0].numel()
+    return (f"codes changed {changed / total:.1%}; weight SQNR {10 * math.log10(signal / noise_gptq):.2f} dB (the "
+            f"export's {10 * math.log10(signal / noise_rtn):.2f} dB)")
 
 
 def weight_figures(source: dict[str, torch.Tensor], rtn: dict, mse: dict) -> tuple[float, float, float]:
@@ -428,6 +540,13 @@ def main() -> None:
     parser.add_argument("--modelopt", default=",".join(MODELOPT_CPU_RECIPES),
                         help=f"ModelOpt recipes, comma separated, or none ({', '.join(MODELOPT_RECIPES)})")
     parser.add_argument("--modelopt-venv", type=Path, default=DEFAULT_MODELOPT_VENV)
+    parser.add_argument("--gptq", default="",
+                        help="GPTQ-rounded rows, comma separated: the scale_search whose block scales are fixed "
+                             "(rtn, mse, four_over_six), '+act' for decreasing-H[j, j] column order, '+seq' for "
+                             "Hessians layer by layer from the earlier layers' GPTQ weights")
+    parser.add_argument("--activations", choices=("w4a4", "a16", "both"), default="w4a4",
+                        help="score with NVFP4 inputs (w4a4), bf16 inputs (a16: nvfp4-a16), or both")
+    parser.add_argument("--skip-mse", action="store_true", help="leave out the mse row (its requantization)")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -454,7 +573,8 @@ def main() -> None:
     with safe_open(model_dir / "model.safetensors", "pt") as handle:
         source = {key: handle.get_tensor(key) for key in handle.keys()}
     started = time.perf_counter()
-    rtn, mse = requantized(source, ours, "rtn"), requantized(source, ours, "mse")
+    rtn = requantized(source, ours, "rtn")
+    mse = rtn if args.skip_mse else requantized(source, ours, "mse")
     search_seconds = time.perf_counter() - started
     identical = all(torch.equal(rtn[p]["weight_packed"], ours[p]["weight_packed"]) and
                     torch.equal(rtn[p]["weight_scale"].view(torch.uint8), ours[p]["weight_scale"].view(torch.uint8))
@@ -462,8 +582,9 @@ def main() -> None:
     sqnr_rtn, sqnr_mse, changed = weight_figures(source, rtn, mse)
     print(f"RTN requantized here equals the job's file byte for byte: {identical}; RTN + MSE requantization "
           f"{search_seconds:.0f} s (2 cores, shared)")
-    print(f"weight SQNR: RTN {sqnr_rtn:.2f} dB, MSE {sqnr_mse:.2f} dB ({sqnr_mse - sqnr_rtn:+.2f} dB); "
-          f"block scales the search changed: {changed:.1%}")
+    if not args.skip_mse:
+        print(f"weight SQNR: RTN {sqnr_rtn:.2f} dB, MSE {sqnr_mse:.2f} dB ({sqnr_mse - sqnr_rtn:+.2f} dB); "
+              f"block scales the search changed: {changed:.1%}")
 
     peer = None
     if args.peer_export is not None:
@@ -475,7 +596,9 @@ def main() -> None:
         peer = read_export(peer_export(model_dir, rows_file, work / "llm-compressor", args.peer_venv))
         print(f"llm-compressor export: {time.perf_counter() - started:.0f} s, {len(peer)} Linears in NVFP4")
 
-    variants: dict[str, dict | None] = {"bf16": None, "fp8forge rtn": ours, "fp8forge mse": mse}
+    variants: dict[str, dict | None] = {"bf16": None, "fp8forge rtn": ours}
+    if not args.skip_mse:
+        variants["fp8forge mse"] = mse
     if args.four_over_six:
         started = time.perf_counter()
         variants["fp8forge four_over_six"] = requantized(source, ours, "four_over_six")
@@ -518,26 +641,59 @@ def main() -> None:
         print_choices(choices)
         variants["fp8forge searched weights (output error)"] = weights_only
         variants["fp8forge searched weights + input scales"] = both
+    if args.gptq:
+        started = time.perf_counter()
+        hessians = group_hessians(model, job_batches(model_dir, args.steps)[0], fused_groups(ours))
+        print(f"Hessians of {len(fused_groups(ours))} fused groups: {time.perf_counter() - started:.0f} s")
+        # GPTQ's column loop is thousands of small operations a Linear: one intra-op thread runs them 2-20x faster
+        # than two on a shared 2-core machine (measured), so they run on one
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for spec in args.gptq.split(","):
+                method, *options = spec.split("+")
+                started = time.perf_counter()
+                if "seq" in options:
+                    gptq = sequential_gptq(model, job_batches(model_dir, args.steps)[0], source, ours, method,
+                                           "act" in options)
+                else:
+                    gptq = gptq_requantized(source, ours, hessians, method, "act" in options)
+                print(f"gptq {spec}: {time.perf_counter() - started:.0f} s; {gptq_figures(source, ours, gptq)}",
+                      flush=True)
+                variants[f"fp8forge gptq {spec}"] = gptq
+        finally:
+            torch.set_num_threads(threads)
+        del hessians
     ids = eval_ids(model_dir, args.tokens, args.held_out_file)
     print(f"held-out: {ids.shape[0]} windows of {ids.shape[1]} tokens", flush=True)
-    scores, windows = {}, {}
-    for name, layers in variants.items():
-        started = time.perf_counter()
-        scores[name], windows[name] = perplexity(model, ids, layers, replacements.get(name))
-        print(f"  scored {name} in {time.perf_counter() - started:.0f} s", flush=True)
+    modes = {"w4a4": [True], "a16": [False], "both": [True, False]}[args.activations]
+    scores, windows, scored = {}, {}, {}
+    for cast_inputs in modes:
+        for name, layers in variants.items():
+            row = name if cast_inputs or name == "bf16" else f"{name} [a16]"
+            if row in scores or (not cast_inputs and name.startswith("modelopt ")):
+                continue  # bf16 once; ModelOpt's AWQ rows scale inputs, not weight-only
+            started = time.perf_counter()
+            scores[row], windows[row] = perplexity(model, ids, layers, replacements.get(name), cast_inputs=cast_inputs)
+            scored[row] = layers
+            # each row as it is scored (a --keep run that stops later keeps what it measured)
+            (work / "scores.json").write_text(json.dumps({"perplexity": scores, "window_nll": windows}))
+            print(f"  scored {row} in {time.perf_counter() - started:.0f} s", flush=True)
     base = scores["bf16"]
-    reference = scores.get("llm-compressor rtn")
-    print("\n| export | Linears | perplexity | loss vs bf16 | loss / llm-compressor RTN's | its 5-95% over the "
+    # each row against llm-compressor RTN scored the same way (W4A4 or [a16]); without the peer, fp8forge RTN
+    # (byte-identical weights to llm-compressor RTN's where both were measured)
+    denominator = "llm-compressor rtn" if "llm-compressor rtn" in scores else "fp8forge rtn"
+    print(f"\n| export | Linears | perplexity | loss vs bf16 | loss / {denominator}'s | its 5-95% over the "
           "windows |\n|---|---|---|---|---|---|")
     for name, value in scores.items():
         loss = value / base - 1
-        versus = f"{loss / (reference / base - 1):.2f}x" if reference and name != "bf16" else ""
+        reference = denominator + (" [a16]" if name.endswith(" [a16]") else "")
+        versus = f"{loss / (scores[reference] / base - 1):.2f}x" if reference in scores and name != "bf16" else ""
         spread = ""
-        if reference and name not in ("bf16", "llm-compressor rtn"):
-            low, high = loss_ratio_interval(windows[name], windows["llm-compressor rtn"], windows["bf16"],
-                                            ids.shape[1] - 1)
+        if reference in scores and name not in ("bf16", reference):
+            low, high = loss_ratio_interval(windows[name], windows[reference], windows["bf16"], ids.shape[1] - 1)
             spread = f"{low:.2f}-{high:.2f}x"
-        count = len(variants[name]) if variants[name] else 0
+        count = len(scored[name]) if scored[name] else 0
         print(f"| {name} | {count} | {value:.3f} | {loss:+.2%} | {versus} | {spread} |")
     ours_best = min((name for name in scores if name in RECIPE_ROWS), key=scores.get)
     theirs = [name for name in scores if name.startswith("modelopt ")]
