@@ -36,6 +36,9 @@ __all__ = [
     "free_port",
     "fp8forge_command",
     "children_of",
+    "is_fork_server",
+    "is_fork_server_child",
+    "work_children",
     "pid_alive",
     "leftovers",
 ]
@@ -254,9 +257,38 @@ def publish_job(store: JobStore, jobs_dir: Path, files: dict[str, bytes]) -> Any
 
 
 def children_since(pid: int, before: set[int]) -> list[int]:
-    """Live children of ``pid`` not in ``before`` (taken at a test's start): an earlier test in the same process
-    may leave multiprocessing's fork server (task children's, one per process for its life) as a child."""
-    return [child for child in children_of(pid) if child not in before]
+    """Live working children of ``pid`` (:func:`work_children`) not in ``before`` (taken at a test's start)."""
+    return [child for child in work_children(pid) if child not in before]
+
+
+def work_children(pid: int) -> list[int]:
+    """The processes that work for ``pid``: its children, with its fork server (conversion and task children's, one
+    per process for its life: ``service.workers.task_server``) replaced by the server's children."""
+    found = []
+    for child in children_of(pid):
+        found += children_of(child) if is_fork_server(child) else [child]
+    return found
+
+
+def is_fork_server(pid: int) -> bool:
+    """Whether ``pid`` is a multiprocessing fork server (its forks run the same command line: its parent tells)."""
+    return _runs_fork_server(pid) and not is_fork_server_child(pid)
+
+
+def is_fork_server_child(pid: int) -> bool:
+    """Whether ``pid`` is a fork of a multiprocessing fork server."""
+    try:
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):  # it ended while we looked
+        return False
+    return _runs_fork_server(parent) and _runs_fork_server(pid)
+
+
+def _runs_fork_server(pid: int) -> bool:
+    try:
+        return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it ended while we looked
+        return False
 
 
 def children_of(pid: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""The spawned process that runs one conversion and reports back to its worker over a pipe.
+"""The process that runs one conversion and reports back to its worker over a pipe: a fork of the worker's fork
+server (``service.workers.task_server``), which has imported torch and the pipeline already.
 
 This is the one place where ``service`` meets ``converters`` (and thus torch): the worker process itself
 stays free of CUDA state, so killing this child is always a safe way to stop a run.
@@ -33,8 +34,9 @@ from converters.third_party_noise import silence_third_party_noise
 from service.errors import disk_full
 from service.redaction import server_directories, without_server_paths
 from service.workers.messages import DISK_FULL, Failed, Progress, StageStarted, Succeeded, Warned
-from service.workers.procs import configure_logging, die_with_parent
+from service.workers.procs import configure_logging, die_with_worker
 from service.workers.shard_export import ShardExportOptions
+from service.workers.task_server import adopt_worker_environment
 
 __all__ = ["PipeSink", "child_main", "cpu_quota", "failure_of", "hidden_directories", "limit_threads",
            "thread_budget", "usable_cpus"]
@@ -131,8 +133,9 @@ class PipeSink:
 
 def child_main(
     request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Connection, stop: Event,
-    parent_pid: int, threads: int | None = None, log_level: str = "info",
+    worker_pid: int, threads: int | None = None, log_level: str = "info",
     shard_export: ShardExportOptions | None = None, resume_dir: str | None = None,
+    environ: dict[str, str] | None = None,
 ) -> None:
     """Run ``converters.pipeline.driver.run_conversion`` for one job with ``threads`` CPU threads; never raises.
 
@@ -142,9 +145,11 @@ def child_main(
     Started as a rank (RANK, WORLD_SIZE, ... in the environment: the Slurm executor's ranks) or with ``resume_dir``,
     the run is ``converters.distributed.run_ranked_conversion`` (docs/distributed.md): ranks other than 0 calibrate
     their share and report success with no files. ``resume_dir`` (one per job) keeps the per-layer resume record
-    across attempts; without it there is none.
+    across attempts; without it there is none. ``environ``: the worker's environment when it started this child
+    (``service.workers.task_server.worker_environment``).
     """
-    die_with_parent(parent_pid)
+    die_with_worker(worker_pid)
+    adopt_worker_environment(environ)  # before the rank variables and the thread budget are read
     # Ctrl-C reaches the whole process group; the worker decides how this run stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level, "conversion")
@@ -152,11 +157,11 @@ def child_main(
     silence_third_party_noise()  # a spawned process starts without the filters its worker set; before torch loads
     directories = hidden_directories(out_dir, sources)
     try:
-        # this process's first seconds are its imports (torch): resolve's, and said so (the pipeline's own start of
-        # resolve follows; its worker keeps this one)
+        # a spawned process's first seconds were its imports (a fork of the server has them): resolve's, and said so
+        # (the pipeline's own start of resolve follows; its worker keeps this one)
         conn.send(StageStarted(Stage.RESOLVE.value))
         conn.send(Progress(0, len(RESOLVE_STEPS), Unit.STEP.value, {"step": START_STEP}))
-        logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before converters import torch
+        logger.info("conversion uses %d CPU threads", limit_threads(threads))  # before torch's pools start
         from converters.distributed import run_ranked_conversion  # imports torch: only in the process that converts
         from service.workers.serving_shards import QueuedServingShards  # torch as well
 

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing import forkserver
 
 __all__ = ["LOG_LEVELS", "configure_logging", "die_with_parent", "die_with_worker", "is_alive", "visible_gpus"]
 
@@ -58,13 +59,17 @@ def die_with_worker(worker_pid: int, sig: int = signal.SIGKILL) -> None:
     """:func:`die_with_parent` for a process the worker started directly or through its fork server
     (``service.workers.task_server``).
 
-    A fork server's child has the server as its parent: the kernel link goes to the server (which exits as soon
-    as its worker's end of its pipe closes, a kill -9 included), and a daemon thread watches the worker itself.
+    A fork server's child has the server as its parent: the kernel link goes to the server, and a daemon thread
+    watches the worker itself. The server exits once every holder of its "alive" pipe's write end has closed it:
+    the worker (a kill -9 included) and, as multiprocessing hands it to each, its children. This child closes its
+    copy (it starts no forks of the server), so that the server goes with the worker and the kernel's link ends
+    this child even where its own watcher cannot run (a stopped process).
     """
     if os.getppid() == worker_pid:
         die_with_parent(worker_pid, sig)
         return
     _kill_with_parent(sig)
+    _release_fork_server()
 
     def watch() -> None:
         while is_alive(worker_pid):
@@ -74,6 +79,16 @@ def die_with_worker(worker_pid: int, sig: int = signal.SIGKILL) -> None:
     if not is_alive(worker_pid):
         os.kill(os.getpid(), sig)
     threading.Thread(target=watch, name="worker-watch", daemon=True).start()
+
+
+def _release_fork_server() -> None:
+    """Close this fork server child's copy of the server's "alive" pipe (multiprocessing keeps it in the child's
+    ``forkserver`` state so that the child may fork from the same server; none of fp8forge's children do)."""
+    server = forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None
 
 
 def is_alive(pid: int) -> bool:

@@ -1,7 +1,9 @@
-"""Runs one claimed job: spawn the conversion child, relay its reports, heartbeat, honour cancel, record.
+"""Runs one claimed job: start the conversion child, relay its reports, heartbeat, honour cancel, record.
 
-The worker process is the parent; the child (``service.workers.child``) is started with the ``spawn`` method so it
-never inherits CUDA or lock state, and dies with its worker. Each attempt writes into its own directory; only
+The worker process is the parent; the child (``service.workers.child``) is a fork of the worker's fork server
+(``service.workers.task_server``: a process that imported torch and the pipeline but never ran anything), so it
+never inherits CUDA or lock state, starts without an interpreter's start and torch's import, and dies with its
+worker. Each attempt writes into its own directory; only
 this worker, while it still owns the attempt, renames it to the job's final directory, inside the transaction
 that records the success. Every other outcome (failure, cancel, requeue, a lost job) removes the attempt's
 directory. A database that stops answering for a while does not stop the run: heartbeats and events are
@@ -14,7 +16,6 @@ and the messages the child sends are ``service.workers.messages``.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from service.workers.child import child_main
 from service.workers.messages import ChildMessage, Failed, Progress, StageStarted, Succeeded, Warned
 from service.workers.outcome import AttemptOutcome
 from service.workers.shard_export import shard_export_options
+from service.workers.task_server import task_context, worker_environment
 from service.workers.watch import RunWatch
 
 __all__ = ["JobRun", "ensure_dead"]
@@ -68,12 +70,13 @@ class JobRun:
         # Leftovers of this and earlier attempts (and a final dir whose success was never recorded): this worker
         # owns the job now, so nobody else may publish it; a newer attempt's directory is never touched.
         self.dirs.remove(job_id, below_attempt=attempt + 1)
-        ctx = mp.get_context("spawn")
+        ctx = task_context()
         receiver, sender = ctx.Pipe(duplex=False)
         stop = ctx.Event()
         # Unset, the child works its budget out from the CPUs it may use (the worker's, which it inherits), and
         # logs at its own default level.
         options = {"threads": self.settings.conversion_threads, "log_level": self.log_level,
+                   "environ": worker_environment(),
                    "shard_export": shard_export_options(self.settings, self.job, self.worker_id),
                    "resume_dir": str(self.resume_dir) if self.resume_dir else None}
         proc = ctx.Process(
@@ -82,7 +85,7 @@ class JobRun:
                   self.settings.model_sources(), sender, stop, os.getpid()),
             kwargs={name: value for name, value in options.items() if value is not None},
         )
-        proc.start()
+        self._start(proc)
         sender.close()
         try:
             self._supervise(proc, receiver, stop)
@@ -100,6 +103,27 @@ class JobRun:
         return outcome.record(proc.exitcode, flush_events=self._flush_events)
 
     # -- supervision -------------------------------------------------------------------------------
+    def _start(self, proc: BaseProcess) -> None:
+        """Start the child, heartbeating meanwhile: a worker's first start waits for its fork server's imports
+        (seconds; tens on a loaded host), longer than a heartbeat interval and, on a busy host, than the timeout
+        after which another worker requeues a silent job."""
+        raised: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                proc.start()
+            except BaseException as exc:  # noqa: BLE001 - raised again in the worker's own thread
+                raised.append(exc)
+
+        starting = threading.Thread(target=start, name=f"fp8forge-job-{self.job.id[:8]}-start", daemon=True)
+        starting.start()
+        starting.join(self._check_every)
+        while starting.is_alive():
+            self._heartbeat()  # a lost job is found again by the supervision's first check
+            starting.join(self._check_every)
+        if raised:
+            raise raised[0]
+
     def _supervise(self, proc: BaseProcess, receiver: Connection, stop: Any) -> None:
         next_check = 0.0
         eof = False

@@ -1,6 +1,9 @@
-"""Imported by the task children's fork server alone (``service.workers.task_server``), before it forks: the one
-module of ``service`` that loads torch on import, so that every task child starts with it loaded. Nothing else
+"""Imported by the worker's fork server alone (``service.workers.task_server``), before it forks: the one module of
+``service`` that loads torch on import, so that every conversion and task child starts with it loaded. Nothing else
 imports it; the service itself stays free of torch (the API, the worker loop).
+
+A conversion child imported about six CPU seconds of modules on 2 cores (torch, the pipeline, transformers' auto
+classes, torchao's float8) before its first step; forked from here, each job after a worker's first starts with them.
 """
 
 from __future__ import annotations
@@ -9,9 +12,16 @@ from converters.third_party_noise import silence_third_party_noise
 
 silence_third_party_noise()  # before torch and torchao load: their known start-up messages stay out of the log
 
+import torchao.float8  # noqa: E402,F401 - the ao backend's modules and the casts they register with torch
+import transformers  # noqa: E402,F401 - the model loading of every calibrated job (its auto classes below)
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402,F401 - resolved lazily: import them now
+
+import converters.distributed  # noqa: E402,F401 - the conversion pipeline (run_ranked_conversion)
 import converters.model.sources  # noqa: E402,F401 - the hub client and the source resolution every task runs
 import converters.modelfree.stored  # noqa: E402,F401 - torch, safetensors and the task functions
 import converters.pipeline.serving_export  # noqa: E402,F401 - a calibrated job's serving shard tasks
-import service.workers.task_child  # noqa: E402,F401 - the children's entry point
+import service.workers.child  # noqa: E402,F401 - the conversion children's entry point
+import service.workers.serving_shards  # noqa: E402,F401 - a conversion's serving shards queued as tasks
+import service.workers.task_child  # noqa: E402,F401 - the task children's entry point
 
 __all__: list[str] = []

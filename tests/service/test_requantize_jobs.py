@@ -29,6 +29,7 @@ from tests.service_helpers import (
     queue_only_settings,
     sse_events,
     wait_for,
+    work_children,
 )
 
 pytestmark = pytest.mark.slow
@@ -224,7 +225,7 @@ def test_cancel_stops_every_task_and_leaves_nothing(tmp_path: Path, model_dir: P
 def children_of_workers(server: ServeProcess) -> list[int]:
     """The task (or conversion) children of the server's workers: none once every task has stopped."""
     assert server.proc is not None
-    return [child for worker in children_of(server.proc.pid) for child in task_children(worker)]
+    return [child for worker in children_of(server.proc.pid) for child in work_children(worker)]
 
 
 def kill_9_while_holding(store, job_id: str, task) -> None:
@@ -232,26 +233,11 @@ def kill_9_while_holding(store, job_id: str, task) -> None:
     (a frozen worker records nothing, so the kill lands while it holds it, however fast the machine)."""
     victim = int(task.worker_id.split(":")[1])
     os.kill(victim, signal.SIGSTOP)
-    for child in task_children(victim):
+    for child in work_children(victim):
         os.kill(child, signal.SIGSTOP)
     held = next(t for t in store.tasks.of_job(job_id) if t.seq == task.seq)
     assert held.status is TaskStatus.RUNNING and held.worker_id == task.worker_id
     os.kill(victim, signal.SIGKILL)
-
-
-def task_children(worker_pid: int) -> list[int]:
-    """A worker's task and conversion children: its own children, and those of its task server (which stays)."""
-    found = []
-    for child in children_of(worker_pid):
-        found += children_of(child) if _is_task_server(child) else [child]
-    return found
-
-
-def _is_task_server(pid: int) -> bool:
-    try:
-        return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:  # it ended while we looked
-        return False
 
 
 @pytest.mark.parametrize(("body", "field"), [

@@ -14,7 +14,7 @@ import httpx
 
 from service.config import Settings
 from tests.converters.model.test_config_limits import TINY, _model
-from tests.service_helpers import children_of, children_since, live_app, wait_for
+from tests.service_helpers import children_since, live_app, wait_for, work_children
 
 
 def _settings(tmp_path: Path, **overrides) -> Settings:
@@ -73,7 +73,7 @@ def test_an_analysis_that_dies_or_runs_too_long_is_503_and_its_process_replaced(
     with live_app(settings) as client:
         # a job's submission starts the processes that check model files: children too, but not analyses
         assert client.post("/v1/jobs", json={"model": str(small), "recipe": {"backend": "ao"}}).status_code == 202
-        before = set(children_of(os.getpid()))
+        before = set(work_children(os.getpid()))
         answer: list[httpx.Response] = []
         thread = threading.Thread(target=lambda: answer.append(_analyze(client, endless)))
         thread.start()

@@ -52,12 +52,12 @@ def moto(tmp_path_factory: pytest.TempPathFactory):
 
 
 def sized_child(request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Any, stop: Any,
-                parent_pid: int) -> None:
+                worker_pid: int, **_: Any) -> None:
     """Stands in for the conversion child: writes ``request["size"]`` bytes of model and a manifest that lists
     them with ``request["claimed_sha256"]`` when given (a file that changed after it was listed)."""
-    from service.workers.procs import die_with_parent
+    from service.workers.procs import die_with_worker
 
-    die_with_parent(parent_pid)
+    die_with_worker(worker_pid)
     out = Path(out_dir)
     staging = out.parent / f".{out.name}.partial"
     staging.mkdir()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.service_helpers import free_port, wait_for
+from tests.service_helpers import free_port, is_fork_server_child, wait_for
 
 __all__ = ["SlurmCluster", "conversion_pids", "pause_conversion", "pause_conversion_when", "rank_pids", "slurm_missing"]
 
@@ -34,10 +34,11 @@ def first_job_id(environ: dict[str, str] | os._Environ[str] = os.environ) -> int
 
 
 def conversion_pids(slurm_job: str) -> list[int]:
-    """The processes of Slurm job ``slurm_job`` that its rank spawned to convert (multiprocessing's spawn_main); job
-    ids are unique across the test processes' clusters (:func:`first_job_id`)."""
+    """The processes of Slurm job ``slurm_job`` that its ranks started to convert: rank 0's is a fork of its fork
+    server (``service.workers.task_server``), another rank's is spawned (multiprocessing's spawn_main). Job ids are
+    unique across the test processes' clusters (:func:`first_job_id`)."""
     variable = f"\0SLURM_JOB_ID={slurm_job}\0".encode()
-    return _pids(lambda proc, argv: any(b"spawn_main" in arg for arg in argv)
+    return _pids(lambda proc, argv: (any(b"spawn_main" in arg for arg in argv) or is_fork_server_child(int(proc.name)))
                  and variable in b"\0" + (proc / "environ").read_bytes())
 
 

@@ -23,7 +23,6 @@ import sqlalchemy as sa
 from service.store import JobStore
 from tests.object_store_server import AWS_ENV, bucket_keys, moto_server, new_bucket, s3_settings, unfinished_uploads
 from tests.service_helpers import (
-    children_of,
     fp8forge_command,
     leftovers,
     live_app,
@@ -31,6 +30,7 @@ from tests.service_helpers import (
     postgres_url,
     stop_process,
     wait_for,
+    work_children,
 )
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -135,7 +135,7 @@ def _run(client, store: JobStore, hosts: list[WorkerHost], moto, bucket: str) ->
     survivor = next(h for h in hosts if h is not victim)
     scratch = victim.data_dir / "jobs"
     wait_for(lambda: leftovers(scratch), timeout=60, what="the job's scratch directory", interval=0.02)
-    for child in children_of(victim.pid):  # frozen, so the run cannot finish before the kill on a slow machine
+    for child in work_children(victim.pid):  # frozen, so the run cannot finish before the kill on a slow machine
         os.kill(child, signal.SIGSTOP)
     assert store.get_job(job_id).status.value == "running"
     os.kill(victim.pid, signal.SIGKILL)

@@ -19,10 +19,9 @@ from tests.object_store_server import AWS_ENV, bucket_keys, moto_server, new_buc
 from tests.service.test_requantize_jobs import (  # noqa: F401 - the module's sharded model fixture
     _finished,
     model_dir,
-    task_children,
 )
 from tests.service.workers.test_multi_host import WorkerHost, fresh_database
-from tests.service_helpers import live_app, wait_for
+from tests.service_helpers import live_app, wait_for, work_children
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -62,7 +61,7 @@ def test_kill_9_on_one_host_redoes_its_shard_and_the_bucket_holds_the_published_
                                 timeout=120, what="a running write task", interval=0.02)
                 victim = next(h for h in hosts if h.pid == int(task.worker_id.split(":")[1]))
                 os.kill(victim.pid, signal.SIGSTOP)  # frozen: it records nothing more, so it holds the task
-                for child in task_children(victim.pid):
+                for child in work_children(victim.pid):
                     os.kill(child, signal.SIGSTOP)
                 held = next(t for t in store.tasks.of_job(job_id) if t.seq == task.seq)
                 assert held.status is TaskStatus.RUNNING and held.worker_id == task.worker_id

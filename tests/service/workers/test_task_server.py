@@ -14,6 +14,8 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import pytest
+
 from service.workers.procs import die_with_worker, is_alive
 from service.workers.task_server import task_context
 from tests.service_helpers import wait_for
@@ -78,7 +80,10 @@ def test_a_task_child_starts_from_the_server_s_image_not_from_the_task_before() 
     assert second["threads"] != 1 or (os.cpu_count() or 1) == 1
 
 
-def test_kill_9_of_the_worker_ends_its_task_children(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frozen", [False, True], ids=["running", "stopped"])
+def test_kill_9_of_the_worker_ends_its_task_children(tmp_path: Path, frozen: bool) -> None:
+    """A running child's watcher sees its worker go; a stopped one (SIGSTOP) cannot, and is ended by the kernel when
+    its fork server exits, which it does once the worker is gone (the children hold no copy of its pipe)."""
     pid_file = tmp_path / "child.pid"
     script = textwrap.dedent(f"""
         import os, time
@@ -93,9 +98,11 @@ def test_kill_9_of_the_worker_ends_its_task_children(tmp_path: Path) -> None:
         child = int(wait_for(lambda: pid_file.is_file() and pid_file.read_text(), timeout=120,
                              what="the task child to start"))
         assert is_alive(child)
+        if frozen:
+            os.kill(child, signal.SIGSTOP)
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
-        assert wait_for(lambda: not is_alive(child), timeout=10, what="the task child to die with its worker")
+        assert wait_for(lambda: not is_alive(child), timeout=15, what="the task child to die with its worker")
     finally:
         if worker.poll() is None:
             worker.kill()

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # spawns processes or servers: seconds each
 
 
 def report_after_child(request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Any, stop: Any,
-                       parent_pid: int, **kwargs: Any) -> None:
+                       worker_pid: int, **kwargs: Any) -> None:
     """Runs the real ``child_main``, writing what torch runs with next to the data dir's jobs/ as soon as the child
     has set its threads (before the job's result reaches the parent, which may end the child once it has it)."""
     limit_threads = child_module.limit_threads
@@ -40,7 +40,7 @@ def report_after_child(request: dict[str, Any], out_dir: str, sources: dict[str,
         return threads
 
     child_module.limit_threads = limit_and_record  # this child process's module only
-    child_module.child_main(request, out_dir, sources, conn, stop, parent_pid, **kwargs)
+    child_module.child_main(request, out_dir, sources, conn, stop, worker_pid, **kwargs)
 
 
 @pytest.mark.parametrize("configured", [3, None], ids=["configured", "default"])

@@ -43,7 +43,7 @@ def test_stopping_a_worker_requeues_its_job_without_using_an_attempt(tmp_path: P
     import signal
     import threading
 
-    from tests.service_helpers import build_tiny_llama, children_of, children_since, wait_for
+    from tests.service_helpers import build_tiny_llama, children_since, wait_for, work_children
 
     models = tmp_path / "models"
     build_tiny_llama(models / "tiny-llama")
@@ -53,7 +53,7 @@ def test_stopping_a_worker_requeues_its_job_without_using_an_attempt(tmp_path: P
     body = JobCreate(model=str(models / "tiny-llama"), recipe={"backend": "ao"},
                      calibration={"steps": 50, "batch_size": 1, "seq_len": 16})
     job = _queue(worker, body)
-    before = set(children_of(os.getpid()))
+    before = set(work_children(os.getpid()))
     thread = threading.Thread(target=worker.run)
     thread.start()
     staging = ArtifactDirs(settings.jobs_dir).staging_dir(job.id, 1)

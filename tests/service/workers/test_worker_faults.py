@@ -29,18 +29,18 @@ from service.workers.messages import Failed, Progress, StageStarted, Succeeded
 from service.workers.outcome import AttemptOutcome
 from service.workers.pool import WorkerPool
 from service.workers.worker import Worker
-from tests.service_helpers import children_of, children_since, leftovers, pid_alive, wait_for
+from tests.service_helpers import children_since, leftovers, pid_alive, wait_for, work_children
 
 STAGES = ("resolve", "analyze", "calibrate", "convert", "export")
 PAYLOAD = b"\x01fp8" * 1000
 
 
 def fake_child(request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Any, stop: Any,
-               parent_pid: int) -> None:
+               worker_pid: int, **_: Any) -> None:
     """Stands in for ``service.workers.child.child_main``: stages, optional wait for ``request["go"]``, then files."""
-    from service.workers.procs import die_with_parent
+    from service.workers.procs import die_with_worker
 
-    die_with_parent(parent_pid)
+    die_with_worker(worker_pid)
     out = Path(out_dir)
     staging = out.parent / f".{out.name}.partial"
     staging.mkdir()
@@ -159,7 +159,7 @@ def test_a_store_that_stays_down_ends_the_attempt_after_the_heartbeat_timeout(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("service.workers.runner.child_main", fake_child)
     settings = Settings(data_dir=tmp_path / "data", heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
-    before = set(children_of(os.getpid()))
+    before = set(work_children(os.getpid()))
     worker = Worker(settings)
     job = _submit(worker, go=str(tmp_path / "never"))
     store = worker.store

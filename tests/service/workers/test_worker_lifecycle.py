@@ -18,11 +18,11 @@ from service.store import JobStore
 from tests.service_helpers import (
     ServeProcess,
     build_tiny_llama,
-    children_of,
     leftovers,
     pid_alive,
     sse_events,
     wait_for,
+    work_children,
 )
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def _freeze_mid_run(serve, client, job_id: str) -> tuple[int, int]:
     staging = ArtifactDirs(serve.data_dir / "jobs").staging_dir(job_id, 1)
     wait_for(staging.exists, timeout=60, what="the job's staging directory", interval=0.01)
     worker_pid = int(_stored_worker_id(serve, job_id).split(":")[1])  # clients see an opaque name only
-    (child,) = children_of(worker_pid)
+    (child,) = work_children(worker_pid)
     os.kill(child, signal.SIGSTOP)
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["status"] == "running" and staging.exists(), job
@@ -94,7 +94,9 @@ def test_killed_worker_job_is_requeued_and_succeeds_without_partial_files(serve)
     first_worker = client.get(f"/v1/jobs/{job_id}").json()["worker_id"]
 
     os.kill(worker_pid, signal.SIGKILL)
-    wait_for(lambda: not pid_alive(child), timeout=5, what="the conversion process to die with its worker")
+    # frozen, the child's own watcher cannot act: the kernel ends it when its fork server exits, after the server's
+    # interpreter teardown (about 2 s of torch's on 2 cores)
+    wait_for(lambda: not pid_alive(child), timeout=15, what="the conversion process to die with its worker")
 
     def finished():
         job = client.get(f"/v1/jobs/{job_id}").json()

@@ -122,12 +122,12 @@ def _finished_json(client: httpx.Client, job_id: str) -> dict | None:
 
 
 def gated_child(request: dict[str, Any], out_dir: str, sources: dict[str, Any], conn: Any, stop: Any,
-                parent_pid: int, **_: Any) -> None:
+                worker_pid: int, **_: Any) -> None:
     """A conversion child that reports every stage and writes its files, then waits for ``request["finish"]``
     before it reports success: the test decides when its worker records the outcome."""
-    from service.workers.procs import die_with_parent
+    from service.workers.procs import die_with_worker
 
-    die_with_parent(parent_pid)
+    die_with_worker(worker_pid)
     for stage in ("resolve", "analyze", "calibrate", "convert", "export"):
         conn.send(StageStarted(stage))
         conn.send(Progress(1, 1))
