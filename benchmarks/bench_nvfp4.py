@@ -36,7 +36,8 @@ What runs:
              to the later columns through the inverse Hessian 2 X^T X / n of the group's inputs X on the bf16 model
              over the job's calibration windows (all their tokens); ``+act``: columns in order of decreasing H[j, j];
              ``+seq``: decoder layer by decoder layer, each layer's X from the model whose earlier layers already
-             hold their GPTQ weights (llm-compressor's sequential pipeline; inputs not cast).
+             hold their GPTQ weights (llm-compressor's sequential pipeline); ``+qx``: H of the inputs cast to NVFP4
+             under the export's input global scales (with ``+seq``, the earlier layers' inputs cast as well).
              The job's input global scales are kept.
 Scoring: the bf16 model with, for every Linear an export quantizes, the weight read back from the export
 (``code * weight_scale / weight_global_scale``) and its input cast to NVFP4 as the engines' W4A4 kernels cast it
@@ -292,11 +293,21 @@ def fused_groups(layers: dict) -> dict[str, list[str]]:
     return groups
 
 
-def group_hessians(model, batches: list[dict], groups: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-    """Each fused group's input Hessian (2 X^T X / n, fp64) on the bf16 model over ``batches``, by member path."""
+def cast_input(x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``x`` cast to NVFP4 as the engines' W4A4 kernels cast a layer's input under its file's input global scale."""
+    flat = fake_quantize(x.reshape(-1, x.shape[-1]).float(), NVFP4_INPUT, tensor_amax=input_amax(tensors).reshape(()))
+    return flat.reshape(x.shape).to(x.dtype)
+
+
+def group_hessians(model, batches: list[dict], layers: dict, *, cast_inputs: bool = False
+                   ) -> dict[str, torch.Tensor]:
+    """Each fused group's input Hessian (2 X^T X / n, fp64) on the bf16 model over ``batches``, by member path;
+    ``cast_inputs``: of the inputs cast to NVFP4 (what a W4A4 layer multiplies its weight by)."""
+    groups = fused_groups(layers)
     accumulators = {paths[0]: HessianAccumulator(model.get_submodule(paths[0]).in_features)
                     for paths in groups.values()}
-    run_with_input_hooks(model, batches, list(accumulators), lambda path, inputs: accumulators[path].add(inputs))
+    run_with_input_hooks(model, batches, list(accumulators), lambda path, inputs: accumulators[path].add(
+        cast_input(inputs, layers[path]) if cast_inputs else inputs))
     matrices = {first: accumulator.matrix for first, accumulator in accumulators.items()}
     return {path: matrices[paths[0]] for paths in groups.values() for path in paths}
 
@@ -320,14 +331,15 @@ class _StopForward(Exception):
 
 
 def sequential_gptq(model, batches: list[dict], source: dict[str, torch.Tensor], layers: dict, scale_search: str,
-                    act_order: bool) -> dict[str, dict[str, torch.Tensor]]:
+                    act_order: bool, *, cast_inputs: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """GPTQ decoder layer by decoder layer, as llm-compressor's sequential pipeline runs it: each layer's Hessians
     from the inputs it gets when every earlier layer already holds its GPTQ weights (the earlier layers' rounding
-    error included; inputs kept in bf16), the forward stopped after that layer. The model is left as it was."""
+    error included), the forward stopped after that layer; ``cast_inputs``: the quantized layers' inputs cast to
+    NVFP4 and the Hessians of cast inputs (W4A4 as the engine runs it). The model is left as it was."""
     by_layer: dict[str, list[list[str]]] = {}
     for paths in fused_groups(layers).values():
         by_layer.setdefault(paths[0].rsplit(".", 2)[0], []).append(paths)  # model.layers.N
-    result, originals = {}, {}
+    result, originals, cast_handles = {}, {}, []
 
     def stop(module, args, output):
         raise _StopForward
@@ -338,7 +350,8 @@ def sequential_gptq(model, batches: list[dict], source: dict[str, torch.Tensor],
                             for paths in by_layer[prefix]}
             handles = [model.get_submodule(prefix).register_forward_hook(stop)]
             handles += [model.get_submodule(path).register_forward_pre_hook(
-                lambda module, args, into=accumulator: into.add(args[0].detach()))
+                lambda module, args, into=accumulator, tensors=layers[path]: into.add(
+                    cast_input(args[0].detach(), tensors) if cast_inputs else args[0].detach()))
                 for path, accumulator in accumulators.items()]
             try:
                 with torch.no_grad():
@@ -361,7 +374,12 @@ def sequential_gptq(model, batches: list[dict], source: dict[str, torch.Tensor],
                     weight = model.get_submodule(path).weight
                     originals.setdefault(path, weight.data)
                     weight.data = dequantize(result[path]).to(weight.dtype)
+                    if cast_inputs:
+                        cast_handles.append(model.get_submodule(path).register_forward_pre_hook(
+                            lambda module, args, tensors=layers[path]: (cast_input(args[0], tensors),)))
     finally:
+        for handle in cast_handles:
+            handle.remove()
         for path, value in originals.items():
             model.get_submodule(path).weight.data = value
     return result
@@ -543,7 +561,8 @@ def main() -> None:
     parser.add_argument("--gptq", default="",
                         help="GPTQ-rounded rows, comma separated: the scale_search whose block scales are fixed "
                              "(rtn, mse, four_over_six), '+act' for decreasing-H[j, j] column order, '+seq' for "
-                             "Hessians layer by layer from the earlier layers' GPTQ weights")
+                             "Hessians layer by layer from the earlier layers' GPTQ weights, '+qx' for Hessians of "
+                             "the inputs cast to NVFP4 (with +seq: the earlier layers' inputs cast too)")
     parser.add_argument("--activations", choices=("w4a4", "a16", "both"), default="w4a4",
                         help="score with NVFP4 inputs (w4a4), bf16 inputs (a16: nvfp4-a16), or both")
     parser.add_argument("--skip-mse", action="store_true", help="leave out the mse row (its requantization)")
@@ -643,7 +662,9 @@ def main() -> None:
         variants["fp8forge searched weights + input scales"] = both
     if args.gptq:
         started = time.perf_counter()
-        hessians = group_hessians(model, job_batches(model_dir, args.steps)[0], fused_groups(ours))
+        hessians = {cast: group_hessians(model, job_batches(model_dir, args.steps)[0], ours, cast_inputs=cast)
+                    for cast in dict.fromkeys("qx" in spec.split("+") for spec in args.gptq.split(",")
+                                              if "seq" not in spec.split("+"))}
         print(f"Hessians of {len(fused_groups(ours))} fused groups: {time.perf_counter() - started:.0f} s")
         # GPTQ's column loop is thousands of small operations a Linear: one intra-op thread runs them 2-20x faster
         # than two on a shared 2-core machine (measured), so they run on one
@@ -655,9 +676,9 @@ def main() -> None:
                 started = time.perf_counter()
                 if "seq" in options:
                     gptq = sequential_gptq(model, job_batches(model_dir, args.steps)[0], source, ours, method,
-                                           "act" in options)
+                                           "act" in options, cast_inputs="qx" in options)
                 else:
-                    gptq = gptq_requantized(source, ours, hessians, method, "act" in options)
+                    gptq = gptq_requantized(source, ours, hessians["qx" in options], method, "act" in options)
                 print(f"gptq {spec}: {time.perf_counter() - started:.0f} s; {gptq_figures(source, ours, gptq)}",
                       flush=True)
                 variants[f"fp8forge gptq {spec}"] = gptq
