@@ -566,6 +566,9 @@ def main() -> None:
     parser.add_argument("--activations", choices=("w4a4", "a16", "both"), default="w4a4",
                         help="score with NVFP4 inputs (w4a4), bf16 inputs (a16: nvfp4-a16), or both")
     parser.add_argument("--skip-mse", action="store_true", help="leave out the mse row (its requantization)")
+    parser.add_argument("--gptq-only", action="store_true",
+                        help="score only bf16 and the --gptq rows, no calibration diagnosis (the scoring is "
+                             "deterministic: the other rows of an earlier run on the same windows stand)")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -650,7 +653,8 @@ def main() -> None:
             p: {**t, "input_global_scale": peer[p]["input_global_scale"]} if p in peer else t for p, t in mse.items()}
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    print_calibration_diagnosis(model, model_dir, args.steps, ours)
+    if not args.gptq_only:
+        print_calibration_diagnosis(model, model_dir, args.steps, ours)
     if args.search_rows:
         started = time.perf_counter()
         ratios = tuple(float(ratio) for ratio in args.weight_ratios.split(","))
@@ -685,6 +689,8 @@ def main() -> None:
         finally:
             torch.set_num_threads(threads)
         del hessians
+    if args.gptq_only:
+        variants = {name: layers for name, layers in variants.items() if name == "bf16" or " gptq " in name}
     ids = eval_ids(model_dir, args.tokens, args.held_out_file)
     print(f"held-out: {ids.shape[0]} windows of {ids.shape[1]} tokens", flush=True)
     modes = {"w4a4": [True], "a16": [False], "both": [True, False]}[args.activations]
@@ -716,9 +722,9 @@ def main() -> None:
             spread = f"{low:.2f}-{high:.2f}x"
         count = len(scored[name]) if scored[name] else 0
         print(f"| {name} | {count} | {value:.3f} | {loss:+.2%} | {versus} | {spread} |")
-    ours_best = min((name for name in scores if name in RECIPE_ROWS), key=scores.get)
+    ours_best = min((name for name in scores if name in RECIPE_ROWS), key=scores.get, default=None)
     theirs = [name for name in scores if name.startswith("modelopt ")]
-    if theirs:
+    if theirs and ours_best:
         best = min(theirs, key=scores.get)
         ratio = (scores[ours_best] / base - 1) / (scores[best] / base - 1)
         print(f"\nfp8forge's best recipe row ({ours_best}) loses {ratio:.2f}x the perplexity ModelOpt's best that ran "
