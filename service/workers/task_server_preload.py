@@ -2,8 +2,8 @@
 ``service`` that loads torch on import, so that every conversion and task child starts with it loaded. Nothing else
 imports it; the service itself stays free of torch (the API, the worker loop).
 
-A conversion child imported about six CPU seconds of modules on 2 cores (torch, the pipeline, transformers' auto
-classes, torchao's float8) before its first step; forked from here, each job after a worker's first starts with them.
+A spawned conversion child imported torch, the pipeline, transformers' auto classes and torchao's float8 before its
+first step; forked from here, each job after a worker's first starts with them (docs/service.md has the seconds).
 """
 
 from __future__ import annotations
