@@ -1,1 +1,1 @@
-"""Workers: claim jobs from the store, run each conversion in a spawned child, record the outcome."""
+"""Workers: claim jobs from the store, run each conversion in a child process, record the outcome."""

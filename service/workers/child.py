@@ -154,7 +154,7 @@ def child_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level, "conversion")
 
-    silence_third_party_noise()  # a spawned process starts without the filters its worker set; before torch loads
+    silence_third_party_noise()  # a spawned child (a Slurm rank's) starts without its worker's filters
     directories = hidden_directories(out_dir, sources)
     try:
         # a spawned process's first seconds were its imports (a fork of the server has them): resolve's, and said so

@@ -1,6 +1,6 @@
 """The worker loop: stop check -> reap stale jobs and tasks (and now and then sweep orphaned attempt files) ->
-claim a task of a split job, else a job -> run in a child process -> record (a job in a spawned child, a task in
-a fork of the worker's task server: ``service.workers.task_server``).
+claim a task of a split job, else a job -> run in a child process -> record (a job's child and a task's are forks
+of the worker's fork server: ``service.workers.task_server``).
 
 A requantize job is split into tasks (``service.workers.split_jobs``) that any worker claims one at a time, a
 task before a new job, so the jobs already started move on; every other job runs whole in one worker.
