@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from measure import print_start_table  # the script's own directory is on sys.path
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -80,15 +82,10 @@ def main() -> None:
     for _ in range(args.rounds):
         spawned.append(run_child(mp.get_context("spawn"), request, out, sources))
         forked.append(run_child(task_context(), request, out, sources))
-    print(f"{'job, start to result':28} {'median s':>9} {'min s':>7} {'max s':>7}")
-    for name, values in (("spawned child (before)", spawned), ("fork server child (after)", forked)):
-        ordered = sorted(values)
-        print(f"{name:28} {ordered[len(ordered) // 2]:>9.2f} {ordered[0]:>7.2f} {ordered[-1]:>7.2f}")
-    median = args.rounds // 2
-    print(f"ratio forked / spawned (medians): {sorted(forked)[median] / sorted(spawned)[median]:.2f}; saved "
-          f"{sorted(spawned)[median] - sorted(forked)[median]:.2f} s a job; load average {os.getloadavg()[0]:.2f}, "
-          f"cpus {os.cpu_count()}")
-
+    slow, fast = print_start_table("job, start to result", ("spawned child (before)", spawned),
+                                   ("fork server child (after)", forked))
+    print(f"ratio forked / spawned (medians): {fast / slow:.2f}; saved {slow - fast:.2f} s a job; load average "
+          f"{os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
 
 if __name__ == "__main__":
     main()

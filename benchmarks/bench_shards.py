@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from measure import print_start_table
+
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB, FULL_LAYERS = 4096, 14336, 32, 8, 128256, 32
 FORMATS = ("fp8-block", "compressed-tensors-fp8-dynamic")
 
@@ -180,13 +182,9 @@ def task_start(rounds: int, workdir: Path) -> None:
     for _ in range(rounds):
         spawned.append(one(mp.get_context("spawn")))
         forked.append(one(task_context()))
-    print(f"{'start':24} {'median s':>9} {'min s':>7} {'max s':>7}")
-    for name, values in (("spawned (before)", spawned), ("task server fork (after)", forked)):
-        ordered = sorted(values)
-        print(f"{name:24} {ordered[len(ordered) // 2]:>9.2f} {ordered[0]:>7.2f} {ordered[-1]:>7.2f}")
-    print(f"ratio spawned / forked (medians): {sorted(spawned)[rounds // 2] / sorted(forked)[rounds // 2]:.1f}; "
-          f"load average {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
-
+    slow, fast = print_start_table("start", ("spawned (before)", spawned), ("task server fork (after)", forked))
+    print(f"ratio spawned / forked (medians): {slow / fast:.1f}; load average {os.getloadavg()[0]:.2f}, "
+          f"cpus {os.cpu_count()}")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,5 +1,6 @@
-"""Process-level measurements shared by the benchmarks: wall time and peak RSS of a fresh child process, and a
-sampler that splits a process's own resident memory into anonymous and file-backed pages."""
+"""Process-level measurements shared by the benchmarks: wall time and peak RSS of a fresh child process, a
+sampler that splits a process's own resident memory into anonymous and file-backed pages, and the table of a
+child's start measured two ways."""
 
 from __future__ import annotations
 
@@ -18,6 +19,19 @@ _WRAPPER = (
     "print(elapsed, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, out.returncode)\n"
     "print(out.stdout)\n"
 )
+
+
+def print_start_table(heading: str, before: tuple[str, list[float]], after: tuple[str, list[float]]
+                      ) -> tuple[float, float]:
+    """Print the median, min and max seconds of two ways to start a child (each ``(name, seconds)``); returns the
+    two medians."""
+    print(f"{heading:28} {'median s':>9} {'min s':>7} {'max s':>7}")
+    medians = []
+    for name, values in (before, after):
+        ordered = sorted(values)
+        medians.append(ordered[len(ordered) // 2])
+        print(f"{name:28} {medians[-1]:>9.2f} {ordered[0]:>7.2f} {ordered[-1]:>7.2f}")
+    return medians[0], medians[1]
 
 
 def child_peak_rss(argv: list[str]) -> tuple[float, int, str]:
