@@ -87,6 +87,7 @@ FUSED = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})  # members sh
 NVFP4_INPUT = cast_spec("nvfp4_block16")
 _E2M1 = torch.tensor(E2M1_GRID)
 RECIPE_ROWS = ("fp8forge rtn", "fp8forge mse", "fp8forge four_over_six")  # what a job's nvfp4_weight_scales writes
+JOB_GPTQ_ROW = "fp8forge job gptq "  #: + the block-scale method: a job's export with nvfp4_weight_rounding gptq
 FP4_FP8_MAX = 6.0 * 448.0  # amax over a global scale: compressed-tensors stores its reciprocal, ModelOpt this one
 #: nvidia-modelopt 0.47's W4A4 NVFP4 presets by calibration algorithm (modelopt_recipes/configs/ptq/presets/model)
 MODELOPT_RECIPES = {
@@ -166,12 +167,13 @@ def print_calibration_diagnosis(model, model_dir: Path, steps: int, layers: dict
     print(f"Linears whose job amax is set by a window's first position: {first} of {len(paths)}")
 
 
-def fp8forge_export(model_dir: Path, out: Path, steps: int) -> Path:
+def fp8forge_export(model_dir: Path, out: Path, steps: int, **recipe: str) -> Path:
+    """A job's ``nvfp4`` export (``recipe``: its serving options, e.g. nvfp4_weight_rounding)."""
     from converters.model.sources import ModelSourceOptions
     from converters.pipeline.driver import NullSink, run_conversion
     from converters.pipeline.request import CalibrationSettings, ConversionRequest
 
-    request = ConversionRequest(model=str(model_dir), recipe={"backend": "ao"}, skip_first_last=False,
+    request = ConversionRequest(model=str(model_dir), recipe={"backend": "ao", **recipe}, skip_first_last=False,
                                 exclude=("lm_head",), serving_formats=("nvfp4",), measure=False,
                                 calibration=CalibrationSettings(steps=steps, batch_size=1, seq_len=SEQ_LEN))
     run_conversion(request, out, ModelSourceOptions(allowed_roots=(model_dir.parent, out.parent)), NullSink())
@@ -566,6 +568,9 @@ def main() -> None:
     parser.add_argument("--activations", choices=("w4a4", "a16", "both"), default="w4a4",
                         help="score with NVFP4 inputs (w4a4), bf16 inputs (a16: nvfp4-a16), or both")
     parser.add_argument("--skip-mse", action="store_true", help="leave out the mse row (its requantization)")
+    parser.add_argument("--job-gptq", default="",
+                        help="comma-separated block-scale methods (rtn, mse, four_over_six): score a job's own export "
+                             "with nvfp4_weight_scales METHOD and nvfp4_weight_rounding gptq (the product path)")
     parser.add_argument("--gptq-only", action="store_true",
                         help="score only bf16 and the --gptq rows, no calibration diagnosis (the scoring is "
                              "deterministic: the other rows of an earlier run on the same windows stand)")
@@ -689,6 +694,16 @@ def main() -> None:
         finally:
             torch.set_num_threads(threads)
         del hessians
+    for method in filter(None, args.job_gptq.split(",")):
+        started = time.perf_counter()
+        job_dir = work / f"fp8forge-gptq-{method}"
+        kept = job_dir / "serving" / "nvfp4"
+        variants[JOB_GPTQ_ROW + method] = read_export(kept if (kept / "config.json").is_file() else fp8forge_export(
+            model_dir, job_dir, args.steps, nvfp4_weight_scales=method, nvfp4_weight_rounding="gptq"))
+        rounding = json.loads((job_dir / "fp8_report.json").read_text())["calibration"]["nvfp4_rounding"]
+        print(f"job with nvfp4_weight_rounding gptq, {method} scales: {time.perf_counter() - started:.0f} s "
+              f"(rounding {rounding['seconds']:.0f} s, {rounding['weights']} weights); "
+              f"{gptq_figures(source, ours, variants[JOB_GPTQ_ROW + method])}", flush=True)
     if args.gptq_only:
         variants = {name: layers for name, layers in variants.items() if name == "bf16" or " gptq " in name}
     ids = eval_ids(model_dir, args.tokens, args.held_out_file)
@@ -722,7 +737,8 @@ def main() -> None:
             spread = f"{low:.2f}-{high:.2f}x"
         count = len(scored[name]) if scored[name] else 0
         print(f"| {name} | {count} | {value:.3f} | {loss:+.2%} | {versus} | {spread} |")
-    ours_best = min((name for name in scores if name in RECIPE_ROWS), key=scores.get, default=None)
+    ours_best = min((name for name in scores if name in RECIPE_ROWS or name.startswith(JOB_GPTQ_ROW)),
+                    key=scores.get, default=None)
     theirs = [name for name in scores if name.startswith("modelopt ")]
     if theirs and ours_best:
         best = min(theirs, key=scores.get)

@@ -137,7 +137,10 @@ class LayerPass:
     linear_paths: list[str]  #: the eligible Linears inside it (model paths)
     amax: dict[str, LayerAmax] = field(repr=False)
     outputs: list[torch.Tensor] = field(repr=False)  #: its high-precision output per step
-    call: Callable[[nn.Module, int], Any] = field(repr=False)  #: ``call(module, step)`` runs step's inputs
+    #: ``call(module, step, hidden=None)`` runs step's call with the hidden states ``hidden`` (None: the layer's own
+    #: inputs, ``inputs[step]``), so a callback may also run the layer on another stream of hidden states
+    call: Callable[..., Any] = field(repr=False)
+    inputs: list[torch.Tensor] = field(default_factory=list, repr=False)  #: its hidden-state input per step
 
 
 @dataclass(frozen=True)
@@ -338,8 +341,9 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
         inputs = passes.hidden_in
         linear_paths = [path for path in paths if parse_unit_path(path) is None]  # experts are not swapped there
         after_layer(LayerPass(index=index, path=layer_path, layer=layer, linear_paths=linear_paths,
-                              amax=recorder.results(), outputs=outputs,
-                              call=lambda module, step: passes.call(module, index, step, inputs[step])))
+                              amax=recorder.results(), outputs=outputs, inputs=inputs,
+                              call=lambda module, step, hidden=None: passes.call(
+                                  module, index, step, inputs[step] if hidden is None else hidden)))
     layer_done_for_sqnr()  # this layer's Linears are not called again: their cast weights can go
     release_layer(layer, dtypes)
     passes.hidden_in = outputs

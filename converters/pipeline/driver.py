@@ -106,6 +106,7 @@ def run_conversion(
     staging = staging_dir_for(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
+    run.staging = staging
     def start_weight_copy(run: Run) -> None:  # the copy needs only the files: it runs beside calibration
         run.weight_copy = BackgroundWeightCopy(weight_files(run.resolved.directory), staging,
                                                confinement_for(run.sources), checkpoint=run.resolved.checkpoint)

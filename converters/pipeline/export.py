@@ -124,6 +124,8 @@ def _calibration_report(run: Run) -> dict[str, Any]:
         # what the artifact seeds: "none: <recipe> computes scales from each tensor as it is cast" when stateless
         "state": run.recipe.state_note(),
         "forward": run.calibration.forward,
+        # the NVFP4 exports' GPTQ rounding, run in this walk (converters.calibration.gptq_rounding), where asked
+        **({"nvfp4_rounding": run.calibration.rounding} if run.calibration.rounding else {}),
         "steps": settings.steps,
         "batch_size": settings.batch_size,
         "seq_len": settings.seq_len,

@@ -13,6 +13,7 @@ file), and the run that queued them writes the index, config and side files from
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -20,23 +21,27 @@ from typing import Any, Protocol
 
 import torch
 
+from converters.calibration.gptq_rounding import ROUNDED_DIR, GptqRounding
+from converters.calibration.sequential import LAYER_SEQUENTIAL
 from converters.calibration.sqnr_meter import RecipeCasts, SqnrMeter
 from converters.casts.emulation import cast_spec
-from converters.errors import ConversionError
+from converters.errors import ConversionError, RequestError
 from converters.model.checkpoint import weight_files
 from converters.model.files import FileConfinement
 from converters.model.sources import confinement_for, model_dtype
 from converters.pipeline.state import Run
+from converters.recipes import NVFP4WeightRounding
 from converters.rewrite import finish_checkpoint
 from converters.serving import serving_format
 from converters.serving.audit import audit_export
 from converters.serving.kv_scales import attach_kv_scales
 from converters.serving.loads_in import loads_in_warnings
+from converters.serving.nvfp4 import CompressedTensorsNVFP4
 from converters.serving.selection import ServingSelection, expert_disk_keys, select_serving, set_input_amax
 from converters.serving.writer import set_weight_amax, write_serving_checkpoint, write_serving_file
 
 __all__ = ["SERVING_LABEL", "ServingShardRunner", "finish_serving_export", "job_format", "run_serving_write",
-           "select_serving_formats", "selection_from_wire", "selection_to_wire", "serving_casts",
+           "select_serving_formats", "selection_from_wire", "selection_to_wire", "serving_casts", "serving_rounding",
            "serving_shard_tasks", "serving_sqnr", "set_serving_scales", "write_serving_exports",
            "write_serving_shard"]
 
@@ -93,6 +98,36 @@ def serving_sqnr(run: Run, meter: SqnrMeter | None) -> dict[str, dict[str, dict[
             for name in run.request.serving_formats}
 
 
+def serving_rounding(run: Run) -> GptqRounding | None:
+    """The calibration walk's GPTQ rounding of the NVFP4 exports, where the recipe asks ``nvfp4_weight_rounding:
+    gptq`` and the job writes one (None otherwise; a warning when no NVFP4 export would use it).
+
+    Raises:
+        RequestError: GPTQ asked of a job that cannot run it (whole-model calibration, ranks of a distributed job).
+    """
+    if run.recipe.nvfp4_weight_rounding is not NVFP4WeightRounding.GPTQ:
+        return None
+    selections = [selection for name, selection in run.serving.items()
+                  if isinstance(serving_format(name), CompressedTensorsNVFP4)]
+    if not selections:
+        run.warn("nvfp4_weight_rounding gptq applies to the nvfp4 / nvfp4-a16 serving exports, and the request "
+                 "asks for neither: nothing is rounded by GPTQ")
+        return None
+    field = "recipe.nvfp4_weight_rounding"
+    if run.resolved.mode != LAYER_SEQUENTIAL:
+        raise RequestError(f"nvfp4_weight_rounding gptq rounds each decoder layer during the layer-sequential "
+                           f"calibration, and this job calibrates the whole model ({run.resolved.mode_reason}): use "
+                           "nvfp4_weight_rounding nearest for this model", field=field)
+    if run.distributed is not None:
+        raise RequestError("nvfp4_weight_rounding gptq runs in a single-process job for now (a distributed or "
+                           "resumable run would round each layer on every rank): run the job without ranks, or use "
+                           "nvfp4_weight_rounding nearest", field=field)
+    if any(selection.experts for selection in selections):
+        run.warn("nvfp4_weight_rounding gptq rounds the Linears; the MoE expert matrices keep round to nearest")
+    return GptqRounding(selections, run.staging / ROUNDED_DIR, model_dtype(run.resolved.config),
+                        scale_search=run.recipe.nvfp4_weight_scales.value)
+
+
 class ServingShardRunner(Protocol):
     """Runs a serving export's ``serving_write`` tasks (:func:`serving_shard_tasks`) somewhere other than in this
     loop, e.g. spread over a service's workers; the run writes each format's index, config and side files itself."""
@@ -110,21 +145,25 @@ class ServingShardRunner(Protocol):
 def write_serving_exports(run: Run, staging: Path, shards: ServingShardRunner | None = None) -> list[str]:
     """Each requested serving checkpoint in ``serving/<name>/``, from the calibration this job already ran; with
     ``shards`` (when it wants them), each weight file is a task it runs; the bytes are the same either way."""
-    if run.serving and shards is not None and shards.wanted(len(serving_sources(run, staging))):
-        return _write_serving_exports_as_tasks(run, staging, shards)
-    written = []
-    for name, selection in run.serving.items():
-        set_serving_scales(run, name, selection)
-        directory = staging / "serving" / name
-        source = run.resolved.directory
-        files = serving_sources(run, staging)
-        files = write_serving_checkpoint(job_format(name, run.recipe), selection, source, files, directory,
-                                         model_dtype(run.resolved.config), confinement_for(run.sources),
-                                         check_stop=run.check_stop, emulated_stats=False)
-        _add_measured_sqnr(selection, run.calibration.serving_sqnr.get(name, {}))
-        _audit(run, name, selection, directory)
-        written += [f"serving/{name}/{file}" for file in files]
-    return written
+    try:
+        if run.serving and shards is not None and shards.wanted(len(serving_sources(run, staging))):
+            return _write_serving_exports_as_tasks(run, staging, shards)
+        written = []
+        for name, selection in run.serving.items():
+            set_serving_scales(run, name, selection)
+            directory = staging / "serving" / name
+            source = run.resolved.directory
+            files = serving_sources(run, staging)
+            files = write_serving_checkpoint(job_format(name, run.recipe), selection, source, files, directory,
+                                             model_dtype(run.resolved.config), confinement_for(run.sources),
+                                             check_stop=run.check_stop, emulated_stats=False,
+                                             rounded_dir=staging / ROUNDED_DIR)
+            _add_measured_sqnr(selection, run.calibration.serving_sqnr.get(name, {}))
+            _audit(run, name, selection, directory)
+            written += [f"serving/{name}/{file}" for file in files]
+        return written
+    finally:  # calibration's rounded weights are written into the exports now: they are no artifact file
+        shutil.rmtree(staging / ROUNDED_DIR, ignore_errors=True)
 
 
 def _write_serving_exports_as_tasks(run: Run, staging: Path, shards: ServingShardRunner) -> list[str]:
@@ -164,6 +203,8 @@ def set_serving_scales(run: Run, name: str, selection: ServingSelection) -> None
         run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
                  "is the largest of the same GEMM's other experts in that layer")
     _attach_kv_cache(run, name, selection)
+    keys = set(selection.quantized.values())
+    selection.rounded = {key: file for key, file in run.calibration.rounded_weights.items() if key in keys}
 
 
 def serving_sources(run: Run, staging: Path) -> list[Path]:
@@ -224,17 +265,18 @@ def run_serving_write(shard: str, payload: dict[str, Any], source_dir: Path, out
     source = (out_dir if payload["from_artifact"] else source_dir) / shard
     scale_dtype = getattr(torch, payload["scale_dtype"])
     return write_serving_shard(selection, source, out_dir / "serving" / selection.format, scale_dtype,
-                               weight_scales=payload.get("weight_scales", "rtn"))
+                               weight_scales=payload.get("weight_scales", "rtn"), rounded_dir=out_dir / ROUNDED_DIR)
 
 
 def write_serving_shard(selection: ServingSelection, source: Path, directory: Path, scale_dtype: torch.dtype, *,
-                        check_stop: Callable[[], None] | None = None, weight_scales: str = "rtn") -> dict[str, Any]:
+                        check_stop: Callable[[], None] | None = None, weight_scales: str = "rtn",
+                        rounded_dir: Path | None = None) -> dict[str, Any]:
     """Write ``source``'s file of the selection's export into ``directory`` (byte for byte
     ``write_serving_checkpoint``'s file, the weight amax taken from the selection); returns the file's tensors, their
     bytes and each quantized weight's figures (the format's own ``layer_stats`` where it has one: the SQNR comes from
-    calibration)."""
+    calibration). ``rounded_dir``: where calibration left the weights it rounded (the selection's ``rounded``)."""
     return write_serving_file(_format_of(selection, weight_scales), selection, source, directory, scale_dtype,
-                              check_stop=check_stop, emulated_stats=False)
+                              check_stop=check_stop, emulated_stats=False, rounded_dir=rounded_dir)
 
 
 def finish_serving_export(selection: ServingSelection, source_dir: Path, shards: list[dict[str, Any]],

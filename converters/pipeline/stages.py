@@ -47,7 +47,12 @@ from converters.model.sources import (
     resolve_model_dir,
 )
 from converters.pipeline.progress import LOAD_STEP, RESOLVE_STEPS, Unit
-from converters.pipeline.serving_export import select_serving_formats, serving_casts, serving_sqnr
+from converters.pipeline.serving_export import (
+    select_serving_formats,
+    serving_casts,
+    serving_rounding,
+    serving_sqnr,
+)
 from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.plan.candidates import plan_compare_recipes
 from converters.quality.held_out import calibration_part
@@ -233,6 +238,7 @@ def calibrate(run: Run) -> CalibrationResult:
     compared = plan_compare_recipes(run.request.plan, run.request.compare_recipes)  # a plan reads its candidates' SQNR
     meter, label = meter_for(run.recipe, compared, serving_casts(run)) if run.request.measure \
         else (None, "")
+    rounding = serving_rounding(run)  # GPTQ for the NVFP4 exports, layer by layer in this walk (None: nearest)
     with measuring_sqnr(meter):  # the hooks also measure each layer's error under the recipe(s)
         if run.resolved.mode == LAYER_SEQUENTIAL:
             try:
@@ -240,8 +246,12 @@ def calibrate(run: Run) -> CalibrationResult:
                     boundary = None if run.distributed is None else \
                         run.distributed.layer_boundary(run.request.to_dict(), run.resolved.directory,
                                                        run.resolved.stack, batches, paths, kv=kv, meter=meter)
-                    amax, te_check = _calibrate_layer_by_layer(run, batches, paths, forward, boundary)
+                    amax, te_check = _calibrate_layer_by_layer(run, batches, paths, forward, boundary, rounding)
             except SequentialUnsupported as exc:
+                if rounding is not None:
+                    raise RequestError(f"nvfp4_weight_rounding gptq needs the layer-sequential calibration, which "
+                                       f"stopped: {exc}; use nvfp4_weight_rounding nearest for this model",
+                                       field="recipe.nvfp4_weight_rounding") from exc
                 run.mode_fallback = f"layer-sequential calibration stopped: {exc}"
                 run.warn(f"calibrated the whole model at once: {exc}")
                 if meter is not None:
@@ -255,7 +265,9 @@ def calibrate(run: Run) -> CalibrationResult:
     return CalibrationResult(data_source=source, amax=amax, states=_scaling_states(run, amax),
                              check_batch=batches[0], te_check=te_check, kv_amax=kv.results() if kv else {},
                              serving_sqnr=serving_sqnr(run, meter),
-                             forward=forward.to_dict() if forward.compute_dtype else {})
+                             forward=forward.to_dict() if forward.compute_dtype else {},
+                             rounded_weights=dict(rounding.rounded) if rounding else {},
+                             rounding=rounding.summary() if rounding else {})
 
 
 def _kv_recording(run: Run, model: Any) -> Any:
@@ -347,16 +359,19 @@ def _calibrate_whole_model(run: Run, batches: list[dict[str, Any]], paths: list[
 
 
 def _calibrate_layer_by_layer(run: Run, batches: list[dict[str, Any]], paths: list[str], stats: SequentialStats,
-                              boundary: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                              boundary: Any = None, rounding: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Each eligible layer's amax, and the TE check block of the per-layer check (where the backend has one);
-    ``stats`` receives the compute dtype, prefetch and per-layer seconds."""
+    ``stats`` receives the compute dtype, prefetch and per-layer seconds; ``rounding`` (an ``after_layer``) rounds
+    each layer's NVFP4 weights after the check has seen the layer as it is."""
     after_layer, te_check = run.backend.layer_check(run.recipe)
     te_check = te_check if te_check is not None else dict(NO_TE_CHECK)
+    callbacks = [callback for callback in (after_layer, rounding) if callback is not None]
     try:
         amax = calibrate_layer_by_layer(
             run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, paths,
             on_layer=lambda done, total: run.sink.progress(done, total, Unit.LAYER),
-            should_stop=run.sink.should_stop, after_layer=after_layer, stats=stats, boundary=boundary,
+            should_stop=run.sink.should_stop, stats=stats, boundary=boundary,
+            after_layer=(lambda layer_pass: [callback(layer_pass) for callback in callbacks]) if callbacks else None,
         )
     except (TypeError, ValueError) as exc:  # the architecture rejects plain token batches
         raise CalibrationDataError(

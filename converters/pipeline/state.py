@@ -144,6 +144,9 @@ class Run:
     tokenizer: Any = None
     #: set by the caller of a rank of a data-parallel or resumable job (converters.distributed): calibrate reads it
     distributed: DistributedJob | None = None
+    #: the artifact's staging directory, set by the driver before the stages run (calibration may leave files there
+    #: for export: GPTQ-rounded weights)
+    staging: Path | None = None
     warnings: list[str] = field(default_factory=list)
 
     #: what one stage makes and the later stages only read: set once (a second assignment is a bug, raised)

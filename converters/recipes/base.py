@@ -24,6 +24,7 @@ __all__ = [
     "NVFP4Scope",
     "NVFP4ErrMode",
     "NVFP4WeightScales",
+    "NVFP4WeightRounding",
     "MXKernelPreference",
     "MXScaleCalculationMode",
     "allowed",
@@ -118,6 +119,16 @@ class NVFP4WeightScales(str, enum.Enum):
     RTN = "rtn"  #: each block's amax maps to E2M1's 6, compressed-tensors' and llm-compressor's bytes
     MSE = "mse"  #: per block, the E4M3 scale of least squared error among RTN's neighbours and the 4-scale
     FOUR_OVER_SIX = "four_over_six"  #: per block, the amax maps to 6 or to 4, whichever errs less (Cook et al.)
+
+
+class NVFP4WeightRounding(str, enum.Enum):
+    """How the ``nvfp4`` / ``nvfp4-a16`` serving exports round each weight onto E2M1 under the block scales
+    ``nvfp4_weight_scales`` chose (:mod:`converters.calibration.gptq_rounding`)."""
+
+    NEAREST = "nearest"  #: each value to its nearest code, on its own
+    #: GPTQ: columns in order of decreasing input energy, each one's output error fed to the columns not yet rounded,
+    #: with each decoder layer's inputs from the earlier layers as already rounded (the calibration's layer walk)
+    GPTQ = "gptq"
 
 
 class MXKernelPreference(str, enum.Enum):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from converters.recipes.base import NVFP4WeightScales, coerce_enum
+from converters.recipes.base import NVFP4WeightRounding, NVFP4WeightScales, coerce_enum
 
 __all__ = ["SERVING_KEY", "ServingOptions"]
 
@@ -26,13 +26,21 @@ class ServingOptions:
 
     #: how the NVFP4 serving exports choose their weight block scales (rtn: the peers' bytes)
     nvfp4_weight_scales: NVFP4WeightScales = field(default=NVFP4WeightScales.RTN, metadata={SERVING_KEY: True})
+    #: how they round the weights onto E2M1 under those scales (nearest: the peers' bytes)
+    nvfp4_weight_rounding: NVFP4WeightRounding = field(default=NVFP4WeightRounding.NEAREST,
+                                                       metadata={SERVING_KEY: True})
 
     def _check_serving_options(self) -> None:
         object.__setattr__(self, "nvfp4_weight_scales", coerce_enum(
             self.nvfp4_weight_scales, NVFP4WeightScales, "nvfp4_weight_scales", upper=False))
+        object.__setattr__(self, "nvfp4_weight_rounding", coerce_enum(
+            self.nvfp4_weight_rounding, NVFP4WeightRounding, "nvfp4_weight_rounding", upper=False))
 
     def serving_options(self) -> dict[str, Any]:
         """The serving options that differ from their defaults, as ``to_dict()`` records them."""
-        if self.nvfp4_weight_scales is NVFP4WeightScales.RTN:
-            return {}
-        return {"nvfp4_weight_scales": self.nvfp4_weight_scales.value}
+        options = {}
+        if self.nvfp4_weight_scales is not NVFP4WeightScales.RTN:
+            options["nvfp4_weight_scales"] = self.nvfp4_weight_scales.value
+        if self.nvfp4_weight_rounding is not NVFP4WeightRounding.NEAREST:
+            options["nvfp4_weight_rounding"] = self.nvfp4_weight_rounding.value
+        return options

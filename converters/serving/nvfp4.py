@@ -48,6 +48,7 @@ from converters.model.quantized.arithmetic import fp8_as_float
 from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.compressed_tensors import ignore_list
 from converters.serving.selection import ServingSelection
+from converters.serving.written_sqnr import written_weight_sqnr
 
 __all__ = ["GROUP", "NVFP4", "NVFP4_A16", "SCALE_SEARCHES", "CompressedTensorsNVFP4", "block_errors", "nvfp4_rule",
            "pack_e2m1", "pack_e2m1_codes", "quantize_nvfp4", "searched_block_scales"]
@@ -212,6 +213,27 @@ class CompressedTensorsNVFP4:
         if self.activations:
             tensors.append(global_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
         return tensors
+
+    def with_rounded(self, rounded: list[torch.Tensor], input_amax: float | None, scale_dtype: torch.dtype
+                     ) -> list[torch.Tensor]:
+        """The written tensors of a weight calibration already quantized (``rounded``: packed, block scales, global
+        scale, as :func:`quantize_nvfp4` returns them): those, and the input global scale where the scheme has one."""
+        tensors = list(rounded)
+        if self.activations:
+            tensors.append(global_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
+        return tensors
+
+    def rounded_stats(self, weight: torch.Tensor, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """A rounded weight's figures: the SQNR of what is written, and of round to nearest under the same scales
+        (GPTQ trades weight error for output error on the calibration inputs: its weight SQNR is the lower)."""
+        packed, scale, scale_global = tensors[:3]
+        blocks = weight.unflatten(-1, (weight.shape[1] // GROUP, GROUP))
+        signal = float(weight.float().square().sum())
+        written = written_weight_sqnr(weight, {"weight_packed": packed, "weight_scale": scale,
+                                               "weight_global_scale": scale_global})
+        nearest = float(block_errors(blocks, scale.float(), scale_global).sum())
+        return {"weight_sqnr_db": written, "nearest_weight_sqnr_db": _db(signal, nearest), "rounding": "gptq",
+                "scale_search": self.scale_search}
 
     def quantization_config(self, selection: ServingSelection) -> dict[str, Any]:
         def args(*, dynamic: bool | str, observer: str) -> dict[str, Any]:

@@ -22,8 +22,11 @@ import torch
 from converters.casts.emulation import E2M1_GRID, e2m1_codes
 from converters.serving.nvfp4 import GROUP, pack_e2m1_codes, quantize_nvfp4
 
-__all__ = ["DAMPING", "HessianAccumulator", "gptq_codes", "quantize_nvfp4_gptq"]
+__all__ = ["DAMPING", "ROUNDED_TENSORS", "HessianAccumulator", "dequantize_codes", "gptq_codes", "quantize_nvfp4_gptq"]
 
+#: the tensors a rounded weight is stored as between calibration and export, in the writer's order; each under
+#: ``f"{weight_key}:{name}"`` in its layer's file (converters.calibration.gptq_rounding)
+ROUNDED_TENSORS = ("packed", "scale", "global_scale")
 #: damping added to H's diagonal, as a fraction of its mean (GPTQ's and llm-compressor's dampening_frac 0.01)
 DAMPING = 0.01
 #: columns rounded between two whole-matrix updates (GPTQ's and llm-compressor's block_size)
@@ -131,6 +134,13 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     if order is not None:
         codes = codes[:, torch.argsort(order)]
     return codes
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, scale_global: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight engines compute from E2M1 ``codes`` (uint8 ``[out, in]``, bit 3 the sign) under E4M3 block
+    ``scale`` and ``scale_global``: ``value(code) * (scale / global)``."""
+    step = (scale.float() / scale_global.float()).repeat_interleave(GROUP, dim=1)
+    return _SIGNED_E2M1[codes.long()] * step
 
 
 def quantize_nvfp4_gptq(weight: torch.Tensor, weight_amax: float, hessian: torch.Tensor, *,

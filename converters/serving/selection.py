@@ -98,6 +98,9 @@ class ServingSelection:
     layer_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     kv_cache_report: dict[str, Any] | None = None  #: per attention layer: k/v amax and the scales written
     load_audit: dict[str, Any] | None = None  #: the load audit of the written export (converters.serving.audit)
+    #: on-disk weight key -> the file (in the run's rounded-weights directory) holding the tensors calibration already
+    #: quantized it to (GPTQ rounding: converters.calibration.gptq_rounding); the writer copies them
+    rounded: dict[str, str] = field(default_factory=dict)
 
     @property
     def expert_units(self) -> list[str]:

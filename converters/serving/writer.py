@@ -15,7 +15,8 @@ scale) set ``needs_weight_amax``: before writing, :func:`set_weight_amax` reads 
 
 :func:`quantize_step` is the one rewrite step of a quantized weight for every writer of quantized shards (this
 module's, requantize's, sync's and the mixed-precision checkpoints'); its conversion, :func:`quantize_weight`, runs in
-strips of rows where the cast allows and checks what it gives finite.
+strips of rows where the cast allows and checks what it gives finite. A weight calibration already quantized (GPTQ
+rounding: the selection's ``rounded``) is written by :func:`rounded_step` from the tensors it stored instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from converters.casts.emulation import max_abs
 from converters.model.files import FileConfinement
@@ -33,6 +35,7 @@ from converters.model.finite import check_converted
 from converters.model.safetensors_stream import ReadBuffers, read_tensor, read_tensor_index
 from converters.rewrite import Compute, Copy, cast_in_strips, finish_checkpoint, strip_rows
 from converters.rewrite import write_shard as rewrite_shard
+from converters.serving.nvfp4_gptq import ROUNDED_TENSORS
 from converters.serving.selection import ServingFormat, ServingSelection
 from converters.serving.written_sqnr import written_weight_sqnr
 
@@ -40,6 +43,7 @@ __all__ = [
     "layer_stats",
     "quantize_step",
     "quantize_weight",
+    "rounded_step",
     "set_weight_amax",
     "write_serving_checkpoint",
     "write_serving_file",
@@ -87,8 +91,8 @@ def layer_stats(fmt: ServingFormat, weight: torch.Tensor, written: Mapping[str, 
 def write_serving_checkpoint(fmt: ServingFormat, selection: ServingSelection, source_dir: Path,
                              weight_files: list[Path], directory: Path, scale_dtype: torch.dtype,
                              confinement: FileConfinement,
-                             check_stop: Callable[[], None] | None = None, *, emulated_stats: bool = True
-                             ) -> list[str]:
+                             check_stop: Callable[[], None] | None = None, *, emulated_stats: bool = True,
+                             rounded_dir: Path | None = None) -> list[str]:
     """Write ``fmt``'s checkpoint of the source into ``directory``: weight files, index, config, side files.
 
     Each quantized weight's figures go into ``selection.layer_stats`` (:func:`layer_stats`); ``emulated_stats``
@@ -96,7 +100,8 @@ def write_serving_checkpoint(fmt: ServingFormat, selection: ServingSelection, so
     the figure already, from its calibration's meter, or was asked not to measure; a format's own ``layer_stats``
     stays.
 
-    Side files are copied without reading outside ``confinement``.
+    Side files are copied without reading outside ``confinement``. ``rounded_dir``: where the files of the
+    selection's ``rounded`` weights are.
 
     Returns the file names written (relative to ``directory``).
     """
@@ -106,7 +111,7 @@ def write_serving_checkpoint(fmt: ServingFormat, selection: ServingSelection, so
     shards = []
     for source in weight_files:
         shards.append(write_serving_file(fmt, selection, source, directory, scale_dtype, check_stop=check_stop,
-                                         emulated_stats=emulated_stats))
+                                         emulated_stats=emulated_stats, rounded_dir=rounded_dir))
         selection.layer_stats.update(shards[-1]["layer_stats"])
     side_files = getattr(fmt, "side_files", None)
     return [source.name for source in weight_files] + finish_checkpoint(
@@ -116,7 +121,7 @@ def write_serving_checkpoint(fmt: ServingFormat, selection: ServingSelection, so
 
 def write_serving_file(fmt: ServingFormat, selection: ServingSelection, source: Path, directory: Path,
                        scale_dtype: torch.dtype, *, check_stop: Callable[[], None] | None = None,
-                       emulated_stats: bool = True) -> dict[str, Any]:
+                       emulated_stats: bool = True, rounded_dir: Path | None = None) -> dict[str, Any]:
     """Write ``source``'s weight file of ``fmt``'s checkpoint into ``directory`` (the weight amax, where the format
     needs it, taken from the selection: it spans every file). One file needs nothing of the others, so a serving
     export may be written a file at a time by any process.
@@ -140,9 +145,16 @@ def write_serving_file(fmt: ServingFormat, selection: ServingSelection, source: 
             amax = {"weight_amax": selection.weight_amax[path_of[name]]} if needs_weight_amax else {}
             label = name.removesuffix(".weight") if name in selection.experts else path_of[name]
             stats = emulated_stats or getattr(fmt, "layer_stats", None) is not None
-            steps.append(quantize_step(fmt, name, tensor, functools.partial(read_tensor, tensor, buffers),
-                                       scale_dtype, input_amax=selection.input_amax.get(path_of[name]),
-                                       options=amax, label=label if stats else None))
+            read = functools.partial(read_tensor, tensor, buffers)
+            input_amax = selection.input_amax.get(path_of[name])
+            if name in selection.rounded:
+                if rounded_dir is None:
+                    raise ValueError(f"{name} was rounded by calibration, and no rounded_dir says where it is")
+                steps.append(rounded_step(fmt, name, tensor, read, scale_dtype, rounded_dir / selection.rounded[name],
+                                          input_amax=input_amax, label=label))
+            else:
+                steps.append(quantize_step(fmt, name, tensor, read, scale_dtype, input_amax=input_amax,
+                                           options=amax, label=label if stats else None))
         for added, value in added_after.get(name, {}).items():
             steps.append(Compute(outputs={added: value}, read=lambda: None,
                                  convert=lambda _, value=value: ([value], None)))
@@ -162,6 +174,25 @@ def quantize_step(fmt: ServingFormat, name: str, weight: Any, read: Callable[[],
     return Compute(outputs=outputs, read=read,
                    convert=functools.partial(quantize_weight, fmt, name, outputs, input_amax, scale_dtype,
                                              options or {}, label, check_weight=check_weight))
+
+
+def rounded_step(fmt: Any, name: str, weight: Any, read: Callable[[], torch.Tensor], scale_dtype: torch.dtype,
+                 spill: Path, *, input_amax: float | None, label: str) -> Compute:
+    """The rewrite step that replaces the weight ``name`` by the tensors calibration rounded it to, stored in
+    ``spill`` (:data:`~converters.serving.nvfp4_gptq.ROUNDED_TENSORS`), through the format's ``with_rounded``; its
+    note: the format's ``rounded_stats``. The weight is read to check it and to measure what was written."""
+    outputs = fmt.planned_tensors(name, weight, scale_dtype)
+
+    def convert(source: torch.Tensor) -> tuple[list[torch.Tensor], tuple[str, dict[str, Any]]]:
+        with safe_open(spill, "pt") as stored:
+            rounded = [stored.get_tensor(f"{name}:{part}") for part in ROUNDED_TENSORS]
+        replacement = fmt.with_rounded(rounded, input_amax, scale_dtype)
+        check_converted(name, source, dict(zip(outputs, replacement, strict=True)), fmt.name)
+        stats = fmt.rounded_stats(source.to(scale_dtype), replacement)
+        return replacement, (label, {key: round(value, 3) if isinstance(value, float) else value
+                                     for key, value in stats.items()})
+
+    return Compute(outputs=outputs, read=read, convert=convert)
 
 
 def quantize_weight(fmt: ServingFormat, name: str, outputs: dict[str, Any], input_amax: float | None,

@@ -34,6 +34,7 @@ from converters.recipes import (
     MXScaleCalculationMode,
     NVFP4ErrMode,
     NVFP4Scope,
+    NVFP4WeightRounding,
     NVFP4WeightScales,
     TEDelayedScalingRecipe,
     TEFloat8BlockScalingRecipe,
@@ -83,6 +84,12 @@ class _RecipeCreate(BaseModel):
         description="How the nvfp4 / nvfp4-a16 serving exports choose their E4M3 weight block scales: rtn (block "
                     "amax to 6, llm-compressor's bytes), mse (least squared error among nearby E4M3 scales), "
                     "four_over_six (block amax to 6 or to 4, whichever errs less). docs/recipes.md.")
+    nvfp4_weight_rounding: NVFP4WeightRounding = Field(
+        NVFP4WeightRounding.NEAREST, strict=False,
+        description="How the nvfp4 / nvfp4-a16 serving exports round their weights under those block scales: nearest "
+                    "(each value on its own, llm-compressor RTN's bytes) or gptq (each column's output error on the "
+                    "calibration inputs fed to the columns not yet rounded, decoder layer by decoder layer). "
+                    "docs/recipes.md.")
 
 
 class TEDelayedRecipeCreate(_RecipeCreate):

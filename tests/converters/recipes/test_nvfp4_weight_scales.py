@@ -1,6 +1,6 @@
-"""The recipe's ``nvfp4_weight_scales``: every recipe class takes it, refuses a bad value naming the field, records it
-only when it is not the default (a recipe recorded before the field existed reads back the same), and never hands it
-to the training library's own recipe class."""
+"""The recipe's NVFP4 serving options, ``nvfp4_weight_scales`` and ``nvfp4_weight_rounding``: every recipe class takes
+them, refuses a bad value naming the field, records each only when it is not the default (a recipe recorded before the
+field existed reads back the same), and never hands them to the training library's own recipe class."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ import json
 import pytest
 
 from converters.errors import RecipeError
-from converters.recipes import RECIPE_CLASSES, NVFP4WeightScales, recipe_from_dict
+from converters.recipes import RECIPE_CLASSES, NVFP4WeightRounding, NVFP4WeightScales, recipe_from_dict
 
 BASES = [{"backend": "te"}, {"backend": "te", "scaling": "current"}, {"backend": "te", "scaling": "mxfp8_block"},
          {"backend": "te", "scaling": "float8_block"}, {"backend": "te", "scaling": "nvfp4_block"}, {"backend": "ao"},
          {"backend": "ao", "scaling": "float8_training_op"}, {"backend": "ao", "scaling": "mxfp8_training_op"}]
+#: option -> (its enum, its default, the other values)
+OPTIONS = {"nvfp4_weight_scales": (NVFP4WeightScales, "rtn", ["mse", "four_over_six"]),
+           "nvfp4_weight_rounding": (NVFP4WeightRounding, "nearest", ["gptq"])}
+CHOICES = [(option, value) for option, (_, _, values) in OPTIONS.items() for value in values]
 
 
 def test_the_table_covers_every_recipe_class():
@@ -21,30 +25,40 @@ def test_the_table_covers_every_recipe_class():
 
 
 @pytest.mark.parametrize("base", BASES, ids=lambda base: "-".join(base.values()))
-@pytest.mark.parametrize("value", ["mse", "four_over_six"])
-def test_a_searched_method_survives_to_dict_and_json(base, value):
-    recipe = recipe_from_dict({**base, "nvfp4_weight_scales": value})
-    assert recipe.nvfp4_weight_scales is NVFP4WeightScales(value)
+@pytest.mark.parametrize(("option", "value"), CHOICES)
+def test_a_chosen_value_survives_to_dict_and_json(base, option, value):
+    recipe = recipe_from_dict({**base, option: value})
+    assert getattr(recipe, option) is OPTIONS[option][0](value)
     recorded = json.loads(json.dumps(recipe.to_dict()))
-    assert recorded["nvfp4_weight_scales"] == value
+    assert recorded[option] == value
     assert recipe_from_dict(recorded) == recipe == type(recipe).from_dict(recorded)
     assert recipe != recipe_from_dict(base)
 
 
+def test_both_options_are_recorded_together():
+    recipe = recipe_from_dict({"backend": "ao", "nvfp4_weight_scales": "four_over_six",
+                               "nvfp4_weight_rounding": "gptq"})
+    assert {key: recipe.to_dict()[key] for key in OPTIONS} == {"nvfp4_weight_scales": "four_over_six",
+                                                                "nvfp4_weight_rounding": "gptq"}
+
+
 @pytest.mark.parametrize("base", BASES, ids=lambda base: "-".join(base.values()))
-def test_the_default_is_rtn_and_leaves_the_recorded_recipe_as_it_was(base):
+@pytest.mark.parametrize("option", OPTIONS)
+def test_the_default_leaves_the_recorded_recipe_as_it_was(base, option):
+    kind, default, _ = OPTIONS[option]
     recipe = recipe_from_dict(base)
-    assert recipe.nvfp4_weight_scales is NVFP4WeightScales.RTN
-    assert "nvfp4_weight_scales" not in recipe.to_dict()
-    assert recipe_from_dict({**base, "nvfp4_weight_scales": "rtn"}).to_dict() == recipe.to_dict()
+    assert getattr(recipe, option) is kind(default)
+    assert option not in recipe.to_dict()
+    assert recipe_from_dict({**base, option: default}).to_dict() == recipe.to_dict()
 
 
 @pytest.mark.parametrize("base", BASES, ids=lambda base: "-".join(base.values()))
-def test_the_training_library_never_receives_the_serving_option(base):
-    recipe = recipe_from_dict({**base, "nvfp4_weight_scales": "mse"})
+@pytest.mark.parametrize(("option", "value"), CHOICES)
+def test_the_training_library_never_receives_the_serving_option(base, option, value):
+    recipe = recipe_from_dict({**base, option: value})
     for method in ("te_recipe_kwargs", "config_fields"):
         if hasattr(recipe, method):
-            assert "nvfp4_weight_scales" not in json.dumps(getattr(recipe, method)(), default=str)
+            assert option not in json.dumps(getattr(recipe, method)(), default=str)
 
 
 @pytest.mark.parametrize("value", ["gptq", "", 2, None, True])
@@ -52,6 +66,13 @@ def test_a_bad_method_is_refused_naming_the_field_and_the_choices(value):
     with pytest.raises(RecipeError, match="nvfp4_weight_scales must be one of rtn, mse, four_over_six") as info:
         recipe_from_dict({"backend": "ao", "nvfp4_weight_scales": value})
     assert info.value.field == "nvfp4_weight_scales"
+
+
+@pytest.mark.parametrize("value", ["rtn", "GPTQ-seq", 1, None])
+def test_a_bad_rounding_is_refused_naming_the_field_and_the_choices(value):
+    with pytest.raises(RecipeError, match="nvfp4_weight_rounding must be one of nearest, gptq") as info:
+        recipe_from_dict({"backend": "ao", "nvfp4_weight_rounding": value})
+    assert info.value.field == "nvfp4_weight_rounding"
 
 
 def test_the_method_names_are_the_nvfp4_exports_own():

@@ -194,7 +194,7 @@ def test_the_form_offers_every_recipe_of_the_api_schema_with_its_defaults(client
     recipes = [schema for schema in components.values() if "const" in schema.get("properties", {}).get("backend", {})]
     assert len(recipes) == 8
     shared = set.intersection(*(set(schema["properties"]) for schema in recipes)) - {"version", "backend", "scaling"}
-    assert shared == {"nvfp4_weight_scales"}
+    assert shared == {"nvfp4_weight_scales", "nvfp4_weight_rounding"}
     for schema in recipes:
         assert {f"recipe.{name}" for name in schema["properties"]} - {"recipe.version"} <= page.fields, schema["title"]
     offered = 0
@@ -218,8 +218,8 @@ def test_the_form_offers_every_recipe_of_the_api_schema_with_its_defaults(client
                 assert control["selected"] == prop["default"], name
         offered += 1
     assert offered == 5  # TE mxfp8_block, float8_block, nvfp4_block; torchao float8/mxfp8 training ops
-    assert not any(control.endswith("-nvfp4_weight_scales") and control != "recipe-nvfp4_weight_scales"
-                   for control in page.controls)  # one control, not a copy per recipe
+    for name in shared:  # one control, not a copy per recipe
+        assert not any(control.endswith(f"-{name}") and control != f"recipe-{name}" for control in page.controls)
 
 
 def test_the_forms_offer_the_plan_and_the_recipes_the_api_schema_names(client):

@@ -1,0 +1,181 @@
+"""GPTQ rounding of a job's NVFP4 serving exports, inside the layer-sequential calibration walk.
+
+GPTQ (:mod:`converters.serving.nvfp4_gptq`) needs each Linear's input Hessian ``2 X^T X / n``: ``in^2`` fp64 values
+per fused group, too many to keep for the whole model until export (SmolLM2-135M: 0.8 GB; an 8B Llama's 14336-wide
+``down_proj`` alone 1.6 GB). So each decoder layer is rounded while it is in memory, as an ``after_layer`` of
+:func:`~converters.calibration.sequential.calibrate_layer_by_layer`, and only the three tensors the export writes
+per weight (packed codes, E4M3 block scales, global scale: about 0.56 bytes a weight) go to a file of that layer in
+the run's rounded-weights directory; the serving writer copies them in place of its round-to-nearest cast
+(:attr:`~converters.serving.selection.ServingSelection.rounded`).
+
+The Hessians come from a second stream of hidden states, the one the already-rounded layers give (llm-compressor's
+sequential pipeline does the same): per layer, the stream runs through the layer once with hooks on each fused
+group's shared input, the groups are rounded, then the stream runs once more with the layer's weights replaced by
+their rounded values to become the next layer's input. The calibration's own stream, and so every amax and scale
+of the job, stays the high-precision model's. Cost: two more forwards of each layer over the calibration batches,
+one copy of the cached hidden states, one layer's Hessians, and GPTQ's column loop.
+
+The scales are the writer's: the fused group's weight amax sets the global scale and ``scale_search`` (the
+recipe's ``nvfp4_weight_scales``) the block scales, chosen from the weight before any rounding. MoE expert
+matrices are not rounded here (they keep round to nearest).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from converters.calibration.layer_replay import under
+from converters.calibration.sequential import LayerPass
+from converters.casts.emulation import max_abs
+from converters.serving.nvfp4 import pack_e2m1_codes, quantize_nvfp4
+from converters.serving.nvfp4_gptq import ROUNDED_TENSORS, HessianAccumulator, dequantize_codes, gptq_codes
+from converters.serving.selection import ServingSelection
+
+__all__ = ["ROUNDED_DIR", "GptqRounding"]
+
+#: the rounded-weights directory, under the run's staging directory (removed once the serving exports are written)
+ROUNDED_DIR = ".rounded-weights"
+
+
+class GptqRounding:
+    """``after_layer`` callback: round each decoder layer's NVFP4-exported Linears by GPTQ and store the results.
+
+    ``selections``: the job's NVFP4 serving selections (``nvfp4`` and ``nvfp4-a16`` quantize the same weights with the
+    same scales: one rounding serves both). ``directory``: where the per-layer files go. ``scale_dtype``: the model's
+    dtype, the one the writer computes scales in.
+    """
+
+    def __init__(self, selections: Iterable[ServingSelection], directory: Path, scale_dtype: torch.dtype, *,
+                 scale_search: str, act_order: bool = True) -> None:
+        self.keys: dict[str, str] = {}  #: Linear path -> on-disk weight key
+        self.group_of: dict[str, list[str]] = {}  #: Linear path -> the quantized members of its fused group
+        for selection in selections:
+            self.keys.update(selection.quantized)
+            for members in selection.fused_groups:
+                self.group_of.update({member: list(members) for member in members})
+        self.directory, self.scale_dtype = directory, scale_dtype
+        self.scale_search, self.act_order = scale_search, act_order
+        self.rounded: dict[str, str] = {}  #: on-disk weight key -> its file in ``directory``
+        self.seconds = 0.0  #: wall seconds spent here (the extra forwards and the rounding)
+        self._stream: list[torch.Tensor] | None = None
+
+    def __call__(self, layer_pass: LayerPass) -> None:
+        started = time.perf_counter()
+        if self._stream is None:  # the first layer's inputs: no layer before it is rounded
+            self._stream = list(layer_pass.inputs)
+        paths = [path for path in self.keys if under(path, layer_pass.path)]
+        if paths:
+            groups = self._groups(paths)
+            hessians = self._hessians(layer_pass, groups)
+            rounded = {path: result for group in groups
+                       for path, result in self._round_group(layer_pass, group, hessians[group[0]]).items()}
+            self._save(layer_pass.index, rounded)
+            with _weights_replaced(layer_pass, {path: values for path, (_, values) in rounded.items()}):
+                self._stream = self._forward(layer_pass)
+        else:
+            self._stream = self._forward(layer_pass)
+        self.seconds += time.perf_counter() - started
+
+    def summary(self) -> dict[str, Any]:
+        """The report's record of the rounding: method, weights rounded, seconds."""
+        return {"method": "gptq", "act_order": self.act_order, "block_scales": self.scale_search,
+                "weights": len(self.rounded), "seconds": round(self.seconds, 3)}
+
+    def _groups(self, paths: list[str]) -> list[list[str]]:
+        groups: list[list[str]] = []
+        seen: set[str] = set()
+        for path in paths:
+            if path not in seen:
+                group = [member for member in self.group_of.get(path, [path]) if member in paths]
+                groups.append(group)
+                seen.update(group)
+        return groups
+
+    def _hessians(self, layer_pass: LayerPass, groups: list[list[str]]) -> dict[str, HessianAccumulator]:
+        """Each group's input Hessian over the rounded stream (a fused group's members share their input)."""
+        hessians, handles = {}, []
+        for group in groups:
+            module = _linear(layer_pass, group[0])
+            hessians[group[0]] = accumulator = HessianAccumulator(module.in_features)
+            handles.append(module.register_forward_pre_hook(
+                lambda _, args, accumulator=accumulator: accumulator.add(args[0].detach())))
+        try:
+            self._forward(layer_pass)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return hessians
+
+    def _round_group(self, layer_pass: LayerPass, group: list[str], hessian: HessianAccumulator
+                     ) -> dict[str, tuple[list[torch.Tensor], torch.Tensor]]:
+        """Each member of ``group``: its three written tensors and its rounded values (fp32)."""
+        weights = {path: _linear(layer_pass, path).weight.detach().to(self.scale_dtype) for path in group}
+        amax = max(float(max_abs(weight).float()) for weight in weights.values()) + 0.0  # the writer's weight_amax
+        matrix = hessian.matrix
+        rounded = {}
+        for path, weight in weights.items():
+            _, scale, scale_global = quantize_nvfp4(weight, amax, scale_search=self.scale_search)
+            with _one_thread():
+                codes = gptq_codes(weight, matrix, scale, scale_global, act_order=self.act_order)
+            rounded[path] = ([pack_e2m1_codes(codes), scale, scale_global],
+                             dequantize_codes(codes, scale, scale_global))
+        return rounded
+
+    def _forward(self, layer_pass: LayerPass) -> list[torch.Tensor]:
+        """The layer's outputs on the rounded stream, in the dtype the layers hand each other."""
+        storage = layer_pass.outputs[0].dtype if layer_pass.outputs else None
+        with torch.no_grad():
+            return [_hidden(layer_pass.call(layer_pass.layer, step, hidden), storage)
+                    for step, hidden in enumerate(self._stream)]
+
+    def _save(self, index: int, rounded: dict[str, tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        name = f"layer-{index:05d}.safetensors"
+        tensors = {f"{self.keys[path]}:{label}": tensor.contiguous()
+                   for path, (written, _) in rounded.items() for label, tensor in zip(ROUNDED_TENSORS, written,
+                                                                                      strict=True)}
+        save_file(tensors, self.directory / name)
+        self.rounded.update({self.keys[path]: name for path in rounded})
+
+
+def _linear(layer_pass: LayerPass, path: str) -> torch.nn.Module:
+    return layer_pass.layer.get_submodule(path[len(layer_pass.path) + 1:])
+
+
+def _hidden(output: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    hidden = output[0] if isinstance(output, tuple) else output
+    return hidden.to(dtype) if dtype is not None else hidden
+
+
+@contextmanager
+def _weights_replaced(layer_pass: LayerPass, values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The layer's Linears ``values`` hold (path -> weight) for the block; their own weights after it."""
+    kept = {}
+    for path, value in values.items():
+        weight = _linear(layer_pass, path).weight
+        kept[path] = weight.data
+        weight.data = value.to(weight.dtype)
+    try:
+        yield
+    finally:
+        for path, data in kept.items():
+            _linear(layer_pass, path).weight.data = data
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """GPTQ's column loop is a few dozen small operations per column: one intra-op thread runs it faster than two
+    (measured in docs/benchmarks/nvfp4-gptq-2026-12-04.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,120 @@
+"""A job whose recipe asks ``nvfp4_weight_rounding: gptq`` writes NVFP4 exports whose codes calibration rounded by
+GPTQ under the writer's own scales (the recipe's block-scale method, one global scale per fused group), the same
+weights in ``nvfp4`` and ``nvfp4-a16``; the bytes are the same when the export is written as shard tasks; the
+report says what was rounded and what it cost; the rounded-weights directory never reaches the artifact; a job that
+cannot round by GPTQ is refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from converters.calibration.gptq_rounding import ROUNDED_DIR
+from converters.errors import RequestError
+from converters.model.sources import ModelSourceOptions, confinement_for
+from converters.pipeline.driver import run_stages
+from converters.pipeline.request import CalibrationSettings, ConversionRequest
+from converters.pipeline.serving_export import (
+    finish_serving_export,
+    run_serving_write,
+    serving_shard_tasks,
+    write_serving_exports,
+)
+from converters.pipeline.state import NullSink, Run, Stage
+from converters.serving.nvfp4 import quantize_nvfp4
+from tests.converters.serving.exports import CALIBRATION, export, tiny_llama
+
+W4A4, A16 = "nvfp4", "nvfp4-a16"
+RECIPE = {"backend": "ao", "nvfp4_weight_scales": "four_over_six", "nvfp4_weight_rounding": "gptq"}
+GROUPS = ([f"model.layers.1.self_attn.{name}_proj" for name in "qkv"], ["model.layers.1.mlp.down_proj"])
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    model_dir = tiny_llama(tmp_path_factory, "nvfp4-gptq")
+    return model_dir, export(model_dir, (W4A4, A16), recipe=RECIPE, measure=False)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(path, "pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}
+
+
+def test_the_exports_hold_gptq_codes_under_the_recipes_scales(job):
+    model_dir, out = job
+    source = _tensors(model_dir / "model.safetensors")
+    served, weight_only = (_tensors(out / "serving" / name / "model.safetensors") for name in (W4A4, A16))
+    for group in GROUPS:
+        amax = max(float(source[f"{path}.weight"].float().abs().max()) for path in group)
+        for path in group:
+            nearest, scale, scale_global = quantize_nvfp4(source[f"{path}.weight"], amax, scale_search="four_over_six")
+            assert torch.equal(served[f"{path}.weight_scale"].view(torch.uint8), scale.view(torch.uint8))
+            assert torch.equal(served[f"{path}.weight_global_scale"], scale_global)  # the group's, shared
+            assert not torch.equal(served[f"{path}.weight_packed"], nearest)  # other codes under the same scales
+            for name in ("weight_packed", "weight_scale", "weight_global_scale"):
+                assert torch.equal(weight_only[f"{path}.{name}"].view(torch.uint8),
+                                   served[f"{path}.{name}"].view(torch.uint8))
+    assert f"{GROUPS[1][0]}.input_global_scale" in served and f"{GROUPS[1][0]}.input_global_scale" not in weight_only
+
+
+def test_the_report_says_what_was_rounded_and_the_artifact_holds_no_rounded_file(job):
+    _, out = job
+    report = json.loads((out / "fp8_report.json").read_text())
+    rounding = report["calibration"]["nvfp4_rounding"]
+    assert rounding["method"] == "gptq" and rounding["block_scales"] == "four_over_six" and rounding["act_order"]
+    quantized = report["serving"][W4A4]["quantized"]
+    assert rounding["weights"] == len(quantized) > 0
+    for name in (W4A4, A16):
+        for path in quantized:
+            stats = report["serving"][name]["layer_stats"][path]
+            assert stats["rounding"] == "gptq" and stats["scale_search"] == "four_over_six"
+            assert stats["weight_sqnr_db"] > 0 and stats["nearest_weight_sqnr_db"] > 0
+    assert report["recipe"]["nvfp4_weight_rounding"] == "gptq"
+    assert not list(out.rglob(f"*{ROUNDED_DIR}*"))
+    assert ROUNDED_DIR not in (out / "manifest.json").read_text()
+
+
+def test_shard_tasks_write_the_same_bytes(tmp_path_factory):
+    model_dir = tiny_llama(tmp_path_factory, "nvfp4-gptq-tasks")
+    request = ConversionRequest(model=str(model_dir), recipe=RECIPE, serving_formats=(W4A4,), measure=False,
+                                calibration=CALIBRATION)
+    run = Run(request=request, sources=ModelSourceOptions(allowed_roots=(model_dir.parent,)), sink=NullSink())
+    whole, tasks_dir = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("tasks")
+    run.staging = whole
+    run_stages(run, stop_after=Stage.CONVERT)
+    shutil.copytree(whole / ROUNDED_DIR, tasks_dir / ROUNDED_DIR)  # as a shared disk would show it to a worker
+    tasks = json.loads(json.dumps(serving_shard_tasks(run, tasks_dir)))
+    results = [json.loads(json.dumps(run_serving_write(task["shard"], task["payload"], model_dir, tasks_dir)))
+               for task in tasks]
+    assert all(task["payload"]["plan"]["rounded"] for task in tasks)
+    finish_serving_export(run.serving[W4A4], model_dir, results, tasks_dir / "serving" / W4A4,
+                          confinement_for(run.sources),
+                          weight_scales="four_over_six")
+    write_serving_exports(run, whole)
+    name = f"serving/{W4A4}/model.safetensors"
+    assert (whole / name).read_bytes() == (tasks_dir / name).read_bytes()
+    assert not (whole / ROUNDED_DIR).exists()
+
+
+def test_a_whole_model_calibration_is_refused_naming_the_field(tmp_path_factory):
+    model_dir = tiny_llama(tmp_path_factory, "nvfp4-gptq-backward")
+    with pytest.raises(RequestError, match="nvfp4_weight_rounding gptq rounds each decoder layer during the "
+                                           "layer-sequential calibration") as info:
+        export(model_dir, (W4A4,), recipe=RECIPE, measure=False,
+               calibration=CalibrationSettings(steps=1, seq_len=16, backward=True))
+    assert info.value.field == "recipe.nvfp4_weight_rounding"
+    assert not (model_dir.parent / "out").exists()
+
+
+def test_gptq_without_an_nvfp4_export_is_a_warning(tmp_path_factory):
+    model_dir = tiny_llama(tmp_path_factory, "nvfp4-gptq-none")
+    out = export(model_dir, ("compressed-tensors-fp8",), recipe=RECIPE, measure=False)
+    report = json.loads((out / "fp8_report.json").read_text())
+    assert any("nvfp4_weight_rounding gptq applies to the nvfp4 / nvfp4-a16 serving exports" in warning
+               for warning in report["warnings"])
+    assert "nvfp4_rounding" not in report["calibration"]
