@@ -294,10 +294,13 @@ def finish_serving_export(selection: ServingSelection, source_dir: Path, shards:
 
 
 def _add_measured_sqnr(selection: ServingSelection, measured: dict[str, dict[str, float | None]]) -> None:
-    """Each quantized Linear's and expert unit's SQNR under the format, measured during calibration."""
+    """Each quantized Linear's and expert unit's SQNR under the format, measured during calibration. The meter casts
+    by nearest rounding: a weight GPTQ rounded gets the figure as ``nearest_sqnr_db``, not as its own."""
+    rounded = {path for path, key in selection.quantized.items() if key in selection.rounded}
     for path in [*selection.quantized, *selection.expert_units]:
         if path in measured:
-            selection.layer_stats.setdefault(path, {})["sqnr_db"] = measured[path]
+            key = "nearest_sqnr_db" if path in rounded else "sqnr_db"
+            selection.layer_stats.setdefault(path, {})[key] = measured[path]
 
 
 def _audit(run: Run, name: str, selection: ServingSelection, directory: Path) -> None:
