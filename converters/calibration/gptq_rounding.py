@@ -18,6 +18,12 @@ one copy of the cached hidden states, one layer's Hessians, and GPTQ's column lo
 The scales are the writer's: the fused group's weight amax sets the global scale and ``scale_search`` (the
 recipe's ``nvfp4_weight_scales``) the block scales, chosen from the weight before any rounding. MoE expert
 matrices are not rounded here (they keep round to nearest).
+
+In a data-parallel walk (torch.distributed ranks, each running its share of the steps), each group's Hessian is the
+SUM over the ranks of their steps' ``X^T X`` and rows, rank 0 rounds and broadcasts the codes, and every rank runs
+its steps of the stream with them; rank 0 alone stores the files (it writes the export). The rounded stream is not
+in the resume record, so such a job does not resume part-way (:func:`~converters.pipeline.serving_export.
+serving_rounding` says so).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed
 from safetensors.torch import save_file
 
 from converters.calibration.layer_replay import under
@@ -48,12 +55,13 @@ class GptqRounding:
     """``after_layer`` callback: round each decoder layer's NVFP4-exported Linears by GPTQ and store the results.
 
     ``selections``: the job's NVFP4 serving selections (``nvfp4`` and ``nvfp4-a16`` quantize the same weights with the
-    same scales: one rounding serves both). ``directory``: where the per-layer files go. ``scale_dtype``: the model's
-    dtype, the one the writer computes scales in.
+    same scales: one rounding serves both). ``directory``: where the per-layer files go (None: a rank that does not
+    write the export keeps none). ``scale_dtype``: the model's dtype, the one the writer computes scales in.
+    ``ranked``: one rank of a data-parallel walk (the default process group's collectives combine the ranks).
     """
 
-    def __init__(self, selections: Iterable[ServingSelection], directory: Path, scale_dtype: torch.dtype, *,
-                 scale_search: str, act_order: bool = True) -> None:
+    def __init__(self, selections: Iterable[ServingSelection], directory: Path | None, scale_dtype: torch.dtype, *,
+                 scale_search: str, act_order: bool = True, ranked: bool = False) -> None:
         self.keys: dict[str, str] = {}  #: Linear path -> on-disk weight key
         self.group_of: dict[str, list[str]] = {}  #: Linear path -> the quantized members of its fused group
         for selection in selections:
@@ -62,6 +70,8 @@ class GptqRounding:
                 self.group_of.update({member: list(members) for member in members})
         self.directory, self.scale_dtype = directory, scale_dtype
         self.scale_search, self.act_order = scale_search, act_order
+        self.ranked = ranked and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self.leader = not self.ranked or torch.distributed.get_rank() == 0
         self.rounded: dict[str, str] = {}  #: on-disk weight key -> its file in ``directory``
         self.seconds = 0.0  #: wall seconds spent here (the extra forwards and the rounding)
         self._stream: list[torch.Tensor] | None = None
@@ -111,6 +121,12 @@ class GptqRounding:
         finally:
             for handle in handles:
                 handle.remove()
+        if self.ranked:  # the SUM of every rank's steps; one collective for the row counts
+            rows = torch.tensor([accumulator.rows for accumulator in hessians.values()], dtype=torch.int64)
+            torch.distributed.all_reduce(rows)
+            for accumulator, total in zip(hessians.values(), rows.tolist(), strict=True):
+                torch.distributed.all_reduce(accumulator.sum)
+                accumulator.rows = total
         return hessians
 
     def _round_group(self, layer_pass: LayerPass, group: list[str], hessian: HessianAccumulator
@@ -122,8 +138,13 @@ class GptqRounding:
         rounded = {}
         for path, weight in weights.items():
             _, scale, scale_global = quantize_nvfp4(weight, amax, scale_search=self.scale_search)
-            with _one_thread():
-                codes = gptq_codes(weight, matrix, scale, scale_global, act_order=self.act_order)
+            if self.leader:
+                with _one_thread():
+                    codes = gptq_codes(weight, matrix, scale, scale_global, act_order=self.act_order)
+            else:
+                codes = torch.empty(weight.shape, dtype=torch.uint8)
+            if self.ranked:  # rank 0's codes on every rank: the streams of all ranks see the same rounding
+                torch.distributed.broadcast(codes, src=0)
             rounded[path] = ([pack_e2m1_codes(codes), scale, scale_global],
                              dequantize_codes(codes, scale, scale_global))
         return rounded
@@ -136,6 +157,8 @@ class GptqRounding:
                     for step, hidden in enumerate(self._stream)]
 
     def _save(self, index: int, rounded: dict[str, tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        if self.directory is None:
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"layer-{index:05d}.safetensors"
         tensors = {f"{self.keys[path]}:{label}": tensor.contiguous()

@@ -245,7 +245,8 @@ def calibrate(run: Run) -> CalibrationResult:
                 with _kv_recording(run, run.resolved.meta_model) as kv:
                     boundary = None if run.distributed is None else \
                         run.distributed.layer_boundary(run.request.to_dict(), run.resolved.directory,
-                                                       run.resolved.stack, batches, paths, kv=kv, meter=meter)
+                                                       run.resolved.stack, batches, paths, kv=kv, meter=meter,
+                                                       resumable=rounding is None)
                     amax, te_check = _calibrate_layer_by_layer(run, batches, paths, forward, boundary, rounding)
             except SequentialUnsupported as exc:
                 if rounding is not None:
