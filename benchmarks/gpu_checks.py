@@ -11,6 +11,10 @@ model-free requantize, nothing that needs the project's venv (torchao, transform
      one worker and several, without the report's SQNR and with it: source GB/s of each run (target >= 1 GB/s),
      its start (imports) apart, as in bench_requantize.py.
 
+  3. gptq: NVFP4 GPTQ rounding (``nvfp4_weight_rounding: gptq``, converters.serving.nvfp4_gptq) of an 8B
+     ``down_proj``-shaped weight on the CPU and on the device from the same Hessian: the share of codes that agree,
+     each one's output error on the Hessian's inputs, and the seconds (a GPU job rounds on its GPU).
+
 What does not run there, and why: vLLM's CUDA build (issue #36's GPU rows) is not in the image and its wheels are
 far over what a call may carry; a calibrated 8B job needs the project's torchao and transformers.
 
@@ -53,6 +57,7 @@ def main() -> None:
                         help="the several-workers runs' process count (default: half the cores, at most 8)")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of: " + ", ".join(FORMATS))
     parser.add_argument("--skip-bytes", action="store_true")
+    parser.add_argument("--skip-gptq", action="store_true")
     parser.add_argument("--sqnr-only", action="store_true", help="of the speed runs, only those with the SQNR on")
     parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each run)")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -74,6 +79,9 @@ def main() -> None:
     results: dict = {"environment": environment, "skipped": []}
     ledger = _Ledger(results, args.json, started, args.budget_s)
     try:
+        if not args.skip_gptq and ledger.may_start("gptq"):
+            results["gptq"] = _gptq(args.device, small=args.small)
+            ledger.save()
         if not args.skip_bytes:
             results["bytes"] = _same_bytes(convert_model_free, args.workdir, formats, args.device, ledger)
         size = REHEARSAL if args.small else LLAMA_8B
@@ -141,6 +149,36 @@ def _same_bytes(convert, workdir: Path, formats: list[str], device: str, ledger:
         ledger.save()
     shutil.rmtree(source)
     return rows
+
+
+def _gptq(device: str, *, small: bool) -> dict:
+    """GPTQ's codes of one weight on the CPU and on ``device`` from the same Hessian (inputs with uneven column
+    energies, fewer rows than columns as in a job's calibration): agreement, output error, seconds."""
+    import torch
+
+    from converters.serving.nvfp4 import quantize_nvfp4
+    from converters.serving.nvfp4_gptq import dequantize_codes, gptq_codes
+
+    rows, columns, tokens = (512, 1024, 768) if small else (4096, 14336, 8192)
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(rows, columns, generator=generator) * 0.02).to(torch.bfloat16)
+    inputs = torch.randn(tokens, columns, generator=generator) * torch.rand(columns, generator=generator) * 3
+    hessian = (inputs.double().T @ inputs.double()) * (2 / tokens)
+    _, scale, scale_global = quantize_nvfp4(weight, float(weight.float().abs().max()))
+    result = {"shape": [rows, columns], "calibration_rows": tokens}
+    codes = {}
+    for where in ("cpu", device):
+        clock = time.perf_counter()
+        codes[where] = gptq_codes(weight.to(where), hessian.to(where), scale.to(where), scale_global.to(where),
+                                  act_order=True).cpu()
+        result[f"{where}_s"] = round(time.perf_counter() - clock, 2)
+        error = inputs @ (dequantize_codes(codes[where], scale, scale_global) - weight.float()).T
+        result[f"{where}_output_error"] = float(error.square().mean())
+    result["codes_agree"] = float((codes["cpu"] == codes[device]).float().mean())
+    print(f"gptq {rows}x{columns}: codes agree {result['codes_agree']:.4%}; output error cpu "
+          f"{result['cpu_output_error']:.4g}, {device} {result[f'{device}_output_error']:.4g}; "
+          f"cpu {result['cpu_s']} s, {device} {result[f'{device}_s']} s", flush=True)
+    return result
 
 
 def _tensors_differ(cpu_file: Path, device_file: Path, shown: int = 6) -> list[dict]:

@@ -113,7 +113,7 @@ class GptqRounding:
         hessians, handles = {}, []
         for group in groups:
             module = _linear(layer_pass, group[0])
-            hessians[group[0]] = accumulator = HessianAccumulator(module.in_features)
+            hessians[group[0]] = accumulator = HessianAccumulator(module.in_features, module.weight.device)
             handles.append(module.register_forward_pre_hook(
                 lambda _, args, accumulator=accumulator: accumulator.add(args[0].detach())))
         try:
@@ -125,7 +125,7 @@ class GptqRounding:
             rows = torch.tensor([accumulator.rows for accumulator in hessians.values()], dtype=torch.int64)
             torch.distributed.all_reduce(rows)
             for accumulator, total in zip(hessians.values(), rows.tolist(), strict=True):
-                torch.distributed.all_reduce(accumulator.sum)
+                accumulator.sum.copy_(_all_ranks_sum(accumulator.sum))
                 accumulator.rows = total
         return hessians
 
@@ -142,9 +142,9 @@ class GptqRounding:
                 with _one_thread():
                     codes = gptq_codes(weight, matrix, scale, scale_global, act_order=self.act_order)
             else:
-                codes = torch.empty(weight.shape, dtype=torch.uint8)
+                codes = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
             if self.ranked:  # rank 0's codes on every rank: the streams of all ranks see the same rounding
-                torch.distributed.broadcast(codes, src=0)
+                codes = _from_rank_0(codes)
             rounded[path] = ([pack_e2m1_codes(codes), scale, scale_global],
                              dequantize_codes(codes, scale, scale_global))
         return rounded
@@ -161,7 +161,7 @@ class GptqRounding:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"layer-{index:05d}.safetensors"
-        tensors = {f"{self.keys[path]}:{label}": tensor.contiguous()
+        tensors = {f"{self.keys[path]}:{label}": tensor.cpu().contiguous()
                    for path, (written, _) in rounded.items() for label, tensor in zip(ROUNDED_TENSORS, written,
                                                                                       strict=True)}
         save_file(tensors, self.directory / name)
@@ -175,6 +175,20 @@ def _linear(layer_pass: LayerPass, path: str) -> torch.nn.Module:
 def _hidden(output: Any, dtype: torch.dtype | None) -> torch.Tensor:
     hidden = output[0] if isinstance(output, tuple) else output
     return hidden.to(dtype) if dtype is not None else hidden
+
+
+def _all_ranks_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over the ranks, through host memory (the job's process group may be gloo on a GPU job)."""
+    host = tensor.cpu()
+    torch.distributed.all_reduce(host)
+    return host.to(tensor.device)
+
+
+def _from_rank_0(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``tensor`` on every rank, through host memory."""
+    host = tensor.cpu()
+    torch.distributed.broadcast(host, src=0)
+    return host.to(tensor.device)
 
 
 @contextmanager

@@ -39,8 +39,8 @@ class HessianAccumulator:
     """``2 X^T X / n`` of a Linear's (or fused group's) inputs, accumulated over calibration batches in fp64
     (thousands of bf16 rows summed in fp32 lose the small eigenvalues GPTQ's inverse depends on)."""
 
-    def __init__(self, columns: int) -> None:
-        self.sum = torch.zeros(columns, columns, dtype=torch.float64)
+    def __init__(self, columns: int, device: torch.device | str = "cpu") -> None:
+        self.sum = torch.zeros(columns, columns, dtype=torch.float64, device=device)
         self.rows = 0
 
     def add(self, inputs: torch.Tensor) -> None:
@@ -104,7 +104,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     # each element's step, as quantize_nvfp4 divides by it: (scale / global) in fp32
     step = (scale.float() / scale_global.float()).repeat_interleave(GROUP, dim=1)
     work = weight.float().clone()
-    hessian = hessian.double().clone()
+    hessian = hessian.to(device=work.device, dtype=torch.float64, copy=True)
     # an input that was always zero has no error to spread: a unit diagonal leaves its column to round to nearest
     dead = hessian.diagonal() == 0
     hessian[dead, dead] = 1.0
@@ -115,17 +115,19 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
 
     # columns as rows ([in, out]): each column one contiguous vector for the loop's small operations
     work, step = work.T.contiguous(), step.T.contiguous()
-    codes = torch.empty(columns, rows, dtype=torch.uint8)
+    device = work.device  # the weight's: a GPU worker rounds on its GPU
+    values = _SIGNED_E2M1.to(device)
+    codes = torch.empty(columns, rows, dtype=torch.uint8, device=device)
     for start in range(0, columns, block_columns):
         end = min(start + block_columns, columns)
         block = work[start:end]  # a view: the updates below land in work
         block_upper = upper[start:end, start:end]
-        errors = torch.empty(end - start, rows)
+        errors = torch.empty(end - start, rows, device=device)
         for i in range(end - start):
             column, column_step = block[i], step[start + i]
             column_codes = e2m1_codes(column / column_step)
             codes[start + i] = column_codes
-            error = (column - _SIGNED_E2M1[column_codes.long()] * column_step) / block_upper[i, i]
+            error = (column - values[column_codes.long()] * column_step) / block_upper[i, i]
             # the rest of the block absorbs this column's error (H^-1's row, through its Cholesky factor)
             block[i + 1:].sub_(torch.outer(block_upper[i, i + 1:], error))
             errors[i] = error
@@ -140,7 +142,7 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, scale_global: tor
     """The fp32 weight engines compute from E2M1 ``codes`` (uint8 ``[out, in]``, bit 3 the sign) under E4M3 block
     ``scale`` and ``scale_global``: ``value(code) * (scale / global)``."""
     step = (scale.float() / scale_global.float()).repeat_interleave(GROUP, dim=1)
-    return _SIGNED_E2M1[codes.long()] * step
+    return _SIGNED_E2M1.to(codes.device)[codes.long()] * step
 
 
 def quantize_nvfp4_gptq(weight: torch.Tensor, weight_amax: float, hessian: torch.Tensor, *,
