@@ -77,6 +77,12 @@ def test_the_report_says_what_was_rounded_and_the_artifact_holds_no_rounded_file
             # calibration's meter casts by nearest rounding: its figure is named so, not given as the export's
             assert "nearest_sqnr_db" in stats and "sqnr_db" not in stats
     assert report["recipe"]["nvfp4_weight_rounding"] == "gptq"
+    # the CLI's summary line names the rounding beside the (lower by design) weight SQNR
+    from service.cli.render import format_serving_exports
+
+    lines = format_serving_exports(report).splitlines()
+    assert all(f"(GPTQ-rounded: {len(quantized)} layers, below nearest rounding's by design)" in line
+               for line in lines if line.startswith(("serving/nvfp4:", "serving/nvfp4-a16:"))) and len(lines) == 2
     assert not list(out.rglob(f"*{ROUNDED_DIR}*"))
     assert ROUNDED_DIR not in (out / "manifest.json").read_text()
 
