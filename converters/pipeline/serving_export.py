@@ -207,8 +207,9 @@ def set_serving_scales(run: Run, name: str, selection: ServingSelection) -> None
         run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
                  "is the largest of the same GEMM's other experts in that layer")
     _attach_kv_cache(run, name, selection)
-    keys = set(selection.quantized.values())
-    selection.rounded = {key: file for key, file in run.calibration.rounded_weights.items() if key in keys}
+    if isinstance(serving_format(name), CompressedTensorsNVFP4):  # what calibration rounded is NVFP4's codes
+        keys = set(selection.quantized.values())
+        selection.rounded = {key: file for key, file in run.calibration.rounded_weights.items() if key in keys}
 
 
 def serving_sources(run: Run, staging: Path) -> list[Path]:

@@ -22,7 +22,8 @@ from tests.service_helpers import leftovers, sse_events, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
-FORMATS = ["compressed-tensors-fp8", "fp8-block"]
+#: nvfp4 with GPTQ rounding (the recipe's nvfp4_weight_rounding): its shard tasks copy what calibration rounded
+FORMATS = ["compressed-tensors-fp8", "fp8-block", "nvfp4"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _submit(client: httpx.Client, model_dir: Path) -> str:
-    body = {"model": str(model_dir), "recipe": {"backend": "ao", "recipe_name": "tensorwise"},
+    body = {"model": str(model_dir), "recipe": {"backend": "ao", "recipe_name": "tensorwise",
+                                                "nvfp4_weight_rounding": "gptq"},
             "calibration": {"steps": 1, "batch_size": 1, "seq_len": 16}, "serving_formats": FORMATS}
     response = client.post("/v1/jobs", json=body)
     assert response.status_code == 202, response.text

@@ -29,7 +29,7 @@ from converters.pipeline.state import NullSink, Run, Stage
 from converters.serving.nvfp4 import quantize_nvfp4
 from tests.converters.serving.exports import CALIBRATION, export, tiny_llama
 
-W4A4, A16 = "nvfp4", "nvfp4-a16"
+W4A4, A16, FP8 = "nvfp4", "nvfp4-a16", "compressed-tensors-fp8"
 RECIPE = {"backend": "ao", "nvfp4_weight_scales": "four_over_six", "nvfp4_weight_rounding": "gptq"}
 GROUPS = ([f"model.layers.1.self_attn.{name}_proj" for name in "qkv"], ["model.layers.1.mlp.down_proj"])
 
@@ -37,7 +37,7 @@ GROUPS = ([f"model.layers.1.self_attn.{name}_proj" for name in "qkv"], ["model.l
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     model_dir = tiny_llama(tmp_path_factory, "nvfp4-gptq")
-    return model_dir, export(model_dir, (W4A4, A16), recipe=RECIPE)
+    return model_dir, export(model_dir, (W4A4, A16, FP8), recipe=RECIPE)
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -80,9 +80,12 @@ def test_the_report_says_what_was_rounded_and_the_artifact_holds_no_rounded_file
     # the CLI's summary line names the rounding beside the (lower by design) weight SQNR
     from service.cli.render import format_serving_exports
 
-    lines = format_serving_exports(report).splitlines()
-    assert all(f"(GPTQ-rounded: {len(quantized)} layers, below nearest rounding's by design)" in line
-               for line in lines if line.startswith(("serving/nvfp4:", "serving/nvfp4-a16:"))) and len(lines) == 2
+    lines = {line.partition(":")[0]: line for line in format_serving_exports(report).splitlines()}
+    said = f"(GPTQ-rounded: {len(quantized)} layers, below nearest rounding's by design)"
+    assert all(said in lines[f"serving/{name}"] for name in (W4A4, A16))
+    assert "GPTQ" not in lines[f"serving/{FP8}"]
+    # an FP8 export of the same job is written as ever: nothing of the rounding reaches it
+    assert not any("rounding" in stats for stats in report["serving"][FP8]["layer_stats"].values())
     assert not list(out.rglob(f"*{ROUNDED_DIR}*"))
     assert ROUNDED_DIR not in (out / "manifest.json").read_text()
 
