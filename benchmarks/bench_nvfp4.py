@@ -702,7 +702,7 @@ def main() -> None:
             model_dir, job_dir, args.steps, nvfp4_weight_scales=method, nvfp4_weight_rounding="gptq"))
         rounding = json.loads((job_dir / "fp8_report.json").read_text())["calibration"]["nvfp4_rounding"]
         print(f"job with nvfp4_weight_rounding gptq, {method} scales: {time.perf_counter() - started:.0f} s "
-              f"(rounding {rounding['seconds']:.0f} s, {rounding['weights']} weights); "
+              f"(rounding {rounding['seconds']:.0f} s, {sum(rounding['weights'].values())} weights); "
               f"{gptq_figures(source, ours, variants[JOB_GPTQ_ROW + method])}", flush=True)
     if args.gptq_only:
         variants = {name: layers for name, layers in variants.items() if name == "bf16" or " gptq " in name}

@@ -15,9 +15,11 @@ their rounded values to become the next layer's input. The calibration's own str
 of the job, stays the high-precision model's. Cost: two more forwards of each layer over the calibration batches,
 one copy of the cached hidden states, one layer's Hessians, and GPTQ's column loop.
 
-The scales are the writer's: the fused group's weight amax sets the global scale and ``scale_search`` (the
-recipe's ``nvfp4_weight_scales``) the block scales, chosen from the weight before any rounding. MoE expert
-matrices are not rounded here (they keep round to nearest).
+The scales are the writer's, chosen from the weight before any rounding (each format's ``rounding_scales``: for
+compressed-tensors the fused group's global scale and the recipe's ``nvfp4_weight_scales`` block scales, for
+ModelOpt its ``weight_scale_2`` and block scales). Formats whose steps differ are a ``rounding_family`` each
+(``nvfp4`` and ``nvfp4-a16`` are one): each family's codes are rounded from the same Hessians, and the stream
+follows the job's first family. MoE expert matrices are not rounded here (they keep round to nearest).
 
 In a data-parallel walk (torch.distributed ranks, each running its share of the steps), each group's Hessian is the
 SUM over the ranks of their steps' ``X^T X`` and rows, rank 0 rounds and broadcasts the codes, and every rank runs
@@ -41,8 +43,9 @@ from safetensors.torch import save_file
 from converters.calibration.layer_replay import under
 from converters.calibration.sequential import LayerPass
 from converters.casts.emulation import max_abs
-from converters.serving.nvfp4 import pack_e2m1_codes, quantize_nvfp4
-from converters.serving.nvfp4_gptq import ROUNDED_TENSORS, HessianAccumulator, dequantize_codes, gptq_codes
+from converters.serving.nvfp4 import pack_e2m1_codes
+from converters.serving.nvfp4_codes import dequantize_stepped
+from converters.serving.nvfp4_gptq import ROUNDED_TENSORS, HessianAccumulator, gptq_codes_stepped
 from converters.serving.selection import ServingSelection
 
 __all__ = ["ROUNDED_DIR", "GptqRounding"]
@@ -54,25 +57,29 @@ ROUNDED_DIR = ".rounded-weights"
 class GptqRounding:
     """``after_layer`` callback: round each decoder layer's NVFP4-exported Linears by GPTQ and store the results.
 
-    ``selections``: the job's NVFP4 serving selections (``nvfp4`` and ``nvfp4-a16`` quantize the same weights with the
-    same scales: one rounding serves both). ``directory``: where the per-layer files go (None: a rank that does not
-    write the export keeps none). ``scale_dtype``: the model's dtype, the one the writer computes scales in.
-    ``ranked``: one rank of a data-parallel walk (the default process group's collectives combine the ranks).
+    ``exports``: the job's NVFP4 serving formats (each with a ``rounding_family``) and their selections, in the job's
+    order. ``directory``: where the per-layer files go (None: a rank that does not write the export keeps none).
+    ``scale_dtype``: the model's dtype, the one the writer computes scales in. ``block_scales``: the recipe's
+    ``nvfp4_weight_scales``, for the report. ``ranked``: one rank of a data-parallel walk (the default process
+    group's collectives combine the ranks).
     """
 
-    def __init__(self, selections: Iterable[ServingSelection], directory: Path | None, scale_dtype: torch.dtype, *,
-                 scale_search: str, act_order: bool = True, ranked: bool = False) -> None:
-        self.keys: dict[str, str] = {}  #: Linear path -> on-disk weight key
+    def __init__(self, exports: Iterable[tuple[Any, ServingSelection]], directory: Path | None,
+                 scale_dtype: torch.dtype, *, block_scales: str = "rtn", act_order: bool = True,
+                 ranked: bool = False) -> None:
+        #: family -> (a format of it, Linear path -> on-disk weight key)
+        self.families: dict[str, tuple[Any, dict[str, str]]] = {}
         self.group_of: dict[str, list[str]] = {}  #: Linear path -> the quantized members of its fused group
-        for selection in selections:
-            self.keys.update(selection.quantized)
+        for fmt, selection in exports:
+            self.families.setdefault(fmt.rounding_family, (fmt, {}))[1].update(selection.quantized)
             for members in selection.fused_groups:
                 self.group_of.update({member: list(members) for member in members})
         self.directory, self.scale_dtype = directory, scale_dtype
-        self.scale_search, self.act_order = scale_search, act_order
+        self.block_scales, self.act_order = block_scales, act_order
         self.ranked = ranked and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self.leader = not self.ranked or torch.distributed.get_rank() == 0
-        self.rounded: dict[str, str] = {}  #: on-disk weight key -> its file in ``directory``
+        #: family -> on-disk weight key -> its file in ``directory``
+        self.rounded: dict[str, dict[str, str]] = {family: {} for family in self.families}
         self.seconds = 0.0  #: wall seconds spent here (the extra forwards and the rounding)
         self._stream: list[torch.Tensor] | None = None
 
@@ -80,40 +87,48 @@ class GptqRounding:
         started = time.perf_counter()
         if self._stream is None:  # the first layer's inputs: no layer before it is rounded
             self._stream = list(layer_pass.inputs)
-        paths = [path for path in self.keys if under(path, layer_pass.path)]
+        paths = sorted({path for _, keys in self.families.values() for path in keys if under(path, layer_pass.path)})
         if paths:
-            groups = self._groups(paths)
-            hessians = self._hessians(layer_pass, groups)
-            rounded = {path: result for group in groups
-                       for path, result in self._round_group(layer_pass, group, hessians[group[0]]).items()}
-            self._save(layer_pass.index, rounded)
-            with _weights_replaced(layer_pass, {path: values for path, (_, values) in rounded.items()}):
+            hessians = self._hessians(layer_pass, self._groups(paths, paths))
+            stream_weights: dict[str, torch.Tensor] = {}
+            for family, (fmt, keys) in self.families.items():
+                own = [path for path in paths if path in keys]
+                rounded = {path: result for group in self._groups(own, paths)
+                           for path, result in self._round_group(layer_pass, fmt, group, hessians).items()}
+                self._save(layer_pass.index, family, keys, rounded)
+                for path, (_, values) in rounded.items():  # the stream follows the first family that has it
+                    stream_weights.setdefault(path, values)
+            with _weights_replaced(layer_pass, stream_weights):
                 self._stream = self._forward(layer_pass)
         else:
             self._stream = self._forward(layer_pass)
         self.seconds += time.perf_counter() - started
 
     def summary(self) -> dict[str, Any]:
-        """The report's record of the rounding: method, weights rounded, seconds."""
-        return {"method": "gptq", "act_order": self.act_order, "block_scales": self.scale_search,
-                "weights": len(self.rounded), "seconds": round(self.seconds, 3)}
+        """The report's record of the rounding: method, weights rounded per family, seconds."""
+        return {"method": "gptq", "act_order": self.act_order, "block_scales": self.block_scales,
+                "weights": {family: len(keys) for family, keys in self.rounded.items()},
+                "seconds": round(self.seconds, 3)}
 
-    def _groups(self, paths: list[str]) -> list[list[str]]:
+    def _groups(self, paths: list[str], layer_paths: list[str]) -> list[list[str]]:
+        """``paths`` by fused group, each group led by its first member in the layer (whose input the Hessian is)."""
         groups: list[list[str]] = []
         seen: set[str] = set()
         for path in paths:
             if path not in seen:
-                group = [member for member in self.group_of.get(path, [path]) if member in paths]
-                groups.append(group)
+                group = [member for member in self.group_of.get(path, [path]) if member in layer_paths]
+                groups.append([member for member in group if member in paths])
                 seen.update(group)
         return groups
 
     def _hessians(self, layer_pass: LayerPass, groups: list[list[str]]) -> dict[str, HessianAccumulator]:
-        """Each group's input Hessian over the rounded stream (a fused group's members share their input)."""
+        """Each group's input Hessian over the rounded stream, under the group's first member (a fused group's
+        members share their input)."""
         hessians, handles = {}, []
         for group in groups:
             module = _linear(layer_pass, group[0])
-            hessians[group[0]] = accumulator = HessianAccumulator(module.in_features, module.weight.device)
+            accumulator = HessianAccumulator(module.in_features, module.weight.device)
+            hessians.update({member: accumulator for member in group})
             handles.append(module.register_forward_pre_hook(
                 lambda _, args, accumulator=accumulator: accumulator.add(args[0].detach())))
         try:
@@ -122,31 +137,31 @@ class GptqRounding:
             for handle in handles:
                 handle.remove()
         if self.ranked:  # the SUM of every rank's steps; one collective for the row counts
-            rows = torch.tensor([accumulator.rows for accumulator in hessians.values()], dtype=torch.int64)
+            distinct = list({id(accumulator): accumulator for accumulator in hessians.values()}.values())
+            rows = torch.tensor([accumulator.rows for accumulator in distinct], dtype=torch.int64)
             torch.distributed.all_reduce(rows)
-            for accumulator, total in zip(hessians.values(), rows.tolist(), strict=True):
+            for accumulator, total in zip(distinct, rows.tolist(), strict=True):
                 accumulator.sum.copy_(_all_ranks_sum(accumulator.sum))
                 accumulator.rows = total
         return hessians
 
-    def _round_group(self, layer_pass: LayerPass, group: list[str], hessian: HessianAccumulator
-                     ) -> dict[str, tuple[list[torch.Tensor], torch.Tensor]]:
-        """Each member of ``group``: its three written tensors and its rounded values (fp32)."""
+    def _round_group(self, layer_pass: LayerPass, fmt: Any, group: list[str],
+                     hessians: dict[str, HessianAccumulator]) -> dict[str, tuple[list[torch.Tensor], torch.Tensor]]:
+        """Each member of ``group`` under ``fmt``'s scales: its three written tensors and its rounded values (fp32)."""
         weights = {path: _linear(layer_pass, path).weight.detach().to(self.scale_dtype) for path in group}
         amax = max(float(max_abs(weight).float()) for weight in weights.values()) + 0.0  # the writer's weight_amax
-        matrix = hessian.matrix
+        matrix = hessians[group[0]].matrix
         rounded = {}
         for path, weight in weights.items():
-            _, scale, scale_global = quantize_nvfp4(weight, amax, scale_search=self.scale_search)
+            step, scales = fmt.rounding_scales(weight, amax)
             if self.leader:
                 with _one_thread():
-                    codes = gptq_codes(weight, matrix, scale, scale_global, act_order=self.act_order)
+                    codes = gptq_codes_stepped(weight, matrix, step, act_order=self.act_order)
             else:
                 codes = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
             if self.ranked:  # rank 0's codes on every rank: the streams of all ranks see the same rounding
                 codes = _from_rank_0(codes)
-            rounded[path] = ([pack_e2m1_codes(codes), scale, scale_global],
-                             dequantize_codes(codes, scale, scale_global))
+            rounded[path] = ([pack_e2m1_codes(codes), *scales], dequantize_stepped(codes, step))
         return rounded
 
     def _forward(self, layer_pass: LayerPass) -> list[torch.Tensor]:
@@ -156,16 +171,17 @@ class GptqRounding:
             return [_hidden(layer_pass.call(layer_pass.layer, step, hidden), storage)
                     for step, hidden in enumerate(self._stream)]
 
-    def _save(self, index: int, rounded: dict[str, tuple[list[torch.Tensor], torch.Tensor]]) -> None:
-        if self.directory is None:
+    def _save(self, index: int, family: str, keys: dict[str, str],
+              rounded: dict[str, tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        if self.directory is None or not rounded:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        name = f"layer-{index:05d}.safetensors"
-        tensors = {f"{self.keys[path]}:{label}": tensor.cpu().contiguous()
+        name = f"layer-{index:05d}-{family}.safetensors"
+        tensors = {f"{keys[path]}:{label}": tensor.cpu().contiguous()
                    for path, (written, _) in rounded.items() for label, tensor in zip(ROUNDED_TENSORS, written,
                                                                                       strict=True)}
         save_file(tensors, self.directory / name)
-        self.rounded.update({self.keys[path]: name for path in rounded})
+        self.rounded[family].update({keys[path]: name for path in rounded})
 
 
 def _linear(layer_pass: LayerPass, path: str) -> torch.nn.Module:

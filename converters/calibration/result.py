@@ -36,9 +36,10 @@ class CalibrationResult:
     serving_sqnr: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
     #: layer-sequential mode: the dtype the forwards ran in and why, prefetch, seconds (SequentialStats.to_dict)
     forward: dict[str, Any] = field(default_factory=dict)
-    #: on-disk weight key -> its file of GPTQ-rounded NVFP4 tensors in the staging's rounded-weights directory
-    #: (converters.calibration.gptq_rounding), and the rounding's record for the report (empty: round to nearest)
-    rounded_weights: dict[str, str] = field(default_factory=dict)
+    #: rounding family (a format's ``rounding_family``) -> on-disk weight key -> its file of GPTQ-rounded NVFP4 tensors
+    #: in the staging's rounded-weights directory (converters.calibration.gptq_rounding), and the rounding's record
+    #: for the report (empty: round to nearest)
+    rounded_weights: dict[str, dict[str, str]] = field(default_factory=dict)
     rounding: dict[str, Any] = field(default_factory=dict)
 
 

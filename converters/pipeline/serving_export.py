@@ -36,7 +36,6 @@ from converters.serving import serving_format
 from converters.serving.audit import audit_export
 from converters.serving.kv_scales import attach_kv_scales
 from converters.serving.loads_in import loads_in_warnings
-from converters.serving.nvfp4 import CompressedTensorsNVFP4
 from converters.serving.selection import ServingSelection, expert_disk_keys, select_serving, set_input_amax
 from converters.serving.writer import set_weight_amax, write_serving_checkpoint, write_serving_file
 
@@ -111,11 +110,11 @@ def serving_rounding(run: Run) -> GptqRounding | None:
     """
     if run.recipe.nvfp4_weight_rounding is not NVFP4WeightRounding.GPTQ:
         return None
-    selections = [selection for name, selection in run.serving.items()
-                  if isinstance(serving_format(name), CompressedTensorsNVFP4)]
-    if not selections:
-        run.warn("nvfp4_weight_rounding gptq applies to the nvfp4 / nvfp4-a16 serving exports, and the request "
-                 "asks for neither: nothing is rounded by GPTQ")
+    exports = [(job_format(name, run.recipe), selection) for name, selection in run.serving.items()
+               if getattr(serving_format(name), "rounding_family", None)]
+    if not exports:
+        run.warn("nvfp4_weight_rounding gptq applies to the NVFP4 serving exports (nvfp4, nvfp4-a16, modelopt-nvfp4), "
+                 "and the request asks for none: nothing is rounded by GPTQ")
         return None
     field = "recipe.nvfp4_weight_rounding"
     if run.resolved.mode != LAYER_SEQUENTIAL:
@@ -125,11 +124,11 @@ def serving_rounding(run: Run) -> GptqRounding | None:
     if run.distributed is not None and run.distributed.resume_dir is not None:
         run.warn("nvfp4_weight_rounding gptq: the resume record is not kept (the rounded stream is not in it); a "
                  "restart of this job calibrates from its first layer")
-    if any(selection.experts for selection in selections):
+    if any(selection.experts for _, selection in exports):
         run.warn("nvfp4_weight_rounding gptq rounds the Linears; the MoE expert matrices keep round to nearest")
     directory = run.staging / ROUNDED_DIR if run.staging is not None else None  # None: a rank that writes no export
-    return GptqRounding(selections, directory, model_dtype(run.resolved.config),
-                        scale_search=run.recipe.nvfp4_weight_scales.value, ranked=run.distributed is not None)
+    return GptqRounding(exports, directory, model_dtype(run.resolved.config),
+                        block_scales=run.recipe.nvfp4_weight_scales.value, ranked=run.distributed is not None)
 
 
 class ServingShardRunner(Protocol):
@@ -207,9 +206,11 @@ def set_serving_scales(run: Run, name: str, selection: ServingSelection) -> None
         run.warn(f"{name}: expert GEMM(s) {', '.join(starved)} received no calibration token; their input_scale "
                  "is the largest of the same GEMM's other experts in that layer")
     _attach_kv_cache(run, name, selection)
-    if isinstance(serving_format(name), CompressedTensorsNVFP4):  # what calibration rounded is NVFP4's codes
+    family = getattr(serving_format(name), "rounding_family", None)  # the codes calibration rounded for it
+    if family is not None:
         keys = set(selection.quantized.values())
-        selection.rounded = {key: file for key, file in run.calibration.rounded_weights.items() if key in keys}
+        rounded = run.calibration.rounded_weights.get(family, {})
+        selection.rounded = {key: file for key, file in rounded.items() if key in keys}
 
 
 def serving_sources(run: Run, staging: Path) -> list[Path]:

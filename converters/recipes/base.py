@@ -122,8 +122,8 @@ class NVFP4WeightScales(str, enum.Enum):
 
 
 class NVFP4WeightRounding(str, enum.Enum):
-    """How the ``nvfp4`` / ``nvfp4-a16`` serving exports round each weight onto E2M1 under the block scales
-    ``nvfp4_weight_scales`` chose (:mod:`converters.calibration.gptq_rounding`)."""
+    """How the NVFP4 serving exports (``nvfp4``, ``nvfp4-a16``, ``modelopt-nvfp4``) round each weight onto E2M1 under
+    their scales (:mod:`converters.calibration.gptq_rounding`)."""
 
     NEAREST = "nearest"  #: each value to its nearest code, on its own
     #: GPTQ: columns in order of decreasing input energy, each one's output error fed to the columns not yet rounded,

@@ -26,7 +26,7 @@ class ServingOptions:
 
     #: how the NVFP4 serving exports choose their weight block scales (rtn: the peers' bytes)
     nvfp4_weight_scales: NVFP4WeightScales = field(default=NVFP4WeightScales.RTN, metadata={SERVING_KEY: True})
-    #: how they round the weights onto E2M1 under those scales (nearest: the peers' bytes)
+    #: how the NVFP4 exports round their weights onto E2M1 under their scales (nearest: the peers' bytes)
     nvfp4_weight_rounding: NVFP4WeightRounding = field(default=NVFP4WeightRounding.NEAREST,
                                                        metadata={SERVING_KEY: True})
 

@@ -51,6 +51,7 @@ from converters.casts.emulation import E2M1_MAX, E4M3_MAX, round_to_e2m1
 from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.kv_scales import MODELOPT_KV
 from converters.serving.nvfp4 import GROUP, nvfp4_rule, pack_e2m1
+from converters.serving.nvfp4_codes import rounding_stats, unpack_codes
 from converters.serving.selection import ServingSelection
 
 __all__ = ["MODELOPT_FP8", "MODELOPT_NVFP4", "MODELOPT_VERSION", "ModelOpt", "hf_quant_config"]
@@ -100,6 +101,8 @@ class ModelOpt:
         self.quant_algo = quant_algo
         self.nvfp4 = quant_algo == "NVFP4"
         self.needs_weight_amax = self.nvfp4
+        #: GPTQ rounding (converters.calibration.gptq_rounding) rounds NVFP4 weights under this layout's own steps
+        self.rounding_family = "modelopt-nvfp4" if self.nvfp4 else None
         #: the emulated cast of the report's weight SQNR (ServingSelection.layer_stats): per-weight E4M3, or NVFP4
         #: blocks of 16 under the fused group's global scale
         self.weight_cast = "nvfp4_block16" if self.nvfp4 else "e4m3_tensor"
@@ -133,6 +136,23 @@ class ModelOpt:
             raise ValueError(f"{self.name} quantizes with the fused group's weight amax; none was given")
         packed, block_scale, scale_2 = _quantize_nvfp4(weight, weight_amax)
         return [packed, block_scale, scale_2, _scalar(input_amax_t / (E2M1_MAX * E4M3_MAX))]
+
+    def rounding_scales(self, weight: torch.Tensor, weight_amax: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """What GPTQ rounding holds fixed (NVFP4): each block's step ``weight_scale * weight_scale_2`` (fp32
+        ``[out, in/16]``, what ``quantize`` divides by) and those two scale tensors."""
+        _, block_scale, scale_2 = _quantize_nvfp4(weight, weight_amax)
+        return block_scale.float() * scale_2, [block_scale, scale_2]
+
+    def with_rounded(self, rounded: list[torch.Tensor], input_amax: float | None, scale_dtype: torch.dtype
+                     ) -> list[torch.Tensor]:
+        """The written tensors of a weight calibration already rounded: those, and the input scale."""
+        input_amax_t = torch.tensor(float(input_amax or 0.0), dtype=torch.float32)
+        return [*rounded, _scalar(input_amax_t / (E2M1_MAX * E4M3_MAX))]
+
+    def rounded_stats(self, weight: torch.Tensor, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        """A rounded weight's SQNR, and round to nearest's under the same scales."""
+        packed, block_scale, scale_2 = tensors[:3]
+        return {**rounding_stats(weight, unpack_codes(packed), block_scale.float() * scale_2), "rounding": "gptq"}
 
     def quantization_config(self, selection: ServingSelection) -> dict[str, Any]:
         """``convert_hf_quant_config_format`` of :meth:`side_files`' hf_quant_config.json."""

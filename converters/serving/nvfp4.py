@@ -47,13 +47,12 @@ from converters.casts.emulation import E2M1_MAX, E4M3_MAX, e2m1_codes, max_abs, 
 from converters.model.quantized.arithmetic import fp8_as_float
 from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.compressed_tensors import ignore_list
+from converters.serving.nvfp4_codes import GROUP, rounding_stats, unpack_codes
 from converters.serving.selection import ServingSelection
-from converters.serving.written_sqnr import written_weight_sqnr
 
 __all__ = ["GROUP", "NVFP4", "NVFP4_A16", "SCALE_SEARCHES", "CompressedTensorsNVFP4", "block_errors", "nvfp4_rule",
            "pack_e2m1", "pack_e2m1_codes", "quantize_nvfp4", "searched_block_scales"]
 
-GROUP = 16
 FORMAT = "nvfp4-pack-quantized"
 _E4M3_EPS = 0.125  # compressed-tensors' _get_dtype_eps(float8_e4m3fn)
 #: how block scales are chosen: "rtn" maps each block's amax to 6 (compressed-tensors'), "mse" searches E4M3 values
@@ -175,6 +174,8 @@ class CompressedTensorsNVFP4:
     """One compressed-tensors NVFP4 scheme (see the module docstring)."""
 
     needs_weight_amax = True
+    #: GPTQ rounding (converters.calibration.gptq_rounding) rounds this family's weights once for all its formats
+    rounding_family = "compressed-tensors-nvfp4"
 
     def __init__(self, *, name: str, activations: bool, scale_search: str = "rtn") -> None:
         if scale_search not in SCALE_SEARCHES:
@@ -223,16 +224,17 @@ class CompressedTensorsNVFP4:
             tensors.append(global_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
         return tensors
 
+    def rounding_scales(self, weight: torch.Tensor, weight_amax: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """What GPTQ rounding holds fixed for ``weight``: each block's step (fp32 ``[out, in/16]``) and the scale
+        tensors written after the codes (E4M3 block scales by ``scale_search``, the global scale)."""
+        _, scale, scale_global = quantize_nvfp4(weight, weight_amax, scale_search=self.scale_search)
+        return scale.float() / scale_global, [scale, scale_global]
+
     def rounded_stats(self, weight: torch.Tensor, tensors: list[torch.Tensor]) -> dict[str, Any]:
         """A rounded weight's figures: the SQNR of what is written, and of round to nearest under the same scales
         (GPTQ trades weight error for output error on the calibration inputs: its weight SQNR is the lower)."""
         packed, scale, scale_global = tensors[:3]
-        blocks = weight.unflatten(-1, (weight.shape[1] // GROUP, GROUP))
-        signal = float(weight.float().square().sum())
-        written = written_weight_sqnr(weight, {"weight_packed": packed, "weight_scale": scale,
-                                               "weight_global_scale": scale_global})
-        nearest = float(block_errors(blocks, scale.float(), scale_global).sum())
-        return {"weight_sqnr_db": written, "nearest_weight_sqnr_db": _db(signal, nearest), "rounding": "gptq",
+        return {**rounding_stats(weight, unpack_codes(packed), scale.float() / scale_global), "rounding": "gptq",
                 "scale_search": self.scale_search}
 
     def quantization_config(self, selection: ServingSelection) -> dict[str, Any]:

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from converters.casts.emulation import E2M1_GRID, e2m1_codes
+from converters.casts.emulation import e2m1_codes
 from converters.serving.nvfp4 import GROUP, pack_e2m1_codes, quantize_nvfp4
+from converters.serving.nvfp4_codes import SIGNED_E2M1, dequantize_stepped
 
-__all__ = ["DAMPING", "ROUNDED_TENSORS", "HessianAccumulator", "dequantize_codes", "gptq_codes", "quantize_nvfp4_gptq"]
+__all__ = ["DAMPING", "ROUNDED_TENSORS", "HessianAccumulator", "dequantize_codes", "gptq_codes", "gptq_codes_stepped",
+           "quantize_nvfp4_gptq"]
 
 #: the tensors a rounded weight is stored as between calibration and export, in the writer's order; each under
 #: ``f"{weight_key}:{name}"`` in its layer's file (converters.calibration.gptq_rounding)
@@ -31,8 +33,6 @@ ROUNDED_TENSORS = ("packed", "scale", "global_scale")
 DAMPING = 0.01
 #: columns rounded between two whole-matrix updates (GPTQ's and llm-compressor's block_size)
 BLOCK_COLUMNS = 128
-#: the value of each 4-bit code (bit 3: the sign), so a code dequantizes by one lookup
-_SIGNED_E2M1 = torch.tensor([*E2M1_GRID, *(-value for value in E2M1_GRID)], dtype=torch.float32)
 
 
 class HessianAccumulator:
@@ -97,12 +97,21 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     Raises:
         ValueError: shapes that do not fit together, or a Hessian that stays singular after damping.
     """
+    return gptq_codes_stepped(weight, hessian, scale.float() / scale_global.float(), damping=damping,
+                              block_columns=block_columns, act_order=act_order)
+
+
+def gptq_codes_stepped(weight: torch.Tensor, hessian: torch.Tensor, block_step: torch.Tensor, *,
+                       damping: float = DAMPING, block_columns: int = BLOCK_COLUMNS, act_order: bool = False
+                       ) -> torch.Tensor:
+    """:func:`gptq_codes` with each block's step given as it is (fp32 ``[out, in/16]``: a code dequantizes as
+    ``code * step``), for a format whose step is not ``scale / global`` (ModelOpt's ``weight_scale *
+    weight_scale_2``)."""
     rows, columns = weight.shape
-    if columns % GROUP or scale.shape != (rows, columns // GROUP) or hessian.shape != (columns, columns):
-        raise ValueError(f"weight {tuple(weight.shape)}, scale {tuple(scale.shape)} and Hessian "
+    if columns % GROUP or block_step.shape != (rows, columns // GROUP) or hessian.shape != (columns, columns):
+        raise ValueError(f"weight {tuple(weight.shape)}, block steps {tuple(block_step.shape)} and Hessian "
                          f"{tuple(hessian.shape)} do not fit NVFP4 blocks of {GROUP}")
-    # each element's step, as quantize_nvfp4 divides by it: (scale / global) in fp32
-    step = (scale.float() / scale_global.float()).repeat_interleave(GROUP, dim=1)
+    step = block_step.float().repeat_interleave(GROUP, dim=1)
     work = weight.float().clone()
     hessian = hessian.to(device=work.device, dtype=torch.float64, copy=True)
     # an input that was always zero has no error to spread: a unit diagonal leaves its column to round to nearest
@@ -116,7 +125,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
     # columns as rows ([in, out]): each column one contiguous vector for the loop's small operations
     work, step = work.T.contiguous(), step.T.contiguous()
     device = work.device  # the weight's: a GPU worker rounds on its GPU
-    values = _SIGNED_E2M1.to(device)
+    values = SIGNED_E2M1.to(device)
     codes = torch.empty(columns, rows, dtype=torch.uint8, device=device)
     for start in range(0, columns, block_columns):
         end = min(start + block_columns, columns)
@@ -141,8 +150,7 @@ def gptq_codes(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, scale_global: torch.Tensor) -> torch.Tensor:
     """The fp32 weight engines compute from E2M1 ``codes`` (uint8 ``[out, in]``, bit 3 the sign) under E4M3 block
     ``scale`` and ``scale_global``: ``value(code) * (scale / global)``."""
-    step = (scale.float() / scale_global.float()).repeat_interleave(GROUP, dim=1)
-    return _SIGNED_E2M1.to(codes.device)[codes.long()] * step
+    return dequantize_stepped(codes, scale.float() / scale_global.float())
 
 
 def quantize_nvfp4_gptq(weight: torch.Tensor, weight_amax: float, hessian: torch.Tensor, *,

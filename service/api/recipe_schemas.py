@@ -86,9 +86,9 @@ class _RecipeCreate(BaseModel):
                     "four_over_six (block amax to 6 or to 4, whichever errs less). docs/recipes.md.")
     nvfp4_weight_rounding: NVFP4WeightRounding = Field(
         NVFP4WeightRounding.NEAREST, strict=False,
-        description="How the nvfp4 / nvfp4-a16 serving exports round their weights under those block scales: nearest "
-                    "(each value on its own, llm-compressor RTN's bytes) or gptq (each column's output error on the "
-                    "calibration inputs fed to the columns not yet rounded, decoder layer by decoder layer). "
+        description="How the NVFP4 serving exports (nvfp4, nvfp4-a16, modelopt-nvfp4) round their weights under their "
+                    "scales: nearest (each value on its own, the peers' bytes) or gptq (each column's output error on "
+                    "the calibration inputs fed to the columns not yet rounded, decoder layer by decoder layer). "
                     "docs/recipes.md.")
 
 

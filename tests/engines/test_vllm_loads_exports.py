@@ -37,8 +37,8 @@ EMULATED = (MXFP8, NVFP4, MODELOPT_NVFP4)
 KV_FORMATS = (STATIC, DYNAMIC, MODELOPT, MODELOPT_NVFP4)
 CASES = [(fmt, kv) for fmt in RUNNABLE + EMULATED for kv in (None, "fp8") if kv is None or fmt in KV_FORMATS]
 CALIBRATION = CalibrationSettings(steps=2, seq_len=16)
-#: the nvfp4 export of a job whose recipe rounds by GPTQ (nvfp4_weight_rounding): other codes, the same layout
-GPTQ = "nvfp4-gptq"
+#: the NVFP4 exports of a job whose recipe rounds by GPTQ (nvfp4_weight_rounding): other codes, the same layouts
+GPTQ = {NVFP4: "nvfp4-gptq", MODELOPT_NVFP4: "modelopt-nvfp4-gptq"}
 GPTQ_RECIPE = {"backend": "te", "nvfp4_weight_scales": "four_over_six", "nvfp4_weight_rounding": "gptq"}
 TEXT = "The engine reads the scales the converter wrote, and the cache keeps its keys in eight bits."
 GENERATED = 8
@@ -89,9 +89,9 @@ def exports(llama_root):
         run_conversion(request, out, ModelSourceOptions(allowed_roots=(llama_root,)))
         done.update({(fmt, kv): out / "serving" / fmt for fmt in formats})
     request = ConversionRequest(model=str(llama_root / "llama"), recipe=GPTQ_RECIPE, calibration=CALIBRATION,
-                                serving_formats=(NVFP4,))
+                                serving_formats=tuple(GPTQ))
     run_conversion(request, llama_root / "out-gptq", ModelSourceOptions(allowed_roots=(llama_root,)))
-    done[GPTQ] = llama_root / "out-gptq" / "serving" / NVFP4
+    done.update({key: llama_root / "out-gptq" / "serving" / fmt for fmt, key in GPTQ.items()})
     for name, (fmt, kv, edit, _, _) in BROKEN.items():
         broken = shutil.copytree(done[(fmt, kv)], llama_root / "broken" / name)
         tensors = load_file(broken / "model.safetensors")
@@ -113,13 +113,13 @@ def tokens(llama_root):
 @pytest.fixture(scope="module")
 def engine(llama_root, exports, tokens, tmp_path_factory):
     """Key (a CASES entry, a BROKEN name or "source") -> vLLM's run of it; one vLLM process for all."""
-    keys = ["source", *CASES, *BROKEN, GPTQ]
+    keys = ["source", *CASES, *BROKEN, *GPTQ.values()]
     requests = []
     for key in keys:
         if key == "source":
             model, kv = llama_root / "llama", None
-        elif key == GPTQ:
-            model, kv = exports[GPTQ], None
+        elif key in GPTQ.values():
+            model, kv = exports[key], None
         elif key in BROKEN:
             model, kv = exports[key], BROKEN[key][1]
         else:
@@ -130,16 +130,18 @@ def engine(llama_root, exports, tokens, tmp_path_factory):
     return dict(zip(keys, runs, strict=True))
 
 
-def test_vllm_runs_a_gptq_rounded_nvfp4_export_as_written(exports, engine):
+@pytest.mark.parametrize("fmt", list(GPTQ))
+def test_vllm_runs_a_gptq_rounded_nvfp4_export_as_written(exports, engine, fmt):
     """GPTQ changes only the codes: vLLM loads every tensor with the file's value, generates, and the codes differ
-    from the nearest-rounded export's under the same scales."""
-    run = engine[GPTQ]
-    assert load_problems(exports[GPTQ], run) == []
-    assert audit_export(exports[GPTQ]).ok
+    from the nearest-rounded export's."""
+    key = GPTQ[fmt]
+    run = engine[key]
+    assert load_problems(exports[key], run) == []
+    assert audit_export(exports[key]).ok
     assert len(run.generated[0]) == GENERATED
     assert run.perplexity == pytest.approx(engine["source"].perplexity, rel=0.1)
-    rounded, nearest = (load_file(exports[key] / "model.safetensors") for key in (GPTQ, (NVFP4, None)))
-    packed = "model.layers.1.mlp.down_proj.weight_packed"
+    rounded, nearest = (load_file(exports[at] / "model.safetensors") for at in (key, (fmt, None)))
+    packed = "model.layers.1.mlp.down_proj." + ("weight_packed" if fmt == NVFP4 else "weight")
     assert rounded[packed].shape == nearest[packed].shape and not rounded[packed].equal(nearest[packed])
 
 

@@ -12,11 +12,12 @@ from torch import nn
 
 from converters.calibration.gptq_rounding import GptqRounding
 from converters.calibration.sequential import LayerPass
-from converters.serving.nvfp4 import quantize_nvfp4
+from converters.serving.nvfp4 import NVFP4, quantize_nvfp4
 from converters.serving.nvfp4_gptq import ROUNDED_TENSORS, HessianAccumulator, dequantize_codes, gptq_codes
 from converters.serving.selection import ServingSelection
 
 WIDTH, STEPS = 32, 3
+FAMILY = NVFP4.rounding_family
 
 
 class Block(nn.Module):
@@ -76,14 +77,15 @@ def walked(tmp_path):
     blocks = [Block(), Block()]
     inputs = [torch.randn(4, 8, WIDTH) * torch.linspace(0.1, 3.0, WIDTH) for _ in range(STEPS)]  # uneven columns
     weights = [{name: tensor.clone() for name, tensor in block.state_dict().items()} for block in blocks]
-    rounding = GptqRounding([_selection(2)], tmp_path / "rounded", torch.float32, scale_search="four_over_six")
+    rounding = GptqRounding([(NVFP4.with_scale_search("four_over_six"), _selection(2))], tmp_path / "rounded",
+                            torch.float32, block_scales="four_over_six")
     with torch.no_grad():
         _walk(blocks, inputs, rounding)
     return blocks, inputs, weights, rounding
 
 
 def _stored(rounding: GptqRounding, key: str) -> list[torch.Tensor]:
-    with safe_open(rounding.directory / rounding.rounded[key], "pt") as handle:
+    with safe_open(rounding.directory / rounding.rounded[FAMILY][key], "pt") as handle:
         return [handle.get_tensor(f"{key}:{part}") for part in ROUNDED_TENSORS]
 
 
@@ -121,8 +123,8 @@ def test_the_layers_weights_are_left_as_they_were_and_every_weight_is_recorded(w
     for block, before in zip(blocks, weights, strict=True):
         for name, tensor in block.state_dict().items():
             assert torch.equal(tensor, before[name])
-    assert set(rounding.rounded) == set(_selection(2).quantized.values())
-    assert rounding.summary()["weights"] == 6 and rounding.summary()["method"] == "gptq"
+    assert set(rounding.rounded[FAMILY]) == set(_selection(2).quantized.values())
+    assert rounding.summary()["weights"] == {FAMILY: 6} and rounding.summary()["method"] == "gptq"
 
 
 def test_a_layer_without_nvfp4_weights_still_carries_the_rounded_stream(tmp_path):
@@ -132,10 +134,10 @@ def test_a_layer_without_nvfp4_weights_still_carries_the_rounded_stream(tmp_path
     selection = _selection(2)
     selection.quantized = {path: key for path, key in selection.quantized.items() if ".1." in path}
     selection.fused_groups = [group for group in selection.fused_groups if ".1." in group[0]]
-    rounding = GptqRounding([selection], tmp_path, torch.float32, scale_search="rtn")
+    rounding = GptqRounding([(NVFP4, selection)], tmp_path, torch.float32)
     with torch.no_grad():
         _walk(blocks, inputs, rounding)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["layer-00001.safetensors"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"layer-00001-{FAMILY}.safetensors"]
     with torch.no_grad():
         stream = [blocks[0](hidden) for hidden in inputs]  # layer 0 unrounded: its outputs as they are
     captured = HessianAccumulator(WIDTH)

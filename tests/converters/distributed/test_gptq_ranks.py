@@ -41,7 +41,7 @@ def test_two_ranks_publish_the_one_process_gptq_export(gptq_job):
                                                                    theirs.get_tensor(key).view(torch.uint8))]
     assert differing == []
     report = json.loads((out / "fp8_report.json").read_text())
-    assert report["calibration"]["nvfp4_rounding"]["weights"] == len(packed)
+    assert report["calibration"]["nvfp4_rounding"]["weights"] == {"compressed-tensors-nvfp4": len(packed)}
     assert report["calibration"]["forward"]["ranks"] == 2
     assert any("resume record is not kept" in warning for warning in report["warnings"])
     assert not (gptq_job.root / f".{out.name}.resume").exists()

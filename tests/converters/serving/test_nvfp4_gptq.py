@@ -80,6 +80,25 @@ def test_an_identity_hessian_gives_round_to_nearest_codes(scale_search: str) -> 
         assert torch.equal(got[1].view(torch.uint8), expected[1].view(torch.uint8))
 
 
+def test_an_identity_hessian_gives_modelopts_round_to_nearest_bytes_under_its_steps() -> None:
+    """ModelOpt's layout rounds ``w / (weight_scale * weight_scale_2)``: its format's rounding steps give GPTQ the
+    same codes, so an identity Hessian writes ModelOpt's own bytes."""
+    from converters.serving.modelopt import MODELOPT_NVFP4
+    from converters.serving.nvfp4 import pack_e2m1_codes
+    from converters.serving.nvfp4_gptq import gptq_codes_stepped
+
+    weight = _weight(40, 96, seed=5)
+    weight[0, :5] = torch.tensor([-0.0, 0.0, -1e-6, 1e-6, -0.02])
+    amax = float(weight.float().abs().max())
+    expected = MODELOPT_NVFP4.quantize(weight, 1.0, torch.bfloat16, weight_amax=amax)
+    step, scales = MODELOPT_NVFP4.rounding_scales(weight, amax)
+    assert [scale.reshape(-1).view(torch.uint8).tolist() for scale in scales] == \
+        [scale.reshape(-1).view(torch.uint8).tolist() for scale in expected[1:3]]
+    for act_order in (False, True):
+        codes = gptq_codes_stepped(weight, torch.eye(96), step, act_order=act_order)
+        assert torch.equal(pack_e2m1_codes(codes), expected[0])
+
+
 def test_a_dead_input_column_and_too_few_rows_still_round() -> None:
     weight = _weight(16, 64, seed=4)
     x = _correlated_inputs(20, 64)  # fewer rows than columns: H is singular until damped

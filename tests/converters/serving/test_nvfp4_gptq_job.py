@@ -29,7 +29,7 @@ from converters.pipeline.state import NullSink, Run, Stage
 from converters.serving.nvfp4 import quantize_nvfp4
 from tests.converters.serving.exports import CALIBRATION, export, tiny_llama
 
-W4A4, A16, FP8 = "nvfp4", "nvfp4-a16", "compressed-tensors-fp8"
+W4A4, A16, FP8, MODELOPT = "nvfp4", "nvfp4-a16", "compressed-tensors-fp8", "modelopt-nvfp4"
 RECIPE = {"backend": "ao", "nvfp4_weight_scales": "four_over_six", "nvfp4_weight_rounding": "gptq"}
 GROUPS = ([f"model.layers.1.self_attn.{name}_proj" for name in "qkv"], ["model.layers.1.mlp.down_proj"])
 
@@ -37,7 +37,7 @@ GROUPS = ([f"model.layers.1.self_attn.{name}_proj" for name in "qkv"], ["model.l
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     model_dir = tiny_llama(tmp_path_factory, "nvfp4-gptq")
-    return model_dir, export(model_dir, (W4A4, A16, FP8), recipe=RECIPE)
+    return model_dir, export(model_dir, (W4A4, A16, FP8, MODELOPT), recipe=RECIPE)
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -62,17 +62,40 @@ def test_the_exports_hold_gptq_codes_under_the_recipes_scales(job):
     assert f"{GROUPS[1][0]}.input_global_scale" in served and f"{GROUPS[1][0]}.input_global_scale" not in weight_only
 
 
+def test_the_modelopt_export_holds_gptq_codes_under_its_own_scales(job):
+    """ModelOpt's steps are ``weight_scale * weight_scale_2``, not compressed-tensors' ``scale / global``: its
+    codes are rounded under them (from the same Hessians), with ModelOpt's scale tensors as its writer makes them."""
+    from converters.serving.modelopt import MODELOPT_NVFP4
+    from converters.serving.nvfp4_codes import unpack_codes
+
+    model_dir, out = job
+    source = _tensors(model_dir / "model.safetensors")
+    served, ct = (_tensors(out / "serving" / name / "model.safetensors") for name in (MODELOPT, W4A4))
+    for group in GROUPS:
+        amax = max(float(source[f"{path}.weight"].float().abs().max()) for path in group)
+        for path in group:
+            nearest = MODELOPT_NVFP4.quantize(source[f"{path}.weight"], 1.0, torch.bfloat16, weight_amax=amax)
+            for index, suffix in ((1, "weight_scale"), (2, "weight_scale_2")):
+                assert torch.equal(served[f"{path}.{suffix}"].reshape(-1).view(torch.uint8),
+                                   nearest[index].reshape(-1).view(torch.uint8))
+            assert not torch.equal(served[f"{path}.weight"], nearest[0])  # rounded codes, ModelOpt's layout
+            # its own codes: ModelOpt's block scales are round to nearest's, compressed-tensors' the recipe's
+            # four_over_six, so the two exports' codes are rounded under different steps
+            assert not torch.equal(unpack_codes(served[f"{path}.weight"]), unpack_codes(ct[f"{path}.weight_packed"]))
+
+
 def test_the_report_says_what_was_rounded_and_the_artifact_holds_no_rounded_file(job):
     _, out = job
     report = json.loads((out / "fp8_report.json").read_text())
     rounding = report["calibration"]["nvfp4_rounding"]
     assert rounding["method"] == "gptq" and rounding["block_scales"] == "four_over_six" and rounding["act_order"]
     quantized = report["serving"][W4A4]["quantized"]
-    assert rounding["weights"] == len(quantized) > 0
-    for name in (W4A4, A16):
+    assert rounding["weights"] == {"compressed-tensors-nvfp4": len(quantized), "modelopt-nvfp4": len(quantized)}
+    assert len(quantized) > 0
+    for name in (W4A4, A16, MODELOPT):
         for path in quantized:
             stats = report["serving"][name]["layer_stats"][path]
-            assert stats["rounding"] == "gptq" and stats["scale_search"] == "four_over_six"
+            assert stats["rounding"] == "gptq" and stats.get("scale_search", "four_over_six") == "four_over_six"
             assert stats["weight_sqnr_db"] > 0 and stats["nearest_weight_sqnr_db"] > 0
             # calibration's meter casts by nearest rounding: its figure is named so, not given as the export's
             assert "nearest_sqnr_db" in stats and "sqnr_db" not in stats
@@ -126,6 +149,6 @@ def test_gptq_without_an_nvfp4_export_is_a_warning(tmp_path_factory):
     model_dir = tiny_llama(tmp_path_factory, "nvfp4-gptq-none")
     out = export(model_dir, ("compressed-tensors-fp8",), recipe=RECIPE, measure=False)
     report = json.loads((out / "fp8_report.json").read_text())
-    assert any("nvfp4_weight_rounding gptq applies to the nvfp4 / nvfp4-a16 serving exports" in warning
+    assert any("nvfp4_weight_rounding gptq applies to the NVFP4 serving exports" in warning
                for warning in report["warnings"])
     assert "nvfp4_rounding" not in report["calibration"]
