@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -167,14 +168,16 @@ def print_calibration_diagnosis(model, model_dir: Path, steps: int, layers: dict
     print(f"Linears whose job amax is set by a window's first position: {first} of {len(paths)}")
 
 
-def fp8forge_export(model_dir: Path, out: Path, steps: int, **recipe: str) -> Path:
-    """A job's ``nvfp4`` export (``recipe``: its serving options, e.g. nvfp4_weight_rounding)."""
+def fp8forge_export(model_dir: Path, out: Path, steps: int, formats: tuple[str, ...] = ("nvfp4",),
+                    **recipe: str) -> Path:
+    """A job's ``nvfp4`` export, and any other ``formats`` beside it under ``out/serving/`` (``recipe``: its serving
+    options, e.g. nvfp4_weight_rounding)."""
     from converters.model.sources import ModelSourceOptions
     from converters.pipeline.driver import NullSink, run_conversion
     from converters.pipeline.request import CalibrationSettings, ConversionRequest
 
     request = ConversionRequest(model=str(model_dir), recipe={"backend": "ao", **recipe}, skip_first_last=False,
-                                exclude=("lm_head",), serving_formats=("nvfp4",), measure=False,
+                                exclude=("lm_head",), serving_formats=formats, measure=False,
                                 calibration=CalibrationSettings(steps=steps, batch_size=1, seq_len=SEQ_LEN))
     run_conversion(request, out, ModelSourceOptions(allowed_roots=(model_dir.parent, out.parent)), NullSink())
     return out / "serving" / "nvfp4"
@@ -698,8 +701,15 @@ def main() -> None:
         started = time.perf_counter()
         job_dir = work / f"fp8forge-gptq-{method}"
         kept = job_dir / "serving" / "nvfp4"
-        variants[JOB_GPTQ_ROW + method] = read_export(kept if (kept / "config.json").is_file() else fp8forge_export(
-            model_dir, job_dir, args.steps, nvfp4_weight_scales=method, nvfp4_weight_rounding="gptq"))
+        layouts = ("nvfp4", "modelopt-nvfp4") if args.modelopt != "none" else ("nvfp4",)
+        if not all((job_dir / "serving" / name / "config.json").is_file() for name in layouts):
+            shutil.rmtree(job_dir, ignore_errors=True)
+            fp8forge_export(model_dir, job_dir, args.steps, layouts, nvfp4_weight_scales=method,
+                            nvfp4_weight_rounding="gptq")
+        variants[JOB_GPTQ_ROW + method] = read_export(kept)
+        if "modelopt-nvfp4" in layouts:  # the same job's ModelOpt layout, beside ModelOpt's own rows
+            variants[f"{JOB_GPTQ_ROW}{method}, modelopt layout"] = read_modelopt_export(
+                job_dir / "serving" / "modelopt-nvfp4", source)[0]
         rounding = json.loads((job_dir / "fp8_report.json").read_text())["calibration"]["nvfp4_rounding"]
         print(f"job with nvfp4_weight_rounding gptq, {method} scales: {time.perf_counter() - started:.0f} s "
               f"(rounding {rounding['seconds']:.0f} s, {sum(rounding['weights'].values())} weights); "
@@ -746,8 +756,6 @@ def main() -> None:
         print(f"\nfp8forge's best recipe row ({ours_best}) loses {ratio:.2f}x the perplexity ModelOpt's best that ran "
               f"({best}) loses")
     if args.keep is None:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -18,8 +18,10 @@ one copy of the cached hidden states, one layer's Hessians, and GPTQ's column lo
 The scales are the writer's, chosen from the weight before any rounding (each format's ``rounding_scales``: for
 compressed-tensors the fused group's global scale and the recipe's ``nvfp4_weight_scales`` block scales, for
 ModelOpt its ``weight_scale_2`` and block scales). Formats whose steps differ are a ``rounding_family`` each
-(``nvfp4`` and ``nvfp4-a16`` are one): each family's codes are rounded from the same Hessians, and the stream
-follows the job's first family. MoE expert matrices are not rounded here (they keep round to nearest).
+(``nvfp4`` and ``nvfp4-a16`` are one), and each family has its own stream: its Hessians come from the inputs its
+own rounded layers give, as if it were the job's only export (a stream of another family's codes costs a ModelOpt
+export measurably: docs/benchmarks/nvfp4-gptq-job-2026-12-04.md). The forwards and the copy of the hidden states
+are per family. MoE expert matrices are not rounded here (they keep round to nearest).
 
 In a data-parallel walk (torch.distributed ranks, each running its share of the steps), each group's Hessian is the
 SUM over the ranks of their steps' ``X^T X`` and rows, rank 0 rounds and broadcasts the codes, and every rank runs
@@ -81,27 +83,25 @@ class GptqRounding:
         #: family -> on-disk weight key -> its file in ``directory``
         self.rounded: dict[str, dict[str, str]] = {family: {} for family in self.families}
         self.seconds = 0.0  #: wall seconds spent here (the extra forwards and the rounding)
-        self._stream: list[torch.Tensor] | None = None
+        self._streams: dict[str, list[torch.Tensor]] | None = None  #: family -> its rounded stream
 
     def __call__(self, layer_pass: LayerPass) -> None:
         started = time.perf_counter()
-        if self._stream is None:  # the first layer's inputs: no layer before it is rounded
-            self._stream = list(layer_pass.inputs)
-        paths = sorted({path for _, keys in self.families.values() for path in keys if under(path, layer_pass.path)})
-        if paths:
-            hessians = self._hessians(layer_pass, self._groups(paths, paths))
-            stream_weights: dict[str, torch.Tensor] = {}
-            for family, (fmt, keys) in self.families.items():
-                own = [path for path in paths if path in keys]
-                rounded = {path: result for group in self._groups(own, paths)
-                           for path, result in self._round_group(layer_pass, fmt, group, hessians).items()}
-                self._save(layer_pass.index, family, keys, rounded)
-                for path, (_, values) in rounded.items():  # the stream follows the first family that has it
-                    stream_weights.setdefault(path, values)
-            with _weights_replaced(layer_pass, stream_weights):
-                self._stream = self._forward(layer_pass)
-        else:
-            self._stream = self._forward(layer_pass)
+        if self._streams is None:  # the first layer's inputs: no layer before it is rounded
+            self._streams = {family: list(layer_pass.inputs) for family in self.families}
+        for family, (fmt, keys) in self.families.items():
+            stream = self._streams[family]
+            paths = [path for path in keys if under(path, layer_pass.path)]
+            if not paths:
+                self._streams[family] = self._forward(layer_pass, stream)
+                continue
+            groups = self._groups(paths)
+            hessians = self._hessians(layer_pass, groups, stream)
+            rounded = {path: result for group in groups
+                       for path, result in self._round_group(layer_pass, fmt, group, hessians).items()}
+            self._save(layer_pass.index, family, keys, rounded)
+            with _weights_replaced(layer_pass, {path: values for path, (_, values) in rounded.items()}):
+                self._streams[family] = self._forward(layer_pass, stream)
         self.seconds += time.perf_counter() - started
 
     def summary(self) -> dict[str, Any]:
@@ -110,20 +110,21 @@ class GptqRounding:
                 "weights": {family: len(keys) for family, keys in self.rounded.items()},
                 "seconds": round(self.seconds, 3)}
 
-    def _groups(self, paths: list[str], layer_paths: list[str]) -> list[list[str]]:
-        """``paths`` by fused group, each group led by its first member in the layer (whose input the Hessian is)."""
+    def _groups(self, paths: list[str]) -> list[list[str]]:
+        """``paths`` by fused group, in layer order; a group's first member is where its Hessian is recorded."""
         groups: list[list[str]] = []
         seen: set[str] = set()
         for path in paths:
             if path not in seen:
-                group = [member for member in self.group_of.get(path, [path]) if member in layer_paths]
-                groups.append([member for member in group if member in paths])
+                group = [member for member in self.group_of.get(path, [path]) if member in paths]
+                groups.append(group)
                 seen.update(group)
         return groups
 
-    def _hessians(self, layer_pass: LayerPass, groups: list[list[str]]) -> dict[str, HessianAccumulator]:
-        """Each group's input Hessian over the rounded stream, under the group's first member (a fused group's
-        members share their input)."""
+    def _hessians(self, layer_pass: LayerPass, groups: list[list[str]], stream: list[torch.Tensor]
+                  ) -> dict[str, HessianAccumulator]:
+        """Each group's input Hessian over ``stream``, for every member (a fused group's members share their
+        input)."""
         hessians, handles = {}, []
         for group in groups:
             module = _linear(layer_pass, group[0])
@@ -132,7 +133,7 @@ class GptqRounding:
             handles.append(module.register_forward_pre_hook(
                 lambda _, args, accumulator=accumulator: accumulator.add(args[0].detach())))
         try:
-            self._forward(layer_pass)
+            self._forward(layer_pass, stream)
         finally:
             for handle in handles:
                 handle.remove()
@@ -164,12 +165,12 @@ class GptqRounding:
             rounded[path] = ([pack_e2m1_codes(codes), *scales], dequantize_stepped(codes, step))
         return rounded
 
-    def _forward(self, layer_pass: LayerPass) -> list[torch.Tensor]:
-        """The layer's outputs on the rounded stream, in the dtype the layers hand each other."""
+    def _forward(self, layer_pass: LayerPass, stream: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The layer's outputs on ``stream``, in the dtype the layers hand each other."""
         storage = layer_pass.outputs[0].dtype if layer_pass.outputs else None
         with torch.no_grad():
             return [_hidden(layer_pass.call(layer_pass.layer, step, hidden), storage)
-                    for step, hidden in enumerate(self._stream)]
+                    for step, hidden in enumerate(stream)]
 
     def _save(self, index: int, family: str, keys: dict[str, str],
               rounded: dict[str, tuple[list[torch.Tensor], torch.Tensor]]) -> None:

@@ -160,3 +160,41 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
     from converters.serving.nvfp4 import pack_e2m1_codes
 
     return pack_e2m1_codes(codes)
+
+
+def test_each_layout_is_rounded_on_the_stream_of_its_own_rounded_layers(tmp_path):
+    """compressed-tensors and ModelOpt NVFP4 round under different steps: each family's second layer is GPTQ on
+    the outputs of its own rounded first layer."""
+    from converters.serving.modelopt import MODELOPT_NVFP4
+    from converters.serving.nvfp4_codes import dequantize_stepped, unpack_codes
+    from converters.serving.nvfp4_gptq import gptq_codes_stepped
+
+    torch.manual_seed(2)
+    blocks = [Block(), Block()]
+    inputs = [torch.randn(4, 8, WIDTH) * torch.linspace(0.1, 3.0, WIDTH) for _ in range(STEPS)]
+    rounding = GptqRounding([(NVFP4, _selection(2)), (MODELOPT_NVFP4, _selection(2))], tmp_path, torch.float32)
+    with torch.no_grad():
+        _walk(blocks, inputs, rounding)
+    family = MODELOPT_NVFP4.rounding_family
+
+    def stored(key: str) -> list[torch.Tensor]:
+        with safe_open(tmp_path / rounding.rounded[family][key], "pt") as handle:
+            return [handle.get_tensor(f"{key}:{part}") for part in ROUNDED_TENSORS]
+
+    first = Block()
+    for name in ("q", "k", "out"):
+        packed, block_scale, scale_2 = stored(f"model.layers.0.{name}.weight")
+        getattr(first, name).weight.data = dequantize_stepped(unpack_codes(packed), block_scale.float() * scale_2)
+    with torch.no_grad():
+        stream = [first(hidden) for hidden in inputs]
+    captured = HessianAccumulator(WIDTH)
+    handle = blocks[1].out.register_forward_pre_hook(lambda _, args: captured.add(args[0]))
+    with torch.no_grad():
+        for hidden in stream:
+            blocks[1](hidden)
+    handle.remove()
+    weight = blocks[1].out.weight.detach()
+    step, _ = MODELOPT_NVFP4.rounding_scales(weight, float(weight.abs().max()))
+    codes = gptq_codes_stepped(weight, captured.matrix, step, act_order=True)
+    assert torch.equal(stored("model.layers.1.out.weight")[0], _pack(codes))
+    assert rounding.summary()["weights"] == {NVFP4.rounding_family: 6, family: 6}
