@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from converters.casts.emulation import max_abs
+from converters.errors import ConversionError
 from converters.model.files import FileConfinement
 from converters.model.finite import check_converted
 from converters.model.safetensors_stream import ReadBuffers, read_tensor, read_tensor_index
@@ -148,9 +149,8 @@ def write_serving_file(fmt: ServingFormat, selection: ServingSelection, source: 
             read = functools.partial(read_tensor, tensor, buffers)
             input_amax = selection.input_amax.get(path_of[name])
             if name in selection.rounded:
-                if rounded_dir is None:
-                    raise ValueError(f"{name} was rounded by calibration, and no rounded_dir says where it is")
-                steps.append(rounded_step(fmt, name, tensor, read, scale_dtype, rounded_dir / selection.rounded[name],
+                steps.append(rounded_step(fmt, name, tensor, read, scale_dtype,
+                                          _rounded_file(name, selection.rounded[name], rounded_dir),
                                           input_amax=input_amax, label=label))
             else:
                 steps.append(quantize_step(fmt, name, tensor, read, scale_dtype, input_amax=input_amax,
@@ -174,6 +174,17 @@ def quantize_step(fmt: ServingFormat, name: str, weight: Any, read: Callable[[],
     return Compute(outputs=outputs, read=read,
                    convert=functools.partial(quantize_weight, fmt, name, outputs, input_amax, scale_dtype,
                                              options or {}, label, check_weight=check_weight))
+
+
+def _rounded_file(name: str, file: str, rounded_dir: Path | None) -> Path:
+    """The file in ``rounded_dir`` holding ``name``'s rounded tensors: a plain file name there (a task's payload
+    names it), never a path elsewhere."""
+    if rounded_dir is None:
+        raise ConversionError(f"{name} was rounded by calibration, and no rounded-weights directory says where it is")
+    if not file or Path(file).name != file or file in (".", ".."):
+        raise ConversionError(f"{name}: the rounded-weights file {file!r} is not a file name in the run's "
+                              "rounded-weights directory; the task's payload is not this run's")
+    return rounded_dir / file
 
 
 def rounded_step(fmt: Any, name: str, weight: Any, read: Callable[[], torch.Tensor], scale_dtype: torch.dtype,

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from converters.calibration.gptq_rounding import ROUNDED_DIR
-from converters.errors import RequestError
+from converters.errors import ConversionError, RequestError
 from converters.model.sources import ModelSourceOptions, confinement_for
 from converters.pipeline.driver import run_stages
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
@@ -129,6 +129,13 @@ def test_shard_tasks_write_the_same_bytes(tmp_path_factory):
     finish_serving_export(run.serving[W4A4], model_dir, results, tasks_dir / "serving" / W4A4,
                           confinement_for(run.sources),
                           weight_scales="four_over_six")
+    # a payload whose rounded-weights file names a path elsewhere is refused, nothing read from there
+    hostile = json.loads(json.dumps(tasks[0]))
+    key = next(iter(hostile["payload"]["plan"]["rounded"]))
+    for file in ("../../model.safetensors", "/etc/passwd", ".."):
+        hostile["payload"]["plan"]["rounded"][key] = file
+        with pytest.raises(ConversionError, match="is not a file name in the run's rounded-weights directory"):
+            run_serving_write(hostile["shard"], hostile["payload"], model_dir, tmp_path_factory.mktemp("hostile"))
     write_serving_exports(run, whole)
     name = f"serving/{W4A4}/model.safetensors"
     assert (whole / name).read_bytes() == (tasks_dir / name).read_bytes()
