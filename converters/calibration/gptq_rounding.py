@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from converters.calibration.layer_replay import under
 from converters.calibration.sequential import LayerPass
 from converters.casts.emulation import max_abs
+from converters.model.threads import one_intra_op_thread
 from converters.serving.nvfp4 import pack_e2m1_codes
 from converters.serving.nvfp4_codes import dequantize_stepped
 from converters.serving.nvfp4_gptq import ROUNDED_TENSORS, HessianAccumulator, gptq_codes_stepped
@@ -156,7 +157,7 @@ class GptqRounding:
         for path, weight in weights.items():
             step, scales = fmt.rounding_scales(weight, amax)
             if self.leader:
-                with _one_thread():
+                with one_intra_op_thread():
                     codes = gptq_codes_stepped(weight, matrix, step, act_order=self.act_order)
             else:
                 codes = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
@@ -221,15 +222,3 @@ def _weights_replaced(layer_pass: LayerPass, values: dict[str, torch.Tensor]) ->
     finally:
         for path, data in kept.items():
             _linear(layer_pass, path).weight.data = data
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """GPTQ's column loop is a few dozen small operations per column: one intra-op thread runs it faster than two
-    (measured in docs/benchmarks/nvfp4-gptq-2026-12-04.md)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

@@ -9,11 +9,10 @@ groups' shared weight amax) are made between the phases from the tasks' results
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from converters.casts.emulation import max_abs
 from converters.errors import ModelConfigError, RequestError
 from converters.model.safetensors_stream import SourceTensor, planned_entry, read_tensor_index
+from converters.model.threads import one_intra_op_thread
 from converters.modelfree.source import ShardReader
 from converters.modelfree.targets import model_free_target
 from converters.rewrite import Compute, Copy, planned_bytes
@@ -106,7 +106,7 @@ def shard_weight_amax(task: AmaxTask) -> AmaxResult:
     """Each listed weight's largest magnitude, exact in float32, reading one weight at a time."""
     reader = ShardReader(task.source_dir, task.shard, task.reads, dequantize=bool(task.stored))
     dtype = getattr(torch, task.scale_dtype)
-    with _one_thread():
+    with one_intra_op_thread():
         # in the weight's dtype (exact there), without fp32 and |w| copies of it: one aminmax pass (+ 0.0: an all-zero
         # weight's -0.0 max reads 0.0, as |w|'s did)
         amax = {key: float(max_abs(reader.weight(key, task.stored.get(key), dtype)).float()) + 0.0
@@ -136,7 +136,7 @@ def write_shard(task: WriteTask) -> WriteResult:
     written in that dtype (the target keeps it in high precision). Every other tensor is copied as its bytes.
     """
     tensors, metadata = read_tensor_index(Path(task.source_dir) / task.shard)
-    with _one_thread():
+    with one_intra_op_thread():
         written = rewrite_shard(Path(task.out_dir) / task.shard, _steps(task, tensors), metadata)
     stats = dict(note for note in written.notes if note is not None)
     logger.info("%s: %d weights converted", task.shard, len(task.convert))
@@ -217,20 +217,6 @@ def _to_device(read: Callable[[], torch.Tensor], device: torch.device) -> torch.
     """What ``read()`` gives, on ``device`` (runs on the rewrite's reader thread, so the copy overlaps the casts);
     the writer brings the outputs back to host memory."""
     return read().to(device)
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch's intra-op threads set to one for a task (restored after): a task's parallelism is the job's workers,
-    one process each, and intra-op threads on top of them oversubscribe the cores; on a machine whose cores other
-    jobs share, every op on more than 32 Ki elements then waits at its threads' barrier for a time slice
-    (docs/benchmarks/requantize-2026-12-03b.md)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)

@@ -140,16 +140,22 @@ def test_a_layer_without_nvfp4_weights_still_carries_the_rounded_stream(tmp_path
     assert sorted(path.name for path in tmp_path.iterdir()) == [f"layer-00001-{FAMILY}.safetensors"]
     with torch.no_grad():
         stream = [blocks[0](hidden) for hidden in inputs]  # layer 0 unrounded: its outputs as they are
-    captured = HessianAccumulator(WIDTH)
-    handle = blocks[1].out.register_forward_pre_hook(lambda _, args: captured.add(args[0]))
-    with torch.no_grad():
-        for hidden in stream:
-            blocks[1](hidden)
-    handle.remove()
+    captured = _out_hessian(blocks[1], stream)
     weight = blocks[1].out.weight.detach()
     _, scale, scale_global = quantize_nvfp4(weight, float(weight.abs().max()))
     codes = gptq_codes(weight, captured.matrix, scale, scale_global, act_order=True)
     assert torch.equal(_stored(rounding, "model.layers.1.out.weight")[0], _pack(codes))
+
+
+def _out_hessian(block: Block, stream: list[torch.Tensor]) -> HessianAccumulator:
+    """The Hessian of ``block``'s output Linear's inputs when ``stream`` runs through the block."""
+    captured = HessianAccumulator(WIDTH)
+    handle = block.out.register_forward_pre_hook(lambda _, args: captured.add(args[0]))
+    with torch.no_grad():
+        for hidden in stream:
+            block(hidden)
+    handle.remove()
+    return captured
 
 
 def _weight(walked, index: int, name: str) -> torch.Tensor:
@@ -187,12 +193,7 @@ def test_each_layout_is_rounded_on_the_stream_of_its_own_rounded_layers(tmp_path
         getattr(first, name).weight.data = dequantize_stepped(unpack_codes(packed), block_scale.float() * scale_2)
     with torch.no_grad():
         stream = [first(hidden) for hidden in inputs]
-    captured = HessianAccumulator(WIDTH)
-    handle = blocks[1].out.register_forward_pre_hook(lambda _, args: captured.add(args[0]))
-    with torch.no_grad():
-        for hidden in stream:
-            blocks[1](hidden)
-    handle.remove()
+    captured = _out_hessian(blocks[1], stream)
     weight = blocks[1].out.weight.detach()
     step, _ = MODELOPT_NVFP4.rounding_scales(weight, float(weight.abs().max()))
     codes = gptq_codes_stepped(weight, captured.matrix, step, act_order=True)

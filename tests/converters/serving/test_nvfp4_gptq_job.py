@@ -45,12 +45,17 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {key: handle.get_tensor(key) for key in handle.keys()}
 
 
+def _group_amax(source: dict[str, torch.Tensor], group: list[str]) -> float:
+    """The fused group's largest |w|: the writers' shared weight amax."""
+    return max(float(source[f"{path}.weight"].float().abs().max()) for path in group)
+
+
 def test_the_exports_hold_gptq_codes_under_the_recipes_scales(job):
     model_dir, out = job
     source = _tensors(model_dir / "model.safetensors")
     served, weight_only = (_tensors(out / "serving" / name / "model.safetensors") for name in (W4A4, A16))
     for group in GROUPS:
-        amax = max(float(source[f"{path}.weight"].float().abs().max()) for path in group)
+        amax = _group_amax(source, group)
         for path in group:
             nearest, scale, scale_global = quantize_nvfp4(source[f"{path}.weight"], amax, scale_search="four_over_six")
             assert torch.equal(served[f"{path}.weight_scale"].view(torch.uint8), scale.view(torch.uint8))
@@ -72,7 +77,7 @@ def test_the_modelopt_export_holds_gptq_codes_under_its_own_scales(job):
     source = _tensors(model_dir / "model.safetensors")
     served, ct = (_tensors(out / "serving" / name / "model.safetensors") for name in (MODELOPT, W4A4))
     for group in GROUPS:
-        amax = max(float(source[f"{path}.weight"].float().abs().max()) for path in group)
+        amax = _group_amax(source, group)
         for path in group:
             nearest = MODELOPT_NVFP4.quantize(source[f"{path}.weight"], 1.0, torch.bfloat16, weight_amax=amax)
             for index, suffix in ((1, "weight_scale"), (2, "weight_scale_2")):
