@@ -14,13 +14,22 @@ model-free requantize, nothing that needs the project's venv (torchao, transform
   3. gptq: NVFP4 GPTQ rounding (``nvfp4_weight_rounding: gptq``, converters.serving.nvfp4_gptq) of an 8B
      ``down_proj``-shaped weight on the CPU and on the device from the same Hessian: the share of codes that agree,
      each one's output error on the Hessian's inputs, and the seconds (a GPU job rounds on its GPU).
+  4. job: one calibrated job (``converters.convert``: torchao backend, layer-sequential calibration, GPTQ-rounded
+     NVFP4, compressed-tensors FP8 with FP8 KV scales, the report's quality pass) on a random Llama, run twice in
+     child processes: once with the GPU hidden (CPU) and once on it (a job takes the GPU whenever torch sees one);
+     then the same with nearest rounding, and without the measurements (a failing variant is a result: the next
+     still runs). Compared: each export's tensors (bytes the same, or the largest relative difference of scales,
+     the share of FP8 / packed FP4 bytes that agree), the report's quality figures, the seconds. Needs the
+     project's torchao and transformers, carried as wheels (the image's transformers is older than the project's
+     floor; the wheel list is in docs/benchmarks/gpu-job-2026-12-04.md).
 
 What does not run there, and why: vLLM's CUDA build (issue #36's GPU rows) is not in the image and its wheels are
-far over what a call may carry; a calibrated 8B job needs the project's torchao and transformers.
+far over what a call may carry; an 8B calibrated job needs the 8B's real weights, which nothing can fetch there.
 
     # here, a rehearsal of the same steps on the CPU at a small size (no GPU on this machine):
     .venv/bin/python benchmarks/gpu_checks.py --device cpu --small --workdir /tmp/gpu-checks
-    # on the lent machine, in one call of the device tool's run (the start apart), stopping new runs after 7 minutes:
+    # on the lent machine, in one call of the device tool's run (the start apart), stopping new runs after 7 minutes
+    # (with the wheels: see the dated file):
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py --budget-s 420 --json $OUT/gpu_checks.json
 
 Results (the printed table and the JSON) go to a dated file under docs/benchmarks/.
@@ -58,12 +67,18 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of: " + ", ".join(FORMATS))
     parser.add_argument("--skip-bytes", action="store_true")
     parser.add_argument("--skip-gptq", action="store_true")
+    parser.add_argument("--skip-job", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--job-child", nargs=3, metavar=("MODEL", "OUT", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--sqnr-only", action="store_true", help="of the speed runs, only those with the SQNR on")
     parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each run)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no run after this many seconds from the start (a lease's time is short: what ran "
                              "is kept, what did not is listed as skipped)")
     args = parser.parse_args()
+    if args.job_child:
+        _job_child(Path(args.job_child[0]), Path(args.job_child[1]), args.job_child[2])
+        return
     formats = [name for name in args.formats.split(",") if name]
     started = time.perf_counter()
     import torch
@@ -79,14 +94,18 @@ def main() -> None:
     results: dict = {"environment": environment, "skipped": []}
     ledger = _Ledger(results, args.json, started, args.budget_s)
     try:
+        if not args.skip_job and ledger.may_start("job"):
+            results["job"] = _job(args.workdir, args.device, small=args.small, ledger=ledger)
+            ledger.save()
         if not args.skip_gptq and ledger.may_start("gptq"):
             results["gptq"] = _gptq(args.device, small=args.small)
             ledger.save()
         if not args.skip_bytes:
             results["bytes"] = _same_bytes(convert_model_free, args.workdir, formats, args.device, ledger)
         size = REHEARSAL if args.small else LLAMA_8B
-        results["speed"] = _speed(convert_model_free, args.workdir, size, formats, args.device, args.workers, ledger,
-                                  sqnr_only=args.sqnr_only)
+        if not args.skip_speed:
+            results["speed"] = _speed(convert_model_free, args.workdir, size, formats, args.device, args.workers,
+                                      ledger, sqnr_only=args.sqnr_only)
     finally:
         ledger.save()
         shutil.rmtree(args.workdir, ignore_errors=True)
@@ -179,6 +198,104 @@ def _gptq(device: str, *, small: bool) -> dict:
           f"{result['cpu_output_error']:.4g}, {device} {result[f'{device}_output_error']:.4g}; "
           f"cpu {result['cpu_s']} s, {device} {result[f'{device}_s']} s", flush=True)
     return result
+
+
+#: the jobs of step 4, each on the CPU and on the device: what a GPU worker runs for a serving user who asks for
+#: GPTQ NVFP4 and FP8 with FP8 KV scales, then the same with less (a failure of the first still tells what works)
+JOB_VARIANTS = {
+    "gptq-kv-measured": {"recipe": {"backend": "ao", "nvfp4_weight_scales": "four_over_six",
+                                    "nvfp4_weight_rounding": "gptq"},
+                         "serving_formats": ["compressed-tensors-fp8", "nvfp4"], "kv_cache": "fp8"},
+    "nearest-kv-measured": {"recipe": {"backend": "ao"}, "serving_formats": ["compressed-tensors-fp8", "nvfp4"],
+                            "kv_cache": "fp8"},
+    "nearest-unmeasured": {"recipe": {"backend": "ao"}, "serving_formats": ["compressed-tensors-fp8", "nvfp4"],
+                           "measure": False},
+}
+
+
+def _job_child(model: Path, out: Path, variant: str) -> None:
+    """One job, in its own process (where torch sees the GPU or not), timed; its seconds go to ``out``'s side file."""
+    import torch
+
+    from converters import convert, local_sources
+    from converters.pipeline.request import CalibrationSettings
+
+    clock = time.perf_counter()
+    convert(str(model), out, **JOB_VARIANTS[variant], sources=local_sources(model.parent),
+            calibration=CalibrationSettings(steps=8, batch_size=2, seq_len=128))
+    seconds = round(time.perf_counter() - clock, 2)
+    (out.parent / f"{out.name}.seconds.json").write_text(json.dumps(
+        {"seconds": seconds, "cuda": torch.cuda.is_available()}))
+
+
+def _job(workdir: Path, device: str, *, small: bool, ledger: _Ledger) -> dict:
+    """Step 4: each job variant on the CPU and on ``device`` (the GPU hidden from the first child)."""
+    from converters.model.demo import build_tiny_llama
+
+    model = build_tiny_llama(workdir / "job" / "llama", hidden_size=256 if small else 1024, layers=4)
+    rows = ledger.results.setdefault("job", {})
+    for variant in JOB_VARIANTS:
+        if not ledger.may_start(f"job {variant}"):
+            continue
+        outs, failed = {}, {}
+        for role in ("cpu", "device"):  # "device" with --device cpu (a rehearsal) is a second CPU run
+            env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if role == "cpu" or device == "cpu" else {}))
+            outs[role] = workdir / "job" / f"{variant}-{role}"
+            done = subprocess.run([sys.executable, __file__, "--job-child", str(model), str(outs[role]), variant],
+                                  env=env, capture_output=True, text=True)
+            if done.returncode:
+                failed[role] = done.stderr[-3000:]
+                print(f"job {variant} on {role} FAILED:\n{failed[role]}", flush=True)
+        rows[variant] = {"failed": failed} if failed else _compare_jobs(outs["cpu"], outs["device"],
+                                                                        JOB_VARIANTS[variant]["serving_formats"])
+        print(f"job {variant}:", json.dumps(rows[variant], indent=1), flush=True)
+        ledger.save()
+    return rows
+
+
+def _compare_jobs(cpu_out: Path, device_out: Path, formats: list[str]) -> dict:
+    roles = (("cpu", cpu_out), ("device", device_out))
+    reports = {role: json.loads((out / "fp8_report.json").read_text()) for role, out in roles}
+    result: dict = {"seconds": {}, "quality": {}, "exports": {}}
+    for role, out in roles:
+        side = json.loads((out.parent / f"{out.name}.seconds.json").read_text())
+        result["seconds"][role] = side["seconds"]
+        result.setdefault("ran_on_cuda", {})[role] = side["cuda"]
+        quality = reports[role]["quality"]
+        if quality.get("measured"):
+            result["quality"][role] = {name: {"perplexity": row.get("perplexity"), "kl_mean": row.get("kl_mean")}
+                                       for name, row in [("training", quality["training"]),
+                                                         *quality["serving"].items()]}
+    result["device_in_report"] = {role: report["pipeline"]["device"] for role, report in reports.items()}
+    for fmt in formats:
+        result["exports"][fmt] = _export_agreement(cpu_out / "serving" / fmt, device_out / "serving" / fmt)
+    return result
+
+
+def _export_agreement(cpu_dir: Path, device_dir: Path) -> dict:
+    """Per tensor kind of two exports of one job: how many tensors are the same bytes; of those that differ, the
+    largest relative difference (scales, high-precision weights) or the share of bytes that agree (FP8 / packed FP4
+    codes)."""
+    import torch
+    from safetensors import safe_open
+
+    kinds: dict[str, dict] = {}
+    for cpu_file in sorted(cpu_dir.glob("*.safetensors")):
+        with safe_open(cpu_file, "pt") as cpu, safe_open(device_dir / cpu_file.name, "pt") as other:
+            for key in cpu.keys():
+                a, b = cpu.get_tensor(key).reshape(-1), other.get_tensor(key).reshape(-1)
+                kind = kinds.setdefault(key.rsplit(".", 1)[-1], {"tensors": 0, "same_bytes": 0})
+                kind["tensors"] += 1
+                if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                    kind["same_bytes"] += 1
+                elif a.dtype in (torch.uint8, torch.float8_e4m3fn) and a.numel() > 64:
+                    agree = float((a.view(torch.uint8) == b.view(torch.uint8)).float().mean())
+                    kind["least_bytes_agree"] = min(kind.get("least_bytes_agree", 1.0), round(agree, 5))
+                else:
+                    relative = float(((a.float() - b.float()).abs() / a.float().abs().clamp_min(1e-12)).max())
+                    kind["largest_relative_difference"] = max(kind.get("largest_relative_difference", 0.0),
+                                                              relative)
+    return kinds
 
 
 def _tensors_differ(cpu_file: Path, device_file: Path, shown: int = 6) -> list[dict]:

@@ -130,8 +130,9 @@ class PendingRows:
     def _per_row(self, values: list[float]) -> torch.Tensor:
         import torch
 
-        counts = torch.tensor([rows for _, _, rows in self.calls])
-        return torch.tensor(values, dtype=torch.float32).repeat_interleave(counts)
+        device = self.x[0].device  # the rows' (a GPU worker's calibration gathers them on its GPU)
+        counts = torch.tensor([rows for _, _, rows in self.calls], device=device)
+        return torch.tensor(values, dtype=torch.float32, device=device).repeat_interleave(counts)
 
 
 @dataclass

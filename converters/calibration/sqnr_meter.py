@@ -182,7 +182,8 @@ class SqnrMeter:
                                             by_score=True)
             picked = torch.cat([top, spread]).sort().values
             starts = picked * CHANNEL_BLOCK
-            rows = torch.cat([torch.arange(int(start), min(int(start) + CHANNEL_BLOCK, out)) for start in starts])
+            rows = torch.cat([torch.arange(int(start), min(int(start) + CHANNEL_BLOCK, out), device=weight.device)
+                              for start in starts])
             standing = rows_in_blocks(rest, out) / rows_in_blocks(spread, out)  # each spread row stands for this many
             weights = torch.where(torch.isin(rows // CHANNEL_BLOCK, top), torch.ones(()), torch.tensor(standing))
             chosen = MeasuredChannels(rows=rows, weights=weights.float(), amax=chosen.amax)
@@ -277,7 +278,7 @@ class SqnrMeter:
         self._last_input = CallInput(
             tensor=x, version=x._version, step=step, row_amax=row_amax,
             amax=float(row_amax.max()) if row_amax.numel() else 0.0, picked=picked,
-            weights=torch.ones(count) if weights is None else weights,
+            weights=torch.ones(count, device=rows.device) if weights is None else weights,
             rows=rows if picked is None else rows.index_select(0, picked))
         return self._last_input
 
@@ -412,7 +413,7 @@ class SqnrMeter:
         if row_amax.shape[0] <= budget:
             return None, None
         outliers, rest, spread = stratified_sample(row_amax, budget, offset=step)
-        weights = torch.ones(outliers.numel() + spread.numel())
+        weights = torch.ones(outliers.numel() + spread.numel(), device=row_amax.device)
         weights[outliers.numel():] = rest.numel() / max(spread.numel(), 1)
         return torch.cat([outliers, spread]), weights
 

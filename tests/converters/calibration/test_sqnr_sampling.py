@@ -213,3 +213,20 @@ def test_row_amax_from_the_bits_equals_the_largest_magnitude(dtype):
     assert torch.equal(got.isnan(), want.isnan()) and bool(got.isnan()[2])
     assert torch.equal(got[~got.isnan()], want[~want.isnan()])
     assert float(got[1]) == float("inf") and float(got[3]) == 0.0 and not got[3].signbit()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a GPU worker's calibration meters there)")
+@pytest.mark.parametrize("recipe", ["te-current", "te-nvfp4"])
+def test_a_gpu_worker_meters_its_layers_on_the_gpu_with_the_cpu_s_figures(recipe):
+    """A calibration on a GPU observes CUDA tensors: the sampled rows, their weights and the measured channels must
+    live there too (a GPU job failed in the meter's flush before they did)."""
+    weight, x = _layer()
+    casts = [recipe_casts(parse_compare_recipe(recipe, "test"), recipe)]
+    on_cpu, on_gpu = SqnrMeter(casts), SqnrMeter(casts)
+    for step in range(4):
+        for meter, device in ((on_cpu, "cpu"), (on_gpu, "cuda")):
+            w, xs = weight.to(device), x[step].to(device)
+            meter.observe("layer", step, xs, w, output=torch.nn.functional.linear(xs, w))
+    got, want = on_gpu.result("layer", recipe), on_cpu.result("layer", recipe)
+    for what in ("weight", "input", "output"):
+        assert abs(got[what] - want[what]) < 0.05, (what, got, want)
