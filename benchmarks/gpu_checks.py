@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--skip-gptq", action="store_true")
     parser.add_argument("--skip-job", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--jobs", default=",".join(JOB_VARIANTS), help="comma-separated job variants of step 4")
     parser.add_argument("--job-child", nargs=3, metavar=("MODEL", "OUT", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--sqnr-only", action="store_true", help="of the speed runs, only those with the SQNR on")
     parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each run)")
@@ -95,7 +96,8 @@ def main() -> None:
     ledger = _Ledger(results, args.json, started, args.budget_s)
     try:
         if not args.skip_job and ledger.may_start("job"):
-            results["job"] = _job(args.workdir, args.device, small=args.small, ledger=ledger)
+            results["job"] = _job(args.workdir, args.device, args.jobs.split(","), small=args.small,
+                                  ledger=ledger)
             ledger.save()
         if not args.skip_gptq and ledger.may_start("gptq"):
             results["gptq"] = _gptq(args.device, small=args.small)
@@ -210,6 +212,11 @@ JOB_VARIANTS = {
                             "kv_cache": "fp8"},
     "nearest-unmeasured": {"recipe": {"backend": "ao"}, "serving_formats": ["compressed-tensors-fp8", "nvfp4"],
                            "measure": False},
+    # a Qwen2-MoE: the experts' own calibration walk and grouped casts
+    "moe-kv-measured": {"model": "qwen2_moe", "recipe": {"backend": "ao"},
+                        "serving_formats": ["compressed-tensors-fp8", "nvfp4"], "kv_cache": "fp8"},
+    # TransformerEngine's recipe where the GPU has no TE installed (the image has none): what a user is told
+    "te-without-te": {"recipe": {"backend": "te"}, "serving_formats": ["compressed-tensors-fp8"]},
 }
 
 
@@ -221,22 +228,27 @@ def _job_child(model: Path, out: Path, variant: str) -> None:
     from converters.pipeline.request import CalibrationSettings
 
     clock = time.perf_counter()
-    convert(str(model), out, **JOB_VARIANTS[variant], sources=local_sources(model.parent),
+    job = {key: value for key, value in JOB_VARIANTS[variant].items() if key != "model"}
+    convert(str(model), out, **job, sources=local_sources(model.parent),
             calibration=CalibrationSettings(steps=8, batch_size=2, seq_len=128))
     seconds = round(time.perf_counter() - clock, 2)
     (out.parent / f"{out.name}.seconds.json").write_text(json.dumps(
         {"seconds": seconds, "cuda": torch.cuda.is_available()}))
 
 
-def _job(workdir: Path, device: str, *, small: bool, ledger: _Ledger) -> dict:
+def _job(workdir: Path, device: str, variants: list[str], *, small: bool, ledger: _Ledger) -> dict:
     """Step 4: each job variant on the CPU and on ``device`` (the GPU hidden from the first child)."""
     from converters.model.demo import build_tiny_llama
 
-    model = build_tiny_llama(workdir / "job" / "llama", hidden_size=256 if small else 1024, layers=4)
+    models = {"llama": build_tiny_llama(workdir / "job" / "llama", hidden_size=256 if small else 1024, layers=4)}
     rows = ledger.results.setdefault("job", {})
-    for variant in JOB_VARIANTS:
+    for variant in variants:
+        job = JOB_VARIANTS[variant]
         if not ledger.may_start(f"job {variant}"):
             continue
+        if job.get("model", "llama") not in models:
+            models[job["model"]] = _tiny_moe(job["model"], workdir / "job" / job["model"])
+        model = models[job.get("model", "llama")]
         outs, failed = {}, {}
         for role in ("cpu", "device"):  # "device" with --device cpu (a rehearsal) is a second CPU run
             env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if role == "cpu" or device == "cpu" else {}))
@@ -251,6 +263,13 @@ def _job(workdir: Path, device: str, *, small: bool, ledger: _Ledger) -> dict:
         print(f"job {variant}:", json.dumps(rows[variant], indent=1), flush=True)
         ledger.save()
     return rows
+
+
+def _tiny_moe(name: str, directory: Path) -> Path:
+    """The suite's tiny MoE model ``name`` (tests/models.py), saved with the demo's tokenizer."""
+    from tests.models import save_tiny_moe  # ROOT is on the path
+
+    return save_tiny_moe(name, directory)
 
 
 def _compare_jobs(cpu_out: Path, device_out: Path, formats: list[str]) -> dict:
