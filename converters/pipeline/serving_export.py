@@ -187,16 +187,17 @@ def _write_serving_exports_as_tasks(run: Run, staging: Path, shards: ServingShar
 
 
 def job_format(name: str, recipe: Any) -> Any:
-    """The serving format ``name`` as the job's recipe asks for it: NVFP4's block scales by the recipe's
-    ``nvfp4_weight_scales`` (converters.serving.nvfp4); every other format as registered."""
+    """The serving format ``name`` as the job's recipe asks for it (see :func:`_format_with_scales`)."""
+    return _format_with_scales(name, recipe.nvfp4_weight_scales.value)
+
+
+def _format_with_scales(name: str, weight_scales: str) -> Any:
+    """The serving format ``name`` with NVFP4's block scales chosen by ``weight_scales`` (the recipe's
+    ``nvfp4_weight_scales``, converters.serving.nvfp4); every other format as registered. A shard task carries the
+    value, not the recipe."""
     fmt = serving_format(name)
     with_scale_search = getattr(fmt, "with_scale_search", None)
-    return with_scale_search(recipe.nvfp4_weight_scales.value) if with_scale_search is not None else fmt
-
-
-def _format_of(selection: ServingSelection, weight_scales: str) -> Any:
-    fmt = serving_format(selection.format)
-    return fmt.with_scale_search(weight_scales) if hasattr(fmt, "with_scale_search") else fmt
+    return with_scale_search(weight_scales) if with_scale_search is not None else fmt
 
 
 def set_serving_scales(run: Run, name: str, selection: ServingSelection) -> None:
@@ -281,7 +282,8 @@ def write_serving_shard(selection: ServingSelection, source: Path, directory: Pa
     ``write_serving_checkpoint``'s file, the weight amax taken from the selection); returns the file's tensors, their
     bytes and each quantized weight's figures (the format's own ``layer_stats`` where it has one: the SQNR comes from
     calibration). ``rounded_dir``: where calibration left the weights it rounded (the selection's ``rounded``)."""
-    return write_serving_file(_format_of(selection, weight_scales), selection, source, directory, scale_dtype,
+    fmt = _format_with_scales(selection.format, weight_scales)
+    return write_serving_file(fmt, selection, source, directory, scale_dtype,
                               check_stop=check_stop, emulated_stats=False, rounded_dir=rounded_dir)
 
 
@@ -292,7 +294,7 @@ def finish_serving_export(selection: ServingSelection, source_dir: Path, shards:
     name."""
     for shard in shards:
         selection.layer_stats.update(shard["layer_stats"])
-    fmt = _format_of(selection, weight_scales)
+    fmt = _format_with_scales(selection.format, weight_scales)
     side_files = getattr(fmt, "side_files", None)
     return [shard["file"] for shard in shards] + finish_checkpoint(
         source_dir, directory, shards, quantization_config=fmt.quantization_config(selection),

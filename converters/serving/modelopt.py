@@ -134,8 +134,7 @@ class ModelOpt:
             return [quantized, scale, _scalar(input_amax_t / E4M3_MAX)]
         if weight_amax is None:
             raise ValueError(f"{self.name} quantizes with the fused group's weight amax; none was given")
-        packed, block_scale, scale_2 = _quantize_nvfp4(weight, weight_amax)
-        return [packed, block_scale, scale_2, _scalar(input_amax_t / (E2M1_MAX * E4M3_MAX))]
+        return self.with_rounded(list(_quantize_nvfp4(weight, weight_amax)), input_amax, scale_dtype)
 
     def rounding_scales(self, weight: torch.Tensor, weight_amax: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """What GPTQ rounding holds fixed (NVFP4): each block's step ``weight_scale * weight_scale_2`` (fp32

@@ -210,10 +210,8 @@ class CompressedTensorsNVFP4:
 
     def quantize(self, weight: torch.Tensor, input_amax: float | None, scale_dtype: torch.dtype, *,
                  weight_amax: float) -> list[torch.Tensor]:
-        tensors = list(quantize_nvfp4(weight.to(scale_dtype), weight_amax, scale_search=self.scale_search))
-        if self.activations:
-            tensors.append(global_scale(torch.tensor([float(input_amax or 0.0)], dtype=scale_dtype)))
-        return tensors
+        rounded = list(quantize_nvfp4(weight.to(scale_dtype), weight_amax, scale_search=self.scale_search))
+        return self.with_rounded(rounded, input_amax, scale_dtype)
 
     def with_rounded(self, rounded: list[torch.Tensor], input_amax: float | None, scale_dtype: torch.dtype
                      ) -> list[torch.Tensor]:
