@@ -35,7 +35,6 @@ a report from another rule would let through; its reason is ``in_features_not_di
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
@@ -43,7 +42,7 @@ import torch
 
 from converters.analysis.reasons import Reason
 from converters.casts.elements import divide_exactly
-from converters.casts.emulation import E2M1_MAX, E4M3_MAX, e2m1_codes, max_abs, round_to_e2m1
+from converters.casts.emulation import E2M1_MAX, E4M3_MAX, db, e2m1_codes, max_abs, round_to_e2m1
 from converters.model.quantized.arithmetic import fp8_as_float
 from converters.model.safetensors_stream import SourceTensor, planned_entry
 from converters.serving.compressed_tensors import ignore_list
@@ -272,13 +271,9 @@ class SearchedNVFP4(CompressedTensorsNVFP4):
         signal = float(weight.float().square().sum())
         searched = float(block_errors(blocks, scale.float(), scale_global).sum())
         rounded = float(block_errors(blocks, rtn_scale, scale_global).sum())
-        return {"weight_sqnr_db": _db(signal, searched), "rtn_weight_sqnr_db": _db(signal, rounded),
+        return {"weight_sqnr_db": db(signal, searched), "rtn_weight_sqnr_db": db(signal, rounded),
                 "searched_blocks_changed": float((scale.float() != rtn_scale).float().mean()),
                 "scale_search": self.scale_search}
-
-
-def _db(signal: float, noise: float) -> float | None:
-    return None if noise <= 0 or signal <= 0 else 10 * math.log10(signal / noise)
 
 
 NVFP4 = CompressedTensorsNVFP4(name="nvfp4", activations=True)

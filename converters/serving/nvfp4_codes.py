@@ -8,11 +8,9 @@ weight_scale_2`` in ModelOpt's.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from converters.casts.emulation import E2M1_GRID, e2m1_codes
+from converters.casts.emulation import E2M1_GRID, db, e2m1_codes
 
 __all__ = ["GROUP", "SIGNED_E2M1", "dequantize_stepped", "rounding_stats", "unpack_codes"]
 
@@ -38,7 +36,6 @@ def rounding_stats(weight: torch.Tensor, codes: torch.Tensor, block_step: torch.
     signal = float(reference.square().sum())
 
     def sqnr(of: torch.Tensor) -> float | None:
-        noise = float((dequantize_stepped(of, block_step) - reference).square().sum())
-        return None if noise <= 0 or signal <= 0 else 10 * math.log10(signal / noise)
+        return db(signal, float((dequantize_stepped(of, block_step) - reference).square().sum()))
 
     return {"weight_sqnr_db": sqnr(codes), "nearest_weight_sqnr_db": sqnr(nearest)}
