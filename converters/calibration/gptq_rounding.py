@@ -42,6 +42,7 @@ import torch
 import torch.distributed
 from safetensors.torch import save_file
 
+from converters.calibration.kv_cache import unrecorded
 from converters.calibration.layer_replay import under
 from converters.calibration.sequential import LayerPass
 from converters.casts.emulation import max_abs
@@ -167,9 +168,10 @@ class GptqRounding:
         return rounded
 
     def _forward(self, layer_pass: LayerPass, stream: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The layer's outputs on ``stream``, in the dtype the layers hand each other."""
+        """The layer's outputs on ``stream``, in the dtype the layers hand each other; the KV-cache recorder does
+        not see them (the job's KV scales are the high-precision stream's, as every other scale)."""
         storage = layer_pass.outputs[0].dtype if layer_pass.outputs else None
-        with torch.no_grad():
+        with torch.no_grad(), unrecorded(layer_pass.layer):
             return [_hidden(layer_pass.call(layer_pass.layer, step, hidden), storage)
                     for step, hidden in enumerate(stream)]
 

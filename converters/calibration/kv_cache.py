@@ -56,7 +56,7 @@ from torch import nn
 from converters.calibration.kv_search import Gather, KvSearch, KvStep, search_kv_scales
 from converters.errors import CalibrationDataError
 
-__all__ = ["KvAmax", "KvCacheRecorder", "SEARCH_BUFFER_BYTES", "recording_kv_amax"]
+__all__ = ["KvAmax", "KvCacheRecorder", "SEARCH_BUFFER_BYTES", "recording_kv_amax", "unrecorded"]
 
 #: the most bytes of one layer's queries, keys and values kept for its scale search (256 MiB: 4096 tokens of a
 #: 8192-wide model in fp32 with 8 KV heads of 128 fit)
@@ -286,3 +286,16 @@ def recording_kv_amax(model: nn.Module) -> Iterator[KvCacheRecorder]:
                 if _ACTIVE.get(module, (None,))[0] is recorder:
                     del _ACTIVE[module]
             _uninstall(names)
+
+
+@contextmanager
+def unrecorded(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` (a decoder layer, say) unseen by any KV recorder for the block: a pass over other hidden
+    states than the calibration's own (GPTQ's rounded stream) must not move the job's KV scales."""
+    with _LOCK:
+        paused = {child: _ACTIVE.pop(child) for child in module.modules() if child in _ACTIVE}
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _ACTIVE.update(paused)

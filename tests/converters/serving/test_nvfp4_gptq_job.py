@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from converters.calibration.gptq_rounding import ROUNDED_DIR
 from converters.errors import ConversionError, RequestError
+from converters.model.demo import build_tiny_llama
 from converters.model.sources import ModelSourceOptions, confinement_for
 from converters.pipeline.driver import run_stages
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
@@ -145,6 +146,26 @@ def test_shard_tasks_write_the_same_bytes(tmp_path_factory):
     name = f"serving/{W4A4}/model.safetensors"
     assert (whole / name).read_bytes() == (tasks_dir / name).read_bytes()
     assert not (whole / ROUNDED_DIR).exists()
+
+
+def test_gptq_changes_only_the_codes_it_rounds_and_no_scale_kv_scales_included(tmp_path_factory):
+    """GPTQ's extra passes run the layers on the rounded stream: nothing they see may move a scale of the job (they
+    once reached the KV-cache recorder and moved the k/v scales of every layer after the first)."""
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("nvfp4-gptq-kv") / "llama", hidden_size=256, layers=3)
+    written = {}
+    for rounding in ("nearest", "gptq"):
+        out = export(model_dir, (FP8, W4A4), recipe={**RECIPE, "nvfp4_weight_rounding": rounding}, kv_cache="fp8",
+                     measure=False, calibration=CalibrationSettings(steps=4, batch_size=2, seq_len=64))
+        written[rounding] = {fmt: _tensors(out / "serving" / fmt / "model.safetensors") for fmt in (FP8, W4A4)}
+        shutil.move(out, model_dir.parent / f"out-{rounding}")
+    nearest, gptq = written["nearest"], written["gptq"]
+    assert [key for key in gptq[FP8] if key.endswith(("k_scale", "v_scale"))]  # the job wrote KV scales
+    for fmt in (FP8, W4A4):
+        assert sorted(nearest[fmt]) == sorted(gptq[fmt])
+        differ = sorted(key for key, tensor in gptq[fmt].items() if not torch.equal(tensor, nearest[fmt][key]))
+        codes = [key for key in differ if key.endswith(".weight_packed")]
+        assert differ == (codes if fmt == W4A4 else []), differ
+    assert len(codes) >= 4  # GPTQ chose other codes than nearest rounding in the rounded layers
 
 
 def test_a_whole_model_calibration_is_refused_naming_the_field(tmp_path_factory):
