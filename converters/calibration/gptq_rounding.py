@@ -25,9 +25,9 @@ are per family. MoE expert matrices are not rounded here (they keep round to nea
 
 In a data-parallel walk (torch.distributed ranks, each running its share of the steps), each group's Hessian is the
 SUM over the ranks of their steps' ``X^T X`` and rows, rank 0 rounds and broadcasts the codes, and every rank runs
-its steps of the stream with them; rank 0 alone stores the files (it writes the export). The rounded stream is not
-in the resume record, so such a job does not resume part-way (:func:`~converters.pipeline.serving_export.
-serving_rounding` says so).
+its steps of the stream with them; rank 0 alone stores the files (it writes the export). A resume record
+(:mod:`converters.distributed.resume`) keeps each family's stream and the rounded files per finished layer, so a
+restarted job continues at its first unfinished layer (:meth:`GptqRounding.resume`).
 """
 
 from __future__ import annotations
@@ -86,11 +86,17 @@ class GptqRounding:
         self.rounded: dict[str, dict[str, str]] = {family: {} for family in self.families}
         self.seconds = 0.0  #: wall seconds spent here (the extra forwards and the rounding)
         self._streams: dict[str, list[torch.Tensor]] | None = None  #: family -> its rounded stream
+        self._restored = False
 
     def __call__(self, layer_pass: LayerPass) -> None:
         started = time.perf_counter()
         if self._streams is None:  # the first layer's inputs: no layer before it is rounded
             self._streams = {family: list(layer_pass.inputs) for family in self.families}
+        elif self._restored:  # a resume record's streams, read to host memory: onto the layer's device
+            device = layer_pass.inputs[0].device
+            self._streams = {family: [hidden.to(device) for hidden in stream]
+                             for family, stream in self._streams.items()}
+            self._restored = False
         for family, (fmt, keys) in self.families.items():
             stream = self._streams[family]
             paths = [path for path in keys if under(path, layer_pass.path)]
@@ -105,6 +111,25 @@ class GptqRounding:
             with _weights_replaced(layer_pass, {path: values for path, (_, values) in rounded.items()}):
                 self._streams[family] = self._forward(layer_pass, stream)
         self.seconds += time.perf_counter() - started
+
+    def streams(self) -> dict[str, list[torch.Tensor]]:
+        """Each family's stream after the last layer rounded: the next layer's input (for a resume record)."""
+        return dict(self._streams or {})
+
+    def layer_files(self, index: int) -> dict[str, dict[str, str]]:
+        """Family -> weight key -> file of layer ``index``'s rounded weights (those this process stored)."""
+        prefix = f"layer-{index:05d}-"
+        files = {family: {key: name for key, name in rounded.items() if name.startswith(prefix)}
+                 for family, rounded in self.rounded.items()}
+        return {family: named for family, named in files.items() if named}
+
+    def resume(self, streams: dict[str, list[torch.Tensor]], finished: list[dict[str, dict[str, str]]]) -> None:
+        """Continue after a resume record's finished layers: their streams' last outputs (this process's steps)
+        and the files of the weights they rounded (already back in ``directory``)."""
+        self._streams, self._restored = streams, True
+        for files in finished:
+            for family, named in files.items():
+                self.rounded.setdefault(family, {}).update(named)
 
     def summary(self) -> dict[str, Any]:
         """The report's record of the rounding: method, weights rounded per family, seconds."""

@@ -154,7 +154,8 @@ class Resumed:
 
 class LayerBoundary(Protocol):
     """What a data-parallel or resumable walk does between layers (:mod:`converters.distributed`): which steps
-    this process runs, where it resumes, and the reduction and record after each layer (and the head)."""
+    this process runs, where it resumes, and after each layer the reduction (``layer_done``, before ``after_layer``,
+    which sees the reduced amax) and the record (``layer_finished``, after it), and the head's reduction."""
 
     world_size: int  #: the processes sharing the steps
 
@@ -163,6 +164,8 @@ class LayerBoundary(Protocol):
     def resume(self, layers: int) -> Resumed | None: ...
 
     def layer_done(self, index: int, recorder: AmaxRecorder, outputs: list[torch.Tensor]) -> None: ...
+
+    def layer_finished(self, index: int) -> None: ...
 
     def head_done(self, recorder: AmaxRecorder) -> None: ...
 
@@ -262,7 +265,7 @@ def calibrate_layer_by_layer(
                                       keep_embeddings=None in by_layer)
         choose_compute(passes, checkpoint, compute_dtype, stats)
         if resumed is not None:
-            passes.hidden_in = list(resumed.hidden)
+            passes.hidden_in = [hidden.to(checkpoint.device) for hidden in resumed.hidden]  # read to host memory
             if on_layer is not None and first:
                 on_layer(first, total)
         for index in range(first, stack.count):
@@ -344,6 +347,8 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
                               amax=recorder.results(), outputs=outputs, inputs=inputs,
                               call=lambda module, step, hidden=None: passes.call(
                                   module, index, step, inputs[step] if hidden is None else hidden)))
+    if boundary is not None:  # after after_layer: a resume record of the layer holds what that did (GPTQ's stream)
+        boundary.layer_finished(index)
     layer_done_for_sqnr()  # this layer's Linears are not called again: their cast weights can go
     release_layer(layer, dtypes)
     passes.hidden_in = outputs

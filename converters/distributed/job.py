@@ -29,13 +29,12 @@ class DistributedJob:
 
     def layer_boundary(self, request: Mapping[str, Any], model_dir: Path, stack: LayerStack,
                        batches: list[dict[str, Any]], paths: list[str], *, kv: Any, meter: Any,
-                       resumable: bool = True) -> RankedLayerWalk:
+                       rounding: Any = None) -> RankedLayerWalk:
         """The calibration's ``boundary`` for this rank, its resume record keyed by the job's fingerprint: the
         ``request`` (as a dict), the model's weight files in ``model_dir`` (names and sizes), the layer list, the
         layers calibrated and the batches' tokens; a record left by anything else is started over.
 
-        ``resumable`` False: no record is read or written (a walk whose state is more than the record holds: GPTQ
-        rounding's stream).
+        ``rounding``: the job's GPTQ rounding (an ``after_layer``), whose streams and files the record keeps too.
 
         A job with a KV recorder (``kv_cache``) reduces its KV amax and runs each attention layer's scale search
         over every rank's steps at the layer's end, and records both per layer: its scales are the one-rank run's.
@@ -43,8 +42,8 @@ class DistributedJob:
         files = [(path.name, path.stat().st_size) for path in weight_files(model_dir)]
         tokens = [value for batch in batches for _, value in sorted(batch.items()) if hasattr(value, "numel")]
         job = fingerprint([dict(request), files, stack.path, stack.count, paths, *tokens])
-        store = ResumeStore(self.resume_dir, job) if self.resume_dir is not None and resumable else None
-        return RankedLayerWalk(self.info, store, stack.path, kv=kv, meter=meter)
+        store = ResumeStore(self.resume_dir, job) if self.resume_dir is not None else None
+        return RankedLayerWalk(self.info, store, stack.path, kv=kv, meter=meter, rounding=rounding)
 
     def quality_share(self, run: QualityRun, staging: Path) -> QualityShare:
         """This rank's share of the quality pass about to run on ``staging``'s exports (rank 0 tells the others

@@ -15,15 +15,18 @@ job's figures before the next layer:
 * **SQNR sums** (signal and noise per layer, recipe and operand): a SUM in rank order, equal to the one-rank run's
   within float reordering (the dB figures are rounded to 0.01).
 
-Then the layer is written to the resume record (:mod:`converters.distributed.resume`) when there is one: every rank
-its steps' outputs, rank 0 the reduced record once all have. A restart (any number of ranks, any hosts reaching the
-record) reloads the finished layers instead of running them and continues at the first unfinished one.
+Then, once the walk's ``after_layer`` work is done (GPTQ rounding: :mod:`converters.calibration.gptq_rounding`),
+the layer is written to the resume record (:mod:`converters.distributed.resume`) when there is one: every rank its
+steps' outputs (and of each GPTQ family's stream), rank 0 the layer's rounded weights and the reduced record once all
+have. A restart (any number of ranks, any hosts reaching the record) reloads the finished layers instead of running
+them and continues at the first unfinished one.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +42,7 @@ from converters.distributed.resume import LayerRecord, ResumeStore
 from converters.model.experts import parse_unit_path
 
 if TYPE_CHECKING:
+    from converters.calibration.gptq_rounding import GptqRounding
     from converters.calibration.sqnr_meter import SqnrMeter
 
 __all__ = ["RankedLayerWalk"]
@@ -48,13 +52,17 @@ class RankedLayerWalk:
     """The between-layers work of one rank (see the module docstring); ``store`` None: no resume record."""
 
     def __init__(self, info: RankInfo, store: ResumeStore | None, stack_path: str, *,
-                 kv: KvCacheRecorder | None = None, meter: SqnrMeter | None = None) -> None:
+                 kv: KvCacheRecorder | None = None, meter: SqnrMeter | None = None,
+                 rounding: GptqRounding | None = None) -> None:
         self.info = info
         self.world_size = info.world_size
         self.store = store
         self.stack_path = stack_path
         self.kv = kv
         self.meter = meter
+        self.rounding = rounding
+        self._done: LayerRecord | None = None  #: the reduced layer, recorded once its after_layer work is done
+        self._outputs: list[torch.Tensor] = []
         if meter is not None and info.world_size > 1:
             # a layer's sampled rows wait for the reduced history (use_step_amax): no flush before the layer's end
             meter.flush_rows = meter.pending_bytes = sys.maxsize
@@ -90,21 +98,42 @@ class RankedLayerWalk:
             if self.meter is not None:
                 self.meter.replace_sums(record.sqnr)
         hidden = self.store.load_outputs(count - 1, self._steps)
+        if self.rounding is not None:
+            streams = {family: self.store.load_outputs(count - 1, self._steps, stream=family)
+                       for family in self.rounding.families}
+            if self.rounding.directory is not None:
+                self.store.restore_rounded(records, self.rounding.directory)
+            self.rounding.resume(streams, [record.rounded for record in records])
         return Resumed(next_layer=count, amax=amax, hidden=hidden)
 
     def layer_done(self, index: int, recorder: AmaxRecorder, outputs: list[torch.Tensor]) -> None:
+        """The layer's figures reduced over the ranks (recorded by :meth:`layer_finished`)."""
         layer_path = f"{self.stack_path}.{index}"
         self._reduce_recorder(recorder)
         kv = self._reduce_kv(lambda path: under(path, layer_path))
         sqnr = self._reduce_sqnr(recorder, lambda path: under(path, layer_path))
-        if self.store is None:
+        amax = {path: {name: getattr(layer, name) for name in ("forward", "backward", "tokens")
+                       if getattr(layer, name) is not None} for path, layer in recorder.results().items()}
+        self._done, self._outputs = LayerRecord(index=index, amax=amax, sqnr=sqnr, kv=kv), outputs
+
+    def layer_finished(self, index: int) -> None:
+        """The layer in the resume record, with what GPTQ rounding made of it, when there is a record."""
+        record, outputs = self._done, self._outputs
+        self._done, self._outputs = None, []
+        if self.store is None or record is None:
             return
         self.store.save_outputs(index, self._steps, outputs)
+        if self.rounding is not None:
+            for family, stream in self.rounding.streams().items():
+                self.store.save_outputs(index, self._steps, stream, stream=family)
         self._barrier()  # every rank's outputs are on disk before rank 0 says the layer is finished
         if self.info.leader:
-            amax = {path: {name: getattr(layer, name) for name in ("forward", "backward", "tokens")
-                           if getattr(layer, name) is not None} for path, layer in recorder.results().items()}
-            self.store.save_layer(LayerRecord(index=index, amax=amax, sqnr=sqnr, kv=kv))
+            if self.rounding is not None:
+                rounded = self.rounding.layer_files(index)
+                self.store.save_rounded([self.rounding.directory / name for files in rounded.values()
+                                         for name in set(files.values())])
+                record = replace(record, rounded=rounded)
+            self.store.save_layer(record)
 
     def head_done(self, recorder: AmaxRecorder) -> None:
         """The head runs after the last layer and is not recorded: a restart past every layer runs it again."""

@@ -5,10 +5,11 @@ rank can reach (a cluster's shared file system). After each layer:
 
 * every rank writes its steps' outputs of that layer, ``hidden/layer-<i>-step-<s>.safetensors`` (one file a step,
   so that a restart with another number of ranks reads its own share);
+* with GPTQ rounding, also its steps of each rounding family's stream (the hidden states the rounded layers give),
+  ``hidden/layer-<i>-step-<s>-<family>.safetensors``, and rank 0 the layer's rounded weights, ``rounded/<file>``;
 * then, once all ranks have written theirs, rank 0 writes ``layer-<i>.safetensors``: the layer's amax (reduced over
-  the ranks), its attention layers' KV amax and KV scale search, and its SQNR sums; that file is what says the layer
-  is finished. The
-  previous layer's outputs are then removed.
+  the ranks), its attention layers' KV amax and KV scale search, its SQNR sums and its rounded weights' files; that
+  file is what says the layer is finished. The previous layer's outputs are then removed.
 
 Every file is written to a temporary name, fsynced and renamed into place, so a reader never sees half of one.
 ``job.json`` holds the job's fingerprint (request, model files, calibration data, layers): a record left by a
@@ -22,7 +23,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,8 @@ class LayerRecord:
     amax: dict[str, dict[str, torch.Tensor]]  #: path -> {"forward", and "backward", "tokens" where recorded}
     kv: dict[str, KvAmax]  #: attention path -> its KV amax, dtype and chosen clipping
     sqnr: list[tuple[str, str, str, float, float]]  #: (path, label, what, signal, noise)
+    #: GPTQ rounding: family -> weight key -> its file under ``rounded/`` (the layer's weights it rounded)
+    rounded: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         tensors = {f"amax/{path}/{name}": tensor.contiguous() for path, parts in self.amax.items()
@@ -80,7 +83,8 @@ class LayerRecord:
                     "kv": json.dumps({path: str(amax.dtype).removeprefix("torch.") for path, amax in self.kv.items()}),
                     "kv_search": json.dumps({path: asdict(amax.search) for path, amax in self.kv.items()
                                              if amax.search is not None}),
-                    "sqnr": json.dumps(self.sqnr)}  # Python floats print and parse back exactly
+                    "sqnr": json.dumps(self.sqnr),  # Python floats print and parse back exactly
+                    "rounded": json.dumps(self.rounded)}
         return save(tensors, metadata=metadata)
 
     @classmethod
@@ -97,7 +101,8 @@ class LayerRecord:
                            dtype=getattr(torch, dtype), search=searches.get(name))
               for name, dtype in json.loads(metadata["kv"]).items()}
         sqnr = [tuple(entry) for entry in json.loads(metadata["sqnr"])]
-        return cls(index=int(metadata["layer"]), amax=amax, kv=kv, sqnr=sqnr)
+        return cls(index=int(metadata["layer"]), amax=amax, kv=kv, sqnr=sqnr,
+                   rounded=json.loads(metadata.get("rounded", "{}")))
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -148,22 +153,40 @@ class ResumeStore:
             records.append(LayerRecord.from_file(path))
         return records
 
-    def save_outputs(self, index: int, steps: list[int], outputs: list[torch.Tensor]) -> None:
-        """This rank's outputs of layer ``index``, one file per calibration step."""
+    def save_outputs(self, index: int, steps: list[int], outputs: list[torch.Tensor], stream: str = "") -> None:
+        """This rank's outputs of layer ``index``, one file per calibration step; ``stream``: another stream's than
+        the calibration's own (a GPTQ rounding family's)."""
         for step, output in zip(steps, outputs, strict=True):
-            atomic_write(self._hidden(index, step), save({"hidden": output.contiguous()}))
+            atomic_write(self._hidden(index, step, stream), save({"hidden": output.cpu().contiguous()}))
 
-    def load_outputs(self, index: int, steps: list[int]) -> list[torch.Tensor]:
-        """Layer ``index``'s outputs at ``steps``. Raises Fp8ForgeError naming a missing file."""
+    def load_outputs(self, index: int, steps: list[int], stream: str = "") -> list[torch.Tensor]:
+        """Layer ``index``'s outputs at ``steps`` (of ``stream``). Raises Fp8ForgeError naming a missing file."""
         outputs = []
         for step in steps:
-            path = self._hidden(index, step)
+            path = self._hidden(index, step, stream)
             if not path.is_file():
                 raise Fp8ForgeError(f"the resume record in {self.directory} says layer {index} is finished but lacks "
                                     f"its output for step {step} ({path.name}); remove {self.directory} to start the "
                                     "calibration over", field="resume")
             outputs.append(load(path.read_bytes())["hidden"])
         return outputs
+
+    def save_rounded(self, files: list[Path]) -> None:
+        """Copies of a layer's rounded-weights ``files`` (before its record names them)."""
+        (self.directory / "rounded").mkdir(exist_ok=True)
+        for file in files:
+            atomic_write(self.directory / "rounded" / file.name, file.read_bytes())
+
+    def restore_rounded(self, records: list[LayerRecord], directory: Path) -> None:
+        """The finished layers' rounded-weights files back in ``directory`` (the run's, which a restart made anew)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in sorted({name for record in records for files in record.rounded.values()
+                            for name in files.values()}):
+            source = self.directory / "rounded" / name
+            if not source.is_file():
+                raise Fp8ForgeError(f"the resume record in {self.directory} lacks the rounded weights {name}; remove "
+                                    f"{self.directory} to start the calibration over", field="resume")
+            atomic_write(directory / name, source.read_bytes())
 
     def save_layer(self, record: LayerRecord) -> None:
         """Mark layer ``record.index`` finished (after every rank saved its outputs); drop the previous outputs."""
@@ -174,5 +197,5 @@ class ResumeStore:
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def _hidden(self, index: int, step: int) -> Path:
-        return self.hidden_dir / f"layer-{index}-step-{step}.safetensors"
+    def _hidden(self, index: int, step: int, stream: str = "") -> Path:
+        return self.hidden_dir / f"layer-{index}-step-{step}{'-' + stream if stream else ''}.safetensors"

@@ -101,9 +101,8 @@ def serving_rounding(run: Run) -> GptqRounding | None:
     """The calibration walk's GPTQ rounding of the NVFP4 exports, where the recipe asks ``nvfp4_weight_rounding:
     gptq`` and the job writes one (None otherwise; a warning when no NVFP4 export would use it).
 
-    In a distributed or resumable job the ranks combine their Hessians (:mod:`converters.calibration.gptq_rounding`);
-    the rounded stream is not recorded, so such a job keeps no resume record and a restart calibrates from its
-    first layer (a warning says so).
+    In a distributed or resumable job the ranks combine their Hessians and the resume record keeps the rounded
+    streams and weights (:mod:`converters.calibration.gptq_rounding`).
 
     Raises:
         RequestError: GPTQ asked of a job that cannot run it (whole-model calibration).
@@ -121,9 +120,6 @@ def serving_rounding(run: Run) -> GptqRounding | None:
         raise RequestError(f"nvfp4_weight_rounding gptq rounds each decoder layer during the layer-sequential "
                            f"calibration, and this job calibrates the whole model ({run.resolved.mode_reason}): use "
                            "nvfp4_weight_rounding nearest for this model", field=field)
-    if run.distributed is not None and run.distributed.resume_dir is not None:
-        run.warn("nvfp4_weight_rounding gptq: the resume record is not kept (the rounded stream is not in it); a "
-                 "restart of this job calibrates from its first layer")
     if any(selection.experts for _, selection in exports):
         run.warn("nvfp4_weight_rounding gptq rounds the Linears; the MoE expert matrices keep round to nearest")
     directory = run.staging / ROUNDED_DIR if run.staging is not None else None  # None: a rank that writes no export

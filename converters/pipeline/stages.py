@@ -246,7 +246,7 @@ def calibrate(run: Run) -> CalibrationResult:
                     boundary = None if run.distributed is None else \
                         run.distributed.layer_boundary(run.request.to_dict(), run.resolved.directory,
                                                        run.resolved.stack, batches, paths, kv=kv, meter=meter,
-                                                       resumable=rounding is None)
+                                                       rounding=rounding)
                     amax, te_check = _calibrate_layer_by_layer(run, batches, paths, forward, boundary, rounding)
             except SequentialUnsupported as exc:
                 if rounding is not None:

@@ -17,6 +17,7 @@ from tests.service_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 LAYERS = 4
+STEPS = 6  #: the calibration steps of the package's job
 
 
 @dataclass
@@ -74,7 +75,7 @@ def job(tmp_path_factory) -> Job:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "llama4")
     request = ConversionRequest(model=str(root / "llama4"), recipe={"backend": "te"},
-                                calibration=CalibrationSettings(steps=6, batch_size=2, seq_len=32),
+                                calibration=CalibrationSettings(steps=STEPS, batch_size=2, seq_len=32),
                                 serving_formats=("compressed-tensors-fp8",))
     path = root / "request.json"
     path.write_text(json.dumps(request.to_dict()), encoding="utf-8")

@@ -1,6 +1,6 @@
 """A rank of ``python -m converters.distributed`` that kills itself with SIGKILL (kill -9) right after it has
-finished layer ``KILL_AFTER_LAYER`` (its outputs saved, the barrier passed), as a lost host would: nothing of the
-process runs after it, no handler, no clean-up. Every other rank runs unchanged."""
+finished layer ``KILL_AFTER_LAYER`` (its outputs saved, the barrier passed, the layer recorded), as a lost host would:
+nothing of the process runs after it, no handler, no clean-up. Every other rank runs unchanged."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ from converters.distributed.__main__ import main
 from converters.distributed.layer_walk import RankedLayerWalk
 
 KILL_AFTER_LAYER = int(os.environ["KILL_AFTER_LAYER"])
-_layer_done = RankedLayerWalk.layer_done
+_layer_finished = RankedLayerWalk.layer_finished
 
 
-def _layer_done_then_die(self, index, recorder, outputs):
-    _layer_done(self, index, recorder, outputs)
+def _layer_finished_then_die(self, index):
+    _layer_finished(self, index)
     if index == KILL_AFTER_LAYER:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-RankedLayerWalk.layer_done = _layer_done_then_die
+RankedLayerWalk.layer_finished = _layer_finished_then_die
 
 if __name__ == "__main__":
     sys.exit(main())

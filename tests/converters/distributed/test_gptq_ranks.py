@@ -1,20 +1,23 @@
 """GPTQ rounding (``nvfp4_weight_rounding: gptq``) in a data-parallel job: the ranks add up their steps' Hessians,
-rank 0 rounds and every rank runs its steps of the rounded stream with rank 0's codes, so two ranks publish the
-one-process job's NVFP4 export; the job keeps no resume record and says so."""
+rank 0 rounds and every rank runs its steps of the rounded stream with rank 0's codes; the resume record keeps each
+layer's rounded stream and weights, so a job whose rank was killed part-way resumes on another number of ranks and
+publishes the one-process job's NVFP4 export."""
 
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from tests.converters.distributed.conftest import Job, run_one_process
+from tests.converters.distributed.conftest import STEPS, Job, run_one_process
 
 pytestmark = pytest.mark.slow  # starts two ranks and a one-process run
 
 NVFP4 = "serving/nvfp4/model.safetensors"
+FAMILY = "compressed-tensors-nvfp4"  #: the nvfp4 export's rounding family
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +31,23 @@ def gptq_job(job) -> Job:
     return Job(root=job.root, request=path)
 
 
-def test_two_ranks_publish_the_one_process_gptq_export(gptq_job):
+def test_a_killed_gptq_job_resumes_on_other_ranks_and_publishes_the_one_process_export(gptq_job):
     baseline = run_one_process(gptq_job, gptq_job.root / "gptq-one", timeout=240)
-    out = gptq_job.root / "gptq-ranks-2"
-    ranks = gptq_job.start(2, out)
-    assert ranks.wait() == [0, 0], [ranks.log(rank)[-2000:] for rank in range(2)]
+    out = gptq_job.root / "gptq-ranks"
+    ranks = gptq_job.start(2, out, script=["tests/converters/distributed/killed_rank.py"],
+                           extra_env={"KILL_AFTER_LAYER": "1"})
+    codes = ranks.wait(timeout=600)
+    # rank 1 died by SIGKILL once layer 1 was recorded; rank 0 lost its peer at layer 2 and failed
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0, ranks.log(0)[-2000:]
+    record = gptq_job.root / f".{out.name}.resume"
+    assert sorted(path.name for path in record.glob("layer-*.safetensors")) == \
+        ["layer-0.safetensors", "layer-1.safetensors"]
+    assert sorted(path.name for path in (record / "rounded").iterdir()) == \
+        [f"layer-{index:05d}-{FAMILY}.safetensors" for index in range(2)]
+    assert len(list((record / "hidden").glob(f"layer-1-step-*-{FAMILY}.safetensors"))) == STEPS
+
+    restarted = gptq_job.start(3, out)
+    assert restarted.wait(timeout=600) == [0, 0, 0], restarted.log(0)[-2000:]
     with safe_open(out / NVFP4, "pt") as ours, safe_open(baseline / NVFP4, "pt") as theirs:
         assert set(ours.keys()) == set(theirs.keys())
         packed = [key for key in ours.keys() if key.endswith("weight_packed")]
@@ -41,7 +56,7 @@ def test_two_ranks_publish_the_one_process_gptq_export(gptq_job):
                                                                    theirs.get_tensor(key).view(torch.uint8))]
     assert differing == []
     report = json.loads((out / "fp8_report.json").read_text())
-    assert report["calibration"]["nvfp4_rounding"]["weights"] == {"compressed-tensors-nvfp4": len(packed)}
-    assert report["calibration"]["forward"]["ranks"] == 2
-    assert any("resume record is not kept" in warning for warning in report["warnings"])
-    assert not (gptq_job.root / f".{out.name}.resume").exists()
+    assert report["calibration"]["nvfp4_rounding"]["weights"] == {FAMILY: len(packed)}
+    forward = report["calibration"]["forward"]
+    assert forward["ranks"] == 3 and forward["resumed_at_layer"] == 2 and forward["layers_run"] == [2, 3]
+    assert not record.exists()

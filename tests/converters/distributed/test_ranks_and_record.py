@@ -66,7 +66,9 @@ def _record(index: int) -> LayerRecord:
                                                                                 "tokens": torch.arange(6)}},
                        kv={"model.layers.0.self_attn": KvAmax(key=torch.rand(2), value=torch.rand(2),
                                                               dtype=torch.bfloat16, search=_SEARCH)},
-                       sqnr=[("model.layers.0.mlp.up_proj", "te", "output", 0.1 + 0.2, 1e-300)])
+                       sqnr=[("model.layers.0.mlp.up_proj", "te", "output", 0.1 + 0.2, 1e-300)],
+                       rounded={"compressed-tensors-nvfp4": {"model.layers.0.mlp.up_proj.weight":
+                                                             f"layer-{index:05d}-compressed-tensors-nvfp4.safetensors"}})
 
 
 def test_a_layer_record_reads_back_exactly(tmp_path):
@@ -82,7 +84,28 @@ def test_a_layer_record_reads_back_exactly(tmp_path):
     kv = back.kv["model.layers.0.self_attn"]
     assert kv.dtype == torch.bfloat16 and torch.equal(kv.key, record.kv["model.layers.0.self_attn"].key)
     assert kv.search == _SEARCH  # the chosen clipping and its error figures, floats bit for bit
+    assert back.rounded == record.rounded
     assert not list(tmp_path.rglob("*.tmp"))  # written through a temporary name, renamed
+
+
+def test_gptq_streams_and_rounded_files_are_kept_beside_the_layer(tmp_path):
+    store = ResumeStore(tmp_path / "record", "job-a")
+    store.open(writer=True)
+    stream = [torch.rand(2, 4, 8, dtype=torch.bfloat16) for _ in range(2)]
+    store.save_outputs(0, [0, 1], stream, stream="compressed-tensors-nvfp4")
+    rounded = tmp_path / "run" / "layer-00000-compressed-tensors-nvfp4.safetensors"
+    rounded.parent.mkdir()
+    rounded.write_bytes(b"the layer's rounded weights")
+    store.save_rounded([rounded])
+    store.save_layer(_record(0))
+    assert all(torch.equal(a, b) for a, b in
+               zip(store.load_outputs(0, [0, 1], stream="compressed-tensors-nvfp4"), stream, strict=True))
+    restarted = tmp_path / "restarted-run"  # a restart's rounded-weights directory, made anew
+    store.restore_rounded(store.finished(4), restarted)
+    assert (restarted / rounded.name).read_bytes() == b"the layer's rounded weights"
+    (store.directory / "rounded" / rounded.name).unlink()
+    with pytest.raises(Fp8ForgeError, match="lacks the rounded weights layer-00000"):
+        store.restore_rounded(store.finished(4), restarted)
 
 
 def test_only_the_finished_prefix_of_layers_is_resumed(tmp_path):
