@@ -22,6 +22,9 @@ model-free requantize, nothing that needs the project's venv (torchao, transform
      the share of FP8 / packed FP4 bytes that agree), the report's quality figures, the seconds. Needs the
      project's torchao and transformers, carried as wheels (the image's transformers is older than the project's
      floor; the wheel list is in docs/benchmarks/gpu-job-2026-12-04.md).
+  5. resume: the first job of step 4 as one rank of ``python -m converters.distributed`` (NCCL on a GPU), killed
+     with SIGKILL once layer 1 is recorded (tests/converters/distributed/killed_rank.py), then started again: it must
+     resume at layer 2 and write the one-process job's exports, tensor for tensor.
 
 What does not run there, and why: vLLM's CUDA build (issue #36's GPU rows) is not in the image and its wheels are
 far over what a call may carry; an 8B calibrated job needs the 8B's real weights, which nothing can fetch there.
@@ -69,6 +72,7 @@ def main() -> None:
     parser.add_argument("--skip-gptq", action="store_true")
     parser.add_argument("--skip-job", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-resume", action="store_true")
     parser.add_argument("--jobs", default=",".join(JOB_VARIANTS), help="comma-separated job variants of step 4")
     parser.add_argument("--job-child", nargs=3, metavar=("MODEL", "OUT", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--sqnr-only", action="store_true", help="of the speed runs, only those with the SQNR on")
@@ -98,6 +102,9 @@ def main() -> None:
         if not args.skip_job and ledger.may_start("job"):
             results["job"] = _job(args.workdir, args.device, args.jobs.split(","), small=args.small,
                                   ledger=ledger)
+            ledger.save()
+        if not args.skip_resume and ledger.may_start("resume"):
+            results["resume"] = _resume(args.workdir, args.device, small=args.small)
             ledger.save()
         if not args.skip_gptq and ledger.may_start("gptq"):
             results["gptq"] = _gptq(args.device, small=args.small)
@@ -263,6 +270,44 @@ def _job(workdir: Path, device: str, variants: list[str], *, small: bool, ledger
         print(f"job {variant}:", json.dumps(rows[variant], indent=1), flush=True)
         ledger.save()
     return rows
+
+
+def _resume(workdir: Path, device: str, *, small: bool) -> dict:
+    """Step 5: a rank killed after layer 1 and started again writes the one-process job's exports."""
+    from converters.model.demo import build_tiny_llama
+    from converters.pipeline.request import CalibrationSettings, ConversionRequest
+
+    root = workdir / "resume"
+    model = build_tiny_llama(root / "llama", hidden_size=256 if small else 1024, layers=4)
+    variant = "gptq-kv-measured"
+    job = {key: value for key, value in JOB_VARIANTS[variant].items() if key != "model"}
+    request = root / "request.json"
+    request.write_text(json.dumps(ConversionRequest(
+        model=str(model), calibration=CalibrationSettings(steps=8, batch_size=2, seq_len=128),
+        **{**job, "serving_formats": tuple(job["serving_formats"])}).to_dict()))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # carried wheels stay on it
+    env = dict(os.environ, PYTHONPATH=path, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}))
+    one = root / "one"
+    subprocess.run([sys.executable, __file__, "--job-child", str(model), str(one), variant], env=env, check=True)
+    out, codes = root / "ranked", []
+    rank = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    for script, extra in ((["tests/converters/distributed/killed_rank.py"], {"KILL_AFTER_LAYER": "1"}),
+                          (["-m", "converters.distributed"], {})):
+        done = subprocess.run([sys.executable, *script, "--request", str(request), "--out", str(out),
+                               "--allow-root", str(root)], cwd=ROOT, env={**rank, **extra}, capture_output=True,
+                              text=True)
+        codes.append(done.returncode)
+        if done.returncode not in (0, -9):
+            print(f"resume: rank exited {done.returncode}:\n{done.stderr[-3000:]}", flush=True)
+    result: dict = {"exit_codes": codes}
+    if codes == [-9, 0]:
+        report = json.loads((out / "fp8_report.json").read_text())
+        result["resumed_at_layer"] = report["calibration"]["forward"].get("resumed_at_layer")
+        result["device_in_report"] = report["pipeline"]["device"]
+        result["exports"] = {fmt: _export_agreement(one / "serving" / fmt, out / "serving" / fmt)
+                             for fmt in job["serving_formats"]}
+    print("resume:", json.dumps(result, indent=1), flush=True)
+    return result
 
 
 def _tiny_moe(name: str, directory: Path) -> Path:
