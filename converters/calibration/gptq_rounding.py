@@ -33,7 +33,7 @@ restarted job continues at its first unfinished layer (:meth:`GptqRounding.resum
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -65,12 +65,14 @@ class GptqRounding:
     order. ``directory``: where the per-layer files go (None: a rank that does not write the export keeps none).
     ``scale_dtype``: the model's dtype, the one the writer computes scales in. ``block_scales``: the recipe's
     ``nvfp4_weight_scales``, for the report. ``ranked``: one rank of a data-parallel walk (the default process
-    group's collectives combine the ranks).
+    group's collectives combine the ranks). ``stays_high_precision(path)``: whether a Linear the calibration has just
+    measured will be left out of the conversion (``min_sqnr_db``); it and its fused group are neither rounded nor
+    rounded in the stream.
     """
 
     def __init__(self, exports: Iterable[tuple[Any, ServingSelection]], directory: Path | None,
                  scale_dtype: torch.dtype, *, block_scales: str = "rtn", act_order: bool = True,
-                 ranked: bool = False) -> None:
+                 ranked: bool = False, stays_high_precision: Callable[[str], bool] | None = None) -> None:
         #: family -> (a format of it, Linear path -> on-disk weight key)
         self.families: dict[str, tuple[Any, dict[str, str]]] = {}
         self.group_of: dict[str, list[str]] = {}  #: Linear path -> the quantized members of its fused group
@@ -80,6 +82,7 @@ class GptqRounding:
                 self.group_of.update({member: list(members) for member in members})
         self.directory, self.scale_dtype = directory, scale_dtype
         self.block_scales, self.act_order = block_scales, act_order
+        self.stays_high_precision = stays_high_precision or (lambda path: False)
         self.ranked = ranked and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self.leader = not self.ranked or torch.distributed.get_rank() == 0
         #: family -> on-disk weight key -> its file in ``directory``
@@ -99,7 +102,7 @@ class GptqRounding:
             self._restored = False
         for family, (fmt, keys) in self.families.items():
             stream = self._streams[family]
-            paths = [path for path in keys if under(path, layer_pass.path)]
+            paths = [path for path in keys if under(path, layer_pass.path) and not self._left_out(path)]
             if not paths:
                 self._streams[family] = self._forward(layer_pass, stream)
                 continue
@@ -136,6 +139,11 @@ class GptqRounding:
         return {"method": "gptq", "act_order": self.act_order, "block_scales": self.block_scales,
                 "weights": {family: len(keys) for family, keys in self.rounded.items()},
                 "seconds": round(self.seconds, 3)}
+
+    def _left_out(self, path: str) -> bool:
+        """Whether ``path`` ends in high precision: it or a member of its fused group stays so (the serving
+        selection leaves a partly quantized group out whole: engines fuse its projections)."""
+        return any(self.stays_high_precision(member) for member in self.group_of.get(path, [path]))
 
     def _groups(self, paths: list[str]) -> list[list[str]]:
         """``paths`` by fused group, in layer order; a group's first member is where its Hessian is recorded."""

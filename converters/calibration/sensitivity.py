@@ -170,7 +170,7 @@ def _comparison(report: dict[str, Any], meter: SqnrMeter, min_sqnr_db: float | N
     if min_sqnr_db is not None:
         for recipe in recipes:
             outputs = [(row["path"], row["sqnr_db"][recipe["label"]]["output"]) for row in rows]
-            recipe["below_min_sqnr_db"] = [path for path, value in outputs if value is not None and value < min_sqnr_db]
+            recipe["below_min_sqnr_db"] = [path for path, value in outputs if low_sqnr(value, min_sqnr_db)]
     by_label = {recipe["label"]: recipe for recipe in recipes}
     identical = [{"labels": group, "why": why_identical([by_label[label] for label in group])}
                  for group in identical_groups(rows, [recipe["label"] for recipe in recipes])]
@@ -184,6 +184,11 @@ def _figures(meter: SqnrMeter, path: str, recipe: dict[str, Any]) -> dict[str, A
     return {"weight": None, "input": None, "output": None, "excluded": reason}
 
 
+def low_sqnr(output_db: float | None, min_sqnr_db: float) -> bool:
+    """Whether a layer whose output SQNR is ``output_db`` stays in high precision under ``min_sqnr_db``."""
+    return output_db is not None and output_db < min_sqnr_db
+
+
 def exclude_low_sqnr(report: dict[str, Any], min_sqnr_db: float) -> list[str]:
     """Mark eligible layers whose output SQNR is below ``min_sqnr_db`` as not eligible, reason ``low_sqnr``.
 
@@ -193,8 +198,7 @@ def exclude_low_sqnr(report: dict[str, Any], min_sqnr_db: float) -> list[str]:
     by_path = {layer["path"]: layer for layer in report["layers"]}
 
     def low(path: str) -> bool:
-        value = (by_path[path].get("sqnr_db") or {}).get("output")
-        return value is not None and value < min_sqnr_db
+        return low_sqnr((by_path[path].get("sqnr_db") or {}).get("output"), min_sqnr_db)
 
     doomed = {layer["path"] for layer in report["layers"]
               if layer["eligible"] and "expert" not in layer and low(layer["path"])}

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from converters.calibration.gptq_rounding import ROUNDED_DIR, GptqRounding
+from converters.calibration.sensitivity import low_sqnr
 from converters.calibration.sequential import LAYER_SEQUENTIAL
 from converters.calibration.sqnr_meter import RecipeCasts, SqnrMeter
 from converters.casts.emulation import cast_spec
@@ -97,9 +98,10 @@ def serving_sqnr(run: Run, meter: SqnrMeter | None) -> dict[str, dict[str, dict[
             for name in run.request.serving_formats}
 
 
-def serving_rounding(run: Run) -> GptqRounding | None:
+def serving_rounding(run: Run, meter: Any = None, label: str = "") -> GptqRounding | None:
     """The calibration walk's GPTQ rounding of the NVFP4 exports, where the recipe asks ``nvfp4_weight_rounding:
-    gptq`` and the job writes one (None otherwise; a warning when no NVFP4 export would use it).
+    gptq`` and the job writes one (None otherwise; a warning when no NVFP4 export would use it). With
+    ``min_sqnr_db``, the SQNR ``meter``'s figure under ``label`` tells it which Linears will stay in high precision.
 
     In a distributed or resumable job the ranks combine their Hessians and the resume record keeps the rounded
     streams and weights (:mod:`converters.calibration.gptq_rounding`).
@@ -123,8 +125,12 @@ def serving_rounding(run: Run) -> GptqRounding | None:
     if any(selection.experts for _, selection in exports):
         run.warn("nvfp4_weight_rounding gptq rounds the Linears; the MoE expert matrices keep round to nearest")
     directory = run.staging / ROUNDED_DIR if run.staging is not None else None  # None: a rank that writes no export
+    threshold = run.request.min_sqnr_db
+    stays = None if meter is None or threshold is None else \
+        (lambda path: low_sqnr(meter.result(path, label)["output"], threshold))
     return GptqRounding(exports, directory, model_dtype(run.resolved.config),
-                        block_scales=run.recipe.nvfp4_weight_scales.value, ranked=run.distributed is not None)
+                        block_scales=run.recipe.nvfp4_weight_scales.value, ranked=run.distributed is not None,
+                        stays_high_precision=stays)
 
 
 class ServingShardRunner(Protocol):

@@ -238,7 +238,7 @@ def calibrate(run: Run) -> CalibrationResult:
     compared = plan_compare_recipes(run.request.plan, run.request.compare_recipes)  # a plan reads its candidates' SQNR
     meter, label = meter_for(run.recipe, compared, serving_casts(run)) if run.request.measure \
         else (None, "")
-    rounding = serving_rounding(run)  # GPTQ for the NVFP4 exports, layer by layer in this walk (None: nearest)
+    rounding = serving_rounding(run, meter, label)  # GPTQ for the NVFP4 exports, layer by layer (None: nearest)
     with measuring_sqnr(meter):  # the hooks also measure each layer's error under the recipe(s)
         if run.resolved.mode == LAYER_SEQUENTIAL:
             try:

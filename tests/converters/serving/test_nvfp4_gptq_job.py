@@ -168,6 +168,34 @@ def test_gptq_changes_only_the_codes_it_rounds_and_no_scale_kv_scales_included(t
     assert len(codes) >= 4  # GPTQ chose other codes than nearest rounding in the rounded layers
 
 
+def test_layers_min_sqnr_db_leaves_out_are_rounded_as_if_excluded_up_front(tmp_path_factory):
+    """A Linear that min_sqnr_db keeps in high precision (with its fused group) stays so in GPTQ's stream too: the
+    job writes the NVFP4 bytes of the job that excludes the same Linears by name before calibrating."""
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("nvfp4-gptq-min-sqnr") / "llama", hidden_size=256, layers=3)
+    measured = export(model_dir, (W4A4,), recipe=RECIPE)
+    outputs = sorted((layer["sqnr_db"]["output"], layer["path"]) for layer in
+                     json.loads((measured / "fp8_report.json").read_text())["analysis"]["layers"]
+                     if layer.get("sqnr_db") and layer["sqnr_db"].get("output") is not None)
+    rounded = {key.removesuffix(".weight_packed") for key in _tensors(measured / "serving" / W4A4 /
+                                                                     "model.safetensors") if key.endswith("_packed")}
+    # up to the lowest rounded Linear before the last layer: one whose rounding later layers' Hessians would see
+    threshold = min(value for value, path in outputs if path in rounded and not path.startswith("model.layers.2.")) \
+        + 0.005
+    shutil.rmtree(measured)
+    by_sqnr = export(model_dir, (W4A4,), recipe=RECIPE, min_sqnr_db=threshold)
+    report = json.loads((by_sqnr / "fp8_report.json").read_text())
+    excluded = report["analysis"]["sensitivity"]["excluded"]
+    assert sorted(excluded) == sorted(path for value, path in outputs if value < threshold)
+    shutil.move(by_sqnr, model_dir.parent / "by-sqnr")
+    by_name = export(model_dir, (W4A4,), recipe=RECIPE, exclude=tuple(excluded))
+    ours, theirs = (_tensors(out / "serving" / W4A4 / "model.safetensors") for out in (model_dir.parent / "by-sqnr",
+                                                                                        by_name))
+    assert sorted(ours) == sorted(theirs)
+    assert [key for key in ours if not torch.equal(ours[key], theirs[key])] == []
+    assert report["calibration"]["nvfp4_rounding"]["weights"] == \
+        {"compressed-tensors-nvfp4": sum(key.endswith(".weight_packed") for key in ours)}
+
+
 def test_a_whole_model_calibration_is_refused_naming_the_field(tmp_path_factory):
     model_dir = tiny_llama(tmp_path_factory, "nvfp4-gptq-backward")
     with pytest.raises(RequestError, match="nvfp4_weight_rounding gptq rounds each decoder layer during the "
