@@ -31,9 +31,12 @@ far over what a call may carry; an 8B calibrated job needs the 8B's real weights
 
     # here, a rehearsal of the same steps on the CPU at a small size (no GPU on this machine):
     .venv/bin/python benchmarks/gpu_checks.py --device cpu --small --workdir /tmp/gpu-checks
-    # on the lent machine, in one call of the device tool's run (the start apart), stopping new runs after 7 minutes
-    # (with the wheels: see the dated file):
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py --budget-s 420 --json $OUT/gpu_checks.json
+    # here, the wheels steps 4 and 5 need there (this venv's versions; ~25 MB, in a git-ignored folder):
+    .venv/bin/python benchmarks/gpu_checks.py --download-wheels .whl
+    # on the lent machine, in one call (the start apart), stopping new runs after 7 minutes:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py --budget-s 420 \
+        --json $OUT/gpu_checks.json
 
 Results (the printed table and the JSON) go to a dated file under docs/benchmarks/.
 """
@@ -74,6 +77,8 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-resume", action="store_true")
     parser.add_argument("--jobs", default=",".join(JOB_VARIANTS), help="comma-separated job variants of step 4")
+    parser.add_argument("--download-wheels", type=Path, metavar="DIR",
+                        help="download (here) the wheels the job steps need on the device into DIR, then stop")
     parser.add_argument("--job-child", nargs=3, metavar=("MODEL", "OUT", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--sqnr-only", action="store_true", help="of the speed runs, only those with the SQNR on")
     parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each run)")
@@ -81,6 +86,9 @@ def main() -> None:
                         help="start no run after this many seconds from the start (a lease's time is short: what ran "
                              "is kept, what did not is listed as skipped)")
     args = parser.parse_args()
+    if args.download_wheels:
+        _download_wheels(args.download_wheels)
+        return
     if args.job_child:
         _job_child(Path(args.job_child[0]), Path(args.job_child[1]), args.job_child[2])
         return
@@ -308,6 +316,25 @@ def _resume(workdir: Path, device: str, *, small: bool) -> dict:
                              for fmt in job["serving_formats"]}
     print("resume:", json.dumps(result, indent=1), flush=True)
     return result
+
+
+#: what a calibrated job imports beyond the device image's packages (its torch, numpy, safetensors, tokenizers,
+#: pyyaml, ...): the project's torchao, and transformers with what its release needs newer than the image's
+DEVICE_WHEELS = ("transformers", "torchao", "huggingface_hub", "kernels", "httpx2", "httpcore2", "truststore",
+                 "hf-xet", "click", "tomlkit")
+
+
+def _download_wheels(directory: Path) -> None:
+    """:data:`DEVICE_WHEELS` at this environment's versions, for the device's Python 3.12 on x86-64."""
+    from importlib.metadata import version
+
+    pins = [f"{name}=={version(name)}" for name in DEVICE_WHEELS]
+    platforms = [arg for tag in ("manylinux_2_28", "manylinux_2_27", "manylinux_2_24", "manylinux_2_17",
+                                 "manylinux2014", "manylinux1") for arg in ("--platform", f"{tag}_x86_64")]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+                    "3.12", "--implementation", "cp", *platforms, "--platform", "any", "-d", str(directory), *pins],
+                   check=True)
+    print(f"{len(pins)} wheels in {directory}: {', '.join(pins)}", flush=True)
 
 
 def _tiny_moe(name: str, directory: Path) -> Path:
