@@ -1,8 +1,8 @@
 """The GPU checks that fit a lent GPU machine's lease, prepared as one run: what issue #38 asks of a GPU worker.
 
 The device machine (an H200, 16 cores; docs: the device tool) reaches nothing outside it and has its own image:
-python3 with torch, safetensors and numpy, which is all ``converters.modelfree`` imports. So what runs there is the
-model-free requantize, nothing that needs the project's venv (torchao, transformers' pinned release, vLLM):
+python3 with torch, safetensors and numpy, which is all ``converters.modelfree`` imports: steps 1-3 need nothing more.
+Steps 4-5 run calibrated jobs, which need the project's torchao and transformers (carried as wheels, below):
 
   1. bytes: the ~1 GB checkpoint of bench_requantize.py converted to each format on the CPU and with
      ``device="cuda"``; every weight file and the index must be the CPU's, byte for byte;
@@ -19,9 +19,8 @@ model-free requantize, nothing that needs the project's venv (torchao, transform
      child processes: once with the GPU hidden (CPU) and once on it (a job takes the GPU whenever torch sees one);
      then the same with nearest rounding, and without the measurements (a failing variant is a result: the next
      still runs). Compared: each export's tensors (bytes the same, or the largest relative difference of scales,
-     the share of FP8 / packed FP4 bytes that agree), the report's quality figures, the seconds. Needs the
-     project's torchao and transformers, carried as wheels (the image's transformers is older than the project's
-     floor; the wheel list is in docs/benchmarks/gpu-job-2026-12-04.md).
+     the share of FP8 / packed FP4 bytes that agree), the report's quality figures, the seconds (the image's
+     transformers is older than the project's floor: ``--download-wheels``).
   5. resume: the first job of step 4 as one rank of ``python -m converters.distributed`` (NCCL on a GPU), killed
      with SIGKILL once layer 1 is recorded (tests/converters/distributed/killed_rank.py), then started again: it must
      resume at layer 2 and write the one-process job's exports, tensor for tensor.
