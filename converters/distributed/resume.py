@@ -33,6 +33,7 @@ from safetensors.torch import load, save
 from converters.calibration.kv_cache import KvAmax
 from converters.calibration.kv_search import KvSearch
 from converters.errors import Fp8ForgeError
+from converters.model.files import is_plain_file_name
 
 __all__ = ["LayerRecord", "ResumeStore", "resume_dir_for", "atomic_write"]
 
@@ -182,6 +183,10 @@ class ResumeStore:
         directory.mkdir(parents=True, exist_ok=True)
         for name in sorted({name for record in records for files in record.rounded.values()
                             for name in files.values()}):
+            if not is_plain_file_name(name):
+                raise Fp8ForgeError(f"the resume record in {self.directory} names the rounded weights {name!r}, not a "
+                                    f"file name of its own; remove {self.directory} to start the calibration over",
+                                    field="resume")
             source = self.directory / "rounded" / name
             if not source.is_file():
                 raise Fp8ForgeError(f"the resume record in {self.directory} lacks the rounded weights {name}; remove "

@@ -30,7 +30,7 @@ from torch import nn
 
 from converters.errors import ModelNotFoundError
 from converters.model.consistency import check_against_model, check_index, check_stored_dtype
-from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, open_model_file, pinned_model_path
+from converters.model.files import INDEX_NAME, SINGLE_FILE_NAME, is_plain_file_name, open_model_file, pinned_model_path
 from converters.model.limits import read_index_file
 from converters.model.quantized import source_quantization
 from converters.model.quantized.stored import StoredWeights
@@ -64,7 +64,7 @@ def weight_files(directory: Path) -> list[Path]:
         raise ModelNotFoundError(f"{index}: not a safetensors index (needs a weight_map object): {exc}") from exc
     for name in names:
         # The index names files next to it; anything else would read outside the checkpoint.
-        if not isinstance(name, str) or Path(name).name != name or not (directory / name).is_file():
+        if not is_plain_file_name(name) or not (directory / name).is_file():
             raise ModelNotFoundError(f"{index}: shard {name!r} is not a file in {directory}")
     return [directory / name for name in names]
 

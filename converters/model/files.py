@@ -63,12 +63,18 @@ __all__ = [
     "pinned_model_path",
     "staged_model_directory",
     "copy_model_file",
+    "is_plain_file_name",
 ]
 
 #: A model directory holds a config, tokenizer files and shards: tens of files. Ten thousand bounds the walk.
 MAX_MODEL_DIRECTORY_ENTRIES = 10_000
 #: Hub repositories nest a folder or two (``original/``, ``onnx/``); 32 bounds the walk's recursion.
 MAX_MODEL_DIRECTORY_DEPTH = 32
+
+
+def is_plain_file_name(name: object) -> bool:
+    """Whether ``name`` (read from a payload or a record) names a file in one directory, not a path elsewhere."""
+    return isinstance(name, str) and bool(name) and Path(name).name == name and name not in (".", "..")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from converters.casts.emulation import max_abs
 from converters.errors import ConversionError
-from converters.model.files import FileConfinement
+from converters.model.files import FileConfinement, is_plain_file_name
 from converters.model.finite import check_converted
 from converters.model.safetensors_stream import ReadBuffers, read_tensor, read_tensor_index
 from converters.rewrite import Compute, Copy, cast_in_strips, finish_checkpoint, strip_rows
@@ -181,7 +181,7 @@ def _rounded_file(name: str, file: str, rounded_dir: Path | None) -> Path:
     names it), never a path elsewhere."""
     if rounded_dir is None:
         raise ConversionError(f"{name} was rounded by calibration, and no rounded-weights directory says where it is")
-    if not file or Path(file).name != file or file in (".", ".."):
+    if not is_plain_file_name(file):
         raise ConversionError(f"{name}: the rounded-weights file {file!r} is not a file name in the run's "
                               "rounded-weights directory; the task's payload is not this run's")
     return rounded_dir / file

@@ -106,6 +106,13 @@ def test_gptq_streams_and_rounded_files_are_kept_beside_the_layer(tmp_path):
     (store.directory / "rounded" / rounded.name).unlink()
     with pytest.raises(Fp8ForgeError, match="lacks the rounded weights layer-00000"):
         store.restore_rounded(store.finished(4), restarted)
+    # a record whose layer names a path, not a file of its own, is refused before anything is read or written
+    for hostile in ("../../model.safetensors", "/etc/passwd", ".."):
+        record = _record(1)
+        store.save_layer(LayerRecord(index=1, amax=record.amax, kv=record.kv, sqnr=record.sqnr,
+                                     rounded={"compressed-tensors-nvfp4": {"w": hostile}}))
+        with pytest.raises(Fp8ForgeError, match="not a file name of its own"):
+            store.restore_rounded(store.finished(4)[1:], restarted)
 
 
 def test_only_the_finished_prefix_of_layers_is_resumed(tmp_path):
