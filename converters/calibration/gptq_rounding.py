@@ -89,17 +89,13 @@ class GptqRounding:
         self.rounded: dict[str, dict[str, str]] = {family: {} for family in self.families}
         self.seconds = 0.0  #: wall seconds spent here (the extra forwards and the rounding)
         self._streams: dict[str, list[torch.Tensor]] | None = None  #: family -> its rounded stream
-        self._restored = False
 
     def __call__(self, layer_pass: LayerPass) -> None:
         started = time.perf_counter()
         if self._streams is None:  # the first layer's inputs: no layer before it is rounded
             self._streams = {family: list(layer_pass.inputs) for family in self.families}
-        elif self._restored:  # a resume record's streams, read to host memory: onto the layer's device
-            device = layer_pass.inputs[0].device
-            self._streams = {family: [hidden.to(device) for hidden in stream]
-                             for family, stream in self._streams.items()}
-            self._restored = False
+        device = layer_pass.inputs[0].device  # a resume record's streams were read to host memory
+        self._streams = {family: [hidden.to(device) for hidden in stream] for family, stream in self._streams.items()}
         for family, (fmt, keys) in self.families.items():
             stream = self._streams[family]
             paths = [path for path in keys if under(path, layer_pass.path) and not self._left_out(path)]
@@ -129,7 +125,7 @@ class GptqRounding:
     def resume(self, streams: dict[str, list[torch.Tensor]], finished: list[dict[str, dict[str, str]]]) -> None:
         """Continue after a resume record's finished layers: their streams' last outputs (this process's steps)
         and the files of the weights they rounded (already back in ``directory``)."""
-        self._streams, self._restored = streams, True
+        self._streams = streams
         for files in finished:
             for family, named in files.items():
                 self.rounded.setdefault(family, {}).update(named)

@@ -112,6 +112,8 @@ class RankedLayerWalk:
         self._reduce_recorder(recorder)
         kv = self._reduce_kv(lambda path: under(path, layer_path))
         sqnr = self._reduce_sqnr(recorder, lambda path: under(path, layer_path))
+        if self.store is None:
+            return
         amax = {path: {name: getattr(layer, name) for name in ("forward", "backward", "tokens")
                        if getattr(layer, name) is not None} for path, layer in recorder.results().items()}
         self._done, self._outputs = LayerRecord(index=index, amax=amax, sqnr=sqnr, kv=kv), outputs
@@ -120,7 +122,7 @@ class RankedLayerWalk:
         """The layer in the resume record, with what GPTQ rounding made of it, when there is a record."""
         record, outputs = self._done, self._outputs
         self._done, self._outputs = None, []
-        if self.store is None or record is None:
+        if record is None:  # no resume record
             return
         self.store.save_outputs(index, self._steps, outputs)
         if self.rounding is not None:

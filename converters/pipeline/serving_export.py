@@ -98,7 +98,7 @@ def serving_sqnr(run: Run, meter: SqnrMeter | None) -> dict[str, dict[str, dict[
             for name in run.request.serving_formats}
 
 
-def serving_rounding(run: Run, meter: Any = None, label: str = "") -> GptqRounding | None:
+def serving_rounding(run: Run, meter: SqnrMeter | None = None, label: str = "") -> GptqRounding | None:
     """The calibration walk's GPTQ rounding of the NVFP4 exports, where the recipe asks ``nvfp4_weight_rounding:
     gptq`` and the job writes one (None otherwise; a warning when no NVFP4 export would use it). With
     ``min_sqnr_db``, the SQNR ``meter``'s figure under ``label`` tells it which Linears will stay in high precision.

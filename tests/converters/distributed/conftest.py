@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -55,6 +56,17 @@ class Job:
                                                   stderr=subprocess.STDOUT))
             logs.append(log)
         return Ranks(processes, logs)
+
+    def killed_after_layer_1(self, out: Path, record: Path, *, rank_args: dict[int, list[str]] | None = None,
+                             timeout: float = 600) -> None:
+        """Two ranks of the job, rank 1 killed with SIGKILL once layer 1 is recorded in ``record``
+        (tests/converters/distributed/killed_rank.py): rank 0 loses its peer at layer 2 and fails."""
+        ranks = self.start(2, out, script=["tests/converters/distributed/killed_rank.py"],
+                           extra_env={"KILL_AFTER_LAYER": "1"}, rank_args=rank_args)
+        codes = ranks.wait(timeout=timeout)
+        assert codes[1] == -signal.SIGKILL and codes[0] != 0, ranks.log(0)[-2000:]
+        assert sorted(path.name for path in record.glob("layer-*.safetensors")) == \
+            ["layer-0.safetensors", "layer-1.safetensors"]
 
 
 @pytest.fixture(scope="package")

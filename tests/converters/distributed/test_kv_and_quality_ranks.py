@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 from pathlib import Path
 
 import pytest
@@ -119,13 +118,7 @@ def test_kv_scales_and_quality_of_ranks_are_the_one_process_ones(kv_job, baselin
 
 def test_a_killed_kv_rank_resumes_with_its_searches(kv_job, baseline):
     out = kv_job.root / "killed"
-    ranks = kv_job.start(2, out, script=["tests/converters/distributed/killed_rank.py"],
-                         extra_env={"KILL_AFTER_LAYER": "1"})
-    codes = ranks.wait(timeout=600)
-    assert codes[1] == -signal.SIGKILL and codes[0] != 0, ranks.log(0)[-2000:]
-    record = kv_job.root / f".{out.name}.resume"
-    assert sorted(path.name for path in record.glob("layer-*.safetensors")) == \
-        ["layer-0.safetensors", "layer-1.safetensors"]
+    kv_job.killed_after_layer_1(out, kv_job.root / f".{out.name}.resume")
 
     restarted = kv_job.start(3, out)
     assert restarted.wait(timeout=600) == [0, 0, 0], restarted.log(0)[-2000:]
