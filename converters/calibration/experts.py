@@ -35,7 +35,7 @@ from converters.model.experts import parse_unit_path
 if TYPE_CHECKING:
     from converters.calibration.sqnr_meter import SqnrMeter
 
-__all__ = ["ExpertsRecorder"]
+__all__ = ["ExpertsRecorder", "routing"]
 
 
 def _amax(tensor: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ def _amax(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().abs().max().float().cpu()
 
 
-def _routing(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(hidden_states, top_k_index, top_k_weights)`` of an experts module call, given by position or name."""
     names = ("hidden_states", "top_k_index", "top_k_weights")
     return tuple(args[i] if len(args) > i else kwargs[name] for i, name in enumerate(names))
@@ -88,7 +88,7 @@ class ExpertsRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor) -> None:
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
-            hidden, top_k_index, top_k_weights = (t.detach() for t in _routing(args, kwargs))
+            hidden, top_k_index, top_k_weights = (t.detach() for t in routing(args, kwargs))
             step = self.step  # the gradient arrives in this step's backward, after the forward hooks ran
 
             def on_gradient(grad: torch.Tensor) -> None:
@@ -127,7 +127,7 @@ class ExpertsRecorder:
 
     def _hook(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-            hidden, top_k_index, _ = _routing(args, kwargs)
+            hidden, top_k_index, _ = routing(args, kwargs)
             with torch.no_grad():
                 self._record(path, module, hidden, top_k_index)
 

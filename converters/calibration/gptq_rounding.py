@@ -21,7 +21,8 @@ ModelOpt its ``weight_scale_2`` and block scales). Formats whose steps differ ar
 (``nvfp4`` and ``nvfp4-a16`` are one), and each family has its own stream: its Hessians come from the inputs its
 own rounded layers give, as if it were the job's only export (a stream of another family's codes costs a ModelOpt
 export measurably: docs/benchmarks/nvfp4-gptq-job-2026-12-04.md). The forwards and the copy of the hidden states
-are per family. MoE expert matrices are not rounded here (they keep round to nearest).
+are per family. MoE expert matrices are rounded expert by expert, each from the tokens routed to it
+(:mod:`converters.calibration.gptq_experts`).
 
 In a data-parallel walk (torch.distributed ranks, each running its share of the steps), each group's Hessian is the
 SUM over the ranks of their steps' ``X^T X`` and rows, rank 0 rounds and broadcasts the codes, and every rank runs
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,12 @@ import torch
 import torch.distributed
 from safetensors.torch import save_file
 
+from converters.calibration.gptq_experts import ExpertCalls, ExpertMatrices, expert_matrices
 from converters.calibration.kv_cache import unrecorded
 from converters.calibration.layer_replay import under
 from converters.calibration.sequential import LayerPass
 from converters.casts.emulation import max_abs
+from converters.model.experts import EXPERT_GEMMS, unit_path
 from converters.model.threads import one_intra_op_thread
 from converters.serving.nvfp4 import pack_e2m1_codes
 from converters.serving.nvfp4_codes import dequantize_stepped
@@ -76,8 +79,15 @@ class GptqRounding:
         #: family -> (a format of it, Linear path -> on-disk weight key)
         self.families: dict[str, tuple[Any, dict[str, str]]] = {}
         self.group_of: dict[str, list[str]] = {}  #: Linear path -> the quantized members of its fused group
+        #: family -> expert unit -> its on-disk matrices, in the order of the unit's rows
+        self.expert_keys: dict[str, dict[str, list[str]]] = {}
         for fmt, selection in exports:
             self.families.setdefault(fmt.rounding_family, (fmt, {}))[1].update(selection.quantized)
+            units = self.expert_keys.setdefault(fmt.rounding_family, {})
+            for key, unit in selection.experts.items():
+                matrix_keys = units.setdefault(unit, [])
+                if key not in matrix_keys:
+                    matrix_keys.append(key)
             for members in selection.fused_groups:
                 self.group_of.update({member: list(members) for member in members})
         self.directory, self.scale_dtype = directory, scale_dtype
@@ -99,15 +109,28 @@ class GptqRounding:
         for family, (fmt, keys) in self.families.items():
             stream = self._streams[family]
             paths = [path for path in keys if under(path, layer_pass.path) and not self._left_out(path)]
-            if not paths:
+            experts = [matrices for matrices in expert_matrices({unit: matrix_keys for unit, matrix_keys
+                                                                 in self.expert_keys[family].items()
+                                                                 if under(unit, layer_pass.path)})
+                       if not self._experts_left_out(matrices)]
+            if not paths and not experts:
                 self._streams[family] = self._forward(layer_pass, stream)
                 continue
             groups = self._groups(paths)
-            hessians = self._hessians(layer_pass, groups, stream)
-            rounded = {path: result for group in groups
-                       for path, result in self._round_group(layer_pass, fmt, group, hessians).items()}
-            self._save(layer_pass.index, family, keys, rounded)
-            with _weights_replaced(layer_pass, {path: values for path, (_, values) in rounded.items()}):
+            calls = [ExpertCalls(layer_pass.layer.get_submodule(_relative(layer_pass, matrices.path)))
+                     for matrices in experts]
+            hessians = self._hessians(layer_pass, groups, stream, calls)
+            rounded, replaced = {}, {}
+            for group in groups:
+                for path, result in self._round_group(layer_pass, fmt, group, hessians).items():
+                    rounded[keys[path]] = result
+                    replaced[f"{path}.weight"] = result[1]
+            for matrices, module_calls in zip(experts, calls, strict=True):
+                expert_rounded, expert_replaced = self._round_experts(fmt, matrices, module_calls)
+                rounded.update(expert_rounded)
+                replaced.update(expert_replaced)
+            self._save(layer_pass.index, family, rounded)
+            with _weights_replaced(layer_pass, replaced):
                 self._streams[family] = self._forward(layer_pass, stream)
         self.seconds += time.perf_counter() - started
 
@@ -141,6 +164,11 @@ class GptqRounding:
         selection leaves a partly quantized group out whole: engines fuse its projections)."""
         return any(self.stays_high_precision(member) for member in self.group_of.get(path, [path]))
 
+    def _experts_left_out(self, matrices: ExpertMatrices) -> bool:
+        """Whether an experts module ends in high precision (the selection keeps it whole: one unit in high
+        precision leaves every unit there)."""
+        return any(self.stays_high_precision(unit_path(matrices.path, expert, gemm)) for expert, gemm in matrices.units)
+
     def _groups(self, paths: list[str]) -> list[list[str]]:
         """``paths`` by fused group, in layer order; a group's first member is where its Hessian is recorded."""
         groups: list[list[str]] = []
@@ -152,10 +180,10 @@ class GptqRounding:
                 seen.update(group)
         return groups
 
-    def _hessians(self, layer_pass: LayerPass, groups: list[list[str]], stream: list[torch.Tensor]
-                  ) -> dict[str, HessianAccumulator]:
+    def _hessians(self, layer_pass: LayerPass, groups: list[list[str]], stream: list[torch.Tensor],
+                  calls: list[ExpertCalls]) -> dict[str, HessianAccumulator]:
         """Each group's input Hessian over ``stream``, for every member (a fused group's members share their
-        input)."""
+        input); ``calls`` record what their experts modules receive in the same forward."""
         hessians, handles = {}, []
         for group in groups:
             module = _linear(layer_pass, group[0])
@@ -164,18 +192,26 @@ class GptqRounding:
             handles.append(module.register_forward_pre_hook(
                 lambda _, args, accumulator=accumulator: accumulator.add(args[0].detach())))
         try:
-            self._forward(layer_pass, stream)
+            with ExitStack() as recording:
+                for module_calls in calls:
+                    recording.enter_context(module_calls.recording())
+                self._forward(layer_pass, stream)
         finally:
             for handle in handles:
                 handle.remove()
-        if self.ranked:  # the SUM of every rank's steps; one collective for the row counts
-            distinct = list({id(accumulator): accumulator for accumulator in hessians.values()}.values())
-            rows = torch.tensor([accumulator.rows for accumulator in distinct], dtype=torch.int64)
-            torch.distributed.all_reduce(rows)
-            for accumulator, total in zip(distinct, rows.tolist(), strict=True):
-                accumulator.sum.copy_(_all_ranks_sum(accumulator.sum))
-                accumulator.rows = total
+        self._all_ranks(list({id(accumulator): accumulator for accumulator in hessians.values()}.values()))
         return hessians
+
+    def _all_ranks(self, accumulators: list[HessianAccumulator]) -> None:
+        """In a data-parallel walk, each accumulator becomes the SUM over every rank's steps (one collective for
+        the row counts); nothing otherwise."""
+        if not self.ranked:
+            return
+        rows = torch.tensor([accumulator.rows for accumulator in accumulators], dtype=torch.int64)
+        torch.distributed.all_reduce(rows)
+        for accumulator, total in zip(accumulators, rows.tolist(), strict=True):
+            accumulator.sum.copy_(_all_ranks_sum(accumulator.sum))
+            accumulator.rows = total
 
     def _round_group(self, layer_pass: LayerPass, fmt: Any, group: list[str],
                      hessians: dict[str, HessianAccumulator]) -> dict[str, tuple[list[torch.Tensor], torch.Tensor]]:
@@ -183,18 +219,46 @@ class GptqRounding:
         weights = {path: _linear(layer_pass, path).weight.detach().to(self.scale_dtype) for path in group}
         amax = max(float(max_abs(weight).float()) for weight in weights.values()) + 0.0  # the writer's weight_amax
         matrix = hessians[group[0]].matrix
+        return {path: self._round(fmt, weight, matrix, amax) for path, weight in weights.items()}
+
+    def _round_experts(self, fmt: Any, matrices: ExpertMatrices, calls: ExpertCalls
+                       ) -> tuple[dict[str, tuple[list[torch.Tensor], torch.Tensor]], dict[str, torch.Tensor]]:
+        """An experts module's matrices, expert by expert: the rounded tensors per on-disk key, and the module's
+        fused parameters with the rounded values in place (for the stream)."""
+        module = calls.module
+        fused = {gemm: getattr(module, gemm).detach().clone() for gemm in EXPERT_GEMMS}
         rounded = {}
-        for path, weight in weights.items():
-            step, scales = fmt.rounding_scales(weight, amax)
-            if self.leader:
-                with one_intra_op_thread():
-                    codes = gptq_codes_stepped(weight, matrix, step, act_order=self.act_order)
-            else:
-                codes = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
-            if self.ranked:  # rank 0's codes on every rank: the streams of all ranks see the same rounding
-                codes = _from_rank_0(codes)
-            rounded[path] = ([pack_e2m1_codes(codes), *scales], dequantize_stepped(codes, step))
-        return rounded
+        for expert in matrices.experts:  # every rank in the same order: the reductions pair up
+            inputs = dict(zip(EXPERT_GEMMS, calls.inputs(expert), strict=True))
+            wanted = [gemm for gemm in EXPERT_GEMMS if (expert, gemm) in matrices.units]
+            accumulators = {gemm: HessianAccumulator(inputs[gemm].shape[-1], fused[gemm].device) for gemm in wanted}
+            for gemm, accumulator in accumulators.items():
+                accumulator.add(inputs[gemm])
+            self._all_ranks(list(accumulators.values()))
+            for gemm, accumulator in accumulators.items():
+                if not accumulator.rows:
+                    continue  # no token reached the expert: the writer rounds it to nearest
+                weight = getattr(module, gemm)[expert].detach().to(self.scale_dtype)
+                amax = float(max_abs(weight).float()) + 0.0  # the unit's: its matrices share it
+                keys = matrices.units[(expert, gemm)]
+                results = [self._round(fmt, rows, accumulator.matrix, amax) for rows in weight.chunk(len(keys))]
+                rounded.update(zip(keys, results, strict=True))
+                fused[gemm][expert] = torch.cat([values for _, values in results]).to(fused[gemm].dtype)
+        return rounded, {f"{matrices.path}.{gemm}": value for gemm, value in fused.items()}
+
+    def _round(self, fmt: Any, weight: torch.Tensor, matrix: torch.Tensor, amax: float
+               ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``weight`` under ``fmt``'s scales by GPTQ with the Hessian ``matrix``: its three written tensors and its
+        rounded values (fp32); rank 0 rounds, every rank gets its codes."""
+        step, scales = fmt.rounding_scales(weight, amax)
+        if self.leader:
+            with one_intra_op_thread():
+                codes = gptq_codes_stepped(weight, matrix, step, act_order=self.act_order)
+        else:
+            codes = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
+        if self.ranked:  # rank 0's codes on every rank: the streams of all ranks see the same rounding
+            codes = _from_rank_0(codes)
+        return [pack_e2m1_codes(codes), *scales], dequantize_stepped(codes, step)
 
     def _forward(self, layer_pass: LayerPass, stream: list[torch.Tensor]) -> list[torch.Tensor]:
         """The layer's outputs on ``stream``, in the dtype the layers hand each other; the KV-cache recorder does
@@ -204,21 +268,25 @@ class GptqRounding:
             return [_hidden(layer_pass.call(layer_pass.layer, step, hidden), storage)
                     for step, hidden in enumerate(stream)]
 
-    def _save(self, index: int, family: str, keys: dict[str, str],
-              rounded: dict[str, tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+    def _save(self, index: int, family: str, rounded: dict[str, tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        """Store ``rounded`` (on-disk weight key -> its tensors) in the layer's file of ``family``."""
         if self.directory is None or not rounded:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"layer-{index:05d}-{family}.safetensors"
-        tensors = {f"{keys[path]}:{label}": tensor.cpu().contiguous()
-                   for path, (written, _) in rounded.items() for label, tensor in zip(ROUNDED_TENSORS, written,
-                                                                                      strict=True)}
+        tensors = {f"{key}:{label}": tensor.cpu().contiguous()
+                   for key, (written, _) in rounded.items() for label, tensor in zip(ROUNDED_TENSORS, written,
+                                                                                     strict=True)}
         save_file(tensors, self.directory / name)
-        self.rounded[family].update({keys[path]: name for path in rounded})
+        self.rounded[family].update(dict.fromkeys(rounded, name))
+
+
+def _relative(layer_pass: LayerPass, path: str) -> str:
+    return path[len(layer_pass.path) + 1:]
 
 
 def _linear(layer_pass: LayerPass, path: str) -> torch.nn.Module:
-    return layer_pass.layer.get_submodule(path[len(layer_pass.path) + 1:])
+    return layer_pass.layer.get_submodule(_relative(layer_pass, path))
 
 
 def _hidden(output: Any, dtype: torch.dtype | None) -> torch.Tensor:
@@ -242,14 +310,14 @@ def _from_rank_0(tensor: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def _weights_replaced(layer_pass: LayerPass, values: dict[str, torch.Tensor]) -> Iterator[None]:
-    """The layer's Linears ``values`` hold (path -> weight) for the block; their own weights after it."""
+    """The layer's parameters hold ``values`` (model path -> value) for the block; their own values after it."""
     kept = {}
     for path, value in values.items():
-        weight = _linear(layer_pass, path).weight
-        kept[path] = weight.data
-        weight.data = value.to(weight.dtype)
+        parameter = layer_pass.layer.get_parameter(_relative(layer_pass, path))
+        kept[path] = parameter.data
+        parameter.data = value.to(parameter.dtype)
     try:
         yield
     finally:
         for path, data in kept.items():
-            _linear(layer_pass, path).weight.data = data
+            layer_pass.layer.get_parameter(_relative(layer_pass, path)).data = data

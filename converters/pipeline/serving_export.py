@@ -122,8 +122,6 @@ def serving_rounding(run: Run, meter: SqnrMeter | None = None, label: str = "") 
         raise RequestError(f"nvfp4_weight_rounding gptq rounds each decoder layer during the layer-sequential "
                            f"calibration, and this job calibrates the whole model ({run.resolved.mode_reason}): use "
                            "nvfp4_weight_rounding nearest for this model", field=field)
-    if any(selection.experts for _, selection in exports):
-        run.warn("nvfp4_weight_rounding gptq rounds the Linears; the MoE expert matrices keep round to nearest")
     directory = run.staging / ROUNDED_DIR if run.staging is not None else None  # None: a rank that writes no export
     threshold = run.request.min_sqnr_db
     stays = None if meter is None or threshold is None else \
@@ -211,7 +209,7 @@ def set_serving_scales(run: Run, name: str, selection: ServingSelection) -> None
     _attach_kv_cache(run, name, selection)
     family = getattr(serving_format(name), "rounding_family", None)  # the codes calibration rounded for it
     if family is not None:
-        keys = set(selection.quantized.values())
+        keys = {*selection.quantized.values(), *selection.experts}
         rounded = run.calibration.rounded_weights.get(family, {})
         selection.rounded = {key: file for key, file in rounded.items() if key in keys}
 
@@ -307,6 +305,7 @@ def _add_measured_sqnr(selection: ServingSelection, measured: dict[str, dict[str
     """Each quantized Linear's and expert unit's SQNR under the format, measured during calibration. The meter casts
     by nearest rounding: a weight GPTQ rounded gets the figure as ``nearest_sqnr_db``, not as its own."""
     rounded = {path for path, key in selection.quantized.items() if key in selection.rounded}
+    rounded |= {unit for key, unit in selection.experts.items() if key in selection.rounded}
     for path in [*selection.quantized, *selection.expert_units]:
         if path in measured:
             key = "nearest_sqnr_db" if path in rounded else "sqnr_db"

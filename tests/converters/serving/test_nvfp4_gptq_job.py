@@ -18,7 +18,7 @@ from converters.calibration.gptq_rounding import ROUNDED_DIR
 from converters.errors import ConversionError, RequestError
 from converters.model.demo import build_tiny_llama
 from converters.model.sources import ModelSourceOptions, confinement_for
-from converters.pipeline.driver import run_stages
+from converters.pipeline.driver import run_conversion, run_stages
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.pipeline.serving_export import (
     finish_serving_export,
@@ -213,3 +213,30 @@ def test_gptq_without_an_nvfp4_export_is_a_warning(tmp_path_factory):
     assert any("nvfp4_weight_rounding gptq applies to the NVFP4 serving exports" in warning
                for warning in report["warnings"])
     assert "nvfp4_rounding" not in report["calibration"]
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_moe_expert_matrices_are_rounded_by_gptq_and_only_their_codes_change(moe_root, name):
+    """A MoE model's expert matrices are GPTQ-rounded as its Linears are (each expert from its own routed tokens):
+    against the same job with nearest rounding, only packed codes differ, expert matrices among them, and the
+    report counts every rounded matrix."""
+    written, reports = {}, {}
+    for rounding in ("nearest", "gptq"):
+        out = moe_root / f"{name}-gptq-{rounding}"
+        run_conversion(ConversionRequest(model=str(moe_root / name), serving_formats=(W4A4,), measure=False,
+                                         recipe={**RECIPE, "nvfp4_weight_rounding": rounding},
+                                         calibration=CalibrationSettings(steps=4, batch_size=2, seq_len=32)),
+                       out, ModelSourceOptions(allowed_roots=(moe_root,)))
+        written[rounding] = _tensors(out / "serving" / W4A4 / "model.safetensors")
+        reports[rounding] = json.loads((out / "fp8_report.json").read_text())
+    nearest, gptq = written["nearest"], written["gptq"]
+    assert sorted(nearest) == sorted(gptq)
+    differ = sorted(key for key, tensor in gptq.items() if not torch.equal(tensor, nearest[key]))
+    assert differ and all(key.endswith(".weight_packed") for key in differ), differ
+    experts = [key for key in differ if ".experts." in key]
+    assert len(experts) > len(differ) // 2, differ  # the experts hold most matrices, and most are rounded
+    stats = reports["gptq"]["serving"][W4A4]["layer_stats"]
+    assert all(stats[key.removesuffix(".weight_packed")]["rounding"] == "gptq" for key in experts)
+    assert not any("expert matrices keep round to nearest" in warning for warning in reports["gptq"]["warnings"])
+    rounded = reports["gptq"]["calibration"]["nvfp4_rounding"]["weights"]["compressed-tensors-nvfp4"]
+    assert rounded >= len(differ)
