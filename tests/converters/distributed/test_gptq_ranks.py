@@ -53,3 +53,29 @@ def test_a_killed_gptq_job_resumes_on_other_ranks_and_publishes_the_one_process_
     forward = report["calibration"]["forward"]
     assert forward["ranks"] == 3 and forward["resumed_at_layer"] == 2 and forward["layers_run"] == [2, 3]
     assert not record.exists()
+
+
+def test_a_moe_gptq_job_on_two_ranks_publishes_the_one_process_export(gptq_job):
+    """Each expert's Hessians are the sum of what every rank routed to it (a rank may route it none), so two ranks
+    round every expert matrix as one process does."""
+    from tests.models import save_tiny_moe
+
+    save_tiny_moe("qwen2_moe", gptq_job.root / "qwen2_moe")
+    request = json.loads(gptq_job.request.read_text())
+    request["model"] = str(gptq_job.root / "qwen2_moe")
+    path = gptq_job.root / "gptq-moe-request.json"
+    path.write_text(json.dumps(request), encoding="utf-8")
+    moe = Job(root=gptq_job.root, request=path)
+    baseline = run_one_process(moe, moe.root / "gptq-moe-one", timeout=240)
+    out = moe.root / "gptq-moe-ranks"
+    ranks = moe.start(2, out)
+    assert ranks.wait(timeout=600) == [0, 0], ranks.log(0)[-2000:]
+    with safe_open(out / NVFP4, "pt") as ours, safe_open(baseline / NVFP4, "pt") as theirs:
+        assert set(ours.keys()) == set(theirs.keys())
+        experts = [key for key in ours.keys() if ".experts." in key and key.endswith("weight_packed")]
+        assert experts
+        differing = [key for key in ours.keys() if not torch.equal(ours.get_tensor(key).view(torch.uint8),
+                                                                   theirs.get_tensor(key).view(torch.uint8))]
+    assert differing == []
+    rounded = json.loads((out / "fp8_report.json").read_text())["calibration"]["nvfp4_rounding"]["weights"][FAMILY]
+    assert rounded >= len(experts)
