@@ -11,10 +11,10 @@ from safetensors import safe_open
 from torch import nn
 
 from converters.calibration.gptq_rounding import GptqRounding
-from converters.calibration.sequential import LayerPass
 from converters.serving.nvfp4 import NVFP4, pack_e2m1_codes, quantize_nvfp4
 from converters.serving.nvfp4_gptq import ROUNDED_TENSORS, HessianAccumulator, dequantize_codes, gptq_codes
 from converters.serving.selection import ServingSelection
+from tests.converters.calibration.layer_walks import walk_layers
 
 WIDTH, INTERMEDIATE, EXPERTS, TOP_K, STEPS = 32, 32, 4, 2, 3
 UNREACHED = EXPERTS - 1  #: the router never picks it
@@ -80,16 +80,6 @@ def _selection(layers: int) -> ServingSelection:
     return ServingSelection(format="nvfp4", experts=experts)
 
 
-def _walk(layers: list[Layer], inputs: list[torch.Tensor], rounding: GptqRounding) -> None:
-    for index, layer in enumerate(layers):
-        outputs = [layer(hidden) for hidden in inputs]
-        rounding(LayerPass(index=index, path=f"model.layers.{index}", layer=layer, linear_paths=[], amax={},
-                           outputs=outputs, inputs=inputs,
-                           call=lambda module, step, hidden=None, inputs=inputs: module(
-                               inputs[step] if hidden is None else hidden)))
-        inputs = outputs
-
-
 def _routed(layer: Layer, inputs: list[torch.Tensor], expert: int) -> torch.Tensor:
     flat = torch.cat([hidden.reshape(-1, WIDTH) for hidden in inputs])
     logits = layer.mlp.gate(flat)
@@ -134,7 +124,7 @@ def walked(tmp_path):
     rounding = GptqRounding([(NVFP4.with_scale_search("four_over_six"), _selection(2))], tmp_path / "rounded",
                             torch.float32, block_scales="four_over_six")
     with torch.no_grad():
-        _walk(layers, inputs, rounding)
+        walk_layers(layers, inputs, rounding)
     return layers, inputs, weights, rounding
 
 
@@ -192,5 +182,5 @@ def test_an_experts_module_min_sqnr_db_keeps_is_left_out_whole(tmp_path):
     rounding = GptqRounding([(NVFP4, _selection(1))], tmp_path / "rounded", torch.float32,
                             stays_high_precision=lambda path: path == kept)
     with torch.no_grad():
-        _walk([layer], inputs, rounding)
+        walk_layers([layer], inputs, rounding)
     assert rounding.rounded[FAMILY] == {}

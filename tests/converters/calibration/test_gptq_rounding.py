@@ -11,10 +11,10 @@ from safetensors import safe_open
 from torch import nn
 
 from converters.calibration.gptq_rounding import GptqRounding
-from converters.calibration.sequential import LayerPass
 from converters.serving.nvfp4 import NVFP4, quantize_nvfp4
 from converters.serving.nvfp4_gptq import ROUNDED_TENSORS, HessianAccumulator, dequantize_codes, gptq_codes
 from converters.serving.selection import ServingSelection
+from tests.converters.calibration.layer_walks import walk_layers
 
 WIDTH, STEPS = 32, 3
 FAMILY = NVFP4.rounding_family
@@ -37,17 +37,6 @@ def _selection(layers: int) -> ServingSelection:
                  for i in range(layers) for name in ("q", "k", "out")}
     groups = [[f"model.layers.{i}.q", f"model.layers.{i}.k"] for i in range(layers)]
     return ServingSelection(format="nvfp4", quantized=quantized, fused_groups=groups)
-
-
-def _walk(blocks: list[Block], inputs: list[torch.Tensor], rounding: GptqRounding) -> None:
-    """The calibration walk's side: each layer's high-precision outputs become the next layer's inputs."""
-    for index, block in enumerate(blocks):
-        outputs = [block(hidden) for hidden in inputs]
-        rounding(LayerPass(index=index, path=f"model.layers.{index}", layer=block, linear_paths=[], amax={},
-                           outputs=outputs, inputs=inputs,
-                           call=lambda module, step, hidden=None, inputs=inputs: module(
-                               inputs[step] if hidden is None else hidden)))
-        inputs = outputs
 
 
 def _expected(block: Block, inputs: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -80,7 +69,7 @@ def walked(tmp_path):
     rounding = GptqRounding([(NVFP4.with_scale_search("four_over_six"), _selection(2))], tmp_path / "rounded",
                             torch.float32, block_scales="four_over_six")
     with torch.no_grad():
-        _walk(blocks, inputs, rounding)
+        walk_layers(blocks, inputs, rounding)
     return blocks, inputs, weights, rounding
 
 
@@ -136,7 +125,7 @@ def test_a_layer_without_nvfp4_weights_still_carries_the_rounded_stream(tmp_path
     selection.fused_groups = [group for group in selection.fused_groups if ".1." in group[0]]
     rounding = GptqRounding([(NVFP4, selection)], tmp_path, torch.float32)
     with torch.no_grad():
-        _walk(blocks, inputs, rounding)
+        walk_layers(blocks, inputs, rounding)
     assert sorted(path.name for path in tmp_path.iterdir()) == [f"layer-00001-{FAMILY}.safetensors"]
     with torch.no_grad():
         stream = [blocks[0](hidden) for hidden in inputs]  # layer 0 unrounded: its outputs as they are
@@ -180,7 +169,7 @@ def test_each_layout_is_rounded_on_the_stream_of_its_own_rounded_layers(tmp_path
     inputs = [torch.randn(4, 8, WIDTH) * torch.linspace(0.1, 3.0, WIDTH) for _ in range(STEPS)]
     rounding = GptqRounding([(NVFP4, _selection(2)), (MODELOPT_NVFP4, _selection(2))], tmp_path, torch.float32)
     with torch.no_grad():
-        _walk(blocks, inputs, rounding)
+        walk_layers(blocks, inputs, rounding)
     family = MODELOPT_NVFP4.rounding_family
 
     def stored(key: str) -> list[torch.Tensor]:
