@@ -104,6 +104,9 @@ FILE_CPU_LOG := build/file-cpu.json
 # wait for <log>.done, which appears when the build has ended (tests/modelopt_venv.py): scheduled heaviest file
 # first, they reach it long after. A failed build skips them, naming the log.
 MODELOPT_LOG := build/modelopt-venv.log
+# xdist processes of the suite: on 2 cores more than 2, since most slow files wait on servers, workers and Slurm
+# (their wall is 3-15 times their CPU) and the other processes fill those waits.
+SUITE_WORKERS ?= 3
 
 test: lint $(CHROMIUM) $(SLURMCTLD)
 	@mkdir -p $(dir $(VLLM_LOG)) && rm -f $(MODELOPT_LOG).done
@@ -116,7 +119,7 @@ test: lint $(CHROMIUM) $(SLURMCTLD)
 	VLLM_VENV=$(VLLM_VENV) VLLM_BUILD_LOG=$(abspath $(VLLM_LOG)) \
 		$(PYTEST) -n $$workers --dist loadfile tests/engines > $(ENGINES_LOG) 2>&1) & engines=$$!; \
 	MODELOPT_VENV=$(MODELOPT_VENV) MODELOPT_BUILD_LOG=$(abspath $(MODELOPT_LOG)) \
-		$(PYTEST) -n 3 --ignore=tests/engines --record-file-seconds=$(FILE_SECONDS_LOG) \
+		$(PYTEST) -n $(SUITE_WORKERS) --ignore=tests/engines --record-file-seconds=$(FILE_SECONDS_LOG) \
 		--record-file-cpu=$(FILE_CPU_LOG) $(TESTS); suite=$$?; wait $$modelopt; \
 	wait $$engines; engines=$$?; echo "engine tests (tests/engines, $(ENGINES_LOG)):"; cat $(ENGINES_LOG); \
 	if [ $$suite -ne 0 ]; then exit $$suite; fi; exit $$engines
