@@ -3,8 +3,9 @@
 An expert GEMM sees only the tokens the router sends to that expert, so each expert has its own Hessians: its
 ``gate_up_proj`` inputs are those tokens' hidden states, its ``down_proj`` inputs their gated activations. A forward
 pre-hook on the fused experts module keeps each call's hidden states and routing (what the module receives on the
-rounded stream: one reference per call, no copy); the Hessians are then built one expert at a time, so a layer holds
-one expert's two Hessians at once (Qwen3-30B-A3B: 2048^2 + 768^2 fp64 values, 38 MB), not every expert's (5 GB).
+rounded stream, kept until the layer is rounded: as much memory as one more copy of the layer's hidden states); the
+Hessians are then built one expert at a time, so a layer holds one expert's two Hessians at once (Qwen3-30B-A3B:
+2048^2 + 768^2 fp64 values, 38 MB), not every expert's (5 GB).
 All Hessians come from the layer's weights before any of its matrices is rounded, as for the Linears
 (:mod:`converters.calibration.gptq_rounding`).
 
