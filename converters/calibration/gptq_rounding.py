@@ -106,33 +106,40 @@ class GptqRounding:
             self._streams = {family: list(layer_pass.inputs) for family in self.families}
         device = layer_pass.inputs[0].device  # a resume record's streams were read to host memory
         self._streams = {family: [hidden.to(device) for hidden in stream] for family, stream in self._streams.items()}
-        for family, (fmt, keys) in self.families.items():
+        for family, (_, keys) in self.families.items():
             stream = self._streams[family]
             paths = [path for path in keys if under(path, layer_pass.path) and not self._left_out(path)]
-            experts = [matrices for matrices in expert_matrices({unit: matrix_keys for unit, matrix_keys
-                                                                 in self.expert_keys[family].items()
-                                                                 if under(unit, layer_pass.path)})
-                       if not self._experts_left_out(matrices)]
-            if not paths and not experts:
-                self._streams[family] = self._forward(layer_pass, stream)
-                continue
-            groups = self._groups(paths)
-            calls = [ExpertCalls(layer_pass.layer.get_submodule(_relative(layer_pass, matrices.path)))
-                     for matrices in experts]
-            hessians = self._hessians(layer_pass, groups, stream, calls)
-            rounded, replaced = {}, {}
-            for group in groups:
-                for path, result in self._round_group(layer_pass, fmt, group, hessians).items():
-                    rounded[keys[path]] = result
-                    replaced[f"{path}.weight"] = result[1]
-            for matrices, module_calls in zip(experts, calls, strict=True):
-                expert_rounded, expert_replaced = self._round_experts(fmt, matrices, module_calls)
-                rounded.update(expert_rounded)
-                replaced.update(expert_replaced)
-            self._save(layer_pass.index, family, rounded)
+            experts = self._experts_in(layer_pass, family)
+            replaced = self._round_layer(layer_pass, family, paths, experts, stream) if paths or experts else {}
             with _weights_replaced(layer_pass, replaced):
                 self._streams[family] = self._forward(layer_pass, stream)
         self.seconds += time.perf_counter() - started
+
+    def _experts_in(self, layer_pass: LayerPass, family: str) -> list[ExpertMatrices]:
+        """The layer's experts modules ``family`` rounds (none that ends in high precision)."""
+        units = {unit: keys for unit, keys in self.expert_keys[family].items() if under(unit, layer_pass.path)}
+        return [matrices for matrices in expert_matrices(units) if not self._experts_left_out(matrices)]
+
+    def _round_layer(self, layer_pass: LayerPass, family: str, paths: list[str], experts: list[ExpertMatrices],
+                     stream: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Round the layer's Linears ``paths`` (by fused group) and ``experts`` from their Hessians on ``stream`` and
+        store them; returns the rounded values by parameter path (for the stream's next pass)."""
+        fmt, keys = self.families[family]
+        groups = self._groups(paths)
+        calls = [ExpertCalls(layer_pass.layer.get_submodule(_relative(layer_pass, matrices.path)))
+                 for matrices in experts]
+        hessians = self._hessians(layer_pass, groups, stream, calls)
+        rounded, replaced = {}, {}
+        for group in groups:
+            for path, result in self._round_group(layer_pass, fmt, group, hessians).items():
+                rounded[keys[path]] = result
+                replaced[f"{path}.weight"] = result[1]
+        for matrices, module_calls in zip(experts, calls, strict=True):
+            expert_rounded, expert_replaced = self._round_experts(fmt, matrices, module_calls)
+            rounded.update(expert_rounded)
+            replaced.update(expert_replaced)
+        self._save(layer_pass.index, family, rounded)
+        return replaced
 
     def streams(self) -> dict[str, list[torch.Tensor]]:
         """Each family's stream after the last layer rounded: the next layer's input (for a resume record)."""
