@@ -235,8 +235,9 @@ def format_serving_exports(report: dict[str, Any]) -> str:
             verdict = "ok" if audit.get("ok") else f"{len(audit.get('problems', []))} problem(s)"
         kv = block.get("kv_cache")
         rounded = sum(stats.get("rounding") == "gptq" for stats in (block.get("layer_stats") or {}).values())
-        # GPTQ lowers the layers' output error at the weights' expense: say so beside the weight figure
-        gptq = f" (GPTQ-rounded: {rounded} layers, below nearest rounding's by design)" if rounded else ""
+        # GPTQ lowers the layers' output error at the weights' expense: say so beside the weight figure (counted in
+        # weights: a MoE expert's gate_up unit is two of them, gate and up)
+        gptq = f" (GPTQ-rounded: {rounded} weights, below nearest rounding's by design)" if rounded else ""
         lines.append(f"serving/{name}: {len(block['quantized'])} layers quantized"
                      + (f", lowest weight SQNR {min(sqnr):.1f} dB{gptq}" if sqnr else "")
                      + (f", KV-cache scales for {len(kv['layers'])} attention layers" if kv else "")

@@ -110,7 +110,7 @@ def test_the_report_says_what_was_rounded_and_the_artifact_holds_no_rounded_file
     from service.cli.render import format_serving_exports
 
     lines = {line.partition(":")[0]: line for line in format_serving_exports(report).splitlines()}
-    said = f"(GPTQ-rounded: {len(quantized)} layers, below nearest rounding's by design)"
+    said = f"(GPTQ-rounded: {len(quantized)} weights, below nearest rounding's by design)"
     assert all(said in lines[f"serving/{name}"] for name in (W4A4, A16))
     assert "GPTQ" not in lines[f"serving/{FP8}"]
     # an FP8 export of the same job is written as ever: nothing of the rounding reaches it
