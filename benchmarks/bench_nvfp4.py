@@ -37,7 +37,8 @@ What runs:
              over the job's calibration windows (all their tokens); ``+act``: columns in order of decreasing H[j, j];
              ``+seq``: decoder layer by decoder layer, each layer's X from the model whose earlier layers already
              hold their GPTQ weights (llm-compressor's sequential pipeline); ``+qx``: H of the inputs cast to NVFP4
-             under the export's input global scales (with ``+seq``, the earlier layers' inputs cast as well).
+             under the export's input global scales (with ``+seq``, the earlier layers' inputs cast as well);
+             ``+aq``: one pass toward what the W4A4 engine multiplies, ``Q(X) Q^T ~ X W^T`` (asymmetric_gptq).
              The job's input global scales are kept.
 Scoring: the bf16 model with, for every Linear an export quantizes, the weight read back from the export
 (``code * weight_scale / weight_global_scale``) and its input cast to NVFP4 as the engines' W4A4 kernels cast it
@@ -326,6 +327,40 @@ def gptq_requantized(source: dict[str, torch.Tensor], layers: dict, hessians: di
         for path in paths:
             packed, scale, gparam = quantize_nvfp4_gptq(source[f"{path}.weight"], amax, hessians[path],
                                                         scale_search=scale_search, act_order=act_order)
+            result[path] = {**layers[path], "weight_packed": packed, "weight_scale": scale,
+                            "weight_global_scale": gparam}
+    return result
+
+
+def asymmetric_gptq(model, batches: list[dict], source: dict[str, torch.Tensor], layers: dict, scale_search: str,
+                    act_order: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """GPTQ toward what a W4A4 engine multiplies: codes ``Q`` that make ``Q(X) Q^T`` close to ``X W^T`` (``Q(X)``:
+    the inputs cast to NVFP4 under the export's input global scale). With ``H = Q(X)^T Q(X)`` and ``C = Q(X)^T X``
+    (per fused group, on the bf16 model), ``|Q(X) Q^T - X W^T|^2 = |Q(X) (Q - W*)^T|^2 + const`` for
+    ``W* = W C^T H^-1`` (H damped by 1% of its mean diagonal, as GPTQ's): GPTQ rounds ``W*`` under ``H``, block
+    scales of ``scale_search`` from ``W*`` itself."""
+    groups = fused_groups(layers)
+    sums = {paths[0]: [torch.zeros(model.get_submodule(paths[0]).in_features, model.get_submodule(paths[0]).in_features,
+                                   dtype=torch.float64) for _ in range(2)] for paths in groups.values()}
+
+    def record(path, inputs):
+        x = inputs.reshape(-1, inputs.shape[-1]).double()
+        cast = cast_input(inputs, layers[path]).reshape(-1, inputs.shape[-1]).double()
+        sums[path][0].addmm_(cast.T, cast)
+        sums[path][1].addmm_(cast.T, x)
+
+    run_with_input_hooks(model, batches, list(sums), record)
+    result = {}
+    for paths in groups.values():
+        hessian, cross = sums[paths[0]]
+        damped = hessian.clone()
+        damped.diagonal().add_(0.01 * hessian.diagonal().mean())
+        targets = {path: torch.linalg.solve(damped, cross @ source[f"{path}.weight"].double().T).T
+                   .to(source[f"{path}.weight"].dtype) for path in paths}
+        amax = max(float(target.float().abs().max()) for target in targets.values())
+        for path in paths:
+            packed, scale, gparam = quantize_nvfp4_gptq(targets[path], amax, hessian, scale_search=scale_search,
+                                                        act_order=act_order)
             result[path] = {**layers[path], "weight_packed": packed, "weight_scale": scale,
                             "weight_global_scale": gparam}
     return result
@@ -676,7 +711,7 @@ def main() -> None:
         started = time.perf_counter()
         hessians = {cast: group_hessians(model, job_batches(model_dir, args.steps)[0], ours, cast_inputs=cast)
                     for cast in dict.fromkeys("qx" in spec.split("+") for spec in args.gptq.split(",")
-                                              if "seq" not in spec.split("+"))}
+                                              if not {"seq", "aq"} & set(spec.split("+")))}
         print(f"Hessians of {len(fused_groups(ours))} fused groups: {time.perf_counter() - started:.0f} s")
         # GPTQ's column loop is thousands of small operations a Linear: one intra-op thread runs them 2-20x faster
         # than two on a shared 2-core machine (measured), so they run on one
@@ -686,7 +721,10 @@ def main() -> None:
             for spec in args.gptq.split(","):
                 method, *options = spec.split("+")
                 started = time.perf_counter()
-                if "seq" in options:
+                if "aq" in options:
+                    gptq = asymmetric_gptq(model, job_batches(model_dir, args.steps)[0], source, ours, method,
+                                           "act" in options)
+                elif "seq" in options:
                     gptq = sequential_gptq(model, job_batches(model_dir, args.steps)[0], source, ours, method,
                                            "act" in options, cast_inputs="qx" in options)
                 else:

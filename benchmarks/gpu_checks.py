@@ -229,6 +229,9 @@ JOB_VARIANTS = {
     # a Qwen2-MoE: the experts' own calibration walk and grouped casts
     "moe-kv-measured": {"model": "qwen2_moe", "recipe": {"backend": "ao"},
                         "serving_formats": ["compressed-tensors-fp8", "nvfp4"], "kv_cache": "fp8"},
+    # GPTQ of the expert matrices (each expert from its routed tokens) on the GPU against the CPU
+    "moe-gptq": {"model": "qwen2_moe", "recipe": {"backend": "ao", "nvfp4_weight_rounding": "gptq"},
+                 "serving_formats": ["nvfp4"], "measure": False},
     # TransformerEngine's recipe where the GPU has no TE installed (the image has none): what a user is told
     "te-without-te": {"recipe": {"backend": "te"}, "serving_formats": ["compressed-tensors-fp8"]},
 }

@@ -75,7 +75,8 @@ class ExpertCalls:
         """The expert's ``gate_up_proj`` and ``down_proj`` inputs (rows: its routed tokens), from its weights as
         they are now."""
         hidden = [states[(routed == expert).any(dim=-1)] for states, routed in self.calls]
-        x = torch.cat(hidden) if hidden else torch.empty(0, self.module.gate_up_proj.shape[-1])
+        weight = self.module.gate_up_proj
+        x = torch.cat(hidden) if hidden else weight.new_empty(0, weight.shape[-1])
         with torch.no_grad():
             activated = self.module._apply_gate(nn.functional.linear(x, self.module.gate_up_proj[expert]))
         return x, activated
