@@ -337,8 +337,9 @@ def asymmetric_gptq(model, batches: list[dict], source: dict[str, torch.Tensor],
     """GPTQ toward what a W4A4 engine multiplies: codes ``Q`` that make ``Q(X) Q^T`` close to ``X W^T`` (``Q(X)``:
     the inputs cast to NVFP4 under the export's input global scale). With ``H = Q(X)^T Q(X)`` and ``C = Q(X)^T X``
     (per fused group, on the bf16 model), ``|Q(X) Q^T - X W^T|^2 = |Q(X) (Q - W*)^T|^2 + const`` for
-    ``W* = W C^T H^-1`` (H damped by 1% of its mean diagonal, as GPTQ's): GPTQ rounds ``W*`` under ``H``, block
-    scales of ``scale_search`` from ``W*`` itself."""
+    ``W* = W C^T H^-1``; with GPTQ's damping ``d`` (1% of H's mean diagonal) ``W* = W (C + d I)^T (H + d I)^-1``,
+    the least-squares fit plus ``d |W* - W|^2``. GPTQ rounds ``W*`` under ``H``, block scales of ``scale_search``
+    from ``W*`` itself."""
     groups = fused_groups(layers)
     sums = {paths[0]: [torch.zeros(model.get_submodule(paths[0]).in_features, model.get_submodule(paths[0]).in_features,
                                    dtype=torch.float64) for _ in range(2)] for paths in groups.values()}
@@ -353,9 +354,11 @@ def asymmetric_gptq(model, batches: list[dict], source: dict[str, torch.Tensor],
     result = {}
     for paths in groups.values():
         hessian, cross = sums[paths[0]]
-        damped = hessian.clone()
-        damped.diagonal().add_(0.01 * hessian.diagonal().mean())
-        targets = {path: torch.linalg.solve(damped, cross @ source[f"{path}.weight"].double().T).T
+        damping = 0.01 * hessian.diagonal().mean()
+        damped, pulled = hessian.clone(), cross.clone()
+        damped.diagonal().add_(damping)
+        pulled.diagonal().add_(damping)  # the damping pulls W* toward W, not toward 0
+        targets = {path: torch.linalg.solve(damped, pulled @ source[f"{path}.weight"].double().T).T
                    .to(source[f"{path}.weight"].dtype) for path in paths}
         amax = max(float(target.float().abs().max()) for target in targets.values())
         for path in paths:
