@@ -75,8 +75,8 @@ class ExpertCalls:
         """The expert's ``gate_up_proj`` and ``down_proj`` inputs (rows: its routed tokens), from its weights as
         they are now."""
         hidden = [states[(routed == expert).any(dim=-1)] for states, routed in self.calls]
-        weight = self.module.gate_up_proj
-        x = torch.cat(hidden) if hidden else weight.new_empty(0, weight.shape[-1])
+        gate_up = self.module.gate_up_proj
+        x = torch.cat(hidden) if hidden else gate_up.new_empty(0, gate_up.shape[-1])
         with torch.no_grad():
-            activated = self.module._apply_gate(nn.functional.linear(x, self.module.gate_up_proj[expert]))
+            activated = self.module._apply_gate(nn.functional.linear(x, gate_up[expert]))
         return x, activated
