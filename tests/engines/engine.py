@@ -109,20 +109,23 @@ def run_vllm(requests: list[EngineRequest], work: Path, *, timeout: float = 1800
     return [EngineRun(raw) for raw in _drive({"runs": runs}, work, timeout)["runs"]]
 
 
-def attend_in_vllm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, k_scale: float, v_scale: float,
-                   isas: tuple[str, ...], work: Path, kv_cache_dtype: str = "fp8") -> dict[str, torch.Tensor]:
+def attend_in_vllm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                   cases: dict[str, tuple[float, float, tuple[str, ...]]], work: Path, kv_cache_dtype: str = "fp8"
+                   ) -> dict[tuple[str, str], torch.Tensor]:
     """vLLM's CPU attention kernels over one causal prompt whose keys and values went through its KV cache
-    (``vllm_driver.attend_through_cache``), one vLLM process for all: isa -> output. Tensors are
+    (``vllm_driver.attend_through_cache``), every case in one vLLM process (its import is most of the cost):
+    ``cases``: name -> (k_scale, v_scale, the kernel families to run); returns (name, isa) -> output. Tensors are
     ``[tokens, heads, head_dim]``."""
     from safetensors.torch import load_file, save_file
 
     work.mkdir(parents=True, exist_ok=True)
     inputs = work / "attention-in.safetensors"
     save_file({"query": query.contiguous(), "key": key.contiguous(), "value": value.contiguous()}, inputs)
-    cases = [{"tensors": str(inputs), "out": str(work / f"attention-{isa}.safetensors"), "isa": isa,
-              "k_scale": k_scale, "v_scale": v_scale, "kv_cache_dtype": kv_cache_dtype} for isa in isas]
-    _drive({"attention": cases}, work, 600)
-    return {case["isa"]: load_file(case["out"])["output"] for case in cases}
+    runs = {(name, isa): {"tensors": str(inputs), "out": str(work / f"attention-{name}-{isa}.safetensors"), "isa": isa,
+                          "k_scale": k_scale, "v_scale": v_scale, "kv_cache_dtype": kv_cache_dtype}
+            for name, (k_scale, v_scale, isas) in cases.items() for isa in isas}
+    _drive({"attention": list(runs.values())}, work, 600)
+    return {key: load_file(run["out"])["output"] for key, run in runs.items()}
 
 
 def _drive(payload: dict, work: Path, timeout: float) -> dict:

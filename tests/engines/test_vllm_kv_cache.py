@@ -61,11 +61,26 @@ def prompt():
     return query, key, value, k_scale, v_scale
 
 
+#: both kernel families present: the amx kernels' behaviour at scales an export would only write by mistake is shown
+AMX_AND_VEC = {"amx", "vec"} <= set(ISAS)
+
+
+def subnormal_v_scale(prompt) -> float:
+    """A v_scale that makes every value's code subnormal (at most 2^-7)."""
+    return float(prompt[2].float().abs().amax()) * 128
+
+
 @pytest.fixture(scope="module")
 def engine(prompt, tmp_path_factory):
+    """(case, isa) -> the kernel's output, every case in one vLLM process: ``written``, the prompt's own scales, on
+    every kernel family of this CPU; with AMX and AVX-512, ``subnormal`` (v_scale = subnormal_v_scale) on both and
+    ``overflow`` (v_scale = 256) on amx."""
     query, key, value, k_scale, v_scale = prompt
-    return attend_in_vllm(query, key, value, k_scale=k_scale, v_scale=v_scale, isas=ISAS,
-                          work=tmp_path_factory.mktemp("vllm-attention"))
+    cases = {"written": (k_scale, v_scale, ISAS)}
+    if AMX_AND_VEC:
+        cases["subnormal"] = (k_scale, subnormal_v_scale(prompt), ("amx", "vec"))
+        cases["overflow"] = (k_scale, 256.0, ("amx",))
+    return attend_in_vllm(query, key, value, cases=cases, work=tmp_path_factory.mktemp("vllm-attention"))
 
 
 def emulated(prompt, rounding: str) -> torch.Tensor:
@@ -78,7 +93,7 @@ def emulated(prompt, rounding: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_cpu_fp8_cache_is_the_truncating_emulation(prompt, engine, isa):
-    output = engine[isa]
+    output = engine["written", isa]
     truncated = relative_error(output, emulated(prompt, KV_ROUNDING_TRUNCATE))
     nearest = relative_error(output, emulated(prompt, KV_ROUNDING_NEAREST))
     unquantized = relative_error(output, attention(*prompt[:3]))
@@ -88,20 +103,16 @@ def test_the_cpu_fp8_cache_is_the_truncating_emulation(prompt, engine, isa):
     assert unquantized > 3 * truncated and unquantized > KERNEL_NOISE
 
 
-@pytest.mark.skipif(not {"amx", "vec"} <= set(ISAS), reason="needs a CPU with AMX (vLLM's amx kernels) and AVX-512")
-def test_the_amx_kernel_reads_subnormal_codes_as_zero_and_overflows_on_scales_of_256(prompt, tmp_path):
+@pytest.mark.skipif(not AMX_AND_VEC, reason="needs a CPU with AMX (vLLM's amx kernels) and AVX-512")
+def test_the_amx_kernel_reads_subnormal_codes_as_zero_and_overflows_on_scales_of_256(prompt, engine):
     """What the amx kernels do beyond the truncating cast, at scales an export would only write by mistake: they
     hand AMX each code as bf16 ``code * 2^-120``, so E4M3's subnormal codes become bf16 subnormals, which AMX's bf16
     dot product reads as zero; and the ``2^120 * scale`` they fold back overflows fp32 from a scale of 256 up (NaN).
     The vec kernels read both right. At amax / 448 the subnormal codes are the values below amax / 28672: no
     measurable effect on SmolLM2 (docs/benchmarks/engine-2026-12-03d.md)."""
     query, key, value, k_scale, _ = prompt
-    below_normal = float(value.float().abs().amax()) * 128  # every value's code is subnormal (at most 2^-7)
-    subnormal = attend_in_vllm(query, key, value, k_scale=k_scale, v_scale=below_normal, isas=("amx", "vec"),
-                               work=tmp_path / "subnormal")
-    overflow = attend_in_vllm(query, key, value, k_scale=k_scale, v_scale=256.0, isas=("amx",), work=tmp_path / "nan")
-    assert float(subnormal["amx"].float().abs().max()) == 0
+    assert float(engine["subnormal", "amx"].float().abs().max()) == 0
     truncated = attention(query, fake_quantize_kv(key.float(), k_scale, KV_ROUNDING_TRUNCATE),
-                          fake_quantize_kv(value.float(), below_normal, KV_ROUNDING_TRUNCATE))
-    assert relative_error(subnormal["vec"], truncated) < KERNEL_NOISE
-    assert overflow["amx"].isnan().any()
+                          fake_quantize_kv(value.float(), subnormal_v_scale(prompt), KV_ROUNDING_TRUNCATE))
+    assert relative_error(engine["subnormal", "vec"], truncated) < KERNEL_NOISE
+    assert engine["overflow", "amx"].isnan().any()
