@@ -25,9 +25,7 @@ def gptq_job(job) -> Job:
     request = json.loads(job.request.read_text())
     request["recipe"] = {"backend": "ao", "nvfp4_weight_scales": "four_over_six", "nvfp4_weight_rounding": "gptq"}
     request["serving_formats"] = ["nvfp4"]
-    path = job.root / "gptq-request.json"
-    path.write_text(json.dumps(request), encoding="utf-8")
-    return Job(root=job.root, request=path)
+    return job.with_request("gptq-request.json", request)
 
 
 def test_a_killed_gptq_job_resumes_on_other_ranks_and_publishes_the_one_process_export(gptq_job):
@@ -63,9 +61,7 @@ def test_a_moe_gptq_job_on_two_ranks_publishes_the_one_process_export(gptq_job):
     save_tiny_moe("qwen2_moe", gptq_job.root / "qwen2_moe")
     request = json.loads(gptq_job.request.read_text())
     request["model"] = str(gptq_job.root / "qwen2_moe")
-    path = gptq_job.root / "gptq-moe-request.json"
-    path.write_text(json.dumps(request), encoding="utf-8")
-    moe = Job(root=gptq_job.root, request=path)
+    moe = gptq_job.with_request("gptq-moe-request.json", request)
     baseline = run_one_process(moe, moe.root / "gptq-moe-one", timeout=240)
     out = moe.root / "gptq-moe-ranks"
     ranks = moe.start(2, out)

@@ -28,7 +28,7 @@ QUALITY_REL, QUALITY_ABS = 1e-6, 1e-9
 
 
 @pytest.fixture(scope="module")
-def kv_job(tmp_path_factory) -> Job:
+def kv_job(tmp_path_factory, zygote) -> Job:
     """A three-layer Llama with the demo tokenizer (the quality pass scores text), TE delayed scaling, FP8 KV
     scales in a compressed-tensors export, and five short quality texts (a block of them for each rank)."""
     import torch
@@ -52,7 +52,7 @@ def kv_job(tmp_path_factory) -> Job:
     path = root / "request.json"
     body = {**request.to_dict(), "quality_texts": TEXTS}  # to_dict() summarises texts: the body carries them
     path.write_text(json.dumps(body), encoding="utf-8")
-    return Job(root=root, request=path)
+    return Job(root=root, request=path, zygote=zygote)
 
 
 @pytest.fixture(scope="module")
