@@ -3,13 +3,13 @@ from one that imported torch, transformers' Llama and the conversion pipeline on
 code string in it as ``python -m MODULE`` / ``python SCRIPT`` / ``python -c CODE`` would, with the given
 arguments, environment, working directory and output file.
 
-Why: a fresh interpreter of this project spends ~7 s of CPU on imports before the first line of its own code
-(measured: ``import torch, transformers; from transformers import LlamaForCausalLM``); the distributed tests start
-12-16 ranks each, so imports were most of their CPU. The forked process runs the same entry point with the same
-argv and environment; what is shared is the import, as the service's own fork server shares it for its jobs
-(service.workers.task_server). Libraries read a few variables once at import (OpenMP its thread count): the zygote
-starts with the environment its users run with, and a child's ``OMP_NUM_THREADS`` is applied to torch. A test that
-must see a fresh interpreter (its imports, its start-up) starts one with subprocess.
+Why: a fresh interpreter of this project spends seconds of CPU importing torch and transformers' modeling stack
+before the first line of its own code, and the distributed tests start many ranks each, so imports were most of
+their CPU (docs/benchmarks/test-suite-2026-12-04g.md has the figures). The forked process runs the same entry point
+with the same argv and environment; what is shared is the import, as the service's own fork server shares it for its
+jobs (service.workers.task_server). Libraries read a few variables once at import (OpenMP its thread count): the
+zygote starts with the environment its users run with, and a child's ``OMP_NUM_THREADS`` is applied to torch. A test
+that must see a fresh interpreter (its imports, its start-up) starts one with subprocess.
 
 Protocol: one Unix-socket connection per process; the request is a JSON line; the answer is the process's pid,
 then its exit code (negative: the signal that ended it), one line each. A per-request waiter (a fork of the

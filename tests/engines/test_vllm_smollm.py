@@ -44,8 +44,8 @@ MAX_RATIO = 1.25
 BROKEN = "kv-scales-inverted"
 #: tokens generated after the 16-token prompt: the prompt pass fills the KV cache and each later step reads it back.
 #: Two, not more: the dynamic export's per-token FP8 GEMMs reach torch._scaled_mm, which on a CPU with AMX runs
-#: oneDNN's reference matmul (measured: 0.25 s for one 16 x 576 x 1536 product); each decode step cost ~30 s
-#: there, eight tokens 257 of the run's 350 s (docs/benchmarks/test-suite-2026-12-04g.md)
+#: oneDNN's reference matmul, so each decode step there costs a full forward of slow GEMMs
+#: (docs/benchmarks/test-suite-2026-12-04g.md measures it)
 GENERATED = 2
 
 

@@ -2,7 +2,7 @@
 Slurm's srun do (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in each rank's environment).
 
 The ranks are forked from a preloaded interpreter (tests/zygote.py: the same ``python -m converters.distributed``
-with the same environment, its imports done once instead of ~7 s of CPU per rank); ``fresh=True`` starts them as new
+with the same environment, its imports done once instead of once per rank); ``fresh=True`` starts them as new
 interpreters, as one test of test_data_parallel.py does (and the Slurm executor's tests do through srun)."""
 
 from __future__ import annotations
