@@ -28,6 +28,7 @@ __all__ = [
     "postgres_url",
     "make_store",
     "live_app",
+    "api_client",
     "ServeProcess",
     "build_tiny_llama",
     "wait_for",
@@ -107,6 +108,13 @@ def queue_only_settings(root: Path) -> Settings:
                     auth_disabled=True, hf_offline=True)
 
 
+def api_client(base_url: str, **options: Any) -> httpx.Client:
+    """A client of a test server that never sends on a connection the server is closing: uvicorn closes a
+    connection idle for 5 s (``timeout_keep_alive``) and httpx keeps one for 5 s by default, so a request sent
+    after a 5-second pause could meet the server's close ("Connection reset by peer")."""
+    return httpx.Client(base_url=base_url, timeout=30, limits=httpx.Limits(keepalive_expiry=2), **options)
+
+
 @contextlib.contextmanager
 def live_app(settings: Settings) -> Iterator[httpx.Client]:
     """Run ``create_app(settings)`` on a real uvicorn server on loopback; yields a client bound to it."""
@@ -123,7 +131,7 @@ def live_app(settings: Settings) -> Iterator[httpx.Client]:
     thread.start()
     try:
         wait_for(lambda: server.started, timeout=15, what="uvicorn start")
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        with api_client(f"http://127.0.0.1:{port}") as client:
             yield client
     finally:
         server.should_exit = True
@@ -207,7 +215,7 @@ class ServeProcess:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=30)
+        return api_client(self.base_url)
 
     def __enter__(self) -> ServeProcess:
         return self.start()

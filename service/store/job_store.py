@@ -285,7 +285,7 @@ class JobStore:
     def set_status(
         self, job_id: str, target: JobStatus, *, owner: str | None = None, owner_attempt: int | None = None,
         stale_for_s: float | None = None, event: Mapping[str, Any] | None = None,
-        before_commit: Callable[[], None] | None = None, **values: Any,
+        before_commit: Callable[[sa.Connection], None] | None = None, **values: Any,
     ) -> Job:
         """Change a job's status through the transition table (compare-and-set against concurrent writers).
 
@@ -295,8 +295,9 @@ class JobStore:
             stale_for_s: when given, the write only happens if the last heartbeat is at least this many seconds
                 old by the database's clock.
             event: extra data for the ``status`` event written with the change.
-            before_commit: called inside the transaction once the row has changed, before it commits (the row
-                stays locked meanwhile); if it raises, nothing is written and the exception propagates.
+            before_commit: called with the transaction's connection once the row has changed, before it commits
+                (the row stays locked meanwhile; what it writes on that connection commits with the status); if it
+                raises, nothing is written and the exception propagates.
             values: other columns to set (error_code, error_message, artifacts, attempt, ...).
 
         Raises:
@@ -328,7 +329,7 @@ class JobStore:
                     self.events.append(conn, job_id, "status", {"status": target.value, **(event or {})}, now)
                     changed = self._get(conn, job_id)
                     if before_commit is not None:
-                        before_commit()
+                        before_commit(conn)
                     return changed
                 if stale_for_s is not None and self._still_fresh(conn, job_id, stale_for_s):
                     raise JobLost(f"job {job_id} heartbeated again; it is not stale")

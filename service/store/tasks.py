@@ -172,14 +172,20 @@ class TaskQueue:
                 new_tasks: Iterable[Mapping[str, Any]] = ()) -> bool:
         """Record the task's result (and add the tasks its result names, in their wire form); False when it is no
         longer this worker's. Updates the job's progress and writes a progress event in the same transaction."""
-        now, new_tasks = time.time(), [ShardTask.from_dict(new) for new in new_tasks]
         with self._engine.begin() as conn:
-            done = conn.execute(sa.update(self._tasks).where(*self._owned(task, worker_id)).values(
-                status=TaskStatus.SUCCEEDED.value, result=json.dumps(result), finished_at=now)).rowcount
-            if not done:
-                return False
-            self._insert(conn, task.job_id, task.source, new_tasks, task.max_attempts, now)
-            self._progress(conn, task.job_id, now)
+            return self.succeed_in(conn, task, worker_id, result, new_tasks=new_tasks)
+
+    def succeed_in(self, conn: sa.Connection, task: Task, worker_id: str, result: Mapping[str, Any], *,
+                   new_tasks: Iterable[Mapping[str, Any]] = ()) -> bool:
+        """:meth:`succeed` inside the caller's transaction (the job's success and its finishing task's are one
+        write: nobody reads the job finished with that task still running)."""
+        now, added = time.time(), [ShardTask.from_dict(new) for new in new_tasks]
+        done = conn.execute(sa.update(self._tasks).where(*self._owned(task, worker_id)).values(
+            status=TaskStatus.SUCCEEDED.value, result=json.dumps(result), finished_at=now)).rowcount
+        if not done:
+            return False
+        self._insert(conn, task.job_id, task.source, added, task.max_attempts, now)
+        self._progress(conn, task.job_id, now)
         return True
 
     def release(self, task: Task, status: TaskStatus, *, worker_id: str | None = None, stale_for_s: float | None = None,

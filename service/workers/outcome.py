@@ -130,7 +130,7 @@ class AttemptOutcome:
             return self._upload_failed(exc)
         published = False
 
-        def publish() -> None:  # runs while the job's row is locked by the write that records the success
+        def publish(_: object) -> None:  # runs while the job's row is locked by the write that records the success
             nonlocal published
             self.dirs.publish(job_id, attempt, artifacts)
             published = True
@@ -240,7 +240,7 @@ class AttemptOutcome:
 
     def _set(
         self, target: JobStatus, *, event: dict[str, Any] | None = None,
-        before_commit: Callable[[], None] | None = None, **values: Any,
+        before_commit: Callable[[Any], None] | None = None, **values: Any,
     ) -> JobStatus:
         """Record ``target`` as the owner of this attempt; returns the status recorded.
 

@@ -269,14 +269,17 @@ class TaskRun:
             self.dirs.upload(job.id, job.attempt, local)
             self.dirs.abort_uploads(job.id, job.attempt)  # what a killed shard writer left half sent
             listed = sorted([*local, *shards], key=lambda entry: entry["name"])
+        def publish(conn: Any) -> None:  # the job's row locked: the files move in place, the finish task succeeds
+            self.dirs.publish(job.id, job.attempt, listed)
+            self.store.tasks.succeed_in(conn, self.task, self.worker_id, {"files": len(listed)})
+
         try:
             self.store.set_status(job.id, JobStatus.SUCCEEDED, artifacts=listed, event={"shards": len(shards)},
-                                  before_commit=lambda: self.dirs.publish(job.id, job.attempt, listed))
+                                  before_commit=publish)
         except InvalidTransition:  # cancelled (or failed by another task) meanwhile
             self.store.tasks.release(self.task, TaskStatus.CANCELLED, worker_id=self.worker_id)
             settle(self.store, self.dirs, job.id)
             return TaskStatus.CANCELLED
         self.dirs.settle(job.id, job.attempt)
-        self.store.tasks.succeed(self.task, self.worker_id, {"files": len(listed)})
         logger.info("job %s: published %d files from %d shard tasks", job.id, len(listed), len(shards))
         return TaskStatus.SUCCEEDED

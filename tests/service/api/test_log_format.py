@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.service_helpers import fp8forge_command, free_port, stop_process, wait_for
+from tests.service_helpers import api_client, fp8forge_command, free_port, stop_process, wait_for
 
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) \[api\] [\w.]+: ")
 
@@ -30,7 +30,7 @@ def test_serve_writes_access_lines_in_the_one_tagged_timestamped_format(tmp_path
         proc = subprocess.Popen([*fp8forge_command(), "serve", "--port", str(port), "--workers", "0",
                                  "--log-level", "info"], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        with api_client(f"http://127.0.0.1:{port}") as client:
             wait_for(lambda: _answers(client), timeout=60, what=f"fp8forge serve\n{log.read_text()}")
             assert client.get("/v1/jobs?limit=3").status_code == 200
     finally:

@@ -279,7 +279,7 @@ def test_a_failing_before_commit_leaves_the_job_as_it_was(env) -> None:
     (job,) = _submit(store)
     store.claim_next("w")
 
-    def publish() -> None:
+    def publish(_conn) -> None:
         raise FileExistsError("the final directory is in the way")
 
     with pytest.raises(FileExistsError):

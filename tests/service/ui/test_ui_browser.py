@@ -27,7 +27,7 @@ import pytest
 
 from service.api.auth import hash_token
 from service.config import Settings
-from tests.service_helpers import ServeProcess, live_app
+from tests.service_helpers import ServeProcess, api_client, live_app
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +148,7 @@ def test_keyboard_submission_live_progress_and_report(keyed_server, tab):
     t.screenshot("report")
 
     # artifacts: sizes and sha256 as the API lists them; a download sends the key
-    with httpx.Client(base_url=keyed_server.base_url, headers={"Authorization": f"Bearer {TOKEN}"}) as api:
+    with api_client(keyed_server.base_url, headers={"Authorization": f"Bearer {TOKEN}"}) as api:
         listing = {a["name"]: a for a in api.get(f"/v1/jobs/{job_id}/artifacts").json()["data"]}
     expect(page.locator("#artifacts")).to_contain_text(listing["fp8_report.json"]["sha256"])
     page.locator("#artifacts-box summary").click()

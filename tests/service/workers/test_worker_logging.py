@@ -29,7 +29,7 @@ from service.store import JobStore
 from service.workers.messages import Progress, StageStarted, Succeeded
 from service.workers.worker import Worker
 from tests.service.workers.test_multi_host import fresh_database
-from tests.service_helpers import fp8forge_command, free_port, stop_process, wait_for
+from tests.service_helpers import api_client, fp8forge_command, free_port, stop_process, wait_for
 
 DEMO = {"model": "demo/tiny-llama", "recipe": {"backend": "ao", "recipe_name": "tensorwise"},
         "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
@@ -84,7 +84,7 @@ def test_serve_log_level_reaches_the_api_the_workers_and_their_conversions(tmp_p
     proc = _start([*fp8forge_command(), "serve", "--port", str(port), "--workers", "1", "--log-level", "warning"],
                   _env(data, auth_disabled="1"), log)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        with api_client(f"http://127.0.0.1:{port}") as client:
             wait_for(lambda: _answers(client), timeout=60, what=f"fp8forge serve\n{log.read_text()}")
             job = client.post("/v1/jobs", json=DEMO).json()
             done = wait_for(lambda: _finished_json(client, job["id"]), timeout=180, what="the demo job")
@@ -101,7 +101,7 @@ def test_serve_logs_the_apis_info_lines_with_timestamps(tmp_path: Path) -> None:
     proc = _start([*fp8forge_command(), "serve", "--port", str(port), "--workers", "0", "--log-level", "info"],
                   _env(data, auth_disabled="1"), log)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        with api_client(f"http://127.0.0.1:{port}") as client:
             wait_for(lambda: _answers(client), timeout=60, what=f"fp8forge serve\n{log.read_text()}")
     finally:
         stop_process(proc)
