@@ -118,3 +118,30 @@ def test_a_task_silent_on_its_last_attempt_fails_the_job_naming_its_shard(kind: 
         assert statuses["finish"] is TaskStatus.CANCELLED  # dropped, never claimed
         warnings = [e.data for e in store.events.after(job_id) if e.kind == "warning"]
         assert [(w["shard"], w["reason"]) for w in warnings] == [("model-0.safetensors", "worker_lost")] * (last - 1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_finish_task_succeeds_in_the_write_that_records_the_job_s_success(kind: str, tmp_path: Path) -> None:
+    """Nobody reads the job finished with its finish task running: both commit together, or neither does."""
+    with make_store(kind, tmp_path) as (store, _, _):
+        job_id = _split_job(store, "org/a")
+        plan = store.tasks.claim("w1", "host-a")
+        assert store.tasks.succeed(plan, "w1", {}, new_tasks=_shards(1))
+        write = store.tasks.claim("w1", "host-a")
+        assert store.tasks.succeed(write, "w1", {"n": 0})
+        finish = store.tasks.claim("w1", "host-a")
+        assert finish is not None and finish.kind == "finish"
+
+        def publish_fails(conn) -> None:
+            assert store.tasks.succeed_in(conn, finish, "w1", {"files": 1})
+            raise OSError("the final directory is in the way")
+
+        with pytest.raises(OSError):
+            store.set_status(job_id, JobStatus.SUCCEEDED, before_commit=publish_fails)
+        assert store.get_job(job_id).status is JobStatus.RUNNING
+        assert [t.status for t in store.tasks.of_job(job_id, kind="finish")] == [TaskStatus.RUNNING]
+
+        store.set_status(job_id, JobStatus.SUCCEEDED,
+                         before_commit=lambda conn: store.tasks.succeed_in(conn, finish, "w1", {"files": 1}))
+        assert store.get_job(job_id).status is JobStatus.SUCCEEDED
+        assert {t.status for t in store.tasks.of_job(job_id)} == {TaskStatus.SUCCEEDED}
