@@ -95,10 +95,10 @@ modelopt-venv: $(MODELOPT_STAMP)
 
 # The whole suite. vLLM's venv builds in the background from the start (mostly download and unzip; it needs nothing
 # of .venv), beside .venv's build (one core of pip) and apt's; the engine tests start once both venvs are there,
-# beside the suite, in one more process (each
-# module shares one vLLM process between its tests; their output goes to ENGINES_LOG, printed at the end). Both
-# runs wait on servers, processes and files for part of their time: on 2 cores, side by side they fill each
-# other's waits, where one after the other the engine tests' waits and the suite's tail left a core idle.
+# beside the suite, in one more process (each module shares one vLLM process between its tests; their output goes
+# to ENGINES_LOG, printed at the end). Both runs wait on servers, processes and files for part of their time: on
+# 2 cores, side by side they fill each other's waits, where one after the other the engine tests' waits and the
+# suite's tail left a core idle.
 # A failed build does not stop the rest: the engine tests then skip, naming the log.
 # Not `--dist loadgroup`: pytest 9.2 reads a test's id from Node._id, and pytest-xdist 3.8 groups by rewriting
 # Node._nodeid, so its groups have no effect (the tests of one group were seen in two processes).
