@@ -3,16 +3,12 @@ the job: does moving each input channel's magnitude between the activation and t
 round to nearest and GPTQ leave?
 
 What runs:
-  smoothing  on the bf16 model over the job's calibration windows, per mapping of one decoder layer (input norm ->
-             q/k/v, post-attention norm -> gate/up, up -> down; v -> o only where the shapes match, not in a GQA
-             model such as this one): the inputs X of the mapping's Linears and their weights W (one fused group,
-             concatenated), ``x_mean`` and ``w_mean`` the mean |X| and the mean |W / its row's max| per input channel;
-             for each ratio r of ``--grid`` steps in [0, 1) the scales ``s = x_mean^r / w_mean^(1-r)`` (divided by
-             sqrt(max * min)), and the W4A4 output error ``|Q(X / s) Q(W s)^T - X W^T|^2`` with the engine's casts
-             (inputs: per-16 E4M3 block scales under the group's calibrated amax; weights: round to nearest under the
-             group's global scale); the ratio with the least error, or none (s = 1) where none beats it. The scales
-             fold into the model: the norm's weight (or up's rows) divided by s, the Linears' columns times s, so
-             the bf16 model computes the same function (to bf16 rounding).
+  smoothing  on the bf16 model over the job's calibration windows (ROWS token rows of them), per mapping of one
+             decoder layer (input norm -> q/k/v, post-attention norm -> gate/up, up -> down; v -> o only where the
+             shapes match, not in a GQA model such as this one): converters.serving.nvfp4_smoothing.search_smoothing
+             (AWQ's ratio search, ``--grid`` ratios, each scored by the group's W4A4 output error with the engine's
+             casts; none where no ratio beats s = 1), folded into the model by fold_scales (the norm's weight or
+             up's rows divided by s, the Linears' columns times s: the same function in bf16, to its rounding).
   jobs       the smoothed model, saved as a checkpoint, goes through the same conversion jobs as the source:
              round to nearest, and ``nvfp4_weight_scales: four_over_six`` + ``nvfp4_weight_rounding: gptq`` (the
              product's best W4A4 path); each job calibrates its input global scales on the smoothed model.
@@ -30,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -42,8 +37,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 from bench_nvfp4 import (  # noqa: E402
-    NVFP4_INPUT,
-    dequantize,
     eval_ids,
     fp8forge_export,
     job_batches,
@@ -57,8 +50,7 @@ from bench_nvfp4 import (  # noqa: E402
 from bench_serving import DEFAULT_PEER_VENV  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from converters.casts.emulation import fake_quantize  # noqa: E402
-from converters.serving.nvfp4 import quantize_nvfp4  # noqa: E402
+from converters.serving.nvfp4_smoothing import fold_scales, search_smoothing  # noqa: E402
 
 #: (what feeds the Linears, the Linears) of a Llama decoder layer, as AWQ maps them
 MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -66,35 +58,6 @@ MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_a
             ("mlp.up_proj", ("mlp.down_proj",)),
             ("self_attn.v_proj", ("self_attn.o_proj",)))
 ROWS = 2048  #: calibration token rows each mapping's error is measured on (drawn at random, seed 0)
-
-
-def w4a4_output_error(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, reference: torch.Tensor) -> float:
-    """``|Q(X / s) Q(W s)^T - X W^T|^2`` with NVFP4's casts: the weight by round to nearest under its own amax
-    (one fused group's global scale), the input per 16-block under the amax of ``X / s``."""
-    scaled_x = x / scales
-    cast_x = fake_quantize(scaled_x, NVFP4_INPUT, tensor_amax=scaled_x.abs().max())
-    scaled_w = (weight * scales).to(torch.bfloat16)
-    packed, block, gparam = quantize_nvfp4(scaled_w, float(scaled_w.float().abs().max()))
-    read = dequantize({"weight_packed": packed, "weight_scale": block, "weight_global_scale": gparam})
-    return float((cast_x @ read.T - reference).pow(2).mean())
-
-
-def search_scales(x: torch.Tensor, weight: torch.Tensor, grid: int) -> tuple[torch.Tensor | None, float, float, float]:
-    """AWQ's ratio search for one mapping: the scales with the least W4A4 output error, or None where none beats
-    no scaling; returns (scales, ratio, error without, error with)."""
-    reference = x @ weight.T
-    x_mean = x.abs().mean(0)
-    w_mean = (weight.abs() / weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)).mean(0)
-    plain = w4a4_output_error(x, weight, torch.ones_like(x_mean), reference)
-    best = (None, math.nan, plain)
-    for step in range(grid):
-        ratio = step / grid
-        scales = (x_mean.pow(ratio) / w_mean.pow(1 - ratio).clamp(min=1e-4)).clamp(min=1e-4)
-        scales = scales / (scales.max() * scales.min()).sqrt()
-        error = w4a4_output_error(x, weight, scales, reference)
-        if error < best[2]:
-            best = (scales, ratio, error)
-    return best[0], best[1], plain, best[2]
 
 
 def smooth(model, batches: list[dict], grid: int) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -113,24 +76,24 @@ def smooth(model, batches: list[dict], grid: int) -> tuple[dict[str, torch.Tenso
             pick = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:ROWS]
         prefix = f"model.layers.{index}"
         feeder_module = model.get_submodule(f"{prefix}.{feeder}")
-        weights = [model.get_submodule(f"{prefix}.{name}").weight.float() for name in linears]
+        weights = [model.get_submodule(f"{prefix}.{name}").weight.data for name in linears]
         feeder_out = feeder_module.weight.shape[0]
         if feeder_out != x.shape[1]:  # v -> o in a GQA model: v's rows are fewer than o's columns
             lines.append(f"{prefix}.{feeder} -> {','.join(linears)}: skipped ({feeder_out} rows feed {x.shape[1]})")
             continue
-        scales, ratio, plain, error = search_scales(x[pick], torch.cat(weights), grid)
-        if scales is None:
-            lines.append(f"{prefix}.{feeder} -> {','.join(linears)}: kept (no ratio beats s = 1, error {plain:.3e})")
+        choice = search_smoothing(weights, x[pick], steps=grid)
+        if choice.scales is None:
+            lines.append(f"{prefix}.{feeder} -> {','.join(linears)}: kept (no ratio beats s = 1, error "
+                         f"{choice.plain_error:.3e})")
             continue
-        lines.append(f"{prefix}.{feeder} -> {','.join(linears)}: ratio {ratio:.2f}, error {plain:.3e} -> "
-                     f"{error:.3e} ({error / plain:.2f}x), s in {float(scales.min()):.3f}-{float(scales.max()):.3f}")
-        dtype = feeder_module.weight.dtype
-        folded = feeder_module.weight.float() / (scales if feeder_module.weight.dim() == 1 else scales[:, None])
-        changed[f"{prefix}.{feeder}.weight"] = folded.to(dtype)
-        feeder_module.weight.data = changed[f"{prefix}.{feeder}.weight"]
-        for name, weight in zip(linears, weights, strict=True):
-            changed[f"{prefix}.{name}.weight"] = (weight * scales).to(dtype)
-            model.get_submodule(f"{prefix}.{name}").weight.data = changed[f"{prefix}.{name}.weight"]
+        scales = choice.scales
+        lines.append(f"{prefix}.{feeder} -> {','.join(linears)}: ratio {choice.ratio:.2f}, error "
+                     f"{choice.plain_error:.3e} -> {choice.error:.3e} ({choice.relative_error:.2f}x), s in "
+                     f"{float(scales.min()):.3f}-{float(scales.max()):.3f}")
+        feeder_weight, folded = fold_scales(feeder_module.weight.data, weights, scales)
+        changed[f"{prefix}.{feeder}.weight"] = feeder_module.weight.data = feeder_weight
+        for name, weight in zip(linears, folded, strict=True):
+            changed[f"{prefix}.{name}.weight"] = model.get_submodule(f"{prefix}.{name}").weight.data = weight
     return changed, lines
 
 
