@@ -496,6 +496,26 @@ def eval_ids(model_dir: Path, tokens: int, extra_files: list[Path] = ()) -> torc
     return torch.tensor(stream[: windows * EVAL_WINDOW]).view(windows, EVAL_WINDOW)
 
 
+def held_out_windows(model_dir: Path, tokens: int, files: list[Path], prose_into: Path | None) -> torch.Tensor:
+    """:func:`eval_ids` over the corpus' held-out part, ``files`` and, with ``prose_into``, the installed packages'
+    descriptions (written there as package-prose.txt); prints how many windows."""
+    extra = list(files)
+    if prose_into is not None:
+        prose = prose_into / "package-prose.txt"
+        prose.write_text("\n\n".join(package_prose(Path(torch.__file__).parents[1])))
+        extra.append(prose)
+    ids = eval_ids(model_dir, tokens, extra)
+    print(f"held-out: {ids.shape[0]} windows of {ids.shape[1]} tokens", flush=True)
+    return ids
+
+
+def write_calibration_rows(batches: list[dict], path: Path) -> Path:
+    """The calibration windows' token rows as JSON, for a peer's export on the same tokens."""
+    path.write_text(json.dumps({key: [row for batch in batches for row in batch[key].tolist()]
+                                for key in ("input_ids", "attention_mask")}))
+    return path
+
+
 def package_prose(site_packages: Path) -> list[str]:
     """English paragraphs of the installed packages' descriptions (``*.dist-info/METADATA``): more held-out text
     than the corpus has, written by nobody here and read by no calibration. Code blocks, tables, links, lists,
@@ -649,9 +669,7 @@ def main() -> None:
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench_nvfp4-"))
     work.mkdir(parents=True, exist_ok=True)
     batches, data_source = job_batches(model_dir, args.steps)
-    rows_file = work / "calibration_rows.json"
-    rows_file.write_text(json.dumps({key: [row for batch in batches for row in batch[key].tolist()]
-                                     for key in ("input_ids", "attention_mask")}))
+    rows_file = write_calibration_rows(batches, work / "calibration_rows.json")
     print(f"SmolLM2-135M-Instruct ({model_dir}); calibration: {data_source}; {args.tokens} held-out tokens scored")
 
     started = time.perf_counter()
@@ -781,13 +799,7 @@ def main() -> None:
               f"{gptq_figures(source, ours, variants[JOB_GPTQ_ROW + method])}", flush=True)
     if args.gptq_only:
         variants = {name: layers for name, layers in variants.items() if name == "bf16" or " gptq " in name}
-    extra = list(args.held_out_file)
-    if args.held_out_package_prose:
-        prose = work / "package-prose.txt"
-        prose.write_text("\n\n".join(package_prose(Path(torch.__file__).parents[1])))
-        extra.append(prose)
-    ids = eval_ids(model_dir, args.tokens, extra)
-    print(f"held-out: {ids.shape[0]} windows of {ids.shape[1]} tokens", flush=True)
+    ids = held_out_windows(model_dir, args.tokens, args.held_out_file, work if args.held_out_package_prose else None)
     modes = {"w4a4": [True], "a16": [False], "both": [True, False]}[args.activations]
     scores, windows, scored = {}, {}, {}
     for cast_inputs in modes:

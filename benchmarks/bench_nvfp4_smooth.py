@@ -37,15 +37,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 from bench_nvfp4 import (  # noqa: E402
-    eval_ids,
     fp8forge_export,
+    held_out_windows,
     job_batches,
     loss_ratio_interval,
-    package_prose,
     peer_export,
     perplexity,
     read_export,
     run_with_input_hooks,
+    write_calibration_rows,
 )
 from bench_serving import DEFAULT_PEER_VENV  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -157,21 +157,13 @@ def main() -> None:
         peer_dir = work / "llm-compressor"
         if not (peer_dir / "config.json").is_file():
             started = time.perf_counter()
-            rows_file = work / "calibration_rows.json"
-            rows_file.write_text(json.dumps({key: [row for batch in batches for row in batch[key].tolist()]
-                                             for key in ("input_ids", "attention_mask")}))
-            peer_export(model_dir, rows_file, peer_dir, args.peer_venv)
+            peer_export(model_dir, write_calibration_rows(batches, work / "calibration_rows.json"), peer_dir,
+                        args.peer_venv)
             print(f"llm-compressor NVFP4 RTN export: {time.perf_counter() - started:.0f} s", flush=True)
         variants["llm-compressor rtn"] = (read_export(peer_dir), None)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    extra = list(args.held_out_file)
-    if args.held_out_package_prose:
-        prose = work / "package-prose.txt"
-        prose.write_text("\n\n".join(package_prose(Path(torch.__file__).parents[1])))
-        extra.append(prose)
-    ids = eval_ids(model_dir, args.tokens, extra)
-    print(f"held-out: {ids.shape[0]} windows of {ids.shape[1]} tokens", flush=True)
+    ids = held_out_windows(model_dir, args.tokens, args.held_out_file, work if args.held_out_package_prose else None)
     scores, windows = {}, {}
     for name, (layers, replaced) in variants.items():
         started = time.perf_counter()
