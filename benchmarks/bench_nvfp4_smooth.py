@@ -14,12 +14,14 @@ What runs:
              product's best W4A4 path); each job calibrates its input global scales on the smoothed model.
 Scoring: bench_nvfp4.perplexity on the source model with each export's Linears read back and their inputs cast as
 the W4A4 kernels cast them; a smoothed export's changed norms replace the source's (as an engine would load them).
+``--engine``: every export (and the bf16 source) also scored by vLLM's CPU build on the same windows, with vLLM's
+own NVFP4 emulation kernel (registered for the CPU by tests/engines/vllm_driver.py, docs/engines.md).
 ``--peer``: llm-compressor 0.14's NVFP4 RTN export (bench_nvfp4.peer_export, its own venv) on the same token rows,
 and every row against it; otherwise against the source's own RTN export (byte-identical weights to llm-compressor
 RTN's, bench_nvfp4). With bench_nvfp4's 5-95% interval over the held-out windows. Figures only, nothing asserted.
 
 Run:  .venv/bin/python benchmarks/bench_nvfp4_smooth.py [--steps 24] [--tokens 4096] [--grid 20]
-      [--held-out-file benchmarks/data/held_out_extra.txt] [--held-out-package-prose] [--peer] [--keep DIR]
+      [--held-out-file benchmarks/data/held_out_extra.txt] [--held-out-package-prose] [--peer] [--engine] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -97,6 +99,31 @@ def smooth(model, batches: list[dict], grid: int) -> tuple[dict[str, torch.Tenso
     return changed, lines
 
 
+def engine_rows(work: Path, exports: dict[str, Path], ids: torch.Tensor, scores: dict[str, float]) -> None:
+    """Each export scored by vLLM's CPU build on the same windows (its own NVFP4 emulation kernel, which casts the
+    inputs per 16-block under the file's input global scale as the W4A4 kernels do: tests/engines), beside the
+    emulated forward's perplexity above."""
+    from tests.engines.engine import EngineRequest, run_vllm, vllm_missing
+
+    missing = vllm_missing()
+    if missing is not None:
+        print(f"\nvLLM not run: {missing}")
+        return
+    started = time.perf_counter()
+    runs = run_vllm([EngineRequest(model=path, score=ids.tolist(), dump=False) for path in exports.values()],
+                    work / "vllm")
+    print(f"\nvLLM's CPU build, {time.perf_counter() - started:.0f} s:\n\n| export (W4A4) | vLLM perplexity | "
+          "loss vs bf16 in vLLM | the emulated forward's | vLLM / emulated |\n|---|---:|---:|---:|---:|")
+    engine = dict(zip(exports, runs, strict=True))
+    base = engine["bf16"].perplexity
+    for name, run in engine.items():
+        if run.error is not None:
+            print(f"| {name} | {run.error[-200:]} | | | |")
+            continue
+        print(f"| {name} | {run.perplexity:.3f} | {run.perplexity / base - 1:+.2%} | {scores[name]:.3f} | "
+              f"{run.perplexity / scores[name]:.4f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=24, help="calibration windows of 128 tokens (default 24)")
@@ -109,6 +136,8 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true",
                         help="also llm-compressor's NVFP4 RTN export on the same token rows (its own venv)")
     parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
+    parser.add_argument("--engine", action="store_true",
+                        help="also score every export in vLLM's CPU build (`make vllm-venv`; VLLM_VENV elsewhere)")
     parser.add_argument("--keep", type=Path, help="write the exports here and keep them (reused when present)")
     args = parser.parse_args()
 
@@ -141,6 +170,7 @@ def main() -> None:
     jobs = {"rtn": {}, "gptq four_over_six": {"nvfp4_weight_scales": "four_over_six",
                                               "nvfp4_weight_rounding": "gptq"}}
     variants: dict[str, tuple[dict | None, dict | None]] = {"bf16": (None, None)}
+    exports: dict[str, Path] = {"bf16": model_dir}  #: what vLLM loads for each row (--engine)
     for smoothed, base in ((False, model_dir), (True, smoothed_dir)):
         for name, recipe in jobs.items():
             out = work / f"{'smoothed' if smoothed else 'source'}-{name.replace(' ', '-')}"
@@ -150,8 +180,9 @@ def main() -> None:
                 fp8forge_export(base, out, args.steps, **recipe)
                 print(f"job {'smoothed' if smoothed else 'source'} {name}: {time.perf_counter() - started:.0f} s",
                       flush=True)
-            variants[f"{'smoothed + ' if smoothed else ''}{name}"] = (read_export(out / "serving" / "nvfp4"),
-                                                                       norms if smoothed else None)
+            row = f"{'smoothed + ' if smoothed else ''}{name}"
+            variants[row] = (read_export(out / "serving" / "nvfp4"), norms if smoothed else None)
+            exports[row] = out / "serving" / "nvfp4"
 
     if args.peer:
         peer_dir = work / "llm-compressor"
@@ -161,6 +192,7 @@ def main() -> None:
                         args.peer_venv)
             print(f"llm-compressor NVFP4 RTN export: {time.perf_counter() - started:.0f} s", flush=True)
         variants["llm-compressor rtn"] = (read_export(peer_dir), None)
+        exports["llm-compressor rtn"] = peer_dir
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     ids = held_out_windows(model_dir, args.tokens, args.held_out_file, work if args.held_out_package_prose else None)
@@ -185,6 +217,8 @@ def main() -> None:
                                                 ids.shape[1] - 1)
                 spread = f"{low:.2f}-{high:.2f}x"
         print(f"| {name} | {value:.3f} | {loss:+.2%} | {versus} | {spread} |")
+    if args.engine:
+        engine_rows(work, {name: path for name, path in exports.items() if name in scores}, ids, scores)
     if args.keep is None:
         shutil.rmtree(work, ignore_errors=True)
 
