@@ -21,7 +21,8 @@ and every row against it; otherwise against the source's own RTN export (byte-id
 RTN's, bench_nvfp4). With bench_nvfp4's 5-95% interval over the held-out windows. Figures only, nothing asserted.
 
 Run:  .venv/bin/python benchmarks/bench_nvfp4_smooth.py [--steps 24] [--tokens 4096] [--grid 20]
-      [--held-out-file benchmarks/data/held_out_extra.txt] [--held-out-package-prose] [--peer] [--engine] [--keep DIR]
+      [--held-out-file benchmarks/data/held_out_extra.txt] [--held-out-package-prose] [--peer] [--engine]
+      [--weight-only] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -136,10 +137,15 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true",
                         help="also llm-compressor's NVFP4 RTN export on the same token rows (its own venv)")
     parser.add_argument("--peer-venv", type=Path, default=DEFAULT_PEER_VENV)
+    parser.add_argument("--weight-only", action="store_true",
+                        help="score the exports' weights with bf16 inputs (as nvfp4-a16 runs; the same codes as the "
+                             "W4A4 export's) instead of W4A4; the smoothing is still searched for W4A4")
     parser.add_argument("--engine", action="store_true",
                         help="also score every export in vLLM's CPU build (`make vllm-venv`; VLLM_VENV elsewhere)")
     parser.add_argument("--keep", type=Path, help="write the exports here and keep them (reused when present)")
     args = parser.parse_args()
+    if args.engine and args.weight_only:
+        parser.error("--engine runs the W4A4 exports in vLLM: leave out --weight-only (or run the two separately)")
 
     from transformers import AutoModelForCausalLM
 
@@ -199,13 +205,14 @@ def main() -> None:
     scores, windows = {}, {}
     for name, (layers, replaced) in variants.items():
         started = time.perf_counter()
-        scores[name], windows[name] = perplexity(model, ids, layers, replaced)
+        scores[name], windows[name] = perplexity(model, ids, layers, replaced, cast_inputs=not args.weight_only)
         print(f"  scored {name} in {time.perf_counter() - started:.0f} s", flush=True)
     (work / "scores.json").write_text(json.dumps({"perplexity": scores, "window_nll": windows}))
     base = scores["bf16"]
     reference = "llm-compressor rtn" if "llm-compressor rtn" in scores else "rtn"
     rtn_loss = scores[reference] / base - 1
-    print(f"\n| export (W4A4) | perplexity | loss vs bf16 | loss / {reference}'s | 5-95% over the windows |\n"
+    kind = "weight-only, as nvfp4-a16 runs" if args.weight_only else "W4A4"
+    print(f"\n| export ({kind}) | perplexity | loss vs bf16 | loss / {reference}'s | 5-95% over the windows |\n"
           "|---|---:|---:|---:|---:|")
     for name, value in scores.items():
         loss = value / base - 1
