@@ -41,6 +41,9 @@ class CalibrationResult:
     #: for the report (empty: round to nearest)
     rounded_weights: dict[str, dict[str, str]] = field(default_factory=dict)
     rounding: dict[str, Any] = field(default_factory=dict)
+    #: the recipe's nvfp4_smoothing, run before this calibration on the source it then read
+    #: (converters.pipeline.source_smoothing): the report's block (empty: not asked)
+    smoothing: dict[str, Any] = field(default_factory=dict)
 
 
 #: A layer's input amax swings enough to matter when its largest step is at least this many times its median step:

@@ -102,6 +102,8 @@ class ModelSourceOptions:
         private_paths: files and directories no model file may resolve into, even below an allowed root (the
             service's data directory and key file); the demo directory is exempt.
         config_limits: what a config.json may declare (``converters.model.config_checks.ConfigLimits``; None: defaults).
+        job_directories: directories the job itself wrote a source into (the smoothed copy of ``nvfp4_smoothing``,
+            in its staging directory): model files may resolve there, even inside ``private_paths``.
     """
 
     allowed_roots: tuple[Path, ...] = ()
@@ -112,6 +114,7 @@ class ModelSourceOptions:
     reveal_roots: bool = True
     private_paths: tuple[Path, ...] = ()
     config_limits: Any = None
+    job_directories: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +209,7 @@ def confinement_for(sources: ModelSourceOptions) -> FileConfinement:
 
     roots = [*sources.allowed_roots, sources.cache_dir or Path(constants.HF_HUB_CACHE)]
     exempt = [sources.demo_dir] if sources.demo_dir is not None else []
+    exempt += list(sources.job_directories)
     return FileConfinement(
         roots=tuple(_resolved(path) for path in [*roots, *exempt]),
         private=tuple(_resolved(path) for path in sources.private_paths),

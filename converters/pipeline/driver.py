@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from converters.analysis.eligibility import converted_expert_gemms
 from converters.artifact.layout import REPORT_FILE, staging_dir_for
 from converters.errors import Fp8ForgeError
-from converters.model.checkpoint import weight_files
-from converters.model.sources import ModelSourceOptions, confinement_for
+from converters.model.sources import ModelSourceOptions
 from converters.pipeline.artifact_stages import export, finish, precision_plan, quality
 from converters.pipeline.request import ConversionRequest
 from converters.pipeline.serving_export import ServingShardRunner
+from converters.pipeline.source_smoothing import remove_smoothed_source
 from converters.pipeline.stages import STAGE_FUNCTIONS, start
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
 from converters.pipeline.weight_copy import BackgroundWeightCopy
@@ -108,8 +108,7 @@ def run_conversion(
     staging.mkdir()
     run.staging = staging
     def start_weight_copy(run: Run) -> None:  # the copy needs only the files: it runs beside calibration
-        run.weight_copy = BackgroundWeightCopy(weight_files(run.resolved.directory), staging,
-                                               confinement_for(run.sources), checkpoint=run.resolved.checkpoint)
+        run.weight_copy = BackgroundWeightCopy.of_source(run.resolved, staging, run.sources)
 
     try:
         run_stages(run, stop_after=Stage.CONVERT, after_resolve=start_weight_copy)
@@ -119,6 +118,7 @@ def run_conversion(
             written += run_stage(run, Stage.PLAN, precision_plan, run, staging)
         run.check_stop()
         files, manifest = finish(run, staging, written)
+        remove_smoothed_source(staging)  # the source the job read (nvfp4_smoothing), not an artifact file
         run.check_stop()
         os.replace(staging, out_dir)
     except BaseException:

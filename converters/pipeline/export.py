@@ -126,6 +126,8 @@ def _calibration_report(run: Run) -> dict[str, Any]:
         "forward": run.calibration.forward,
         # the NVFP4 exports' GPTQ rounding, run in this walk (converters.calibration.gptq_rounding), where asked
         **({"nvfp4_rounding": run.calibration.rounding} if run.calibration.rounding else {}),
+        # the smoothing the job ran on its source first (converters.pipeline.source_smoothing), where asked
+        **({"nvfp4_smoothing": run.calibration.smoothing} if run.calibration.smoothing else {}),
         "steps": settings.steps,
         "batch_size": settings.batch_size,
         "seq_len": settings.seq_len,

@@ -53,6 +53,7 @@ from converters.pipeline.serving_export import (
     serving_rounding,
     serving_sqnr,
 )
+from converters.pipeline.source_smoothing import smooth_source
 from converters.pipeline.state import ResolvedModel, Run, Stage
 from converters.plan.candidates import plan_compare_recipes
 from converters.quality.held_out import calibration_part
@@ -233,6 +234,7 @@ def calibrate(run: Run) -> CalibrationResult:
     that turns out not to fit that shape falls back to the whole model, and the report says why.
     """
     batches, source = _calibration_batches(run)
+    smoothing = smooth_source(run, batches)  # nvfp4_smoothing: from here on the run's source is the smoothed copy
     paths = eligible_paths(run.report) + eligible_expert_units(run.report)
     amax, te_check, forward = None, dict(NO_TE_CHECK), SequentialStats()
     compared = plan_compare_recipes(run.request.plan, run.request.compare_recipes)  # a plan reads its candidates' SQNR
@@ -268,7 +270,7 @@ def calibrate(run: Run) -> CalibrationResult:
                              serving_sqnr=serving_sqnr(run, meter),
                              forward=forward.to_dict() if forward.compute_dtype else {},
                              rounded_weights=dict(rounding.rounded) if rounding else {},
-                             rounding=rounding.summary() if rounding else {})
+                             rounding=rounding.summary() if rounding else {}, smoothing=smoothing or {})
 
 
 def _kv_recording(run: Run, model: Any) -> Any:

@@ -175,6 +175,15 @@ class Run:
             raise AttributeError(f"Run.{name} is set once, by the stage that makes it; it was set already")
         super().__setattr__(name, value)
 
+    def use_derived_source(self, resolved: ResolvedModel, sources: ModelSourceOptions) -> None:
+        """Make ``resolved`` (a source the job wrote from its own: the smoothed copy of ``nvfp4_smoothing``, the same
+        model's function) the source every later stage reads, with ``sources`` admitting its files. The one
+        replacement of ``resolved``, before calibration reads it."""
+        if self.calibration is not None:
+            raise AttributeError("the run's source can change only before calibration")
+        super().__setattr__("resolved", resolved)
+        self.sources = sources
+
     def warn(self, message: str) -> None:
         if message in self.warnings:  # a check that runs at several stages says its piece once
             return

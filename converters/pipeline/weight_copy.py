@@ -16,8 +16,10 @@ from typing import Any
 
 from converters.artifact.files import copy_weight_files
 from converters.artifact.layout import sha256_file
+from converters.model.checkpoint import weight_files
 from converters.model.files import FileConfinement
 from converters.model.quantized.stored import write_dequantized_files
+from converters.model.sources import confinement_for
 
 __all__ = ["BackgroundWeightCopy"]
 
@@ -37,6 +39,11 @@ class BackgroundWeightCopy:
         self._thread = threading.Thread(target=self._copy, args=(files, directory, confinement),
                                         name="fp8forge-weight-copy", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def of_source(cls, resolved: Any, staging: Path, sources: Any) -> BackgroundWeightCopy:
+        """The copy of the resolved source's (``run.resolved``) weight files into ``staging``, started."""
+        return cls(weight_files(resolved.directory), staging, confinement_for(sources), checkpoint=resolved.checkpoint)
 
     def _copy(self, files: list[Path], directory: Path, confinement: FileConfinement) -> None:
         try:

@@ -25,6 +25,7 @@ __all__ = [
     "NVFP4ErrMode",
     "NVFP4WeightScales",
     "NVFP4WeightRounding",
+    "NVFP4Smoothing",
     "MXKernelPreference",
     "MXScaleCalculationMode",
     "allowed",
@@ -129,6 +130,16 @@ class NVFP4WeightRounding(str, enum.Enum):
     #: GPTQ: columns in order of decreasing input energy, each one's output error fed to the columns not yet rounded,
     #: with each decoder layer's inputs from the earlier layers as already rounded (the calibration's layer walk)
     GPTQ = "gptq"
+
+
+class NVFP4Smoothing(str, enum.Enum):
+    """Whether the job smooths its source before an NVFP4 W4A4 export (``nvfp4``, ``modelopt-nvfp4``):
+    per-input-channel scales folded into what feeds each decoder Linear group
+    (:mod:`converters.calibration.smoothing_walk`)."""
+
+    NONE = "none"  #: the source as it is
+    #: AWQ's ratio search, each candidate scored by the group's W4A4 output error on the calibration inputs
+    AWQ = "awq"
 
 
 class MXKernelPreference(str, enum.Enum):

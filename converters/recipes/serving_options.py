@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from converters.recipes.base import NVFP4WeightRounding, NVFP4WeightScales, coerce_enum
+from converters.recipes.base import NVFP4Smoothing, NVFP4WeightRounding, NVFP4WeightScales, coerce_enum
 
 __all__ = ["SERVING_KEY", "ServingOptions"]
 
@@ -29,12 +29,16 @@ class ServingOptions:
     #: how the NVFP4 exports round their weights onto E2M1 under their scales (nearest: the peers' bytes)
     nvfp4_weight_rounding: NVFP4WeightRounding = field(default=NVFP4WeightRounding.NEAREST,
                                                        metadata={SERVING_KEY: True})
+    #: whether the job smooths its source for the NVFP4 W4A4 exports first (none: the source as it is)
+    nvfp4_smoothing: NVFP4Smoothing = field(default=NVFP4Smoothing.NONE, metadata={SERVING_KEY: True})
 
     def _check_serving_options(self) -> None:
         object.__setattr__(self, "nvfp4_weight_scales", coerce_enum(
             self.nvfp4_weight_scales, NVFP4WeightScales, "nvfp4_weight_scales", upper=False))
         object.__setattr__(self, "nvfp4_weight_rounding", coerce_enum(
             self.nvfp4_weight_rounding, NVFP4WeightRounding, "nvfp4_weight_rounding", upper=False))
+        object.__setattr__(self, "nvfp4_smoothing", coerce_enum(
+            self.nvfp4_smoothing, NVFP4Smoothing, "nvfp4_smoothing", upper=False))
 
     def serving_options(self) -> dict[str, Any]:
         """The serving options that differ from their defaults, as ``to_dict()`` records them."""
@@ -43,4 +47,6 @@ class ServingOptions:
             options["nvfp4_weight_scales"] = self.nvfp4_weight_scales.value
         if self.nvfp4_weight_rounding is not NVFP4WeightRounding.NEAREST:
             options["nvfp4_weight_rounding"] = self.nvfp4_weight_rounding.value
+        if self.nvfp4_smoothing is not NVFP4Smoothing.NONE:
+            options["nvfp4_smoothing"] = self.nvfp4_smoothing.value
         return options

@@ -34,6 +34,7 @@ from converters.recipes import (
     MXScaleCalculationMode,
     NVFP4ErrMode,
     NVFP4Scope,
+    NVFP4Smoothing,
     NVFP4WeightRounding,
     NVFP4WeightScales,
     TEDelayedScalingRecipe,
@@ -90,6 +91,12 @@ class _RecipeCreate(BaseModel):
                     "scales: nearest (each value on its own, the peers' bytes) or gptq (each column's output error on "
                     "the calibration inputs fed to the columns not yet rounded, decoder layer by decoder layer). "
                     "docs/recipes.md.")
+    nvfp4_smoothing: NVFP4Smoothing = Field(
+        NVFP4Smoothing.NONE, strict=False,
+        description="Whether the job first smooths its source for the NVFP4 W4A4 exports (nvfp4, modelopt-nvfp4): "
+                    "none, or awq (per decoder Linear group, per-input-channel scales chosen by AWQ's ratio search "
+                    "for the least W4A4 output error on the calibration inputs, folded into the norm or Linear that "
+                    "feeds the group; the job then converts the smoothed model). docs/recipes.md.")
 
 
 class TEDelayedRecipeCreate(_RecipeCreate):

@@ -1,0 +1,192 @@
+"""NVFP4 smoothing in the calibration's layer walk: per decoder layer, each mapping's per-input-channel scales
+searched on the layer's calibration inputs (:func:`~converters.serving.nvfp4_smoothing.search_smoothing`) and
+folded into the layer, the changed tensors written to one file per layer (one layer in memory, as the walk).
+
+A mapping is what feeds a Linear group and the group: an RMSNorm and the q/k/v or gate/up it feeds, ``up_proj``
+and ``down_proj`` (a gated MLP multiplies ``up``'s output into ``down``'s input), ``v_proj`` and ``o_proj`` where
+their shapes match (not under grouped-query attention). A mapping is smoothed only where every Linear of its group
+is eligible (one left in high precision gains nothing from it), and only where the fold is checked to leave the
+layer computing what it did: a norm must scale its output channels by its weight (the fold divides the weight),
+and the layer's output on a calibration step must not move by more than :data:`FOLD_TOLERANCE` (the dtype's
+rounding moves it by ~0.1-0.5%). Anything else is left as it is, with the reason in the layer's record.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from converters.calibration.sequential import LayerPass
+from converters.serving.nvfp4_smoothing import RATIO_STEPS, fold_scales, search_smoothing
+
+__all__ = ["FOLD_TOLERANCE", "MAPPINGS", "SAMPLE_ROWS", "SmoothingWalk", "layer_file"]
+
+#: (what feeds the group, the group) inside one decoder layer, as AWQ maps a Llama-style layer
+MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+            ("mlp.up_proj", ("mlp.down_proj",)),
+            ("self_attn.v_proj", ("self_attn.o_proj",)))
+SAMPLE_ROWS = 2048  #: calibration token rows each mapping's error is measured on (spread over the steps, seeded)
+FOLD_TOLERANCE = 0.02  #: the most a fold may move the layer's output (relative RMS) before it is undone
+
+
+def layer_file(directory: Path, index: int) -> Path:
+    """Where the walk writes layer ``index``'s changed tensors (model parameter names)."""
+    return directory / f"layer-{index}.safetensors"
+
+
+@dataclass
+class SmoothingWalk:
+    """The walk's ``after_layer``: smooths each layer's mappings and writes what changed to ``directory``.
+
+    ``eligible``: the model paths of the Linears the job converts; ``dtype``: the checkpoint's. ``records`` collects one entry per mapping
+    found (smoothed, kept or skipped, with why and the errors); ``changed`` every tensor name written.
+    """
+
+    eligible: set[str]
+    directory: Path
+    dtype: torch.dtype  #: the checkpoint's: folded tensors are rounded to it (the layer may run upcast)
+    steps: int = RATIO_STEPS
+    rows: int = SAMPLE_ROWS
+    records: list[dict[str, Any]] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+
+    def __call__(self, layer_pass: LayerPass) -> None:
+        layer, prefix = layer_pass.layer, layer_pass.path
+        found = [(feeder, group) for feeder, group in MAPPINGS
+                 if _has(layer, feeder) and all(isinstance(_get(layer, name), nn.Linear) for name in group
+                                                if _has(layer, name)) and all(_has(layer, name) for name in group)]
+        wanted = []
+        for feeder, group in found:
+            record = {"layer": layer_pass.index, "feeder": f"{prefix}.{feeder}",
+                      "group": [f"{prefix}.{name}" for name in group]}
+            self.records.append(record)
+            if not all(path in self.eligible for path in record["group"]):
+                record["result"] = "skipped: a Linear of the group is not converted"
+            else:
+                wanted.append((feeder, group, record))
+        if not wanted:
+            return
+        samples = self._inputs(layer_pass, [group[0] for _, group, _ in wanted])
+        changed: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for feeder, group, record in wanted:
+                self._smooth(layer_pass, feeder, group, samples[group[0]], record, changed)
+        if changed:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            save_file({f"{prefix}.{name}": tensor.contiguous() for name, tensor in changed.items()},
+                      str(layer_file(self.directory, layer_pass.index)))
+            self.changed += [f"{prefix}.{name}" for name in changed]
+
+    def _inputs(self, layer_pass: LayerPass, names: list[str]) -> dict[str, torch.Tensor]:
+        """A seeded sample of each named Linear's input rows over the layer's calibration steps (fp32)."""
+        steps = len(layer_pass.inputs)
+        per_step = math.ceil(self.rows / max(steps, 1))
+        generator = torch.Generator().manual_seed(layer_pass.index)
+        taken: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        picks: dict[str, torch.Tensor] = {}
+
+        def hook(name: str):
+            def take(_module: nn.Module, args: tuple[Any, ...]) -> None:
+                x = args[0].detach().reshape(-1, args[0].shape[-1])
+                if name not in picks:  # the same rows for every Linear of a step
+                    picks[name] = torch.randperm(x.shape[0], generator=generator)[:per_step]
+                taken[name].append(x[picks[name].clamp(max=x.shape[0] - 1)].float())
+            return take
+
+        handles = [_get(layer_pass.layer, name).register_forward_pre_hook(hook(name)) for name in names]
+        try:
+            with torch.no_grad():
+                for step in range(steps):
+                    picks.clear()
+                    layer_pass.call(layer_pass.layer, step)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return {name: torch.cat(rows) for name, rows in taken.items()}
+
+    def _smooth(self, layer_pass: LayerPass, feeder: str, group: tuple[str, ...], x: torch.Tensor,
+                record: dict[str, Any], changed: dict[str, torch.Tensor]) -> None:
+        """One mapping: search, fold, check the layer's output, keep or undo; the record says which and why."""
+        layer = layer_pass.layer
+        feeder_module = _get(layer, feeder)
+        linears = [_get(layer, name) for name in group]
+        if feeder_module.weight.shape[0] != x.shape[1]:
+            record["result"] = (f"skipped: {feeder} gives {feeder_module.weight.shape[0]} channels and the group "
+                                f"takes {x.shape[1]} (grouped-query attention)")
+            return
+        if feeder_module.weight.dim() == 1 and not _scales_outputs(feeder_module):
+            record["result"] = (f"skipped: {type(feeder_module).__name__} does not scale its output by its weight "
+                                "(e.g. Gemma's 1 + weight), so no scale folds into it")
+            return
+        choice = search_smoothing([linear.weight.data.to(self.dtype) for linear in linears], x, steps=self.steps)
+        record.update(error=choice.plain_error, smoothed_error=choice.error,
+                      relative_error=round(choice.relative_error, 4))
+        if choice.scales is None:
+            record["result"] = "kept: no ratio lowers the W4A4 output error"
+            return
+        before = layer_pass.call(layer, 0)
+        originals = {name: module.weight.data for name, module in [(feeder, feeder_module),
+                                                                 *zip(group, linears, strict=True)]}
+        bias = getattr(feeder_module, "bias", None)
+        original_bias = bias.data if bias is not None else None
+        feeder_weight, folded = fold_scales(feeder_module.weight.data, [linear.weight.data for linear in linears],
+                                            choice.scales)
+        feeder_module.weight.data = self._rounded(feeder_weight)
+        if bias is not None:
+            bias.data = self._rounded((bias.data.float() / choice.scales).to(bias.dtype))
+        for linear, weight in zip(linears, folded, strict=True):
+            linear.weight.data = self._rounded(weight)
+        after = layer_pass.call(layer, 0)
+        moved = float((after.float() - before.float()).norm() / before.float().norm().clamp(min=1e-30))
+        if not math.isfinite(moved) or moved > FOLD_TOLERANCE:
+            for name, weight in originals.items():
+                _get(layer, name).weight.data = weight
+            if bias is not None:
+                bias.data = original_bias
+            record["result"] = (f"skipped: folding moved the layer's output by {moved:.2%} (more than "
+                                f"{FOLD_TOLERANCE:.0%}): this layer does not compute what the fold assumes")
+            return
+        record.update(result="smoothed", ratio=choice.ratio, output_change=round(moved, 6),
+                      scale_range=[round(float(choice.scales.min()), 4), round(float(choice.scales.max()), 4)])
+        for name in (feeder, *group):
+            changed[f"{name}.weight"] = _get(layer, name).weight.data.to(self.dtype, copy=True)
+        if bias is not None:
+            changed[f"{feeder}.bias"] = bias.data.to(self.dtype, copy=True)
+
+    def _rounded(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` rounded to the checkpoint's dtype, kept in its own (what the smoothed checkpoint will hold)."""
+        return tensor.to(self.dtype).to(tensor.dtype)
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _get(module: nn.Module, name: str) -> nn.Module:
+    return module.get_submodule(name)
+
+
+def _scales_outputs(norm: nn.Module) -> bool:
+    """Whether ``norm``'s output is its weight times something that does not depend on the weight: a copy in fp32
+    with the weight halved must give half the output (a Gemma-style ``1 + weight`` does not)."""
+    probe = copy.deepcopy(norm).float()
+    x = torch.randn(4, norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = probe(x)
+        probe.weight.data = probe.weight.data / 2
+        if getattr(probe, "bias", None) is not None:
+            probe.bias.data = probe.bias.data / 2
+        half = probe(x)
+    return bool(torch.allclose(half * 2, full, rtol=1e-4, atol=1e-6))

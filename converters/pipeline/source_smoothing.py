@@ -1,0 +1,158 @@
+"""The recipe's ``nvfp4_smoothing``: the job's source smoothed once, before calibration, and the job then run on it.
+
+A layer walk over the calibration batches (:class:`~converters.calibration.smoothing_walk.SmoothingWalk`) chooses
+and folds each decoder layer's smoothing scales and writes the changed tensors (norm weights and Linear weights)
+one file per layer. The checkpoint-rewrite engine then writes a copy of the source into the job's staging
+directory (:data:`SMOOTHED_SOURCE_DIR`) in which those tensors replace the source's and every other tensor passes
+through as bytes, and the run's source becomes that copy: calibration, GPTQ, every export, the training artifact's
+weights, the quality pass and the audit read it. The smoothed model computes the source's function to the dtype's
+rounding (each fold is checked on the layer's output), so nothing downstream needs to know; the report's
+``nvfp4_smoothing`` block says what was smoothed, kept or skipped and why. The copy is removed before the artifact
+is finished.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from converters.analysis.eligibility import eligible_paths
+from converters.calibration.sequential import LAYER_SEQUENTIAL, SequentialUnsupported, calibrate_layer_by_layer
+from converters.calibration.smoothing_walk import SmoothingWalk, layer_file
+from converters.errors import RequestError
+from converters.model.checkpoint import Checkpoint, weight_files
+from converters.model.safetensors_stream import read_tensor_index
+from converters.model.sources import confinement_for
+from converters.pipeline.progress import Unit
+from converters.pipeline.state import Run
+from converters.pipeline.weight_copy import BackgroundWeightCopy
+from converters.recipes.base import NVFP4Smoothing
+from converters.rewrite import REMOVE, Compute, Copy, finish_checkpoint, write_shard
+from converters.serving import serving_format
+
+__all__ = ["SMOOTHED_SOURCE_DIR", "remove_smoothed_source", "smooth_source"]
+
+SMOOTHED_SOURCE_DIR = ".smoothed-source"  #: the smoothed copy of the source, in the job's staging directory
+_LAYERS_DIR = ".smoothing-layers"  #: the walk's per-layer files of changed tensors, until the copy is written
+_FIELD = "recipe.nvfp4_smoothing"
+
+
+def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Smooth the run's source where the recipe asks it and the job writes an NVFP4 W4A4 export; the report block
+    (None: not asked). The run's source is the smoothed copy afterwards.
+
+    Raises:
+        RequestError: smoothing asked of a job that cannot run it (whole-model calibration, distributed ranks, a
+            source stored quantized).
+    """
+    method = run.recipe.nvfp4_smoothing
+    if method is NVFP4Smoothing.NONE:
+        return None
+    w4a4 = [name for name in run.serving if _is_w4a4(name)]
+    if not w4a4:
+        reason = ("nvfp4_smoothing awq applies to the NVFP4 W4A4 serving exports (nvfp4, modelopt-nvfp4), and the "
+                  "request asks for none: the source is converted as it is")
+        run.warn(reason)
+        return {"method": method.value, "applied": False, "reason": reason}
+    _check_job(run)
+    others = [name for name in run.serving if name not in w4a4]
+    run.warn("nvfp4_smoothing awq: the job converts the smoothed model (the same function to the dtype's "
+             "rounding), so the training artifact" + (f" and the {', '.join(others)} export(s)" if others else "")
+             + " hold its weights too")
+    layers = run.staging / _LAYERS_DIR
+    walk = SmoothingWalk(eligible=set(eligible_paths(run.report)), directory=layers,
+                         dtype=run.resolved.checkpoint.dtype)
+    try:
+        calibrate_layer_by_layer(run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, [],
+                                 on_layer=lambda done, total: run.sink.progress(done, total, Unit.LAYER),
+                                 should_stop=run.sink.should_stop, after_layer=walk)
+    except SequentialUnsupported as exc:
+        raise RequestError(f"nvfp4_smoothing awq runs in the layer-sequential walk, which stopped: {exc}; use "
+                           "nvfp4_smoothing none for this model", field=_FIELD) from exc
+    directory = run.staging / SMOOTHED_SOURCE_DIR
+    _write_smoothed_copy(run, walk, layers, directory)
+    shutil.rmtree(layers, ignore_errors=True)
+    _use_as_source(run, directory)
+    results = [record["result"].partition(":")[0] for record in walk.records]
+    return {"method": method.value, "applied": True, "exports": w4a4,
+            "mappings": {result: results.count(result) for result in ("smoothed", "kept", "skipped")},
+            "changed_tensors": len(walk.changed), "layers": walk.records,
+            "definition": "per mapping (what feeds a Linear group, the group), AWQ's ratio search over the "
+                          "calibration inputs; error: the group's summed squared W4A4 output error on a sample of "
+                          "them without smoothing, smoothed_error: with the chosen scales; output_change: how much "
+                          "the fold moved the layer's output on a calibration step (relative RMS)"}
+
+
+def remove_smoothed_source(staging: Path) -> None:
+    """Take the smoothed copy out of the staging directory (it is no artifact file)."""
+    shutil.rmtree(staging / SMOOTHED_SOURCE_DIR, ignore_errors=True)
+    shutil.rmtree(staging / _LAYERS_DIR, ignore_errors=True)
+
+
+def _is_w4a4(name: str) -> bool:
+    fmt = serving_format(name)
+    return bool(getattr(fmt, "rounding_family", None)) and bool(getattr(fmt, "needs_calibration", False))
+
+
+def _check_job(run: Run) -> None:
+    if run.resolved.mode != LAYER_SEQUENTIAL:
+        raise RequestError(f"nvfp4_smoothing awq searches each decoder layer during a layer-sequential walk, and "
+                           f"this job calibrates the whole model ({run.resolved.mode_reason}): use nvfp4_smoothing "
+                           "none for this model", field=_FIELD)
+    if run.distributed is not None:
+        raise RequestError("nvfp4_smoothing awq is not available to distributed or resumable jobs yet: run the job "
+                           "in one process, or use nvfp4_smoothing none", field=_FIELD)
+    if run.resolved.checkpoint.stored is not None:
+        raise RequestError("nvfp4_smoothing awq smooths a high-precision source, and this one is stored quantized "
+                           f"({run.resolved.checkpoint.stored.quantization.describe()}): convert its high-precision "
+                           "original, or use nvfp4_smoothing none", field=_FIELD)
+
+
+def _write_smoothed_copy(run: Run, walk: SmoothingWalk, layers: Path, directory: Path) -> None:
+    """The source's weight files rewritten into ``directory``: the walk's tensors in place of the source's (same
+    names, dtypes and shapes), every other tensor copied as bytes; then config, index and tokenizer files."""
+    directory.mkdir()
+    checkpoint = run.resolved.checkpoint
+    changed_files = {checkpoint.on_disk_name(name) or name: layer_file(layers, _layer_index(run, name))
+                     for name in walk.changed}
+    shards = []
+    for path in weight_files(run.resolved.directory):
+        tensors, metadata = read_tensor_index(path)
+        steps = [Compute(outputs={name: tensor}, read=lambda name=name: _read_changed(changed_files[name], name,
+                                                                                       walk, checkpoint),
+                         convert=lambda value: ([value], None))  # written in the checkpoint's dtype
+                 if name in changed_files else Copy(name, tensor) for name, tensor in tensors.items()]
+        shards.append(write_shard(directory / path.name, steps, metadata, check_stop=run.check_stop))
+    finish_checkpoint(run.resolved.directory, directory, shards, quantization_config=REMOVE,
+                      confinement=confinement_for(run.sources))
+
+
+def _layer_index(run: Run, name: str) -> int:
+    index = run.resolved.stack.index_of(name)
+    if index is None:
+        raise AssertionError(f"smoothing changed {name}, which is in no decoder layer")
+    return index
+
+
+def _read_changed(file: Path, on_disk: str, walk: SmoothingWalk, checkpoint: Checkpoint) -> Any:
+    """The walk's tensor that replaces the on-disk tensor ``on_disk`` (the walk wrote it under its model name)."""
+    model_name = next(name for name in walk.changed if (checkpoint.on_disk_name(name) or name) == on_disk)
+    with safe_open(str(file), framework="pt") as handle:
+        return handle.get_tensor(model_name)
+
+
+def _use_as_source(run: Run, directory: Path) -> None:
+    """Point the run at the smoothed copy: its files, a checkpoint over them, and the background weight copy
+    started again from them."""
+    resolved = run.resolved
+    checkpoint = Checkpoint(directory, resolved.meta_model, dtype=resolved.checkpoint.dtype, device=resolved.device)
+    run.use_derived_source(replace(resolved, directory=directory, checkpoint=checkpoint,
+                                   tied_weights=dict(checkpoint.tied)),
+                           replace(run.sources, job_directories=(*run.sources.job_directories, directory)))
+    if run.weight_copy is not None:
+        run.weight_copy.abandon()
+        run.weight_copy = BackgroundWeightCopy.of_source(run.resolved, run.staging, run.sources)
