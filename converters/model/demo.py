@@ -49,8 +49,10 @@ def build_demo_tokenizer(vocab_size: int = 320):
     )
 
 
-def build_tiny_llama(directory: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0) -> Path:
-    """Write a tiny bf16 Llama (config, safetensors, tokenizer) to ``directory`` with save_pretrained."""
+def build_tiny_llama(directory: Path, *, hidden_size: int = 128, layers: int = 2, seed: int = 0,
+                     kv_heads: int = 2) -> Path:
+    """Write a tiny bf16 Llama (config, safetensors, tokenizer) to ``directory`` with save_pretrained; 4 attention
+    heads sharing ``kv_heads`` key/value heads (4: no grouped-query attention)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -61,7 +63,7 @@ def build_tiny_llama(directory: Path, *, hidden_size: int = 128, layers: int = 2
         intermediate_size=hidden_size * 2,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
