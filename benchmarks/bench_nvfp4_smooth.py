@@ -2,25 +2,23 @@
 the job: does moving each input channel's magnitude between the activation and the weight lower the loss that
 round to nearest and GPTQ leave?
 
-What runs:
-  smoothing  on the bf16 model over the job's calibration windows (ROWS token rows of them), per mapping of one
-             decoder layer (input norm -> q/k/v, post-attention norm -> gate/up, up -> down; v -> o only where the
-             shapes match, not in a GQA model such as this one): converters.serving.nvfp4_smoothing.search_smoothing
-             (AWQ's ratio search, ``--grid`` ratios, each scored by the group's W4A4 output error with the engine's
-             casts; none where no ratio beats s = 1), folded into the model by fold_scales (the norm's weight or
-             up's rows divided by s, the Linears' columns times s: the same function in bf16, to its rounding).
-  jobs       the smoothed model, saved as a checkpoint, goes through the same conversion jobs as the source:
-             round to nearest, and ``nvfp4_weight_scales: four_over_six`` + ``nvfp4_weight_rounding: gptq`` (the
-             product's best W4A4 path); each job calibrates its input global scales on the smoothed model.
+What runs: the same conversion jobs with and without the recipe's ``nvfp4_smoothing: awq``: round to nearest, and
+``nvfp4_weight_scales: four_over_six`` + ``nvfp4_weight_rounding: gptq`` (the product's best W4A4 path). With
+smoothing, the job's layer walk (converters.pipeline.source_smoothing) searches each mapping of a decoder layer
+(input norm -> q/k/v, post-attention norm -> gate/up, up -> down; v -> o only where the shapes match, not in a GQA
+model such as this one) by AWQ's ratio search scored by the group's W4A4 output error, folds the scales into the
+norm or up's rows, and converts the smoothed model (its calibration, GPTQ and input global scales read it); the
+report's ``calibration.nvfp4_smoothing`` block lists each mapping.
 Scoring: bench_nvfp4.perplexity on the source model with each export's Linears read back and their inputs cast as
-the W4A4 kernels cast them; a smoothed export's changed norms replace the source's (as an engine would load them).
+the W4A4 kernels cast them; a smoothed export's changed norms (the job's artifact holds the smoothed model) replace
+the source's, as an engine loads them.
 ``--engine``: every export (and the bf16 source) also scored by vLLM's CPU build on the same windows, with vLLM's
 own NVFP4 emulation kernel (registered for the CPU by tests/engines/vllm_driver.py, docs/engines.md).
 ``--peer``: llm-compressor 0.14's NVFP4 RTN export (bench_nvfp4.peer_export, its own venv) on the same token rows,
 and every row against it; otherwise against the source's own RTN export (byte-identical weights to llm-compressor
 RTN's, bench_nvfp4). With bench_nvfp4's 5-95% interval over the held-out windows. Figures only, nothing asserted.
 
-Run:  .venv/bin/python benchmarks/bench_nvfp4_smooth.py [--steps 24] [--tokens 4096] [--grid 20]
+Run:  .venv/bin/python benchmarks/bench_nvfp4_smooth.py [--steps 24] [--tokens 4096]
       [--held-out-file benchmarks/data/held_out_extra.txt] [--held-out-package-prose] [--peer] [--engine]
       [--weight-only] [--keep DIR]
 """
@@ -47,57 +45,10 @@ from bench_nvfp4 import (  # noqa: E402
     peer_export,
     perplexity,
     read_export,
-    run_with_input_hooks,
     write_calibration_rows,
 )
 from bench_serving import DEFAULT_PEER_VENV  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from converters.serving.nvfp4_smoothing import fold_scales, search_smoothing  # noqa: E402
-
-#: (what feeds the Linears, the Linears) of a Llama decoder layer, as AWQ maps them
-MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-            ("mlp.up_proj", ("mlp.down_proj",)),
-            ("self_attn.v_proj", ("self_attn.o_proj",)))
-ROWS = 2048  #: calibration token rows each mapping's error is measured on (drawn at random, seed 0)
-
-
-def smooth(model, batches: list[dict], grid: int) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The smoothed model's changed tensors (fp32 math, stored in the model's dtype) and one line per mapping."""
-    layers = model.model.layers
-    firsts = {f"model.layers.{i}.{linears[0]}": (i, feeder, linears)
-              for i in range(len(layers)) for feeder, linears in MAPPINGS}
-    inputs: dict[str, list[torch.Tensor]] = {path: [] for path in firsts}
-    run_with_input_hooks(model, batches, list(firsts),
-                         lambda path, x: inputs[path].append(x.reshape(-1, x.shape[-1]).float()))
-    changed, lines = {}, []
-    pick = None
-    for path, (index, feeder, linears) in firsts.items():
-        x = torch.cat(inputs.pop(path))
-        if pick is None:
-            pick = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:ROWS]
-        prefix = f"model.layers.{index}"
-        feeder_module = model.get_submodule(f"{prefix}.{feeder}")
-        weights = [model.get_submodule(f"{prefix}.{name}").weight.data for name in linears]
-        feeder_out = feeder_module.weight.shape[0]
-        if feeder_out != x.shape[1]:  # v -> o in a GQA model: v's rows are fewer than o's columns
-            lines.append(f"{prefix}.{feeder} -> {','.join(linears)}: skipped ({feeder_out} rows feed {x.shape[1]})")
-            continue
-        choice = search_smoothing(weights, x[pick], steps=grid)
-        if choice.scales is None:
-            lines.append(f"{prefix}.{feeder} -> {','.join(linears)}: kept (no ratio beats s = 1, error "
-                         f"{choice.plain_error:.3e})")
-            continue
-        scales = choice.scales
-        lines.append(f"{prefix}.{feeder} -> {','.join(linears)}: ratio {choice.ratio:.2f}, error "
-                     f"{choice.plain_error:.3e} -> {choice.error:.3e} ({choice.relative_error:.2f}x), s in "
-                     f"{float(scales.min()):.3f}-{float(scales.max()):.3f}")
-        feeder_weight, folded = fold_scales(feeder_module.weight.data, weights, scales)
-        changed[f"{prefix}.{feeder}.weight"] = feeder_module.weight.data = feeder_weight
-        for name, weight in zip(linears, folded, strict=True):
-            changed[f"{prefix}.{name}.weight"] = model.get_submodule(f"{prefix}.{name}").weight.data = weight
-    return changed, lines
+from safetensors.torch import load_file  # noqa: E402
 
 
 def engine_rows(work: Path, exports: dict[str, Path], ids: torch.Tensor, scores: dict[str, float]) -> None:
@@ -129,7 +80,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=24, help="calibration windows of 128 tokens (default 24)")
     parser.add_argument("--tokens", type=int, default=4096, help="held-out tokens scored (default 4096)")
-    parser.add_argument("--grid", type=int, default=20, help="ratios tried per mapping (default 20)")
     parser.add_argument("--held-out-file", type=Path, action="append", default=[],
                         help="more held-out text (paragraphs separated by blank lines); repeatable")
     parser.add_argument("--held-out-package-prose", action="store_true",
@@ -157,37 +107,29 @@ def main() -> None:
     batches, data_source = job_batches(model_dir, args.steps)
     print(f"SmolLM2-135M-Instruct ({model_dir}); calibration: {data_source}")
 
-    smoothed_dir = work / "smoothed-model"
-    if not (smoothed_dir / "model.safetensors").is_file():
-        started = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-        with torch.no_grad():
-            changed, lines = smooth(model, batches, args.grid)
-        print(f"smoothing search: {time.perf_counter() - started:.0f} s; {len(changed)} tensors changed")
-        print("\n".join(lines))
-        tensors = {**load_file(model_dir / "model.safetensors"), **changed}
-        shutil.copytree(model_dir, smoothed_dir, ignore=shutil.ignore_patterns("model.safetensors"))
-        save_file(tensors, smoothed_dir / "model.safetensors", metadata={"format": "pt"})
-        (work / "smoothing.txt").write_text("\n".join(lines) + "\n")
     source = load_file(model_dir / "model.safetensors")
-    norms = {name: tensor for name, tensor in load_file(smoothed_dir / "model.safetensors").items()
-             if name.endswith("norm.weight") and not torch.equal(tensor, source[name])}
-
     jobs = {"rtn": {}, "gptq four_over_six": {"nvfp4_weight_scales": "four_over_six",
                                               "nvfp4_weight_rounding": "gptq"}}
     variants: dict[str, tuple[dict | None, dict | None]] = {"bf16": (None, None)}
     exports: dict[str, Path] = {"bf16": model_dir}  #: what vLLM loads for each row (--engine)
-    for smoothed, base in ((False, model_dir), (True, smoothed_dir)):
+    for smoothed in (False, True):
         for name, recipe in jobs.items():
             out = work / f"{'smoothed' if smoothed else 'source'}-{name.replace(' ', '-')}"
             if not (out / "serving" / "nvfp4" / "config.json").is_file():
                 started = time.perf_counter()
                 shutil.rmtree(out, ignore_errors=True)
-                fp8forge_export(base, out, args.steps, **recipe)
+                smoothing = {"nvfp4_smoothing": "awq"} if smoothed else {}
+                fp8forge_export(model_dir, out, args.steps, **recipe, **smoothing)
                 print(f"job {'smoothed' if smoothed else 'source'} {name}: {time.perf_counter() - started:.0f} s",
                       flush=True)
+            norms = None
+            if smoothed:  # the artifact holds the smoothed model: its changed norms are the export's
+                report = json.loads((out / "fp8_report.json").read_text())["calibration"]["nvfp4_smoothing"]
+                print(f"  smoothing: {report['mappings']}, {report['changed_tensors']} tensors changed")
+                norms = {key: tensor for key, tensor in load_file(out / "model.safetensors").items()
+                         if key.endswith("norm.weight") and not torch.equal(tensor, source[key])}
             row = f"{'smoothed + ' if smoothed else ''}{name}"
-            variants[row] = (read_export(out / "serving" / "nvfp4"), norms if smoothed else None)
+            variants[row] = (read_export(out / "serving" / "nvfp4"), norms)
             exports[row] = out / "serving" / "nvfp4"
 
     if args.peer:

@@ -46,8 +46,9 @@ def layer_file(directory: Path, index: int) -> Path:
 class SmoothingWalk:
     """The walk's ``after_layer``: smooths each layer's mappings and writes what changed to ``directory``.
 
-    ``eligible``: the model paths of the Linears the job converts; ``dtype``: the checkpoint's. ``records`` collects one entry per mapping
-    found (smoothed, kept or skipped, with why and the errors); ``changed`` every tensor name written.
+    ``eligible``: the model paths of the Linears the job converts; ``dtype``: the checkpoint's. ``records``
+    collects one entry per mapping found (smoothed, kept or skipped, with why and the errors); ``changed`` every
+    tensor name written.
     """
 
     eligible: set[str]

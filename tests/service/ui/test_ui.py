@@ -194,7 +194,7 @@ def test_the_form_offers_every_recipe_of_the_api_schema_with_its_defaults(client
     recipes = [schema for schema in components.values() if "const" in schema.get("properties", {}).get("backend", {})]
     assert len(recipes) == 8
     shared = set.intersection(*(set(schema["properties"]) for schema in recipes)) - {"version", "backend", "scaling"}
-    assert shared == {"nvfp4_weight_scales", "nvfp4_weight_rounding"}
+    assert shared == {"nvfp4_weight_scales", "nvfp4_weight_rounding", "nvfp4_smoothing"}
     for schema in recipes:
         assert {f"recipe.{name}" for name in schema["properties"]} - {"recipe.version"} <= page.fields, schema["title"]
     offered = 0
