@@ -254,7 +254,9 @@ def serving_shard_tasks(run: Run, staging: Path) -> list[dict[str, Any]]:
         if getattr(serving_format(name), "needs_weight_amax", False):
             set_weight_amax(selection, files)
         wire = selection_to_wire(selection)
-        from_artifact = run.resolved.checkpoint.stored is not None  # the dequantized copies, not the source's files
+        # the artifact's copies, not the files the task's machine resolves: the dequantized weights of a quantized
+        # source, or the smoothed model's (nvfp4_smoothing: the run's source is a copy in its staging directory)
+        from_artifact = run.resolved.checkpoint.stored is not None or bool(run.calibration.smoothing.get("applied"))
         scales = run.recipe.nvfp4_weight_scales.value  # the recipe's NVFP4 block-scale method (job_format)
         tasks += [{"kind": "serving_write", "shard": path.name,
                    "payload": {"plan": wire, "scale_dtype": dtype, "from_artifact": from_artifact,

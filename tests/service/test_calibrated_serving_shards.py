@@ -22,7 +22,8 @@ from tests.service_helpers import leftovers, sse_events, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
-#: nvfp4 with GPTQ rounding (the recipe's nvfp4_weight_rounding): its shard tasks copy what calibration rounded
+#: nvfp4 with GPTQ rounding (the recipe's nvfp4_weight_rounding): its shard tasks copy what calibration rounded; with
+#: nvfp4_smoothing every task reads the smoothed model (the artifact's copy), not the source the worker resolves
 FORMATS = ["compressed-tensors-fp8", "fp8-block", "nvfp4"]
 
 
@@ -41,7 +42,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _submit(client: httpx.Client, model_dir: Path) -> str:
     body = {"model": str(model_dir), "recipe": {"backend": "ao", "recipe_name": "tensorwise",
-                                                "nvfp4_weight_rounding": "gptq"},
+                                                "nvfp4_weight_rounding": "gptq", "nvfp4_smoothing": "awq"},
             "calibration": {"steps": 1, "batch_size": 1, "seq_len": 16}, "serving_formats": FORMATS}
     response = client.post("/v1/jobs", json=body)
     assert response.status_code == 202, response.text
