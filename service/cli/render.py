@@ -224,8 +224,16 @@ def format_worst_layers(report: dict[str, Any], count: int = 5) -> str:
 
 
 def format_serving_exports(report: dict[str, Any]) -> str:
-    """One line per serving export: layers quantized, lowest weight SQNR, KV-cache scales, load audit."""
+    """One line per serving export: layers quantized, lowest weight SQNR, KV-cache scales, load audit; first, where the
+    recipe asked ``nvfp4_smoothing``, what the smoothing did."""
     lines = []
+    smoothing = (report.get("calibration") or {}).get("nvfp4_smoothing")
+    if smoothing:
+        counts = smoothing.get("mappings") or {}
+        lines.append(f"nvfp4_smoothing {smoothing['method']}: " + (
+            f"{counts.get('smoothed', 0)} mapping(s) smoothed, {counts.get('kept', 0)} kept, "
+            f"{counts.get('skipped', 0)} skipped; every export holds the smoothed model"
+            if smoothing["applied"] else f"not applied ({smoothing['reason']})"))
     for name, block in (report.get("serving") or {}).items():
         sqnr = [stats["weight_sqnr_db"] for stats in (block.get("layer_stats") or {}).values()
                 if stats.get("weight_sqnr_db") is not None]
