@@ -37,9 +37,11 @@ EMULATED = (MXFP8, NVFP4, MODELOPT_NVFP4)
 KV_FORMATS = (STATIC, DYNAMIC, MODELOPT, MODELOPT_NVFP4)
 CASES = [(fmt, kv) for fmt in RUNNABLE + EMULATED for kv in (None, "fp8") if kv is None or fmt in KV_FORMATS]
 CALIBRATION = CalibrationSettings(steps=2, seq_len=16)
-#: the NVFP4 exports of a job whose recipe rounds by GPTQ (nvfp4_weight_rounding): other codes, the same layouts
+#: the NVFP4 exports of a job whose recipe smooths its source (nvfp4_smoothing) and rounds by GPTQ
+#: (nvfp4_weight_rounding): other norms and codes, the same layouts
 GPTQ = {NVFP4: "nvfp4-gptq", MODELOPT_NVFP4: "modelopt-nvfp4-gptq"}
-GPTQ_RECIPE = {"backend": "te", "nvfp4_weight_scales": "four_over_six", "nvfp4_weight_rounding": "gptq"}
+GPTQ_RECIPE = {"backend": "te", "nvfp4_weight_scales": "four_over_six", "nvfp4_weight_rounding": "gptq",
+               "nvfp4_smoothing": "awq"}
 TEXT = "The engine reads the scales the converter wrote, and the cache keeps its keys in eight bits."
 GENERATED = 8
 
@@ -132,8 +134,8 @@ def engine(llama_root, exports, tokens, tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", list(GPTQ))
 def test_vllm_runs_a_gptq_rounded_nvfp4_export_as_written(exports, engine, fmt):
-    """GPTQ changes only the codes: vLLM loads every tensor with the file's value, generates, and the codes differ
-    from the nearest-rounded export's."""
+    """Smoothing and GPTQ change norms and codes, not the layout: vLLM loads every tensor with the file's value (the
+    smoothed norms included), generates, and the codes and the smoothed norms differ from the plain export's."""
     key = GPTQ[fmt]
     run = engine[key]
     assert load_problems(exports[key], run) == []
@@ -143,6 +145,8 @@ def test_vllm_runs_a_gptq_rounded_nvfp4_export_as_written(exports, engine, fmt):
     rounded, nearest = (load_file(exports[at] / "model.safetensors") for at in (key, (fmt, None)))
     packed = "model.layers.1.mlp.down_proj." + ("weight_packed" if fmt == NVFP4 else "weight")
     assert rounded[packed].shape == nearest[packed].shape and not rounded[packed].equal(nearest[packed])
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    assert not rounded[norm].equal(nearest[norm])
 
 
 def test_the_bf16_source_runs_in_vllm(engine):
