@@ -270,7 +270,7 @@ def test_every_recipe_the_api_takes_can_be_picked_in_the_form(open_server, tab):
     assert recipe == {"backend": "te", "scaling": "float8_block", "fp8_format": "HYBRID",
                       "use_f32_scales": True, "x_block_scaling_dim": 1, "w_block_scaling_dim": 1,
                       "grad_block_scaling_dim": 1, "nvfp4_weight_scales": "rtn",
-                      "nvfp4_weight_rounding": "nearest"}
+                      "nvfp4_weight_rounding": "nearest", "nvfp4_smoothing": "none"}
 
     page.goto("/ui/jobs/new")
     page.fill("#model", "demo/tiny-llama")
@@ -299,9 +299,9 @@ def _recipe_forms(api: httpx.Client) -> list[tuple[str, str | None, set[str]]]:
 
 def test_every_recipe_form_sends_every_option_of_its_recipe(open_server, tab):
     """For each recipe the API takes, the form picked for it sends every field of that recipe's request model (the
-    removed TE keys once set), nvfp4_weight_scales and nvfp4_weight_rounding as chosen in their one control each, from
-    the fields and from YAML: a form that drops a field the API takes fails here. The API's answer is the test's, so
-    no job is queued."""
+    removed TE keys once set), nvfp4_weight_scales, nvfp4_weight_rounding and nvfp4_smoothing as chosen in their one
+    control each, from the fields and from YAML: a form that drops a field the API takes fails here. The API's answer
+    is the test's, so no job is queued."""
     from playwright.sync_api import expect
 
     t = tab(open_server.base_url)
@@ -321,6 +321,8 @@ def test_every_recipe_form_sends_every_option_of_its_recipe(open_server, tab):
     roundings = page.locator("#recipe-nvfp4_weight_rounding option").evaluate_all(
         "options => options.map(o => o.value)")
     assert roundings == ["nearest", "gptq"]
+    smoothings = page.locator("#recipe-nvfp4_smoothing option").evaluate_all("options => options.map(o => o.value)")
+    assert smoothings == ["none", "awq"]
     for index, (backend, scaling, fields) in enumerate(_recipe_forms(open_server.api)):
         page.check(f"#recipe-backend-{backend}")
         page.check(f"#recipe-scaling-{scaling}" if backend == "te" else f"#ao_scaling-{scaling or 'float8_linear'}")
@@ -330,6 +332,7 @@ def test_every_recipe_form_sends_every_option_of_its_recipe(open_server, tab):
             page.check("#recipe-override_linear_precision-dgrad")
         page.select_option("#recipe-nvfp4_weight_scales", choices[index % 3])
         page.select_option("#recipe-nvfp4_weight_rounding", roundings[index % 2])
+        page.select_option("#recipe-nvfp4_smoothing", smoothings[(index // 2) % 2])
         if scaling == "delayed":
             t.screenshot("new_job_delayed_every_option")
         page.click("#submit-job")
@@ -339,6 +342,7 @@ def test_every_recipe_form_sends_every_option_of_its_recipe(open_server, tab):
         assert (recipe["backend"], recipe.get("scaling")) == (backend, scaling)
         assert recipe["nvfp4_weight_scales"] == choices[index % 3]
         assert recipe["nvfp4_weight_rounding"] == roundings[index % 2]
+        assert recipe["nvfp4_smoothing"] == smoothings[(index // 2) % 2]
         if scaling == "delayed":
             assert (recipe["interval"], recipe["override_linear_precision"]) == (3, [False, True, False])
 
@@ -347,12 +351,14 @@ def test_every_recipe_form_sends_every_option_of_its_recipe(open_server, tab):
     page.fill("#recipe_yaml", "mixed_precision: fp8\nfp8_config:\n  backend: AO\n  recipe_name: rowwise\n")
     page.select_option("#recipe-nvfp4_weight_scales", "four_over_six")
     page.select_option("#recipe-nvfp4_weight_rounding", "gptq")
+    page.select_option("#recipe-nvfp4_smoothing", "awq")
     expected = f"captured {len(sent) + 1}"  # counted before the click: the route may be served before it returns
     page.click("#submit-job")
     expect(page.locator("#form-errors")).to_contain_text(expected)
     assert sent[-1]["recipe"]["recipe_name"] == "rowwise"
     assert sent[-1]["recipe"]["nvfp4_weight_scales"] == "four_over_six"
     assert sent[-1]["recipe"]["nvfp4_weight_rounding"] == "gptq"
+    assert sent[-1]["recipe"]["nvfp4_smoothing"] == "awq"
 
 
 def _assert_accessible_form(page: Any) -> None:
