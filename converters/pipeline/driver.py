@@ -30,7 +30,7 @@ from converters.model.sources import ModelSourceOptions
 from converters.pipeline.artifact_stages import export, finish, precision_plan, quality
 from converters.pipeline.request import ConversionRequest
 from converters.pipeline.serving_export import ServingShardRunner
-from converters.pipeline.source_smoothing import remove_smoothed_source
+from converters.pipeline.source_smoothing import remove_smoothed_source, smooths_source
 from converters.pipeline.stages import STAGE_FUNCTIONS, start
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
 from converters.pipeline.weight_copy import BackgroundWeightCopy
@@ -108,7 +108,8 @@ def run_conversion(
     staging.mkdir()
     run.staging = staging
     def start_weight_copy(run: Run) -> None:  # the copy needs only the files: it runs beside calibration
-        run.weight_copy = BackgroundWeightCopy.of_source(run.resolved, staging, run.sources)
+        if not smooths_source(run.recipe):  # else it starts from the source the job converts, once that is written
+            run.weight_copy = BackgroundWeightCopy.of_source(run.resolved, staging, run.sources)
 
     try:
         run_stages(run, stop_after=Stage.CONVERT, after_resolve=start_weight_copy)

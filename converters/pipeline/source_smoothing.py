@@ -34,31 +34,39 @@ from converters.recipes.base import NVFP4Smoothing
 from converters.rewrite import REMOVE, Compute, Copy, finish_checkpoint, write_shard
 from converters.serving import serving_format
 
-__all__ = ["SMOOTHED_SOURCE_DIR", "remove_smoothed_source", "smooth_source"]
+__all__ = ["SMOOTHED_SOURCE_DIR", "remove_smoothed_source", "smooth_source", "smooths_source"]
 
 SMOOTHED_SOURCE_DIR = ".smoothed-source"  #: the smoothed copy of the source, in the job's staging directory
 _LAYERS_DIR = ".smoothing-layers"  #: the walk's per-layer files of changed tensors, until the copy is written
 _FIELD = "recipe.nvfp4_smoothing"
 
 
+def smooths_source(recipe: Any) -> bool:
+    """Whether ``recipe`` asks for a smoothed source: the job's weight copy then starts here, from the source the job
+    converts, instead of after resolve (:func:`smooth_source`)."""
+    return recipe.nvfp4_smoothing is not NVFP4Smoothing.NONE
+
+
 def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Smooth the run's source where the recipe asks it and the job writes an NVFP4 W4A4 export; the report block
-    (None: not asked). The run's source is the smoothed copy afterwards.
+    (None: not asked). The run's source is the smoothed copy afterwards, and the artifact's weight copy (a conversion's:
+    one with a staging directory) runs from it.
 
     Raises:
         RequestError: smoothing asked of a job that cannot run it (whole-model calibration, distributed ranks, a
             source stored quantized).
     """
-    method = run.recipe.nvfp4_smoothing
-    if method is NVFP4Smoothing.NONE:
+    if not smooths_source(run.recipe):
         return None
+    method = run.recipe.nvfp4_smoothing
     w4a4 = [name for name in run.serving if _is_w4a4(name)]
     if not w4a4:
-        reason = ("nvfp4_smoothing awq applies to the NVFP4 W4A4 serving exports (nvfp4, modelopt-nvfp4), and the "
-                  "request asks for none: the source is converted as it is")
-        run.warn(reason)
-        return {"method": method.value, "applied": False, "reason": reason}
+        return _not_applied(run, "nvfp4_smoothing awq applies to the NVFP4 W4A4 serving exports (nvfp4, "
+                                 "modelopt-nvfp4), and the request asks for none: the source is converted as it is")
     _check_job(run)
+    if run.staging is None:  # a calibrated analysis: nothing is written, so nothing is smoothed
+        return _not_applied(run, "nvfp4_smoothing awq runs in conversion jobs: this analysis measured the source as "
+                                 "it is, not the smoothed model a job would convert")
     others = [name for name in run.serving if name not in w4a4]
     run.warn("nvfp4_smoothing awq: the job converts the smoothed model (the same function to the dtype's "
              "rounding), so the training artifact" + (f" and the {', '.join(others)} export(s)" if others else "")
@@ -77,6 +85,7 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
     _write_smoothed_copy(run, walk, layers, directory)
     shutil.rmtree(layers, ignore_errors=True)
     _use_as_source(run, directory)
+    _start_weight_copy(run)
     results = [record["result"].partition(":")[0] for record in walk.records]
     return {"method": method.value, "applied": True, "exports": w4a4,
             "mappings": {result: results.count(result) for result in ("smoothed", "kept", "skipped")},
@@ -91,6 +100,18 @@ def remove_smoothed_source(staging: Path) -> None:
     """Take the smoothed copy out of the staging directory (it is no artifact file)."""
     shutil.rmtree(staging / SMOOTHED_SOURCE_DIR, ignore_errors=True)
     shutil.rmtree(staging / _LAYERS_DIR, ignore_errors=True)
+
+
+def _not_applied(run: Run, reason: str) -> dict[str, Any]:
+    run.warn(reason)
+    _start_weight_copy(run)
+    return {"method": run.recipe.nvfp4_smoothing.value, "applied": False, "reason": reason}
+
+
+def _start_weight_copy(run: Run) -> None:
+    """The artifact's copy of the source's weight files, beside the calibration still to come (a conversion's only)."""
+    if run.staging is not None and run.weight_copy is None:
+        run.weight_copy = BackgroundWeightCopy.of_source(run.resolved, run.staging, run.sources)
 
 
 def _is_w4a4(name: str) -> bool:
@@ -117,15 +138,15 @@ def _write_smoothed_copy(run: Run, walk: SmoothingWalk, layers: Path, directory:
     names, dtypes and shapes), every other tensor copied as bytes; then config, index and tokenizer files."""
     directory.mkdir()
     checkpoint = run.resolved.checkpoint
-    changed_files = {checkpoint.on_disk_name(name) or name: layer_file(layers, _layer_index(run, name))
-                     for name in walk.changed}
+    #: on-disk name -> (the walk's file, the tensor's model name in it)
+    changed = {checkpoint.on_disk_name(name) or name: (layer_file(layers, _layer_index(run, name)), name)
+               for name in walk.changed}
     shards = []
     for path in weight_files(run.resolved.directory):
         tensors, metadata = read_tensor_index(path)
-        steps = [Compute(outputs={name: tensor}, read=lambda name=name: _read_changed(changed_files[name], name,
-                                                                                       walk, checkpoint),
+        steps = [Compute(outputs={name: tensor}, read=lambda name=name: _read_changed(*changed[name]),
                          convert=lambda value: ([value], None))  # written in the checkpoint's dtype
-                 if name in changed_files else Copy(name, tensor) for name, tensor in tensors.items()]
+                 if name in changed else Copy(name, tensor) for name, tensor in tensors.items()]
         shards.append(write_shard(directory / path.name, steps, metadata, check_stop=run.check_stop))
     finish_checkpoint(run.resolved.directory, directory, shards, quantization_config=REMOVE,
                       confinement=confinement_for(run.sources))
@@ -138,21 +159,16 @@ def _layer_index(run: Run, name: str) -> int:
     return index
 
 
-def _read_changed(file: Path, on_disk: str, walk: SmoothingWalk, checkpoint: Checkpoint) -> Any:
-    """The walk's tensor that replaces the on-disk tensor ``on_disk`` (the walk wrote it under its model name)."""
-    model_name = next(name for name in walk.changed if (checkpoint.on_disk_name(name) or name) == on_disk)
+def _read_changed(file: Path, model_name: str) -> Any:
+    """The walk's tensor ``model_name`` from its layer's ``file``."""
     with safe_open(str(file), framework="pt") as handle:
         return handle.get_tensor(model_name)
 
 
 def _use_as_source(run: Run, directory: Path) -> None:
-    """Point the run at the smoothed copy: its files, a checkpoint over them, and the background weight copy
-    started again from them."""
+    """Point the run at the smoothed copy: its files and a checkpoint over them."""
     resolved = run.resolved
     checkpoint = Checkpoint(directory, resolved.meta_model, dtype=resolved.checkpoint.dtype, device=resolved.device)
     run.use_derived_source(replace(resolved, directory=directory, checkpoint=checkpoint,
                                    tied_weights=dict(checkpoint.tied)),
                            replace(run.sources, job_directories=(*run.sources.job_directories, directory)))
-    if run.weight_copy is not None:
-        run.weight_copy.abandon()
-        run.weight_copy = BackgroundWeightCopy.of_source(run.resolved, run.staging, run.sources)

@@ -123,3 +123,18 @@ def test_a_norm_that_does_not_scale_by_its_weight_takes_no_fold():
     gemma = GemmaRMSNorm(64)
     torch.nn.init.normal_(gemma.weight)
     assert not _scales_outputs(gemma)
+
+
+def test_a_calibrated_analysis_says_it_measured_the_source_as_it_is(tmp_path_factory):
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.request import ConversionRequest
+    from converters.pipeline.sync_analysis import calibrated_analysis
+
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("smooth-analysis") / "llama")
+    request = ConversionRequest(model=str(model_dir), recipe=RECIPE, serving_formats=("nvfp4",),
+                                calibration=CalibrationSettings(steps=1, seq_len=16))
+    report = calibrated_analysis(request, ModelSourceOptions(allowed_roots=(model_dir.parent,)))
+    assert any("nvfp4_smoothing awq runs in conversion jobs: this analysis measured the source as it is" in warning
+               for warning in report["warnings"])
+    assert report["sensitivity"]["measured"]
+    assert sorted(path.name for path in model_dir.parent.iterdir()) == ["llama"]  # nothing written beside it
