@@ -183,7 +183,7 @@ def _scales_outputs(norm: nn.Module) -> bool:
     """Whether ``norm``'s output is its weight times something that does not depend on the weight: a copy in fp32
     with the weight halved must give half the output (a Gemma-style ``1 + weight`` does not)."""
     probe = copy.deepcopy(norm).float()
-    x = torch.randn(4, norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, norm.weight.shape[0], generator=torch.Generator().manual_seed(0)).to(norm.weight.device)
     with torch.no_grad():
         full = probe(x)
         probe.weight.data = probe.weight.data / 2
