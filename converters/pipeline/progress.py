@@ -14,7 +14,8 @@ from typing import Any
 
 from converters.analysis.render import human_bytes
 
-__all__ = ["DETAIL_KEYS", "LOAD_STEP", "RESOLVE_STEPS", "START_STEP", "Unit", "progress_event", "progress_text"]
+__all__ = ["DETAIL_KEYS", "LOAD_STEP", "RESOLVE_STEPS", "SMOOTHING_STEPS", "START_STEP", "Unit", "progress_event",
+           "progress_text"]
 
 
 class Unit(str, enum.Enum):
@@ -33,6 +34,9 @@ DETAIL_KEYS = ("step", "shards_done", "shards_total", "bytes_done", "bytes_total
 RESOLVE_STEPS = ("finding the model files", "reading config.json (imports the model's transformers code)",
                  "building the model on the meta device", "indexing the weight files")
 LOAD_STEP = "loading the weights"
+#: What calibrate does first with ``nvfp4_smoothing``: the search's layer walk, then the smoothed copy's write (the
+#: calibration's own walk follows, counting the layers again)
+SMOOTHING_STEPS = ("searching each layer's NVFP4 smoothing scales", "writing the smoothed copy of the source")
 #: What a service's conversion process does before resolve's first step: it starts and imports torch.
 START_STEP = "starting the conversion process (imports torch)"
 

@@ -27,7 +27,7 @@ from converters.errors import RequestError
 from converters.model.checkpoint import Checkpoint, weight_files
 from converters.model.safetensors_stream import read_tensor_index
 from converters.model.sources import confinement_for
-from converters.pipeline.progress import Unit
+from converters.pipeline.progress import SMOOTHING_STEPS, Unit
 from converters.pipeline.state import Run
 from converters.pipeline.weight_copy import BackgroundWeightCopy
 from converters.recipes.base import NVFP4Smoothing
@@ -76,12 +76,14 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
                          dtype=run.resolved.checkpoint.dtype)
     try:
         calibrate_layer_by_layer(run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, [],
-                                 on_layer=lambda done, total: run.sink.progress(done, total, Unit.LAYER),
+                                 on_layer=lambda done, total: run.sink.progress(done, total, Unit.LAYER,
+                                                                                step=SMOOTHING_STEPS[0]),
                                  should_stop=run.sink.should_stop, after_layer=walk)
     except SequentialUnsupported as exc:
         raise RequestError(f"nvfp4_smoothing awq runs in the layer-sequential walk, which stopped: {exc}; use "
                            "nvfp4_smoothing none for this model", field=_FIELD) from exc
     directory = run.staging / SMOOTHED_SOURCE_DIR
+    run.sink.progress(0, 1, Unit.STEP, step=SMOOTHING_STEPS[1])
     _write_smoothed_copy(run, walk, layers, directory)
     shutil.rmtree(layers, ignore_errors=True)
     _use_as_source(run, directory)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +17,12 @@ from safetensors import safe_open
 from converters.calibration.smoothing_walk import FOLD_TOLERANCE, _scales_outputs
 from converters.errors import RequestError
 from converters.model.demo import build_tiny_llama
-from converters.pipeline.request import CalibrationSettings
+from converters.model.sources import ModelSourceOptions
+from converters.pipeline.driver import run_conversion
+from converters.pipeline.progress import progress_event
+from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.pipeline.source_smoothing import SMOOTHED_SOURCE_DIR
+from converters.pipeline.state import NullSink
 from tests.converters.serving.exports import export
 
 RECIPE = {"backend": "ao", "nvfp4_smoothing": "awq"}
@@ -29,11 +34,36 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {key: handle.get_tensor(key) for key in handle.keys()}
 
 
+class _Progress(NullSink):
+    """Records each progress event's text, as the API words it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str] = []
+        self.stage_name = ""
+
+    def stage(self, name: str) -> None:
+        self.stage_name = name
+
+    def progress(self, done: int, total: int, unit: Any = "step", **detail: Any) -> None:
+        self.texts.append(progress_event(self.stage_name, done, total, unit, **detail)["text"])
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["gqa", "mha"])
 def job(request, tmp_path_factory):
     model_dir = build_tiny_llama(tmp_path_factory.mktemp(f"smooth-{request.param}") / "llama", kv_heads=request.param)
-    out = export(model_dir, FORMATS, recipe=RECIPE, calibration=CalibrationSettings(steps=2, seq_len=32))
-    return model_dir, out, json.loads((out / "fp8_report.json").read_text())
+    out, sink = model_dir.parent / "out", _Progress()
+    run_conversion(ConversionRequest(model=str(model_dir), recipe=RECIPE, serving_formats=FORMATS,
+                                     calibration=CalibrationSettings(steps=2, seq_len=32)),
+                   out, ModelSourceOptions(allowed_roots=(model_dir.parent,)), sink)
+    return model_dir, out, json.loads((out / "fp8_report.json").read_text()), sink.texts
+
+
+def test_progress_names_the_search_and_the_copy_before_calibration_counts_its_layers(job):
+    texts = job[3]
+    search = texts.index("calibrate: 1/2 layers, now searching each layer's NVFP4 smoothing scales")
+    copy = texts.index("calibrate: 0/1 step, now writing the smoothed copy of the source")
+    assert search < copy < texts.index("calibrate: 1/2 layers", copy)
 
 
 def _logits(directory: Path, weights: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -46,7 +76,7 @@ def _logits(directory: Path, weights: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_artifact_is_the_smoothed_model_and_computes_the_source_function(job):
-    model_dir, out, report = job
+    model_dir, out, report, _ = job
     source, smoothed = _tensors(model_dir / "model.safetensors"), _tensors(out / "model.safetensors")
     block = report["calibration"]["nvfp4_smoothing"]
     changed = {name for name in source if not torch.equal(source[name], smoothed[name])}
@@ -61,7 +91,7 @@ def test_the_artifact_is_the_smoothed_model_and_computes_the_source_function(job
 
 
 def test_the_report_names_each_mapping_and_the_chosen_scales_lower_the_error(job):
-    model_dir, _, report = job
+    model_dir, _, report, _ = job
     mha = json.loads((model_dir / "config.json").read_text())["num_key_value_heads"] == 4
     block = report["calibration"]["nvfp4_smoothing"]
     records = {(record["layer"], record["feeder"].rpartition(".")[2]): record for record in block["layers"]}
@@ -85,7 +115,7 @@ def test_the_report_names_each_mapping_and_the_chosen_scales_lower_the_error(job
 
 
 def test_the_nvfp4_export_carries_the_smoothed_norms_and_no_copy_reaches_the_artifact(job):
-    model_dir, out, _ = job
+    model_dir, out, _, _ = job
     smoothed, served = _tensors(out / "model.safetensors"), _tensors(out / "serving" / "nvfp4" / "model.safetensors")
     norms = [name for name in smoothed if name.endswith("norm.weight")]
     assert all(torch.equal(served[name], smoothed[name]) for name in norms)
@@ -126,8 +156,6 @@ def test_a_norm_that_does_not_scale_by_its_weight_takes_no_fold():
 
 
 def test_a_calibrated_analysis_says_it_measured_the_source_as_it_is(tmp_path_factory):
-    from converters.model.sources import ModelSourceOptions
-    from converters.pipeline.request import ConversionRequest
     from converters.pipeline.sync_analysis import calibrated_analysis
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("smooth-analysis") / "llama")
