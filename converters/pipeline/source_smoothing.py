@@ -82,11 +82,12 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
     except SequentialUnsupported as exc:
         raise RequestError(f"nvfp4_smoothing awq runs in the layer-sequential walk, which stopped: {exc}; use "
                            "nvfp4_smoothing none for this model", field=_FIELD) from exc
-    directory = run.staging / SMOOTHED_SOURCE_DIR
-    run.sink.progress(0, 1, Unit.STEP, step=SMOOTHING_STEPS[1])
-    _write_smoothed_copy(run, walk, layers, directory)
-    shutil.rmtree(layers, ignore_errors=True)
-    _use_as_source(run, directory)
+    if walk.changed:  # else no mapping was worth smoothing: the source is the smoothed model, with no copy
+        directory = run.staging / SMOOTHED_SOURCE_DIR
+        run.sink.progress(0, 1, Unit.STEP, step=SMOOTHING_STEPS[1])
+        _write_smoothed_copy(run, walk, layers, directory)
+        shutil.rmtree(layers, ignore_errors=True)
+        _use_as_source(run, directory)
     _start_weight_copy(run)
     results = [record["result"].partition(":")[0] for record in walk.records]
     return {"method": method.value, "applied": True, "exports": w4a4,

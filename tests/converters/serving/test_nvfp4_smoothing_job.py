@@ -166,3 +166,13 @@ def test_a_calibrated_analysis_says_it_measured_the_source_as_it_is(tmp_path_fac
                for warning in report["warnings"])
     assert report["sensitivity"]["measured"]
     assert sorted(path.name for path in model_dir.parent.iterdir()) == ["llama"]  # nothing written beside it
+
+
+def test_with_no_mapping_to_smooth_the_source_is_converted_as_it_is(tmp_path_factory):
+    """Only o_proj converted (v -> o is grouped-query attention here): the walk changes nothing and no copy is made."""
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("smooth-nothing") / "llama")
+    out = export(model_dir, ("nvfp4",), recipe=RECIPE, measure=False, exclude=("mlp", "q_proj", "k_proj", "v_proj"),
+                 calibration=CalibrationSettings(steps=1, seq_len=16))
+    block = json.loads((out / "fp8_report.json").read_text())["calibration"]["nvfp4_smoothing"]
+    assert block["applied"] and block["changed_tensors"] == 0 and block["mappings"]["smoothed"] == 0
+    assert (out / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
