@@ -260,8 +260,10 @@ def format_quality(report: dict[str, Any]) -> str:
         return ""
     if not quality["measured"]:
         return f"end-to-end quality not measured: {quality['reason']}"
+    smoothing = (report.get("calibration") or {}).get("nvfp4_smoothing") or {}
+    source = "source (smoothed)" if smoothing.get("changed_tensors") else "source"  # what the job converted
     rows = [["", "perplexity", "kl_mean", "kl_max", "top1_agreement"],
-            ["source", f"{quality['reference']['perplexity']:.3f}", "", "", ""]]
+            [source, f"{quality['reference']['perplexity']:.3f}", "", "", ""]]
     serving = [(f"serving/{name}", figures) for name, figures in quality["serving"].items()]
     # an export with an FP8 KV cache: its figures without it too, the FP8 KV cache's own cost
     serving = [row for name, figures in serving for row in [(name, figures)] + (

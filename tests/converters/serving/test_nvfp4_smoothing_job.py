@@ -107,11 +107,12 @@ def test_the_report_names_each_mapping_and_the_chosen_scales_lower_the_error(job
     counts = block["mappings"]
     assert sum(counts.values()) == len(block["layers"]) == 8 and counts["smoothed"] >= 3
     assert any("the job converts the smoothed model" in warning for warning in report["warnings"])
-    from service.cli.render import format_serving_exports
+    from service.cli.render import format_quality, format_serving_exports
 
     assert format_serving_exports(report).splitlines()[0] == (
         f"nvfp4_smoothing awq: {counts['smoothed']} mapping(s) smoothed, {counts['kept']} kept, {counts['skipped']} "
         "skipped; every export holds the smoothed model")
+    assert "source (smoothed)" in format_quality(report)  # the quality pass's reference is the model converted
 
 
 def test_the_nvfp4_export_carries_the_smoothed_norms_and_no_copy_reaches_the_artifact(job):
