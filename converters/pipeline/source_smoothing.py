@@ -53,7 +53,7 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
     one with a staging directory) runs from it.
 
     Raises:
-        RequestError: smoothing asked of a job that cannot run it (whole-model calibration, distributed ranks, a
+        RequestError: smoothing asked of a job that cannot run it (whole-model calibration, several ranks, a
             source stored quantized).
     """
     if not smooths_source(run.recipe):
@@ -127,9 +127,12 @@ def _check_job(run: Run) -> None:
         raise RequestError(f"nvfp4_smoothing awq searches each decoder layer during a layer-sequential walk, and "
                            f"this job calibrates the whole model ({run.resolved.mode_reason}): use nvfp4_smoothing "
                            "none for this model", field=_FIELD)
-    if run.distributed is not None:
-        raise RequestError("nvfp4_smoothing awq is not available to distributed or resumable jobs yet: run the job "
-                           "in one process, or use nvfp4_smoothing none", field=_FIELD)
+    if run.distributed is not None and run.distributed.info.world_size > 1:
+        # one rank of one with a resume record searches as a plain job does; a restart searches again (the same
+        # scales: the same inputs and code) and resumes calibration on the copy, whose files the record's fingerprint
+        # names as it names the source's (same names, dtypes and shapes)
+        raise RequestError("nvfp4_smoothing awq is not available to jobs on several ranks yet: run the job on one "
+                           "rank (a resumable one-rank job smooths), or use nvfp4_smoothing none", field=_FIELD)
     if run.resolved.checkpoint.stored is not None:
         raise RequestError("nvfp4_smoothing awq smooths a high-precision source, and this one is stored quantized "
                            f"({run.resolved.checkpoint.stored.quantization.describe()}): convert its high-precision "

@@ -177,3 +177,19 @@ def test_with_no_mapping_to_smooth_the_source_is_converted_as_it_is(tmp_path_fac
     block = json.loads((out / "fp8_report.json").read_text())["calibration"]["nvfp4_smoothing"]
     assert block["applied"] and block["changed_tensors"] == 0 and block["mappings"]["smoothed"] == 0
     assert (out / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
+
+
+def test_a_resumable_one_rank_job_smooths_and_publishes_the_one_process_bytes(job, tmp_path):
+    from converters.distributed import run_ranked_conversion
+    from converters.distributed.ranks import RankInfo
+
+    model_dir, out, _, _ = job
+    ranked = model_dir.parent / "out-ranked"
+    run_ranked_conversion(ConversionRequest(model=str(model_dir), recipe=RECIPE, serving_formats=FORMATS,
+                                            calibration=CalibrationSettings(steps=2, seq_len=32)),
+                          ranked, ModelSourceOptions(allowed_roots=(model_dir.parent,)), info=RankInfo(),
+                          resume_dir=tmp_path / "record")
+    for name in ("model.safetensors", *(f"serving/{fmt}/model.safetensors" for fmt in FORMATS)):
+        assert (ranked / name).read_bytes() == (out / name).read_bytes(), name
+    report = json.loads((ranked / "fp8_report.json").read_text())
+    assert report["calibration"]["nvfp4_smoothing"]["applied"]
