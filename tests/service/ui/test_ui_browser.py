@@ -3,6 +3,8 @@
 - `fp8forge serve` with one worker and API keys on: the key entered on the page, the demo model submitted from
   the form by keyboard alone, the progress bar driven to 100% by the job's live events (read over fetch, with
   the key), the report's charts and tables, an artifact downloaded with the key.
+- The same server converting a job with `nvfp4_smoothing`: its events name the smoothing's steps and its report
+  page says the quality figures are against the smoothed model.
 - An API without workers (jobs stay queued): cancel and delete from the list, a row updated live by another
   client's cancel, field-level errors from the API (and from an Accelerate YAML), labels and live regions of
   the form, and the analysis of a Llama-3-70B-shaped config (561 Linears) rendered and sorted, with timings.
@@ -27,7 +29,7 @@ import pytest
 
 from service.api.auth import hash_token
 from service.config import Settings
-from tests.service_helpers import ServeProcess, api_client, live_app
+from tests.service_helpers import ServeProcess, api_client, live_app, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -165,6 +167,35 @@ def test_keyboard_submission_live_progress_and_report(keyed_server, tab):
     job_row.locator("summary").click()
     expect(job_row).to_contain_text(listing["model.safetensors"]["sha256"])
     t.screenshot("jobs")
+
+
+def test_a_smoothed_jobs_report_says_its_figures_are_against_the_smoothed_model(keyed_server, tab):
+    """nvfp4_smoothing: the progress names the search's steps and the report's quality section says what its source
+    is (the model the job converted), with the smoothing's counts from the report."""
+    from playwright.sync_api import expect
+
+    body = {"model": "demo/tiny-llama", "recipe": {"backend": "ao", "nvfp4_smoothing": "awq"},
+            "serving_formats": ["nvfp4"], "calibration": {"steps": 2, "seq_len": 32}}
+    with api_client(keyed_server.base_url, headers={"Authorization": f"Bearer {TOKEN}"}) as api:
+        answer = api.post("/v1/jobs", json=body)
+        assert answer.status_code == 202, answer.text
+        job_id = answer.json()["id"]
+        events = sse_events(api, f"/v1/jobs/{job_id}/events")  # to the job's end
+        assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded", keyed_server.tail()
+        report = api.get(f"/v1/jobs/{job_id}/artifacts/fp8_report.json").json()
+    counts = report["calibration"]["nvfp4_smoothing"]["mappings"]
+    texts = [data["text"] for kind, data in events if kind == "progress"]
+    assert "calibrate: 1/2 layers, now searching each layer's NVFP4 smoothing scales" in texts
+
+    page = tab(keyed_server.base_url).page
+    page.goto("/ui/jobs")
+    page.fill("#api-key", TOKEN)
+    page.keyboard.press("Enter")
+    expect(page.locator("#api-key-status")).to_have_text("Key set for this tab.")
+    page.goto(f"/ui/jobs/{job_id}")
+    expect(page.locator("#quality-text")).to_contain_text(
+        f"The source here is the smoothed model the job converted (nvfp4_smoothing awq: {counts['smoothed']} "
+        f"mappings smoothed, {counts['kept']} kept, {counts['skipped']} skipped")
 
 
 def _queue(client: httpx.Client, n: int) -> list[str]:

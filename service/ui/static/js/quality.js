@@ -121,6 +121,18 @@
     });
   }
 
+  // With nvfp4_smoothing the job converted the smoothed model: that is the "source" every figure is measured against.
+  function smoothingText(report) {
+    const smoothing = report.calibration && report.calibration.nvfp4_smoothing;
+    if (!smoothing || !smoothing.changed_tensors) return '';
+    const counts = smoothing.mappings || {};
+    return ' The source here is the smoothed model the job converted (nvfp4_smoothing ' + smoothing.method + ': ' +
+      (counts.smoothed || 0) + ' mappings smoothed, ' + (counts.kept || 0) + ' kept, ' + (counts.skipped || 0) +
+      ' skipped; each fold moved its layer\'s output by at most ' +
+      Math.max.apply(null, smoothing.layers.map(function (layer) { return layer.output_change || 0; }))
+        .toLocaleString('en', { style: 'percent', maximumFractionDigits: 2 }) + ').';
+  }
+
   function swingRows(swing) {
     const layers = swing.layers || {};
     return Object.keys(layers).map(function (path) {
@@ -163,7 +175,7 @@
           this.qualityText = 'On held-out texts (never the calibration batches): each artifact\'s next-token ' +
             'predictions against the source model\'s.' +
             (quality.reference && typeof quality.reference.perplexity === 'number'
-              ? ' Source perplexity ' + quality.reference.perplexity.toFixed(3) + '.' : '');
+              ? ' Source perplexity ' + quality.reference.perplexity.toFixed(3) + '.' : '') + smoothingText(report);
         }
         this.heldOutText = quality && quality.held_out ? 'Held-out data: ' + describe(quality.held_out) + '.' : '';
 
