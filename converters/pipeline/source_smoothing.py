@@ -7,8 +7,8 @@ directory (:data:`SMOOTHED_SOURCE_DIR`) in which those tensors replace the sourc
 through as bytes, and the run's source becomes that copy: calibration, GPTQ, every export, the training artifact's
 weights, the quality pass and the audit read it. The smoothed model computes the source's function to the dtype's
 rounding (each fold is checked on the layer's output), so nothing downstream needs to know; the report's
-``nvfp4_smoothing`` block says what was smoothed, kept or skipped and why. The copy is removed before the artifact
-is finished.
+``nvfp4_smoothing`` block says what was smoothed, kept or skipped and why. The copy is removed once the artifact's
+files are written, before it is published.
 """
 
 from __future__ import annotations
