@@ -14,6 +14,7 @@ files are written, before it is published.
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
     layers = run.staging / _LAYERS_DIR
     walk = SmoothingWalk(eligible=set(eligible_paths(run.report)), directory=layers,
                          dtype=run.resolved.checkpoint.dtype)
+    started = time.perf_counter()
     try:
         calibrate_layer_by_layer(run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, [],
                                  on_layer=lambda done, total: run.sink.progress(done, total, Unit.LAYER,
@@ -82,6 +84,7 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
     except SequentialUnsupported as exc:
         raise RequestError(f"nvfp4_smoothing awq runs in the layer-sequential walk, which stopped: {exc}; use "
                            "nvfp4_smoothing none for this model", field=_FIELD) from exc
+    searched = time.perf_counter()
     if walk.changed:  # else no mapping was worth smoothing: the source is the smoothed model, with no copy
         directory = run.staging / SMOOTHED_SOURCE_DIR
         run.sink.progress(0, 1, Unit.STEP, step=SMOOTHING_STEPS[1])
@@ -89,14 +92,16 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
         shutil.rmtree(layers, ignore_errors=True)
         _use_as_source(run, directory)
     _start_weight_copy(run)
+    seconds = {"search": round(searched - started, 3), "copy": round(time.perf_counter() - searched, 3)}
     results = [record["result"].partition(":")[0] for record in walk.records]
     return {"method": method.value, "applied": True, "exports": w4a4,
             "mappings": {result: results.count(result) for result in ("smoothed", "kept", "skipped")},
-            "changed_tensors": len(walk.changed), "layers": walk.records,
+            "changed_tensors": len(walk.changed), "seconds": seconds, "layers": walk.records,
             "definition": "per mapping (what feeds a Linear group, the group), AWQ's ratio search over the "
                           "calibration inputs; error: the group's summed squared W4A4 output error on a sample of "
                           "them without smoothing, smoothed_error: with the chosen scales; output_change: how much "
-                          "the fold moved the layer's output on a calibration step (relative RMS)"}
+                          "the fold moved the layer's output on a calibration step (relative RMS); seconds: the "
+                          "search's layer walk and the smoothed copy's write"}
 
 
 def remove_smoothed_source(staging: Path) -> None:

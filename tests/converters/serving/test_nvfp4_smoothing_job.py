@@ -105,6 +105,7 @@ def test_the_report_names_each_mapping_and_the_chosen_scales_lower_the_error(job
     v_to_o = records[(1, "v_proj")]["result"]
     assert v_to_o.startswith(("smoothed", "kept")) if mha else "grouped-query attention" in v_to_o
     counts = block["mappings"]
+    assert block["seconds"]["search"] > 0 and block["seconds"]["copy"] > 0
     assert sum(counts.values()) == len(block["layers"]) == 8 and counts["smoothed"] >= 3
     assert any("the job converts the smoothed model" in warning for warning in report["warnings"])
     from service.cli.render import format_quality, format_serving_exports
