@@ -26,7 +26,7 @@ from torch import nn
 from converters.calibration.sequential import LayerPass
 from converters.serving.nvfp4_smoothing import RATIO_STEPS, fold_scales, search_smoothing
 
-__all__ = ["FOLD_TOLERANCE", "MAPPINGS", "SAMPLE_ROWS", "SmoothingWalk", "layer_file"]
+__all__ = ["FOLD_TOLERANCE", "MAPPINGS", "SAMPLE_ROWS", "SmoothingWalk"]
 
 #: (what feeds the group, the group) inside one decoder layer, as AWQ maps a Llama-style layer
 MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -37,7 +37,7 @@ SAMPLE_ROWS = 2048  #: calibration token rows each mapping's error is measured o
 FOLD_TOLERANCE = 0.02  #: the most a fold may move the layer's output (relative RMS) before it is undone
 
 
-def layer_file(directory: Path, index: int) -> Path:
+def _layer_file(directory: Path, index: int) -> Path:
     """Where the walk writes layer ``index``'s changed tensors (model parameter names)."""
     return directory / f"layer-{index}.safetensors"
 
@@ -48,7 +48,7 @@ class SmoothingWalk:
 
     ``eligible``: the model paths of the Linears the job converts; ``dtype``: the checkpoint's. ``records``
     collects one entry per mapping found (smoothed, kept or skipped, with why and the errors); ``changed`` every
-    tensor name written.
+    tensor written, by model name, with the file that holds it.
     """
 
     eligible: set[str]
@@ -57,13 +57,13 @@ class SmoothingWalk:
     steps: int = RATIO_STEPS
     rows: int = SAMPLE_ROWS
     records: list[dict[str, Any]] = field(default_factory=list)
-    changed: list[str] = field(default_factory=list)
+    changed: dict[str, Path] = field(default_factory=dict)
 
     def __call__(self, layer_pass: LayerPass) -> None:
         layer, prefix = layer_pass.layer, layer_pass.path
         found = [(feeder, group) for feeder, group in MAPPINGS
-                 if _has(layer, feeder) and all(isinstance(_get(layer, name), nn.Linear) for name in group
-                                                if _has(layer, name)) and all(_has(layer, name) for name in group)]
+                 if _find(layer, feeder) is not None and all(isinstance(_find(layer, name), nn.Linear)
+                                                             for name in group)]
         wanted = []
         for feeder, group in found:
             record = {"layer": layer_pass.index, "feeder": f"{prefix}.{feeder}",
@@ -77,14 +77,15 @@ class SmoothingWalk:
             return
         samples = self._inputs(layer_pass, [group[0] for _, group, _ in wanted])
         changed: dict[str, torch.Tensor] = {}
+        output = None  # the layer's output on step 0 as its weights stand (computed once a fold needs it)
         with torch.no_grad():
             for feeder, group, record in wanted:
-                self._smooth(layer_pass, feeder, group, samples[group[0]], record, changed)
+                output = self._smooth(layer_pass, feeder, group, samples[group[0]], record, changed, output)
         if changed:
             self.directory.mkdir(parents=True, exist_ok=True)
-            save_file({f"{prefix}.{name}": tensor.contiguous() for name, tensor in changed.items()},
-                      str(layer_file(self.directory, layer_pass.index)))
-            self.changed += [f"{prefix}.{name}" for name in changed]
+            file = _layer_file(self.directory, layer_pass.index)
+            save_file({f"{prefix}.{name}": tensor.contiguous() for name, tensor in changed.items()}, str(file))
+            self.changed.update(dict.fromkeys((f"{prefix}.{name}" for name in changed), file))
 
     def _inputs(self, layer_pass: LayerPass, names: list[str]) -> dict[str, torch.Tensor]:
         """A seeded sample of each named Linear's input rows over the layer's calibration steps (fp32)."""
@@ -92,21 +93,17 @@ class SmoothingWalk:
         per_step = math.ceil(self.rows / max(steps, 1))
         generator = torch.Generator().manual_seed(layer_pass.index)
         taken: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-        picks: dict[str, torch.Tensor] = {}
 
         def hook(name: str):
-            def take(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            def take(_module: nn.Module, args: tuple[Any, ...]) -> None:  # once per step: rows drawn for this call
                 x = args[0].detach().reshape(-1, args[0].shape[-1])
-                if name not in picks:  # the same rows for every Linear of a step
-                    picks[name] = torch.randperm(x.shape[0], generator=generator)[:per_step]
-                taken[name].append(x[picks[name].clamp(max=x.shape[0] - 1)].float())
+                taken[name].append(x[torch.randperm(x.shape[0], generator=generator)[:per_step]].float())
             return take
 
-        handles = [_get(layer_pass.layer, name).register_forward_pre_hook(hook(name)) for name in names]
+        handles = [layer_pass.layer.get_submodule(name).register_forward_pre_hook(hook(name)) for name in names]
         try:
             with torch.no_grad():
                 for step in range(steps):
-                    picks.clear()
                     layer_pass.call(layer_pass.layer, step)
         finally:
             for handle in handles:
@@ -114,26 +111,30 @@ class SmoothingWalk:
         return {name: torch.cat(rows) for name, rows in taken.items()}
 
     def _smooth(self, layer_pass: LayerPass, feeder: str, group: tuple[str, ...], x: torch.Tensor,
-                record: dict[str, Any], changed: dict[str, torch.Tensor]) -> None:
-        """One mapping: search, fold, check the layer's output, keep or undo; the record says which and why."""
+                record: dict[str, Any], changed: dict[str, torch.Tensor], before: torch.Tensor | None
+                ) -> torch.Tensor | None:
+        """One mapping: search, fold, check the layer's output, keep or undo; the record says which and why.
+        ``before``: the layer's output on step 0 as it stands (None: not computed yet); returns it as it stands
+        after."""
         layer = layer_pass.layer
-        feeder_module = _get(layer, feeder)
-        linears = [_get(layer, name) for name in group]
+        feeder_module = layer.get_submodule(feeder)
+        linears = [layer.get_submodule(name) for name in group]
         if feeder_module.weight.shape[0] != x.shape[1]:
             record["result"] = (f"skipped: {feeder} gives {feeder_module.weight.shape[0]} channels and the group "
                                 f"takes {x.shape[1]} (grouped-query attention)")
-            return
+            return before
         if feeder_module.weight.dim() == 1 and not _scales_outputs(feeder_module):
             record["result"] = (f"skipped: {type(feeder_module).__name__} does not scale its output by its weight "
                                 "(e.g. Gemma's 1 + weight), so no scale folds into it")
-            return
+            return before
         choice = search_smoothing([linear.weight.data.to(self.dtype) for linear in linears], x, steps=self.steps)
         record.update(error=choice.plain_error, smoothed_error=choice.error,
                       relative_error=round(choice.relative_error, 4))
         if choice.scales is None:
             record["result"] = "kept: no ratio lowers the W4A4 output error"
-            return
-        before = layer_pass.call(layer, 0)
+            return before
+        if before is None:
+            before = layer_pass.call(layer, 0)
         originals = {name: module.weight.data for name, module in [(feeder, feeder_module),
                                                                  *zip(group, linears, strict=True)]}
         bias = getattr(feeder_module, "bias", None)
@@ -149,34 +150,31 @@ class SmoothingWalk:
         moved = float((after.float() - before.float()).norm() / before.float().norm().clamp(min=1e-30))
         if not math.isfinite(moved) or moved > FOLD_TOLERANCE:
             for name, weight in originals.items():
-                _get(layer, name).weight.data = weight
+                layer.get_submodule(name).weight.data = weight
             if bias is not None:
                 bias.data = original_bias
             record["result"] = (f"skipped: folding moved the layer's output by {moved:.2%} (more than "
                                 f"{FOLD_TOLERANCE:.0%}): this layer does not compute what the fold assumes")
-            return
+            return before
         record.update(result="smoothed", ratio=choice.ratio, output_change=round(moved, 6),
                       scale_range=[round(float(choice.scales.min()), 4), round(float(choice.scales.max()), 4)])
         for name in (feeder, *group):
-            changed[f"{name}.weight"] = _get(layer, name).weight.data.to(self.dtype, copy=True)
+            changed[f"{name}.weight"] = layer.get_submodule(name).weight.data.to(self.dtype, copy=True)
         if bias is not None:
             changed[f"{feeder}.bias"] = bias.data.to(self.dtype, copy=True)
+        return after
 
     def _rounded(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` rounded to the checkpoint's dtype, kept in its own (what the smoothed checkpoint will hold)."""
         return tensor.to(self.dtype).to(tensor.dtype)
 
 
-def _has(module: nn.Module, name: str) -> bool:
+def _find(module: nn.Module, name: str) -> nn.Module | None:
+    """The submodule ``name`` of ``module``, or None where it has none."""
     try:
-        module.get_submodule(name)
+        return module.get_submodule(name)
     except AttributeError:
-        return False
-    return True
-
-
-def _get(module: nn.Module, name: str) -> nn.Module:
-    return module.get_submodule(name)
+        return None
 
 
 def _scales_outputs(norm: nn.Module) -> bool:

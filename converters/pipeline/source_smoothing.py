@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from converters.analysis.eligibility import eligible_paths
 from converters.calibration.sequential import LAYER_SEQUENTIAL, SequentialUnsupported, calibrate_layer_by_layer
-from converters.calibration.smoothing_walk import SmoothingWalk, layer_file
+from converters.calibration.smoothing_walk import SmoothingWalk
 from converters.errors import RequestError
 from converters.model.checkpoint import Checkpoint, weight_files
 from converters.model.safetensors_stream import read_tensor_index
@@ -88,7 +88,7 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
     if walk.changed:  # else no mapping was worth smoothing: the source is the smoothed model, with no copy
         directory = run.staging / SMOOTHED_SOURCE_DIR
         run.sink.progress(0, 1, Unit.STEP, step=SMOOTHING_STEPS[1])
-        _write_smoothed_copy(run, walk, layers, directory)
+        _write_smoothed_copy(run, walk, directory)
         shutil.rmtree(layers, ignore_errors=True)
         _use_as_source(run, directory)
     _start_weight_copy(run)
@@ -144,14 +144,13 @@ def _check_job(run: Run) -> None:
                            "original, or use nvfp4_smoothing none", field=_FIELD)
 
 
-def _write_smoothed_copy(run: Run, walk: SmoothingWalk, layers: Path, directory: Path) -> None:
+def _write_smoothed_copy(run: Run, walk: SmoothingWalk, directory: Path) -> None:
     """The source's weight files rewritten into ``directory``: the walk's tensors in place of the source's (same
     names, dtypes and shapes), every other tensor copied as bytes; then config, index and tokenizer files."""
     directory.mkdir()
     checkpoint = run.resolved.checkpoint
     #: on-disk name -> (the walk's file, the tensor's model name in it)
-    changed = {checkpoint.on_disk_name(name) or name: (layer_file(layers, _layer_index(run, name)), name)
-               for name in walk.changed}
+    changed = {checkpoint.on_disk_name(name) or name: (file, name) for name, file in walk.changed.items()}
     shards = []
     for path in weight_files(run.resolved.directory):
         tensors, metadata = read_tensor_index(path)
@@ -161,13 +160,6 @@ def _write_smoothed_copy(run: Run, walk: SmoothingWalk, layers: Path, directory:
         shards.append(write_shard(directory / path.name, steps, metadata, check_stop=run.check_stop))
     finish_checkpoint(run.resolved.directory, directory, shards, quantization_config=REMOVE,
                       confinement=confinement_for(run.sources))
-
-
-def _layer_index(run: Run, name: str) -> int:
-    index = run.resolved.stack.index_of(name)
-    if index is None:
-        raise AssertionError(f"smoothing changed {name}, which is in no decoder layer")
-    return index
 
 
 def _read_changed(file: Path, model_name: str) -> Any:

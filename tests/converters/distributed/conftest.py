@@ -77,6 +77,12 @@ class Job:
         path.write_text(json.dumps(request), encoding="utf-8")
         return Job(root=self.root, request=path, zygote=self.zygote)
 
+    def with_serving(self, name: str, recipe: dict, formats: list[str]) -> Job:
+        """This job's model and calibration with ``recipe`` and the serving ``formats`` (request in ``root/name``)."""
+        request = json.loads(self.request.read_text())
+        request["recipe"], request["serving_formats"] = recipe, formats
+        return self.with_request(name, request)
+
     def killed_after_layer_1(self, out: Path, record: Path, *, rank_args: dict[int, list[str]] | None = None,
                              timeout: float = 600) -> None:
         """Two ranks of the job, rank 1 killed with SIGKILL once layer 1 is recorded in ``record``

@@ -22,10 +22,8 @@ FAMILY = "compressed-tensors-nvfp4"  #: the nvfp4 export's rounding family
 @pytest.fixture(scope="module")
 def gptq_job(job) -> Job:
     """The package's model and calibration with an nvfp4 export rounded by GPTQ."""
-    request = json.loads(job.request.read_text())
-    request["recipe"] = {"backend": "ao", "nvfp4_weight_scales": "four_over_six", "nvfp4_weight_rounding": "gptq"}
-    request["serving_formats"] = ["nvfp4"]
-    return job.with_request("gptq-request.json", request)
+    return job.with_serving("gptq-request.json", {"backend": "ao", "nvfp4_weight_scales": "four_over_six",
+                                                  "nvfp4_weight_rounding": "gptq"}, ["nvfp4"])
 
 
 def test_a_killed_gptq_job_resumes_on_other_ranks_and_publishes_the_one_process_export(gptq_job):

@@ -19,10 +19,7 @@ FILES = ("model.safetensors", "serving/nvfp4/model.safetensors")
 @pytest.fixture(scope="module")
 def smoothing_job(job) -> Job:
     """The package's model and calibration with an nvfp4 export of the smoothed model."""
-    request = json.loads(job.request.read_text())
-    request["recipe"] = {"backend": "ao", "nvfp4_smoothing": "awq"}
-    request["serving_formats"] = ["nvfp4"]
-    return job.with_request("smoothing-request.json", request)
+    return job.with_serving("smoothing-request.json", {"backend": "ao", "nvfp4_smoothing": "awq"}, ["nvfp4"])
 
 
 def test_a_killed_one_rank_job_smooths_again_resumes_and_publishes_the_one_process_bytes(smoothing_job):

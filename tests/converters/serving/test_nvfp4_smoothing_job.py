@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors.torch import load_file
 
 from converters.calibration.smoothing_walk import FOLD_TOLERANCE, _scales_outputs
 from converters.errors import RequestError
@@ -27,11 +27,6 @@ from tests.converters.serving.exports import export
 
 RECIPE = {"backend": "ao", "nvfp4_smoothing": "awq"}
 FORMATS = ("nvfp4", "compressed-tensors-fp8")
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(path, "pt") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}
 
 
 class _Progress(NullSink):
@@ -70,14 +65,14 @@ def _logits(directory: Path, weights: Path, ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
-    model.load_state_dict({name: tensor.float() for name, tensor in _tensors(weights).items()})
+    model.load_state_dict({name: tensor.float() for name, tensor in load_file(weights).items()})
     with torch.no_grad():
         return model.eval()(ids).logits
 
 
 def test_the_artifact_is_the_smoothed_model_and_computes_the_source_function(job):
     model_dir, out, report, _ = job
-    source, smoothed = _tensors(model_dir / "model.safetensors"), _tensors(out / "model.safetensors")
+    source, smoothed = load_file(model_dir / "model.safetensors"), load_file(out / "model.safetensors")
     block = report["calibration"]["nvfp4_smoothing"]
     changed = {name for name in source if not torch.equal(source[name], smoothed[name])}
     assert block["applied"] and block["changed_tensors"] == len(changed) > 0
@@ -118,7 +113,7 @@ def test_the_report_names_each_mapping_and_the_chosen_scales_lower_the_error(job
 
 def test_the_nvfp4_export_carries_the_smoothed_norms_and_no_copy_reaches_the_artifact(job):
     model_dir, out, _, _ = job
-    smoothed, served = _tensors(out / "model.safetensors"), _tensors(out / "serving" / "nvfp4" / "model.safetensors")
+    smoothed, served = load_file(out / "model.safetensors"), load_file(out / "serving" / "nvfp4" / "model.safetensors")
     norms = [name for name in smoothed if name.endswith("norm.weight")]
     assert all(torch.equal(served[name], smoothed[name]) for name in norms)
     assert not any(SMOOTHED_SOURCE_DIR in str(path) or "smoothing-layers" in str(path) for path in out.rglob("*"))
