@@ -141,6 +141,10 @@ class LayerPass:
     #: inputs, ``inputs[step]``), so a callback may also run the layer on another stream of hidden states
     call: Callable[..., Any] = field(repr=False)
     inputs: list[torch.Tensor] = field(default_factory=list, repr=False)  #: its hidden-state input per step
+    #: the job's step number of each of ``inputs`` (a rank of a data-parallel job runs a share of them), and how many
+    #: steps the job has; empty: ``inputs`` are the job's steps 0, 1, ...
+    steps: list[int] = field(default_factory=list)
+    total_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -345,6 +349,7 @@ def _calibrate_layer(model: nn.Module, stack: LayerStack, checkpoint: Checkpoint
         linear_paths = [path for path in paths if parse_unit_path(path) is None]  # experts are not swapped there
         after_layer(LayerPass(index=index, path=layer_path, layer=layer, linear_paths=linear_paths,
                               amax=recorder.results(), outputs=outputs, inputs=inputs,
+                              steps=list(passes.global_steps), total_steps=passes.total_steps,
                               call=lambda module, step, hidden=None: passes.call(
                                   module, index, step, inputs[step] if hidden is None else hidden)))
     if boundary is not None:  # after after_layer: a resume record of the layer holds what that did (GPTQ's stream)

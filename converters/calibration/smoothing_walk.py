@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_a
             ("self_attn.v_proj", ("self_attn.o_proj",)))
 SAMPLE_ROWS = 2048  #: calibration token rows each mapping's error is measured on (spread over the steps, seeded)
 FOLD_TOLERANCE = 0.02  #: the most a fold may move the layer's output (relative RMS) before it is undone
+_SEED_STRIDE = 1_000_003  #: a step's draw in layer i is seeded i * stride + step (steps are fewer than this)
 
 
 def _layer_file(directory: Path, index: int) -> Path:
@@ -49,15 +51,21 @@ class SmoothingWalk:
     ``eligible``: the model paths of the Linears the job converts; ``dtype``: the checkpoint's. ``records``
     collects one entry per mapping found (smoothed, kept or skipped, with why and the errors); ``changed`` every
     tensor written, by model name, with the file that holds it.
+
+    ``rows_to_leader``: on a rank of a data-parallel job, which walks its share of the steps, what hands each Linear's
+    sampled rows to rank 0 (every rank's, in step order) and returns them there, None on the others: rank 0 alone
+    searches, folds and writes, from the rows the one-process walk samples (each step's draw is seeded by the layer
+    and the step, so it does not depend on which process ran the step).
     """
 
     eligible: set[str]
-    directory: Path
+    directory: Path | None  #: None: a rank that hands its rows to rank 0 (``rows_to_leader``) and writes nothing
     dtype: torch.dtype  #: the checkpoint's: folded tensors are rounded to it (the layer may run upcast)
     steps: int = RATIO_STEPS
     rows: int = SAMPLE_ROWS
     records: list[dict[str, Any]] = field(default_factory=list)
     changed: dict[str, Path] = field(default_factory=dict)
+    rows_to_leader: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor] | None] | None = None
 
     def __call__(self, layer_pass: LayerPass) -> None:
         layer, prefix = layer_pass.layer, layer_pass.path
@@ -76,6 +84,10 @@ class SmoothingWalk:
         if not wanted:
             return
         samples = self._inputs(layer_pass, [group[0] for _, group, _ in wanted])
+        if self.rows_to_leader is not None:
+            samples = self.rows_to_leader(samples)
+            if samples is None:  # not rank 0: the search, the fold and the files are rank 0's
+                return
         changed: dict[str, torch.Tensor] = {}
         output = None  # the layer's output on step 0 as its weights stand (computed once a fold needs it)
         with torch.no_grad():
@@ -89,22 +101,24 @@ class SmoothingWalk:
 
     def _inputs(self, layer_pass: LayerPass, names: list[str]) -> dict[str, torch.Tensor]:
         """A seeded sample of each named Linear's input rows over the layer's calibration steps (fp32)."""
-        steps = len(layer_pass.inputs)
-        per_step = math.ceil(self.rows / max(steps, 1))
-        generator = torch.Generator().manual_seed(layer_pass.index)
+        steps = layer_pass.steps or list(range(len(layer_pass.inputs)))
+        per_step = math.ceil(self.rows / max(layer_pass.total_steps or len(steps), 1))
         taken: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+        current = [0]  # the job's number of the step being run
 
         def hook(name: str):
             def take(_module: nn.Module, args: tuple[Any, ...]) -> None:  # once per step: rows drawn for this call
                 x = args[0].detach().reshape(-1, args[0].shape[-1])
+                generator = torch.Generator().manual_seed(layer_pass.index * _SEED_STRIDE + current[0])
                 taken[name].append(x[torch.randperm(x.shape[0], generator=generator)[:per_step]].float())
             return take
 
         handles = [layer_pass.layer.get_submodule(name).register_forward_pre_hook(hook(name)) for name in names]
         try:
             with torch.no_grad():
-                for step in range(steps):
-                    layer_pass.call(layer_pass.layer, step)
+                for local, step in enumerate(steps):
+                    current[0] = step
+                    layer_pass.call(layer_pass.layer, local)
         finally:
             for handle in handles:
                 handle.remove()

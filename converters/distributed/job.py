@@ -9,11 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from converters.calibration.sequential import LayerStack
 from converters.distributed.layer_walk import RankedLayerWalk
 from converters.distributed.quality import QualityRun, quality_share
-from converters.distributed.ranks import RankInfo
+from converters.distributed.ranks import RankInfo, every_rank, from_leader, gather_at_leader
 from converters.distributed.resume import ResumeStore, fingerprint
+from converters.errors import Fp8ForgeError
 from converters.model.checkpoint import weight_files
 from converters.quality.ranks import QualityShare
 
@@ -44,6 +47,39 @@ class DistributedJob:
         job = fingerprint([dict(request), files, stack.path, stack.count, paths, *tokens])
         store = ResumeStore(self.resume_dir, job) if self.resume_dir is not None else None
         return RankedLayerWalk(self.info, store, stack.path, kv=kv, meter=meter, rounding=rounding)
+
+    def step_share(self, stack_path: str) -> RankedLayerWalk:
+        """A walk over this rank's share of the calibration steps that reduces and records nothing (the smoothing
+        search's walk, before calibration: its rows go to rank 0, :meth:`rows_to_leader`)."""
+        return RankedLayerWalk(self.info, None, stack_path)
+
+    def rows_to_leader(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Every rank's sampled rows per Linear, concatenated in rank order (the job's step order) on rank 0, on
+        the device rank 0's came from; None on the others."""
+        gathered = gather_at_leader(self.info, {name: value.cpu() for name, value in rows.items()})
+        if gathered is None:
+            return None
+        return {name: torch.cat([part[name] for part in gathered]).to(value.device) for name, value in rows.items()}
+
+    def leaders_directory(self, directory: Path | None, *, what: str, instead: str) -> Path | None:
+        """Rank 0's ``directory`` (None: it has none), on every rank, once every rank has checked it can read it: the
+        ranks share what rank 0 writes through storage every host reaches, as they share the resume record.
+
+        Raises:
+            Fp8ForgeError: on every rank, when one cannot read it (naming the ranks; ``what`` names the directory,
+                ``instead`` the way out besides shared storage).
+        """
+        shared = from_leader(self.info, None if directory is None else str(directory))
+        if shared is None:
+            return None
+        path = Path(shared)
+        readable = every_rank(self.info, (path / "config.json").is_file() and any(path.glob("*.safetensors")))
+        unable = [str(rank) for rank, ok in enumerate(readable) if not ok]
+        if unable:
+            raise Fp8ForgeError(f"rank(s) {', '.join(unable)} cannot read {what} that rank 0 wrote at {path}: the "
+                                "ranks of a job share it, as they share the resume record, through storage every host "
+                                f"reaches; write the job's output (--out) there, or {instead}")
+        return path
 
     def quality_share(self, run: QualityRun, staging: Path) -> QualityShare:
         """This rank's share of the quality pass about to run on ``staging``'s exports (rank 0 tells the others

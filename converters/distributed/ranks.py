@@ -11,10 +11,12 @@ import datetime
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from converters.errors import Fp8ForgeError
 
-__all__ = ["RANK_VARIABLES", "RankInfo", "rank_from_environment", "steps_of_rank", "start_group", "end_group"]
+__all__ = ["RANK_VARIABLES", "RankInfo", "end_group", "every_rank", "from_leader", "gather_at_leader",
+           "rank_from_environment", "start_group", "steps_of_rank"]
 
 #: the variables a launcher sets for every rank (MASTER_ADDR/MASTER_PORT: where rank 0 listens for the others)
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -114,3 +116,36 @@ def end_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gather_at_leader(info: RankInfo, item: Any) -> list[Any] | None:
+    """Every rank's ``item`` (picklable; tensors on the CPU) in rank order on rank 0, None on the others."""
+    if info.world_size == 1:
+        return [item]
+    import torch.distributed as dist
+
+    gathered: list[Any] | None = [None] * info.world_size if info.leader else None
+    dist.gather_object(item, gathered, dst=0)
+    return gathered
+
+
+def every_rank(info: RankInfo, item: Any) -> list[Any]:
+    """Every rank's ``item`` in rank order, on every rank."""
+    if info.world_size == 1:
+        return [item]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * info.world_size
+    dist.all_gather_object(gathered, item)
+    return gathered
+
+
+def from_leader(info: RankInfo, item: Any) -> Any:
+    """Rank 0's ``item``, on every rank (the others' ``item`` is ignored)."""
+    if info.world_size == 1:
+        return item
+    import torch.distributed as dist
+
+    box = [item]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

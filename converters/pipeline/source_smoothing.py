@@ -8,7 +8,8 @@ through as bytes, and the run's source becomes that copy: calibration, GPTQ, eve
 weights, the quality pass and the audit read it. The smoothed model computes the source's function to the dtype's
 rounding (each fold is checked on the layer's output), so nothing downstream needs to know; the report's
 ``nvfp4_smoothing`` block says what was smoothed, kept or skipped and why. The copy is removed once the artifact's
-files are written, before it is published.
+files are written, before it is published. On the ranks of a data-parallel job each rank walks its share of the
+steps and rank 0 searches on every rank's rows, writes the copy, and all ranks calibrate on it (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
     one with a staging directory) runs from it.
 
     Raises:
-        RequestError: smoothing asked of a job that cannot run it (whole-model calibration, several ranks, a
-            source stored quantized).
+        RequestError: smoothing asked of a job that cannot run it (whole-model calibration, a source stored
+            quantized).
+        Fp8ForgeError: on every rank of a data-parallel job, when one cannot read rank 0's smoothed copy.
     """
     if not smooths_source(run.recipe):
         return None
@@ -65,32 +67,44 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
         return _not_applied(run, "nvfp4_smoothing awq applies to the NVFP4 W4A4 serving exports (nvfp4, "
                                  "modelopt-nvfp4), and the request asks for none: the source is converted as it is")
     _check_job(run)
-    if run.staging is None:  # a calibrated analysis: nothing is written, so nothing is smoothed
+    ranks = run.distributed.info if run.distributed is not None and run.distributed.info.world_size > 1 else None
+    leader = ranks is None or ranks.leader
+    if run.staging is None and leader:  # a calibrated analysis: nothing is written, so nothing is smoothed
         return _not_applied(run, "nvfp4_smoothing awq runs in conversion jobs: this analysis measured the source as "
                                  "it is, not the smoothed model a job would convert")
     others = [name for name in run.serving if name not in w4a4]
-    run.warn("nvfp4_smoothing awq: the job converts the smoothed model (the same function to the dtype's "
-             "rounding), so the training artifact" + (f" and the {', '.join(others)} export(s)" if others else "")
-             + " hold its weights too")
-    layers = run.staging / _LAYERS_DIR
+    if leader:
+        run.warn("nvfp4_smoothing awq: the job converts the smoothed model (the same function to the dtype's "
+                 "rounding), so the training artifact" + (f" and the {', '.join(others)} export(s)" if others else "")
+                 + " hold its weights too")
+    layers = run.staging / _LAYERS_DIR if leader else None
     walk = SmoothingWalk(eligible=set(eligible_paths(run.report)), directory=layers,
-                         dtype=run.resolved.checkpoint.dtype)
+                         dtype=run.resolved.checkpoint.dtype,
+                         rows_to_leader=run.distributed.rows_to_leader if ranks is not None else None)
     started = time.perf_counter()
     try:
         calibrate_layer_by_layer(run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, [],
                                  on_layer=lambda done, total: run.sink.progress(done, total, Unit.LAYER,
                                                                                 step=SMOOTHING_STEPS[0]),
-                                 should_stop=run.sink.should_stop, after_layer=walk)
+                                 should_stop=run.sink.should_stop, after_layer=walk,
+                                 boundary=run.distributed.step_share(run.resolved.stack.path) if ranks else None)
     except SequentialUnsupported as exc:
         raise RequestError(f"nvfp4_smoothing awq runs in the layer-sequential walk, which stopped: {exc}; use "
                            "nvfp4_smoothing none for this model", field=_FIELD) from exc
     searched = time.perf_counter()
-    if walk.changed:  # else no mapping was worth smoothing: the source is the smoothed model, with no copy
+    directory = None  # the smoothed copy; None: no mapping was worth smoothing, and the source is the smoothed model
+    if walk.changed:
         directory = run.staging / SMOOTHED_SOURCE_DIR
         run.sink.progress(0, 1, Unit.STEP, step=SMOOTHING_STEPS[1])
         _write_smoothed_copy(run, walk, directory)
         shutil.rmtree(layers, ignore_errors=True)
+    if ranks is not None:  # the ranks calibrate on rank 0's copy (a restart searches again: the same rows, scales)
+        directory = run.distributed.leaders_directory(directory, what="the smoothed copy of the source",
+                                                      instead="use nvfp4_smoothing none")
+    if directory is not None:
         _use_as_source(run, directory)
+    if not leader:  # the report is rank 0's
+        return {"method": method.value, "applied": True}
     _start_weight_copy(run)
     seconds = {"search": round(searched - started, 3), "copy": round(time.perf_counter() - searched, 3)}
     results = [record["result"].partition(":")[0] for record in walk.records]
@@ -132,12 +146,6 @@ def _check_job(run: Run) -> None:
         raise RequestError(f"nvfp4_smoothing awq searches each decoder layer during a layer-sequential walk, and "
                            f"this job calibrates the whole model ({run.resolved.mode_reason}): use nvfp4_smoothing "
                            "none for this model", field=_FIELD)
-    if run.distributed is not None and run.distributed.info.world_size > 1:
-        # one rank of one with a resume record searches as a plain job does; a restart searches again (the same
-        # scales: the same inputs and code) and resumes calibration on the copy, whose files the record's fingerprint
-        # names as it names the source's (same names, dtypes and shapes)
-        raise RequestError("nvfp4_smoothing awq is not available to jobs on several ranks yet: run the job on one "
-                           "rank (a resumable one-rank job smooths), or use nvfp4_smoothing none", field=_FIELD)
     if run.resolved.checkpoint.stored is not None:
         raise RequestError("nvfp4_smoothing awq smooths a high-precision source, and this one is stored quantized "
                            f"({run.resolved.checkpoint.stored.quantization.describe()}): convert its high-precision "
