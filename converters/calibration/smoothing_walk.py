@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from converters.calibration.sequential import LayerPass
-from converters.serving.nvfp4_smoothing import RATIO_STEPS, fold_scales, search_smoothing
+from converters.serving.nvfp4_smoothing import RATIO_STEPS, SearchShare, fold_scales, search_smoothing
 
-__all__ = ["FOLD_TOLERANCE", "MAPPINGS", "SAMPLE_ROWS", "SmoothingWalk"]
+__all__ = ["FOLD_TOLERANCE", "MAPPINGS", "SAMPLE_ROWS", "RankShare", "SmoothingWalk"]
 
 #: (what feeds the group, the group) inside one decoder layer, as AWQ maps a Llama-style layer
 MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -37,6 +37,18 @@ MAPPINGS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_a
 SAMPLE_ROWS = 2048  #: calibration token rows each mapping's error is measured on (spread over the steps, seeded)
 FOLD_TOLERANCE = 0.02  #: the most a fold may move the layer's output (relative RMS) before it is undone
 _SEED_STRIDE = 1_000_003  #: a step's draw in layer i is seeded i * stride + step (steps are fewer than this)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """How the ranks of a data-parallel job share the walk (:mod:`converters.distributed` builds it): ``rows`` gives
+    every rank each Linear's sampled rows of every rank (concatenated in rank order, the job's step order: the rows
+    the one-process walk samples, each step's draw being seeded by the layer and the step), ``search`` splits each
+    mapping's candidates among the ranks, and rank 0 (``leader``) alone folds, checks and writes."""
+
+    leader: bool
+    rows: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    search: SearchShare
 
 
 def _layer_file(directory: Path, index: int) -> Path:
@@ -52,20 +64,18 @@ class SmoothingWalk:
     collects one entry per mapping found (smoothed, kept or skipped, with why and the errors); ``changed`` every
     tensor written, by model name, with the file that holds it.
 
-    ``rows_to_leader``: on a rank of a data-parallel job, which walks its share of the steps, what hands each Linear's
-    sampled rows to rank 0 (every rank's, in step order) and returns them there, None on the others: rank 0 alone
-    searches, folds and writes, from the rows the one-process walk samples (each step's draw is seeded by the layer
-    and the step, so it does not depend on which process ran the step).
+    ``share``: on a rank of a data-parallel job, which walks its share of the steps, how the ranks share the rest
+    (:class:`RankShare`).
     """
 
     eligible: set[str]
-    directory: Path | None  #: None: a rank that hands its rows to rank 0 (``rows_to_leader``) and writes nothing
+    directory: Path | None  #: None: a rank other than rank 0 (``share``), which writes nothing
     dtype: torch.dtype  #: the checkpoint's: folded tensors are rounded to it (the layer may run upcast)
     steps: int = RATIO_STEPS
     rows: int = SAMPLE_ROWS
     records: list[dict[str, Any]] = field(default_factory=list)
     changed: dict[str, Path] = field(default_factory=dict)
-    rows_to_leader: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor] | None] | None = None
+    share: RankShare | None = None
 
     def __call__(self, layer_pass: LayerPass) -> None:
         layer, prefix = layer_pass.layer, layer_pass.path
@@ -84,10 +94,8 @@ class SmoothingWalk:
         if not wanted:
             return
         samples = self._inputs(layer_pass, [group[0] for _, group, _ in wanted])
-        if self.rows_to_leader is not None:
-            samples = self.rows_to_leader(samples)
-            if samples is None:  # not rank 0: the search, the fold and the files are rank 0's
-                return
+        if self.share is not None:
+            samples = self.share.rows(samples)
         changed: dict[str, torch.Tensor] = {}
         output = None  # the layer's output on step 0 as its weights stand (computed once a fold needs it)
         with torch.no_grad():
@@ -141,7 +149,12 @@ class SmoothingWalk:
             record["result"] = (f"skipped: {type(feeder_module).__name__} does not scale its output by its weight "
                                 "(e.g. Gemma's 1 + weight), so no scale folds into it")
             return before
-        choice = search_smoothing([linear.weight.data.to(self.dtype) for linear in linears], x, steps=self.steps)
+        choice = search_smoothing([linear.weight.data.to(self.dtype) for linear in linears], x, steps=self.steps,
+                                  share=self.share.search if self.share is not None else None)
+        if self.share is not None and not self.share.leader:
+            # rank 0 folds and writes; this rank's later searches still match its: each group's search reads only
+            # the group's own weights, which no earlier mapping of MAPPINGS changes (a fold changes its feeder)
+            return before
         record.update(error=choice.plain_error, smoothed_error=choice.error,
                       relative_error=round(choice.relative_error, 4))
         if choice.scales is None:

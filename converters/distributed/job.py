@@ -12,13 +12,15 @@ from typing import Any
 import torch
 
 from converters.calibration.sequential import LayerStack
+from converters.calibration.smoothing_walk import RankShare
 from converters.distributed.layer_walk import RankedLayerWalk
 from converters.distributed.quality import QualityRun, quality_share
-from converters.distributed.ranks import RankInfo, every_rank, from_leader, gather_at_leader
+from converters.distributed.ranks import RankInfo, every_rank, from_leader
 from converters.distributed.resume import ResumeStore, fingerprint
 from converters.errors import Fp8ForgeError
 from converters.model.checkpoint import weight_files
 from converters.quality.ranks import QualityShare
+from converters.serving.nvfp4_smoothing import SearchShare
 
 __all__ = ["DistributedJob"]
 
@@ -53,13 +55,18 @@ class DistributedJob:
         search's walk, before calibration: its rows go to rank 0, :meth:`rows_to_leader`)."""
         return RankedLayerWalk(self.info, None, stack_path)
 
-    def rows_to_leader(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Every rank's sampled rows per Linear, concatenated in rank order (the job's step order) on rank 0, on
-        the device rank 0's came from; None on the others."""
-        gathered = gather_at_leader(self.info, {name: value.cpu() for name, value in rows.items()})
-        if gathered is None:
-            return None
-        return {name: torch.cat([part[name] for part in gathered]).to(value.device) for name, value in rows.items()}
+    def smoothing_share(self) -> RankShare:
+        """How this rank shares the smoothing walk: every rank's sampled rows on every rank (in rank order, the job's
+        step order; on the device its own came from), each mapping's candidates scored between the ranks."""
+        def rows(mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            gathered = every_rank(self.info, {name: value.cpu() for name, value in mine.items()})
+            return {name: torch.cat([part[name] for part in gathered]).to(value.device) for name, value in mine.items()}
+
+        def combine(errors: dict[int, float]) -> dict[int, float]:
+            return {k: error for part in every_rank(self.info, errors) for k, error in part.items()}
+
+        return RankShare(leader=self.info.leader, rows=rows,
+                         search=SearchShare(rank=self.info.rank, world_size=self.info.world_size, combine=combine))
 
     def leaders_directory(self, directory: Path | None, *, what: str, instead: str) -> Path | None:
         """Rank 0's ``directory`` (None: it has none), on every rank, once every rank has checked it can read it: the

@@ -15,7 +15,7 @@ from typing import Any
 
 from converters.errors import Fp8ForgeError
 
-__all__ = ["RANK_VARIABLES", "RankInfo", "end_group", "every_rank", "from_leader", "gather_at_leader",
+__all__ = ["RANK_VARIABLES", "RankInfo", "end_group", "every_rank", "from_leader",
            "rank_from_environment", "start_group", "steps_of_rank"]
 
 #: the variables a launcher sets for every rank (MASTER_ADDR/MASTER_PORT: where rank 0 listens for the others)
@@ -116,17 +116,6 @@ def end_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def gather_at_leader(info: RankInfo, item: Any) -> list[Any] | None:
-    """Every rank's ``item`` (picklable; tensors on the CPU) in rank order on rank 0, None on the others."""
-    if info.world_size == 1:
-        return [item]
-    import torch.distributed as dist
-
-    gathered: list[Any] | None = [None] * info.world_size if info.leader else None
-    dist.gather_object(item, gathered, dst=0)
-    return gathered
 
 
 def every_rank(info: RankInfo, item: Any) -> list[Any]:

@@ -9,7 +9,8 @@ weights, the quality pass and the audit read it. The smoothed model computes the
 rounding (each fold is checked on the layer's output), so nothing downstream needs to know; the report's
 ``nvfp4_smoothing`` block says what was smoothed, kept or skipped and why. The copy is removed once the artifact's
 files are written, before it is published. On the ranks of a data-parallel job each rank walks its share of the
-steps and rank 0 searches on every rank's rows, writes the copy, and all ranks calibrate on it (docs/distributed.md).
+steps, the ranks score each mapping's candidates between them on every rank's rows, rank 0 folds and writes the
+copy, and all ranks calibrate on it (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
     layers = run.staging / _LAYERS_DIR if leader else None
     walk = SmoothingWalk(eligible=set(eligible_paths(run.report)), directory=layers,
                          dtype=run.resolved.checkpoint.dtype,
-                         rows_to_leader=run.distributed.rows_to_leader if ranks is not None else None)
+                         share=run.distributed.smoothing_share() if ranks is not None else None)
     started = time.perf_counter()
     try:
         calibrate_layer_by_layer(run.resolved.meta_model, run.resolved.stack, run.resolved.checkpoint, batches, [],

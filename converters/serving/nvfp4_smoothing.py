@@ -20,6 +20,7 @@ measures it on the real SmolLM2 (docs/benchmarks has the figures).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from converters.casts.emulation import cast_spec, fake_quantize
 from converters.serving.nvfp4 import GROUP, quantize_nvfp4
 from converters.serving.nvfp4_search import dequantize_nvfp4
 
-__all__ = ["RATIO_STEPS", "SmoothingChoice", "candidate_scales", "fold_scales", "search_smoothing"]
+__all__ = ["RATIO_STEPS", "SearchShare", "SmoothingChoice", "candidate_scales", "fold_scales", "search_smoothing"]
 
 #: ratios tried: r = k / RATIO_STEPS for k in 0 .. RATIO_STEPS - 1 (AWQ's default grid)
 RATIO_STEPS = 20
@@ -69,13 +70,29 @@ def _w4a4_error(x: torch.Tensor, exact: list[torch.Tensor], weights: list[torch.
                      for reference, w in zip(exact, scaled, strict=True)))
 
 
-def search_smoothing(weights: list[torch.Tensor], x: torch.Tensor, *, steps: int = RATIO_STEPS) -> SmoothingChoice:
+@dataclass(frozen=True)
+class SearchShare:
+    """The ranks of a data-parallel job sharing one search: of the candidates (no scaling, then each ratio) this
+    rank scores every ``world_size``-th from its ``rank``-th, and ``combine`` returns every rank's scores."""
+
+    rank: int
+    world_size: int
+    combine: Callable[[dict[int, float]], dict[int, float]]
+
+
+_PLAIN = -1  #: the candidate "no scaling" among the ratios' indices
+
+
+def search_smoothing(weights: list[torch.Tensor], x: torch.Tensor, *, steps: int = RATIO_STEPS,
+                     share: SearchShare | None = None) -> SmoothingChoice:
     """The smoothing scales of least W4A4 output error for one fused group (see the module docstring).
 
     Args:
         weights: the group's weights (``[out_m, in]`` each, in the model's dtype), sharing one input.
         x: calibration inputs of the group (``[tokens, in]``), as the high-precision model computes them.
         steps: ratios tried, ``k / steps`` for ``k`` in ``0 .. steps - 1``.
+        share: the ranks scoring the candidates between them (each the same ``weights`` and ``x``); the choice is
+            the one process's: the least error, the earliest candidate on a tie.
 
     Raises:
         ValueError: no weights, a weight whose ``in`` is not a multiple of 16 or differs from ``x``'s, or
@@ -95,14 +112,21 @@ def search_smoothing(weights: list[torch.Tensor], x: torch.Tensor, *, steps: int
     rows = torch.cat([w.float().abs() for w in weights])
     w_mean = (rows / rows.amax(dim=1, keepdim=True).clamp(min=1e-12)).mean(0)
     exact = [x @ w.float().T for w in weights]
-    plain = _w4a4_error(x, exact, weights, None)
-    best: tuple[float, float | None, torch.Tensor | None] = (plain, None, None)
-    for step in range(steps):
-        scales = candidate_scales(x_mean, w_mean, step / steps)
-        error = _w4a4_error(x, exact, weights, scales)
-        if error < best[0]:
-            best = (error, step / steps, scales)
-    return SmoothingChoice(scales=best[2], ratio=best[1], error=best[0], plain_error=plain)
+    candidates = [_PLAIN, *range(steps)]
+    if share is not None:
+        candidates = candidates[share.rank::share.world_size]
+    errors = {k: _w4a4_error(x, exact, weights, None if k == _PLAIN else candidate_scales(x_mean, w_mean, k / steps))
+              for k in candidates}
+    if share is not None:
+        errors = share.combine(errors)
+    best = _PLAIN
+    for k in range(steps):  # strictly better only: no scaling, then the lowest ratio, wins a tie
+        if errors[k] < errors[best]:
+            best = k
+    if best == _PLAIN:
+        return SmoothingChoice(scales=None, ratio=None, error=errors[_PLAIN], plain_error=errors[_PLAIN])
+    return SmoothingChoice(scales=candidate_scales(x_mean, w_mean, best / steps), ratio=best / steps,
+                           error=errors[best], plain_error=errors[_PLAIN])
 
 
 def fold_scales(feeder: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor

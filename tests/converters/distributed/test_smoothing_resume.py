@@ -1,7 +1,7 @@
 """``nvfp4_smoothing: awq`` on ranks: a resumable one-rank job (the Slurm executor's single-node job) killed with
 SIGKILL once layer 1 is recorded searches the smoothing again on restart (the same scales), resumes calibration at
-layer 2 on the smoothed copy and publishes the one-process job's bytes; two ranks share the search's steps (rank 0
-searches on every rank's rows, writes the copy, and both calibrate on it) and publish the same bytes; a rank that
+layer 2 on the smoothed copy and publishes the one-process job's bytes; two ranks share the search's steps and its
+candidates (rank 0 folds, writes the copy, and both calibrate on it) and publish the same bytes; a rank that
 cannot read rank 0's copy stops the job with the reason."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_two_ranks_share_the_search_and_publish_the_one_process_bytes(smoothing_
     out = smoothing_job.root / "smoothing-ranks"
     ranks = smoothing_job.start(2, out)
     assert ranks.wait(timeout=240) == [0, 0], ranks.log(0)[-2000:] + ranks.log(1)[-2000:]
-    # rank 0 searched on both ranks' rows (the one process's sample): the same scales, copy, calibration and export
+    # the ranks scored the candidates on both ranks' rows (the one process's sample): the same scales, copy, export
     assert [name for name in FILES if (out / name).read_bytes() != (baseline / name).read_bytes()] == []
     report = json.loads((out / "fp8_report.json").read_text())
     expected = json.loads((baseline / "fp8_report.json").read_text())["calibration"]["nvfp4_smoothing"]

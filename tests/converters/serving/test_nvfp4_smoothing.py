@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from converters.casts.emulation import cast_spec, fake_quantize
 from converters.serving.nvfp4 import quantize_nvfp4
 from converters.serving.nvfp4_search import dequantize_nvfp4
-from converters.serving.nvfp4_smoothing import candidate_scales, fold_scales, search_smoothing
+from converters.serving.nvfp4_smoothing import SearchShare, candidate_scales, fold_scales, search_smoothing
 from tests.converters.serving.test_nvfp4_scale_search import trained_like_weight
 
 
@@ -46,6 +46,38 @@ def test_outlier_channels_are_smoothed_and_the_reported_errors_are_the_tensors_o
     assert choice.relative_error < 0.9
     # the outlier channels are divided down the most
     assert set(choice.scales.topk(4).indices.tolist()) == {3, 40, 77, 101}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_sharing_the_candidates_choose_what_one_process_chooses(world_size):
+    weights = [trained_like_weight(rows=rows, columns=128, seed=7 + rows) for rows in (64, 32)]
+    x = outlier_channels(seed=2)
+    alone = search_smoothing(weights, x)
+    scored: dict[int, dict[int, float]] = {}
+
+    class Scored(Exception):
+        pass
+
+    def keep(rank):  # a rank other than the last: its scores kept, its search stopped there
+        def combine(errors):
+            scored[rank] = errors
+            raise Scored
+        return combine
+
+    for rank in range(1, world_size):
+        with pytest.raises(Scored):
+            search_smoothing(weights, x, share=SearchShare(rank=rank, world_size=world_size, combine=keep(rank)))
+    seen = []
+
+    def merged(errors):
+        seen.append(sorted(errors))
+        return {k: error for part in (errors, *scored.values()) for k, error in part.items()}
+
+    shared = search_smoothing(weights, x, share=SearchShare(rank=0, world_size=world_size, combine=merged))
+    assert seen == [list(range(-1, 20))[::world_size]]  # rank 0 scored its share alone: "no scaling" among it
+    assert sorted(k for part in scored.values() for k in part) == sorted(set(range(-1, 20)) - set(seen[0]))
+    assert (shared.ratio, shared.error, shared.plain_error) == (alone.ratio, alone.error, alone.plain_error)
+    assert shared.scales is not None and torch.equal(shared.scales, alone.scales)
 
 
 def test_scaling_is_kept_off_where_no_ratio_lowers_the_error():
