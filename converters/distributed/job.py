@@ -14,7 +14,7 @@ import torch
 from converters.calibration.sequential import LayerStack
 from converters.calibration.smoothing_walk import RankShare
 from converters.distributed.layer_walk import RankedLayerWalk
-from converters.distributed.quality import QualityRun, quality_share
+from converters.distributed.quality import QualityRun, patient_group, quality_share
 from converters.distributed.ranks import RankInfo, every_rank, from_leader
 from converters.distributed.resume import ResumeStore, fingerprint
 from converters.errors import Fp8ForgeError
@@ -52,7 +52,7 @@ class DistributedJob:
 
     def step_share(self, stack_path: str) -> RankedLayerWalk:
         """A walk over this rank's share of the calibration steps that reduces and records nothing (the smoothing
-        search's walk, before calibration: its rows go to rank 0, :meth:`rows_to_leader`)."""
+        search's walk, before calibration, which shares its rows and candidates: :meth:`smoothing_share`)."""
         return RankedLayerWalk(self.info, None, stack_path)
 
     def smoothing_share(self) -> RankShare:
@@ -76,7 +76,8 @@ class DistributedJob:
             Fp8ForgeError: on every rank, when one cannot read it (naming the ranks; ``what`` names the directory,
                 ``instead`` the way out besides shared storage).
         """
-        shared = from_leader(self.info, None if directory is None else str(directory))
+        # rank 0 sends it once written: a whole model's copy may take longer than a layer's timeout
+        shared = from_leader(self.info, None if directory is None else str(directory), group=patient_group())
         if shared is None:
             return None
         path = Path(shared)

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 from converters.distributed.ranks import RankInfo
 from converters.quality.ranks import QualityShare
 
-__all__ = ["QUALITY_WAIT_S", "QualityRun", "end_quality", "follow_quality", "quality_share", "start_quality_group"]
+__all__ = ["QUALITY_WAIT_S", "QualityRun", "end_quality", "follow_quality", "patient_group", "quality_share",
+           "start_quality_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,12 @@ def start_quality_group() -> None:
 
 def _group() -> Any:
     return _GROUP[0] if _GROUP else None
+
+
+def patient_group() -> Any:
+    """The exchanges' group (None before :func:`start_quality_group`: the job's own), for another wait on rank 0 that
+    can outlast a layer's timeout (its write of a smoothed copy of the whole model)."""
+    return _group()
 
 
 def _broadcast(message: Any) -> Any:

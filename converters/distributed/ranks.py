@@ -129,12 +129,13 @@ def every_rank(info: RankInfo, item: Any) -> list[Any]:
     return gathered
 
 
-def from_leader(info: RankInfo, item: Any) -> Any:
-    """Rank 0's ``item``, on every rank (the others' ``item`` is ignored)."""
+def from_leader(info: RankInfo, item: Any, *, group: Any = None) -> Any:
+    """Rank 0's ``item``, on every rank (the others' ``item`` is ignored); ``group``: the process group (None: the
+    job's)."""
     if info.world_size == 1:
         return item
     import torch.distributed as dist
 
     box = [item]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-__all__ = ["ROOT", "KV_CACHE", "VLLM_VENV", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm", "attend_in_vllm",
-           "EngineRun", "load_problems", "fidelity_problems"]
+__all__ = ["ROOT", "AMX", "KV_CACHE", "VLLM_VENV", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm",
+           "attend_in_vllm", "EngineRun", "load_problems", "fidelity_problems"]
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm")  # a relative path is the repository's
@@ -29,6 +29,9 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 #: or AMX (``cpu_attn._get_attn_isa``: "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"; its AVX2 kernels have
 #: no FP8 cache case). On an AVX2-only CPU the exports run with a bf16 cache: their KV scales are loaded, unused.
 KV_CACHE = "fp8" if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported() else "bfloat16"
+#: vLLM's CPU build has FP8 block kernels only with AMX tiles (``CPUFp8BlockScaledMMKernel``, W8A16: "requires AMX tile
+#: support (Sapphire Rapids or newer)"; its W8A8 sibling also needs AMX-FP8): fp8-block runs in it on such a CPU alone
+AMX = torch.cpu._is_amx_tile_supported()
 #: vLLM's Llama-family fused layers: checkpoint projection -> (vLLM's fused module, shard index)
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -67,6 +70,11 @@ class EngineRun:
     @property
     def perplexity(self) -> float:
         return self.raw["perplexity"]
+
+    @property
+    def kernels(self) -> dict[str, int]:
+        """The linear kernel class each quantized layer selected (class name -> layers)."""
+        return self.raw["kernels"]
 
     @property
     def generated(self) -> list[list[int]]:
@@ -172,14 +180,14 @@ def _target(name: str, written: dict[str, torch.Tensor]) -> tuple[str, int | Non
     if projection not in PACKED:
         return name, None, None
     fused, shard = PACKED[projection]
-    # compressed-tensors' NVFP4 names the packed weight weight_packed; its rows are the output features all the same
-    rows = [next(written[f"{module_prefix}.{sibling}.{kind}"] for kind in ("weight", "weight_packed")
-                 if f"{module_prefix}.{sibling}.{kind}" in written).shape[0] for sibling in SHARDS[fused]]
-    start = sum(rows[:shard])
     tensor = written[name]
     target = f"{module_prefix}.{fused}.{rest}"
     if tensor.numel() == 1:  # a per-tensor scale: one element per shard
         return target, shard, None
+    # the shards' rows of this tensor, stacked: output features for weights (packed NVFP4 included) and per-channel
+    # or MX scales, blocks of output features for block scales (weight_scale_inv)
+    rows = [written[f"{module_prefix}.{sibling}.{rest}"].shape[0] for sibling in SHARDS[fused]]
+    start = sum(rows[:shard])
     return target, None, slice(start, start + rows[shard])
 
 
@@ -220,9 +228,14 @@ def load_problems(directory: Path, run: EngineRun) -> list[str]:
     return problems
 
 
-def _shard_scale(scale: torch.Tensor, shards: int, index: int, start: int, rows: int) -> torch.Tensor:
+def _shard_scale(scale: torch.Tensor, shards: int, index: int, start: int, rows: int,
+                 block: tuple[int, int] | None = None) -> torch.Tensor:
     """One shard's scale, broadcastable over its [rows, in] FP8 values: per tensor (one per shard, or one for the
-    layer), per channel ([out, 1]) or MX blocks of 32 (uint8 E8M0 exponents, [out, in/32], expanded)."""
+    layer), per channel ([out, 1]), MX blocks of 32 (uint8 E8M0 exponents, [out, in/32], expanded) or, with
+    ``block`` (rows, columns), FP8 blocks ([ceil(out / rows), ceil(in / columns)], expanded)."""
+    if block is not None:
+        expanded = scale.float().repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+        return expanded[start:start + rows]
     if scale.dtype == torch.uint8:
         return torch.exp2(scale[start:start + rows].float() - 127).repeat_interleave(MX_BLOCK, dim=1)
     scale = scale.float()
@@ -240,6 +253,8 @@ def fidelity_problems(source: Path, run: EngineRun) -> list[str]:
     if run.error:
         return [f"vLLM failed to run: {run.error}"]
     original, loaded = file_tensors(source), run.loaded()
+    config = json.loads((Path(run.raw["model"]) / "config.json").read_text())
+    block = config.get("quantization_config", {}).get("weight_block_size")  # fp8-block: scales per block
     problems = []
     for name, weight in loaded.items():
         if weight.dtype != torch.float8_e4m3fn or not name.endswith(".weight"):
@@ -247,13 +262,15 @@ def fidelity_problems(source: Path, run: EngineRun) -> list[str]:
         module = name.removesuffix(".weight")
         prefix, _, fused = module.rpartition(".")
         shards = SHARDS.get(fused, (fused,))
-        scale = loaded[f"{module}.weight_scale"]
+        scale = loaded[f"{module}.weight_scale_inv" if block else f"{module}.weight_scale"]
         start = 0
         for index, shard in enumerate(shards):
             expected = original[f"{prefix}.{shard}.weight"].float()
             rows = expected.shape[0]
             values = weight[start:start + rows].float()
-            shard_scale = _shard_scale(scale, len(shards), index, start, rows)
+            shard_scale = _shard_scale(scale, len(shards), index, start, rows, tuple(block) if block else None)
+            if block:
+                shard_scale = shard_scale[:, :values.shape[1]]
             error = float((values * shard_scale - expected).norm() / expected.norm().clamp(min=1e-12))
             if error > MAX_WEIGHT_ERROR:
                 problems.append(f"{prefix}.{shard}: the weight vLLM multiplies is {error:.0%} off the source's")

@@ -4,8 +4,10 @@ bit, weight and input scales exactly, KV scales to bf16 rounding); every attenti
 with the file's scales; and each FP8 weight as vLLM multiplies it is the source's within FP8 rounding.
 
 The exports: the tiny Llama of tests/conftest.py (``llama_root``, with its tokenizer), written by two conversion
-jobs (without and with ``kv_cache: "fp8"``) in the three formats the CPU build has kernels for and the three it runs
-with vLLM's own emulation kernels listed for the CPU (mxfp8, nvfp4, modelopt-nvfp4). Deliberately broken
+jobs (without and with ``kv_cache: "fp8"``) in the formats the CPU build has kernels for (the three FP8 layouts, and
+fp8-block on a CPU with AMX tiles, where vLLM's own ``CPUFp8BlockScaledMMKernel`` runs it; elsewhere those cases skip
+and say why) and the three it runs with vLLM's own emulation kernels listed for the CPU (mxfp8, nvfp4,
+modelopt-nvfp4); each run names the kernel class every quantized layer selected. Deliberately broken
 copies show that each check catches what it is for, and that the project's load audit (headers and config only)
 agrees with vLLM on whether the file loads as written. All runs share one vLLM process (tests/engines/engine.py).
 
@@ -23,17 +25,20 @@ from converters.model.sources import ModelSourceOptions
 from converters.pipeline.driver import run_conversion
 from converters.pipeline.request import CalibrationSettings, ConversionRequest
 from converters.serving.audit import Rule, audit_export
-from tests.engines.engine import KV_CACHE, EngineRequest, fidelity_problems, load_problems, run_vllm, vllm_missing
+from tests.engines.engine import AMX, KV_CACHE, EngineRequest, fidelity_problems, load_problems, run_vllm, vllm_missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))]
 
 STATIC, DYNAMIC, MODELOPT = "compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8"
 MXFP8, NVFP4, MODELOPT_NVFP4 = "mxfp8", "nvfp4", "modelopt-nvfp4"
-#: the exports vLLM's CPU build has kernels for
-RUNNABLE = (STATIC, DYNAMIC, MODELOPT)
+BLOCK = "fp8-block"
+#: the exports vLLM's CPU build has kernels for: fp8-block on a CPU with AMX tiles only (engine.AMX)
+RUNNABLE = (STATIC, DYNAMIC, MODELOPT, BLOCK)
 #: the exports it runs with its own emulation kernels listed for the CPU (vllm_driver.install_stand_ins). Not
-#: run: fp8-block (its CPU kernels need AMX, which these test machines lack), nvfp4-a16 (vLLM forces Marlin for W4A16)
+#: run: nvfp4-a16 (vLLM forces Marlin for W4A16)
 EMULATED = (MXFP8, NVFP4, MODELOPT_NVFP4)
+NO_BLOCK_KERNEL = ("vLLM's CPU build has FP8 block kernels only with AMX tiles (Sapphire Rapids or newer): this CPU "
+                   "has none")
 KV_FORMATS = (STATIC, DYNAMIC, MODELOPT, MODELOPT_NVFP4)
 CASES = [(fmt, kv) for fmt in RUNNABLE + EMULATED for kv in (None, "fp8") if kv is None or fmt in KV_FORMATS]
 CALIBRATION = CalibrationSettings(steps=2, seq_len=16)
@@ -62,6 +67,11 @@ def raise_mx_exponent(tensors):
     tensors["model.layers.1.mlp.down_proj.weight_scale"][:, 0] += 1
 
 
+def double_block_scale(tensors):
+    """One FP8 block's scale twice what its values were cast with: loads fine, doubles that 128 x 128 block."""
+    tensors["model.layers.1.mlp.down_proj.weight_scale_inv"][0, 0] *= 2
+
+
 def drop_modelopt_v_scale(tensors):
     """One layer's v_scale missing: vLLM's BaseKVCacheMethod.process_weights_after_loading (kv_cache.py) then runs
     that layer's values with its k_scale (it duplicates a lone scale), silently."""
@@ -76,7 +86,19 @@ BROKEN = {
     "weight-scale-doubled": (STATIC, None, double_weight_scale, set(), "fidelity"),
     "modelopt-v-scale-dropped": (MODELOPT, "fp8", drop_modelopt_v_scale, {Rule.MISSING_SCALE}, "load"),
     "mx-exponents-raised": (MXFP8, None, raise_mx_exponent, set(), "fidelity"),
+    "block-scale-doubled": (BLOCK, None, double_block_scale, set(), "fidelity"),
 }
+
+
+def runs_here(key) -> bool:
+    """Whether vLLM's CPU build can run the export ``key`` (a CASES entry or a BROKEN name) on this CPU."""
+    fmt = BROKEN[key][0] if key in BROKEN else key[0]
+    return fmt != BLOCK or AMX
+
+
+def only_where_it_runs(key) -> None:
+    if not runs_here(key):
+        pytest.skip(NO_BLOCK_KERNEL)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +137,7 @@ def tokens(llama_root):
 @pytest.fixture(scope="module")
 def engine(llama_root, exports, tokens, tmp_path_factory):
     """Key (a CASES entry, a BROKEN name or "source") -> vLLM's run of it; one vLLM process for all."""
-    keys = ["source", *CASES, *BROKEN, *GPTQ.values()]
+    keys = ["source", *filter(runs_here, CASES), *filter(runs_here, BROKEN), *GPTQ.values()]
     requests = []
     for key in keys:
         if key == "source":
@@ -157,7 +179,12 @@ def test_the_bf16_source_runs_in_vllm(engine):
 
 @pytest.mark.parametrize("fmt, kv", CASES, ids=[f"{fmt}-{kv or 'no-kv'}" for fmt, kv in CASES])
 def test_vllm_runs_the_export_as_written(llama_root, exports, engine, fmt, kv):
+    only_where_it_runs((fmt, kv))
     run = engine[(fmt, kv)]
+    # vLLM's own kernel for what its CPU build runs, its emulation kernel (registered for the CPU) for the rest
+    assert run.kernels and all(name.startswith("Emulation") == (fmt in EMULATED) for name in run.kernels)
+    if fmt == BLOCK:
+        assert set(run.kernels) == {"CPUFp8BlockScaledMMKernel"}
     assert load_problems(exports[(fmt, kv)], run) == []
     assert fidelity_problems(llama_root / "llama", run) == []
     assert audit_export(exports[(fmt, kv)]).ok
@@ -177,6 +204,7 @@ def only_with_an_fp8_cache(name):
 @pytest.mark.parametrize("name", BROKEN)
 def test_a_broken_export_fails_the_engine_check(llama_root, exports, engine, name):
     only_with_an_fp8_cache(name)
+    only_where_it_runs(name)
     caught_by = BROKEN[name][4]
     run = engine[name]
     problems = (load_problems(exports[name], run) if caught_by == "load"
@@ -191,4 +219,5 @@ def test_the_audit_agrees_with_vllm_on_a_broken_export(exports, engine, name):
     result = audit_export(exports[name])
     assert result.rules() == BROKEN[name][3]
     only_with_an_fp8_cache(name)
+    only_where_it_runs(name)
     assert (not load_problems(exports[name], engine[name])) == result.ok

@@ -113,6 +113,17 @@ def install_stand_ins() -> list[str]:
     return replaced
 
 
+def linear_kernels(model) -> dict[str, int]:
+    """The linear kernel class each quantized layer of the loaded ``model`` selected, counted by class name."""
+    kernels: dict[str, int] = {}
+    for module in model.modules():
+        for holder in filter(None, [getattr(module, "quant_method", None), getattr(module, "scheme", None)]):
+            for value in vars(holder).values():
+                if type(value).__name__.endswith("Kernel"):
+                    kernels[type(value).__name__] = kernels.get(type(value).__name__, 0) + 1
+    return kernels
+
+
 class Counters:
     """What the FP8 Linears execute, counted by wrapping the functions they call (installed before the engine is
     built: a CustomOp binds its forward when it is created). Test-only, like the stand-ins."""
@@ -159,13 +170,7 @@ class Counters:
 
     def loaded(self, model) -> None:
         """After the load: the kernel class each quantized layer selected; then count per scoring forward."""
-        for module in model.modules():
-            holders = [getattr(module, "quant_method", None), getattr(module, "scheme", None)]
-            for holder in filter(None, holders):
-                for value in vars(holder).values():
-                    if type(value).__name__.endswith("Kernel"):
-                        name = type(value).__name__
-                        self.kernels[name] = self.kernels.get(name, 0) + 1
+        self.kernels = linear_kernels(model)
         original = model.forward
 
         def counted_forward(*args, **kwargs):
@@ -282,7 +287,8 @@ def run_one(request: dict) -> dict:
     model = loaded_model(llm)
     if counters is not None:
         counters.loaded(model)
-    result: dict = {"model": request["model"], "kv_cache_dtype": kwargs["kv_cache_dtype"]}
+    result: dict = {"model": request["model"], "kv_cache_dtype": kwargs["kv_cache_dtype"],
+                    "kernels": linear_kernels(model)}
     generate = request.get("generate")
     if generate:
         params = SamplingParams(temperature=0.0, max_tokens=generate["max_tokens"], ignore_eos=True)
