@@ -17,7 +17,7 @@ _layer_finished = RankedLayerWalk.layer_finished
 
 def _layer_finished_then_die(self, index):
     _layer_finished(self, index)
-    if index == KILL_AFTER_LAYER:
+    if index == KILL_AFTER_LAYER and self.store is not None:  # a recorded layer (not a smoothing search's walk)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

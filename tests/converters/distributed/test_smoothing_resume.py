@@ -1,13 +1,12 @@
-"""``nvfp4_smoothing: awq`` on ranks: a resumable one-rank job (the Slurm executor's single-node job) killed with
-SIGKILL once layer 1 is recorded searches the smoothing again on restart (the same scales), resumes calibration at
-layer 2 on the smoothed copy and publishes the one-process job's bytes; two ranks share the search's steps and its
-candidates (rank 0 folds, writes the copy, and both calibrate on it) and publish the same bytes; a rank that
-cannot read rank 0's copy stops the job with the reason."""
+"""``nvfp4_smoothing: awq`` on ranks: two ranks share the search's steps and its candidates (rank 0 folds, writes
+the copy, and both calibrate on it) and publish the one-process job's bytes; a two-rank job whose rank 1 is killed
+with SIGKILL once layer 1 is recorded, restarted as a resumable one-rank job (the Slurm executor's single-node job),
+searches the smoothing again (the same scales), resumes calibration at layer 2 on the new copy and publishes the same
+bytes; a rank that cannot read rank 0's copy stops the job with the reason."""
 
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -35,14 +34,12 @@ def baseline(smoothing_job) -> Path:
     return run_one_process(smoothing_job, smoothing_job.root / "smoothing-one", timeout=240)
 
 
-def test_a_killed_one_rank_job_smooths_again_resumes_and_publishes_the_one_process_bytes(smoothing_job, baseline):
+def test_a_job_killed_on_two_ranks_smooths_again_on_one_and_publishes_the_one_process_bytes(smoothing_job, baseline):
+    """Two ranks search and calibrate layers 0 and 1 on rank 0's copy before rank 1 is killed; one rank restarts
+    (a resumable one-rank job, as the Slurm executor's single-node job), searches again and resumes at layer 2."""
     out = smoothing_job.root / "smoothing-rank"
     record = smoothing_job.root / f".{out.name}.resume"
-    killed = smoothing_job.start(1, out, script=["tests/converters/distributed/killed_rank.py"],
-                                 extra_env={"KILL_AFTER_LAYER": "1"})
-    assert killed.wait(timeout=240) == [-signal.SIGKILL], killed.log(0)[-2000:]
-    assert sorted(path.name for path in record.glob("layer-*.safetensors")) == \
-        ["layer-0.safetensors", "layer-1.safetensors"]
+    smoothing_job.killed_after_layer_1(out, record, timeout=240)
 
     restarted = smoothing_job.start(1, out)
     assert restarted.wait(timeout=240) == [0], restarted.log(0)[-2000:]
