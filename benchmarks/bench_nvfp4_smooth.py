@@ -11,7 +11,8 @@ norm or up's rows, and converts the smoothed model (its calibration, GPTQ and in
 report's ``calibration.nvfp4_smoothing`` block lists each mapping.
 Scoring: bench_nvfp4.perplexity on the source model with each export's Linears read back and their inputs cast as
 the W4A4 kernels cast them; a smoothed export's changed norms (the job's artifact holds the smoothed model) replace
-the source's, as an engine loads them.
+the source's, as an engine loads them. The row "smoothed model (bf16)" is the smoothed job's artifact weights
+unquantized: the reference the job's report measures its exports against, next to the source's own bf16 row.
 ``--engine``: every export (and the bf16 source) also scored by vLLM's CPU build on the same windows, with vLLM's
 own NVFP4 emulation kernel (registered for the CPU by tests/engines/vllm_driver.py, docs/engines.md).
 ``--peer``: llm-compressor 0.14's NVFP4 RTN export (bench_nvfp4.peer_export, its own venv) on the same token rows,
@@ -126,8 +127,11 @@ def main() -> None:
             if smoothed:  # the artifact holds the smoothed model: its changed norms are the export's
                 report = json.loads((out / "fp8_report.json").read_text())["calibration"]["nvfp4_smoothing"]
                 print(f"  smoothing: {report['mappings']}, {report['changed_tensors']} tensors changed")
-                norms = {key: tensor for key, tensor in load_file(out / "model.safetensors").items()
-                         if key.endswith("norm.weight") and not torch.equal(tensor, source[key])}
+                changed = {key: tensor for key, tensor in load_file(out / "model.safetensors").items()
+                           if not torch.equal(tensor, source[key])}
+                norms = {key: tensor for key, tensor in changed.items() if key.endswith("norm.weight")}
+                if name == "rtn":  # the smoothed model itself, unquantized: the reference the job's report uses
+                    variants["smoothed model (bf16)"] = (None, changed)
             row = f"{'smoothed + ' if smoothed else ''}{name}"
             variants[row] = (read_export(out / "serving" / "nvfp4"), norms)
             exports[row] = out / "serving" / "nvfp4"
