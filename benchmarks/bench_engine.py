@@ -11,6 +11,8 @@ Exports:
                   no quality pass of its own) writing compressed-tensors-fp8, compressed-tensors-fp8-dynamic and
                   modelopt-fp8; the engine runs each export twice: with a bf16 KV cache (its KV scales unused)
                   and with ``kv_cache_dtype="fp8"``
+  fp8forge NVFP4   (part ``fp8forge-nvfp4``) a job writing nvfp4 and modelopt-nvfp4 (W4A4, round to nearest): vLLM's
+                  CPU build runs them through its own NVFP4 emulation kernel, registered for the CPU by the driver
   fp8forge, every Linear
                   (part ``fp8forge-every-linear``) a second job writing compressed-tensors-fp8-dynamic alone with
                   ``skip_first_last: false``: the layer set of llm-compressor's FP8_DYNAMIC (layer 0's q/k/v
@@ -76,10 +78,14 @@ WINDOW = 128
 SEQ_LEN = 256  #: the report's text cut (converters.quality.DEFAULT_SEQ_LEN)
 RUNNABLE = ("compressed-tensors-fp8", "compressed-tensors-fp8-dynamic", "modelopt-fp8")
 #: table alone: print what --keep holds
-PARTS = ("fp8forge", "fp8forge-every-linear", "peer", "report", "engine", "table")
+#: the W4A4 exports vLLM's CPU build runs through its own NVFP4 emulation kernel (registered for the CPU by
+#: tests/engines/vllm_driver.py: docs/engines.md, stand-in 3)
+NVFP4_FORMATS = ("nvfp4", "modelopt-nvfp4")
+PARTS = ("fp8forge", "fp8forge-every-linear", "fp8forge-nvfp4", "peer", "report", "engine", "table")
 PEER_SCHEMES = {"FP8": "llm-compressor FP8 (static)", "FP8_DYNAMIC": "llm-compressor FP8_DYNAMIC"}
 JOB = "fp8forge-fp8"
 EVERY_LINEAR_JOB = "fp8forge-dynamic-every-linear"
+NVFP4_JOB = "fp8forge-nvfp4"
 DYNAMIC = "compressed-tensors-fp8-dynamic"
 SOURCE = "bf16 source"
 
@@ -124,6 +130,23 @@ def fp8forge_exports(model: Path, settings, work: Path, *, convert: bool) -> dic
         run_conversion(request, out, local_sources(model.parent, work))
         print(f"fp8forge job: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return {fmt: out / "serving" / fmt for fmt in RUNNABLE}
+
+
+def nvfp4_exports(model: Path, settings, work: Path, *, convert: bool) -> dict[str, Path]:
+    """A second job's NVFP4 W4A4 exports (round to nearest, input global scales from the calibration, no KV
+    scales): format -> directory; ``convert`` False: reuse the job ``--keep`` holds."""
+    from converters.api import local_sources
+    from converters.pipeline.driver import run_conversion
+    from converters.pipeline.request import ConversionRequest
+
+    out = work / NVFP4_JOB
+    if convert:
+        request = ConversionRequest(model=str(model), recipe={"backend": "te"}, calibration=settings,
+                                    serving_formats=NVFP4_FORMATS, measure=False)
+        started = time.perf_counter()
+        run_conversion(request, out, local_sources(model.parent, work))
+        print(f"fp8forge NVFP4 job: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return {fmt: out / "serving" / fmt for fmt in NVFP4_FORMATS}
 
 
 def every_linear_export(model: Path, settings, work: Path, *, convert: bool) -> Path:
@@ -304,7 +327,7 @@ def _format_of(directory: Path, label: str):
     """The serving format an export is written in (llm-compressor's: read from its config's input scheme)."""
     from converters.serving import serving_format
 
-    if directory.name in RUNNABLE:
+    if directory.name in RUNNABLE + NVFP4_FORMATS:
         return serving_format(directory.name)
     config = json.loads((directory / "config.json").read_text())["quantization_config"]
     inputs = next(iter(config["config_groups"].values()))["input_activations"]
@@ -467,15 +490,16 @@ def pooled_gaps(runs: dict, reports: dict) -> list[dict]:
     """report/engine - 1 pooled over rows: every row's per-position difference (report - engine, nats) averaged over
     the rows position by position, then the mean and its standard error from the per-text sums, so that rows which
     share their texts are not counted as independent draws (engine-2026-12-04.md section 4). Groups: the bf16
-    source alone, every FP8 row, the bf16-cache rows, the FP8-KV rows."""
+    source alone, every quantized row, the bf16-cache rows, the FP8-KV rows."""
     gaps = {}
     for label, run in runs.items():
         engine = _per_position(run)
         report = (reports.get(label) or {}).get("per_token")
         if engine is not None and report is not None and len(report) == len(engine):
             gaps[label] = [r - e for r, e in zip(report, engine, strict=True)]
-    groups = {"bf16 source": [SOURCE], "every FP8 row": [label for label in gaps if label != SOURCE],
-              "bf16-cache FP8 rows": [label for label in gaps if label != SOURCE and not label.endswith(" + FP8 KV")],
+    groups = {"bf16 source": [SOURCE], "every quantized row": [label for label in gaps if label != SOURCE],
+              "bf16-cache quantized rows": [label for label in gaps
+                                            if label != SOURCE and not label.endswith(" + FP8 KV")],
               "FP8-KV rows": [label for label in gaps if label.endswith(" + FP8 KV")]}
     out = []
     for group, labels in groups.items():
@@ -607,6 +631,9 @@ def main() -> None:
         if "fp8forge-every-linear" in parts or (work / EVERY_LINEAR_JOB / "serving").is_dir():
             made = every_linear_export(model, settings, work, convert="fp8forge-every-linear" in parts)
             exports[f"fp8forge {DYNAMIC}, every Linear"] = made
+        if "fp8forge-nvfp4" in parts or (work / NVFP4_JOB / "serving").is_dir():
+            made = nvfp4_exports(model, settings, work, convert="fp8forge-nvfp4" in parts)
+            exports.update({f"fp8forge {fmt}": directory for fmt, directory in made.items()})
         peer_version = None
         if not args.skip_peer and ("peer" in parts or (work / "tokens.json").is_file()):
             peer, peer_version = peer_exports(model, settings, work, convert="peer" in parts,
