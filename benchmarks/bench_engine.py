@@ -116,53 +116,39 @@ def report_tokens(tokenizer, max_tokens: int, seq_len: int, texts: list[str] | N
     return texts_scored
 
 
-def fp8forge_exports(model: Path, settings, work: Path, *, convert: bool) -> dict[str, Path]:
-    """The job's exports (format -> directory); ``convert`` False: reuse the job ``--keep`` holds."""
+def _job(model: Path, settings, work: Path, name: str, *, convert: bool, formats: tuple[str, ...],
+         **request) -> dict[str, Path]:
+    """An fp8forge job (backend te, no quality pass of its own) writing ``formats`` into ``work / name``: format ->
+    export directory; ``convert`` False: reuse the job ``--keep`` holds. ``request``: more ConversionRequest fields."""
     from converters.api import local_sources
     from converters.pipeline.driver import run_conversion
     from converters.pipeline.request import ConversionRequest
 
-    out = work / JOB
+    out = work / name
     if convert:
-        request = ConversionRequest(model=str(model), recipe={"backend": "te"}, calibration=settings,
-                                    serving_formats=RUNNABLE, kv_cache="fp8", measure=False)
         started = time.perf_counter()
-        run_conversion(request, out, local_sources(model.parent, work))
-        print(f"fp8forge job: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    return {fmt: out / "serving" / fmt for fmt in RUNNABLE}
+        run_conversion(ConversionRequest(model=str(model), recipe={"backend": "te"}, calibration=settings,
+                                         serving_formats=formats, measure=False, **request),
+                       out, local_sources(model.parent, work))
+        print(f"{name} job: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return {fmt: out / "serving" / fmt for fmt in formats}
+
+
+def fp8forge_exports(model: Path, settings, work: Path, *, convert: bool) -> dict[str, Path]:
+    """The job's exports, with KV scales (format -> directory)."""
+    return _job(model, settings, work, JOB, convert=convert, formats=RUNNABLE, kv_cache="fp8")
 
 
 def nvfp4_exports(model: Path, settings, work: Path, *, convert: bool) -> dict[str, Path]:
     """A second job's NVFP4 W4A4 exports (round to nearest, input global scales from the calibration, no KV
-    scales): format -> directory; ``convert`` False: reuse the job ``--keep`` holds."""
-    from converters.api import local_sources
-    from converters.pipeline.driver import run_conversion
-    from converters.pipeline.request import ConversionRequest
-
-    out = work / NVFP4_JOB
-    if convert:
-        request = ConversionRequest(model=str(model), recipe={"backend": "te"}, calibration=settings,
-                                    serving_formats=NVFP4_FORMATS, measure=False)
-        started = time.perf_counter()
-        run_conversion(request, out, local_sources(model.parent, work))
-        print(f"fp8forge NVFP4 job: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    return {fmt: out / "serving" / fmt for fmt in NVFP4_FORMATS}
+    scales): format -> directory."""
+    return _job(model, settings, work, NVFP4_JOB, convert=convert, formats=NVFP4_FORMATS)
 
 
 def every_linear_export(model: Path, settings, work: Path, *, convert: bool) -> Path:
     """fp8forge's dynamic export of every Linear but the head (``skip_first_last: false``, no KV scales)."""
-    from converters.api import local_sources
-    from converters.pipeline.driver import run_conversion
-    from converters.pipeline.request import ConversionRequest
-
-    out = work / EVERY_LINEAR_JOB
-    if convert:
-        request = ConversionRequest(model=str(model), recipe={"backend": "te"}, calibration=settings,
-                                    skip_first_last=False, serving_formats=(DYNAMIC,), measure=False)
-        started = time.perf_counter()
-        run_conversion(request, out, local_sources(model.parent, work))
-        print(f"fp8forge every-Linear job: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    return out / "serving" / DYNAMIC
+    return _job(model, settings, work, EVERY_LINEAR_JOB, convert=convert, formats=(DYNAMIC,),
+                skip_first_last=False)[DYNAMIC]
 
 
 def peer_exports(model: Path, settings, work: Path, *, convert: bool, with_kv: bool = True, kv_only: bool = False,

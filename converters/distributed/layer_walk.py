@@ -37,7 +37,7 @@ from converters.calibration.amax import AmaxRecorder, LayerAmax
 from converters.calibration.kv_cache import KvAmax, KvCacheRecorder
 from converters.calibration.sequential import Resumed, under
 from converters.calibration.sqnr_arithmetic import MeasuredChannels
-from converters.distributed.ranks import RankInfo, steps_of_rank
+from converters.distributed.ranks import RankInfo, every_rank, from_leader, steps_of_rank
 from converters.distributed.resume import LayerRecord, ResumeStore
 from converters.model.experts import parse_unit_path
 
@@ -80,9 +80,7 @@ class RankedLayerWalk:
         if self.info.leader:
             self.store.open(writer=True)
         if self.world_size > 1:  # rank 0's record is the job's, wherever the others' output would have put theirs
-            shared = [str(self.store.directory)]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            self.store = ResumeStore(Path(shared[0]), self.store.job)
+            self.store = ResumeStore(Path(from_leader(self.info, str(self.store.directory))), self.store.job)
         self._barrier()  # the others read only after rank 0 has kept or replaced the record
         records = self.store.finished(layers) if self.store.open(writer=False) else []
         # every rank must start at the same layer: the fewest any of them found (all read the same files)
@@ -150,9 +148,8 @@ class RankedLayerWalk:
         and would miss the collective)."""
         if parse_unit_path(path) is not None:
             return chosen
-        shared = [chosen.rows, chosen.weights]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        return MeasuredChannels(rows=shared[0], weights=shared[1], amax=chosen.amax)
+        rows, weights = from_leader(self.info, (chosen.rows, chosen.weights))
+        return MeasuredChannels(rows=rows, weights=weights, amax=chosen.amax)
 
     def _reduce_recorder(self, recorder: AmaxRecorder) -> None:
         """MAX over the ranks of every per-step amax, SUM of the experts' tokens, in place in ``recorder``."""
@@ -187,11 +184,7 @@ class RankedLayerWalk:
 
     def _gather_all(self, items: list[Any]) -> list[Any]:
         """Every rank's ``items``, concatenated in rank order."""
-        if self.world_size == 1:
-            return items
-        gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, items)
-        return [item for rank_items in gathered for item in rank_items]
+        return [item for rank_items in every_rank(self.info, items) for item in rank_items]
 
     def _reduce_sqnr(self, recorder: AmaxRecorder, owned: Callable[[str], bool]
                      ) -> list[tuple[str, str, str, float, float]]:
@@ -207,10 +200,8 @@ class RankedLayerWalk:
         sums = self.meter.sums_of(owned)
         if self.world_size == 1:
             return sums
-        gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, sums)
         merged: dict[tuple[str, str, str], list[float]] = {}
-        for rank_sums in gathered:
+        for rank_sums in every_rank(self.info, sums):
             for path, label, what, signal, noise in rank_sums:
                 total = merged.setdefault((path, label, what), [0.0, 0.0])
                 total[0], total[1] = total[0] + signal, total[1] + noise

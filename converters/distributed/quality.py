@@ -48,21 +48,17 @@ def start_quality_group() -> None:
     _GROUP[:] = [dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=QUALITY_WAIT_S))]
 
 
-def _group() -> Any:
-    return _GROUP[0] if _GROUP else None
-
-
 def patient_group() -> Any:
-    """The exchanges' group (None before :func:`start_quality_group`: the job's own), for another wait on rank 0 that
-    can outlast a layer's timeout (its write of a smoothed copy of the whole model)."""
-    return _group()
+    """The exchanges' group (None before :func:`start_quality_group`: the job's own), also for another wait on rank 0
+    that can outlast a layer's timeout (its write of a smoothed copy of the whole model)."""
+    return _GROUP[0] if _GROUP else None
 
 
 def _broadcast(message: Any) -> Any:
     import torch.distributed as dist
 
     box = [message]
-    dist.broadcast_object_list(box, src=0, group=_group())
+    dist.broadcast_object_list(box, src=0, group=patient_group())
     return box[0]
 
 
@@ -77,7 +73,7 @@ class _Gather:
 
         self.ran = True
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine, group=_group())
+        dist.all_gather_object(gathered, mine, group=patient_group())
         return gathered
 
 
