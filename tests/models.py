@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 from pathlib import Path
+from typing import Any
 
 __all__ = ["TINY_CONFIGS", "MORE_CONFIGS", "MOE_CONFIGS", "tiny_config", "save_tiny_model", "save_tiny_moe",
            "install_in_hf_cache", "minilm_dir"]
@@ -82,8 +83,11 @@ def save_tiny_model(name: str, directory: Path, *, seed: int = 0) -> Path:
     return directory
 
 
-def save_tiny_moe(name: str, directory: Path, *, seed: int = 0) -> Path:
-    """A tiny MoE model of ``MOE_CONFIGS`` with the demo's trained tokenizer, both saved with save_pretrained."""
+def save_tiny_moe(name: str, directory: Path, *, seed: int = 0, dtype: str | None = None, **overrides: Any) -> Path:
+    """A tiny MoE model of ``MOE_CONFIGS`` with the demo's trained tokenizer, both saved with save_pretrained.
+
+    ``dtype``: the weights' dtype on disk (``"bfloat16"``; default float32); ``overrides``: config fields changed
+    (``hidden_size=256`` gives heads of 64, the smallest vLLM's CPU attention takes)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -94,9 +98,10 @@ def save_tiny_moe(name: str, directory: Path, *, seed: int = 0) -> Path:
     class_name, kwargs = MOE_CONFIGS[name]
     config = getattr(transformers, class_name)(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **kwargs)
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **{**kwargs, **overrides})
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    model = AutoModelForCausalLM.from_config(config)
+    (model.to(getattr(torch, dtype)) if dtype else model).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -36,6 +37,15 @@ AMX = torch.cpu._is_amx_tile_supported()
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: a routed expert's projection in a checkpoint -> (the stacked parameter vLLM's FusedMoE holds every expert of the
+#: layer in, ``[experts, rows, ...]``, and the projection's shard of it): gate and up stacked as w13
+EXPERT_SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0),
+                 "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)\.(?P<rest>\w+)$")
+_STACKED = re.compile(r"^(?P<experts>.+\.experts)(\.\w+)*\.(?P<kind>w13|w2)_weight$")
+#: vLLM's Qwen2-MoE registers its shared expert twice: as ``mlp.shared_expert`` (the checkpoint's name, checked) and
+#: inside its fused MoE as ``mlp.experts._shared_experts._layer`` (the same module, no checkpoint name of its own)
+VLLM_ALIAS = "._shared_experts._layer."
 #: KV-cache scale names in a checkpoint (compressed-tensors', then ModelOpt's) -> vLLM's attention parameter
 KV_NAMES = {".self_attn.k_scale": ".self_attn.attn.k_scale", ".self_attn.v_scale": ".self_attn.attn.v_scale",
             ".self_attn.k_proj.k_scale": ".self_attn.attn.k_scale",
@@ -191,31 +201,66 @@ def _target(name: str, written: dict[str, torch.Tensor]) -> tuple[str, int | Non
     return target, None, slice(start, start + rows[shard])
 
 
+def _loaded_part(name: str, written: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]
+                 ) -> tuple[str, torch.Tensor | None]:
+    """The vLLM parameter the checkpoint tensor ``name`` loads into, and the part of it that holds the tensor (None:
+    no such parameter)."""
+    expert = _EXPERT_TENSOR.match(name)
+    if expert and expert["projection"] in EXPERT_SHARDS:
+        return _expert_part(name, expert, written, loaded)
+    target, shard, rows = _target(name, written)
+    if target not in loaded:
+        return target, None
+    value = loaded[target]
+    if shard is not None:
+        return target, value.reshape(-1)[shard]
+    return target, value if rows is None else value[rows]
+
+
+def _expert_part(name: str, expert: re.Match, written: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]
+                 ) -> tuple[str, torch.Tensor | None]:
+    """A routed expert's tensor in vLLM's stacked parameter: its expert's slice, then its shard's rows (a weight,
+    per-channel or MX scales) or element (a per-tensor weight scale). vLLM keeps one input scale per expert for gate
+    and up together (its loader refuses two that differ), so a per-tensor input scale is that expert's one."""
+    kind, shard = EXPERT_SHARDS[expert["projection"]]
+    suffix = f".{kind}_{expert['rest']}"
+    target = next((key for key in loaded if key.startswith(f"{expert['experts']}.") and key.endswith(suffix)),
+                  expert["experts"] + suffix)
+    if target not in loaded:
+        return target, None
+    value = loaded[target][int(expert["expert"])]
+    if written[name].numel() == 1:
+        return target, value.reshape(-1)[shard] if value.numel() > 1 else value
+    prefix = name.removesuffix(f"{expert['projection']}.{expert['rest']}")
+    rows = {index: written[f"{prefix}{projection}.{expert['rest']}"].shape[0]
+            for projection, (stacked, index) in EXPERT_SHARDS.items()
+            if stacked == kind and f"{prefix}{projection}.{expert['rest']}" in written}
+    start = sum(rows[index] for index in range(shard))
+    return target, value[start:start + rows[shard]]
+
+
 def load_problems(directory: Path, run: EngineRun) -> list[str]:
     """What vLLM did not load as written: a checkpoint tensor that reached no parameter or a different value, and,
-    with an FP8 KV cache, an attention layer whose scales did not come from the file."""
-    if run.error:
+    with an FP8 KV cache, an attention layer whose scales did not come from the file. A run that stopped after
+    vLLM's loaders had filled the model (no CPU kernel for the scheme) is checked on what they filled, its KV
+    scales as its attention layers' parameters."""
+    if run.error and "dump" not in run.raw:
         return [f"vLLM failed to run {directory.name}: {run.error}"]
     written, loaded = file_tensors(directory), run.loaded()
     problems = []
     kv_written: dict[str, float] = {}
     for name, tensor in written.items():
-        target, shard, rows = _target(name, written)
-        if target not in loaded:
+        target, value = _loaded_part(name, written, loaded)
+        if value is None:
             problems.append(f"{name} reaches no vLLM parameter ({target} does not exist): vLLM drops it")
             continue
-        value = loaded[target]
-        if shard is not None:
-            value = value.reshape(-1)[shard]
-        elif rows is not None:
-            value = value[rows]
         kv = target.endswith((".attn.k_scale", ".attn.v_scale"))
         if kv:
             kv_written[target] = float(tensor.float().reshape(-1)[0])
         # vLLM holds KV scales in float32; ModelOpt writes float32 ones and vLLM may round them through bf16
         if not _same(value, tensor, bf16_rounding=kv):
             problems.append(f"{name}: vLLM's {target} holds other values than the file")
-    if run.raw.get("kv_cache_dtype") == "fp8":
+    if run.raw.get("kv_cache_dtype") == "fp8" and not run.error:
         for layer, scales in run.attention.items():
             for kind in ("k_scale", "v_scale"):
                 expected = kv_written.get(f"{layer}.{kind}")
@@ -250,14 +295,17 @@ def fidelity_problems(source: Path, run: EngineRun) -> list[str]:
     """Each FP8 weight as vLLM multiplies it (its loaded FP8 values times its loaded scale) against the source's
     bf16 weight: a relative error above MAX_WEIGHT_ERROR is a wrong scale or wrong values. FP4 (packed uint8)
     weights are not dequantized here: their load check alone covers them."""
-    if run.error:
+    if run.error and "dump" not in run.raw:
         return [f"vLLM failed to run: {run.error}"]
     original, loaded = file_tensors(source), run.loaded()
     config = json.loads((Path(run.raw["model"]) / "config.json").read_text())
     block = config.get("quantization_config", {}).get("weight_block_size")  # fp8-block: scales per block
     problems = []
     for name, weight in loaded.items():
-        if weight.dtype != torch.float8_e4m3fn or not name.endswith(".weight"):
+        stacked = _STACKED.match(name)
+        if weight.dtype == torch.float8_e4m3fn and stacked:
+            problems += _expert_fidelity(stacked, weight, loaded, original)
+        if weight.dtype != torch.float8_e4m3fn or not name.endswith(".weight") or VLLM_ALIAS in name:
             continue
         module = name.removesuffix(".weight")
         prefix, _, fused = module.rpartition(".")
@@ -274,5 +322,29 @@ def fidelity_problems(source: Path, run: EngineRun) -> list[str]:
             error = float((values * shard_scale - expected).norm() / expected.norm().clamp(min=1e-12))
             if error > MAX_WEIGHT_ERROR:
                 problems.append(f"{prefix}.{shard}: the weight vLLM multiplies is {error:.0%} off the source's")
+            start += rows
+    return problems
+
+
+def _expert_fidelity(stacked: re.Match, weight: torch.Tensor, loaded: dict[str, torch.Tensor],
+                     original: dict[str, torch.Tensor]) -> list[str]:
+    """:func:`fidelity_problems` for one of vLLM's stacked expert weights (``[experts, rows, in]``, gate and up
+    stacked in w13): each expert's shards against the source's per-expert weights."""
+    experts, kind = stacked["experts"], stacked["kind"]
+    scales = loaded[stacked.string.removesuffix("weight") + "weight_scale"]
+    problems = []
+    for expert in range(weight.shape[0]):
+        shards = [projection for index in (0, 1) for projection, (into, at) in EXPERT_SHARDS.items()
+                  if into == kind and at == index and f"{experts}.{expert}.{projection}.weight" in original]
+        start = 0
+        for index, shard in enumerate(shards):
+            expected = original[f"{experts}.{expert}.{shard}.weight"].float()
+            rows = expected.shape[0]
+            values = weight[expert, start:start + rows].float()
+            scale = _shard_scale(scales[expert], len(shards), index, start, rows)
+            error = float((values * scale - expected).norm() / expected.norm().clamp(min=1e-12))
+            if error > MAX_WEIGHT_ERROR:
+                problems.append(f"{experts}.{expert}.{shard}: the weight vLLM multiplies is {error:.0%} off the "
+                                "source's")
             start += rows
     return problems

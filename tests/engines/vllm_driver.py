@@ -380,8 +380,23 @@ def main(request_path: str) -> None:
         except Exception as exc:  # noqa: BLE001 (the caller asserts on it: the message is what it needs)
             import traceback
 
-            results.append({"model": request["model"], "error": f"{type(exc).__name__}: {exc}",
-                            "traceback": traceback.format_exc(limit=8)})
+            failed = {"model": request["model"], "error": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc(limit=8)}
+            loaded = _snapshot_into[0]
+            if loaded:  # it failed after the loaders had filled every parameter: what they filled is still checkable
+                from safetensors.torch import save_file
+
+                save_file({name: tensor.contiguous() for name, tensor in loaded.items()}, request["dump"])
+                failed["dump"] = request["dump"]
+            results.append(failed)
+            # a run that failed while building its engine leaves vLLM's process-wide distributed state behind: the
+            # next run's engine would find it half set up ("tensor model parallel group is not initialized")
+            import gc
+
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            gc.collect()
+            cleanup_dist_env_and_memory()
     print(json.dumps({"stand_ins": stand_ins, "runs": results, "attention": attention}))
 
 
