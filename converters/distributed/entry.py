@@ -59,7 +59,7 @@ def run_ranked_conversion(request: ConversionRequest, out_dir: Path, sources: Mo
             run = Run(request=request, sources=sources, sink=sink or NullSink())
             run.distributed = job
             run_stages(run, stop_after=Stage.CALIBRATE)
-            follow_quality(run, quality_block)
+            follow_quality(info, run, quality_block)
             return None
         result = run_conversion(request, out_dir, sources, sink, serving_shards=serving_shards, distributed=job)
         if record is not None:  # published: a restart has nothing left to resume

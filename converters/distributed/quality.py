@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from converters.distributed.ranks import RankInfo
+from converters.distributed.ranks import RankInfo, every_rank, from_leader
 from converters.quality.ranks import QualityShare
 
 __all__ = ["QUALITY_WAIT_S", "QualityRun", "end_quality", "follow_quality", "patient_group", "quality_share",
@@ -54,27 +54,16 @@ def patient_group() -> Any:
     return _GROUP[0] if _GROUP else None
 
 
-def _broadcast(message: Any) -> Any:
-    import torch.distributed as dist
-
-    box = [message]
-    dist.broadcast_object_list(box, src=0, group=patient_group())
-    return box[0]
-
-
 class _Gather:
-    """An all-gather of objects over the job's ranks, which remembers whether it ran."""
+    """An all-gather of objects over the job's ranks, on the patient group, which remembers whether it ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, info: RankInfo) -> None:
+        self.info = info
         self.ran = False
 
     def __call__(self, mine: Any) -> list[Any]:
-        import torch.distributed as dist
-
         self.ran = True
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine, group=patient_group())
-        return gathered
+        return every_rank(self.info, mine, group=patient_group())
 
 
 def quality_share(info: RankInfo, run: QualityRun, staging: Path) -> QualityShare:
@@ -83,17 +72,18 @@ def quality_share(info: RankInfo, run: QualityRun, staging: Path) -> QualityShar
     if info.world_size == 1:
         return QualityShare(rank=0, world_size=1, gather=lambda mine: [mine])
     if info.leader:
-        _broadcast({"staging": str(staging), "report": run.report, "serving": run.serving})
-    _LAST[:] = [_Gather()]  # follow_quality checks that it ran
+        from_leader(info, {"staging": str(staging), "report": run.report, "serving": run.serving},
+                    group=patient_group())
+    _LAST[:] = [_Gather(info)]  # follow_quality checks that it ran
     return QualityShare(rank=info.rank, world_size=info.world_size, gather=_LAST[0])
 
 
-def follow_quality(run: QualityRun, quality_block: Callable[[Any, Path], dict[str, Any]]) -> None:
+def follow_quality(info: RankInfo, run: QualityRun, quality_block: Callable[[Any, Path], dict[str, Any]]) -> None:
     """A rank other than 0, after calibrating: run each quality pass rank 0 announces, until it says the job is
     published. ``quality_block``: the pipeline's pass (``converters.pipeline.quality_report.quality_block``; an
     argument because the pipeline sits above this package). Raises what the pass raises past its own handling,
     and a lost rank 0's error."""
-    while (message := _broadcast(None)) is not None:
+    while (message := from_leader(info, None, group=patient_group())) is not None:
         # rank 0's, as its convert stage left them (the report is set once: its contents are replaced)
         run.report.clear()
         run.report.update(message["report"])
@@ -104,10 +94,10 @@ def follow_quality(run: QualityRun, quality_block: Callable[[Any, Path], dict[st
             # this rank stopped before the pass that rank 0 runs: its reason makes the figures unavailable there
             reason = block.get("reason", "the pass did not start")
             logger.warning("quality pass not run on this rank: %s", reason)
-            _Gather()(reason)
+            _Gather(info)(reason)
 
 
 def end_quality(info: RankInfo) -> None:
     """Rank 0, once the artifact is published: the waiting ranks may end."""
-    if info.world_size > 1 and info.leader:
-        _broadcast(None)
+    if info.leader:
+        from_leader(info, None, group=patient_group())

@@ -118,14 +118,14 @@ def end_group() -> None:
         dist.destroy_process_group()
 
 
-def every_rank(info: RankInfo, item: Any) -> list[Any]:
-    """Every rank's ``item`` in rank order, on every rank."""
+def every_rank(info: RankInfo, item: Any, *, group: Any = None) -> list[Any]:
+    """Every rank's ``item`` in rank order, on every rank; ``group``: the process group (None: the job's)."""
     if info.world_size == 1:
         return [item]
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * info.world_size
-    dist.all_gather_object(gathered, item)
+    dist.all_gather_object(gathered, item, group=group)
     return gathered
 
 

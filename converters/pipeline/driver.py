@@ -33,7 +33,7 @@ from converters.pipeline.serving_export import ServingShardRunner
 from converters.pipeline.source_smoothing import remove_smoothed_source, smooths_source
 from converters.pipeline.stages import STAGE_FUNCTIONS, start
 from converters.pipeline.state import NullSink, ProgressSink, Run, Stage
-from converters.pipeline.weight_copy import BackgroundWeightCopy
+from converters.pipeline.weight_copy import start_weight_copy
 
 if TYPE_CHECKING:
     from converters.distributed.job import DistributedJob
@@ -107,12 +107,12 @@ def run_conversion(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     run.staging = staging
-    def start_weight_copy(run: Run) -> None:  # the copy needs only the files: it runs beside calibration
+    def copy_beside_calibration(run: Run) -> None:  # the copy needs only the files: it runs beside calibration
         if not smooths_source(run.recipe):  # else it starts from the source the job converts, once that is written
-            run.weight_copy = BackgroundWeightCopy.of_source(run.resolved, staging, run.sources)
+            start_weight_copy(run)
 
     try:
-        run_stages(run, stop_after=Stage.CONVERT, after_resolve=start_weight_copy)
+        run_stages(run, stop_after=Stage.CONVERT, after_resolve=copy_beside_calibration)
         written = run_stage(run, Stage.EXPORT, export, run, staging, serving_shards)
         run.quality = run_stage(run, Stage.QUALITY, quality, run, staging)
         if run.request.plan is not None:

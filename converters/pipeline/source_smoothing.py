@@ -32,7 +32,7 @@ from converters.model.safetensors_stream import read_tensor_index
 from converters.model.sources import confinement_for
 from converters.pipeline.progress import SMOOTHING_STEPS, Unit
 from converters.pipeline.state import Run
-from converters.pipeline.weight_copy import BackgroundWeightCopy
+from converters.pipeline.weight_copy import start_weight_copy
 from converters.recipes.base import NVFP4Smoothing
 from converters.rewrite import REMOVE, Compute, Copy, finish_checkpoint, write_shard
 from converters.serving import serving_format
@@ -106,7 +106,7 @@ def smooth_source(run: Run, batches: list[dict[str, Any]]) -> dict[str, Any] | N
         _use_as_source(run, directory)
     if not leader:  # the report is rank 0's
         return {"method": method.value, "applied": True}
-    _start_weight_copy(run)
+    start_weight_copy(run)
     seconds = {"search": round(searched - started, 3), "copy": round(time.perf_counter() - searched, 3)}
     results = [record["result"].partition(":")[0] for record in walk.records]
     return {"method": method.value, "applied": True, "exports": w4a4,
@@ -127,14 +127,8 @@ def remove_smoothed_source(staging: Path) -> None:
 
 def _not_applied(run: Run, reason: str) -> dict[str, Any]:
     run.warn(reason)
-    _start_weight_copy(run)
+    start_weight_copy(run)
     return {"method": run.recipe.nvfp4_smoothing.value, "applied": False, "reason": reason}
-
-
-def _start_weight_copy(run: Run) -> None:
-    """The artifact's copy of the source's weight files, beside the calibration still to come (a conversion's only)."""
-    if run.staging is not None and run.weight_copy is None:
-        run.weight_copy = BackgroundWeightCopy.of_source(run.resolved, run.staging, run.sources)
 
 
 def _is_w4a4(name: str) -> bool:

@@ -21,7 +21,7 @@ from converters.model.files import FileConfinement
 from converters.model.quantized.stored import write_dequantized_files
 from converters.model.sources import confinement_for
 
-__all__ = ["BackgroundWeightCopy"]
+__all__ = ["BackgroundWeightCopy", "start_weight_copy"]
 
 
 class BackgroundWeightCopy:
@@ -76,3 +76,11 @@ class BackgroundWeightCopy:
         """Stop after the file being copied and wait: the caller is about to remove ``directory``."""
         self._stop.set()
         self._thread.join()
+
+
+def start_weight_copy(run: Any) -> None:
+    """Start the artifact's copy of the run's source (``run.resolved``: the source the job converts, or its smoothed
+    copy) into the run's staging directory, once. A run with no staging directory (a rank that only calibrates)
+    writes no artifact and copies nothing."""
+    if run.staging is not None and run.weight_copy is None:
+        run.weight_copy = BackgroundWeightCopy.of_source(run.resolved, run.staging, run.sources)
