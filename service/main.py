@@ -10,12 +10,12 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import Depends, FastAPI
 
 from service.api.auth import KeyRing, require_caller
+from service.api.error_responses import install_error_handler
 from service.api.limits import BodyLimitMiddleware
 from service.api.routes import analyze, artifacts, health, jobs
 from service.api.schemas import ErrorBody
 from service.artifacts import open_storage
 from service.config import Settings, load_settings
-from service.errors import install_error_handler
 from service.store import JobStore
 from service.ui import install_ui
 from service.workers.reaper import Reaper

@@ -6,6 +6,8 @@ why on its line."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,3 +141,14 @@ def test_every_lazily_exported_name_is_defined_where_its_package_says():
                     if not hasattr(importlib.import_module(value.value), key.value):
                         missing.append(f"{path.relative_to(ROOT)}: {key.value} is not in {value.value}")
     assert missing == []
+
+
+def test_the_workers_and_the_model_check_children_load_no_web_framework_and_no_migration_tool():
+    """A worker, its fork server and conversion children (``service.workers.child``) and the API's model-check
+    children (``service.api.analyze_pool``) serve no HTTP and change no schema: fastapi (about 0.2 s of imports)
+    stays with the API (``service.api.error_responses``) and alembic with the schema's upgrade, off every one of
+    those process starts."""
+    code = ("import sys, service.workers.child, service.workers.worker, service.api.analyze_pool; "
+            "print(sorted(name for name in ('fastapi', 'starlette', 'alembic') if name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.split() == ["[]"]

@@ -9,7 +9,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import BodyTooLarge, TooManyStreams, error_response
+from service.api.error_responses import error_response
+from service.errors import BodyTooLarge, TooManyStreams
 
 __all__ = ["BodyLimitMiddleware", "StreamSlots", "stream_slots"]
 

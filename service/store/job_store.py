@@ -27,7 +27,6 @@ from service.errors import IdempotencyConflict, InvalidRequest, InvalidTransitio
 from service.jobs import Job, JobStatus, Stage, public_worker_name, transition
 from service.store.events import EventLog
 from service.store.host_faults import HostFault, avoided_by, charge, live_hosts, public_host_name
-from service.store.migrations import version_table
 from service.store.probe import Probe
 from service.store.schema import (
     ACTIVE_STATUSES,
@@ -100,6 +99,8 @@ class JobStore:
 
     def drop_all(self) -> None:
         """Drop this store's tables (tests use it to clean up their own prefix)."""
+        from service.store.migrations import version_table  # alembic's package: only for the schema's changes
+
         self.tables.metadata.drop_all(self.engine)
         with self.engine.begin() as conn:
             conn.execute(sa.text(f'DROP TABLE IF EXISTS "{version_table(self._prefix)}"'))

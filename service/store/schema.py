@@ -14,7 +14,6 @@ from sqlalchemy.engine import Engine, make_url
 
 from service.config import make_private_dir, make_private_file
 from service.jobs import JobStatus
-from service.store.migrations import upgrade_schema
 
 __all__ = [
     "ACTIVE_STATUSES", "StoreTimeouts", "Tables", "brief", "create_schema", "db_now",
@@ -137,6 +136,8 @@ def create_schema(engine: Engine, t: Tables, prefix: str) -> None:
     outside the transaction: a start that loses the race to another (a table or version row already there) runs
     the upgrade again and finds nothing left to do.
     """
+    from service.store.migrations import upgrade_schema  # alembic: only a process that opens a store needs it
+
     for attempt in range(3):
         try:
             with engine.begin() as conn:

@@ -8,7 +8,8 @@ import pytest
 
 from converters.errors import Fp8ForgeError, RequestError
 from converters.pipeline.request import ConversionRequest
-from service.errors import ERROR_CODES, ServiceError, error_response
+from service.api.error_responses import error_response
+from service.errors import ERROR_CODES, ServiceError
 from service.store import JobStore
 from tests.service_helpers import live_app, publish_job, queue_only_settings
 
