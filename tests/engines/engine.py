@@ -336,6 +336,9 @@ def _expert_fidelity(stacked: re.Match, weight: torch.Tensor, loaded: dict[str, 
     for expert in range(weight.shape[0]):
         shards = [projection for index in (0, 1) for projection, (into, at) in EXPERT_SHARDS.items()
                   if into == kind and at == index and f"{experts}.{expert}.{projection}.weight" in original]
+        if len(shards) != (2 if kind == "w13" else 1):
+            problems.append(f"{experts}.{expert}: the source has no {kind} weights of that expert to compare")
+            continue
         start = 0
         for index, shard in enumerate(shards):
             expected = original[f"{experts}.{expert}.{shard}.weight"].float()
