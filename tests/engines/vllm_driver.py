@@ -263,10 +263,7 @@ def score_texts(llm, texts: list[list[int]]) -> list[dict]:
 
 def run_one(request: dict) -> dict:
     """Build the engine for one model, generate, score and dump; the engine is torn down before returning."""
-    import gc
-
     from vllm import LLM, SamplingParams
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     store: dict = {}
     _snapshot_into[0] = store if request.get("dump") else None
@@ -309,18 +306,32 @@ def run_one(request: dict) -> dict:
         result["instrument"] = {**counters.report(), **prefill_reads_cache(llm, texts[:1], scores[:1], score_texts)}
         counters.uninstall()
     if request.get("dump"):
-        from safetensors.torch import save_file
-
-        save_file({name: tensor.contiguous() for name, tensor in store.items()}, request["dump"])
+        save_dump(store, request["dump"])
         result["dump"] = request["dump"]
     result["attention"] = attention_scales(model)
     result["quant_methods"] = sorted({type(module.quant_method).__name__ for module in model.modules()
                                       if getattr(module, "quant_method", None) is not None})
     result["seconds"], result["cpu_seconds"] = seconds, cpu_seconds
     del model, llm
+    release_engine()
+    return result
+
+
+def save_dump(store: dict, path: str) -> None:
+    """The loaders' snapshot (:func:`snapshot_before_processing`) as one safetensors file."""
+    from safetensors.torch import save_file
+
+    save_file({name: tensor.contiguous() for name, tensor in store.items()}, path)
+
+
+def release_engine() -> None:
+    """Free vLLM's process-wide distributed state and memory, so that the next run builds its engine afresh."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
     gc.collect()
     cleanup_dist_env_and_memory()
-    return result
 
 
 def attend_through_cache(case: dict) -> dict:
@@ -384,19 +395,12 @@ def main(request_path: str) -> None:
                       "traceback": traceback.format_exc(limit=8)}
             loaded = _snapshot_into[0]
             if loaded:  # it failed after the loaders had filled every parameter: what they filled is still checkable
-                from safetensors.torch import save_file
-
-                save_file({name: tensor.contiguous() for name, tensor in loaded.items()}, request["dump"])
+                save_dump(loaded, request["dump"])
                 failed["dump"] = request["dump"]
             results.append(failed)
             # a run that failed while building its engine leaves vLLM's process-wide distributed state behind: the
             # next run's engine would find it half set up ("tensor model parallel group is not initialized")
-            import gc
-
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            gc.collect()
-            cleanup_dist_env_and_memory()
+            release_engine()
     print(json.dumps({"stand_ins": stand_ins, "runs": results, "attention": attention}))
 
 
