@@ -42,10 +42,7 @@ TOKENS = 128
 #: 2x or a dropped KV scale costs far more
 MAX_RATIO = 1.25
 BROKEN = "kv-scales-inverted"
-#: tokens generated after the 16-token prompt: the prompt pass fills the KV cache and each later step reads it back.
-#: Two, not more: the dynamic export's per-token FP8 GEMMs reach torch._scaled_mm, which on a CPU with AMX runs
-#: oneDNN's reference matmul, so each decode step there costs a full forward of slow GEMMs
-#: (docs/benchmarks/test-suite-2026-12-04g.md measures it)
+#: tokens generated after the 16-token prompt: the prompt pass fills the KV cache and each later step reads it back
 GENERATED = 2
 
 

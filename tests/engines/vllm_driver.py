@@ -10,7 +10,7 @@ safetensors only. Usage: ``.venv-vllm/bin/python tests/engines/vllm_driver.py RE
 - ``dump``: a safetensors path: every parameter and buffer of the model as vLLM's loader filled them, taken just
   before ``process_weights_after_loading`` (which repacks, requantizes fused shards and folds scales), plus each
   attention layer's ``_k_scale`` / ``_v_scale`` after it (the scales the KV cache is written with);
-- ``instrument``: true adds ``instrument`` to the run's JSON (:mod:`vllm_probe`): the linear kernel each quantized
+- ``instrument``: true adds ``instrument`` to the run's JSON (:class:`Counters`): the linear kernel each quantized
   layer selected, the activation casts and ``torch._scaled_mm`` calls per forward, the stand-in's calls at load
   and per forward, and whether the prompt pass reads its keys back from the KV cache.
 
@@ -378,6 +378,10 @@ def main(request_path: str) -> None:
 
         faulthandler.dump_traceback_later(asked["stacks_every_s"], repeat=True, file=sys.stderr)
     stand_ins = install_stand_ins()
+    if asked.get("fp8_gemm_in_torch"):  # stand-in 4 (docs/engines.md): the engine tests ask for it, the benchmark not
+        import cpu_fp8_gemm  # beside this script
+
+        stand_ins += filter(None, [cpu_fp8_gemm.install()])
     enable_amx_tiles()
     snapshot_before_processing()
     attention = [attend_through_cache(case) for case in asked.get("attention", [])]
