@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from torch import nn
 
 from converters.artifact.files import verify_manifest
 from converters.artifact.layout import REPORT_FILE, read_fp8_block
+from converters.backends.cpu_fp8_gemm import torch_fp8_gemms
 from converters.backends.gemm_trace import GemmKind, LinearCheck, tracing_gemms
 from converters.backends.loaders import load_te, load_torchao
 from converters.backends.te.probe import te_step_checks
@@ -29,8 +31,9 @@ from converters.recipes import recipe_from_dict
 
 __all__ = ["LinearCheck", "ProbeReport", "probe_artifact", "format_probe"]
 
-_CPU_NOTE = ("'fp8 (emulated on CPU)': FP8 operands went into torch._scaled_mm's CPU kernel: the step computes with "
-             "the FP8-rounded values, but no FP8 tensor core ran; run the check on the training GPU for its kernels")
+_CPU_NOTE = ("'fp8 (emulated on CPU)': FP8 operands went into torch._scaled_mm's CPU kernel (torch's own path): the "
+             "step computes with the FP8-rounded values, but no FP8 tensor core ran; run the check on the training GPU "
+             "for its kernels")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +145,9 @@ def _training_step(model: nn.Module, ids: torch.Tensor) -> float:
 def _torchao_step_checks(model: nn.Module, ids: torch.Tensor, expected: set[str]
                          ) -> tuple[float, list[LinearCheck], list[str]]:
     paths = [path for path, module in model.named_modules() if isinstance(module, nn.Linear)]
-    with tracing_gemms(model, paths) as gemms:
+    # on a CPU with AMX torch would run the FP8 GEMMs as oneDNN's reference matmul, many times slower
+    on_cpu = torch_fp8_gemms() if ids.device.type == "cpu" else nullcontext()
+    with tracing_gemms(model, paths) as gemms, on_cpu:
         loss = _training_step(model, ids)
     layers = []
     for path in paths:

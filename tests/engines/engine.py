@@ -124,7 +124,7 @@ def run_vllm(requests: list[EngineRequest], work: Path, *, timeout: float = 1800
         if request.dump:
             run["dump"] = str(work / f"loaded-{index}.safetensors")
         runs.append(run)
-    # fp8_gemm_in_torch: an FP8 GEMM's result, not oneDNN's reference kernel (tests/engines/cpu_fp8_gemm.py)
+    # fp8_gemm_in_torch: an FP8 GEMM's result, not oneDNN's reference kernel (converters/backends/cpu_fp8_gemm.py)
     return [EngineRun(raw) for raw in _drive({"runs": runs, "fp8_gemm_in_torch": True}, work, timeout)["runs"]]
 
 

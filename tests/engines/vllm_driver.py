@@ -113,6 +113,19 @@ def install_stand_ins() -> list[str]:
     return replaced
 
 
+def project_module(path: str):
+    """A module of the project that imports torch only, loaded from its file: the project's packages are not
+    installed in vLLM's venv (their ``__init__`` would import torchao and the rest)."""
+    import importlib.util
+    from pathlib import Path
+
+    file = Path(__file__).resolve().parents[2] / path
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def linear_kernels(model) -> dict[str, int]:
     """The linear kernel class each quantized layer of the loaded ``model`` selected, counted by class name."""
     kernels: dict[str, int] = {}
@@ -379,9 +392,7 @@ def main(request_path: str) -> None:
         faulthandler.dump_traceback_later(asked["stacks_every_s"], repeat=True, file=sys.stderr)
     stand_ins = install_stand_ins()
     if asked.get("fp8_gemm_in_torch"):  # stand-in 4 (docs/engines.md): the engine tests ask for it, the benchmark not
-        import cpu_fp8_gemm  # beside this script
-
-        stand_ins += filter(None, [cpu_fp8_gemm.install()])
+        stand_ins += filter(None, [project_module("converters/backends/cpu_fp8_gemm.py").install()])
     enable_amx_tiles()
     snapshot_before_processing()
     attention = [attend_through_cache(case) for case in asked.get("attention", [])]

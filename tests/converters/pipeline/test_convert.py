@@ -8,6 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from converters.artifact.files import sha256_file, verify_manifest
+from converters.backends.cpu_fp8_gemm import torch_fp8_gemms
 from converters.backends.loaders import load_torchao
 from converters.backends.te.layout import TE_STATE_NAMES, state_key
 from converters.calibration.amax import LayerAmax, te_scaling_state
@@ -15,7 +16,6 @@ from converters.errors import ArtifactError
 from converters.model.sources import ModelSourceOptions, load_model
 from converters.recipes import recipe_from_dict
 from service.cli.main import main
-from tests.engines.cpu_fp8_gemm import torch_fp8_gemms
 from tests.models import minilm_dir, save_tiny_model
 
 SMALL_CALIBRATION = ["--calib-steps", "3", "--calib-seq-len", "32", "--no-progress"]
@@ -111,7 +111,7 @@ def test_real_minilm_torchao_recipes(tmp_path, recipe_name):
     with torch.no_grad():
         reference = original(input_ids=ids).last_hidden_state
     model.eval()  # no dropout in the comparison
-    # the FP8 GEMMs' results, not oneDNN's reference kernel (on an AMX CPU: 50 s of these three tests' CPU)
+    # the FP8 GEMMs' results, not oneDNN's slow reference kernel on a CPU with AMX (cpu_fp8_gemm)
     with torch_fp8_gemms():
         with torch.no_grad():
             output = model(input_ids=ids).last_hidden_state
