@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 def onednn_runs_fp8_gemms() -> bool:
     """Whether torch sends FP8 GEMMs to oneDNN here (a build with oneDNN, on a CPU with AMX tiles)."""
-    return torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private in torch 2.13: a later torch may move it
+    return torch.backends.mkldnn.is_available() and amx is not None and amx()
 
 
 def scaled_mm_in_torch(scaled_mm: Callable) -> Callable:

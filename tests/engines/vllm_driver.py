@@ -14,10 +14,11 @@ safetensors only. Usage: ``.venv-vllm/bin/python tests/engines/vllm_driver.py RE
   layer selected, the activation casts and ``torch._scaled_mm`` calls per forward, the stand-in's calls at load
   and per forward, and whether the prompt pass reads its keys back from the KV cache.
 
-The CPU build lacks two ops the FP8 paths call; :func:`install_stand_ins` replaces them with plain torch, test-only
-(docs/engines.md lists every line and why). Everything else is vLLM's own code: its config parsing, its
-quantization schemes' create_weights / weight loaders / process_weights_after_loading, its kernels' selection and
-its model code.
+The CPU build lacks two ops the FP8 paths call; :func:`install_stand_ins` replaces them with plain torch, test-only,
+and a request with ``fp8_gemm_in_torch`` runs ``torch._scaled_mm`` through torch's own CPU path where torch would
+pick oneDNN's reference FP8 matmul (docs/engines.md lists every line and why). Everything else is vLLM's own code:
+its config parsing, its quantization schemes' create_weights / weight loaders / process_weights_after_loading, its
+kernels' selection and its model code.
 """
 
 from __future__ import annotations
