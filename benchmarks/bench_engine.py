@@ -90,13 +90,21 @@ DYNAMIC = "compressed-tensors-fp8-dynamic"
 SOURCE = "bf16 source"
 
 
-def scoring_texts(all_texts: bool) -> list[str] | None:
+def scoring_texts(all_texts: bool, package_prose: bool = False) -> list[str] | None:
     """The texts both sides score: None, the report's own held-out texts (~1050 positions); ``all_texts``: those,
     then every other corpus text (the calibration part: not held out, but the same tokens for the report's pass and
-    the engine, so that report/engine - 1 is measured on about four times the positions)."""
+    the engine, so that report/engine - 1 is measured on about four times the positions); ``package_prose``: then
+    the installed packages' descriptions (bench_nvfp4.package_prose: text no calibration read), for the W4A4 rows,
+    whose per-position noise needs tens of thousands of positions."""
+    import torch
+    from bench_nvfp4 import package_prose as prose
+
     from converters.quality import calibration_part, held_out_part
 
-    return [*held_out_part(), *calibration_part()] if all_texts else None
+    texts = [*held_out_part(), *calibration_part()] if all_texts else None
+    if package_prose:
+        texts = [*(texts or held_out_part()), *prose(Path(torch.__file__).parents[1])]
+    return texts
 
 
 def report_tokens(tokenizer, max_tokens: int, seq_len: int, texts: list[str] | None = None) -> list[list[int]]:
@@ -554,6 +562,8 @@ def main() -> None:
                         help="score the corpus' other texts after the held-out ones (up to --tokens positions): more "
                              "positions for report/engine - 1, the same tokens on both sides; every part of one --keep "
                              "takes it or none does")
+    parser.add_argument("--package-prose", action="store_true",
+                        help="then score the installed packages' descriptions (as --all-texts: every part or none)")
     parser.add_argument("--skip-peer", action="store_true", help="leave llm-compressor out")
     parser.add_argument("--json", type=Path, help="also write the rows (and the engine's instrumentation) here")
     parser.add_argument("--keep", type=Path, help="keep the exports in this directory (default: a temporary one)")
@@ -603,7 +613,8 @@ def main() -> None:
     if "engine" in parts and vllm_missing():
         raise SystemExit(vllm_missing())
     model = smollm_dir()
-    texts = report_tokens(AutoTokenizer.from_pretrained(model), args.tokens, SEQ_LEN, scoring_texts(args.all_texts))
+    texts = report_tokens(AutoTokenizer.from_pretrained(model), args.tokens, SEQ_LEN,
+                          scoring_texts(args.all_texts, args.package_prose))
     positions = sum(len(ids) - 1 for ids in texts)
     settings = CalibrationSettings(steps=args.calib_steps, batch_size=1, seq_len=WINDOW)
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-engine-"))
@@ -632,7 +643,7 @@ def main() -> None:
         if "report" in parts:
             wanted = [row for row in rows if args.report_rows is None or args.report_rows in row[0]]
             reports = report_figures(model, wanted, args.tokens, nearest=not args.skip_nearest,
-                                     texts=scoring_texts(args.all_texts))
+                                     texts=scoring_texts(args.all_texts, args.package_prose))
             report_files[0].write_text(json.dumps(reports))
         for path in report_files[1 if "report" in parts else 0:]:
             if path.is_file():
