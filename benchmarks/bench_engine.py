@@ -96,13 +96,13 @@ def scoring_texts(all_texts: bool, package_prose: bool = False) -> list[str] | N
     the engine, so that report/engine - 1 is measured on about four times the positions); ``package_prose``: then
     the installed packages' descriptions (bench_nvfp4.package_prose: text no calibration read), for the W4A4 rows,
     whose per-position noise needs tens of thousands of positions."""
-    import torch
-    from bench_nvfp4 import package_prose as prose
-
     from converters.quality import calibration_part, held_out_part
 
     texts = [*held_out_part(), *calibration_part()] if all_texts else None
     if package_prose:
+        import torch
+        from bench_nvfp4 import package_prose as prose
+
         texts = [*(texts or held_out_part()), *prose(Path(torch.__file__).parents[1])]
     return texts
 
