@@ -278,6 +278,30 @@ def work_children(pid: int) -> list[int]:
     return found
 
 
+def freeze_worker(pid: int) -> list[int]:
+    """SIGSTOP worker ``pid`` and its working children (:func:`work_children`); returns the children. A frozen worker
+    records nothing, so a kill -9 that follows lands while it holds what it held, however fast the machine."""
+    os.kill(pid, signal.SIGSTOP)
+    children = work_children(pid)
+    for child in children:
+        os.kill(child, signal.SIGSTOP)
+    return children
+
+
+def kill_9_frozen_worker(pid: int, children: list[int]) -> None:
+    """kill -9 a worker frozen by :func:`freeze_worker`, then resume its children and wait for them to die with it.
+
+    A child frozen before it tied itself to the worker (``service.workers.procs.die_with_worker``: a task is recorded
+    running while its child starts) holds no kernel link to it and its fork server's "alive" pipe open, so it, the
+    server and the tracker it holds stay stopped for good; resumed, each child finds its worker gone and ends."""
+    os.kill(pid, signal.SIGKILL)
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGCONT)
+    wait_for(lambda: not any(pid_alive(child) for child in children), timeout=30,
+             what="the frozen worker's children to die with it")
+
+
 def is_fork_server(pid: int) -> bool:
     """Whether ``pid`` is a multiprocessing fork server (its forks run the same command line: its parent tells)."""
     return _runs_fork_server(pid) and not is_fork_server_child(pid)

@@ -9,8 +9,6 @@ store holds exactly the published files.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +22,8 @@ from tests.service.workers.test_multi_host import fresh_database
 from tests.service_helpers import (
     ServeProcess,
     children_of,
+    freeze_worker,
+    kill_9_frozen_worker,
     leftovers,
     live_app,
     queue_only_settings,
@@ -232,12 +232,10 @@ def kill_9_while_holding(store, job_id: str, task) -> None:
     """kill -9 the worker running ``task``: frozen first (with its task children), checked to still hold the task
     (a frozen worker records nothing, so the kill lands while it holds it, however fast the machine)."""
     victim = int(task.worker_id.split(":")[1])
-    os.kill(victim, signal.SIGSTOP)
-    for child in work_children(victim):
-        os.kill(child, signal.SIGSTOP)
+    children = freeze_worker(victim)
     held = next(t for t in store.tasks.of_job(job_id) if t.seq == task.seq)
     assert held.status is TaskStatus.RUNNING and held.worker_id == task.worker_id
-    os.kill(victim, signal.SIGKILL)
+    kill_9_frozen_worker(victim, children)
 
 
 @pytest.mark.parametrize(("body", "field"), [

@@ -7,8 +7,6 @@ once, and the bucket holds exactly the published files, byte for byte those of `
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from tests.service.test_requantize_jobs import (  # noqa: F401 - the module's sh
     model_dir,
 )
 from tests.service.workers.test_multi_host import WorkerHost, fresh_database
-from tests.service_helpers import live_app, wait_for, work_children
+from tests.service_helpers import freeze_worker, kill_9_frozen_worker, live_app, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -60,12 +58,10 @@ def test_kill_9_on_one_host_redoes_its_shard_and_the_bucket_holds_the_published_
                                               if t.status is TaskStatus.RUNNING), None),
                                 timeout=120, what="a running write task", interval=0.02)
                 victim = next(h for h in hosts if h.pid == int(task.worker_id.split(":")[1]))
-                os.kill(victim.pid, signal.SIGSTOP)  # frozen: it records nothing more, so it holds the task
-                for child in work_children(victim.pid):
-                    os.kill(child, signal.SIGSTOP)
+                children = freeze_worker(victim.pid)  # it records nothing more, so it holds the task
                 held = next(t for t in store.tasks.of_job(job_id) if t.seq == task.seq)
                 assert held.status is TaskStatus.RUNNING and held.worker_id == task.worker_id
-                os.kill(victim.pid, signal.SIGKILL)
+                kill_9_frozen_worker(victim.pid, children)
                 victim.proc.wait()
 
                 done = wait_for(lambda: _finished(client, job_id), timeout=300, what="the job to finish")
