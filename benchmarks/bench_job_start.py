@@ -74,14 +74,14 @@ def main() -> None:
     sources = {"allowed_roots": [str(args.workdir)], "offline": True}
     out = args.workdir / "out"
     started = time.perf_counter()
-    start_task_server()
-    first = run_child(task_context(), request, out, sources)
+    start_task_server(conversions=True)
+    first = run_child(task_context(conversions=True), request, out, sources)
     print(f"fork server: first job {first:.2f} s, the server started {time.perf_counter() - started:.2f} s ago "
           f"(its imports included); load average {os.getloadavg()[0]:.2f}")
     spawned, forked = [], []
     for _ in range(args.rounds):
         spawned.append(run_child(mp.get_context("spawn"), request, out, sources))
-        forked.append(run_child(task_context(), request, out, sources))
+        forked.append(run_child(task_context(conversions=True), request, out, sources))
     slow, fast = print_start_table("job, start to result", ("spawned child (before)", spawned),
                                    ("fork server child (after)", forked))
     print(f"ratio forked / spawned (medians): {fast / slow:.2f}; saved {slow - fast:.2f} s a job; load average "

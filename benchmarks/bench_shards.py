@@ -22,7 +22,8 @@ Extrapolated, not measured: the full 32-layer 8B time from the one-worker run's 
 ``--task-start N``: instead, the service's task child on a tiny two-shard model's plan task (the real
 ``task_child_main``, from ``Process.start()`` to its result at the worker's end of the pipe), started N times
 from a fresh spawned interpreter (how task children started before) and N times from the worker's task server
-(``service.workers.task_server``), interleaved; the server's own first start (its imports) is printed apart.
+(``service.workers.task_server``), interleaved; the server's own first start (its imports) is printed apart,
+once with the shard tasks' imports and once with a conversion's, and their ratio.
 
     .venv/bin/python benchmarks/bench_shards.py --task-start 5
 """
@@ -173,15 +174,20 @@ def task_start(rounds: int, workdir: Path) -> None:
             raise SystemExit(f"the plan task failed: {result}")
         return seconds
 
-    started = time.perf_counter()
-    start_task_server()
-    first = one(task_context())
-    print(f"task server: first task {first:.2f} s after the server's start {time.perf_counter() - started:.2f} s "
-          f"ago (its imports included); load average {os.getloadavg()[0]:.2f}")
+    firsts = {}
+    for conversions in (False, True):  # a worker's first task: from a server with the tasks' imports only, or not
+        started = time.perf_counter()
+        start_task_server(conversions=conversions)  # the second replaces the first (it has the tasks' imports only)
+        firsts[conversions] = one(task_context(conversions=False)), time.perf_counter() - started
+        print(f"task server ({'conversion' if conversions else 'shard task'} imports): first task "
+              f"{firsts[conversions][0]:.2f} s, {firsts[conversions][1]:.2f} s after the server's start (its imports "
+              f"included); load average {os.getloadavg()[0]:.2f}")
+    print(f"ratio, first task from the server's start: conversion imports / shard task imports "
+          f"{firsts[True][1] / firsts[False][1]:.1f}")
     spawned, forked = [], []
     for _ in range(rounds):
         spawned.append(one(mp.get_context("spawn")))
-        forked.append(one(task_context()))
+        forked.append(one(task_context(conversions=False)))
     slow, fast = print_start_table("start", ("spawned (before)", spawned), ("task server fork (after)", forked))
     print(f"ratio spawned / forked (medians): {slow / fast:.1f}; load average {os.getloadavg()[0]:.2f}, "
           f"cpus {os.cpu_count()}")

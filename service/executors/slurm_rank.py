@@ -178,7 +178,7 @@ def _join(member: _Member, settings: Settings) -> int:
 def run_tasks(member: _Member) -> int:
     """An array task: claim and run the job's tasks until the job is no longer running."""
     settings, store = member.settings, member.store
-    start_task_server()  # its imports (torch) run while this task looks for work
+    start_task_server(conversions=False)  # its imports (torch) run while this task looks for work
     while not member.stopping.is_set():
         status = store.get_job(member.job_id).status
         if status is not JobStatus.RUNNING:

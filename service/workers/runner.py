@@ -70,7 +70,7 @@ class JobRun:
         # Leftovers of this and earlier attempts (and a final dir whose success was never recorded): this worker
         # owns the job now, so nobody else may publish it; a newer attempt's directory is never touched.
         self.dirs.remove(job_id, below_attempt=attempt + 1)
-        ctx = task_context()
+        ctx = task_context(conversions=True)
         receiver, sender = ctx.Pipe(duplex=False)
         stop = ctx.Event()
         # Unset, the child works its budget out from the CPUs it may use (the worker's, which it inherits), and

@@ -87,7 +87,7 @@ class TaskRun:
             out_dir = staging_dir_for(out_dir)
         else:
             out_dir.mkdir(parents=True, exist_ok=True)
-        ctx = task_context()
+        ctx = task_context(conversions=False)
         receiver, sender = ctx.Pipe(duplex=False)
         options = {"threads": self.settings.conversion_threads, "log_level": self.log_level}
         proc = ctx.Process(

@@ -13,7 +13,13 @@ and each child dies with it (``service.workers.procs.die_with_worker``).
 The server starts with the worker's first job or task, not with the worker: a worker that runs nothing never pays
 for its imports. A child's environment is its worker's at the start of the child (``worker_environment``), as a
 spawned child's was; what a library read from it at import stays as the server read it, the worker's own
-environment at the server's start. Its preload is :mod:`service.workers.task_server_preload`.
+environment at the server's start.
+
+What the server imports depends on what the worker forks: :mod:`service.workers.task_server_preload` (torch,
+transformers, torchao and the pipeline) for conversions, :mod:`service.workers.shard_task_preload` (torch and the task
+functions: a third of the seconds and of the memory) while a worker has forked shard tasks only. A conversion that
+follows such a server replaces it (a worker runs one child at a time, so the server has no child then); a server
+with the conversion imports also forks tasks.
 """
 
 from __future__ import annotations
@@ -23,23 +29,40 @@ import os
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 
-__all__ = ["PRELOAD", "adopt_worker_environment", "start_task_server", "task_context", "worker_environment"]
+__all__ = ["PRELOAD", "SHARD_TASK_PRELOAD", "adopt_worker_environment", "start_task_server", "task_context",
+           "worker_environment"]
 
-#: What the fork server imports before it forks its first child.
+#: What a fork server that forks conversions imports before its first child.
 PRELOAD = "service.workers.task_server_preload"
+#: What a fork server that has forked shard tasks only imports.
+SHARD_TASK_PRELOAD = "service.workers.shard_task_preload"
+
+#: fork server pid -> the preload it imported (the servers this process started)
+_preloaded: dict[int, str] = {}
 
 
-def task_context() -> BaseContext:
-    """The multiprocessing context task children start from (the fork server, with :data:`PRELOAD`)."""
+def task_context(*, conversions: bool) -> BaseContext:
+    """The multiprocessing context children start from: this worker's fork server, running once this returns.
+
+    ``conversions``: the child is a conversion, whose server must have imported :data:`PRELOAD`; otherwise a shard
+    task, which any of this worker's servers can fork (a new one imports :data:`SHARD_TASK_PRELOAD` only)."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload([PRELOAD])
+    server = forkserver._forkserver
+    running = _preloaded.get(server._forkserver_pid) if server._forkserver_pid is not None else None
+    if conversions and running == SHARD_TASK_PRELOAD:
+        server._stop()  # no child of it lives (one at a time per worker): it exits once its pipe is closed
+        running = None
+    wanted = PRELOAD if conversions or running == PRELOAD else SHARD_TASK_PRELOAD
+    context.set_forkserver_preload([wanted])  # read where ensure_running starts a server (none, or a dead one)
+    forkserver.ensure_running()
+    _preloaded.setdefault(server._forkserver_pid, wanted)
     return context
 
 
-def start_task_server() -> None:
-    """Start the fork server now (it imports its preload in the background); it starts by itself otherwise."""
-    task_context()
-    forkserver.ensure_running()
+def start_task_server(*, conversions: bool) -> None:
+    """Start the fork server now (it imports its preload in the background while the worker goes on); the first
+    child's :func:`task_context` starts it otherwise."""
+    task_context(conversions=conversions)
 
 
 def worker_environment() -> dict[str, str]:

@@ -1,6 +1,7 @@
-"""Imported by the worker's fork server alone (``service.workers.task_server``), before it forks: the one module of
-``service`` that loads torch on import, so that every conversion and task child starts with it loaded. Nothing else
-imports it; the service itself stays free of torch (the API, the worker loop).
+"""Imported by a worker's fork server that forks conversions (``service.workers.task_server``), before it forks:
+with :mod:`service.workers.shard_task_preload`, the modules of ``service`` that load torch on import, so that every
+conversion and task child starts with it loaded. Nothing else imports them; the service itself stays free of torch
+(the API, the worker loop).
 
 A spawned conversion child imported torch, the pipeline, transformers' auto classes and torchao's float8 before its
 first step; forked from here, each job after a worker's first starts with them (docs/service.md has the seconds).
@@ -17,11 +18,8 @@ import transformers  # noqa: E402,F401 - the model loading of every calibrated j
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402,F401 - resolved lazily: import them now
 
 import converters.distributed  # noqa: E402,F401 - the conversion pipeline (run_ranked_conversion)
-import converters.model.sources  # noqa: E402,F401 - the hub client and the source resolution every task runs
-import converters.modelfree.stored  # noqa: E402,F401 - torch, safetensors and the task functions
-import converters.pipeline.serving_export  # noqa: E402,F401 - a calibrated job's serving shard tasks
 import service.workers.child  # noqa: E402,F401 - the conversion children's entry point
 import service.workers.serving_shards  # noqa: E402,F401 - a conversion's serving shards queued as tasks
-import service.workers.task_child  # noqa: E402,F401 - the task children's entry point
+import service.workers.shard_task_preload  # noqa: E402,F401 - what a task child runs
 
 __all__: list[str] = []

@@ -131,7 +131,7 @@ class Worker:
         if job is None:
             return False
         if is_split_job(job.request):
-            start_task_server()  # its imports run while the plan task is queued: the tasks follow
+            start_task_server(conversions=False)  # its imports run while the plan task is queued: the tasks follow
             split_job(self.store, self.dirs, self.worker_id, job, self.settings.max_attempts)
             return True
         logger.info("job %s: claimed, attempt %d of %d", job.id, job.attempt, job.max_attempts)

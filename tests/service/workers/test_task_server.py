@@ -5,6 +5,7 @@ task children with it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -56,6 +57,13 @@ def sleep_until_killed(pid_file: str, worker_pid: int) -> None:
         time.sleep(1)
 
 
+def report_server(conn: Connection, worker_pid: int) -> None:
+    die_with_worker(worker_pid)
+    conn.send({"server": os.getppid(), "torch": "torch" in _modules_at_start,
+               "transformers": "transformers" in _modules_at_start})
+    conn.close()
+
+
 _modules_at_start = set(sys.modules)  # in a task child: what the server had imported before this module
 
 
@@ -71,7 +79,7 @@ def _run(target, context) -> object:
 
 
 def test_a_task_child_starts_from_the_server_s_image_not_from_the_task_before() -> None:
-    context = task_context()
+    context = task_context(conversions=False)
     first = _run(leave_traces, context)
     second = _run(look_for_traces, context)
     assert second["pid"] != first
@@ -89,7 +97,7 @@ def test_kill_9_of_the_worker_ends_its_task_children(tmp_path: Path, frozen: boo
         import os, time
         from service.workers.task_server import task_context
         from tests.service.workers.test_task_server import sleep_until_killed
-        proc = task_context().Process(target=sleep_until_killed, args=({str(pid_file)!r}, os.getpid()))
+        proc = task_context(conversions=False).Process(target=sleep_until_killed, args=({str(pid_file)!r}, os.getpid()))
         proc.start()
         time.sleep(3600)
     """)
@@ -107,3 +115,24 @@ def test_kill_9_of_the_worker_ends_its_task_children(tmp_path: Path, frozen: boo
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_a_server_that_forked_tasks_only_gives_way_to_one_with_the_conversion_imports() -> None:
+    """Tasks only: torch and the task functions, not transformers; a conversion then gets a server that imported
+    the pipeline (the first one gone), and the tasks after it are forked from that one."""
+    script = textwrap.dedent("""
+        import json
+        from service.workers.procs import is_alive
+        from service.workers.task_server import task_context
+        from tests.service.workers.test_task_server import _run, report_server
+        seen = [_run(report_server, task_context(conversions=kind)) for kind in (False, True, False)]
+        print(json.dumps({"seen": seen, "first_alive": is_alive(seen[0]["server"])}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    tasks, conversion, task_after = answer["seen"]
+    assert tasks["torch"] and not tasks["transformers"]
+    assert conversion["transformers"] and conversion["server"] != tasks["server"]
+    assert not answer["first_alive"]
+    assert task_after["server"] == conversion["server"]
