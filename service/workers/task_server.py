@@ -37,7 +37,7 @@ PRELOAD = "service.workers.task_server_preload"
 #: What a fork server that has forked shard tasks only imports.
 SHARD_TASK_PRELOAD = "service.workers.shard_task_preload"
 
-#: fork server pid -> the preload it imported (the servers this process started)
+#: the fork server this process started last: its pid -> the preload it imported
 _preloaded: dict[int, str] = {}
 
 
@@ -54,8 +54,11 @@ def task_context(*, conversions: bool) -> BaseContext:
         running = None
     wanted = PRELOAD if conversions or running == PRELOAD else SHARD_TASK_PRELOAD
     context.set_forkserver_preload([wanted])  # read where ensure_running starts a server (none, or a dead one)
+    before = server._forkserver_pid
     forkserver.ensure_running()
-    _preloaded.setdefault(server._forkserver_pid, wanted)
+    if server._forkserver_pid != before:  # a new server: it imported what was wanted
+        _preloaded.clear()
+        _preloaded[server._forkserver_pid] = wanted
     return context
 
 
