@@ -48,7 +48,7 @@ def task_context(*, conversions: bool) -> BaseContext:
     task, which any of this worker's servers can fork (a new one imports :data:`SHARD_TASK_PRELOAD` only)."""
     context = mp.get_context("forkserver")
     server = forkserver._forkserver
-    running = _preloaded.get(server._forkserver_pid) if server._forkserver_pid is not None else None
+    running = _preloaded.get(server._forkserver_pid)  # None: no server, or not one this process started
     if conversions and running == SHARD_TASK_PRELOAD:
         server._stop()  # no child of it lives (one at a time per worker): it exits once its pipe is closed
         running = None
