@@ -16,7 +16,7 @@ import pytest
 
 from service.jobs import TaskStatus
 from service.store import JobStore
-from tests.service.executors.slurm_cluster import SlurmCluster, pause_conversion_when, rank_pids
+from tests.service.executors.slurm_cluster import SlurmCluster, end_by_time_limit, pause_conversion_when, rank_pids
 from tests.service_helpers import ServeProcess, build_tiny_llama, leftovers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -173,26 +173,24 @@ def test_cancel_through_the_api_of_a_running_job_ends_its_slurm_job(slurm: Slurm
         assert leftovers(tmp_path / "data" / "jobs") == []
 
 
-def _running(slurm: SlurmCluster, slurm_job: str) -> bool:
-    return slurm.job_states(slurm_job)[0] in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
-
-
 def test_a_job_that_outlives_its_slurm_time_limit_goes_back_to_the_queue_and_is_submitted_again(
         slurm: SlurmCluster, tmp_path: Path, models: Path) -> None:
-    """Slurm's own time limit (one minute, the shortest it has) ends the first allocation: its rank hands the attempt
-    back without using it up, and the dispatcher submits the job again; the new allocation claims it."""
-    # the four-layer, 256-wide model, 64 steps of 512 tokens a layer: each allocation's conversion is stopped (it
-    # would end within the minute on a fast CPU), the first right after layer 0, the second as soon as it starts, so
-    # that the job is still running when it is cancelled (1024 steps, minutes on one thread, were for a pause after
-    # a poll); slurmd sends SIGCONT before SIGTERM when it ends the job, the rank SIGKILL 3 s after SIGTERM on a cancel
+    """Slurm's own time limit ends the first allocation: its rank hands the attempt back without using it up, and
+    the dispatcher submits the job again; the new allocation claims it."""
+    # the four-layer, 256-wide model, 64 steps of 512 tokens a layer: each allocation's conversion is stopped, the
+    # first right after layer 0 (its limit, five minutes, then lowered to end it), the second as soon as it starts,
+    # so that the job is still running when it is cancelled; slurmd sends SIGCONT before SIGTERM when it ends the
+    # job, the rank SIGKILL 3 s after SIGTERM on a cancel
     long_calibration = {**_calibrated(models), "model": str(models / "sharded"),
                         "calibration": {"steps": 64, "batch_size": 1, "seq_len": 512}}
-    with serving(slurm, tmp_path, models, FP8FORGE_SLURM_TIME_LIMIT="1") as client:
+    with serving(slurm, tmp_path, models, FP8FORGE_SLURM_TIME_LIMIT="5") as client:
         job_id = _submit(client, long_calibration)
         [first] = wait_for(lambda: _slurm_ids(client, job_id), timeout=30, what="the submission")
+        assert slurm.job_field(first, "TimeLimit") == "00:05:00"  # the setting, on sbatch's command line
         record = tmp_path / "data" / "slurm" / job_id / "resume"
-        pause_conversion_when(first, lambda: (record / "layer-0.safetensors").exists() or not _running(slurm, first),
-                              timeout=300, context=lambda: _tail(client))
+        pause_conversion_when(first, lambda: (record / "layer-0.safetensors").exists(), timeout=300,
+                              context=lambda: _tail(client))
+        end_by_time_limit(slurm, first)
         wait_for(lambda: slurm.job_states(first)[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
                  timeout=300, what=f"Slurm's time limit to end job {first}", interval=1)
         assert slurm.job_states(first) == ["TIMEOUT"], _tail(client)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.executors.slurm_cluster import SlurmCluster, pause_conversion_when
+from tests.service.executors.slurm_cluster import SlurmCluster, end_by_time_limit, pause_conversion_when
 from tests.service.executors.test_slurm_service import _events, _finished, _slurm_ids, _submit, _tail, serving
 from tests.service_helpers import wait_for
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[3]
 LAYERS = 6
 #: each layer runs 64 steps of 512 tokens through a 256-wide layer. The layers need not outlast Slurm's time limit:
 #: the conversion is stopped right after layer 0 (pause_conversion_when) until slurmd ends the job, and slurmd's
-#: SIGTERM follows its SIGCONT at once (512 steps, tens of seconds a layer, were for a pause after a poll)
+#: SIGTERM follows its SIGCONT at once
 BODY = {"recipe": {"backend": "ao", "recipe_name": "tensorwise"}, "measure": False,
         "calibration": {"steps": 64, "batch_size": 1, "seq_len": 512}, "serving_formats": ["compressed-tensors-fp8"]}
 #: what only describes the run: the report (timings, the layer it resumed at) and the manifest listing it
@@ -65,12 +65,10 @@ def test_a_time_limit_mid_calibration_resumes_in_a_new_allocation_and_publishes_
         [first] = wait_for(lambda: _slurm_ids(client, job_id), timeout=60, what="the submission")
         assert slurm.job_field(first, "TimeLimit") == "00:30:00"
         record = tmp_path / "data" / "slurm" / job_id / "resume"
-        # the calibrating process is paused right after layer 0, so that the allocation outlives its limit on any
-        # CPU (on a fast one the layers left would finish within Slurm's shortest limit); ending a job, slurmd sends
-        # SIGCONT before SIGTERM
+        # the calibrating process is paused right after layer 0 and the limit lowered then, so that the allocation
+        # ends mid-calibration on any CPU; ending a job, slurmd sends SIGCONT before SIGTERM
         pause_conversion_when(first, lambda: (record / "layer-0.safetensors").exists(), context=lambda: _tail(client))
-        # Slurm's shortest limit is a minute: lowered now, the allocation ends at the controller's next check
-        slurm.run("scontrol", "update", f"JobId={first}", "TimeLimit=1")
+        end_by_time_limit(slurm, first)
         wait_for(lambda: slurm.job_states(first)[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
                  timeout=180, interval=1, what=f"Slurm's time limit to end job {first}")
         assert slurm.job_states(first) == ["TIMEOUT"], _tail(client)
