@@ -36,6 +36,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # "auto" pins vLLM's OpenMP threads to cores; on a machine whose cores other processes share, a pinned thread waits
 # for its core: one 6-token scoring pass took 88 s pinned and 11 s unpinned here (load average 20 on 2 cores)
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# enforce_eager leaves two sampler helpers that vLLM compiles with Inductor on any platform (the logprob rank count,
+# top-k/top-p): on a fresh machine each driver traced them and g++ built their C++ (docs/engines.md says what it
+# cost); eager, the same torch ops run uncompiled
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 E4M3_MAX = 448.0
 
