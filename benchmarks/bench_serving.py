@@ -164,14 +164,17 @@ def peer_versions(venv: Path) -> dict | None:
     return json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else None
 
 
+#: the project's one installer: uv with pip's configuration, pip where uv cannot honour it (the Makefile's too)
+VENV_INSTALL = Path(__file__).resolve().parents[1] / "tools" / "venv_install.py"
+
+
 def pip_install(venv: Path, constraints: Path, requirement: str, log: Path) -> None:
-    # --no-compile: the peers' processes compile what they import on first use, a small part of what pip installs.
+    # --no-compile: the peers' processes compile what they import on first use, a small part of what is installed.
     with open(log, "a") as handle:
-        code = subprocess.run([str(venv_python(venv)), "-m", "pip", "install", "--no-compile", "-c", str(constraints),
-                               requirement],
-                              stdout=handle, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run([sys.executable, str(VENV_INSTALL), str(venv), "--no-compile", "-c", str(constraints),
+                               requirement], stdout=handle, stderr=subprocess.STDOUT).returncode
     if code:
-        raise SystemExit(f"pip install {requirement} into {venv} failed; see {log}")
+        raise SystemExit(f"installing {requirement} into {venv} failed; see {log}")
 
 
 def ensure_peer_venv(venv: Path) -> tuple[dict, float | None]:
