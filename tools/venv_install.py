@@ -75,7 +75,10 @@ def ensure_uv(venv: Path, python: str) -> Path | str:
 def install(venv: Path, arguments: list[str]) -> int:
     python = str(venv / "bin" / "python")
     pip_arguments = [argument for argument in arguments if argument != "--no-compile"]
-    translated = uv_options(pip_settings(python))
+    try:
+        translated = uv_options(pip_settings(python))
+    except (OSError, subprocess.CalledProcessError) as error:
+        translated = f"pip could not list its configuration: {error}"
     uv = ensure_uv(venv, python) if not isinstance(translated, str) else translated
     if not isinstance(translated, str) and not isinstance(uv, str):
         options, environment = translated
