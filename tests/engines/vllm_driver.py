@@ -343,13 +343,14 @@ def save_dump(store: dict, path: str) -> None:
 
 
 def release_engine() -> None:
-    """Free vLLM's process-wide distributed state and memory, so that the next run builds its engine afresh."""
-    import gc
+    """Free vLLM's process-wide distributed state and memory, so that the next run builds its engine afresh. An
+    engine that shut down has done it already (its shutdown runs the same cleanup, which ends in a full garbage
+    collection); one that failed while it was built has not."""
+    import torch
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, model_parallel_is_initialized
 
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    if torch.distributed.is_initialized() or model_parallel_is_initialized():
+        cleanup_dist_env_and_memory()
     freeze_what_lives()
 
 
