@@ -358,9 +358,10 @@ def freeze_what_lives() -> None:
     """Put every object alive now (the imports; what outlived a released engine) out of the cyclic collector's
     reach (``gc.freeze``) until vLLM thaws them (``gc.unfreeze`` when it shuts an engine down). Building an engine,
     vLLM collects the whole heap several times (its loader, its warm-up, ``freeze_gc_heap``), and each full
-    collection walked the 0.6 million objects of vLLM's import again; frozen, they are skipped. Nothing is
-    collected that would not be: garbage made afterwards is collected as before, and the frozen objects were alive
-    when frozen. docs/engines.md has what it saved."""
+    collection walked the 0.6 million objects of vLLM's import again; frozen, they are skipped. Garbage made
+    afterwards is collected as before; a garbage cycle frozen with them (the engine's shutdown ended in a full
+    collection, so little) waits for the next thaw, at the next engine's shutdown. docs/engines.md has what it
+    saved."""
     import gc
 
     gc.freeze()
