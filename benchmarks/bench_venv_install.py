@@ -53,7 +53,7 @@ def install(way: str, python: str, requirements: list[str], root: Path) -> tuple
         more = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", *requirements])
     else:
         wall, cpu = 0.0, 0.0
-        more = _run([sys.executable, str(VENV_INSTALL), str(venv), "-q", "--no-compile", *requirements])
+        more = _run([sys.executable, str(VENV_INSTALL), str(venv), "-q", *requirements])
     return wall + more[0], cpu + more[1], _packages(venv)
 
 

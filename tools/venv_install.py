@@ -72,23 +72,31 @@ def ensure_uv(venv: Path, python: str) -> Path | str:
     return uv
 
 
-def install(venv: Path, arguments: list[str]) -> int:
+def uv_install(venv: Path, arguments: list[str]) -> str | None:
+    """Install ``arguments`` with uv; None when it did, else why it did not."""
     python = str(venv / "bin" / "python")
-    pip_arguments = [argument for argument in arguments if argument != "--no-compile"]
     try:
         translated = uv_options(pip_settings(python))
     except (OSError, subprocess.CalledProcessError) as error:
-        translated = f"pip could not list its configuration: {error}"
-    uv = ensure_uv(venv, python) if not isinstance(translated, str) else translated
-    if not isinstance(translated, str) and not isinstance(uv, str):
-        options, environment = translated
-        done = subprocess.run([str(uv), "pip", "install", "--python", python, *options, *pip_arguments],
-                              env={**os.environ, **environment})
-        if done.returncode == 0:
-            return 0
-        uv = f"uv exited {done.returncode}"
-    print(f"venv_install: pip installs instead of uv ({uv})", file=sys.stderr, flush=True)
-    return subprocess.run([python, "-m", "pip", "install", "--no-compile", *pip_arguments]).returncode
+        return f"pip could not list its configuration: {error}"
+    if isinstance(translated, str):
+        return translated
+    uv = ensure_uv(venv, python)
+    if isinstance(uv, str):
+        return uv
+    options, environment = translated
+    done = subprocess.run([str(uv), "pip", "install", "--python", python, *options, *arguments],
+                          env={**os.environ, **environment})
+    return None if done.returncode == 0 else f"uv exited {done.returncode}"
+
+
+def install(venv: Path, arguments: list[str]) -> int:
+    arguments = [argument for argument in arguments if argument != "--no-compile"]  # neither way compiles
+    why_not = uv_install(venv, arguments)
+    if why_not is None:
+        return 0
+    print(f"venv_install: pip installs instead of uv ({why_not})", file=sys.stderr, flush=True)
+    return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-compile", *arguments]).returncode
 
 
 if __name__ == "__main__":

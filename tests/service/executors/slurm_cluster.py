@@ -18,8 +18,7 @@ from pathlib import Path
 
 from tests.service_helpers import free_port, is_fork_server_child, wait_for
 
-__all__ = ["SlurmCluster", "conversion_pids", "end_by_time_limit", "pause_conversion", "pause_conversion_when",
-           "rank_pids", "slurm_missing"]
+__all__ = ["SlurmCluster", "conversion_pids", "pause_conversion", "pause_conversion_when", "rank_pids", "slurm_missing"]
 
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 2
@@ -92,14 +91,6 @@ def pause_conversion_when(slurm_job: str, done: Callable[[], bool], *, timeout: 
             raise AssertionError(f"job {slurm_job}'s conversion ended first: {error}\n{context()}") from error
     except AssertionError as error:
         raise AssertionError(f"{error}\n{context()}") from error
-
-
-def end_by_time_limit(slurm: SlurmCluster, slurm_job: str) -> None:
-    """Lower running job ``slurm_job``'s time limit to zero: slurmctld ends it as it ends any job past its limit
-    (state TIMEOUT; slurmd's SIGCONT, SIGTERM, then SIGKILL after KillWait) at its next periodic check, within 30 s.
-    A limit of one minute, the shortest sbatch takes, would keep it 60-90 s."""
-    slurm.run("scontrol", "update", f"JobId={slurm_job}", "TimeLimit=0")
-    assert slurm.job_field(slurm_job, "TimeLimit") == "00:00:00", "scontrol did not lower the time limit to zero"
 
 
 def _signal(pids: list[int], sig: signal.Signals) -> None:
@@ -220,6 +211,13 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
         """JobState of the job, or of every task of an array."""
         out = self.run("scontrol", "show", "job", slurm_id, "--oneliner")
         return [token.split("=", 1)[1] for token in out.split() if token.startswith("JobState=")]
+
+    def end_by_time_limit(self, slurm_job: str) -> None:
+        """Lower running job ``slurm_job``'s time limit to zero: slurmctld ends it as it ends any job past its limit
+        (state TIMEOUT; slurmd's SIGCONT, SIGTERM, then SIGKILL after KillWait) at its next periodic check, within
+        30 s. A limit of one minute, the shortest sbatch takes, would keep it 60-90 s."""
+        self.run("scontrol", "update", f"JobId={slurm_job}", "TimeLimit=0")
+        assert self.job_field(slurm_job, "TimeLimit") == "00:00:00", "scontrol did not lower the time limit to zero"
 
     def stop(self) -> None:
         self.run("scancel", "--me", check=False)  # this cluster's jobs only: SLURM_CONF names it

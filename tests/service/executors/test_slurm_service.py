@@ -16,7 +16,7 @@ import pytest
 
 from service.jobs import TaskStatus
 from service.store import JobStore
-from tests.service.executors.slurm_cluster import SlurmCluster, end_by_time_limit, pause_conversion_when, rank_pids
+from tests.service.executors.slurm_cluster import SlurmCluster, pause_conversion_when, rank_pids
 from tests.service_helpers import ServeProcess, build_tiny_llama, leftovers, wait_for
 
 pytestmark = pytest.mark.slow
@@ -190,7 +190,7 @@ def test_a_job_that_outlives_its_slurm_time_limit_goes_back_to_the_queue_and_is_
         record = tmp_path / "data" / "slurm" / job_id / "resume"
         pause_conversion_when(first, lambda: (record / "layer-0.safetensors").exists(), timeout=300,
                               context=lambda: _tail(client))
-        end_by_time_limit(slurm, first)
+        slurm.end_by_time_limit(first)
         wait_for(lambda: slurm.job_states(first)[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
                  timeout=300, what=f"Slurm's time limit to end job {first}", interval=1)
         assert slurm.job_states(first) == ["TIMEOUT"], _tail(client)

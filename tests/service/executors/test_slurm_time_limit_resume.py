@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.executors.slurm_cluster import SlurmCluster, end_by_time_limit, pause_conversion_when
+from tests.service.executors.slurm_cluster import SlurmCluster, pause_conversion_when
 from tests.service.executors.test_slurm_service import _events, _finished, _slurm_ids, _submit, _tail, serving
 from tests.service_helpers import wait_for
 
@@ -68,7 +68,7 @@ def test_a_time_limit_mid_calibration_resumes_in_a_new_allocation_and_publishes_
         # the calibrating process is paused right after layer 0 and the limit lowered then, so that the allocation
         # ends mid-calibration on any CPU; ending a job, slurmd sends SIGCONT before SIGTERM
         pause_conversion_when(first, lambda: (record / "layer-0.safetensors").exists(), context=lambda: _tail(client))
-        end_by_time_limit(slurm, first)
+        slurm.end_by_time_limit(first)
         wait_for(lambda: slurm.job_states(first)[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
                  timeout=180, interval=1, what=f"Slurm's time limit to end job {first}")
         assert slurm.job_states(first) == ["TIMEOUT"], _tail(client)
