@@ -354,6 +354,17 @@ def release_engine() -> None:
     freeze_what_lives()
 
 
+def inspect_models_in_process() -> None:
+    """vLLM reads a model class's capabilities (its ``_ModelInfo``) in a subprocess when its on-disk cache
+    (``~/.cache/vllm/modelinfos``) has no entry for the class's file, "to avoid initializing CUDA" in the engine's
+    process: on a fresh machine, one more Python importing vLLM per architecture. The CPU build has no CUDA to keep
+    uninitialised, and the engine imports the same model module right after, so the same function runs in this
+    process instead (its result still goes to that cache). docs/engines.md has what it saved."""
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda inspect: inspect()
+
+
 def freeze_what_lives() -> None:
     """Put every object alive now (the imports; what outlived a released engine) out of the cyclic collector's
     reach (``gc.freeze``) until vLLM thaws them (``gc.unfreeze`` when it shuts an engine down). Building an engine,
@@ -414,6 +425,7 @@ def main(request_path: str) -> None:
     if asked.get("fp8_gemm_in_torch"):  # stand-in 4 (docs/engines.md): the engine tests ask for it, the benchmark not
         stand_ins += filter(None, [project_module("converters/backends/cpu_fp8_gemm.py").install()])
     enable_amx_tiles()
+    inspect_models_in_process()
     snapshot_before_processing()
     freeze_what_lives()
     attention = [attend_through_cache(case) for case in asked.get("attention", [])]
