@@ -7,12 +7,19 @@ and once forked; the job's own work is the same in both, so the difference is th
 waits for the server's imports (a worker's first job) and is shown apart. Wall seconds: a fork server's children
 are not this process's, so their CPU is not counted here.
 
+``--frozen``: forks only, each child's own CPU seconds and minor page faults (its ``getrusage``, written by the
+child), with the server's imports frozen as shipped (``gc.freeze`` in ``service.workers.shard_task_preload``)
+against thawed (``gc.unfreeze`` at the child's start: the server's objects back in the collector's oldest
+generation, as in a server that never froze them), interleaved.
+
     TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_job_start.py --rounds 5
+    TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_job_start.py --rounds 7 --frozen
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -38,8 +45,24 @@ def tiny_model(workdir: Path) -> Path:
     return model
 
 
-def run_child(context: mp.context.BaseContext, request: dict, out_dir: Path, sources: dict) -> float:
-    """Seconds from start() to the child's result (Succeeded, else the run stops with the failure)."""
+def child_with_usage(usage_file: str, thaw: bool, *args, **kwargs) -> None:
+    """The conversion child (``child_main``), the server's objects first thawed if ``thaw``; then this process's
+    CPU seconds and minor page faults to ``usage_file``."""
+    import resource
+
+    from service.workers.child import child_main
+
+    if thaw:
+        gc.unfreeze()
+    child_main(*args, **kwargs)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    Path(usage_file).write_text(f"{usage.ru_utime + usage.ru_stime} {usage.ru_minflt}")
+
+
+def run_child(context: mp.context.BaseContext, request: dict, out_dir: Path, sources: dict,
+              usage: tuple[Path, bool] | None = None) -> float:
+    """Seconds from start() to the child's result (Succeeded, else the run stops with the failure). ``usage``:
+    (file, thaw) for :func:`child_with_usage`."""
     from service.workers.child import child_main
     from service.workers.messages import Succeeded
     from service.workers.task_server import worker_environment
@@ -48,7 +71,8 @@ def run_child(context: mp.context.BaseContext, request: dict, out_dir: Path, sou
     receiver, sender = context.Pipe(duplex=False)
     stop = context.Event()
     started = time.perf_counter()
-    proc = context.Process(target=child_main, args=(request, str(out_dir), sources, sender, stop, os.getpid()),
+    target, leading = (child_main, ()) if usage is None else (child_with_usage, (str(usage[0]), usage[1]))
+    proc = context.Process(target=target, args=(*leading, request, str(out_dir), sources, sender, stop, os.getpid()),
                            kwargs={"threads": 1, "log_level": "warning", "environ": worker_environment()})
     proc.start()
     sender.close()
@@ -64,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="jobs each way (default 5)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp8forge-bench-job-start"))
+    parser.add_argument("--frozen", action="store_true", help="forks only: the server's imports frozen / thawed")
     args = parser.parse_args()
     from service.workers.task_server import start_task_server, task_context
 
@@ -78,6 +103,9 @@ def main() -> None:
     first = run_child(task_context(conversions=True), request, out, sources)
     print(f"fork server: first job {first:.2f} s, the server started {time.perf_counter() - started:.2f} s ago "
           f"(its imports included); load average {os.getloadavg()[0]:.2f}")
+    if args.frozen:
+        compare_frozen(request, out, sources, args.rounds, args.workdir / "usage")
+        return
     spawned, forked = [], []
     for _ in range(args.rounds):
         spawned.append(run_child(mp.get_context("spawn"), request, out, sources))
@@ -86,6 +114,27 @@ def main() -> None:
                                    ("fork server child (after)", forked))
     print(f"ratio forked / spawned (medians): {fast / slow:.2f}; saved {slow - fast:.2f} s a job; load average "
           f"{os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
+
+
+def compare_frozen(request: dict, out: Path, sources: dict, rounds: int, usage_file: Path) -> None:
+    """Each round a thawed child, then a frozen one, of the same server: their CPU seconds and page faults."""
+    from service.workers.task_server import task_context
+
+    seen: dict[bool, list[tuple[float, int]]] = {True: [], False: []}
+    for _ in range(rounds):
+        for thaw in (True, False):
+            run_child(task_context(conversions=True), request, out, sources, usage=(usage_file, thaw))
+            cpu, faults = usage_file.read_text().split()
+            seen[thaw].append((float(cpu), int(faults)))
+    medians = {}
+    print(f"{'conversion child':28} {'median CPU s':>13} {'min':>6} {'max':>6} {'median page faults':>19}")
+    for thaw, name in ((True, "server's imports thawed"), (False, "frozen (as shipped)")):
+        cpus, faults = sorted(cpu for cpu, _ in seen[thaw]), sorted(fault for _, fault in seen[thaw])
+        medians[thaw] = (cpus[len(cpus) // 2], faults[len(faults) // 2])
+        print(f"{name:28} {medians[thaw][0]:>13.2f} {cpus[0]:>6.2f} {cpus[-1]:>6.2f} {medians[thaw][1]:>19,}")
+    print(f"ratio frozen / thawed (medians): CPU {medians[False][0] / medians[True][0]:.2f}, page faults "
+          f"{medians[False][1] / medians[True][1]:.2f}; load average {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
+
 
 if __name__ == "__main__":
     main()

@@ -20,6 +20,6 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402,F401 - r
 import converters.distributed  # noqa: E402,F401 - the conversion pipeline (run_ranked_conversion)
 import service.workers.child  # noqa: E402,F401 - the conversion children's entry point
 import service.workers.serving_shards  # noqa: E402,F401 - a conversion's serving shards queued as tasks
-import service.workers.shard_task_preload  # noqa: E402,F401 - what a task child runs
+import service.workers.shard_task_preload  # noqa: E402,F401 - what a task child runs; last: it freezes the imports
 
 __all__: list[str] = []
