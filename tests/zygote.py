@@ -19,6 +19,7 @@ zygote) forks the process and waits for it, so the zygote itself only accepts (a
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -182,6 +183,9 @@ def _reap(block: bool) -> None:
 def serve(socket_path: str, preload: list[str]) -> None:
     for name in preload:
         importlib.import_module(name)
+    # the imports out of the cyclic collector's reach in every fork, as the service's fork server has them
+    # (service.workers.shard_task_preload): a process's full collections skip them and leave their pages shared
+    gc.freeze()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path)
     server.listen(64)
