@@ -23,6 +23,6 @@ __all__: list[str] = []
 
 # Last, and task_server_preload imports this module last: what the imports made is put out of the cyclic
 # collector's reach (gc.freeze). A child's full collections then skip the server's objects instead of walking them
-# and writing to their headers, which copied the pages holding them into every child: a conversion child of the
-# tiny model takes 0.74x the page faults and 0.87-0.90x the CPU seconds (docs/service.md).
+# and writing to their headers, which copied the pages holding them into every child (docs/service.md has what it
+# saves).
 gc.freeze()
