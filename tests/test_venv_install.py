@@ -4,6 +4,7 @@ sends the install to pip."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ spec.loader.exec_module(venv_install)
 @pytest.fixture
 def pip_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Only this test's pip configuration: a config file of its own, no PIP_* variable of the machine's."""
-    for name in [name for name in __import__("os").environ if name.startswith("PIP_")]:
+    for name in [name for name in os.environ if name.startswith("PIP_")]:
         monkeypatch.delenv(name)
     config = tmp_path / "pip.conf"
     monkeypatch.setenv("PIP_CONFIG_FILE", str(config))

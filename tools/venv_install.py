@@ -91,7 +91,6 @@ def uv_install(venv: Path, arguments: list[str]) -> str | None:
 
 
 def install(venv: Path, arguments: list[str]) -> int:
-    arguments = [argument for argument in arguments if argument != "--no-compile"]  # neither way compiles
     why_not = uv_install(venv, arguments)
     if why_not is None:
         return 0
