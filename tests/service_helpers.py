@@ -39,6 +39,7 @@ __all__ = [
     "children_of",
     "is_fork_server",
     "is_fork_server_child",
+    "parent_of",
     "work_children",
     "pid_alive",
     "leftovers",
@@ -309,11 +310,16 @@ def is_fork_server(pid: int) -> bool:
 
 def is_fork_server_child(pid: int) -> bool:
     """Whether ``pid`` is a fork of a multiprocessing fork server."""
+    parent = parent_of(pid)
+    return parent is not None and _runs_fork_server(parent) and _runs_fork_server(pid)
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent process id of ``pid``; None once it has ended."""
     try:
-        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):  # it ended while we looked
-        return False
-    return _runs_fork_server(parent) and _runs_fork_server(pid)
+        return None
 
 
 def _runs_fork_server(pid: int) -> bool:

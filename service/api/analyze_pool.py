@@ -1,10 +1,15 @@
 """The processes that run ``/v1/analyze``: building a model from a client's config costs seconds and hundreds of
 megabytes (a calibrated analysis loads weights and uses every core it gets), so it never runs in the API process.
 
-A few spawned children each run one analysis at a time; a bounded number of requests wait for one, on the event
-loop (no thread is held while they wait); the rest are refused at once with 503 and ``Retry-After``. A child that
-dies (out of memory) or runs past the time bound is killed and replaced, and its request gets 503, never a hung
-connection. Forty calibrated analyses in parallel used to hold the API's threads and stalled ``/healthz`` for 44 s.
+A few children each run one analysis at a time; a bounded number of requests wait for one, on the event loop (no
+thread is held while they wait); the rest are refused at once with 503 and ``Retry-After``. A child that dies (out
+of memory) or runs past the time bound is killed and replaced, and its request gets 503, never a hung connection.
+Forty calibrated analyses in parallel used to hold the API's threads and stalled ``/healthz`` for 44 s.
+
+Analysis children are forks of the API process's fork server (``service.workers.task_server``, the one a worker's
+conversions fork from): torch, transformers and the converters are imported once per API process, not once per
+child, so a replacement starts in a fraction of a second and the children share the server's pages. The children
+that check model files import none of that and are spawned.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from anyio import to_thread
 
 from converters.errors import Fp8ForgeError
 from service.errors import AnalysisAborted, AnalyzeBusy
-from service.workers.procs import die_with_parent
+from service.workers.procs import die_with_worker
+from service.workers.task_server import task_context
 
 __all__ = ["AnalysisPool", "as_json", "model_checks"]
 
@@ -36,11 +42,11 @@ RETRY_AFTER_S = 5
 
 
 class AnalysisPool:
-    """Runs ``fn(*args)`` in one of ``workers`` spawned children, ``queue_depth`` requests waiting at most.
+    """Runs ``fn(*args)`` in one of ``workers`` children, ``queue_depth`` requests waiting at most.
 
-    Use it from the event loop only (``await pool.run(...)``); children start on first use. With ``preload``
-    False a child imports nothing ahead (no torch): a pool of such children runs the checks of a job's model files
-    (:func:`model_checks`), which must not wait seconds for a child's start.
+    Use it from the event loop only (``await pool.run(...)``); children start on first use, forked from the fork
+    server. With ``preload`` False a child is spawned and imports nothing ahead (no torch): a pool of such children
+    runs the checks of a job's model files (:func:`model_checks`), which must not wait seconds for a server's start.
     """
 
     def __init__(self, *, workers: int, queue_depth: int, timeout_s: float, threads: int | None = None,
@@ -76,7 +82,9 @@ class AnalysisPool:
         self._pending += 1
         try:
             async with self._free:
-                child = self._idle.pop() if self._idle else _Child(self._threads, self._preload)
+                # a fork server's child starts once the server has imported (seconds, the first time): off the loop
+                child = self._idle.pop() if self._idle else await to_thread.run_sync(_Child, self._threads,
+                                                                                      self._preload)
                 answered = False
                 try:
                     status, value = await child.call(fn, args, self._timeout_s, self._late)
@@ -128,15 +136,26 @@ def as_json(fn: Callable[..., Any], *args: Any) -> bytes:
 
 
 class _Child:
-    """One spawned process and the pipe to it; it reports ``ready`` once its imports are done."""
+    """One process and the pipe to it; it reports ``ready`` once its imports are done. With ``preload`` a fork of
+    the fork server (whose start may take seconds: construct it off the event loop), else spawned.
+
+    Raises:
+        AnalysisAborted: the fork server could not start the process (it died while importing).
+    """
 
     def __init__(self, threads: int | None, preload: bool) -> None:
-        context = multiprocessing.get_context("spawn")
+        context = task_context(conversions=True) if preload else multiprocessing.get_context("spawn")
         self.conn, theirs = context.Pipe()
         self.process = context.Process(target=_child_main, args=(theirs, os.getpid(), threads, preload),
                                        name="fp8forge-analyze", daemon=True)
-        self.process.start()
-        theirs.close()
+        try:
+            self.process.start()
+        except (EOFError, OSError) as exc:  # the server ended before it forked
+            self.conn.close()
+            raise AnalysisAborted(f"the analysis process could not be started ({exc or type(exc).__name__}); retry",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        finally:
+            theirs.close()
         self.ready = False
 
     async def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, late: str | None = None
@@ -185,16 +204,15 @@ class _Child:
 def _child_main(conn: Connection, parent_pid: int, threads: int | None, preload: bool = True) -> None:
     """Answer ``(fn, args)`` messages with ``("ok", result)``, ``("error", exception)`` or ``("crash", text)``
     until the pipe closes."""
-    die_with_parent(parent_pid)
+    die_with_worker(parent_pid)  # the API process, this process's parent or its fork server's
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `fp8forge serve` is the API's to handle
     if preload:  # a checks child imports neither torch nor the workers' modules: it starts in a fraction of a second
-        from service.workers.child import limit_threads, thread_budget  # the workers' stack: not in a checks child
+        from service.workers.child import limit_threads, thread_budget  # the fork server imported them
 
         limit_threads(thread_budget(threads))
-        # torch and transformers' model code load now, not in the first request (whose time bound they would use up)
-        import transformers.modeling_utils  # noqa: F401
-
-        import converters.analysis.eligibility  # noqa: F401
+        # what an analysis runs, loaded before the first request, whose time bound an import would use up (the
+        # fork server imported torch, transformers' model code and most of the converters already)
+        import converters.pipeline.sync_analysis  # noqa: F401
 
     conn.send("ready")
     while True:

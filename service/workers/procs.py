@@ -56,8 +56,8 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def die_with_worker(worker_pid: int, sig: int = signal.SIGKILL) -> None:
-    """:func:`die_with_parent` for a process the worker started directly or through its fork server
-    (``service.workers.task_server``).
+    """:func:`die_with_parent` for a process the worker (or the API: its analysis children) started directly or
+    through its fork server (``service.workers.task_server``).
 
     A fork server's child has the server as its parent: the kernel link goes to the server, and a daemon thread
     watches the worker itself. The server exits once every holder of its "alive" pipe's write end has closed it:

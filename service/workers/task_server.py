@@ -19,13 +19,16 @@ What the server imports depends on what the worker forks: :mod:`service.workers.
 transformers, torchao and the pipeline) for conversions, :mod:`service.workers.shard_task_preload` (torch and the
 task functions: about a third of the seconds, 70% of the memory) while a worker has forked shard tasks only. A
 conversion that follows such a server replaces it (a worker runs one child at a time, so the server has no child
-then); a server with the conversion imports also forks tasks.
+then); a server with the conversion imports also forks tasks. The API process forks its analysis children
+(``service.api.analyze_pool``) from a server of its own the same way, from threads: the server is chosen under a
+lock.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 
@@ -39,6 +42,7 @@ SHARD_TASK_PRELOAD = "service.workers.shard_task_preload"
 
 #: the fork server this process started last: its pid -> the preload it imported
 _preloaded: dict[int, str] = {}
+_choosing = threading.Lock()
 
 
 def task_context(*, conversions: bool) -> BaseContext:
@@ -48,17 +52,18 @@ def task_context(*, conversions: bool) -> BaseContext:
     task, which any of this worker's servers can fork (a new one imports :data:`SHARD_TASK_PRELOAD` only)."""
     context = mp.get_context("forkserver")
     server = forkserver._forkserver
-    running = _preloaded.get(server._forkserver_pid)  # None: no server, or not one this process started
-    if conversions and running == SHARD_TASK_PRELOAD:
-        server._stop()  # no child of it lives (one at a time per worker): it exits once its pipe is closed
-        running = None
-    wanted = PRELOAD if conversions or running == PRELOAD else SHARD_TASK_PRELOAD
-    context.set_forkserver_preload([wanted])  # read where ensure_running starts a server (none, or a dead one)
-    before = server._forkserver_pid
-    forkserver.ensure_running()
-    if server._forkserver_pid != before:  # a new server: it imported what was wanted
-        _preloaded.clear()
-        _preloaded[server._forkserver_pid] = wanted
+    with _choosing:
+        running = _preloaded.get(server._forkserver_pid)  # None: no server, or not one this process started
+        if conversions and running == SHARD_TASK_PRELOAD:
+            server._stop()  # no child of it lives (one at a time per worker): it exits once its pipe is closed
+            running = None
+        wanted = PRELOAD if conversions or running == PRELOAD else SHARD_TASK_PRELOAD
+        context.set_forkserver_preload([wanted])  # read where ensure_running starts a server (none, or a dead one)
+        before = server._forkserver_pid
+        forkserver.ensure_running()
+        if server._forkserver_pid != before:  # a new server: it imported what was wanted
+            _preloaded.clear()
+            _preloaded[server._forkserver_pid] = wanted
     return context
 
 

@@ -15,6 +15,7 @@ silence_third_party_noise()  # before torch and torchao load: their known start-
 
 import torchao.float8  # noqa: E402,F401 - the ao backend's modules and the casts they register with torch
 import transformers  # noqa: E402,F401 - the model loading of every calibrated job (its auto classes below)
+import transformers.modeling_utils  # noqa: E402,F401 - what every model class imports; the auto classes do not
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402,F401 - resolved lazily: import them now
 
 import converters.distributed  # noqa: E402,F401 - the conversion pipeline (run_ranked_conversion)

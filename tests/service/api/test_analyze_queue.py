@@ -1,6 +1,6 @@
-"""/v1/analyze builds its models in a bounded pool of spawned processes: a full queue is refused at once with 503 and
-Retry-After while /healthz keeps answering; an analysis that dies or runs too long is 503 and its process is
-replaced. Real uvicorn on loopback, real HTTP clients in parallel, real transformers models."""
+"""/v1/analyze builds its models in a bounded pool of processes forked from the API's fork server: a full queue is
+refused at once with 503 and Retry-After while /healthz keeps answering; an analysis that dies or runs too long is
+503 and its process is replaced. Real uvicorn on loopback, real HTTP clients in parallel, real transformers models."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 
 from service.config import Settings
 from tests.converters.model.test_config_limits import TINY, _model
-from tests.service_helpers import children_since, live_app, wait_for, work_children
+from tests.service_helpers import children_since, is_fork_server_child, live_app, parent_of, wait_for, work_children
 
 
 def _settings(tmp_path: Path, **overrides) -> Settings:
@@ -78,6 +78,9 @@ def test_an_analysis_that_dies_or_runs_too_long_is_503_and_its_process_replaced(
         thread = threading.Thread(target=lambda: answer.append(_analyze(client, endless)))
         thread.start()
         [child] = wait_for(lambda: children_since(os.getpid(), before), timeout=30, what="the analysis process")
+        # a fork of the API process's fork server, which imported torch and transformers once for every child
+        assert is_fork_server_child(child)
+        server = parent_of(child)
         os.kill(child, signal.SIGKILL)  # as the kernel's OOM killer would
         thread.join(30)
         assert answer[0].status_code == 503, answer[0].text
@@ -86,7 +89,9 @@ def test_an_analysis_that_dies_or_runs_too_long_is_503_and_its_process_replaced(
         assert answer[0].headers["Retry-After"]
         assert client.get("/healthz").status_code == 200
 
-        assert _analyze(client, small).status_code == 200  # a new process
+        assert _analyze(client, small).status_code == 200  # a new process, forked from the same server
+        [replacement] = children_since(os.getpid(), before)
+        assert replacement != child and parent_of(replacement) == server
         late = _analyze(client, endless)  # which then runs past the bound
         assert late.status_code == 503, late.text
         assert late.json()["error"]["code"] == "analysis_aborted"
