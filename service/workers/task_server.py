@@ -17,7 +17,7 @@ environment at the server's start.
 
 What the server imports depends on what the worker forks: :mod:`service.workers.task_server_preload` (torch,
 transformers, torchao and the pipeline) for conversions, :mod:`service.workers.shard_task_preload` (torch and the
-task functions: about a third of the seconds, 70% of the memory) while a worker has forked shard tasks only. A
+task functions: a fraction of the seconds and memory; docs/service.md) while a worker has forked shard tasks only. A
 conversion that follows such a server replaces it (a worker runs one child at a time, so the server has no child
 then); a server with the conversion imports also forks tasks. The API process forks its analysis children
 (``service.api.analyze_pool``) from a server of its own the same way, from threads: the server is chosen under a
