@@ -12,8 +12,14 @@ child), with the server's imports frozen as shipped (``gc.freeze`` in ``service.
 against thawed (``gc.unfreeze`` at the child's start: the server's objects back in the collector's oldest
 generation, as in a server that never froze them), interleaved.
 
+``--server-start``: no job; a fresh interpreter importing a fork server's preload (each kind: conversions,
+shard tasks), its CPU seconds, objects frozen and anonymous resident memory, with the garbage collector held off
+during the imports as shipped (one collection at the end) against left on (``gc.disable`` made a no-op: the
+collections every import would trigger), interleaved.
+
     TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_job_start.py --rounds 5
     TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_job_start.py --rounds 7 --frozen
+    TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_job_start.py --rounds 5 --server-start
 """
 
 from __future__ import annotations
@@ -89,7 +95,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="jobs each way (default 5)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp8forge-bench-job-start"))
     parser.add_argument("--frozen", action="store_true", help="forks only: the server's imports frozen / thawed")
+    parser.add_argument("--server-start", action="store_true",
+                        help="no job: a preload's import with collections held off / left on")
     args = parser.parse_args()
+    if args.server_start:
+        compare_server_start(args.rounds)
+        return
     from service.workers.task_server import start_task_server, task_context
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -134,6 +145,47 @@ def compare_frozen(request: dict, out: Path, sources: dict, rounds: int, usage_f
         print(f"{name:28} {medians[thaw][0]:>13.2f} {cpus[0]:>6.2f} {cpus[-1]:>6.2f} {medians[thaw][1]:>19,}")
     print(f"ratio frozen / thawed (medians): CPU {medians[False][0] / medians[True][0]:.2f}, page faults "
           f"{medians[False][1] / medians[True][1]:.2f}; load average {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
+
+
+_IMPORT_PRELOAD = """
+import gc, json, resource, sys
+if sys.argv[2] == "on":
+    gc.disable = lambda: None  # the preload's gc.disable() does nothing: every import's collections run
+import importlib
+importlib.import_module(sys.argv[1])
+usage = resource.getrusage(resource.RUSAGE_SELF)
+anon = next(line for line in open("/proc/self/status") if line.startswith("RssAnon")).split()[1]
+print(json.dumps([usage.ru_utime + usage.ru_stime, gc.get_freeze_count(), int(anon) // 1024]))
+"""
+
+
+def compare_server_start(rounds: int) -> None:
+    """Each round, each preload imported in a fresh interpreter with collections left on, then held off."""
+    import json
+    import subprocess
+
+    from service.workers.task_server import PRELOAD, SHARD_TASK_PRELOAD
+
+    root = Path(__file__).resolve().parents[1]
+    seen: dict[tuple[str, str], list[list[float]]] = {}
+    for _ in range(rounds):
+        for preload in (PRELOAD, SHARD_TASK_PRELOAD):
+            for collections in ("on", "off"):
+                done = subprocess.run([sys.executable, "-c", _IMPORT_PRELOAD, preload, collections], cwd=root,
+                                      capture_output=True, text=True, check=True)
+                seen.setdefault((preload, collections), []).append(json.loads(done.stdout.splitlines()[-1]))
+    print(f"{'preload, collections':44} {'median CPU s':>13} {'min':>6} {'max':>6} {'frozen objects':>15} "
+          f"{'RssAnon MB':>11}")
+    for preload in (PRELOAD, SHARD_TASK_PRELOAD):
+        medians = {}
+        for collections, name in (("on", "left on (before)"), ("off", "held off (as shipped)")):
+            runs = seen[(preload, collections)]
+            cpus = sorted(run[0] for run in runs)
+            medians[collections] = cpus[len(cpus) // 2]
+            print(f"{preload.rsplit('.', 1)[1] + ', ' + name:44} {medians[collections]:>13.2f} {cpus[0]:>6.2f} "
+                  f"{cpus[-1]:>6.2f} {runs[-1][1]:>15,} {runs[-1][2]:>11}")
+        print(f"ratio held off / left on (medians): {medians['off'] / medians['on']:.2f}")
+    print(f"load average {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
 
 
 if __name__ == "__main__":

@@ -20,13 +20,14 @@ def zygote():
 
 
 def test_code_sees_its_arguments_environment_and_directory_and_exits_with_its_code(zygote, tmp_path):
-    code = ("import os, sys, torch; print(sys.argv, os.environ['ASKED'], os.getcwd(), torch.get_num_threads()); "
-            "print('to stderr', file=sys.stderr); sys.exit(3)")
+    # gc.isenabled(): the zygote held collections off while it imported, not for what it starts
+    code = ("import gc, os, sys, torch; print(sys.argv, os.environ['ASKED'], os.getcwd(), torch.get_num_threads(), "
+            "gc.isenabled()); print('to stderr', file=sys.stderr); sys.exit(3)")
     log = tmp_path / "out.log"
     process = zygote.start(["-c", code, "a", "b"], env={**os.environ, "ASKED": "yes", "OMP_NUM_THREADS": "1"},
                            cwd=tmp_path, output=log)
     assert process.wait(timeout=60) == 3
-    assert log.read_text().splitlines() == [f"['-c', 'a', 'b'] yes {tmp_path} 1", "to stderr"]
+    assert log.read_text().splitlines() == [f"['-c', 'a', 'b'] yes {tmp_path} 1 True", "to stderr"]
     fresh = subprocess.run([sys.executable, "-c", code, "a", "b"], capture_output=True, text=True, cwd=tmp_path,
                            env={**os.environ, "ASKED": "yes", "OMP_NUM_THREADS": "1"}, timeout=120)
     assert (fresh.returncode, fresh.stdout, fresh.stderr) == (3, log.read_text().splitlines(True)[0], "to stderr\n")

@@ -181,11 +181,15 @@ def _reap(block: bool) -> None:
 
 
 def serve(socket_path: str, preload: list[str]) -> None:
+    # as the service's fork server imports (service.workers.shard_task_preload): no collections while importing,
+    # one at the end, then the imports out of the cyclic collector's reach in every fork (a process's full
+    # collections skip them and leave their pages shared), with collections enabled again for the forks
+    gc.disable()
     for name in preload:
         importlib.import_module(name)
-    # the imports out of the cyclic collector's reach in every fork, as the service's fork server has them
-    # (service.workers.shard_task_preload): a process's full collections skip them and leave their pages shared
+    gc.collect()
     gc.freeze()
+    gc.enable()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path)
     server.listen(64)

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import gc
 
-from converters.third_party_noise import silence_third_party_noise
+# No collections while the preload imports: each full one walks everything imported so far (docs/service.md has
+# what that cost); the end of this module collects once. task_server_preload, which imports this last, does the same.
+gc.disable()
+
+from converters.third_party_noise import silence_third_party_noise  # noqa: E402
 
 silence_third_party_noise()  # before torch loads: its known start-up messages stay out of the log
 
@@ -21,8 +25,11 @@ import service.workers.task_child  # noqa: E402,F401 - the task children's entry
 
 __all__: list[str] = []
 
-# Last, and task_server_preload imports this module last: what the imports made is put out of the cyclic
-# collector's reach (gc.freeze). A child's full collections then skip the server's objects instead of walking them
-# and writing to their headers, which copied the pages holding them into every child (docs/service.md has what it
-# saves).
+# Last, and task_server_preload imports this module last: one collection frees what the imports left unreachable
+# (frozen, it would stay for the server's life), then what they made is put out of the cyclic collector's reach
+# (gc.freeze). A child's full collections then skip the server's objects instead of walking them and writing to
+# their headers, which copied the pages holding them into every child (docs/service.md has what it saves). The
+# children start with collections enabled again.
+gc.collect()
 gc.freeze()
+gc.enable()

@@ -9,11 +9,14 @@ first step; forked from here, each job after a worker's first starts with them (
 
 from __future__ import annotations
 
-from converters.third_party_noise import silence_third_party_noise
+import gc
+
+gc.disable()  # while the preload imports: shard_task_preload, imported last, collects once and enables them again
+
+from converters.third_party_noise import silence_third_party_noise  # noqa: E402
 
 silence_third_party_noise()  # before torch and torchao load: their known start-up messages stay out of the log
 
-import torch._inductor.codegen.triton  # noqa: E402,F401 - torchao's convert_to_float8_training patches it: 400 modules
 import torchao.float8  # noqa: E402,F401 - the ao backend's modules and the casts they register with torch
 import transformers  # noqa: E402,F401 - the model loading of every calibrated job (its auto classes below)
 import transformers.modeling_utils  # noqa: E402,F401 - what every model class imports; the auto classes do not
