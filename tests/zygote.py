@@ -19,7 +19,6 @@ zygote) forks the process and waits for it, so the zygote itself only accepts (a
 from __future__ import annotations
 
 import atexit
-import gc
 import importlib
 import json
 import os
@@ -181,15 +180,11 @@ def _reap(block: bool) -> None:
 
 
 def serve(socket_path: str, preload: list[str]) -> None:
-    # as the service's fork server imports (service.workers.shard_task_preload): no collections while importing,
-    # one at the end, then the imports out of the cyclic collector's reach in every fork (a process's full
-    # collections skip them and leave their pages shared), with collections enabled again for the forks
-    gc.disable()
-    for name in preload:
-        importlib.import_module(name)
-    gc.collect()
-    gc.freeze()
-    gc.enable()
+    from service.workers.procs import imports_frozen
+
+    with imports_frozen():  # as the service's fork server imports: each fork's collections skip what it imported
+        for name in preload:
+            importlib.import_module(name)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path)
     server.listen(64)

@@ -1,4 +1,5 @@
-"""The flags the ``fp8forge`` commands share, and what they build: model sources, calibration settings."""
+"""The flags the ``fp8forge`` commands share, and what they build: model sources, calibration settings; the
+import of the model stack the model-loading commands share."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from converters.pipeline.request import MIN_SQNR_DB_RANGE, CalibrationSettings
 from converters.recipes import load_recipe_file, recipe_from_dict
 from converters.recipes.presets import RECIPE_NAMES
 from service.config import load_settings
+from service.workers.procs import imports_frozen
 
 __all__ = ["add_source_arguments", "add_selection_arguments", "add_calibration_arguments", "add_min_sqnr_argument",
-           "calibration_from_args", "source_options_from_args", "recipe_file", "recipe_file_warned"]
+           "calibration_from_args", "import_model_stack", "source_options_from_args", "recipe_file",
+           "recipe_file_warned"]
 
 
 def _env_flag(name: str) -> bool:
@@ -144,3 +147,13 @@ def recipe_file_warned(path: Path) -> dict[str, Any]:
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     return recipe
+
+
+def import_model_stack() -> None:
+    """Import torch, transformers' model code and the conversion pipeline, collections held off and then frozen
+    (``imports_frozen``), as a worker's fork server does: the command's own full collections then skip them
+    instead of walking them each time. For the commands that load a model, once their flags are checked."""
+    with imports_frozen():
+        import transformers.modeling_utils  # noqa: F401 - what every model class imports
+
+        import converters.pipeline.driver  # noqa: F401 - torch, torchao and the pipeline

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from converters.errors import RequestError
+from service.cli.args import import_model_stack
 
 __all__ = ["register", "run_check"]
 
@@ -34,10 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from converters.backends.probe import format_probe, probe_artifact  # torch, torchao: only when the command runs
-
     if args.seq_len < 1:
         raise RequestError(f"--seq-len must be a positive number of tokens, got {args.seq_len}", field="seq_len")
+    import_model_stack()
+    from converters.backends.probe import format_probe, probe_artifact  # torch, torchao: only when the command runs
+
     report = probe_artifact(args.artifact, device=args.device, verify=not args.no_verify, seq_len=args.seq_len)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_probe(report))
     if not report.ok:

@@ -20,6 +20,7 @@ from service.cli.args import (
     add_selection_arguments,
     add_source_arguments,
     calibration_from_args,
+    import_model_stack,
     recipe_file_warned,
     source_options_from_args,
 )
@@ -94,6 +95,7 @@ def _request(args: argparse.Namespace, recipe: dict[str, Any], compare: list[Any
 
 
 def _analysis_with_bars(request, sources, enabled: bool) -> dict[str, Any]:
+    import_model_stack()
     from converters.pipeline.sync_analysis import calibrated_analysis  # imports torch: only when a calibration runs
 
     sink = BarSink(enabled=enabled)

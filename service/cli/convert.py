@@ -12,7 +12,7 @@ from converters.artifact.layout import REPORT_FILE
 from converters.calibration.result import amax_swing_line
 from converters.errors import Fp8ForgeError, RecipeError
 from converters.pipeline.request import ConversionRequest
-from service.cli.args import calibration_from_args, recipe_file
+from service.cli.args import calibration_from_args, import_model_stack, recipe_file
 from service.cli.render import BarSink, format_quality, format_serving_exports, format_worst_layers
 
 __all__ = ["run_convert_command", "request_from_args"]
@@ -66,9 +66,10 @@ def _make_parents(out: Path) -> list[Path]:
 def run_convert_command(args: argparse.Namespace, sources) -> int:
     import json
 
+    request, notes = request_from_args(args)
+    import_model_stack()  # once the flags are checked
     from converters.pipeline.driver import run_conversion  # imports torch: only in the process that converts
 
-    request, notes = request_from_args(args)
     sink = BarSink(enabled=not args.no_progress)
     created = [] if args.out.exists() else _make_parents(args.out)
     try:

@@ -20,6 +20,7 @@ from service.cli.args import (
     add_selection_arguments,
     add_source_arguments,
     calibration_from_args,
+    import_model_stack,
     source_options_from_args,
 )
 from service.cli.render import BarSink
@@ -76,10 +77,6 @@ def _texts(path: Path | None) -> list[str] | None:
 
 
 def run_plan_command(args: argparse.Namespace, sources: Any) -> int:
-    from converters.pipeline.sync_analysis import calibrated_analysis  # imports torch: only when a plan is made
-    from converters.plan.emit import write_plan_files  # imports torchao: only when a plan is written
-    from converters.plan.planner import make_plan  # imports torch: only when a plan is made
-
     settings = PlanSettings(target_kl=args.target_kl, max_ppl_increase=args.max_ppl_increase,
                             min_sqnr_db=args.min_sqnr_db, objective=args.objective, gpu=args.gpu)
     if args.backend == "ao":
@@ -95,6 +92,11 @@ def run_plan_command(args: argparse.Namespace, sources: Any) -> int:
                                 calibration=calibration_from_args(args), include=tuple(args.include),
                                 exclude=tuple(args.exclude), skip_first_last=not args.no_skip_first_last,
                                 compare_recipes=plan_compare_recipes(settings.to_dict()))
+    import_model_stack()  # once the flags are checked
+    from converters.pipeline.sync_analysis import calibrated_analysis  # imports torch: only when a plan is made
+    from converters.plan.emit import write_plan_files  # imports torchao: only when a plan is written
+    from converters.plan.planner import make_plan  # imports torch: only when a plan is made
+
     sink = BarSink(enabled=not args.no_progress)
     try:
         report = calibrated_analysis(request, sources, sink=sink)

@@ -9,22 +9,21 @@ first step; forked from here, each job after a worker's first starts with them (
 
 from __future__ import annotations
 
-import gc
+from service.workers.procs import imports_frozen
 
-gc.disable()  # while the preload imports: shard_task_preload, imported last, collects once and enables them again
+with imports_frozen():  # held off while importing, then frozen: see shard_task_preload
+    from converters.third_party_noise import silence_third_party_noise
 
-from converters.third_party_noise import silence_third_party_noise  # noqa: E402
+    silence_third_party_noise()  # before torch and torchao load: their known start-up messages stay out of the log
 
-silence_third_party_noise()  # before torch and torchao load: their known start-up messages stay out of the log
+    import torchao.float8  # noqa: F401 - the ao backend's modules and the casts they register with torch
+    import transformers  # noqa: F401 - the model loading of every calibrated job (its auto classes below)
+    import transformers.modeling_utils  # noqa: F401 - what every model class imports; the auto classes do not
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401 - resolved lazily: import them now
 
-import torchao.float8  # noqa: E402,F401 - the ao backend's modules and the casts they register with torch
-import transformers  # noqa: E402,F401 - the model loading of every calibrated job (its auto classes below)
-import transformers.modeling_utils  # noqa: E402,F401 - what every model class imports; the auto classes do not
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402,F401 - resolved lazily: import them now
-
-import converters.distributed  # noqa: E402,F401 - the conversion pipeline (run_ranked_conversion)
-import service.workers.child  # noqa: E402,F401 - the conversion children's entry point
-import service.workers.serving_shards  # noqa: E402,F401 - a conversion's serving shards queued as tasks
-import service.workers.shard_task_preload  # noqa: E402,F401 - what a task child runs; last: it freezes the imports
+    import converters.distributed  # noqa: F401 - the conversion pipeline (run_ranked_conversion)
+    import service.workers.child  # noqa: F401 - the conversion children's entry point
+    import service.workers.serving_shards  # noqa: F401 - a conversion's serving shards queued as tasks
+    import service.workers.shard_task_preload  # noqa: F401 - what a task child runs
 
 __all__: list[str] = []

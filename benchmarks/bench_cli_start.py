@@ -1,0 +1,73 @@
+"""``fp8forge convert`` of the built-in demo model (a tiny Llama: the command's own start dominates), with the model
+stack imported as shipped (``service.cli.args.import_model_stack``: collections held off while torch, transformers
+and the pipeline import, then those objects frozen out of the collector's reach) against the same command with
+``imports_frozen`` made a no-op (the imports and every full collection after them as before), interleaved in one
+run. CPU seconds of each command's process (user + system), wall seconds.
+
+    TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_cli_start.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the command as the console script runs it; "before": imports_frozen replaced by a context that does nothing,
+# before the CLI imports it
+_COMMAND = """
+import contextlib, sys
+if sys.argv.pop(1) == "before":
+    import service.workers.procs
+    service.workers.procs.imports_frozen = contextlib.nullcontext
+from service.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def one_run(way: str, workdir: Path) -> tuple[float, float]:
+    """Wall and CPU seconds of one ``fp8forge convert`` of the demo model, ``way`` "before" or "after"."""
+    out = workdir / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", _COMMAND, way, "convert", "demo/tiny-llama", "--out", str(out),
+                    "--backend", "ao", "--no-progress"], cwd=workdir, check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="commands each way (default 5)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        workdir = Path(directory)
+        one_run("after", workdir)  # the demo model is built on first use: not in any round
+        seen: dict[str, list[tuple[float, float]]] = {"before": [], "after": []}
+        for _ in range(args.rounds):
+            for way in seen:
+                seen[way].append(one_run(way, workdir))
+    print(f"{'fp8forge convert demo/tiny-llama':44} {'median CPU s':>13} {'min':>6} {'max':>6} {'median wall s':>14}")
+    medians = {}
+    for way, name in (("before", "imports and collections as before"), ("after", "model stack frozen (as shipped)")):
+        cpus, walls = sorted(cpu for _, cpu in seen[way]), sorted(wall for wall, _ in seen[way])
+        medians[way] = (cpus[len(cpus) // 2], walls[len(walls) // 2])
+        print(f"{name:44} {medians[way][0]:>13.2f} {cpus[0]:>6.2f} {cpus[-1]:>6.2f} {medians[way][1]:>14.2f}")
+    print(f"ratio shipped / before (medians): CPU {medians['after'][0] / medians['before'][0]:.2f}, wall "
+          f"{medians['after'][1] / medians['before'][1]:.2f}; load average {os.getloadavg()[0]:.2f}, "
+          f"cpus {os.cpu_count()}")
+
+
+if __name__ == "__main__":
+    main()
