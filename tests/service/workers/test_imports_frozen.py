@@ -1,0 +1,53 @@
+"""``imports_frozen``: what is imported inside it is frozen out of the collector's reach at its end, with the
+garbage of those imports collected first and collections enabled again; a use nested in another acts only at the
+outermost's end. The CLI's model stack (``import_model_stack``) is imported that way, in a process of its own."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+from service.workers.procs import imports_frozen
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class _Node:
+    next: _Node | None = None
+
+
+def test_the_outermost_use_collects_the_garbage_freezes_the_rest_and_enables_collections() -> None:
+    assert gc.isenabled()
+    before = gc.get_freeze_count()
+    try:
+        with imports_frozen():
+            assert not gc.isenabled()
+            kept = [[] for _ in range(1000)]  # alive at the end: frozen
+            cycle = _Node()
+            cycle.next = cycle
+            gone = weakref.ref(cycle)
+            del cycle  # unreachable at the end, but only a collection frees a cycle
+            assert gone() is not None
+            with imports_frozen():  # nested: nothing happens at its end
+                assert not gc.isenabled()
+            assert not gc.isenabled() and gc.get_freeze_count() == before
+        assert gc.isenabled()
+        assert gc.get_freeze_count() - before >= len(kept)
+        assert gone() is None  # collected before the freeze, not kept by it
+    finally:
+        gc.unfreeze()  # this test process's objects back in the collector's reach
+
+
+def test_the_clis_model_stack_is_imported_frozen() -> None:
+    script = ("import gc, json, sys\nfrom service.cli.args import import_model_stack\nimport_model_stack()\n"
+              "print(json.dumps([gc.isenabled(), gc.get_freeze_count(), len(gc.get_objects()),"
+              " 'transformers.modeling_utils' in sys.modules, 'converters.pipeline.driver' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    collecting, frozen, tracked, model_code, pipeline = json.loads(done.stdout.splitlines()[-1])
+    assert collecting and model_code and pipeline
+    assert frozen > 10 * tracked, (frozen, tracked)  # the command's collections walk a tenth of what it imported
