@@ -4,12 +4,17 @@ and the pipeline import, then those objects frozen out of the collector's reach)
 ``imports_frozen`` made a no-op (the imports and every full collection after them as before), interleaved in one
 run. CPU seconds of each command's process (user + system), wall seconds.
 
+``--rank``: the same for one rank of one (``python -m converters.distributed``, no launcher variables) converting
+a two-layer Llama saved beside it (ao tensorwise, 2 calibration steps).
+
     TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_cli_start.py --rounds 5
+    TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_cli_start.py --rounds 5 --rank
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -26,22 +31,30 @@ ROOT = Path(__file__).resolve().parents[1]
 _COMMAND = """
 import contextlib, sys
 if sys.argv.pop(1) == "before":
-    import service.workers.procs
-    service.workers.procs.imports_frozen = contextlib.nullcontext
+    import converters.frozen_imports
+    converters.frozen_imports.imports_frozen = contextlib.nullcontext
+if sys.argv[1] == "rank":
+    import runpy
+    sys.argv[:2] = ["converters.distributed"]
+    runpy.run_module("converters.distributed", run_name="__main__", alter_sys=True)
 from service.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def one_run(way: str, workdir: Path) -> tuple[float, float]:
-    """Wall and CPU seconds of one ``fp8forge convert`` of the demo model, ``way`` "before" or "after"."""
+def one_run(way: str, workdir: Path, rank: bool = False) -> tuple[float, float]:
+    """Wall and CPU seconds of one ``fp8forge convert`` of the demo model (``rank``: one rank of one converting
+    ``workdir``'s tiny Llama), ``way`` "before" or "after"."""
     out = workdir / "out"
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(workdir / ".out.resume", ignore_errors=True)
+    command = (["rank", "--request", str(workdir / "request.json"), "--out", str(out), "--allow-root", str(workdir),
+                "--offline", "--no-resume"] if rank else
+               ["convert", "demo/tiny-llama", "--out", str(out), "--backend", "ao", "--no-progress"])
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", _COMMAND, way, "convert", "demo/tiny-llama", "--out", str(out),
-                    "--backend", "ao", "--no-progress"], cwd=workdir, check=True, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run([sys.executable, "-c", _COMMAND, way, *command], cwd=workdir, check=True,
+                   stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -50,15 +63,23 @@ def one_run(way: str, workdir: Path) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="commands each way (default 5)")
+    parser.add_argument("--rank", action="store_true", help="one rank of python -m converters.distributed instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         workdir = Path(directory)
-        one_run("after", workdir)  # the demo model is built on first use: not in any round
+        if args.rank:
+            from bench_job_start import tiny_model  # the script's own directory is on sys.path
+
+            request = {"model": str(tiny_model(workdir)), "recipe": {"backend": "ao", "recipe_name": "tensorwise"},
+                       "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
+            (workdir / "request.json").write_text(json.dumps(request))
+        one_run("after", workdir, args.rank)  # the demo model is built on first use: not in any round
         seen: dict[str, list[tuple[float, float]]] = {"before": [], "after": []}
         for _ in range(args.rounds):
             for way in seen:
-                seen[way].append(one_run(way, workdir))
-    print(f"{'fp8forge convert demo/tiny-llama':44} {'median CPU s':>13} {'min':>6} {'max':>6} {'median wall s':>14}")
+                seen[way].append(one_run(way, workdir, args.rank))
+    what = "python -m converters.distributed (1 rank)" if args.rank else "fp8forge convert demo/tiny-llama"
+    print(f"{what:44} {'median CPU s':>13} {'min':>6} {'max':>6} {'median wall s':>14}")
     medians = {}
     for way, name in (("before", "imports and collections as before"), ("after", "model stack frozen (as shipped)")):
         cpus, walls = sorted(cpu for _, cpu in seen[way]), sorted(wall for wall, _ in seen[way])

@@ -180,7 +180,7 @@ def _reap(block: bool) -> None:
 
 
 def serve(socket_path: str, preload: list[str]) -> None:
-    from service.workers.procs import imports_frozen
+    from converters.frozen_imports import imports_frozen
 
     with imports_frozen():  # as the service's fork server imports: each fork's collections skip what it imported
         for name in preload:

@@ -16,11 +16,16 @@ import json
 import sys
 from pathlib import Path
 
-from converters.distributed.entry import run_ranked_conversion
-from converters.distributed.ranks import rank_from_environment
-from converters.errors import Fp8ForgeError
-from converters.model.sources import ModelSourceOptions
-from converters.pipeline.request import ConversionRequest
+from converters.frozen_imports import imports_frozen
+
+with imports_frozen():  # the rank's own collections skip what it imports (torch, transformers, the pipeline)
+    import transformers.modeling_utils  # noqa: F401 - what every model class imports
+
+    from converters.distributed.entry import run_ranked_conversion
+    from converters.distributed.ranks import rank_from_environment
+    from converters.errors import Fp8ForgeError
+    from converters.model.sources import ModelSourceOptions
+    from converters.pipeline.request import ConversionRequest
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from converters.errors import CalibrationDataError, RecipeError
+from converters.frozen_imports import imports_frozen
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.request import MIN_SQNR_DB_RANGE, CalibrationSettings
 from converters.recipes import load_recipe_file, recipe_from_dict
 from converters.recipes.presets import RECIPE_NAMES
 from service.config import load_settings
-from service.workers.procs import imports_frozen
 
 __all__ = ["add_source_arguments", "add_selection_arguments", "add_calibration_arguments", "add_min_sqnr_argument",
            "calibration_from_args", "import_model_stack", "source_options_from_args", "recipe_file",

@@ -1,22 +1,18 @@
-"""Process plumbing shared by the API, workers, their conversion children and the CLI: logging set-up, parent-death
-links, imports held out of the garbage collector's way, and GPU discovery."""
+"""Process plumbing shared by the API, workers and their conversion children: logging set-up, parent-death links
+and GPU discovery."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import gc
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from multiprocessing import forkserver
 
-__all__ = ["LOG_LEVELS", "configure_logging", "die_with_parent", "die_with_worker", "imports_frozen", "is_alive",
-           "visible_gpus"]
+__all__ = ["LOG_LEVELS", "configure_logging", "die_with_parent", "die_with_worker", "is_alive", "visible_gpus"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,29 +35,6 @@ def configure_logging(level: str, tag: str) -> None:
                         force=True)
     for name in _OWN_LOGGERS:
         logging.getLogger(name).setLevel(level.upper())
-
-
-@contextlib.contextmanager
-def imports_frozen() -> Iterator[None]:
-    """Import inside it with the cyclic garbage collector held off; at its end, one collection (what the imports
-    left unreachable), then everything alive put out of the collector's reach (``gc.freeze``), and collections on.
-
-    A process that imports torch and transformers holds hundreds of thousands of objects that live as long as it
-    does: while they import, each full collection walks all imported so far (seven of them for a fork server's
-    preload), and every full collection after them walks them all again. Frozen, they are skipped, and a fork's
-    collections leave the pages holding them shared with its parent (docs/service.md has what it saves). Nested uses
-    act once, at the outermost's end.
-    """
-    if not gc.isenabled():  # inside another use (or a process that manages collections itself): leave it be
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.collect()
-        gc.freeze()
-        gc.enable()
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:

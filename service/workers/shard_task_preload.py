@@ -8,7 +8,7 @@ task) starts its first task without them. :mod:`service.workers.task_server_prel
 
 from __future__ import annotations
 
-from service.workers.procs import imports_frozen
+from converters.frozen_imports import imports_frozen
 
 # Collections held off while the preload imports, then one, then everything frozen (imports_frozen): a child's full
 # collections skip the server's objects instead of walking them and writing to their headers, which copied the

@@ -9,7 +9,7 @@ first step; forked from here, each job after a worker's first starts with them (
 
 from __future__ import annotations
 
-from service.workers.procs import imports_frozen
+from converters.frozen_imports import imports_frozen
 
 with imports_frozen():  # held off while importing, then frozen: see shard_task_preload
     from converters.third_party_noise import silence_third_party_noise

@@ -1,6 +1,7 @@
 """``imports_frozen``: what is imported inside it is frozen out of the collector's reach at its end, with the
 garbage of those imports collected first and collections enabled again; a use nested in another acts only at the
-outermost's end. The CLI's model stack (``import_model_stack``) is imported that way, in a process of its own."""
+outermost's end. The CLI's model stack (``import_model_stack``) and a data-parallel rank's imports
+(``python -m converters.distributed``) are imported that way, each in a process of its own."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import sys
 import weakref
 from pathlib import Path
 
-from service.workers.procs import imports_frozen
+import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from converters.frozen_imports import imports_frozen
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Node:
@@ -42,8 +45,10 @@ def test_the_outermost_use_collects_the_garbage_freezes_the_rest_and_enables_col
         gc.unfreeze()  # this test process's objects back in the collector's reach
 
 
-def test_the_clis_model_stack_is_imported_frozen() -> None:
-    script = ("import gc, json, sys\nfrom service.cli.args import import_model_stack\nimport_model_stack()\n"
+@pytest.mark.parametrize("importing", ["from service.cli.args import import_model_stack; import_model_stack()",
+                                       "import converters.distributed.__main__"], ids=["cli", "rank"])
+def test_the_clis_and_a_ranks_model_stack_is_imported_frozen(importing: str) -> None:
+    script = (f"import gc, json, sys\n{importing}\n"
               "print(json.dumps([gc.isenabled(), gc.get_freeze_count(), len(gc.get_objects()),"
               " 'transformers.modeling_utils' in sys.modules, 'converters.pipeline.driver' in sys.modules]))")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
