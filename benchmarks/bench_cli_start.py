@@ -1,8 +1,8 @@
 """``fp8forge convert`` of the built-in demo model (a tiny Llama: the command's own start dominates), with the model
-stack imported as shipped (``service.cli.args.import_model_stack``: collections held off while torch, transformers
-and the pipeline import, then those objects frozen out of the collector's reach) against the same command with
-``imports_frozen`` made a no-op (the imports and every full collection after them as before), interleaved in one
-run. CPU seconds of each command's process (user + system), wall seconds.
+stack imported as shipped (``converters.frozen_imports.import_model_stack``: collections held off while torch,
+transformers and the pipeline import, then those objects frozen out of the collector's reach) against the same
+command with ``imports_frozen`` made a no-op (the imports and every full collection after them as before),
+interleaved in one run. CPU seconds of each command's process (user + system), wall seconds.
 
 ``--rank``: the same for one rank of one (``python -m converters.distributed``, no launcher variables) converting
 a two-layer Llama saved beside it (ao tensorwise, 2 calibration steps).

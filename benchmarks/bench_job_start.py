@@ -8,7 +8,7 @@ waits for the server's imports (a worker's first job) and is shown apart. Wall s
 are not this process's, so their CPU is not counted here.
 
 ``--frozen``: forks only, each child's own CPU seconds and minor page faults (its ``getrusage``, written by the
-child), with the server's imports frozen as shipped (``gc.freeze`` in ``service.workers.shard_task_preload``)
+child), with the server's imports frozen as shipped (``imports_frozen`` in the fork server's preloads)
 against thawed (``gc.unfreeze`` at the child's start: the server's objects back in the collector's oldest
 generation, as in a server that never froze them), interleaved.
 

@@ -1,6 +1,6 @@
 """Imports held out of the cyclic garbage collector's way, for the processes that import torch and transformers:
-a worker's fork servers (``service.workers.task_server_preload``), the CLI's model-loading commands, a data-parallel
-rank (``python -m converters.distributed``)."""
+a worker's fork servers (``service.workers.task_server_preload``), the CLI's model-loading commands and a
+data-parallel rank (``python -m converters.distributed``: both through :func:`import_model_stack`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-__all__ = ["imports_frozen"]
+__all__ = ["import_model_stack", "imports_frozen"]
 
 
 @contextlib.contextmanager
@@ -32,3 +32,13 @@ def imports_frozen() -> Iterator[None]:
         gc.collect()
         gc.freeze()
         gc.enable()
+
+
+def import_model_stack() -> None:
+    """Import torch, transformers' model code and the conversion pipeline inside :func:`imports_frozen`: what a
+    process that loads a model (a CLI command once its flags are checked, a data-parallel rank) imports first, so
+    that its own full collections skip them instead of walking them each time."""
+    with imports_frozen():
+        import transformers.modeling_utils  # noqa: F401 - what every model class imports
+
+        import converters.pipeline.driver  # noqa: F401 - torch, torchao and the pipeline

@@ -16,11 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from converters.frozen_imports import imports_frozen
+from converters.frozen_imports import import_model_stack, imports_frozen
 
-with imports_frozen():  # the rank's own collections skip what it imports (torch, transformers, the pipeline)
-    import transformers.modeling_utils  # noqa: F401 - what every model class imports
-
+with imports_frozen():  # the rank's own collections skip what it imports: the model stack and the rank's modules
+    import_model_stack()
     from converters.distributed.entry import run_ranked_conversion
     from converters.distributed.ranks import rank_from_environment
     from converters.errors import Fp8ForgeError

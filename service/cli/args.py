@@ -1,5 +1,4 @@
-"""The flags the ``fp8forge`` commands share, and what they build: model sources, calibration settings; the
-import of the model stack the model-loading commands share."""
+"""The flags the ``fp8forge`` commands share, and what they build: model sources, calibration settings."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from converters.errors import CalibrationDataError, RecipeError
-from converters.frozen_imports import imports_frozen
 from converters.model.sources import ModelSourceOptions
 from converters.pipeline.request import MIN_SQNR_DB_RANGE, CalibrationSettings
 from converters.recipes import load_recipe_file, recipe_from_dict
@@ -18,8 +16,7 @@ from converters.recipes.presets import RECIPE_NAMES
 from service.config import load_settings
 
 __all__ = ["add_source_arguments", "add_selection_arguments", "add_calibration_arguments", "add_min_sqnr_argument",
-           "calibration_from_args", "import_model_stack", "source_options_from_args", "recipe_file",
-           "recipe_file_warned"]
+           "calibration_from_args", "source_options_from_args", "recipe_file", "recipe_file_warned"]
 
 
 def _env_flag(name: str) -> bool:
@@ -148,12 +145,3 @@ def recipe_file_warned(path: Path) -> dict[str, Any]:
         print(f"warning: {note}", file=sys.stderr)
     return recipe
 
-
-def import_model_stack() -> None:
-    """Import torch, transformers' model code and the conversion pipeline, collections held off and then frozen
-    (``imports_frozen``), as a worker's fork server does: the command's own full collections then skip them
-    instead of walking them each time. For the commands that load a model, once their flags are checked."""
-    with imports_frozen():
-        import transformers.modeling_utils  # noqa: F401 - what every model class imports
-
-        import converters.pipeline.driver  # noqa: F401 - torch, torchao and the pipeline

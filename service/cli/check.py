@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from converters.errors import RequestError
-from service.cli.args import import_model_stack
+from converters.frozen_imports import import_model_stack
 
 __all__ = ["register", "run_check"]
 

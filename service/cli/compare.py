@@ -12,6 +12,7 @@ from typing import Any
 
 from converters.analysis.render import format_analysis
 from converters.errors import RecipeError
+from converters.frozen_imports import import_model_stack
 from converters.pipeline.request import ConversionRequest
 from converters.recipes.presets import RECIPE_NAMES
 from service.cli.args import (
@@ -20,7 +21,6 @@ from service.cli.args import (
     add_selection_arguments,
     add_source_arguments,
     calibration_from_args,
-    import_model_stack,
     recipe_file_warned,
     source_options_from_args,
 )

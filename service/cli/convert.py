@@ -11,8 +11,9 @@ from converters.analysis.render import human_bytes
 from converters.artifact.layout import REPORT_FILE
 from converters.calibration.result import amax_swing_line
 from converters.errors import Fp8ForgeError, RecipeError
+from converters.frozen_imports import import_model_stack
 from converters.pipeline.request import ConversionRequest
-from service.cli.args import calibration_from_args, import_model_stack, recipe_file
+from service.cli.args import calibration_from_args, recipe_file
 from service.cli.render import BarSink, format_quality, format_serving_exports, format_worst_layers
 
 __all__ = ["run_convert_command", "request_from_args"]

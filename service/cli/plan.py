@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.errors import RequestError
+from converters.frozen_imports import import_model_stack
 from converters.pipeline.request import ConversionRequest
 from converters.plan.candidates import plan_compare_recipes
 from converters.plan.settings import GPUS, OBJECTIVES, PlanSettings
@@ -20,7 +21,6 @@ from service.cli.args import (
     add_selection_arguments,
     add_source_arguments,
     calibration_from_args,
-    import_model_stack,
     source_options_from_args,
 )
 from service.cli.render import BarSink

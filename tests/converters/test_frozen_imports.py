@@ -1,6 +1,6 @@
 """``imports_frozen``: what is imported inside it is frozen out of the collector's reach at its end, with the
 garbage of those imports collected first and collections enabled again; a use nested in another acts only at the
-outermost's end. The CLI's model stack (``import_model_stack``) and a data-parallel rank's imports
+outermost's end. The model stack (``import_model_stack``) the CLI imports and a data-parallel rank's imports
 (``python -m converters.distributed``) are imported that way, each in a process of its own."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_the_outermost_use_collects_the_garbage_freezes_the_rest_and_enables_col
         gc.unfreeze()  # this test process's objects back in the collector's reach
 
 
-@pytest.mark.parametrize("importing", ["from service.cli.args import import_model_stack; import_model_stack()",
+@pytest.mark.parametrize("importing", ["from converters.frozen_imports import import_model_stack; import_model_stack()",
                                        "import converters.distributed.__main__"], ids=["cli", "rank"])
 def test_the_clis_and_a_ranks_model_stack_is_imported_frozen(importing: str) -> None:
     script = (f"import gc, json, sys\n{importing}\n"
