@@ -95,7 +95,7 @@ modelopt-venv: $(MODELOPT_STAMP)
 
 # The whole suite. vLLM's venv builds in the background from the start (mostly download and unzip; it needs nothing
 # of .venv), beside .venv's build and apt's; the engine tests start once both venvs are there,
-# beside the suite, in one more process (each module shares one vLLM process between its tests; their output goes
+# beside the suite, in one more process (all of them share one vLLM process, tests/engines/conftest.py; their output goes
 # to ENGINES_LOG, printed at the end). Both runs wait on servers, processes and files for part of their time: on
 # 2 cores, side by side they fill each other's waits, where one after the other the engine tests' waits and the
 # suite's tail left a core idle.

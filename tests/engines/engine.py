@@ -7,11 +7,14 @@ Shared by tests/engines/ and benchmarks/bench_engine.py. The vLLM venv is never 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import select
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 __all__ = ["ROOT", "AMX", "KV_CACHE", "VLLM_VENV", "VLLM_PYTHON", "DRIVER", "vllm_missing", "run_vllm",
-           "attend_in_vllm", "EngineRun", "load_problems", "fidelity_problems"]
+           "attend_in_vllm", "one_driver", "EngineRun", "load_problems", "fidelity_problems"]
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm")  # a relative path is the repository's
@@ -124,8 +127,7 @@ def run_vllm(requests: list[EngineRequest], work: Path, *, timeout: float = 1800
         if request.dump:
             run["dump"] = str(work / f"loaded-{index}.safetensors")
         runs.append(run)
-    # fp8_gemm_in_torch: an FP8 GEMM's result, not oneDNN's reference kernel (converters/backends/cpu_fp8_gemm.py)
-    return [EngineRun(raw) for raw in _drive({"runs": runs, "fp8_gemm_in_torch": True}, work, timeout)["runs"]]
+    return [EngineRun(raw) for raw in _drive({"runs": runs}, work, timeout)["runs"]]
 
 
 def attend_in_vllm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
@@ -148,18 +150,92 @@ def attend_in_vllm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 def _drive(payload: dict, work: Path, timeout: float) -> dict:
-    """vllm_driver.py on ``payload`` in one process; its JSON answer. Raises with vLLM's stderr when it fails."""
+    """vllm_driver.py's JSON answer to ``payload``: from the process :func:`one_driver` keeps, inside one, else from a
+    process of its own. Raises with vLLM's stderr when the process fails; its stderr for this payload is left in
+    ``work/vllm.log``, its answer in ``work/runs.json``."""
+    # fp8_gemm_in_torch: an FP8 GEMM's result, not oneDNN's reference kernel (converters/backends/cpu_fp8_gemm.py)
+    payload = {**payload, "fp8_gemm_in_torch": True}
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=work, delete=False) as handle:
         json.dump(payload, handle)
     log = work / "vllm.log"
-    with log.open("w") as stderr:
-        done = subprocess.run([str(VLLM_PYTHON), str(DRIVER), handle.name], stdout=subprocess.PIPE, stderr=stderr,
-                              text=True, timeout=timeout, cwd=work)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        raise RuntimeError(f"vllm_driver.py exited {done.returncode}; its log: {log}\n{log.read_text()[-4000:]}")
-    (work / "runs.json").write_text(lines[-1])  # what the engine said, kept beside its log for a failed assertion
-    return json.loads(lines[-1])
+    if _kept:
+        answer = _kept[0].ask(Path(handle.name), log, timeout)
+    else:
+        with log.open("w") as stderr:
+            done = subprocess.run([str(VLLM_PYTHON), str(DRIVER), handle.name], stdout=subprocess.PIPE,
+                                  stderr=stderr, text=True, timeout=timeout, cwd=work)
+        lines = done.stdout.strip().splitlines()
+        if done.returncode or not lines:
+            raise RuntimeError(f"vllm_driver.py exited {done.returncode}; its log: {log}\n{log.read_text()[-4000:]}")
+        answer = lines[-1]
+    (work / "runs.json").write_text(answer)  # what the engine said, kept beside its log for a failed assertion
+    replied = json.loads(answer)
+    if "error" in replied:  # the whole request refused (a run's own failure is in its run)
+        raise RuntimeError(f"vllm_driver.py refused the request: {replied['error']}")
+    return replied
+
+
+class _Driver:
+    """``vllm_driver.py --serve``: one vLLM process answering request after request, started at the first (a
+    session that skips every engine test starts none) and again after one ended; its stderr goes to ``log``."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.process: subprocess.Popen | None = None
+
+    def ask(self, request: Path, log: Path, timeout: float) -> str:
+        """The answer to the request file ``request``; what the process wrote to stderr meanwhile is copied to
+        ``log``. A process that ends or overruns ``timeout`` raises (and is gone: the next ask starts another)."""
+        if self.process is None or self.process.poll() is not None:
+            with self.log.open("ab") as stderr:
+                self.process = subprocess.Popen([str(VLLM_PYTHON), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=self.log.parent)
+        start, timed_out, answer = self.log.stat().st_size, False, ""
+        try:
+            self.process.stdin.write(f"{request}\n")
+            self.process.stdin.flush()
+            timed_out = not select.select([self.process.stdout], [], [], timeout)[0]
+            answer = "" if timed_out else self.process.stdout.readline()
+        except BrokenPipeError:  # it had ended
+            pass
+        if not answer:
+            self.close(kill=timed_out)
+        with self.log.open("rb") as whole:
+            whole.seek(start)
+            log.write_bytes(whole.read())
+        if not answer:
+            ended = f"did not answer within {timeout:.0f} s" if timed_out else f"exited {self.process.returncode}"
+            raise RuntimeError(f"vllm_driver.py --serve {ended}; its log: {log}\n{log.read_text()[-4000:]}")
+        return answer
+
+    def close(self, *, kill: bool = False) -> None:
+        """End the process: its loop ends with its stdin (``kill``: at once); one still running a minute later is
+        killed."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        if kill:
+            self.process.kill()
+        with contextlib.suppress(BrokenPipeError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_kept: list[_Driver] = []
+
+
+@contextlib.contextmanager
+def one_driver(log: Path) -> Iterator[None]:
+    """Inside it, every request goes to one vllm_driver.py process (:class:`_Driver`), ended with the context:
+    vLLM's import, most of a small module's engine time, once for all of them. Its stderr goes to ``log``."""
+    _kept.append(_Driver(log))
+    try:
+        yield
+    finally:
+        _kept.pop().close()
 
 
 def file_tensors(directory: Path) -> dict[str, torch.Tensor]:

@@ -1,7 +1,9 @@
 """Runs one export in vLLM's CPU build and prints what the engine did as one JSON line (the last line of stdout).
 
 Runs in the vLLM venv (`make vllm-venv` builds .venv-vllm), never in the project's: it imports vLLM, torch and
-safetensors only. Usage: ``.venv-vllm/bin/python tests/engines/vllm_driver.py REQUEST.json``; the request:
+safetensors only. Usage: ``.venv-vllm/bin/python tests/engines/vllm_driver.py REQUEST.json`` (its answer the last
+line of stdout), or ``... vllm_driver.py --serve`` (a request file's path per line of stdin, an answer per line of
+stdout: :func:`serve`, what the engine tests run); the request:
 
 - ``model``: the export (or bf16 source) directory; ``kv_cache_dtype``: "auto" or "fp8"; ``quantization``: null
   (vLLM reads config.json) or a method name ("modelopt" for an export with only hf_quant_config.json);
@@ -409,13 +411,10 @@ def attend_through_cache(case: dict) -> dict:
     return {"out": case["out"]}
 
 
-def main(request_path: str) -> None:
-    """Runs every request of ``{"runs": [...], "attention": [...]}`` in this one process (vLLM's import alone takes
-    most of a minute on a busy 2-core machine); a run that raises is reported with its error and the next one goes
-    on. ``attention``: cases for :func:`attend_through_cache`, reported as ``"attention"``. ``stacks_every_s``:
-    every thread's Python stack written to stderr at that interval (a stalled run shows where it is)."""
-    asked = json.loads(open(request_path, encoding="utf-8").read())
-    runs = asked.get("runs", [])
+def set_up(asked: dict) -> list[str]:
+    """What every run of this process shares, done once: the stand-ins (returned: what each replaced), AMX tiles,
+    models inspected in process, the imports frozen. ``stacks_every_s``: every thread's Python stack written to
+    stderr at that interval (a stalled run shows where it is)."""
     if asked.get("stacks_every_s"):
         # where a slow run spends its time, without a profiler in the vLLM venv: every thread's stack to stderr
         import faulthandler
@@ -428,6 +427,13 @@ def main(request_path: str) -> None:
     inspect_models_in_process()
     snapshot_before_processing()
     freeze_what_lives()
+    return stand_ins
+
+
+def answer(asked: dict, stand_ins: list[str]) -> dict:
+    """Runs every request of ``{"runs": [...], "attention": [...]}``; a run that raises is reported with its error
+    and the next one goes on. ``attention``: cases for :func:`attend_through_cache`, reported as ``"attention"``."""
+    runs = asked.get("runs", [])
     attention = [attend_through_cache(case) for case in asked.get("attention", [])]
     results = []
     for index, request in enumerate(runs):
@@ -449,8 +455,37 @@ def main(request_path: str) -> None:
             # a run that failed while building its engine leaves vLLM's process-wide distributed state behind: the
             # next run's engine would find it half set up ("tensor model parallel group is not initialized")
             release_engine()
-    print(json.dumps({"stand_ins": stand_ins, "runs": results, "attention": attention}))
+    return {"stand_ins": stand_ins, "runs": results, "attention": attention}
+
+
+def main(request_path: str) -> None:
+    """One request file, its answer the last line of stdout (vLLM's import alone takes most of a minute on a busy
+    2-core machine: one process runs them all)."""
+    asked = json.loads(open(request_path, encoding="utf-8").read())
+    print(json.dumps(answer(asked, set_up(asked))))
+
+
+def serve() -> None:
+    """``--serve``: the path of a request file per line of stdin, the answer to each a line of stdout, until stdin
+    closes; one process, so one import of vLLM, for every engine test module. The first request sets the process up
+    (:func:`set_up`); a later one that asks for another set-up is refused. Anything else this process prints goes
+    to stderr: stdout carries the answers alone."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    set_up_by: dict | None = None
+    stand_ins: list[str] = []
+    for line in sys.stdin:
+        asked = json.loads(open(line.strip(), encoding="utf-8").read())
+        shared = {key: asked.get(key) for key in ("fp8_gemm_in_torch", "stacks_every_s")}
+        if set_up_by is None:
+            set_up_by, stand_ins = shared, set_up(asked)
+        if shared != set_up_by:
+            reply = {"error": f"this process was set up for {set_up_by}; the request asks for {shared}"}
+        else:
+            reply = answer(asked, stand_ins)
+        answers.write(json.dumps(reply) + "\n")
+        answers.flush()
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn: the guard keeps a child from re-running the driver
-    main(sys.argv[1])
+    serve() if sys.argv[1] == "--serve" else main(sys.argv[1])
