@@ -175,31 +175,41 @@ import sys
 from safetensors.torch import load_file, save_file
 import torch
 from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
-tensors, out = load_file(sys.argv[1] + "/model.safetensors"), {}
-for key, weight in tensors.items():
-    prefix = key.removesuffix("weight")
-    if not key.endswith("weight") or prefix + "weight_scale" not in tensors:
-        continue
-    scale = tensors[prefix + "weight_scale"]
-    if prefix + "weight_scale_2" in tensors:
-        shape = (*weight.shape[:-1], weight.shape[-1] * 2)
-        out[key] = NVFP4QTensor(shape, torch.float32, weight).dequantize(
-            torch.float32, scale=scale, double_scale=tensors[prefix + "weight_scale_2"], block_sizes={-1: 16})
-    else:
-        out[key] = FP8QTensor(weight.shape, torch.float32, weight).dequantize(torch.float32, scale=scale)
-save_file(out, sys.argv[2])
+for directory, into in zip(sys.argv[1::2], sys.argv[2::2]):
+    tensors, out = load_file(directory + "/model.safetensors"), {}
+    for key, weight in tensors.items():
+        prefix = key.removesuffix("weight")
+        if not key.endswith("weight") or prefix + "weight_scale" not in tensors:
+            continue
+        scale = tensors[prefix + "weight_scale"]
+        if prefix + "weight_scale_2" in tensors:
+            shape = (*weight.shape[:-1], weight.shape[-1] * 2)
+            out[key] = NVFP4QTensor(shape, torch.float32, weight).dequantize(
+                torch.float32, scale=scale, double_scale=tensors[prefix + "weight_scale_2"], block_sizes={-1: 16})
+        else:
+            out[key] = FP8QTensor(weight.shape, torch.float32, weight).dequantize(torch.float32, scale=scale)
+    save_file(out, into)
 """
 
 
+@pytest.fixture(scope="module")
+def modelopt_dequantized(exports, tmp_path_factory):
+    """Each ModelOpt export -> the file of its weights as MODELOPT_DEQUANTIZE reads them: one process of ModelOpt's
+    venv for both (its import is most of the cost)."""
+    python = modelopt_python()
+    names = ("modelopt-fp8", "modelopt-nvfp4")
+    into = tmp_path_factory.mktemp("modelopt-dequantized")
+    pairs = [str(path) for name in names for path in (exports / name, into / f"{name}.safetensors")]
+    subprocess.run([str(python), "-c", MODELOPT_DEQUANTIZE, *pairs], check=True, capture_output=True, timeout=600)
+    return {name: into / f"{name}.safetensors" for name in names}
+
+
 @pytest.mark.parametrize("name", ["modelopt-fp8", "modelopt-nvfp4"])
-def test_modelopt_own_dequantization_gives_our_fp32_bits(exports, name, tmp_path):
+def test_modelopt_own_dequantization_gives_our_fp32_bits(exports, modelopt_dequantized, name):
     """nvidia-modelopt's own qtensor classes, run in its venv, read every quantized weight of our ModelOpt export to
     the same fp32 bits as our reader: modelopt_dequantize above transcribes them, this runs them."""
-    python = modelopt_python()
     directory = exports / name
-    subprocess.run([str(python), "-c", MODELOPT_DEQUANTIZE, str(directory), str(tmp_path / "theirs.safetensors")],
-                   check=True, capture_output=True, timeout=600)
-    theirs = tensors_of_file(tmp_path / "theirs.safetensors")
+    theirs = tensors_of_file(modelopt_dequantized[name])
     quantization = source_quantization(directory)
     tensors = tensors_of(directory)
     keys = quantization.quantized_weights(set(tensors))

@@ -212,20 +212,29 @@ def test_kv_cache_quant_algo_is_declared_as_modelopt_writes_it(kv_root, name, al
             assert tuple(value.shape) == () and value.dtype == torch.float32, key
 
 
-@pytest.mark.parametrize("name", [FP8, NVFP4])
-def test_modelopt_derives_our_config_json_from_our_hf_quant_config(kv_root, llama_out, name):
-    """ModelOpt's own convert_hf_quant_config_format, run on our hf_quant_config.json, gives our config.json block."""
+@pytest.fixture(scope="module")
+def modelopt_configs(kv_root, llama_out):
+    """Each ModelOpt export's directory, with and without KV scales -> the config.json block ModelOpt's own
+    convert_hf_quant_config_format makes of its hf_quant_config.json: one process of ModelOpt's venv for all."""
     python = modelopt_python()  # nvidia-modelopt in its own venv (its transformers differs from this project's)
     script = ("import json, sys\n"
               "from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format\n"
               "for directory in sys.argv[1:]:\n"
               "    with open(directory + '/hf_quant_config.json') as f:\n"
               "        print(json.dumps(convert_hf_quant_config_format(json.load(f))))\n")
-    directories = [kv_root / "out" / "serving" / name, llama_out / "serving" / name]  # with and without KV
+    roots = (kv_root / "out" / "serving", llama_out / "serving")
+    directories = [root / name for name in (FP8, NVFP4) for root in roots]
     done = subprocess.run([str(python), "-c", script, *map(str, directories)], capture_output=True,
                           text=True, timeout=600, check=True)
     converted = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(converted) == 2
-    for directory, theirs in zip(directories, converted, strict=True):
+    assert len(converted) == len(directories)
+    return dict(zip(directories, converted, strict=True))
+
+
+@pytest.mark.parametrize("name", [FP8, NVFP4])
+def test_modelopt_derives_our_config_json_from_our_hf_quant_config(kv_root, llama_out, modelopt_configs, name):
+    """ModelOpt's own convert_hf_quant_config_format, run on our hf_quant_config.json, gives our config.json block."""
+    for directory in (kv_root / "out" / "serving" / name, llama_out / "serving" / name):  # with and without KV
+        theirs = modelopt_configs[directory]
         ours = json.loads((directory / "config.json").read_text())["quantization_config"]
         assert ours == theirs and list(ours) == list(theirs), directory
