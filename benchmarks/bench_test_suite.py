@@ -3,8 +3,9 @@ cores' seconds go, and how a tree compares with a base tree measured in the same
 
 Each tree is cloned from this repository (``--rev``, and ``--base`` first when given) into a temporary directory
 and runs ``.ci/run`` there. A sampler reads every process's CPU (``/proc/<pid>/stat``) and the machine's busy cores
-(``/proc/stat``) once a second: the run's own processes are the descendants of ``.ci/run`` (forked children keep
-their server's command line, so a server's figure holds its children that lived a second or more); every other
+(``/proc/stat``) once a second: the run's own processes are the descendants of ``.ci/run`` and those whose command
+line names the clone (a shell that started one may have ended before the sampler saw it); forked children keep
+their server's command line, so a server's figure holds its children that lived a second or more. Every other
 process that used CPU meanwhile is the machine's own. Printed per tree: wall, exit status, the suite's and the
 engine tests' summary lines, busy core-seconds, the run's and the machine's CPU seconds, the run's CPU by part
 (``PARTS``) and the slowest ten suite files (``build/file-seconds.json``, ``build/file-cpu.json``); with ``--base``,
@@ -158,7 +159,8 @@ def run_tree(rev: str, work: Path, *, fresh: bool) -> dict:
         run = subprocess.Popen([".ci/run"], cwd=work, stdout=out, stderr=subprocess.STDOUT)
         status = run.wait()
     sampler.stop()
-    ours = descendants(sampler.processes, run.pid)
+    ours = descendants(sampler.processes, run.pid) | {
+        key for key, process in sampler.processes.items() if str(work) in process.command}
     parts, machine = Counter(), Counter()
     for key, process in sampler.processes.items():
         used = process.cpu - (0.0 if key in ours else process.first_cpu)
