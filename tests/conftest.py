@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # it when torch is imported, so it is set before anything here imports torch; a run may set its own.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from converters.frozen_imports import imports_frozen  # noqa: E402
 from tests.models import MOE_CONFIGS, TINY_CONFIGS, save_tiny_model, save_tiny_moe  # noqa: E402
 from tests.scheduling import CpuSeconds, FileSeconds, heaviest_files_first, load_file_seconds, unique_ids  # noqa: E402
 
@@ -40,6 +41,16 @@ def pytest_configure(config):
         config.pluginmanager.register(CpuSeconds(), "cpu-seconds")
         if reporting:
             config.pluginmanager.register(FileSeconds(Path(cpu_path), clock="cpu_seconds"), "file-cpu")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collection imports every test module and what they import (torch, transformers, the project): with
+    collections held off meanwhile, then everything alive frozen (``imports_frozen``, as the CLI and the fork servers
+    import), every full collection while the tests run skips those objects instead of walking them again. Each
+    xdist process collects the whole suite."""
+    with imports_frozen():
+        return (yield)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture parameters) and any deselection
