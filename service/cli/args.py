@@ -144,4 +144,3 @@ def recipe_file_warned(path: Path) -> dict[str, Any]:
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     return recipe
-
