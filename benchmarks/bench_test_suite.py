@@ -9,8 +9,9 @@ their server's command line, so a server's figure holds its children that lived 
 process that used CPU meanwhile is the machine's own. Printed per tree: wall, exit status, the suite's and the
 engine tests' summary lines, busy core-seconds, the run's and the machine's CPU seconds, the run's CPU by part
 (``PARTS``) and the slowest ten suite files (``build/file-seconds.json``, ``build/file-cpu.json``); with ``--base``,
-the ratios. ``--fresh-machine`` first removes what ``make test`` installs outside the clone (Chromium and Slurm
-through apt, torch's Inductor cache, vLLM's cache), as a new machine of the kind would be: it changes this machine.
+the ratios. ``--json`` also keeps the run's CPU by command line (those of half a second or more). ``--fresh-machine``
+first removes what ``make test`` installs outside the clone (Chromium and Slurm through apt, torch's Inductor cache,
+vLLM's cache), as a new machine of the kind would be: it changes this machine.
 
     .venv/bin/python benchmarks/bench_test_suite.py --fresh-machine --json /tmp/suite.json
     .venv/bin/python benchmarks/bench_test_suite.py --base HEAD~3 --fresh-machine
@@ -161,11 +162,12 @@ def run_tree(rev: str, work: Path, *, fresh: bool) -> dict:
     sampler.stop()
     ours = descendants(sampler.processes, run.pid) | {
         key for key, process in sampler.processes.items() if str(work) in process.command}
-    parts, machine = Counter(), Counter()
+    parts, machine, commands = Counter(), Counter(), Counter()
     for key, process in sampler.processes.items():
         used = process.cpu - (0.0 if key in ours else process.first_cpu)
         if key in ours:
             parts[part_of(process.command)] += process.cpu
+            commands[process.command[:200]] += process.cpu
         elif used > 0 and key[0] != os.getpid():  # not this benchmark (its sampler)
             machine[process.command[:60]] += used
     text = log.read_text(errors="replace")
@@ -179,6 +181,7 @@ def run_tree(rev: str, work: Path, *, fresh: bool) -> dict:
             "run_cpu_s": sum(parts.values()), "machine_cpu_s": sum(machine.values()),
             "busy_cores_per_minute": [round(value, 2) for value in sampler.minutes],
             "parts": dict(parts.most_common()), "machine_top": dict(machine.most_common(8)),
+            "commands": {command: round(cpu, 2) for command, cpu in commands.most_common() if cpu >= 0.5},
             "slowest_files": [(name, wall, cpu.get(name, 0.0)) for name, wall in slowest], "log": str(log)}
 
 
