@@ -334,7 +334,7 @@ def engine_runs(model: Path, rows: list[tuple[str, Path, str]], texts: list[list
     ``missing_only``: only the rows (and source) that ``work``'s runs.json lacks, merged into it, so that a busy
     machine can run the engine part in pieces. ``stacks_every``: the driver writes every thread's stack to its log
     at this interval (seconds), to see where a slow run spends its time."""
-    from tests.engines.engine import DRIVER, VLLM_PYTHON
+    from tests.engines.engine import ask_vllm
 
     work.mkdir(parents=True, exist_ok=True)
     earlier = json.loads((work / "runs.json").read_text()) if missing_only and (work / "runs.json").is_file() else {}
@@ -343,15 +343,11 @@ def engine_runs(model: Path, rows: list[tuple[str, Path, str]], texts: list[list
     labels = [label for label, _, _ in wanted]
     runs = [{"model": str(directory), "kv_cache_dtype": kv, "score": texts, "instrument": True}
             for _, directory, kv in wanted]
-    request = work / "request.json"
-    request.write_text(json.dumps({"runs": runs, **({"stacks_every_s": stacks_every} if stacks_every else {})}))
-    with (work / "vllm.log").open("w") as log:
-        done = subprocess.run([str(VLLM_PYTHON), str(DRIVER), str(request)], stdout=subprocess.PIPE, stderr=log,
-                              text=True, cwd=work)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        raise SystemExit(f"vllm_driver.py exited {done.returncode}: see {work / 'vllm.log'}")
-    runs = {**earlier, **dict(zip(labels, json.loads(lines[-1])["runs"], strict=True))}
+    try:  # vLLM's own FP8 GEMM path (no fp8_gemm_in_torch): the engine as users run it
+        answer = ask_vllm({"runs": runs, **({"stacks_every_s": stacks_every} if stacks_every else {})}, work, None)
+    except RuntimeError as failed:
+        raise SystemExit(str(failed)) from None
+    runs = {**earlier, **dict(zip(labels, json.loads(answer)["runs"], strict=True))}
     (work / "runs.json").write_text(json.dumps(runs))  # a later --parts report prints the table with them
     return runs
 

@@ -150,11 +150,19 @@ def attend_in_vllm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 def _drive(payload: dict, work: Path, timeout: float) -> dict:
-    """vllm_driver.py's JSON answer to ``payload``: from the process :func:`one_driver` keeps, inside one, else from a
-    process of its own. Raises with vLLM's stderr when the process fails; its stderr for this payload is left in
-    ``work/vllm.log``, its answer in ``work/runs.json``."""
+    """:func:`ask_vllm` as the engine tests ask: with torch's FP8 GEMM (stand-in 4, docs/engines.md). Raises with
+    vLLM's stderr when the process fails or refuses the request."""
     # fp8_gemm_in_torch: an FP8 GEMM's result, not oneDNN's reference kernel (converters/backends/cpu_fp8_gemm.py)
-    payload = {**payload, "fp8_gemm_in_torch": True}
+    replied = json.loads(ask_vllm({**payload, "fp8_gemm_in_torch": True}, work, timeout))
+    if "error" in replied:  # the whole request refused (a run's own failure is in its run)
+        raise RuntimeError(f"vllm_driver.py refused the request: {replied['error']}")
+    return replied
+
+
+def ask_vllm(payload: dict, work: Path, timeout: float | None) -> str:
+    """vllm_driver.py's JSON answer to ``payload`` (its last line of stdout): from the process :func:`one_driver`
+    keeps, inside one, else from a process of its own (the benchmarks' way). Raises with vLLM's stderr when the
+    process fails; its stderr for this payload is left in ``work/vllm.log``, its answer in ``work/answer.json``."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=work, delete=False) as handle:
         json.dump(payload, handle)
     log = work / "vllm.log"
@@ -168,11 +176,8 @@ def _drive(payload: dict, work: Path, timeout: float) -> dict:
         if done.returncode or not lines:
             raise RuntimeError(f"vllm_driver.py exited {done.returncode}; its log: {log}\n{log.read_text()[-4000:]}")
         answer = lines[-1]
-    (work / "runs.json").write_text(answer)  # what the engine said, kept beside its log for a failed assertion
-    replied = json.loads(answer)
-    if "error" in replied:  # the whole request refused (a run's own failure is in its run)
-        raise RuntimeError(f"vllm_driver.py refused the request: {replied['error']}")
-    return replied
+    (work / "answer.json").write_text(answer)  # what the engine said, kept beside its log for a failed assertion
+    return answer
 
 
 class _Driver:
