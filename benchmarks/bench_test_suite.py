@@ -9,9 +9,12 @@ their server's command line, so a server's figure holds its children that lived 
 process that used CPU meanwhile is the machine's own. Printed per tree: wall, exit status, the suite's and the
 engine tests' summary lines, busy core-seconds, the run's and the machine's CPU seconds, the run's CPU by part
 (``PARTS``) and the slowest ten suite files (``build/file-seconds.json``, ``build/file-cpu.json``); with ``--base``,
-the ratios. ``--json`` also keeps the run's CPU by command line (those of half a second or more). ``--fresh-machine``
-first removes what ``make test`` installs outside the clone (Chromium and Slurm through apt, torch's Inductor cache,
-vLLM's cache), as a new machine of the kind would be: it changes this machine.
+the ratios. A machine's cores change speed within an hour (a neighbour's load:
+docs/benchmarks/test-suite-2026-12-06c.md), so before and after each tree a probe times a fixed piece of the suite's
+work, and the run's CPU is also given in probes, comparable across that drift. ``--json`` also keeps the run's CPU
+by command line (those of half a second or more). ``--fresh-machine`` first removes what ``make test`` installs
+outside the clone (Chromium and Slurm through apt, torch's Inductor cache, vLLM's cache), as a new machine of the
+kind would be: it changes this machine.
 
     .venv/bin/python benchmarks/bench_test_suite.py --fresh-machine --json /tmp/suite.json
     .venv/bin/python benchmarks/bench_test_suite.py --base HEAD~3 --fresh-machine
@@ -40,6 +43,8 @@ APT_PACKAGES = ("chromium", "chromium-common", "chromium-sandbox", "slurm-wlm", 
                 "munge")
 CACHES = (Path(tempfile.gettempdir()) / f"torchinductor_{os.environ.get('USER', 'root')}",
           Path.home() / ".cache" / "vllm")
+#: the probe's work (probe_s): what nearly every process of the suite imports first
+PROBE = "import torch, transformers.modeling_utils"
 #: the run's processes by part: the first pattern its command line matches (Python regex), else "other"
 PARTS = (
     ("conversion fork servers and their children", r"task_server_preload"),
@@ -146,10 +151,26 @@ def fresh_machine() -> None:
         shutil.rmtree(cache, ignore_errors=True)
 
 
+def probe_s() -> float:
+    """The machine's speed now: CPU seconds of a fixed piece of the suite's work (``PROBE``: this repository's venv
+    importing torch and transformers' model code, most of what its processes start with), the median of three."""
+    env = {**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1", "PYTHONDONTWRITEBYTECODE": ""}
+    runs = []
+    for _ in range(3):
+        before = os.times()
+        subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", PROBE], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        after = os.times()
+        runs.append(after.children_user + after.children_system - before.children_user - before.children_system)
+    return sorted(runs)[1]
+
+
 def run_tree(rev: str, work: Path, *, fresh: bool) -> dict:
-    """Clone ``rev`` into ``work`` and run its ``.ci/run`` under the sampler; what it measured."""
+    """Clone ``rev`` into ``work`` and run its ``.ci/run`` under the sampler, the probe before and after; what it
+    measured."""
     if fresh:
         fresh_machine()
+    probe_before = probe_s()
     shutil.rmtree(work, ignore_errors=True)
     subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
     subprocess.run(["git", "-C", str(work), "checkout", "-q", rev], check=True)
@@ -170,6 +191,7 @@ def run_tree(rev: str, work: Path, *, fresh: bool) -> dict:
             commands[process.command[:200]] += process.cpu
         elif used > 0 and key[0] != os.getpid():  # not this benchmark (its sampler)
             machine[process.command[:60]] += used
+    probe = (probe_before + probe_s()) / 2
     text = log.read_text(errors="replace")
     summaries = re.findall(r"^\d+ passed.*? in [\d.]+s.*$", text, flags=re.MULTILINE)
     seconds = _json(work / "build" / "file-seconds.json")
@@ -178,7 +200,8 @@ def run_tree(rev: str, work: Path, *, fresh: bool) -> dict:
     return {"rev": subprocess.run(["git", "-C", str(work), "rev-parse", "--short", "HEAD"], capture_output=True,
                                   text=True, check=True).stdout.strip(),
             "exit_status": status, "wall_s": sampler.wall_s, "summaries": summaries, "busy_core_s": sampler.busy_s,
-            "run_cpu_s": sum(parts.values()), "machine_cpu_s": sum(machine.values()),
+            "run_cpu_s": sum(parts.values()), "machine_cpu_s": sum(machine.values()), "probe_s": probe,
+            "run_cpu_probes": sum(parts.values()) / probe,
             "busy_cores_per_minute": [round(value, 2) for value in sampler.minutes],
             "parts": dict(parts.most_common()), "machine_top": dict(machine.most_common(8)),
             "commands": {command: round(cpu, 2) for command, cpu in commands.most_common() if cpu >= 0.5},
@@ -197,6 +220,8 @@ def report(result: dict) -> None:
         print(f"   {line}")
     print(f"   busy core-s {result['busy_core_s']:.0f}; the run's CPU s {result['run_cpu_s']:.0f}, the machine's own "
           f"{result['machine_cpu_s']:.0f}; busy cores per minute {result['busy_cores_per_minute']}")
+    print(f"   probe {result['probe_s']:.2f} CPU s (before and after, mean): the run's CPU is "
+          f"{result['run_cpu_probes']:.0f} probes")
     for name, value in result["parts"].items():
         print(f"   {value:8.1f}  {name}")
     print("   the machine's own, most CPU first: " +
@@ -229,9 +254,11 @@ def main() -> None:
         report(results[-1])
     if len(results) == 2:
         base, tree = results
-        ratio = {key: tree[key] / base[key] for key in ("wall_s", "run_cpu_s", "busy_core_s")}
+        ratio = {key: tree[key] / base[key] for key in ("wall_s", "run_cpu_s", "busy_core_s", "run_cpu_probes",
+                                                          "probe_s")}
         print(f"\n{tree['rev']} / {base['rev']}: wall {ratio['wall_s']:.2f}x, the run's CPU {ratio['run_cpu_s']:.2f}x, "
-              f"busy core-s {ratio['busy_core_s']:.2f}x")
+              f"busy core-s {ratio['busy_core_s']:.2f}x; the machine's speed moved (probe {ratio['probe_s']:.2f}x): "
+              f"the run's CPU in probes {ratio['run_cpu_probes']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     sys.exit(max(result["exit_status"] for result in results))
