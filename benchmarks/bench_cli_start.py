@@ -5,10 +5,12 @@ command with ``imports_frozen`` made a no-op (the imports and every full collect
 interleaved in one run. CPU seconds of each command's process (user + system), wall seconds.
 
 ``--rank``: the same for one rank of one (``python -m converters.distributed``, no launcher variables) converting
-a two-layer Llama saved beside it (ao tensorwise, 2 calibration steps).
+a two-layer Llama saved beside it (ao tensorwise, 2 calibration steps). ``--analyze``: ``fp8forge analyze`` of the
+demo model (no calibration: transformers' model code for the meta model, its own ``imports_frozen``).
 
     TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_cli_start.py --rounds 5
     TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_cli_start.py --rounds 5 --rank
+    TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 .venv/bin/python benchmarks/bench_cli_start.py --rounds 5 --analyze
 """
 
 from __future__ import annotations
@@ -42,15 +44,17 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def one_run(way: str, workdir: Path, rank: bool = False) -> tuple[float, float]:
-    """Wall and CPU seconds of one ``fp8forge convert`` of the demo model (``rank``: one rank of one converting
-    ``workdir``'s tiny Llama), ``way`` "before" or "after"."""
+def one_run(way: str, workdir: Path, kind: str = "convert") -> tuple[float, float]:
+    """Wall and CPU seconds of one ``fp8forge convert`` of the demo model (``kind`` "rank": one rank of one
+    converting ``workdir``'s tiny Llama; "analyze": ``fp8forge analyze`` of the demo model), ``way`` "before" or
+    "after"."""
     out = workdir / "out"
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(workdir / ".out.resume", ignore_errors=True)
-    command = (["rank", "--request", str(workdir / "request.json"), "--out", str(out), "--allow-root", str(workdir),
-                "--offline", "--no-resume"] if rank else
-               ["convert", "demo/tiny-llama", "--out", str(out), "--backend", "ao", "--no-progress"])
+    command = {"rank": ["rank", "--request", str(workdir / "request.json"), "--out", str(out), "--allow-root",
+                        str(workdir), "--offline", "--no-resume"],
+               "convert": ["convert", "demo/tiny-llama", "--out", str(out), "--backend", "ao", "--no-progress"],
+               "analyze": ["analyze", "demo/tiny-llama"]}[kind]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run([sys.executable, "-c", _COMMAND, way, *command], cwd=workdir, check=True,
@@ -64,7 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="commands each way (default 5)")
     parser.add_argument("--rank", action="store_true", help="one rank of python -m converters.distributed instead")
+    parser.add_argument("--analyze", action="store_true", help="fp8forge analyze (no calibration) instead")
     args = parser.parse_args()
+    kind = "rank" if args.rank else "analyze" if args.analyze else "convert"
     with tempfile.TemporaryDirectory() as directory:
         workdir = Path(directory)
         if args.rank:
@@ -73,12 +79,13 @@ def main() -> None:
             request = {"model": str(tiny_model(workdir)), "recipe": {"backend": "ao", "recipe_name": "tensorwise"},
                        "calibration": {"steps": 2, "batch_size": 1, "seq_len": 16}}
             (workdir / "request.json").write_text(json.dumps(request))
-        one_run("after", workdir, args.rank)  # the demo model is built on first use: not in any round
+        one_run("after", workdir, kind)  # the demo model is built on first use: not in any round
         seen: dict[str, list[tuple[float, float]]] = {"before": [], "after": []}
         for _ in range(args.rounds):
             for way in seen:
-                seen[way].append(one_run(way, workdir, args.rank))
-    what = "python -m converters.distributed (1 rank)" if args.rank else "fp8forge convert demo/tiny-llama"
+                seen[way].append(one_run(way, workdir, kind))
+    what = {"rank": "python -m converters.distributed (1 rank)", "convert": "fp8forge convert demo/tiny-llama",
+            "analyze": "fp8forge analyze demo/tiny-llama"}[kind]
     print(f"{what:44} {'median CPU s':>13} {'min':>6} {'max':>6} {'median wall s':>14}")
     medians = {}
     for way, name in (("before", "imports and collections as before"), ("after", "model stack frozen (as shipped)")):

@@ -1,6 +1,7 @@
 """Imports held out of the cyclic garbage collector's way, for the processes that import torch and transformers:
 a worker's fork servers (``service.workers.task_server_preload``), the CLI's model-loading commands and a
-data-parallel rank (``python -m converters.distributed``: both through :func:`import_model_stack`)."""
+data-parallel rank (``python -m converters.distributed``: both through :func:`import_model_stack`), and ``fp8forge
+analyze`` (transformers' model code for its meta model, without torchao or the pipeline)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from converters.analysis.render import format_analysis
 from converters.errors import Fp8ForgeError, ModelNotFoundError, ModelReferenceError, RequestError
+from converters.frozen_imports import imports_frozen
 from converters.pipeline.request import KV_CACHE_DTYPES, KV_CACHE_FORMAT_NAMES, SERVING_FORMAT_NAMES
 from converters.recipes.presets import RECIPE_NAMES
 from converters.third_party_noise import silence_third_party_noise
@@ -113,14 +114,16 @@ def _run_analyze(args: argparse.Namespace) -> int:
     given = [flag for flag, value in flags.items() if value is not None]
     if given:
         raise RequestError(f"{given[0]} applies to a calibrated analysis: add --calibrate", field="calibrate")
-    from converters.analysis.eligibility import analyze_model_reference  # imports torch: after the flag checks
-
     # transformers imports torchao whenever it is installed; analysis never needs it, so hide it while
     # analysing (a None entry makes importlib report the package as absent) and un-hide it afterwards.
     hidden = "torchao" not in sys.modules
     if hidden:
         sys.modules["torchao"] = None
     try:
+        with imports_frozen():  # held out of the collector's way, as the model commands' imports are
+            import transformers.modeling_utils  # noqa: F401 - what the meta model's classes import
+
+            from converters.analysis.eligibility import analyze_model_reference  # torch: after the flag checks
         report = analyze_model_reference(
             args.model,
             source_options_from_args(args),

@@ -1,12 +1,14 @@
 """``imports_frozen``: what is imported inside it is frozen out of the collector's reach at its end, with the
 garbage of those imports collected first and collections enabled again; a use nested in another acts only at the
 outermost's end. The model stack (``import_model_stack``) the CLI imports and a data-parallel rank's imports
-(``python -m converters.distributed``) are imported that way, each in a process of its own."""
+(``python -m converters.distributed``) are imported that way, each in a process of its own, and so is what
+``fp8forge analyze`` imports."""
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import weakref
@@ -56,3 +58,22 @@ def test_the_clis_and_a_ranks_model_stack_is_imported_frozen(importing: str) -> 
     collecting, frozen, tracked, model_code, pipeline = json.loads(done.stdout.splitlines()[-1])
     assert collecting and model_code and pipeline
     assert frozen > 10 * tracked, (frozen, tracked)  # the command's collections walk a tenth of what it imported
+
+
+def test_analyze_imports_the_model_code_frozen_and_never_torchao(tmp_path: Path) -> None:
+    """``fp8forge analyze`` (no calibration) builds a meta model: transformers' model code, imported frozen once its
+    flags are checked, with torchao hidden from transformers as before (analysis never needs it)."""
+    script = ("import contextlib, gc, io, json, sys\n"
+              "from service.cli.main import main\n"
+              "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+              "    code = main(['analyze', 'demo/tiny-llama'])\n"
+              "print(json.dumps([code, 'q_proj' in out.getvalue(), gc.isenabled(), gc.get_freeze_count(),"
+              " len(gc.get_objects()), 'transformers.modeling_utils' in sys.modules,"
+              " sorted(name for name, module in sys.modules.items() if name.split('.')[0] == 'torchao' and module)]))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    code, analysed, collecting, frozen, tracked, model_code, torchao = json.loads(done.stdout.splitlines()[-1])
+    assert code == 0 and analysed and collecting and model_code
+    assert torchao == []
+    assert frozen > 10 * tracked, (frozen, tracked)
