@@ -11,10 +11,10 @@ engine tests' summary lines, busy core-seconds, the run's and the machine's CPU 
 (``PARTS``) and the slowest ten suite files (``build/file-seconds.json``, ``build/file-cpu.json``); with ``--base``,
 the ratios. A machine's cores change speed within an hour (a neighbour's load:
 docs/benchmarks/test-suite-2026-12-06c.md), so before and after each tree a probe times a fixed piece of the suite's
-work, and the run's CPU is also given in probes, comparable across that drift. ``--json`` also keeps the run's CPU
-by command line (those of half a second or more). ``--fresh-machine`` first removes what ``make test`` installs
-outside the clone (Chromium and Slurm through apt, torch's Inductor cache, vLLM's cache), as a new machine of the
-kind would be: it changes this machine.
+work, and the run's CPU is also given in probes: a rough correction for that drift, and a probe ratio far from 1
+says the pair is worth running again. ``--json`` also keeps the run's CPU by command line (those of half a second or
+more). ``--fresh-machine`` first removes what ``make test`` installs outside the clone (Chromium and Slurm through
+apt, torch's Inductor cache, vLLM's cache), as a new machine of the kind would be: it changes this machine.
 
     .venv/bin/python benchmarks/bench_test_suite.py --fresh-machine --json /tmp/suite.json
     .venv/bin/python benchmarks/bench_test_suite.py --base HEAD~3 --fresh-machine
