@@ -160,28 +160,21 @@ def _drive(payload: dict, work: Path, timeout: float) -> dict:
 
 
 def ask_vllm(payload: dict, work: Path, timeout: float | None) -> str:
-    """vllm_driver.py's JSON answer to ``payload`` (its last line of stdout): from the process :func:`one_driver`
-    keeps, inside one, else from a process of its own (the benchmarks' way). Raises with vLLM's stderr when the
-    process fails; its stderr for this payload is left in ``work/vllm.log``, its answer in ``work/answer.json``."""
+    """vllm_driver.py's JSON answer to ``payload``: from the process :func:`one_driver` keeps, inside one, else from
+    a process started for it (the benchmarks' way). Raises with vLLM's stderr when the process fails; its stderr for
+    this payload is left in ``work/vllm.log``, its answer in ``work/answer.json``."""
+    if not _kept:
+        with one_driver(work / "vllm-driver.log"):
+            return ask_vllm(payload, work, timeout)
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=work, delete=False) as handle:
         json.dump(payload, handle)
-    log = work / "vllm.log"
-    if _kept:
-        answer = _kept[0].ask(Path(handle.name), log, timeout)
-    else:
-        with log.open("w") as stderr:
-            done = subprocess.run([str(VLLM_PYTHON), str(DRIVER), handle.name], stdout=subprocess.PIPE,
-                                  stderr=stderr, text=True, timeout=timeout, cwd=work)
-        lines = done.stdout.strip().splitlines()
-        if done.returncode or not lines:
-            raise RuntimeError(f"vllm_driver.py exited {done.returncode}; its log: {log}\n{log.read_text()[-4000:]}")
-        answer = lines[-1]
+    answer = _kept[0].ask(Path(handle.name), work / "vllm.log", timeout)
     (work / "answer.json").write_text(answer)  # what the engine said, kept beside its log for a failed assertion
     return answer
 
 
 class _Driver:
-    """``vllm_driver.py --serve``: one vLLM process answering request after request, started at the first (a
+    """``vllm_driver.py``: one vLLM process answering request after request, started at the first (a
     session that skips every engine test starts none) and again after one ended; its stderr goes to ``log``."""
 
     def __init__(self, log: Path) -> None:
@@ -193,7 +186,7 @@ class _Driver:
         ``log``. A process that ends or overruns ``timeout`` raises (and is gone: the next ask starts another)."""
         if self.process is None or self.process.poll() is not None:
             with self.log.open("ab") as stderr:
-                self.process = subprocess.Popen([str(VLLM_PYTHON), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
+                self.process = subprocess.Popen([str(VLLM_PYTHON), str(DRIVER)], stdin=subprocess.PIPE,
                                                 stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=self.log.parent)
         start, timed_out, answer = self.log.stat().st_size, False, ""
         try:
@@ -210,7 +203,7 @@ class _Driver:
             log.write_bytes(whole.read())
         if not answer:
             ended = f"did not answer within {timeout:.0f} s" if timed_out else f"exited {self.process.returncode}"
-            raise RuntimeError(f"vllm_driver.py --serve {ended}; its log: {log}\n{log.read_text()[-4000:]}")
+            raise RuntimeError(f"vllm_driver.py {ended}; its log: {log}\n{log.read_text()[-4000:]}")
         return answer
 
     def close(self, *, kill: bool = False) -> None:

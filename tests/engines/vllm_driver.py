@@ -1,9 +1,8 @@
 """Runs one export in vLLM's CPU build and prints what the engine did as one JSON line (the last line of stdout).
 
 Runs in the vLLM venv (`make vllm-venv` builds .venv-vllm), never in the project's: it imports vLLM, torch and
-safetensors only. Usage: ``.venv-vllm/bin/python tests/engines/vllm_driver.py REQUEST.json`` (its answer the last
-line of stdout), or ``... vllm_driver.py --serve`` (a request file's path per line of stdin, an answer per line of
-stdout: :func:`serve`, what the engine tests run); the request:
+safetensors only. Usage: ``.venv-vllm/bin/python tests/engines/vllm_driver.py``: a request file's path per line of
+stdin, an answer per line of stdout (:func:`serve`; ``tests/engines/engine.ask_vllm`` drives it); the request:
 
 - ``model``: the export (or bf16 source) directory; ``kv_cache_dtype``: "auto" or "fp8"; ``quantization``: null
   (vLLM reads config.json) or a method name ("modelopt" for an export with only hf_quant_config.json);
@@ -458,18 +457,11 @@ def answer(asked: dict, stand_ins: list[str]) -> dict:
     return {"stand_ins": stand_ins, "runs": results, "attention": attention}
 
 
-def main(request_path: str) -> None:
-    """One request file, its answer the last line of stdout (vLLM's import alone takes most of a minute on a busy
-    2-core machine: one process runs them all)."""
-    asked = json.loads(open(request_path, encoding="utf-8").read())
-    print(json.dumps(answer(asked, set_up(asked))))
-
-
 def serve() -> None:
-    """``--serve``: the path of a request file per line of stdin, the answer to each a line of stdout, until stdin
-    closes; one process, so one import of vLLM, for every engine test module. The first request sets the process up
-    (:func:`set_up`); a later one that asks for another set-up is refused. Anything else this process prints goes
-    to stderr: stdout carries the answers alone."""
+    """The path of a request file per line of stdin, the answer to each a line of stdout, until stdin closes: one
+    process, so one import of vLLM (most of a minute on a busy 2-core machine), for every request. The first request
+    sets the process up (:func:`set_up`); a later one that asks for another set-up is refused. Anything else this
+    process prints goes to stderr: stdout carries the answers alone."""
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     set_up_by: dict | None = None
@@ -488,4 +480,4 @@ def serve() -> None:
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn: the guard keeps a child from re-running the driver
-    serve() if sys.argv[1] == "--serve" else main(sys.argv[1])
+    serve()
