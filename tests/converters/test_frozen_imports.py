@@ -53,9 +53,7 @@ def test_the_clis_and_a_ranks_model_stack_is_imported_frozen(importing: str) -> 
     script = (f"import gc, json, sys\n{importing}\n"
               "print(json.dumps([gc.isenabled(), gc.get_freeze_count(), len(gc.get_objects()),"
               " 'transformers.modeling_utils' in sys.modules, 'converters.pipeline.driver' in sys.modules]))")
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    collecting, frozen, tracked, model_code, pipeline = json.loads(done.stdout.splitlines()[-1])
+    collecting, frozen, tracked, model_code, pipeline = _last_json_line(script)
     assert collecting and model_code and pipeline
     assert frozen > 10 * tracked, (frozen, tracked)  # the command's collections walk a tenth of what it imported
 
@@ -70,10 +68,16 @@ def test_analyze_imports_the_model_code_frozen_and_never_torchao(tmp_path: Path)
               "print(json.dumps([code, 'q_proj' in out.getvalue(), gc.isenabled(), gc.get_freeze_count(),"
               " len(gc.get_objects()), 'transformers.modeling_utils' in sys.modules,"
               " sorted(name for name, module in sys.modules.items() if name.split('.')[0] == 'torchao' and module)]))")
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    code, analysed, collecting, frozen, tracked, model_code, torchao = json.loads(done.stdout.splitlines()[-1])
+    code, analysed, collecting, frozen, tracked, model_code, torchao = _last_json_line(
+        script, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
     assert code == 0 and analysed and collecting and model_code
     assert torchao == []
     assert frozen > 10 * tracked, (frozen, tracked)
+
+
+def _last_json_line(script: str, env: dict[str, str] | None = None) -> list:
+    """What ``script``, run by a fresh interpreter of this venv at the repository root, printed last (JSON)."""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
