@@ -181,9 +181,10 @@ class _Driver:
         self.log = log
         self.process: subprocess.Popen | None = None
 
-    def ask(self, request: Path, log: Path, timeout: float) -> str:
+    def ask(self, request: Path, log: Path, timeout: float | None) -> str:
         """The answer to the request file ``request``; what the process wrote to stderr meanwhile is copied to
-        ``log``. A process that ends or overruns ``timeout`` raises (and is gone: the next ask starts another)."""
+        ``log``. A process that ends or overruns ``timeout`` (None: no limit) raises (and is gone: the next ask starts
+        another)."""
         if self.process is None or self.process.poll() is not None:
             with self.log.open("ab") as stderr:
                 self.process = subprocess.Popen([str(VLLM_PYTHON), str(DRIVER)], stdin=subprocess.PIPE,
